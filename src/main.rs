@@ -1,1 +1,215 @@
-fn main() {}
+//! `gatehouse`: the daemon and its operator commands.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use gatehouse::config::Config;
+use gatehouse::Gateway;
+use serde_json::{json, Value};
+
+const USAGE: &str = "usage: gatehouse <command> [--home DIR] [options]
+
+commands:
+  serve [--log-format human|json]     run the daemon in the foreground
+  status [--json]                     identify the running daemon and count admissions
+  sessions [--json]                   list sessions
+  pending [--json]                    list unknown admissions waiting for an operator
+  resolve-unknown SESSION ADMISSION   settle an unknown admission as interrupted
+
+The home is --home, else $GATEHOUSE_HOME, else $XDG_STATE_HOME/gatehouse (~/.local/state/gatehouse).";
+
+struct Args {
+    command: String,
+    home: PathBuf,
+    json: bool,
+    log_json: bool,
+    rest: Vec<String>,
+}
+
+fn default_home() -> PathBuf {
+    if let Ok(h) = std::env::var("GATEHOUSE_HOME") {
+        if !h.is_empty() {
+            return PathBuf::from(h);
+        }
+    }
+    if let Ok(x) = std::env::var("XDG_STATE_HOME") {
+        if !x.is_empty() {
+            return PathBuf::from(x).join("gatehouse");
+        }
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    PathBuf::from(home).join(".local/state/gatehouse")
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let command = it.next().ok_or_else(|| USAGE.to_string())?;
+    let mut args = Args { command, home: default_home(), json: false, log_json: false, rest: Vec::new() };
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--home" => args.home = PathBuf::from(it.next().ok_or("--home needs a directory")?),
+            "--json" => args.json = true,
+            "--log-format" => match it.next().as_deref() {
+                Some("json") => args.log_json = true,
+                Some("human") => args.log_json = false,
+                _ => return Err("--log-format takes human or json".into()),
+            },
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            other if other.starts_with("--") => return Err(format!("unknown option {other}\n\n{USAGE}")),
+            other => args.rest.push(other.to_string()),
+        }
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(2);
+        }
+    };
+    match args.command.as_str() {
+        "serve" => serve(args),
+        "status" | "sessions" | "pending" | "resolve-unknown" => operator(args),
+        "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        other => {
+            eprintln!("unknown command {other}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn serve(args: Args) -> ExitCode {
+    gatehouse::telemetry::init_logging(args.log_json);
+    let config = match Config::load(&args.home) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gatehouse: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let system = actix_rt::System::new();
+    let result: Result<(), String> = system.block_on(async move {
+        let gateway = Gateway::start(args.home.clone(), config).await.map_err(|e| e.to_string())?;
+        if let Some(every) = gatehouse::notify::watchdog_interval() {
+            actix_rt::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    gatehouse::notify::watchdog();
+                }
+            });
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+            .map_err(|e| format!("cannot watch SIGINT: {e}"))?;
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+            _ = int.recv() => tracing::info!("SIGINT: stopping"),
+        }
+        gateway.stop().await;
+        Ok(())
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gatehouse: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn control_call(home: &std::path::Path, method: &str, params: Value) -> Result<Value, String> {
+    let path = home.join("gateway.sock");
+    let mut stream = UnixStream::connect(&path)
+        .map_err(|e| format!("no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`", path.display()))?;
+    let line = json!({"method": method, "params": params}).to_string() + "\n";
+    stream.write_all(line.as_bytes()).map_err(|e| e.to_string())?;
+    let mut reply = String::new();
+    BufReader::new(stream).read_line(&mut reply).map_err(|e| e.to_string())?;
+    serde_json::from_str(&reply).map_err(|e| format!("bad reply from the daemon: {e}"))
+}
+
+fn operator(args: Args) -> ExitCode {
+    let (method, params) = match args.command.as_str() {
+        "resolve-unknown" => {
+            let [session, admission] = args.rest.as_slice() else {
+                eprintln!("usage: gatehouse resolve-unknown SESSION ADMISSION");
+                return ExitCode::from(2);
+            };
+            ("resolve-unknown", json!({"session_id": session, "admission_id": admission}))
+        }
+        other => (other, json!({})),
+    };
+    let reply = match control_call(&args.home, method, params) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gatehouse: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if let Some(err) = reply.get("error") {
+        eprintln!("gatehouse: {}: {}", err["code"].as_str().unwrap_or("error"), err["message"].as_str().unwrap_or(""));
+        return ExitCode::from(1);
+    }
+    if args.json {
+        println!("{reply}");
+        return ExitCode::SUCCESS;
+    }
+    match method {
+        "status" => {
+            println!("state      {}", reply["state"].as_str().unwrap_or("?"));
+            println!("pid        {}", reply["pid"]);
+            println!("epoch      {}", reply["authority_epoch"]);
+            println!("instance   {}", reply["instance_id"].as_str().unwrap_or("?"));
+            println!("api        {}", reply["api_origin"].as_str().unwrap_or("?"));
+            if let Some(a) = reply["admissions"].as_object() {
+                for (k, v) in a {
+                    println!("admissions {k:<9} {v}");
+                }
+            }
+        }
+        "sessions" => {
+            println!("{:<40} {:<20} {:<6} GENERATION", "SESSION", "MODEL", "SOURCE");
+            for s in reply["sessions"].as_array().cloned().unwrap_or_default() {
+                println!(
+                    "{:<40} {:<20} {:<6} {}",
+                    s["session_id"].as_str().unwrap_or(""),
+                    s["model"].as_str().unwrap_or(""),
+                    s["source"].as_str().unwrap_or(""),
+                    s["execution_generation"]
+                );
+            }
+        }
+        "pending" => {
+            println!("{:<40} {:<34} {:<10} TEXT", "SESSION", "ADMISSION", "GENERATION");
+            for r in reply["unknown"].as_array().cloned().unwrap_or_default() {
+                let text: String = r["text"].as_str().unwrap_or("").chars().take(40).collect();
+                println!(
+                    "{:<40} {:<34} {:<10} {}",
+                    r["session_id"].as_str().unwrap_or(""),
+                    r["admission_id"].as_str().unwrap_or(""),
+                    r["execution_generation"],
+                    text
+                );
+            }
+        }
+        _ => {
+            println!(
+                "{} {} {}",
+                reply["admission_id"].as_str().unwrap_or(""),
+                reply["status"].as_str().unwrap_or(""),
+                reply["outcome"].as_str().unwrap_or("")
+            );
+        }
+    }
+    ExitCode::SUCCESS
+}

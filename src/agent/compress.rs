@@ -1,0 +1,216 @@
+//! Context compression: which messages are kept verbatim (a protected head and tail, never
+//! splitting a tool call from its results), how the middle is put to the summary model, and how
+//! the compacted transcript is assembled.
+
+use serde_json::{json, Value};
+
+use crate::store::messages::NewMessage;
+
+pub const SUMMARY_PREFIX: &str = "[CONTEXT COMPACTION] Earlier turns of this conversation were compacted into the \
+summary below. Treat it as background reference only; respond to the latest user message.";
+
+/// The three parts of a transcript to compact.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub head: Vec<NewMessage>,
+    pub middle: Vec<NewMessage>,
+    pub tail: Vec<NewMessage>,
+}
+
+fn rough(m: &NewMessage) -> usize {
+    m.content.as_deref().map_or(0, str::len) / 4 + m.tool_calls.as_deref().map_or(0, str::len) / 4 + 10
+}
+
+/// Split `t` into head / middle / tail, or `None` when there is nothing worth compacting.
+pub fn plan(t: &[NewMessage], first_n: usize, last_n: usize, tail_budget_tokens: usize) -> Option<Plan> {
+    let n = t.len();
+    if n <= first_n + last_n + 1 {
+        return None;
+    }
+    let mut start = first_n;
+    while start < n && t[start].role == "tool" {
+        start += 1;
+    }
+    // Walk back from the end within the budget, keeping at least `last_n` messages.
+    let mut kept = 0usize;
+    let mut used = 0usize;
+    let mut end = n;
+    while end > 0 {
+        let cost = rough(&t[end - 1]);
+        if kept >= last_n && used + cost > tail_budget_tokens {
+            break;
+        }
+        used += cost;
+        kept += 1;
+        end -= 1;
+    }
+    end = end.min(n.saturating_sub(last_n));
+    if end <= start {
+        end = n.saturating_sub(last_n);
+    }
+    // Never split an assistant's tool calls from their results: move the cut back to the call.
+    while end > start && end < n && t[end].role == "tool" {
+        end -= 1;
+    }
+    if end <= start {
+        return None;
+    }
+    Some(Plan { head: t[..start].to_vec(), middle: t[start..end].to_vec(), tail: t[end..].to_vec() })
+}
+
+fn clip(text: &str) -> String {
+    if text.chars().count() <= 3000 {
+        return text.to_string();
+    }
+    let head: String = text.chars().take(2000).collect();
+    let tail: String = text.chars().rev().take(800).collect::<Vec<_>>().into_iter().rev().collect();
+    format!("{head}...[truncated]...{tail}")
+}
+
+/// The body of the summary request (non-streaming) for `middle`.
+pub fn summary_request(model: &str, middle: &[NewMessage], previous_summary: Option<&str>) -> Value {
+    let mut turns = String::new();
+    for m in middle {
+        let content = clip(m.content.as_deref().unwrap_or(""));
+        match m.role.as_str() {
+            "user" => turns.push_str(&format!("[USER]: {content}\n\n")),
+            "assistant" => {
+                turns.push_str(&format!("[ASSISTANT]: {content}\n"));
+                if let Some(calls) = m.tool_calls.as_deref() {
+                    let calls: Vec<Value> = serde_json::from_str(calls).unwrap_or_default();
+                    let list: Vec<String> = calls
+                        .iter()
+                        .map(|c| {
+                            let name = c.pointer("/function/name").and_then(|v| v.as_str()).unwrap_or("?");
+                            let args = c.pointer("/function/arguments").and_then(|v| v.as_str()).unwrap_or("");
+                            let args: String = args.chars().take(400).collect();
+                            format!("{name}({args})")
+                        })
+                        .collect();
+                    if !list.is_empty() {
+                        turns.push_str(&format!("[Tool calls: {}]\n", list.join(", ")));
+                    }
+                }
+                turns.push('\n');
+            }
+            "tool" => turns.push_str(&format!(
+                "[TOOL RESULT {}]: {content}\n\n",
+                m.tool_call_id.as_deref().unwrap_or("")
+            )),
+            _ => {}
+        }
+    }
+    let previous = previous_summary
+        .map(|p| format!("An earlier summary exists; update it with the new turns rather than starting over:\n{p}\n\n"))
+        .unwrap_or_default();
+    let prompt = format!(
+        "Summarise the conversation turns below so that work can continue without them. Use these headings: \
+         Goal, Constraints, Progress (Done / In Progress / Blocked), Key Decisions, Relevant Files, Next Steps, \
+         Critical Context. Be specific and keep every fact needed to continue.\n\n{previous}TURNS:\n\n{turns}"
+    );
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0.3,
+    })
+}
+
+/// Head, then the summary (as its own message, or merged into the first tail message when its role
+/// would clash on both sides), then the tail.
+pub fn assemble(plan: &Plan, summary: &str) -> Vec<NewMessage> {
+    let text = format!("{SUMMARY_PREFIX}\n\n{}", summary.trim());
+    let last_head = plan.head.last().map(|m| m.role.as_str());
+    let first_tail = plan.tail.first().map(|m| m.role.as_str());
+    let mut role = if matches!(last_head, Some("assistant") | Some("tool")) { "user" } else { "assistant" };
+    let mut merge = false;
+    if Some(role) == first_tail {
+        role = if role == "user" { "assistant" } else { "user" };
+        if Some(role) == last_head {
+            merge = true;
+        }
+    }
+    let mut out = plan.head.clone();
+    let mut tail = plan.tail.clone();
+    if merge {
+        if let Some(first) = tail.first_mut() {
+            let original = first.content.clone().unwrap_or_default();
+            first.content = Some(format!("{text}\n\n{original}"));
+        }
+    } else {
+        out.push(NewMessage {
+            role: role.into(),
+            content: Some(text),
+            display_kind: Some("compaction_summary".into()),
+            ..Default::default()
+        });
+    }
+    out.extend(tail);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(role: &str, content: &str) -> NewMessage {
+        NewMessage::text(role, content)
+    }
+
+    fn call(id: &str) -> NewMessage {
+        NewMessage {
+            role: "assistant".into(),
+            tool_calls: Some(format!(r#"[{{"id":"{id}","type":"function","function":{{"name":"terminal","arguments":"{{}}"}}}}]"#)),
+            ..Default::default()
+        }
+    }
+
+    fn result(id: &str) -> NewMessage {
+        NewMessage { role: "tool".into(), content: Some("out".into()), tool_call_id: Some(id.into()), ..Default::default() }
+    }
+
+    #[test]
+    fn too_short_is_left_alone() {
+        let t = vec![m("user", "a"), m("assistant", "b"), m("user", "c")];
+        assert!(plan(&t, 1, 2, 100).is_none());
+    }
+
+    #[test]
+    fn head_and_tail_are_protected_and_the_summary_merges_when_roles_clash() {
+        let t = vec![m("user", "P0"), m("assistant", "A0"), m("user", "P1"), m("assistant", "A1"), m("user", "P2")];
+        let p = plan(&t, 1, 2, 1).expect("plan");
+        assert_eq!(p.head, vec![m("user", "P0")]);
+        assert_eq!(p.tail, vec![m("assistant", "A1"), m("user", "P2")]);
+        assert_eq!(p.middle.len(), 2);
+        let out = assemble(&p, "FACTS");
+        assert_eq!(out.len(), 3);
+        assert!(out[1].content.as_deref().is_some_and(|c| c.contains("FACTS") && c.ends_with("A1")));
+    }
+
+    #[test]
+    fn a_tool_pair_at_the_boundary_is_never_split() {
+        // The tail would start at the tool result; the cut moves back to its call.
+        let t = vec![m("user", "P0"), m("assistant", "A0"), m("user", "P1"), call("x"), result("x"), m("user", "P2")];
+        let p = plan(&t, 1, 2, 1).expect("plan");
+        assert_eq!(p.tail.first().map(|m| m.role.as_str()), Some("assistant"));
+        assert!(p.tail.first().is_some_and(|m| m.tool_calls.is_some()));
+        assert!(p.middle.iter().all(|m| m.role != "tool"));
+        let out = assemble(&p, "S");
+        assert!(out.iter().any(|m| m.content.as_deref().is_some_and(|c| c.contains("S"))));
+    }
+
+    #[test]
+    fn head_never_starts_the_middle_with_a_tool_result() {
+        let t = vec![call("x"), result("x"), m("user", "P1"), m("assistant", "A1"), m("user", "P2"), m("assistant", "A2"), m("user", "P3")];
+        let p = plan(&t, 1, 2, 1).expect("plan");
+        assert_eq!(p.head.len(), 2, "the call's result stays with its call in the head");
+        assert_ne!(p.middle.first().map(|m| m.role.as_str()), Some("tool"));
+    }
+
+    #[test]
+    fn the_summary_request_carries_the_middle() {
+        let body = summary_request("summary", &[m("user", "hello"), call("q")], None);
+        assert_eq!(body["model"], "summary");
+        let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+        assert!(text.contains("[USER]: hello") && text.contains("terminal("));
+    }
+}

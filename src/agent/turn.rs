@@ -1,0 +1,723 @@
+//! One attempt (`Turn`): model → tool calls → model … until the model stops, persisting messages
+//! as it goes (a crash loses at most the step in flight). Prompts park the turn inside the tool
+//! call; an interrupt (flag first, then prompts) ends it without running anything further.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Addr;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{compress, tokens, transcript};
+use crate::config::ApprovalMode;
+use crate::error::StoreError;
+use crate::model::{ChatCall, ChatResponse, ModelError, StreamEvent};
+use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
+use crate::session::shared::Shared;
+use crate::session::supervisor::{Emit, RegisterPrompt, RetirePrompt, SessionSupervisor};
+use crate::store::messages::{self, NewMessage};
+use crate::store::sessions::{self, Compaction, SessionRow};
+use crate::store::prompts as prompt_store;
+use crate::tools::{self, danger, CommandSpec, RunCommand};
+
+/// How an attempt ended.
+#[derive(Debug, Clone)]
+pub enum TurnOutcome {
+    /// The model gave a final answer (written with the settlement).
+    Completed { final_message: NewMessage },
+    /// Interrupted by a decision (stop, interrupt): settles `interrupted`.
+    Interrupted { reason: String },
+    /// Failed with an error visible in the transcript and the receipt.
+    Failed { error: String, reason: &'static str },
+    /// The attempt lost its fence (another process owns the ledger): nothing more is written.
+    Stale,
+}
+
+/// Everything one attempt needs.
+pub struct TurnCtx {
+    pub shared: Arc<Shared>,
+    pub root_id: String,
+    pub admission_id: String,
+    pub generation: i64,
+    pub text: String,
+    pub cancel: watch::Receiver<bool>,
+    pub sup: Addr<SessionSupervisor>,
+}
+
+enum Stop {
+    Outcome(TurnOutcome),
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::StaleEpoch | StoreError::StaleGeneration(_) => Stop::Outcome(TurnOutcome::Stale),
+            other => Stop::Outcome(TurnOutcome::Failed { error: other.to_string(), reason: "storage_unavailable" }),
+        }
+    }
+}
+
+/// Run one attempt to its outcome.
+pub async fn run_turn(ctx: TurnCtx) -> TurnOutcome {
+    let mut turn = match Turn::load(ctx).await {
+        Ok(t) => t,
+        Err(Stop::Outcome(o)) => return o,
+    };
+    match turn.run().await {
+        Ok(o) | Err(Stop::Outcome(o)) => o,
+    }
+}
+
+struct Turn {
+    ctx: TurnCtx,
+    root: SessionRow,
+    tip: String,
+    system: String,
+    transcript: Vec<NewMessage>,
+    tools: Vec<String>,
+    compressions: u32,
+}
+
+impl Turn {
+    async fn load(ctx: TurnCtx) -> Result<Turn, Stop> {
+        let root_id = ctx.root_id.clone();
+        let (root, tip_row, rows) = ctx
+            .shared
+            .db
+            .read(move |c| {
+                let root = sessions::root_of(c, &root_id)?;
+                let tip = sessions::find(c, &root.tip_session_id)?
+                    .ok_or_else(|| StoreError::NotFound(root.tip_session_id.clone()))?;
+                let rows = messages::live(c, &tip.id)?;
+                Ok((root, tip, rows))
+            })
+            .await?;
+        let tools = enabled_tools(&ctx.shared, &root);
+        let system = match tip_row.system_prompt.clone() {
+            Some(s) => s,
+            None => {
+                let s = build_system_prompt(&ctx.shared, &root);
+                let (id, text) = (tip_row.id.clone(), s.clone());
+                ctx.shared.db.write(move |c| sessions::set_system_prompt(c, &id, &text)).await?;
+                s
+            }
+        };
+        let mut transcript: Vec<NewMessage> = rows.iter().map(NewMessage::from_row).collect();
+        let user = NewMessage {
+            role: "user".into(),
+            content: Some(ctx.text.clone()),
+            admission_id: Some(ctx.admission_id.clone()),
+            ..Default::default()
+        };
+        let mut turn = Turn { tip: tip_row.id.clone(), root, system, transcript: Vec::new(), tools, ctx, compressions: 0 };
+        turn.persist(vec![user.clone()]).await?;
+        transcript.push(user);
+        turn.transcript = transcript;
+        Ok(turn)
+    }
+
+    fn cancelled(&self) -> bool {
+        *self.ctx.cancel.borrow()
+    }
+
+    async fn persist(&mut self, rows: Vec<NewMessage>) -> Result<(), Stop> {
+        let (epoch, root, generation, now) =
+            (self.ctx.shared.epoch, self.ctx.root_id.clone(), self.ctx.generation, self.ctx.shared.now());
+        let tip = self
+            .ctx
+            .shared
+            .db
+            .write(move |c| messages::append_for_attempt(c, epoch, &root, generation, &rows, now))
+            .await?;
+        self.tip = tip;
+        Ok(())
+    }
+
+    fn emit(&self, kind: &'static str, payload: Value) {
+        self.ctx.sup.do_send(Emit { kind, payload });
+    }
+
+    fn tool_schemas(&self) -> Option<Value> {
+        let list: Vec<Value> = self.tools.iter().filter_map(|t| tools::schema(t)).collect();
+        if list.is_empty() {
+            None
+        } else {
+            Some(Value::Array(list))
+        }
+    }
+
+    fn threshold(&self) -> u64 {
+        let c = &self.ctx.shared.config;
+        let limit = tokens::context_limit(
+            if self.root.model == c.default_endpoint().model { c.model.context_length } else { None }
+                .or(c.model.context_length),
+            &self.ctx.shared.home,
+            &self.root.provider,
+            &self.root.model,
+        );
+        tokens::threshold(limit, c.compression.threshold, c.compression.threshold_tokens)
+    }
+
+    async fn run(&mut self) -> Result<TurnOutcome, Stop> {
+        let shared = self.ctx.shared.clone();
+        let cfg = &shared.config;
+        let max_iterations = cfg.agent.max_iterations;
+        let max_compressions = cfg.compression.max_attempts;
+        let threshold = self.threshold();
+        let mut iterations = 0u32;
+        loop {
+            if self.cancelled() {
+                return Ok(interrupted());
+            }
+            let tools = if iterations >= max_iterations { None } else { self.tool_schemas() };
+            let mut wire = transcript::wire_messages(Some(&self.system), &self.transcript);
+            if iterations >= max_iterations {
+                wire.push(json!({"role": "user", "content": "You have reached the maximum number of tool-calling \
+                    iterations for this turn. Give your final response now, without calling any more tools."}));
+            }
+            // Preflight: compress before a request that would pass the threshold.
+            if cfg.compression.enabled
+                && self.compressions < max_compressions
+                && tokens::estimate_request(&wire, tools.as_ref()) >= threshold
+                && self.transcript.len() > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
+            {
+                self.compressions += 1;
+                match self.compact(threshold).await {
+                    Ok(()) => continue,
+                    Err(CompactError::Stop(s)) => return Err(s),
+                    Err(CompactError::Failed(e)) => {
+                        tracing::warn!(error = %e, "preflight compression failed; sending as is");
+                    }
+                }
+            }
+            let response = match self.call_model(wire, tools).await {
+                Ok(r) => r,
+                Err(ModelError::Interrupted) => return Ok(interrupted()),
+                Err(ModelError::ContextOverflow(detail)) => {
+                    self.ctx.shared.metrics.model_error("context_overflow");
+                    if self.compressions >= max_compressions {
+                        return Ok(TurnOutcome::Failed {
+                            error: format!("context_overflow: the conversation does not fit the model after {} compressions", self.compressions),
+                            reason: "context_overflow",
+                        });
+                    }
+                    self.compressions += 1;
+                    match self.compact(threshold).await {
+                        Ok(()) => continue,
+                        Err(CompactError::Stop(s)) => return Err(s),
+                        Err(CompactError::Failed(e)) => {
+                            return Ok(TurnOutcome::Failed {
+                                error: format!("context_overflow: {detail}; compression failed: {e}"),
+                                reason: "context_overflow",
+                            })
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.ctx.shared.metrics.model_error(e.class());
+                    return Ok(TurnOutcome::Failed { error: format!("model request failed: {e}"), reason: "model_error" });
+                }
+            };
+            if let Some(u) = response.usage {
+                let (db, root) = (self.ctx.shared.db.clone(), self.ctx.root_id.clone());
+                actix::spawn(async move {
+                    let _ = db.write(move |c| sessions::add_usage(c, &root, u.prompt_tokens, u.completion_tokens)).await;
+                });
+            }
+            if response.tool_calls.is_empty() || iterations >= max_iterations {
+                let content = strip_think(response.content.as_deref().unwrap_or(""));
+                return Ok(TurnOutcome::Completed {
+                    final_message: NewMessage {
+                        role: "assistant".into(),
+                        content: Some(content),
+                        finish_reason: Some(response.finish_reason.clone()),
+                        admission_id: Some(self.ctx.admission_id.clone()),
+                        ..Default::default()
+                    },
+                });
+            }
+            iterations += 1;
+            if let Some(outcome) = self.run_tools(response).await? {
+                return Ok(outcome);
+            }
+        }
+    }
+
+    async fn call_model(&self, wire: Vec<Value>, tools: Option<Value>) -> Result<ChatResponse, ModelError> {
+        let cfg = &self.ctx.shared.config;
+        let mut body = json!({"model": self.root.model, "messages": wire});
+        if let Some(t) = tools {
+            body["tools"] = t;
+        }
+        if let Some(m) = cfg.model.max_tokens {
+            body["max_tokens"] = json!(m);
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel::<StreamEvent>();
+        let sup = self.ctx.sup.clone();
+        let admission = self.ctx.admission_id.clone();
+        actix::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                let payload = match ev {
+                    StreamEvent::Content(text) => json!({"admission_id": admission, "text": text}),
+                    StreamEvent::ToolName(name) => json!({"admission_id": admission, "tool": name}),
+                };
+                sup.do_send(Emit { kind: "message.delta", payload });
+            }
+        });
+        let call = ChatCall {
+            provider: self.root.provider.clone(),
+            base_url: self.root.base_url.clone(),
+            api_key: cfg.api_key(),
+            body,
+            stream: cfg.model.stream,
+            deltas: Some(tx),
+            cancel: self.ctx.cancel.clone(),
+            timeout: Duration::from_secs_f64(cfg.model.timeout_seconds),
+        };
+        self.ctx.shared.model.send(call).await.map_err(|_| ModelError::Unavailable)?
+    }
+
+    /// Persist the assistant's calls, run them in order, persist each result.
+    async fn run_tools(&mut self, response: ChatResponse) -> Result<Option<TurnOutcome>, Stop> {
+        let calls = response.tool_calls.clone();
+        let assistant = NewMessage {
+            role: "assistant".into(),
+            content: response.content.clone(),
+            tool_calls: Some(serde_json::to_string(&calls).unwrap_or_else(|_| "[]".into())),
+            finish_reason: Some(response.finish_reason.clone()),
+            admission_id: Some(self.ctx.admission_id.clone()),
+            ..Default::default()
+        };
+        self.persist(vec![assistant.clone()]).await?;
+        self.transcript.push(assistant);
+        for call in calls {
+            if self.cancelled() {
+                return Ok(Some(interrupted()));
+            }
+            self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": call.function.arguments}));
+            let result = match self.execute(&call.function.name, &call.function.arguments).await {
+                ToolResult::Output(text) => text,
+                ToolResult::Interrupted => return Ok(Some(interrupted())),
+            };
+            self.emit("tool.complete", json!({"tool_call_id": call.id, "name": call.function.name, "result": truncate(&result, 2000)}));
+            let msg = NewMessage {
+                role: "tool".into(),
+                content: Some(result),
+                tool_call_id: Some(call.id.clone()),
+                tool_name: Some(call.function.name.clone()),
+                admission_id: Some(self.ctx.admission_id.clone()),
+                ..Default::default()
+            };
+            self.persist(vec![msg.clone()]).await?;
+            self.transcript.push(msg);
+        }
+        Ok(None)
+    }
+
+    async fn execute(&mut self, name: &str, arguments: &str) -> ToolResult {
+        let args: Value = if arguments.trim().is_empty() {
+            json!({})
+        } else {
+            match serde_json::from_str(arguments) {
+                Ok(v) => v,
+                Err(e) => return ToolResult::Output(format!("Error executing tool '{name}': arguments are not valid JSON: {e}")),
+            }
+        };
+        if !self.tools.iter().any(|t| t == name) {
+            return ToolResult::Output(format!(
+                "Tool '{name}' does not exist. Available tools: {}",
+                self.tools.join(", ")
+            ));
+        }
+        match name {
+            "terminal" => self.terminal(&args).await,
+            "clarify" => self.clarify(&args).await,
+            other => ToolResult::Output(format!("Tool '{other}' is not available")),
+        }
+    }
+
+    async fn terminal(&mut self, args: &Value) -> ToolResult {
+        let Some(command) = args.get("command").and_then(|c| c.as_str()).map(str::to_string) else {
+            return ToolResult::Output(blocked("the `command` argument is required"));
+        };
+        let shared = self.ctx.shared.clone();
+        let cfg = &shared.config;
+        if let Some(m) = danger::is_hardline(&command) {
+            return ToolResult::Output(blocked(&format!(
+                "BLOCKED: this command is never allowed ({}). Do NOT retry it.",
+                m.description
+            )));
+        }
+        if let Some(m) = danger::detect(&command) {
+            match cfg.approvals.mode {
+                ApprovalMode::Off => {}
+                ApprovalMode::Deny => {
+                    return ToolResult::Output(blocked(&format!(
+                        "BLOCKED: dangerous commands are denied by policy ({}). Do NOT retry.",
+                        m.description
+                    )))
+                }
+                ApprovalMode::Manual => {
+                    let (root, key) = (self.ctx.root_id.clone(), m.key.to_string());
+                    let approved =
+                        self.ctx.shared.db.read(move |c| prompt_store::is_approved(c, &root, &key)).await.unwrap_or(false);
+                    if !approved {
+                        let choices = vec!["once".to_string(), "session".into(), "always".into(), "deny".into()];
+                        let payload = json!({
+                            "command": command,
+                            "description": m.description,
+                            "pattern_key": m.key,
+                        });
+                        let timeout = cfg.approvals.timeout;
+                        match self.ask(PromptKind::Approval, payload, choices, timeout).await {
+                            Asked::Cancelled => return ToolResult::Interrupted,
+                            Asked::TimedOut => {
+                                return ToolResult::Output(blocked(
+                                    "BLOCKED: the approval request timed out without a user response. Silence is not \
+                                     consent: the command did not run. Do NOT retry it.",
+                                ))
+                            }
+                            Asked::Answered(PromptAnswer::Choice(c)) if c == "deny" => {
+                                return ToolResult::Output(blocked(
+                                    "BLOCKED: Command denied by user. The user has NOT consented to this command. \
+                                     Do NOT retry it.",
+                                ))
+                            }
+                            Asked::Answered(PromptAnswer::Choice(c)) if c == "session" || c == "always" => {
+                                let (root, key, now) = (self.ctx.root_id.clone(), m.key.to_string(), self.ctx.shared.now());
+                                let always = c == "always";
+                                let _ = self
+                                    .ctx
+                                    .shared
+                                    .db
+                                    .write(move |conn| prompt_store::remember(conn, &root, &key, always, "user", now))
+                                    .await;
+                            }
+                            Asked::Answered(_) => {}
+                        }
+                    }
+                }
+            }
+        }
+        if self.cancelled() {
+            return ToolResult::Interrupted;
+        }
+        let cwd = args
+            .get("workdir")
+            .and_then(|w| w.as_str())
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .unwrap_or_else(|| self.session_cwd());
+        let timeout = args
+            .get("timeout")
+            .and_then(|t| t.as_f64())
+            .filter(|t| *t > 0.0)
+            .unwrap_or(cfg.terminal.timeout)
+            .min(cfg.terminal.timeout.max(1.0) * 10.0);
+        let mut spec = CommandSpec::new(command, cwd);
+        spec.timeout = Duration::from_secs_f64(timeout);
+        spec.output_cap = cfg.terminal.output_cap;
+        spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
+        spec.env_remove = vec!["ANTHROPIC_API_KEY".into(), "NOTIFY_SOCKET".into()];
+        let outcome = self.ctx.shared.terminal.send(RunCommand { spec, cancel: self.ctx.cancel.clone() }).await;
+        match outcome {
+            Ok(Ok(o)) if o.interrupted => ToolResult::Interrupted,
+            Ok(Ok(o)) => ToolResult::Output(o.to_tool_json(timeout.ceil() as u64)),
+            Ok(Err(e)) => ToolResult::Output(json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string()),
+            Err(_) => ToolResult::Output(json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"}).to_string()),
+        }
+    }
+
+    fn session_cwd(&self) -> PathBuf {
+        let p = PathBuf::from(&self.root.cwd);
+        if p.is_dir() {
+            return p;
+        }
+        self.ctx.shared.config.terminal.cwd.clone().unwrap_or_else(|| self.ctx.shared.home.clone())
+    }
+
+    async fn clarify(&mut self, args: &Value) -> ToolResult {
+        let mut questions: Vec<(String, Vec<String>)> = Vec::new();
+        let flatten_choices = |v: Option<&Value>| -> Vec<String> {
+            v.and_then(|c| c.as_array())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|c| match c {
+                            Value::String(s) => Some(s.clone()),
+                            Value::Object(o) => ["label", "text", "title", "description"]
+                                .iter()
+                                .find_map(|k| o.get(*k).and_then(|v| v.as_str()).map(str::to_string)),
+                            _ => None,
+                        })
+                        .filter(|s| !s.trim().is_empty())
+                        .take(4)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let batch = args.get("questions").and_then(|q| q.as_array()).is_some();
+        if let Some(list) = args.get("questions").and_then(|q| q.as_array()) {
+            for q in list.iter().take(5) {
+                if let Some(text) = q.get("question").and_then(|t| t.as_str()) {
+                    questions.push((text.to_string(), flatten_choices(q.get("choices"))));
+                }
+            }
+        } else if let Some(text) = args.get("question").and_then(|t| t.as_str()) {
+            questions.push((text.to_string(), flatten_choices(args.get("choices"))));
+        }
+        if questions.is_empty() {
+            return ToolResult::Output(json!({"error": "clarify needs a `question` or a list of `questions`"}).to_string());
+        }
+        let payload = json!({
+            "question": questions[0].0,
+            "choices": questions[0].1,
+            "questions": questions.iter().enumerate().map(|(i, (q, c))| json!({"id": format!("q{i}"), "question": q, "choices": c})).collect::<Vec<_>>(),
+            "multi_select": false,
+        });
+        let timeout = self.ctx.shared.config.agent.clarify_timeout;
+        let (answers, timed_out): (Vec<String>, bool) = match self.ask(PromptKind::Clarify, payload, Vec::new(), timeout).await {
+            Asked::Cancelled => return ToolResult::Interrupted,
+            Asked::TimedOut => (Vec::new(), true),
+            Asked::Answered(PromptAnswer::Text(t)) | Asked::Answered(PromptAnswer::Choice(t)) => {
+                // Several questions may be answered at once with a JSON list of strings.
+                let many: Option<Vec<String>> = if questions.len() > 1 { serde_json::from_str(&t).ok() } else { None };
+                (many.unwrap_or_else(|| vec![t]), false)
+            }
+        };
+        if !batch {
+            let (q, c) = &questions[0];
+            let response = if timed_out {
+                "The user did not provide a response within the time limit. Use your best judgement to make the \
+                 choice and proceed."
+                    .to_string()
+            } else {
+                answers.first().cloned().unwrap_or_default()
+            };
+            return ToolResult::Output(
+                json!({"question": q, "choices_offered": c, "user_response": response}).to_string(),
+            );
+        }
+        let responses: Vec<Value> = questions
+            .iter()
+            .enumerate()
+            .map(|(i, (q, c))| {
+                json!({"id": format!("q{i}"), "question": q, "choices_offered": c,
+                       "user_response": answers.get(i).cloned().unwrap_or_default()})
+            })
+            .collect();
+        let mut out = json!({"responses": responses});
+        if timed_out {
+            out["timed_out"] = json!(true);
+        }
+        ToolResult::Output(out.to_string())
+    }
+
+    /// Park on a prompt until it is answered, times out (`timeout ≤ 0`: never) or the turn is
+    /// interrupted.
+    async fn ask(&mut self, kind: PromptKind, mut payload: Value, choices: Vec<String>, timeout: f64) -> Asked {
+        let prompt_id = uuid::Uuid::new_v4().simple().to_string();
+        payload["kind"] = json!(kind.as_str());
+        payload["prompt_id"] = json!(prompt_id);
+        payload["execution_generation"] = json!(self.ctx.generation);
+        payload["admission_id"] = json!(self.ctx.admission_id);
+        if kind == PromptKind::Approval {
+            payload["choices"] = json!(choices);
+        }
+        let (tx, rx) = oneshot::channel();
+        let open = OpenPrompt {
+            prompt_id: prompt_id.clone(),
+            kind,
+            generation: self.ctx.generation,
+            admission_id: self.ctx.admission_id.clone(),
+            payload,
+            choices,
+            responder: tx,
+        };
+        match self.ctx.sup.send(RegisterPrompt(open)).await {
+            Ok(Ok(())) => {}
+            _ => return Asked::Cancelled,
+        }
+        let mut cancel = self.ctx.cancel.clone();
+        let wait = async {
+            if timeout > 0.0 {
+                tokio::time::sleep(Duration::from_secs_f64(timeout)).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        let result = tokio::select! {
+            answer = rx => match answer {
+                Ok(a) => Asked::Answered(a),
+                Err(_) => Asked::Cancelled,
+            },
+            _ = wait => {
+                self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "timeout".into() });
+                Asked::TimedOut
+            }
+            _ = cancelled(&mut cancel) => {
+                self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "interrupted".into() });
+                Asked::Cancelled
+            }
+        };
+        // The interrupt flag wins over an answer that raced it.
+        if self.cancelled() {
+            return Asked::Cancelled;
+        }
+        result
+    }
+
+    async fn compact(&mut self, threshold: u64) -> Result<(), CompactError> {
+        let cfg = &self.ctx.shared.config;
+        let c = &cfg.compression;
+        let tail_budget = (threshold as f64 * 0.2) as usize;
+        let Some(plan) = compress::plan(&self.transcript, c.protect_first_n, c.protect_last_n, tail_budget) else {
+            return Err(CompactError::Failed("nothing to compact".into()));
+        };
+        let aux = &cfg.auxiliary.compression;
+        let model = aux.model.clone().unwrap_or_else(|| self.root.model.clone());
+        let provider = aux.provider.clone().unwrap_or_else(|| self.root.provider.clone());
+        let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
+        let body = compress::summary_request(&model, &plan.middle, None);
+        let call = ChatCall {
+            provider,
+            base_url,
+            api_key: aux.api_key.clone().or_else(|| cfg.api_key()),
+            body,
+            stream: false,
+            deltas: None,
+            cancel: self.ctx.cancel.clone(),
+            timeout: Duration::from_secs_f64(aux.timeout.max(1.0)),
+        };
+        let summary = match self.ctx.shared.model.send(call).await {
+            Ok(Ok(r)) => r.content.unwrap_or_default(),
+            Ok(Err(ModelError::Interrupted)) => return Err(CompactError::Stop(Stop::Outcome(interrupted()))),
+            Ok(Err(e)) => return Err(CompactError::Failed(format!("summary request failed: {e}"))),
+            Err(_) => return Err(CompactError::Failed("model client unavailable".into())),
+        };
+        if summary.trim().is_empty() {
+            return Err(CompactError::Failed("the summary model returned nothing".into()));
+        }
+        let compacted = compress::assemble(&plan, &summary);
+        let system = if self.system.contains("[Note: earlier turns") {
+            self.system.clone()
+        } else {
+            format!("{}\n\n[Note: earlier turns of this conversation were compacted into a summary.]", self.system)
+        };
+        let compaction = Compaction {
+            root_id: self.ctx.root_id.clone(),
+            old_tip: self.tip.clone(),
+            child_id: if c.in_place { None } else { Some(format!("{}-c{}", self.ctx.root_id, uuid::Uuid::new_v4().simple())) },
+            system_prompt: Some(system.clone()),
+            messages: compacted.clone(),
+        };
+        let (epoch, generation, now) = (self.ctx.shared.epoch, self.ctx.generation, self.ctx.shared.now());
+        let tip = self
+            .ctx
+            .shared
+            .db
+            .write(move |conn| sessions::commit_compaction(conn, epoch, generation, &compaction, now))
+            .await
+            .map_err(|e| CompactError::Stop(Stop::from(e)))?;
+        tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
+        self.emit("session.info", json!({"compacted": true, "tip_session_id": tip}));
+        self.tip = tip;
+        self.system = system;
+        self.transcript = compacted;
+        Ok(())
+    }
+}
+
+enum CompactError {
+    Stop(Stop),
+    Failed(String),
+}
+
+enum ToolResult {
+    Output(String),
+    Interrupted,
+}
+
+enum Asked {
+    Answered(PromptAnswer),
+    TimedOut,
+    Cancelled,
+}
+
+async fn cancelled(rx: &mut watch::Receiver<bool>) {
+    loop {
+        if *rx.borrow() {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+fn interrupted() -> TurnOutcome {
+    TurnOutcome::Interrupted { reason: "the turn was interrupted".into() }
+}
+
+fn blocked(message: &str) -> String {
+    json!({"output": "", "exit_code": -1, "error": message, "status": "blocked"}).to_string()
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n).collect::<String>() + "…"
+    }
+}
+
+/// Remove `<think>…</think>` blocks from a final answer.
+pub fn strip_think(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find("<think>") {
+        out.push_str(&rest[..start]);
+        match rest[start..].find("</think>") {
+            Some(end) => rest = &rest[start + end + "</think>".len()..],
+            None => {
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out.trim().to_string()
+}
+
+/// Tools the model sees: the session's frozen list, limited to tools this gateway has.
+fn enabled_tools(_shared: &Shared, root: &SessionRow) -> Vec<String> {
+    root.toolsets().into_iter().filter(|t| tools::KNOWN_TOOLS.contains(&t.as_str())).collect()
+}
+
+fn build_system_prompt(shared: &Shared, root: &SessionRow) -> String {
+    let mut s = String::from(
+        "You are an assistant running inside Gatehouse, a gateway for agent sessions. Answer the latest user \
+         message. Use tools only when they help.",
+    );
+    s.push_str(&format!("\nWorking directory: {}", root.cwd));
+    if let Some(extra) = &shared.config.agent.system_prompt {
+        s.push_str("\n\n");
+        s.push_str(extra);
+    }
+    if let Some(p) = shared.config.profiles.get(&root.profile).and_then(|p| p.system_prompt.clone()) {
+        s.push_str("\n\n");
+        s.push_str(&p);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strip_think;
+
+    #[test]
+    fn think_blocks_are_removed() {
+        assert_eq!(strip_think("<think>hmm</think> Hello"), "Hello");
+        assert_eq!(strip_think("A<think>x</think>B<think>y"), "AB");
+    }
+}

@@ -1,0 +1,204 @@
+//! The control socket `HOME/gateway.sock` (0600): one JSON object per line in, one per line out.
+//! Being able to open it (the home's permissions, and the peer's uid) is the local proof of
+//! identity, so tickets are minted only here. Operator commands use it too.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::rpc::{receipt, Authority};
+use super::tickets::Tickets;
+use crate::store::{admissions, prompts, sessions};
+
+pub const MAX_LINE: usize = 64 * 1024;
+
+pub struct Control {
+    pub authority: Authority,
+    pub tickets: Arc<Tickets>,
+    pub version: &'static str,
+}
+
+/// Bind the socket (replacing a stale one) with mode 0600.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serve connections until the listener is dropped with the task.
+pub async fn serve(listener: UnixListener, control: Arc<Control>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let control = control.clone();
+                actix::spawn(async move {
+                    if let Err(e) = handle(stream, control).await {
+                        tracing::debug!(error = %e, "control connection ended");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "control socket accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn err(code: &str, message: impl Into<String>) -> Value {
+    json!({"error": {"code": code, "message": message.into()}})
+}
+
+async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()> {
+    let same_user = stream.peer_cred().map(|c| c.uid() == unsafe_uid()).unwrap_or(false);
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    loop {
+        let mut line = Vec::new();
+        let n = (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        let reply = if line.len() > MAX_LINE {
+            let r = err("payload_too_large", format!("a request line is limited to {MAX_LINE} bytes"));
+            write.write_all(format!("{r}\n").as_bytes()).await?;
+            return Ok(());
+        } else if !line.ends_with(b"\n") {
+            err("invalid_request", "a request must end with a newline")
+        } else {
+            match serde_json::from_slice::<Value>(&line) {
+                Ok(Value::Object(obj)) => {
+                    let method = obj.get("method").and_then(|m| m.as_str()).unwrap_or("").to_string();
+                    let params = obj.get("params").cloned().unwrap_or(json!({}));
+                    control.dispatch(&method, params, same_user).await
+                }
+                Ok(_) => err("invalid_request", "a request must be a JSON object"),
+                Err(e) => err("parse_error", e.to_string()),
+            }
+        };
+        write.write_all(format!("{reply}\n").as_bytes()).await?;
+        if !line.ends_with(b"\n") {
+            return Ok(());
+        }
+    }
+}
+
+fn unsafe_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+impl Control {
+    async fn dispatch(&self, method: &str, params: Value, same_user: bool) -> Value {
+        let shared = &self.authority.shared;
+        match method {
+            "identify" => json!({
+                "state": shared.runtime.phase().as_str(),
+                "pid": shared.runtime.pid,
+                "instance_id": shared.runtime.instance_id,
+                "api_origin": shared.runtime.origin(),
+                "authority_epoch": shared.epoch,
+                "version": self.version,
+                "capabilities": ["session-authority-v1", "durable-admission-v1"],
+            }),
+            "session-ticket" => {
+                if !same_user {
+                    return err("permission_denied", "tickets are minted only for the daemon's own user");
+                }
+                let purpose = params.get("purpose").and_then(|p| p.as_str()).unwrap_or("interactive");
+                if purpose != "interactive" {
+                    return err("invalid_params", "purpose must be \"interactive\"");
+                }
+                if let Some(i) = params.get("instance_id").and_then(|i| i.as_str()) {
+                    if i != shared.runtime.instance_id {
+                        return err("stale_instance", "the ticket was asked of another daemon instance");
+                    }
+                }
+                let (ticket, expires_at) = self.tickets.mint(&format!("uid:{}", unsafe_uid()));
+                json!({"ticket": ticket, "expires_at": expires_at as i64, "instance_id": shared.runtime.instance_id})
+            }
+            "status" => {
+                let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
+                let mut by_status = serde_json::Map::new();
+                for (status, _, n) in counts {
+                    let e = by_status.entry(status).or_insert(json!(0));
+                    *e = json!(e.as_i64().unwrap_or(0) + n);
+                }
+                json!({
+                    "state": shared.runtime.phase().as_str(),
+                    "pid": shared.runtime.pid,
+                    "instance_id": shared.runtime.instance_id,
+                    "authority_epoch": shared.epoch,
+                    "api_origin": shared.runtime.origin(),
+                    "admissions": by_status,
+                })
+            }
+            "sessions" if same_user => match shared.db.read(|c| sessions::list_roots(c, 500)).await {
+                Ok(rows) => json!({"sessions": rows.iter().map(|r| json!({
+                    "session_id": r.id, "tip_session_id": r.tip_session_id, "model": r.model, "source": r.source,
+                    "title": r.title, "execution_generation": r.runtime_generation, "started_at": r.started_at,
+                })).collect::<Vec<_>>()}),
+                Err(e) => err("storage_unavailable", e.to_string()),
+            },
+            "pending" if same_user => {
+                let epoch = shared.epoch;
+                match shared
+                    .db
+                    .read(|c| {
+                        let unknown = admissions::all_with_status(c, "unknown", 1000)?;
+                        let open: Vec<prompts::PromptRow> = Vec::new();
+                        Ok((unknown, open))
+                    })
+                    .await
+                {
+                    Ok((unknown, _)) => json!({"unknown": unknown.iter().map(|r| {
+                        let mut v = receipt(r, epoch);
+                        v["text"] = json!(r.text());
+                        v
+                    }).collect::<Vec<_>>()}),
+                    Err(e) => err("storage_unavailable", e.to_string()),
+                }
+            }
+            "resolve-unknown" if same_user => {
+                let session = params.get("session_id").and_then(|s| s.as_str()).unwrap_or("").to_string();
+                let admission = params.get("admission_id").and_then(|s| s.as_str()).unwrap_or("").to_string();
+                let (s, a) = (session.clone(), admission.clone());
+                let row = match shared
+                    .db
+                    .read(move |c| {
+                        let root = sessions::root_of(c, &s)?;
+                        admissions::of_session(c, &root.id, &a)
+                    })
+                    .await
+                {
+                    Ok(r) => r,
+                    Err(e) => return err("not_found", e.to_string()),
+                };
+                let generation = params
+                    .get("execution_generation")
+                    .and_then(|g| g.as_i64())
+                    .or(row.execution_generation)
+                    .unwrap_or(-1);
+                match self.authority.resolve_unknown(&row.target_session_id, &admission, generation).await {
+                    Ok(r) => receipt(&r, shared.epoch),
+                    Err(e) => err(e.reason(), e.detail()),
+                }
+            }
+            "sessions" | "pending" | "resolve-unknown" => err("permission_denied", "operator commands need the daemon's user"),
+            other => json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
+                "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown"]}}),
+        }
+    }
+}
+
+/// Where the socket lives.
+pub fn socket_path(home: &Path) -> PathBuf {
+    home.join("gateway.sock")
+}

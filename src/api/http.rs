@@ -1,0 +1,67 @@
+//! HTTP routes: health, readiness, metrics, and the shared application state.
+
+use std::sync::Arc;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use sha2::{Digest, Sha256};
+
+use super::rpc::Authority;
+use super::tickets::Tickets;
+use crate::session::RuntimePhase;
+use crate::store::admissions;
+
+pub struct AppState {
+    pub authority: Authority,
+    pub tickets: Arc<Tickets>,
+}
+
+impl AppState {
+    /// The principal of a valid `Authorization: Bearer <key>` (keys are stored as SHA-256 hex).
+    pub fn bearer_principal(&self, req: &HttpRequest) -> Option<String> {
+        let header = req.headers().get("authorization")?.to_str().ok()?;
+        let key = header.strip_prefix("Bearer ")?.trim();
+        let digest = crate::store::admissions::hex(&Sha256::digest(key.as_bytes()));
+        let keys = &self.authority.shared.config.gateway.api_keys;
+        let mut found = None;
+        for k in keys {
+            let stored = k.trim().trim_start_matches("sha256:").to_lowercase();
+            if constant_time_eq(stored.as_bytes(), digest.as_bytes()) {
+                found = Some(format!("key:{}", &digest[..12]));
+            }
+        }
+        found
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().content_type("text/plain").body("ok\n")
+}
+
+pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    match state.authority.shared.runtime.phase() {
+        RuntimePhase::Ready => HttpResponse::Ok().content_type("text/plain").body("ready\n"),
+        other => HttpResponse::ServiceUnavailable().content_type("text/plain").body(format!("{}\n", other.as_str())),
+    }
+}
+
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let shared = state.authority.shared.clone();
+    let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(shared.metrics.render(&counts))
+}
+
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/healthz", web::get().to(healthz))
+        .route("/readyz", web::get().to(readyz))
+        .route("/metrics", web::get().to(metrics))
+        .route("/api/ws", web::get().to(super::ws::ws_route));
+}

@@ -1,0 +1,7 @@
+//! The outside of the daemon: JSON-RPC methods, the WebSocket, HTTP routes and the control socket.
+
+pub mod control;
+pub mod http;
+pub mod rpc;
+pub mod tickets;
+pub mod ws;

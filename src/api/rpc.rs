@@ -1,0 +1,457 @@
+//! The session authority's methods, shared by every transport (WebSocket today). Each method
+//! parses its params into a typed struct (unknown fields refused), then goes through the
+//! registry → supervisor; there is no second path that writes admissions.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::error::{GatewayError, GatewayResult};
+use crate::session::prompts::{PromptAnswer, PromptKind};
+use crate::session::registry::{GetSupervisor, SessionRegistry};
+use crate::session::supervisor::{
+    CancelQueued, GetLive, Interrupt, PushEvent, ResolveUnknown, Respond, SessionSupervisor, Submit, Subscribe,
+};
+use crate::session::Shared;
+use crate::store::admissions::{self, hex, AdmissionRow};
+use crate::store::messages::{self, MessageRow};
+use crate::store::sessions::{self, NewSession, SessionRow};
+use crate::tools::KNOWN_TOOLS;
+
+/// Who is calling, and what it may touch.
+#[derive(Clone)]
+pub struct Caller {
+    pub principal: String,
+    pub conn_id: u64,
+    pub recipient: Option<Recipient<PushEvent>>,
+    pub subscribed: HashSet<String>,
+}
+
+/// What a successful call changes on the connection.
+pub struct CallResult {
+    pub result: Value,
+    pub subscribe: Option<String>,
+}
+
+#[derive(Clone)]
+pub struct Authority {
+    pub shared: Arc<Shared>,
+    pub registry: Addr<SessionRegistry>,
+}
+
+fn params<T: for<'de> Deserialize<'de>>(p: Value) -> GatewayResult<T> {
+    serde_json::from_value(p).map_err(|e| GatewayError::InvalidParams(e.to_string()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateParams {
+    request_id: Option<String>,
+    source: Option<String>,
+    cwd: Option<String>,
+    model: Option<String>,
+    provider: Option<String>,
+    base_url: Option<String>,
+    toolsets: Option<Vec<String>>,
+    profile: Option<String>,
+    title: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SessionParams {
+    session_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubmitParams {
+    session_id: String,
+    input_id: String,
+    text: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdmissionParams {
+    session_id: String,
+    admission_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveParams {
+    session_id: String,
+    admission_id: String,
+    execution_generation: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApprovalParams {
+    session_id: String,
+    execution_generation: Value,
+    prompt_id: String,
+    choice: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClarifyParams {
+    session_id: String,
+    execution_generation: Value,
+    prompt_id: String,
+    answer: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InterruptParams {
+    session_id: String,
+    execution_generation: Option<i64>,
+}
+
+const SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp", "bot_room"];
+
+fn check_id(name: &str, v: &str) -> GatewayResult<()> {
+    if v.is_empty() || v.len() > 1024 {
+        return Err(GatewayError::InvalidParams(format!("{name} must be 1 to 1024 characters")));
+    }
+    Ok(())
+}
+
+/// The receipt of an admission.
+pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
+    let mut v = json!({
+        "admission_id": row.admission_id,
+        "ref": {"session_id": row.target_session_id},
+        "session_id": row.target_session_id,
+        "input_id": row.request_id,
+        "sequence": row.seq,
+        "status": row.status,
+        "outcome": row.outcome,
+        "authority_epoch": row.owner_epoch.unwrap_or(epoch),
+        "execution_generation": row.execution_generation,
+    });
+    if row.is_terminal() {
+        if let Some(r) = row.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok()) {
+            v["result"] = r;
+        }
+    }
+    v
+}
+
+fn pending_view(row: &AdmissionRow, epoch: i64) -> Value {
+    let mut v = receipt(row, epoch);
+    v["text"] = json!(row.text());
+    v
+}
+
+fn message_view(m: &MessageRow) -> Value {
+    let mut v = json!({"id": m.id, "role": m.role, "content": m.content});
+    if let Some(calls) = m.tool_calls.as_deref().and_then(|c| serde_json::from_str::<Value>(c).ok()) {
+        v["tool_calls"] = calls;
+    }
+    if let Some(id) = &m.tool_call_id {
+        v["tool_call_id"] = json!(id);
+    }
+    if let Some(k) = &m.display_kind {
+        v["display_kind"] = json!(k);
+    }
+    v
+}
+
+/// Deterministic session id from principal and request id.
+pub fn session_id_for(principal: &str, request_id: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(json!([principal, request_id]).to_string().as_bytes());
+    format!("local-{}", &hex(&h.finalize())[..32])
+}
+
+impl Authority {
+    pub async fn supervisor(&self, root: &str) -> GatewayResult<Addr<SessionSupervisor>> {
+        self.registry
+            .send(GetSupervisor(root.to_string()))
+            .await
+            .map_err(|_| GatewayError::Internal("session registry unavailable".into()))
+    }
+
+    async fn root(&self, id: &str) -> GatewayResult<SessionRow> {
+        let id = id.to_string();
+        Ok(self.shared.db.read(move |c| sessions::root_of(c, &id)).await?)
+    }
+
+    fn require_subscribed(caller: &Caller, root: &str) -> GatewayResult<()> {
+        if caller.subscribed.contains(root) {
+            Ok(())
+        } else {
+            Err(GatewayError::PermissionDenied("create or resume this session on this connection first".into()))
+        }
+    }
+
+    /// Dispatch one method.
+    pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
+        let plain = |result: Value| Ok(CallResult { result, subscribe: None });
+        match method {
+            "session.create" => self.create(params(p)?, caller).await,
+            "session.resume" => {
+                let p: SessionParams = params(p)?;
+                let root = self.root(&p.session_id).await?;
+                if root.principal_id != caller.principal {
+                    return Err(GatewayError::PermissionDenied("this session belongs to another principal".into()));
+                }
+                self.subscribe(&root.id, caller).await?;
+                let snap = self.snapshot(&root.id).await?;
+                Ok(CallResult { result: snap, subscribe: Some(root.id) })
+            }
+            "prompt.submit" => {
+                let p: SubmitParams = params(p)?;
+                check_id("input_id", &p.input_id)?;
+                let max = self.shared.config.session.max_text_bytes;
+                if p.text.len() > max {
+                    return Err(GatewayError::PayloadTooLarge(format!("text is over {max} bytes")));
+                }
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                if self.shared.runtime.draining() {
+                    return Err(GatewayError::RuntimeDraining);
+                }
+                let sup = self.supervisor(&root.id).await?;
+                let row = sup
+                    .send(Submit { principal: caller.principal.clone(), input_id: p.input_id, text: p.text })
+                    .await
+                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                plain(receipt(&row, self.shared.epoch))
+            }
+            "prompt.receipt" => {
+                let p: AdmissionParams = params(p)?;
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                let (r, a) = (root.id.clone(), p.admission_id.clone());
+                let row = self.shared.db.read(move |c| admissions::of_session(c, &r, &a)).await?;
+                plain(receipt(&row, self.shared.epoch))
+            }
+            "prompt.cancel" => {
+                let p: AdmissionParams = params(p)?;
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                let sup = self.supervisor(&root.id).await?;
+                let row = sup
+                    .send(CancelQueued { admission_id: p.admission_id })
+                    .await
+                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                plain(receipt(&row, self.shared.epoch))
+            }
+            "prompt.resolve_unknown" => {
+                let p: ResolveParams = params(p)?;
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                let row = self.resolve_unknown(&root.id, &p.admission_id, p.execution_generation).await?;
+                plain(receipt(&row, self.shared.epoch))
+            }
+            "approval.respond" => {
+                let p: ApprovalParams = params(p)?;
+                let answer = PromptAnswer::Choice(p.choice);
+                self.respond(PromptKind::Approval, &p.session_id, p.execution_generation, p.prompt_id, answer, caller)
+                    .await
+                    .map(|result| CallResult { result, subscribe: None })
+            }
+            "clarify.respond" => {
+                let p: ClarifyParams = params(p)?;
+                let answer = PromptAnswer::Text(p.answer);
+                self.respond(PromptKind::Clarify, &p.session_id, p.execution_generation, p.prompt_id, answer, caller)
+                    .await
+                    .map(|result| CallResult { result, subscribe: None })
+            }
+            "session.interrupt" => {
+                let p: InterruptParams = params(p)?;
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                let sup = self.supervisor(&root.id).await?;
+                let done = sup
+                    .send(Interrupt { generation: p.execution_generation, reason: "client interrupt".into() })
+                    .await
+                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                plain(json!({"interrupted": done}))
+            }
+            other => Err(GatewayError::UnknownMethod(other.to_string())),
+        }
+    }
+
+    /// Resolve an unknown admission (shared by the RPC and the operator CLI).
+    pub async fn resolve_unknown(&self, root: &str, admission_id: &str, generation: i64) -> GatewayResult<AdmissionRow> {
+        let sup = self.supervisor(root).await?;
+        sup.send(ResolveUnknown { admission_id: admission_id.to_string(), generation })
+            .await
+            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
+    }
+
+    async fn respond(
+        &self,
+        kind: PromptKind,
+        session_id: &str,
+        generation: Value,
+        prompt_id: String,
+        answer: PromptAnswer,
+        caller: &Caller,
+    ) -> GatewayResult<Value> {
+        let root = self.root(session_id).await?;
+        Self::require_subscribed(caller, &root.id)?;
+        let Some(generation) = generation.as_i64() else {
+            return Err(GatewayError::StaleGeneration("execution_generation must be an integer".into()));
+        };
+        if prompt_id.is_empty() {
+            return Err(GatewayError::InvalidParams("prompt_id must not be empty".into()));
+        }
+        let sup = self.supervisor(&root.id).await?;
+        sup.send(Respond { kind, generation, prompt_id, answer, by: caller.principal.clone() })
+            .await
+            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
+    }
+
+    async fn subscribe(&self, root: &str, caller: &Caller) -> GatewayResult<()> {
+        if let Some(r) = &caller.recipient {
+            let sup = self.supervisor(root).await?;
+            sup.do_send(Subscribe { conn_id: caller.conn_id, recipient: r.clone() });
+        }
+        Ok(())
+    }
+
+    async fn create(&self, p: CreateParams, caller: &Caller) -> GatewayResult<CallResult> {
+        if self.shared.runtime.draining() {
+            return Err(GatewayError::RuntimeDraining);
+        }
+        let cfg = &self.shared.config;
+        let request_id = p.request_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        check_id("request_id", &request_id)?;
+        let source = p.source.clone().unwrap_or_else(|| "cli".into());
+        if !SOURCES.contains(&source.as_str()) {
+            return Err(GatewayError::InvalidParams(format!("source must be one of {SOURCES:?}")));
+        }
+        let profile = p.profile.clone().unwrap_or_else(|| "default".into());
+        let profile_cfg = cfg.profiles.get(&profile);
+        if profile != "default" && profile_cfg.is_none() {
+            return Err(GatewayError::InvalidParams(format!("no profile {profile:?} in the config")));
+        }
+        let cwd = match &p.cwd {
+            Some(c) => c.clone(),
+            None => cfg
+                .terminal
+                .cwd
+                .clone()
+                .unwrap_or_else(|| self.shared.home.clone())
+                .to_string_lossy()
+                .to_string(),
+        };
+        let cwd_path = Path::new(&cwd);
+        if !cwd_path.is_absolute() || !cwd_path.is_dir() {
+            return Err(GatewayError::InvalidParams(format!("cwd {cwd:?} must be an absolute, existing directory")));
+        }
+        let endpoint = cfg.default_endpoint();
+        let model = p
+            .model
+            .clone()
+            .or_else(|| profile_cfg.and_then(|c| c.model.clone()))
+            .unwrap_or(endpoint.model.clone());
+        let provider = p
+            .provider
+            .clone()
+            .or_else(|| profile_cfg.and_then(|c| c.provider.clone()))
+            .unwrap_or(endpoint.provider.clone());
+        let base_url = p.base_url.clone().or_else(|| profile_cfg.and_then(|c| c.base_url.clone())).or(endpoint.base_url);
+        if let Some(u) = &base_url {
+            if !(u.starts_with("http://") || u.starts_with("https://")) || u.contains('?') || u.contains('#') || u.contains('@') {
+                return Err(GatewayError::InvalidParams("base_url must be http(s) with no credentials, query or fragment".into()));
+            }
+        }
+        let platform = cfg.platform_tools(&source);
+        let toolsets = match &p.toolsets {
+            Some(list) => {
+                for t in list {
+                    if !KNOWN_TOOLS.contains(&t.as_str()) {
+                        return Err(GatewayError::InvalidParams(format!("unknown toolset {t:?}")));
+                    }
+                }
+                list.clone()
+            }
+            None => profile_cfg
+                .and_then(|c| c.toolsets.clone())
+                .unwrap_or(platform)
+                .into_iter()
+                .filter(|t| KNOWN_TOOLS.contains(&t.as_str()))
+                .collect(),
+        };
+        let request = json!({
+            "source": source, "cwd": p.cwd, "model": p.model, "provider": p.provider, "base_url": p.base_url,
+            "toolsets": p.toolsets, "profile": p.profile, "title": p.title,
+        });
+        let mut h = Sha256::new();
+        h.update(request.to_string().as_bytes());
+        let new = NewSession {
+            id: session_id_for(&caller.principal, &request_id),
+            principal_id: caller.principal.clone(),
+            request_id,
+            request_digest: hex(&h.finalize()),
+            source,
+            model,
+            provider,
+            base_url,
+            cwd,
+            toolsets_json: serde_json::to_string(&toolsets).unwrap_or_else(|_| "[]".into()),
+            profile,
+            title: p.title.clone(),
+            system_prompt: None,
+        };
+        let (epoch, now) = (self.shared.epoch, self.shared.now());
+        let (row, _created) = self.shared.db.write(move |c| sessions::create_or_get(c, epoch, &new, now)).await?;
+        self.subscribe(&row.id, caller).await?;
+        let snap = self.snapshot(&row.id).await?;
+        Ok(CallResult { result: snap, subscribe: Some(row.id) })
+    }
+
+    /// The snapshot `session.create` and `session.resume` return.
+    pub async fn snapshot(&self, root_id: &str) -> GatewayResult<Value> {
+        let id = root_id.to_string();
+        let (root, msgs, pending) = self
+            .shared
+            .db
+            .read(move |c| {
+                let root = sessions::root_of(c, &id)?;
+                let msgs = messages::live(c, &root.tip_session_id)?;
+                let pending = admissions::pending(c, &root.id)?;
+                Ok((root, msgs, pending))
+            })
+            .await?;
+        let sup = self.supervisor(&root.id).await?;
+        let live = sup.send(GetLive).await.map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?;
+        let epoch = self.shared.epoch;
+        Ok(json!({
+            "session_id": root.id,
+            "stored_session_id": root.tip_session_id,
+            "messages": msgs.iter().map(message_view).collect::<Vec<_>>(),
+            "message_count": msgs.len(),
+            "pending": pending.iter().map(|r| pending_view(r, epoch)).collect::<Vec<_>>(),
+            "prompts": live.prompts,
+            "execution_generation": root.runtime_generation,
+            "running": live.running.is_some(),
+            "authority_epoch": epoch,
+            "last_sequence": live.last_sequence,
+            "revision": root.runtime_revision,
+            "info": {
+                "source": root.source,
+                "model": root.model,
+                "provider": root.provider,
+                "base_url": root.base_url,
+                "cwd": root.cwd,
+                "toolsets": root.toolsets(),
+                "profile": root.profile,
+                "title": root.title,
+            },
+        }))
+    }
+}

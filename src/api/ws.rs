@@ -1,0 +1,255 @@
+//! `GET /api/ws`: the WebSocket (JSON-RPC 2.0 text frames). All WebSocket code lives here.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web_actors::ws;
+use serde_json::{json, Value};
+
+use super::http::AppState;
+use super::rpc::{Authority, Caller};
+use crate::error::GatewayError;
+use crate::session::registry::GetSupervisor;
+use crate::session::supervisor::{PushEvent, Unsubscribe};
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+pub const SUBPROTOCOL: &str = "gatehouse.v1";
+pub const TICKET_PREFIX: &str = "gatehouse-ticket.";
+
+/// The upgrade: a valid single-use ticket (or API key) first, then `gatehouse.v1`.
+pub async fn ws_route(
+    req: HttpRequest,
+    stream: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, actix_web::Error> {
+    let offered: Vec<String> = req
+        .headers()
+        .get_all("sec-websocket-protocol")
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|s| s.trim().to_string()))
+        .collect();
+    let ticket = offered.iter().find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
+    let principal = match ticket {
+        Some(t) => match state.tickets.redeem(&t) {
+            Ok(p) => p,
+            Err(why) => {
+                return Ok(HttpResponse::Unauthorized()
+                    .json(json!({"error": {"reason": "permission_denied", "message": format!("ticket refused: {why:?}")}})))
+            }
+        },
+        None => match state.bearer_principal(&req) {
+            Some(p) => p,
+            None => {
+                return Ok(HttpResponse::Unauthorized().json(
+                    json!({"error": {"reason": "permission_denied", "message": "a ticket subprotocol or API key is required"}}),
+                ))
+            }
+        },
+    };
+    if !offered.iter().any(|p| p == SUBPROTOCOL) {
+        return Ok(HttpResponse::BadRequest()
+            .json(json!({"error": {"reason": "invalid_request", "message": "offer the gatehouse.v1 subprotocol"}})));
+    }
+    let cfg = &state.authority.shared.config.gateway;
+    let conn = WsConnection {
+        authority: state.authority.clone(),
+        principal,
+        conn_id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
+        subscribed: HashSet::new(),
+        last_seen: Instant::now(),
+        max_frame: cfg.max_frame_bytes,
+        heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
+        client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
+        partial: None,
+    };
+    ws::WsResponseBuilder::new(conn, &req, stream)
+        .protocols(&[SUBPROTOCOL])
+        .frame_size(cfg.max_frame_bytes.saturating_mul(4).max(64 * 1024))
+        .start()
+}
+
+pub struct WsConnection {
+    authority: Authority,
+    principal: String,
+    conn_id: u64,
+    subscribed: HashSet<String>,
+    last_seen: Instant,
+    max_frame: usize,
+    heartbeat: Duration,
+    client_timeout: Duration,
+    partial: Option<Vec<u8>>,
+}
+
+fn error_frame(id: Value, err: &GatewayError) -> String {
+    json!({"jsonrpc": "2.0", "id": id, "error": err.to_rpc_error()}).to_string()
+}
+
+impl WsConnection {
+    fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
+        if text.len() > self.max_frame {
+            let err = GatewayError::PayloadTooLarge(format!("frame is over {} bytes", self.max_frame));
+            ctx.text(error_frame(Value::Null, &err));
+            return;
+        }
+        let msg: Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                ctx.text(error_frame(Value::Null, &GatewayError::Parse(e.to_string())));
+                return;
+            }
+        };
+        let Value::Object(obj) = msg else {
+            let what = if msg.is_array() { "batch requests are not supported" } else { "a request must be an object" };
+            ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest(what.into())));
+            return;
+        };
+        let id = obj.get("id").cloned();
+        let reply_id = match &id {
+            Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
+            Some(_) => {
+                ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest("id must be a string, number or null".into())));
+                return;
+            }
+            None => Value::Null,
+        };
+        if obj.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
+            ctx.text(error_frame(reply_id, &GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into())));
+            return;
+        }
+        let Some(method) = obj.get("method").and_then(|m| m.as_str()).map(str::to_string) else {
+            ctx.text(error_frame(reply_id, &GatewayError::InvalidRequest("method must be a string".into())));
+            return;
+        };
+        let params = match obj.get("params") {
+            None | Some(Value::Null) => json!({}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                ctx.text(error_frame(reply_id, &GatewayError::InvalidParams("params must be an object".into())));
+                return;
+            }
+        };
+        let caller = Caller {
+            principal: self.principal.clone(),
+            conn_id: self.conn_id,
+            recipient: Some(ctx.address().recipient()),
+            subscribed: self.subscribed.clone(),
+        };
+        let authority = self.authority.clone();
+        let span = tracing::debug_span!("rpc", method = %method, conn = self.conn_id);
+        let fut = async move {
+            let _g = span.enter();
+            drop(_g);
+            authority.call(&method, params, &caller).await
+        };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            let frame = match res {
+                Ok(r) => {
+                    if let Some(s) = r.subscribe {
+                        act.subscribed.insert(s);
+                    }
+                    json!({"jsonrpc": "2.0", "id": reply_id, "result": r.result}).to_string()
+                }
+                Err(e) => error_frame(reply_id, &e),
+            };
+            if id.is_some() {
+                ctx.text(frame);
+            }
+        }));
+    }
+}
+
+impl Actor for WsConnection {
+    type Context = ws::WebsocketContext<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.authority.shared.metrics.ws_opened();
+        ctx.set_mailbox_capacity(self.authority.shared.config.gateway.outbound_queue_frames.max(16));
+        ctx.run_interval(self.heartbeat, |act, ctx| {
+            if act.last_seen.elapsed() > act.client_timeout {
+                tracing::info!(conn = act.conn_id, "client stopped answering pings; closing");
+                ctx.close(Some(ws::CloseReason { code: ws::CloseCode::Away, description: Some("heartbeat timeout".into()) }));
+                ctx.stop();
+                return;
+            }
+            ctx.ping(b"");
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.authority.shared.metrics.ws_closed();
+        let registry = self.authority.registry.clone();
+        let conn_id = self.conn_id;
+        for root in self.subscribed.drain() {
+            let registry = registry.clone();
+            actix::spawn(async move {
+                if let Ok(sup) = registry.send(GetSupervisor(root)).await {
+                    sup.do_send(Unsubscribe { conn_id });
+                }
+            });
+        }
+    }
+}
+
+impl Handler<PushEvent> for WsConnection {
+    type Result = ();
+    fn handle(&mut self, m: PushEvent, ctx: &mut Self::Context) {
+        ctx.text(m.0.to_string());
+    }
+}
+
+impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
+    fn handle(&mut self, item: Result<ws::Message, ws::ProtocolError>, ctx: &mut Self::Context) {
+        self.last_seen = Instant::now();
+        match item {
+            Ok(ws::Message::Text(text)) => self.handle_text(&text, ctx),
+            Ok(ws::Message::Binary(_)) => {
+                ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest("binary frames are not supported".into())));
+            }
+            Ok(ws::Message::Continuation(item)) => {
+                use actix_http::ws::Item;
+                let (bytes, last, first) = match &item {
+                    Item::FirstText(b) => (b.clone(), false, true),
+                    Item::FirstBinary(b) => (b.clone(), false, true),
+                    Item::Continue(b) => (b.clone(), false, false),
+                    Item::Last(b) => (b.clone(), true, false),
+                };
+                if first {
+                    self.partial = Some(Vec::new());
+                }
+                let Some(buf) = self.partial.as_mut() else { return };
+                buf.extend_from_slice(&bytes);
+                if buf.len() > self.max_frame {
+                    self.partial = None;
+                    let err = GatewayError::PayloadTooLarge(format!("message is over {} bytes", self.max_frame));
+                    ctx.text(error_frame(Value::Null, &err));
+                    return;
+                }
+                if last {
+                    if let Some(buf) = self.partial.take() {
+                        match String::from_utf8(buf) {
+                            Ok(text) => self.handle_text(&text, ctx),
+                            Err(_) => ctx.text(error_frame(Value::Null, &GatewayError::Parse("message is not UTF-8".into()))),
+                        }
+                    }
+                }
+            }
+            Ok(ws::Message::Ping(p)) => ctx.pong(&p),
+            Ok(ws::Message::Pong(_)) => {}
+            Ok(ws::Message::Close(reason)) => {
+                ctx.close(reason);
+                ctx.stop();
+            }
+            Ok(ws::Message::Nop) => {}
+            Err(e) => {
+                tracing::info!(conn = self.conn_id, error = %e, "websocket protocol error; closing");
+                let code = if matches!(e, ws::ProtocolError::Overflow) { ws::CloseCode::Size } else { ws::CloseCode::Protocol };
+                ctx.close(Some(ws::CloseReason { code, description: Some(e.to_string()) }));
+                ctx.stop();
+            }
+        }
+    }
+}

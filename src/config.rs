@@ -1,0 +1,479 @@
+//! Typed `config.yaml` (YAML; plain JSON is valid YAML), with defaults and validation.
+//!
+//! Unknown keys are collected (each struct flattens the rest into `extra`) and logged once as a
+//! warning, so configs written for the system we replace still load. A known key with a bad value
+//! is a start-up error naming the key and what was expected.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+type Extra = BTreeMap<String, Value>;
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(default)]
+pub struct Config {
+    pub gateway: GatewayConfig,
+    pub model: ModelConfig,
+    pub auxiliary: AuxiliaryConfig,
+    pub compression: CompressionConfig,
+    pub terminal: TerminalConfig,
+    pub approvals: ApprovalsConfig,
+    pub agent: AgentConfig,
+    pub platform_toolsets: BTreeMap<String, Vec<String>>,
+    pub session: SessionLimits,
+    pub profiles: BTreeMap<String, ProfileConfig>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct GatewayConfig {
+    pub host: String,
+    pub port: u16,
+    pub max_frame_bytes: usize,
+    pub id: Option<String>,
+    pub api_keys: Vec<String>,
+    pub drain_timeout_seconds: f64,
+    pub ticket_ttl_seconds: f64,
+    pub max_connections: usize,
+    pub outbound_queue_frames: usize,
+    pub heartbeat_seconds: f64,
+    pub client_timeout_seconds: f64,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 0,
+            max_frame_bytes: 1 << 20,
+            id: None,
+            api_keys: Vec::new(),
+            drain_timeout_seconds: 45.0,
+            ticket_ttl_seconds: 60.0,
+            max_connections: 1024,
+            outbound_queue_frames: 4096,
+            heartbeat_seconds: 15.0,
+            client_timeout_seconds: 60.0,
+            extra: Extra::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct ModelConfig {
+    pub provider: Option<String>,
+    pub default: Option<String>,
+    pub base_url: Option<String>,
+    pub api_key: Option<String>,
+    pub context_length: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub stream: bool,
+    pub timeout_seconds: f64,
+    pub connect_timeout_seconds: f64,
+    pub idle_timeout_seconds: f64,
+    pub max_concurrent_requests: usize,
+    pub max_retries: u32,
+    pub max_response_bytes: usize,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            provider: None,
+            default: None,
+            base_url: None,
+            api_key: None,
+            context_length: None,
+            max_tokens: None,
+            stream: true,
+            timeout_seconds: 600.0,
+            connect_timeout_seconds: 30.0,
+            idle_timeout_seconds: 120.0,
+            max_concurrent_requests: 64,
+            max_retries: 3,
+            max_response_bytes: 8 << 20,
+            extra: Extra::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(default)]
+pub struct AuxiliaryConfig {
+    pub compression: AuxModelConfig,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct AuxModelConfig {
+    pub provider: Option<String>,
+    pub model: Option<String>,
+    pub base_url: Option<String>,
+    pub api_key: Option<String>,
+    pub timeout: f64,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for AuxModelConfig {
+    fn default() -> Self {
+        Self { provider: None, model: None, base_url: None, api_key: None, timeout: 120.0, extra: Extra::new() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct CompressionConfig {
+    pub enabled: bool,
+    pub threshold: f64,
+    pub threshold_tokens: Option<u64>,
+    pub protect_first_n: usize,
+    pub protect_last_n: usize,
+    pub in_place: bool,
+    pub max_attempts: u32,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for CompressionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            threshold: 0.5,
+            threshold_tokens: None,
+            protect_first_n: 3,
+            protect_last_n: 20,
+            in_place: false,
+            max_attempts: 3,
+            extra: Extra::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct TerminalConfig {
+    pub cwd: Option<PathBuf>,
+    pub timeout: f64,
+    pub output_cap: usize,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for TerminalConfig {
+    fn default() -> Self {
+        Self { cwd: None, timeout: 180.0, output_cap: 50_000, extra: Extra::new() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApprovalMode {
+    Manual,
+    Off,
+    Deny,
+}
+
+impl<'de> Deserialize<'de> for ApprovalMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        match &v {
+            Value::Bool(false) => Ok(ApprovalMode::Off),
+            Value::String(s) => match s.as_str() {
+                "manual" | "smart" => Ok(ApprovalMode::Manual),
+                "off" => Ok(ApprovalMode::Off),
+                "deny" => Ok(ApprovalMode::Deny),
+                other => Err(serde::de::Error::custom(format!(
+                    "expected one of manual, off, deny; got {other:?}"
+                ))),
+            },
+            other => Err(serde::de::Error::custom(format!(
+                "expected one of manual, off, deny; got {other}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct ApprovalsConfig {
+    pub mode: ApprovalMode,
+    pub timeout: f64,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for ApprovalsConfig {
+    fn default() -> Self {
+        Self { mode: ApprovalMode::Manual, timeout: 300.0, extra: Extra::new() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct AgentConfig {
+    pub clarify_timeout: f64,
+    pub max_iterations: u32,
+    pub system_prompt: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self { clarify_timeout: 3600.0, max_iterations: 90, system_prompt: None, extra: Extra::new() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct SessionLimits {
+    pub max_queued_admissions: i64,
+    pub max_text_bytes: usize,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for SessionLimits {
+    fn default() -> Self {
+        Self { max_queued_admissions: 1000, max_text_bytes: 256 * 1024, extra: Extra::new() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(default)]
+pub struct ProfileConfig {
+    pub model: Option<String>,
+    pub provider: Option<String>,
+    pub base_url: Option<String>,
+    pub toolsets: Option<Vec<String>>,
+    pub system_prompt: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Config {
+    /// Load `home/config.yaml`; a missing file is the default config.
+    pub fn load(home: &Path) -> Result<Config, ConfigError> {
+        let path = home.join("config.yaml");
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Self::parse(&text, &path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
+            Err(source) => Err(ConfigError::Read { path, source }),
+        }
+    }
+
+    /// Parse YAML (or JSON) text.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let raw: Value = if text.trim().is_empty() {
+            Value::Object(Default::default())
+        } else {
+            serde_norway::from_str(text)
+                .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })?
+        };
+        let raw = if raw.is_null() { Value::Object(Default::default()) } else { raw };
+        if !raw.is_object() {
+            return Err(ConfigError::Parse {
+                path: path.to_path_buf(),
+                message: "the top level must be a mapping".into(),
+            });
+        }
+        let config: Config = Self::from_value(raw)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn from_value(raw: Value) -> Result<Config, ConfigError> {
+        // Deserialize section by section so an error names its key.
+        let obj = raw.as_object().cloned().unwrap_or_default();
+        let mut config = Config::default();
+        for (key, value) in obj {
+            let bad = |e: serde_json::Error| ConfigError::Invalid { key: key.clone(), message: e.to_string() };
+            match key.as_str() {
+                "gateway" => config.gateway = serde_json::from_value(value).map_err(bad)?,
+                "model" => config.model = serde_json::from_value(value).map_err(bad)?,
+                "auxiliary" => config.auxiliary = serde_json::from_value(value).map_err(bad)?,
+                "compression" => config.compression = serde_json::from_value(value).map_err(bad)?,
+                "terminal" => config.terminal = serde_json::from_value(value).map_err(bad)?,
+                "approvals" => config.approvals = serde_json::from_value(value).map_err(bad)?,
+                "agent" => config.agent = serde_json::from_value(value).map_err(bad)?,
+                "platform_toolsets" => config.platform_toolsets = serde_json::from_value(value).map_err(bad)?,
+                "session" => config.session = serde_json::from_value(value).map_err(bad)?,
+                "profiles" => config.profiles = serde_json::from_value(value).map_err(bad)?,
+                _ => {
+                    config.extra.insert(key, value);
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: &str| {
+            Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() })
+        };
+        if self.gateway.max_frame_bytes < 1024 {
+            return invalid("gateway.max_frame_bytes", "expected at least 1024");
+        }
+        if !(self.gateway.drain_timeout_seconds > 0.0) {
+            return invalid("gateway.drain_timeout_seconds", "expected a positive number of seconds");
+        }
+        if !(self.gateway.ticket_ttl_seconds > 0.0) {
+            return invalid("gateway.ticket_ttl_seconds", "expected a positive number of seconds");
+        }
+        if !(self.compression.threshold > 0.0 && self.compression.threshold <= 1.0) {
+            return invalid("compression.threshold", "expected a fraction in (0, 1]");
+        }
+        if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
+            return invalid("compression.max_attempts", "expected 1 to 10");
+        }
+        if !(self.model.timeout_seconds > 0.0) {
+            return invalid("model.timeout_seconds", "expected a positive number of seconds");
+        }
+        if self.model.max_concurrent_requests == 0 {
+            return invalid("model.max_concurrent_requests", "expected at least 1");
+        }
+        if !(self.terminal.timeout > 0.0) {
+            return invalid("terminal.timeout", "expected a positive number of seconds");
+        }
+        if self.agent.max_iterations == 0 {
+            return invalid("agent.max_iterations", "expected at least 1");
+        }
+        if let Some(url) = &self.model.base_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return invalid("model.base_url", "expected an http:// or https:// URL");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every unknown key, dotted (`gateway.multiplex_profiles`), for a one-time warning.
+    pub fn unknown_keys(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut push = |prefix: &str, extra: &Extra| {
+            for key in extra.keys() {
+                out.push(if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") });
+            }
+        };
+        push("", &self.extra);
+        push("gateway", &self.gateway.extra);
+        push("model", &self.model.extra);
+        push("auxiliary", &self.auxiliary.extra);
+        push("auxiliary.compression", &self.auxiliary.compression.extra);
+        push("compression", &self.compression.extra);
+        push("terminal", &self.terminal.extra);
+        push("approvals", &self.approvals.extra);
+        push("agent", &self.agent.extra);
+        push("session", &self.session.extra);
+        out
+    }
+
+    /// Tools offered to sessions of `source` by the platform (before the session's own list).
+    pub fn platform_tools(&self, source: &str) -> Vec<String> {
+        self.platform_toolsets
+            .get(source)
+            .cloned()
+            .unwrap_or_else(|| vec!["terminal".to_string(), "clarify".to_string()])
+    }
+}
+
+/// The model endpoint a session is frozen to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub provider: String,
+    pub model: String,
+    pub base_url: Option<String>,
+}
+
+impl Config {
+    /// The default endpoint: config, then `OPENAI_BASE_URL`, then the built-in echo provider.
+    pub fn default_endpoint(&self) -> Endpoint {
+        let env_url = std::env::var("OPENAI_BASE_URL").ok().filter(|s| !s.is_empty());
+        let base_url = self.model.base_url.clone().or(env_url);
+        let provider = self.model.provider.clone().unwrap_or_else(|| {
+            if base_url.is_some() {
+                "custom".into()
+            } else {
+                "echo".into()
+            }
+        });
+        let model = self.model.default.clone().unwrap_or_else(|| {
+            if provider == "echo" {
+                "echo".into()
+            } else {
+                "default".into()
+            }
+        });
+        Endpoint { provider, model, base_url }
+    }
+
+    /// The API key for the main model.
+    pub fn api_key(&self) -> Option<String> {
+        self.model.api_key.clone().or_else(|| std::env::var("OPENAI_API_KEY").ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("config.yaml"))
+    }
+
+    #[test]
+    fn json_is_yaml_and_unknown_keys_are_collected() {
+        let c = parse(r#"{"gateway":{"multiplex_profiles":false},"auxiliary":{"title_generation":{"enabled":false}},
+            "model":{"provider":"custom","default":"m","base_url":"http://127.0.0.1:9/v1","context_length":64000},
+            "approvals":{"mode":"manual","timeout":120},"platform_toolsets":{"cli":["terminal"]}}"#)
+        .expect("loads");
+        assert_eq!(c.model.context_length, Some(64000));
+        assert_eq!(c.approvals.timeout, 120.0);
+        assert_eq!(c.platform_tools("cli"), vec!["terminal".to_string()]);
+        let unknown = c.unknown_keys();
+        assert!(unknown.contains(&"gateway.multiplex_profiles".to_string()), "{unknown:?}");
+        assert!(unknown.contains(&"auxiliary.title_generation".to_string()), "{unknown:?}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let err = parse("approvals:\n  mode: sometimes\n").unwrap_err().to_string();
+        assert!(err.contains("approvals") && err.contains("manual"), "{err}");
+        let err = parse("gateway:\n  port: lots\n").unwrap_err().to_string();
+        assert!(err.contains("gateway"), "{err}");
+        let err = parse("compression:\n  threshold: 3\n").unwrap_err().to_string();
+        assert!(err.contains("compression.threshold"), "{err}");
+        let err = parse("- a\n- b\n").unwrap_err().to_string();
+        assert!(err.contains("mapping"), "{err}");
+    }
+
+    #[test]
+    fn yaml_false_means_approvals_off_and_defaults_hold() {
+        let c = parse("approvals:\n  mode: false\n").expect("loads");
+        assert_eq!(c.approvals.mode, ApprovalMode::Off);
+        let c = parse("").expect("empty loads");
+        assert_eq!(c.gateway.max_frame_bytes, 1 << 20);
+        assert_eq!(c.compression.protect_last_n, 20);
+    }
+}

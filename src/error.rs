@@ -1,0 +1,176 @@
+//! Errors, in layers.
+//!
+//! - Store functions return [`StoreError`]: a domain refusal decided in SQL (`StaleEpoch`,
+//!   `StaleGeneration`, `AdmissionConflict`, …) or a storage failure that keeps the diesel cause
+//!   for the logs.
+//! - Everything a client can see is a [`GatewayError`]. Its [`GatewayError::reason`] is the stable
+//!   wire string (`data.reason` in JSON-RPC, `error.reason` over REST) and
+//!   [`GatewayError::code`] the JSON-RPC code. Internal causes are logged, never sent: a storage
+//!   failure reaches the client as `storage_unavailable` with a generic message.
+
+use serde_json::{json, Value};
+
+/// Failures of a store transition.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("stale_epoch: this process no longer owns the ledger")]
+    StaleEpoch,
+    #[error("stale_generation: {0}")]
+    StaleGeneration(String),
+    #[error("not_found: {0}")]
+    NotFound(String),
+    #[error("admission_conflict: {0}")]
+    AdmissionConflict(String),
+    #[error("invalid_params: {0}")]
+    InvalidParams(String),
+    #[error("unknown_execution: {0}")]
+    UnknownExecution(String),
+    #[error("session_busy: {0}")]
+    SessionBusy(String),
+    #[error("storage: {0}")]
+    Database(#[from] diesel::result::Error),
+    #[error("storage pool: {0}")]
+    Pool(String),
+    #[error("storage: {0}")]
+    Other(String),
+}
+
+/// Every refusal a client can receive.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("invalid_params: {0}")]
+    InvalidParams(String),
+    #[error("not_found: {0}")]
+    NotFound(String),
+    #[error("permission_denied: {0}")]
+    PermissionDenied(String),
+    #[error("profile_mismatch: {0}")]
+    ProfileMismatch(String),
+    #[error("storage_unavailable")]
+    StorageUnavailable,
+    #[error("stale_generation: {0}")]
+    StaleGeneration(String),
+    #[error("stale_epoch")]
+    StaleEpoch,
+    #[error("unknown_execution: {0}")]
+    UnknownExecution(String),
+    #[error("admission_conflict: {0}")]
+    AdmissionConflict(String),
+    #[error("runtime_draining")]
+    RuntimeDraining,
+    #[error("session_busy: {0}")]
+    SessionBusy(String),
+    #[error("payload_too_large: {0}")]
+    PayloadTooLarge(String),
+    #[error("rate_limited: {0}")]
+    RateLimited(String),
+    #[error("unknown method: {0}")]
+    UnknownMethod(String),
+    #[error("parse error: {0}")]
+    Parse(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    /// The stable wire reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            GatewayError::InvalidParams(_) => "invalid_params",
+            GatewayError::NotFound(_) => "not_found",
+            GatewayError::PermissionDenied(_) => "permission_denied",
+            GatewayError::ProfileMismatch(_) => "profile_mismatch",
+            GatewayError::StorageUnavailable | GatewayError::Internal(_) => "storage_unavailable",
+            GatewayError::StaleGeneration(_) => "stale_generation",
+            GatewayError::StaleEpoch => "stale_epoch",
+            GatewayError::UnknownExecution(_) => "unknown_execution",
+            GatewayError::AdmissionConflict(_) => "admission_conflict",
+            GatewayError::RuntimeDraining => "runtime_draining",
+            GatewayError::SessionBusy(_) => "session_busy",
+            GatewayError::PayloadTooLarge(_) => "payload_too_large",
+            GatewayError::RateLimited(_) => "rate_limited",
+            GatewayError::UnknownMethod(_) => "unknown_method",
+            GatewayError::Parse(_) => "parse_error",
+            GatewayError::InvalidRequest(_) => "invalid_request",
+        }
+    }
+
+    /// The JSON-RPC error code.
+    pub fn code(&self) -> i64 {
+        match self {
+            GatewayError::StorageUnavailable | GatewayError::Internal(_) => 5001,
+            GatewayError::UnknownMethod(_) => -32601,
+            GatewayError::Parse(_) => -32700,
+            GatewayError::InvalidRequest(_) => -32600,
+            GatewayError::InvalidParams(_) => -32602,
+            _ => 4001,
+        }
+    }
+
+    /// A human detail safe to show the client.
+    pub fn detail(&self) -> String {
+        match self {
+            GatewayError::StorageUnavailable | GatewayError::Internal(_) => {
+                "the state database is unavailable; retry later".to_string()
+            }
+            other => other.to_string(),
+        }
+    }
+
+    /// The JSON-RPC `error` object.
+    pub fn to_rpc_error(&self) -> Value {
+        let message = match self {
+            GatewayError::UnknownMethod(m) => format!("unknown method: {m}"),
+            GatewayError::Parse(_) | GatewayError::InvalidRequest(_) => self.to_string(),
+            other => other.reason().to_string(),
+        };
+        json!({
+            "code": self.code(),
+            "message": message,
+            "data": {"reason": self.reason(), "detail": self.detail()},
+        })
+    }
+}
+
+impl From<StoreError> for GatewayError {
+    fn from(err: StoreError) -> Self {
+        match err {
+            StoreError::StaleEpoch => GatewayError::StaleEpoch,
+            StoreError::StaleGeneration(m) => GatewayError::StaleGeneration(m),
+            StoreError::NotFound(m) => GatewayError::NotFound(m),
+            StoreError::AdmissionConflict(m) => GatewayError::AdmissionConflict(m),
+            StoreError::InvalidParams(m) => GatewayError::InvalidParams(m),
+            StoreError::UnknownExecution(m) => GatewayError::UnknownExecution(m),
+            StoreError::SessionBusy(m) => GatewayError::SessionBusy(m),
+            other => {
+                tracing::error!(error = %other, "storage failure");
+                GatewayError::StorageUnavailable
+            }
+        }
+    }
+}
+
+pub type GatewayResult<T> = Result<T, GatewayError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_are_pinned() {
+        let body = GatewayError::StaleGeneration("x".into()).to_rpc_error();
+        assert_eq!(body["code"], 4001);
+        assert_eq!(body["message"], "stale_generation");
+        assert_eq!(body["data"]["reason"], "stale_generation");
+        let body = GatewayError::UnknownMethod("nope".into()).to_rpc_error();
+        assert_eq!(body["code"], -32601);
+        assert_eq!(body["message"], "unknown method: nope");
+        assert_eq!(body["data"]["reason"], "unknown_method");
+        let body = GatewayError::from(StoreError::Other("disk on fire".into())).to_rpc_error();
+        assert_eq!(body["code"], 5001);
+        assert_eq!(body["data"]["reason"], "storage_unavailable");
+        assert!(!body.to_string().contains("disk on fire"));
+    }
+}

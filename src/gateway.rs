@@ -1,0 +1,187 @@
+//! `Gateway::start`: boot in order (new epoch, started→unknown sweep, restore sessions, listeners,
+//! then ready), and the graceful stop. Used by `main` and by the tests alike.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_web::{web, App, HttpServer};
+
+use crate::api::control::{self, Control};
+use crate::api::http::{routes, AppState};
+use crate::api::rpc::Authority;
+use crate::api::tickets::Tickets;
+use crate::clock::{SharedClock, SystemClock};
+use crate::config::Config;
+use crate::model::client::{ModelClient, ModelClientConfig};
+use crate::session::registry::{DrainAll, PumpSessions, SessionRegistry};
+use crate::session::{RuntimePhase, RuntimeState, Shared};
+use crate::store::{self, admissions, epoch, prompts, Db};
+use crate::telemetry::Metrics;
+use crate::tools::TerminalTool;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Home(String),
+    #[error("config: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("state database: {0}")]
+    Store(#[from] crate::error::StoreError),
+    #[error("cannot listen: {0}")]
+    Listen(std::io::Error),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A running gateway.
+pub struct RunningGateway {
+    pub home: PathBuf,
+    pub api_origin: String,
+    pub runtime: Arc<RuntimeState>,
+    pub shared: Arc<Shared>,
+    registry: Addr<SessionRegistry>,
+    server: actix_web::dev::ServerHandle,
+    tickets: Arc<Tickets>,
+    control_task: actix_rt::task::JoinHandle<()>,
+}
+
+/// Refuse a home that is group- or world-accessible, and create it 0700 when missing.
+pub fn prepare_home(home: &Path) -> Result<(), StartError> {
+    if !home.exists() {
+        std::fs::create_dir_all(home).map_err(|e| StartError::Home(format!("cannot create {}: {e}", home.display())))?;
+        std::fs::set_permissions(home, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| StartError::Home(format!("cannot set permissions on {}: {e}", home.display())))?;
+    }
+    let meta = std::fs::symlink_metadata(home).map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
+    if !meta.is_dir() {
+        return Err(StartError::Home(format!("{} is not a directory", home.display())));
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(StartError::Home(format!(
+            "{} is accessible to other users (mode {:o}); the control socket there grants full control. \
+             Fix it with: chmod 700 {}",
+            home.display(),
+            mode,
+            home.display()
+        )));
+    }
+    Ok(())
+}
+
+pub struct Gateway;
+
+impl Gateway {
+    /// Boot a gateway on `home` with `config`. Must run inside an actix system.
+    pub async fn start(home: PathBuf, config: Config) -> Result<RunningGateway, StartError> {
+        prepare_home(&home)?;
+        for key in config.unknown_keys() {
+            tracing::warn!(key = %key, "unknown config key ignored");
+        }
+        let is_loopback = matches!(config.gateway.host.as_str(), "127.0.0.1" | "localhost" | "::1");
+        if !is_loopback && config.gateway.api_keys.is_empty() {
+            return Err(StartError::Refused(format!(
+                "gateway.host {} is not a loopback address: configure at least one gateway.api_keys entry first",
+                config.gateway.host
+            )));
+        }
+        let clock: SharedClock = Arc::new(SystemClock::default());
+        let pool = store::open_pool(&home.join("state.db"), 4)?;
+        let instance_id = uuid::Uuid::new_v4().simple().to_string();
+        let (epoch, recovered, to_pump) = {
+            let mut conn = pool.get().map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
+            let now = clock.now();
+            let epoch = epoch::begin_epoch(&mut conn, &instance_id, now)?;
+            let recovered = epoch::recover_started(&mut conn, epoch, now)?;
+            prompts::close_abandoned(&mut conn, now)?;
+            let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
+            (epoch, recovered, to_pump)
+        };
+        tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
+        let db = Db::start(pool, 2);
+        let m = &config.model;
+        let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
+            connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),
+            idle_timeout: Duration::from_secs_f64(m.idle_timeout_seconds.max(0.1)),
+            max_concurrent: m.max_concurrent_requests,
+            max_retries: m.max_retries,
+            max_response_bytes: m.max_response_bytes,
+            retry_base: Duration::from_millis(500),
+        });
+        let endpoint = config.default_endpoint();
+        if endpoint.provider == "echo" {
+            tracing::warn!("no model configured: using the built-in echo provider (set model.base_url for a real one)");
+        }
+        let runtime = Arc::new(RuntimeState::new(instance_id, epoch));
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            home: home.clone(),
+            db,
+            epoch,
+            model,
+            terminal: TerminalTool::start_on_own_arbiter(),
+            runtime: runtime.clone(),
+            clock: clock.clone(),
+            metrics: Arc::new(Metrics::default()),
+        });
+        let registry = SessionRegistry::new(shared.clone()).start();
+        let authority = Authority { shared: shared.clone(), registry: registry.clone() };
+        let tickets = Arc::new(Tickets::new(config.gateway.ticket_ttl_seconds, clock.clone()));
+        if !to_pump.is_empty() {
+            tracing::info!(sessions = to_pump.len(), "resuming queued work");
+            registry.do_send(PumpSessions(to_pump));
+        }
+        let state = web::Data::new(AppState { authority: authority.clone(), tickets: tickets.clone() });
+        let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
+            .workers(2)
+            .disable_signals()
+            .shutdown_timeout(5)
+            .max_connections(config.gateway.max_connections)
+            .bind((config.gateway.host.as_str(), config.gateway.port))
+            .map_err(StartError::Listen)?;
+        let addr = server.addrs().first().copied().ok_or_else(|| StartError::Refused("no listening address".into()))?;
+        let api_origin = match addr {
+            std::net::SocketAddr::V6(a) => format!("http://[{}]:{}", a.ip(), a.port()),
+            std::net::SocketAddr::V4(a) => format!("http://{}:{}", a.ip(), a.port()),
+        };
+        if let Ok(mut o) = runtime.api_origin.lock() {
+            *o = api_origin.clone();
+        }
+        let server = server.run();
+        let handle = server.handle();
+        actix_rt::spawn(async move {
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "http server stopped");
+            }
+        });
+        let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
+        let ctl = Arc::new(Control { authority, tickets: tickets.clone(), version: env!("CARGO_PKG_VERSION") });
+        let control_task = actix_rt::spawn(control::serve(listener, ctl));
+        runtime.set_phase(RuntimePhase::Ready);
+        crate::notify::ready();
+        tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
+        Ok(RunningGateway { home, api_origin, runtime, shared, registry, server: handle, tickets, control_task })
+    }
+}
+
+impl RunningGateway {
+    /// Graceful stop: refuse new work, interrupt running turns and let them settle
+    /// `interrupted`, keep queued work queued, then close the listeners.
+    pub async fn stop(self) {
+        self.runtime.set_phase(RuntimePhase::Stopping);
+        crate::notify::stopping();
+        tracing::info!("draining");
+        let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
+        if tokio::time::timeout(timeout, self.registry.send(DrainAll)).await.is_err() {
+            tracing::warn!(?timeout, "drain timed out; unsettled turns become unknown at the next boot");
+        }
+        self.tickets.revoke_all();
+        self.control_task.abort();
+        let _ = std::fs::remove_file(control::socket_path(&self.home));
+        self.server.stop(true).await;
+        tracing::info!("stopped");
+    }
+}

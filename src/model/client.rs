@@ -1,0 +1,354 @@
+//! `ModelClient`: one actor on its own arbiter owning the HTTP client (awc is not `Send`).
+//! Requests are bounded per provider by a semaphore so a flood of sessions queues instead of
+//! opening unbounded sockets; transient failures are retried with back-off, but never once a delta
+//! was delivered, and never a request that succeeded.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use futures_util::StreamExt;
+use serde_json::Value;
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use super::sse::SseParser;
+use super::wire::{parse_response, ChatResponse, StreamAccumulator};
+
+/// Why a model call failed.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum ModelError {
+    #[error("context_overflow: {0}")]
+    ContextOverflow(String),
+    #[error("rate limited: {0}")]
+    RateLimited(String),
+    #[error("transient: {0}")]
+    Transient(String),
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    #[error("request refused: {0}")]
+    Client(String),
+    #[error("invalid response: {0}")]
+    Malformed(String),
+    #[error("response larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error("interrupted")]
+    Interrupted,
+    #[error("model client unavailable")]
+    Unavailable,
+}
+
+impl ModelError {
+    /// A short stable class for logs and metrics.
+    pub fn class(&self) -> &'static str {
+        match self {
+            ModelError::ContextOverflow(_) => "context_overflow",
+            ModelError::RateLimited(_) => "rate_limited",
+            ModelError::Transient(_) => "transient",
+            ModelError::Auth(_) => "auth",
+            ModelError::Client(_) => "client",
+            ModelError::Malformed(_) => "malformed",
+            ModelError::TooLarge(_) => "too_large",
+            ModelError::Timeout(_) => "timeout",
+            ModelError::Interrupted => "interrupted",
+            ModelError::Unavailable => "unavailable",
+        }
+    }
+
+    fn retryable(&self) -> bool {
+        matches!(
+            self,
+            ModelError::Transient(_) | ModelError::RateLimited(_) | ModelError::Timeout(_) | ModelError::Malformed(_)
+        )
+    }
+}
+
+const OVERFLOW_PHRASES: &[&str] = &[
+    "context_length_exceeded",
+    "context length",
+    "maximum context",
+    "context window",
+    "token limit",
+    "too many tokens",
+    "reduce the length",
+    "prompt is too long",
+    "max_model_len",
+    "request entity too large",
+];
+
+/// Classify an HTTP error status and body.
+pub fn classify(status: u16, body: &str) -> ModelError {
+    let lower = body.to_lowercase();
+    let snippet: String = body.chars().take(500).collect();
+    if (status == 400 || status == 413) && OVERFLOW_PHRASES.iter().any(|p| lower.contains(p)) || status == 413 {
+        return ModelError::ContextOverflow(snippet);
+    }
+    match status {
+        429 => ModelError::RateLimited(snippet),
+        401 | 403 => ModelError::Auth(snippet),
+        500..=599 => ModelError::Transient(format!("HTTP {status}: {snippet}")),
+        _ => ModelError::Client(format!("HTTP {status}: {snippet}")),
+    }
+}
+
+/// Live output of a streamed call.
+#[derive(Debug, Clone)]
+pub enum StreamEvent {
+    Content(String),
+    ToolName(String),
+}
+
+/// One chat-completions call.
+pub struct ChatCall {
+    pub provider: String,
+    pub base_url: Option<String>,
+    pub api_key: Option<String>,
+    pub body: Value,
+    pub stream: bool,
+    pub deltas: Option<mpsc::UnboundedSender<StreamEvent>>,
+    pub cancel: watch::Receiver<bool>,
+    pub timeout: Duration,
+}
+
+impl Message for ChatCall {
+    type Result = Result<ChatResponse, ModelError>;
+}
+
+/// Settings the client needs.
+#[derive(Debug, Clone)]
+pub struct ModelClientConfig {
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_concurrent: usize,
+    pub max_retries: u32,
+    pub max_response_bytes: usize,
+    pub retry_base: Duration,
+}
+
+pub struct ModelClient {
+    config: ModelClientConfig,
+    client: awc::Client,
+    limits: HashMap<String, Arc<Semaphore>>,
+}
+
+impl ModelClient {
+    pub fn new(config: ModelClientConfig) -> Self {
+        let client = awc::Client::builder()
+            .timeout(config.connect_timeout.max(Duration::from_secs(1)) * 20)
+            .disable_redirects()
+            .finish();
+        Self { config, client, limits: HashMap::new() }
+    }
+
+    /// Start on a dedicated arbiter.
+    pub fn start_on_own_arbiter(config: ModelClientConfig) -> Addr<ModelClient> {
+        let arbiter = Arbiter::new();
+        ModelClient::start_in_arbiter(&arbiter.handle(), move |_| ModelClient::new(config))
+    }
+}
+
+impl Actor for ModelClient {
+    type Context = Context<Self>;
+}
+
+impl Handler<ChatCall> for ModelClient {
+    type Result = ResponseFuture<Result<ChatResponse, ModelError>>;
+
+    fn handle(&mut self, call: ChatCall, _: &mut Context<Self>) -> Self::Result {
+        let key = format!("{}|{}", call.provider, call.base_url.clone().unwrap_or_default());
+        let sem = self
+            .limits
+            .entry(key)
+            .or_insert_with(|| Arc::new(Semaphore::new(self.config.max_concurrent)))
+            .clone();
+        let client = self.client.clone();
+        let config = self.config.clone();
+        Box::pin(async move {
+            if call.provider == "echo" {
+                return Ok(echo_reply(&call.body));
+            }
+            let mut cancel = call.cancel.clone();
+            let permit = tokio::select! {
+                p = sem.acquire_owned() => p.map_err(|_| ModelError::Unavailable)?,
+                _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
+            };
+            let result = call_with_retries(&client, &config, &call).await;
+            drop(permit);
+            result
+        })
+    }
+}
+
+async fn wait_cancel(rx: &mut watch::Receiver<bool>) {
+    loop {
+        if *rx.borrow() {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            // The sender is gone: nobody can cancel any more.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+async fn call_with_retries(
+    client: &awc::Client,
+    config: &ModelClientConfig,
+    call: &ChatCall,
+) -> Result<ChatResponse, ModelError> {
+    let mut attempt = 0u32;
+    loop {
+        let mut delivered = false;
+        let mut cancel = call.cancel.clone();
+        let result = tokio::select! {
+            r = tokio::time::timeout(call.timeout, one_call(client, config, call, &mut delivered)) => match r {
+                Ok(r) => r,
+                Err(_) => Err(ModelError::Timeout(format!("no complete response within {:?}", call.timeout))),
+            },
+            _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
+        };
+        match result {
+            Ok(r) => return Ok(r),
+            Err(e) if e.retryable() && !delivered && attempt < config.max_retries => {
+                attempt += 1;
+                let backoff = config.retry_base * 2u32.saturating_pow(attempt - 1);
+                tracing::warn!(error = %e, attempt, ?backoff, "model call failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.min(Duration::from_secs(60))) => {}
+                    _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn one_call(
+    client: &awc::Client,
+    config: &ModelClientConfig,
+    call: &ChatCall,
+    delivered: &mut bool,
+) -> Result<ChatResponse, ModelError> {
+    let base = call.base_url.as_deref().ok_or_else(|| ModelError::Client("no base_url configured".into()))?;
+    let url = format!("{}/chat/completions", base.trim_end_matches('/'));
+    let mut body = call.body.clone();
+    if call.stream {
+        body["stream"] = Value::Bool(true);
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    let mut req = client.post(&url).insert_header(("Content-Type", "application/json"));
+    if let Some(key) = call.api_key.as_deref().filter(|k| !k.is_empty()) {
+        req = req.insert_header(("Authorization", format!("Bearer {key}")));
+    }
+    let payload = serde_json::to_vec(&body).map_err(|e| ModelError::Client(e.to_string()))?;
+    let mut resp = req.send_body(payload).await.map_err(|e| ModelError::Transient(format!("send: {e}")))?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        let bytes = resp.body().limit(64 * 1024).await.unwrap_or_default();
+        return Err(classify(status, &String::from_utf8_lossy(&bytes)));
+    }
+    let is_sse = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"));
+    if !is_sse {
+        let bytes = tokio::time::timeout(call.timeout, resp.body().limit(config.max_response_bytes))
+            .await
+            .map_err(|_| ModelError::Timeout("response body".into()))?
+            .map_err(|e| match e {
+                awc::error::PayloadError::Overflow => ModelError::TooLarge(config.max_response_bytes),
+                other => ModelError::Transient(format!("body: {other}")),
+            })?;
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
+        return parse_response(&v).map_err(ModelError::Malformed);
+    }
+    let mut parser = SseParser::new();
+    let mut acc = StreamAccumulator::default();
+    let mut total = 0usize;
+    let mut done = false;
+    while !done {
+        let next = tokio::time::timeout(config.idle_timeout, resp.next())
+            .await
+            .map_err(|_| ModelError::Timeout(format!("no bytes for {:?}", config.idle_timeout)))?;
+        let events = match next {
+            None => {
+                let rest = parser.finish();
+                done = true;
+                rest
+            }
+            Some(Err(e)) => return Err(ModelError::Transient(format!("stream: {e}"))),
+            Some(Ok(bytes)) => {
+                total += bytes.len();
+                if total > config.max_response_bytes || parser.pending_len() > config.max_response_bytes {
+                    return Err(ModelError::TooLarge(config.max_response_bytes));
+                }
+                parser.feed(&bytes)
+            }
+        };
+        for data in events {
+            if data.trim() == "[DONE]" {
+                done = true;
+                break;
+            }
+            let chunk: Value = serde_json::from_str(&data).map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
+            let delta = acc.apply(&chunk).map_err(|e| classify_stream_error(&e))?;
+            if let Some(tx) = &call.deltas {
+                if let Some(text) = delta.content {
+                    *delivered = true;
+                    let _ = tx.send(StreamEvent::Content(text));
+                }
+                for name in delta.tool_names {
+                    *delivered = true;
+                    let _ = tx.send(StreamEvent::ToolName(name));
+                }
+            }
+        }
+    }
+    Ok(acc.finish())
+}
+
+fn classify_stream_error(e: &str) -> ModelError {
+    let lower = e.to_lowercase();
+    if OVERFLOW_PHRASES.iter().any(|p| lower.contains(p)) {
+        ModelError::ContextOverflow(e.to_string())
+    } else {
+        ModelError::Transient(format!("stream error: {e}"))
+    }
+}
+
+/// The built-in `echo` provider: answers by echoing, and says so.
+fn echo_reply(body: &Value) -> ChatResponse {
+    let last = body
+        .get("messages")
+        .and_then(|m| m.as_array())
+        .and_then(|m| m.iter().rev().find(|m| m.get("role").and_then(|r| r.as_str()) == Some("user")))
+        .and_then(|m| m.get("content"))
+        .and_then(|c| c.as_str())
+        .unwrap_or("");
+    ChatResponse {
+        content: Some(format!(
+            "[echo provider: no model is configured; set model.base_url to use a real one] {last}"
+        )),
+        finish_reason: "stop".into(),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_checks_overflow_before_generic_client_errors() {
+        let body = r#"{"error":{"message":"This model's maximum context length is 64000 tokens.","type":"invalid_request_error","code":"context_length_exceeded"}}"#;
+        assert!(matches!(classify(400, body), ModelError::ContextOverflow(_)));
+        assert!(matches!(classify(413, "too big"), ModelError::ContextOverflow(_)));
+        assert!(matches!(classify(400, "bad field"), ModelError::Client(_)));
+        assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
+        assert!(matches!(classify(503, ""), ModelError::Transient(_)));
+        assert!(matches!(classify(401, ""), ModelError::Auth(_)));
+    }
+}

@@ -1,0 +1,249 @@
+//! Chat-completions wire types and the accumulation of streamed chunks.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_type() -> String {
+    "function".into()
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: i64,
+    #[serde(default)]
+    pub completion_tokens: i64,
+    #[serde(default)]
+    pub total_tokens: i64,
+}
+
+/// One finished model response (streamed or not).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatResponse {
+    pub content: Option<String>,
+    pub reasoning: Option<String>,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish_reason: String,
+    pub usage: Option<Usage>,
+    pub model: Option<String>,
+}
+
+/// Text of a content field that may be a string, a list of parts, or an object.
+pub fn flatten_content(v: &Value) -> Option<String> {
+    match v {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(|t| t.as_str()).or_else(|| p.as_str()))
+                .collect::<Vec<_>>()
+                .join(""),
+        ),
+        other => Some(other.to_string()),
+    }
+}
+
+/// Parse a non-streaming response body.
+pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
+    if let Some(err) = body.get("error") {
+        return Err(err.to_string());
+    }
+    let choice = body
+        .get("choices")
+        .and_then(|c| c.get(0))
+        .ok_or_else(|| "response has no choices".to_string())?;
+    let message = choice.get("message").cloned().unwrap_or(Value::Null);
+    let tool_calls: Vec<ToolCall> = message
+        .get("tool_calls")
+        .and_then(|t| serde_json::from_value(t.clone()).ok())
+        .unwrap_or_default();
+    Ok(ChatResponse {
+        content: message.get("content").and_then(flatten_content),
+        reasoning: message
+            .get("reasoning_content")
+            .or_else(|| message.get("reasoning"))
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
+        tool_calls,
+        finish_reason: choice
+            .get("finish_reason")
+            .and_then(|f| f.as_str())
+            .unwrap_or("stop")
+            .to_string(),
+        usage: body.get("usage").and_then(|u| serde_json::from_value(u.clone()).ok()).map(fix_total),
+        model: body.get("model").and_then(|m| m.as_str()).map(str::to_string),
+    })
+}
+
+fn fix_total(mut u: Usage) -> Usage {
+    if u.total_tokens == 0 {
+        u.total_tokens = u.prompt_tokens + u.completion_tokens;
+    }
+    u
+}
+
+/// Accumulates streamed chunks into a [`ChatResponse`].
+#[derive(Debug, Default)]
+pub struct StreamAccumulator {
+    content: String,
+    saw_content: bool,
+    reasoning: String,
+    slots: Vec<(i64, ToolCall)>,
+    finish_reason: Option<String>,
+    usage: Option<Usage>,
+    model: Option<String>,
+}
+
+/// What a chunk contributed, for live deltas.
+#[derive(Debug, Default, PartialEq)]
+pub struct ChunkDelta {
+    pub content: Option<String>,
+    pub tool_names: Vec<String>,
+}
+
+impl StreamAccumulator {
+    /// Apply one chunk (`data:` payload already parsed as JSON).
+    pub fn apply(&mut self, chunk: &Value) -> Result<ChunkDelta, String> {
+        if let Some(err) = chunk.get("error") {
+            return Err(err.to_string());
+        }
+        let mut delta_out = ChunkDelta::default();
+        if let Some(m) = chunk.get("model").and_then(|m| m.as_str()) {
+            self.model = Some(m.to_string());
+        }
+        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            if let Ok(u) = serde_json::from_value::<Usage>(u.clone()) {
+                self.usage = Some(fix_total(u));
+            }
+        }
+        let Some(choice) = chunk.get("choices").and_then(|c| c.get(0)) else {
+            return Ok(delta_out);
+        };
+        if let Some(f) = choice.get("finish_reason").and_then(|f| f.as_str()) {
+            self.finish_reason = Some(f.to_string());
+        }
+        let Some(delta) = choice.get("delta").or_else(|| choice.get("message")) else {
+            return Ok(delta_out);
+        };
+        if let Some(text) = delta.get("content").and_then(flatten_content) {
+            self.saw_content = true;
+            self.content.push_str(&text);
+            if !text.is_empty() {
+                delta_out.content = Some(text);
+            }
+        }
+        if let Some(r) = delta.get("reasoning_content").or_else(|| delta.get("reasoning")).and_then(|v| v.as_str()) {
+            self.reasoning.push_str(r);
+        }
+        if let Some(calls) = delta.get("tool_calls").and_then(|t| t.as_array()) {
+            for call in calls {
+                let raw_index = call.get("index").and_then(|i| i.as_i64()).unwrap_or(0);
+                let id = call.get("id").and_then(|i| i.as_str()).unwrap_or("");
+                let mut slot_index = raw_index;
+                if let Some((_, existing)) = self.slots.iter().find(|(i, _)| *i == raw_index) {
+                    if !id.is_empty() && !existing.id.is_empty() && existing.id != id {
+                        // A new call reusing an index: give it a fresh slot.
+                        slot_index = self.slots.iter().map(|(i, _)| *i).max().unwrap_or(0) + 1;
+                    }
+                }
+                let pos = match self.slots.iter().position(|(i, _)| *i == slot_index) {
+                    Some(p) => p,
+                    None => {
+                        self.slots.push((slot_index, ToolCall { kind: "function".into(), ..Default::default() }));
+                        self.slots.len() - 1
+                    }
+                };
+                let slot = &mut self.slots[pos].1;
+                if !id.is_empty() {
+                    slot.id = id.to_string();
+                }
+                if let Some(f) = call.get("function") {
+                    if let Some(n) = f.get("name").and_then(|n| n.as_str()) {
+                        if !n.is_empty() && slot.function.name.is_empty() {
+                            delta_out.tool_names.push(n.to_string());
+                        }
+                        slot.function.name.push_str(n);
+                    }
+                    if let Some(a) = f.get("arguments").and_then(|a| a.as_str()) {
+                        slot.function.arguments.push_str(a);
+                    }
+                }
+            }
+        }
+        Ok(delta_out)
+    }
+
+    pub fn finish(mut self) -> ChatResponse {
+        self.slots.sort_by_key(|(i, _)| *i);
+        let tool_calls: Vec<ToolCall> = self
+            .slots
+            .into_iter()
+            .map(|(i, mut c)| {
+                if c.id.is_empty() {
+                    c.id = format!("call_{i}");
+                }
+                c
+            })
+            .collect();
+        ChatResponse {
+            content: if self.saw_content && !self.content.is_empty() { Some(self.content) } else { None },
+            reasoning: if self.reasoning.is_empty() { None } else { Some(self.reasoning) },
+            tool_calls,
+            finish_reason: self.finish_reason.unwrap_or_else(|| "stop".into()),
+            usage: self.usage,
+            model: self.model,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn fragments_accumulate_by_index_and_finish_defaults_to_stop() {
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"content":"A"}}]})).expect("a");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"c2","function":{"name":"clarify","arguments":"{\"q"}}]}}]}))
+            .expect("b");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","function":{"name":"terminal","arguments":"{}"}}]}}]}))
+            .expect("c");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"arguments":"\":1}"}}]}}],
+            "usage":{"prompt_tokens":3,"completion_tokens":4}}))
+            .expect("d");
+        let r = acc.finish();
+        assert_eq!(r.content.as_deref(), Some("A"));
+        assert_eq!(r.finish_reason, "stop");
+        assert_eq!(r.tool_calls.len(), 2);
+        assert_eq!(r.tool_calls[0].id, "c1");
+        assert_eq!(r.tool_calls[1].function.arguments, "{\"q\":1}");
+        assert_eq!(r.usage.map(|u| u.total_tokens), Some(7));
+    }
+
+    #[test]
+    fn error_chunks_and_missing_choices_are_errors() {
+        let mut acc = StreamAccumulator::default();
+        assert!(acc.apply(&json!({"error":{"message":"boom"}})).is_err());
+        assert!(parse_response(&json!({"id":"x"})).is_err());
+        let r = parse_response(&json!({"choices":[{"message":{"content":[{"type":"text","text":"hi"}]}}]})).expect("ok");
+        assert_eq!(r.content.as_deref(), Some("hi"));
+    }
+}

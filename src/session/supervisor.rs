@@ -1,0 +1,676 @@
+//! `SessionSupervisor`: one actor per session. It owns the FIFO pump (claims in `seq` order, one
+//! at a time), the running attempt and its cancel switch, the live prompts of that attempt, the
+//! subscribers and the event sequence. A parked turn holds nothing but this actor's own state.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use serde_json::{json, Value};
+use tokio::sync::{oneshot, watch};
+
+use super::prompts::{OpenPrompt, PromptAnswer, PromptKind};
+use super::shared::Shared;
+use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome};
+use crate::error::{GatewayError, StoreError};
+use crate::store::admissions::{self, AdmissionRow, Claim};
+use crate::store::messages::{closing_messages, live, NewMessage};
+use crate::store::{prompts as prompt_store, sessions};
+
+/// A pre-serialised notification frame for one connection.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct PushEvent(pub Arc<str>);
+
+struct Running {
+    admission_id: String,
+    generation: i64,
+    cancel: watch::Sender<bool>,
+    started: std::time::Instant,
+}
+
+pub struct SessionSupervisor {
+    shared: Arc<Shared>,
+    root_id: String,
+    running: Option<Running>,
+    prompts: HashMap<String, OpenPrompt>,
+    subscribers: HashMap<u64, Recipient<PushEvent>>,
+    seq: u64,
+    claiming: bool,
+    pump_again: bool,
+    draining: bool,
+    drain_waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl SessionSupervisor {
+    pub fn new(shared: Arc<Shared>, root_id: String) -> Self {
+        Self {
+            shared,
+            root_id,
+            running: None,
+            prompts: HashMap::new(),
+            subscribers: HashMap::new(),
+            seq: 0,
+            claiming: false,
+            pump_again: false,
+            draining: false,
+            drain_waiters: Vec::new(),
+        }
+    }
+
+    fn emit(&mut self, kind: &str, payload: Value) {
+        self.seq += 1;
+        let frame = json!({
+            "jsonrpc": "2.0",
+            "method": "event",
+            "params": {
+                "type": kind,
+                "session_id": self.root_id,
+                "seq": self.seq,
+                "authority_epoch": self.shared.epoch,
+                "payload": payload,
+            }
+        });
+        let text: Arc<str> = Arc::from(frame.to_string());
+        self.subscribers.retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+    }
+
+    fn info_payload(&self) -> Value {
+        json!({
+            "running": self.running.is_some(),
+            "execution_generation": self.running.as_ref().map(|r| r.generation),
+            "admission_id": self.running.as_ref().map(|r| r.admission_id.clone()),
+        })
+    }
+
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        if self.draining || self.shared.runtime.draining() || self.running.is_some() {
+            return;
+        }
+        if self.claiming {
+            self.pump_again = true;
+            return;
+        }
+        self.claiming = true;
+        let shared = self.shared.clone();
+        let root = self.root_id.clone();
+        let fut = async move {
+            let now = shared.now();
+            let epoch = shared.epoch;
+            shared.db.write(move |c| admissions::claim_next(c, epoch, &root, now)).await
+        };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            act.claiming = false;
+            match res {
+                Ok(Claim::Started(row)) => act.start_turn(row, ctx),
+                Ok(Claim::Idle) | Ok(Claim::Busy) => {
+                    if std::mem::take(&mut act.pump_again) {
+                        act.pump(ctx);
+                    }
+                }
+                Err(StoreError::UnknownExecution(m)) => {
+                    tracing::info!(session = %act.root_id, "FIFO held: {m}");
+                }
+                Err(e) => tracing::error!(session = %act.root_id, error = %e, "claim failed"),
+            }
+        }));
+    }
+
+    fn start_turn(&mut self, row: AdmissionRow, ctx: &mut Context<Self>) {
+        let Some(generation) = row.execution_generation else {
+            tracing::error!(admission = %row.admission_id, "claimed row has no generation");
+            return;
+        };
+        if self.draining {
+            // Claimed just as the drain began: the attempt must still end, as interrupted.
+            tracing::info!(admission = %row.admission_id, "claimed during drain");
+        }
+        let (cancel_tx, cancel_rx) = watch::channel(self.draining);
+        self.running = Some(Running {
+            admission_id: row.admission_id.clone(),
+            generation,
+            cancel: cancel_tx,
+            started: std::time::Instant::now(),
+        });
+        self.shared.metrics.turn_started();
+        let info = self.info_payload();
+        self.emit("session.info", info);
+        self.emit("message.start", json!({"admission_id": row.admission_id, "execution_generation": generation}));
+        let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
+        let turn = TurnCtx {
+            shared: self.shared.clone(),
+            root_id: self.root_id.clone(),
+            admission_id: row.admission_id.clone(),
+            generation,
+            text: row.text(),
+            cancel: cancel_rx,
+            sup: ctx.address(),
+        };
+        let shared = self.shared.clone();
+        let root = self.root_id.clone();
+        let admission_id = row.admission_id.clone();
+        let fut = async move {
+            let outcome = tracing::Instrument::instrument(run_turn(turn), span).await;
+            let settled = settle(&shared, &root, &admission_id, generation, &outcome).await;
+            (outcome, settled)
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(outcome, settled), act, ctx| {
+            act.turn_finished(generation, outcome, settled, ctx);
+        }));
+    }
+
+    fn turn_finished(
+        &mut self,
+        generation: i64,
+        outcome: TurnOutcome,
+        settled: Result<AdmissionRow, StoreError>,
+        ctx: &mut Context<Self>,
+    ) {
+        if let Some(r) = self.running.take() {
+            self.shared.metrics.turn_finished(r.started.elapsed().as_secs_f64());
+        }
+        let stale: Vec<String> =
+            self.prompts.iter().filter(|(_, p)| p.generation == generation).map(|(k, _)| k.clone()).collect();
+        for id in stale {
+            self.retire_prompt(&id, "turn_ended");
+        }
+        match settled {
+            Ok(row) => {
+                let info = self.info_payload();
+                self.emit("session.info", info);
+                let (status, text) = match &outcome {
+                    TurnOutcome::Completed { final_message } => {
+                        ("complete", final_message.content.clone().unwrap_or_default())
+                    }
+                    TurnOutcome::Interrupted { reason } => ("interrupted", reason.clone()),
+                    TurnOutcome::Failed { error, .. } => ("error", error.clone()),
+                    TurnOutcome::Stale => ("error", String::new()),
+                };
+                self.emit(
+                    "message.complete",
+                    json!({
+                        "admission_id": row.admission_id,
+                        "outcome": row.outcome,
+                        "status": status,
+                        "text": text,
+                        "execution_generation": generation,
+                    }),
+                );
+            }
+            Err(e) => {
+                // Not settled: the row stays started and becomes unknown at the next boot.
+                tracing::error!(session = %self.root_id, error = %e, "settlement refused");
+            }
+        }
+        for w in self.drain_waiters.drain(..) {
+            let _ = w.send(());
+        }
+        if !self.draining {
+            self.pump(ctx);
+        }
+    }
+
+    fn retire_prompt(&mut self, prompt_id: &str, resolution: &str) {
+        if let Some(p) = self.prompts.remove(prompt_id) {
+            let kind = p.kind.as_str();
+            self.emit(
+                &format!("{kind}.settled"),
+                json!({"prompt_id": prompt_id, "resolution": resolution, "execution_generation": p.generation}),
+            );
+            self.audit_resolution(prompt_id.to_string(), resolution.to_string(), "gateway".to_string());
+        }
+    }
+
+    fn audit_resolution(&self, prompt_id: String, resolution: String, by: String) {
+        let shared = self.shared.clone();
+        actix::spawn(async move {
+            let now = shared.now();
+            if let Err(e) = shared
+                .db
+                .write(move |c| prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now))
+                .await
+            {
+                tracing::error!(error = %e, "prompt audit write failed");
+            }
+        });
+    }
+
+    /// Open prompts of the running attempt, as listed in snapshots.
+    fn open_prompts(&self) -> Vec<Value> {
+        let running = self.running.as_ref().map(|r| r.generation);
+        let mut v: Vec<&OpenPrompt> = self.prompts.values().filter(|p| Some(p.generation) == running).collect();
+        v.sort_by(|a, b| a.prompt_id.cmp(&b.prompt_id));
+        v.into_iter().map(|p| p.payload.clone()).collect()
+    }
+}
+
+async fn settle(
+    shared: &Arc<Shared>,
+    root: &str,
+    admission_id: &str,
+    generation: i64,
+    outcome: &TurnOutcome,
+) -> Result<AdmissionRow, StoreError> {
+    let (status, closing, result) = match outcome {
+        TurnOutcome::Stale => return Err(StoreError::StaleGeneration("the attempt lost its fence".into())),
+        TurnOutcome::Completed { final_message } => (
+            "completed",
+            vec![final_message.clone()],
+            json!({"final_response": final_message.content, "completed": true}),
+        ),
+        TurnOutcome::Interrupted { reason } => {
+            let closing = closing_for(shared, root, admission_id, &format!("[Turn interrupted: {reason}]")).await?;
+            ("interrupted", closing, json!({"interrupted": true, "reason": reason}))
+        }
+        TurnOutcome::Failed { error, reason } => {
+            let closing = closing_for(shared, root, admission_id, &format!("[Turn failed: {error}]")).await?;
+            ("failed", closing, json!({"failed": true, "error": error, "reason": reason}))
+        }
+    };
+    let epoch = shared.epoch;
+    let now = shared.now();
+    let root = root.to_string();
+    let admission_id = admission_id.to_string();
+    let result = result.to_string();
+    shared
+        .db
+        .write(move |c| {
+            admissions::settle(c, epoch, &root, &admission_id, generation, status, &result, &closing, now)
+        })
+        .await
+}
+
+async fn closing_for(
+    shared: &Arc<Shared>,
+    root: &str,
+    admission_id: &str,
+    note: &str,
+) -> Result<Vec<NewMessage>, StoreError> {
+    let root = root.to_string();
+    let admission_id = admission_id.to_string();
+    let note = note.to_string();
+    shared
+        .db
+        .read(move |c| {
+            let row = sessions::root_of(c, &root)?;
+            let rows = live(c, &row.tip_session_id)?;
+            Ok(closing_messages(&rows, &note, Some(&admission_id)))
+        })
+        .await
+}
+
+impl Actor for SessionSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.set_mailbox_capacity(1024);
+    }
+}
+
+impl actix::Supervised for SessionSupervisor {
+    fn restarting(&mut self, ctx: &mut Context<Self>) {
+        // After a panic the in-memory attempt is gone; its row stays started (unknown at boot).
+        tracing::error!(session = %self.root_id, "session supervisor restarted");
+        self.running = None;
+        self.prompts.clear();
+        self.claiming = false;
+        ctx.notify(Pump);
+    }
+}
+
+// ---- messages ----
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Pump;
+
+impl Handler<Pump> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, _: Pump, ctx: &mut Context<Self>) {
+        self.pump(ctx);
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Subscribe {
+    pub conn_id: u64,
+    pub recipient: Recipient<PushEvent>,
+}
+
+impl Handler<Subscribe> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) {
+        self.subscribers.insert(m.conn_id, m.recipient);
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Unsubscribe {
+    pub conn_id: u64,
+}
+
+impl Handler<Unsubscribe> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: Unsubscribe, _: &mut Context<Self>) {
+        self.subscribers.remove(&m.conn_id);
+    }
+}
+
+/// Admit an input (durably, before the reply), then pump.
+#[derive(Message)]
+#[rtype(result = "Result<AdmissionRow, GatewayError>")]
+pub struct Submit {
+    pub principal: String,
+    pub input_id: String,
+    pub text: String,
+}
+
+impl Handler<Submit> for SessionSupervisor {
+    type Result = ResponseActFuture<Self, Result<AdmissionRow, GatewayError>>;
+
+    fn handle(&mut self, m: Submit, _: &mut Context<Self>) -> Self::Result {
+        let shared = self.shared.clone();
+        let root = self.root_id.clone();
+        let fut = async move {
+            if shared.runtime.draining() {
+                return Err(GatewayError::RuntimeDraining);
+            }
+            let epoch = shared.epoch;
+            let now = shared.now();
+            let max = shared.config.session.max_queued_admissions;
+            let (row, created) = shared
+                .db
+                .write(move |c| admissions::admit(c, epoch, &m.principal, &root, &m.input_id, &m.text, max, now))
+                .await?;
+            Ok((row, created))
+        };
+        Box::pin(fut.into_actor(self).map(|res, act, ctx| {
+            let (row, created) = res?;
+            if created {
+                act.shared.metrics.admitted();
+                act.emit("session.info", json!({"admitted": row.admission_id, "sequence": row.seq}));
+                act.pump(ctx);
+            }
+            Ok(row)
+        }))
+    }
+}
+
+/// Live (in-memory) part of a snapshot.
+#[derive(Debug, Clone)]
+pub struct LiveView {
+    pub running: Option<(String, i64)>,
+    pub prompts: Vec<Value>,
+    pub last_sequence: u64,
+}
+
+#[derive(Message)]
+#[rtype(result = "LiveView")]
+pub struct GetLive;
+
+impl Handler<GetLive> for SessionSupervisor {
+    type Result = MessageResult<GetLive>;
+    fn handle(&mut self, _: GetLive, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(LiveView {
+            running: self.running.as_ref().map(|r| (r.admission_id.clone(), r.generation)),
+            prompts: self.open_prompts(),
+            last_sequence: self.seq,
+        })
+    }
+}
+
+/// From a turn: a prompt now waits for a human.
+#[derive(Message)]
+#[rtype(result = "Result<(), ()>")]
+pub struct RegisterPrompt(pub OpenPrompt);
+
+impl Handler<RegisterPrompt> for SessionSupervisor {
+    type Result = Result<(), ()>;
+    fn handle(&mut self, m: RegisterPrompt, _: &mut Context<Self>) -> Self::Result {
+        let p = m.0;
+        let live = self.running.as_ref().map(|r| r.generation) == Some(p.generation);
+        if !live || self.draining {
+            return Err(());
+        }
+        let payload = p.payload.clone();
+        let kind = p.kind.as_str();
+        let (prompt_id, admission_id, generation) = (p.prompt_id.clone(), p.admission_id.clone(), p.generation);
+        let session = self.root_id.clone();
+        self.prompts.insert(p.prompt_id.clone(), p);
+        self.shared.metrics.prompt_opened();
+        let shared = self.shared.clone();
+        let audit = payload.to_string();
+        actix::spawn(async move {
+            let now = shared.now();
+            let r = shared
+                .db
+                .write(move |c| {
+                    prompt_store::record_open(c, &prompt_id, &session, &admission_id, generation, kind, &audit, now)
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "prompt audit write failed");
+            }
+        });
+        self.emit(&format!("{kind}.request"), payload);
+        Ok(())
+    }
+}
+
+/// From a turn: its prompt timed out or was abandoned.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RetirePrompt {
+    pub prompt_id: String,
+    pub resolution: String,
+}
+
+impl Handler<RetirePrompt> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: RetirePrompt, _: &mut Context<Self>) {
+        if self.prompts.contains_key(&m.prompt_id) {
+            self.shared.metrics.prompt_closed();
+        }
+        self.retire_prompt(&m.prompt_id, &m.resolution);
+    }
+}
+
+/// From a turn: a live event (deltas, tool activity).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Emit {
+    pub kind: &'static str,
+    pub payload: Value,
+}
+
+impl Handler<Emit> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: Emit, _: &mut Context<Self>) {
+        self.emit(m.kind, m.payload);
+    }
+}
+
+/// A human's answer to a prompt, fenced by the running generation.
+#[derive(Message)]
+#[rtype(result = "Result<Value, GatewayError>")]
+pub struct Respond {
+    pub kind: PromptKind,
+    pub generation: i64,
+    pub prompt_id: String,
+    pub answer: PromptAnswer,
+    pub by: String,
+}
+
+impl Handler<Respond> for SessionSupervisor {
+    type Result = Result<Value, GatewayError>;
+    fn handle(&mut self, m: Respond, _: &mut Context<Self>) -> Self::Result {
+        let running = self.running.as_ref().map(|r| r.generation);
+        if running != Some(m.generation) || self.draining {
+            return Err(GatewayError::StaleGeneration(format!(
+                "generation {} is not the running attempt of this session",
+                m.generation
+            )));
+        }
+        let stale: Vec<String> =
+            self.prompts.iter().filter(|(_, p)| Some(p.generation) != running).map(|(k, _)| k.clone()).collect();
+        for id in stale {
+            self.retire_prompt(&id, "stale");
+        }
+        let Some(p) = self.prompts.get(&m.prompt_id) else {
+            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+        };
+        if p.kind != m.kind {
+            return Err(GatewayError::InvalidParams(format!("prompt {} is a {} prompt", m.prompt_id, p.kind.as_str())));
+        }
+        if let PromptAnswer::Choice(choice) = &m.answer {
+            if !p.choices.contains(choice) {
+                return Err(GatewayError::InvalidParams(format!(
+                    "choice {choice:?} is not one of {:?}",
+                    p.choices
+                )));
+            }
+        }
+        let Some(p) = self.prompts.remove(&m.prompt_id) else {
+            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+        };
+        self.shared.metrics.prompt_closed();
+        let resolution = match &m.answer {
+            PromptAnswer::Choice(c) => format!("choice:{c}"),
+            PromptAnswer::Text(t) if t.is_empty() => "skipped".to_string(),
+            PromptAnswer::Text(_) => "answered".to_string(),
+        };
+        let delivered = p.responder.send(m.answer).is_ok();
+        self.emit(
+            &format!("{}.settled", p.kind.as_str()),
+            json!({"prompt_id": m.prompt_id, "resolution": resolution, "execution_generation": p.generation}),
+        );
+        self.audit_resolution(m.prompt_id.clone(), resolution, m.by);
+        let status = if delivered { "resolved" } else { "already_resolved" };
+        Ok(json!({"status": status, "prompt_id": m.prompt_id}))
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<AdmissionRow, GatewayError>")]
+pub struct ResolveUnknown {
+    pub admission_id: String,
+    pub generation: i64,
+}
+
+impl Handler<ResolveUnknown> for SessionSupervisor {
+    type Result = ResponseActFuture<Self, Result<AdmissionRow, GatewayError>>;
+    fn handle(&mut self, m: ResolveUnknown, _: &mut Context<Self>) -> Self::Result {
+        let shared = self.shared.clone();
+        let root = self.root_id.clone();
+        let fut = async move {
+            let epoch = shared.epoch;
+            let now = shared.now();
+            Ok(shared
+                .db
+                .write(move |c| admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now))
+                .await?)
+        };
+        Box::pin(fut.into_actor(self).map(|res: Result<AdmissionRow, GatewayError>, act, ctx| {
+            let row = res?;
+            act.emit("session.info", json!({"resolved": row.admission_id, "outcome": row.outcome}));
+            act.pump(ctx);
+            Ok(row)
+        }))
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<AdmissionRow, GatewayError>")]
+pub struct CancelQueued {
+    pub admission_id: String,
+}
+
+impl Handler<CancelQueued> for SessionSupervisor {
+    type Result = ResponseActFuture<Self, Result<AdmissionRow, GatewayError>>;
+    fn handle(&mut self, m: CancelQueued, _: &mut Context<Self>) -> Self::Result {
+        let shared = self.shared.clone();
+        let root = self.root_id.clone();
+        let fut = async move {
+            let epoch = shared.epoch;
+            let now = shared.now();
+            Ok(shared.db.write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now)).await?)
+        };
+        Box::pin(fut.into_actor(self).map(|res: Result<AdmissionRow, GatewayError>, act, _| {
+            let row = res?;
+            act.emit("session.info", json!({"cancelled": row.admission_id}));
+            Ok(row)
+        }))
+    }
+}
+
+/// Interrupt the running attempt `generation`.
+#[derive(Message)]
+#[rtype(result = "Result<bool, GatewayError>")]
+pub struct Interrupt {
+    pub generation: Option<i64>,
+    pub reason: String,
+}
+
+impl Handler<Interrupt> for SessionSupervisor {
+    type Result = Result<bool, GatewayError>;
+    fn handle(&mut self, m: Interrupt, _: &mut Context<Self>) -> Self::Result {
+        let Some(r) = &self.running else {
+            if m.generation.is_some() {
+                return Err(GatewayError::StaleGeneration("nothing is running".into()));
+            }
+            return Ok(false);
+        };
+        if let Some(g) = m.generation {
+            if g != r.generation {
+                return Err(GatewayError::StaleGeneration(format!("generation {g} is not running")));
+            }
+        }
+        tracing::info!(session = %self.root_id, reason = %m.reason, "interrupting the running turn");
+        // The flag first, then the prompts: a released prompt must see the interrupt.
+        let _ = r.cancel.send(true);
+        let open: Vec<String> = self.prompts.keys().cloned().collect();
+        for id in open {
+            self.retire_prompt(&id, "interrupted");
+        }
+        Ok(true)
+    }
+}
+
+/// Graceful stop: no more claims; interrupt the running attempt; answer when it has settled.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+impl Handler<Drain> for SessionSupervisor {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
+        self.draining = true;
+        let Some(r) = &self.running else {
+            return Box::pin(async {});
+        };
+        let _ = r.cancel.send(true);
+        let open: Vec<String> = self.prompts.keys().cloned().collect();
+        for id in open {
+            self.retire_prompt(&id, "shutdown");
+        }
+        let (tx, rx) = oneshot::channel();
+        self.drain_waiters.push(tx);
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+/// Is this supervisor idle (nothing running, nobody subscribed)?
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct IsIdle;
+
+impl Handler<IsIdle> for SessionSupervisor {
+    type Result = bool;
+    fn handle(&mut self, _: IsIdle, _: &mut Context<Self>) -> bool {
+        self.running.is_none() && self.subscribers.is_empty() && !self.claiming && self.prompts.is_empty()
+    }
+}

@@ -1,0 +1,451 @@
+//! The admission ledger: queued → started → terminal, with `unknown` for work whose owner died.
+//! Claims and settlements are fenced by epoch and execution generation in SQL.
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+use sha2::{Digest, Sha256};
+
+use super::epoch::check_epoch;
+use super::messages::{closing_messages, insert_messages, live, NewMessage};
+use super::schema::{session_admissions as sa, sessions};
+use crate::error::StoreError;
+
+#[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
+#[diesel(table_name = sa)]
+pub struct AdmissionRow {
+    pub seq: i64,
+    pub admission_id: String,
+    pub request_id: String,
+    pub principal_id: String,
+    pub target_session_id: String,
+    pub payload_json: String,
+    pub payload_digest: String,
+    pub intent: String,
+    pub status: String,
+    pub outcome: Option<String>,
+    pub owner_epoch: Option<i64>,
+    pub execution_generation: Option<i64>,
+    pub result_json: Option<String>,
+    pub created_at: f64,
+    pub updated_at: f64,
+}
+
+impl AdmissionRow {
+    /// The input text (public payload).
+    pub fn text(&self) -> String {
+        serde_json::from_str::<serde_json::Value>(&self.payload_json)
+            .ok()
+            .and_then(|v| v.get("text").and_then(|t| t.as_str()).map(str::to_string))
+            .unwrap_or_default()
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        self.status == "terminal"
+    }
+}
+
+/// `sha256(target \0 payload)` as hex: the identity of an input's content.
+pub fn digest(target: &str, payload_json: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(target.as_bytes());
+    h.update([0u8]);
+    h.update(payload_json.as_bytes());
+    hex(&h.finalize())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Admit an input. Same `(principal, target, request_id)` and digest → the existing row whatever
+/// its status (`created == false`); another digest → `admission_conflict`.
+#[allow(clippy::too_many_arguments)]
+pub fn admit(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    principal: &str,
+    target: &str,
+    request_id: &str,
+    text: &str,
+    max_queued: i64,
+    now: f64,
+) -> Result<(AdmissionRow, bool), StoreError> {
+    let payload = serde_json::json!({ "text": text }).to_string();
+    let fingerprint = digest(target, &payload);
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let existing: Option<AdmissionRow> = sa::table
+            .filter(sa::principal_id.eq(principal))
+            .filter(sa::target_session_id.eq(target))
+            .filter(sa::request_id.eq(request_id))
+            .select(AdmissionRow::as_select())
+            .first(conn)
+            .optional()?;
+        if let Some(row) = existing {
+            if row.payload_digest == fingerprint {
+                return Ok((row, false));
+            }
+            return Err(StoreError::AdmissionConflict(format!(
+                "input_id {request_id} was admitted with other content"
+            )));
+        }
+        let exists: i64 = sessions::table.filter(sessions::id.eq(target)).count().get_result(conn)?;
+        if exists == 0 {
+            return Err(StoreError::NotFound(format!("no session {target}")));
+        }
+        let waiting: i64 = sa::table
+            .filter(sa::target_session_id.eq(target))
+            .filter(sa::status.eq("queued"))
+            .count()
+            .get_result(conn)?;
+        if waiting >= max_queued {
+            return Err(StoreError::SessionBusy(format!("{waiting} inputs are already queued")));
+        }
+        let admission_id = uuid::Uuid::new_v4().simple().to_string();
+        diesel::insert_into(sa::table)
+            .values((
+                sa::admission_id.eq(&admission_id),
+                sa::request_id.eq(request_id),
+                sa::principal_id.eq(principal),
+                sa::target_session_id.eq(target),
+                sa::payload_json.eq(&payload),
+                sa::payload_digest.eq(&fingerprint),
+                sa::status.eq("queued"),
+                sa::owner_epoch.eq(epoch),
+                sa::created_at.eq(now),
+                sa::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        let row = by_id(conn, &admission_id)?;
+        Ok((row, true))
+    })
+}
+
+pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<AdmissionRow, StoreError> {
+    sa::table
+        .filter(sa::admission_id.eq(admission_id))
+        .select(AdmissionRow::as_select())
+        .first(conn)
+        .optional()?
+        .ok_or_else(|| StoreError::NotFound(format!("no admission {admission_id}")))
+}
+
+/// One admission of `session` (not another session's).
+pub fn of_session(conn: &mut SqliteConnection, session: &str, admission_id: &str) -> Result<AdmissionRow, StoreError> {
+    let row = by_id(conn, admission_id)?;
+    if row.target_session_id != session {
+        return Err(StoreError::NotFound(format!("no admission {admission_id} in session {session}")));
+    }
+    Ok(row)
+}
+
+/// Non-terminal rows of a session, in seq order.
+pub fn pending(conn: &mut SqliteConnection, session: &str) -> Result<Vec<AdmissionRow>, StoreError> {
+    Ok(sa::table
+        .filter(sa::target_session_id.eq(session))
+        .filter(sa::status.ne("terminal"))
+        .order(sa::seq.asc())
+        .select(AdmissionRow::as_select())
+        .load(conn)?)
+}
+
+/// Every non-terminal row with status `status` across sessions (operator view).
+pub fn all_with_status(conn: &mut SqliteConnection, status: &str, limit: i64) -> Result<Vec<AdmissionRow>, StoreError> {
+    Ok(sa::table
+        .filter(sa::status.eq(status))
+        .order(sa::seq.asc())
+        .limit(limit)
+        .select(AdmissionRow::as_select())
+        .load(conn)?)
+}
+
+/// Counts by status (and outcome for terminal rows), for metrics and status.
+pub fn counts(conn: &mut SqliteConnection) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
+    Ok(sa::table
+        .group_by((sa::status, sa::outcome))
+        .select((sa::status, sa::outcome, diesel::dsl::count_star()))
+        .load(conn)?)
+}
+
+/// Sessions that have queued work and nothing unknown: the pumps to start at boot.
+pub fn sessions_ready_to_pump(conn: &mut SqliteConnection) -> Result<Vec<String>, StoreError> {
+    let queued: Vec<String> =
+        sa::table.filter(sa::status.eq("queued")).select(sa::target_session_id).distinct().load(conn)?;
+    let blocked: std::collections::HashSet<String> = sa::table
+        .filter(sa::status.eq_any(["unknown", "started"]))
+        .select(sa::target_session_id)
+        .distinct()
+        .load::<String>(conn)?
+        .into_iter()
+        .collect();
+    Ok(queued.into_iter().filter(|s| !blocked.contains(s)).collect())
+}
+
+/// What a claim found.
+#[derive(Debug)]
+pub enum Claim {
+    /// The head was claimed: it is now `started` with a new generation.
+    Started(AdmissionRow),
+    /// Nothing queued.
+    Idle,
+    /// Something is already started (one at a time).
+    Busy,
+}
+
+/// Claim the lowest-seq queued row of `session`: bump the session's generation and stamp it.
+/// An `unknown` row holds the FIFO (`unknown_execution`).
+pub fn claim_next(conn: &mut SqliteConnection, epoch: i64, session: &str, now: f64) -> Result<Claim, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let rows = pending(conn, session)?;
+        if let Some(u) = rows.iter().find(|r| r.status == "unknown") {
+            return Err(StoreError::UnknownExecution(format!(
+                "admission {} is unknown; resolve it first",
+                u.admission_id
+            )));
+        }
+        if rows.iter().any(|r| r.status == "started") {
+            return Ok(Claim::Busy);
+        }
+        let Some(head) = rows.into_iter().find(|r| r.status == "queued") else {
+            return Ok(Claim::Idle);
+        };
+        diesel::update(sessions::table.filter(sessions::id.eq(session)))
+            .set(sessions::runtime_generation.eq(sessions::runtime_generation + 1))
+            .execute(conn)?;
+        let generation: i64 =
+            sessions::table.filter(sessions::id.eq(session)).select(sessions::runtime_generation).first(conn)?;
+        let n = diesel::update(
+            sa::table.filter(sa::admission_id.eq(&head.admission_id)).filter(sa::status.eq("queued")),
+        )
+        .set((
+            sa::status.eq("started"),
+            sa::owner_epoch.eq(epoch),
+            sa::execution_generation.eq(generation),
+            sa::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        if n != 1 {
+            return Err(StoreError::StaleGeneration("the head moved during the claim".into()));
+        }
+        Ok(Claim::Started(by_id(conn, &head.admission_id)?))
+    })
+}
+
+/// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip in the
+/// same transaction. Fenced: started, this epoch, this generation, the session's running one.
+#[allow(clippy::too_many_arguments)]
+pub fn settle(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    admission_id: &str,
+    generation: i64,
+    outcome: &str,
+    result_json: &str,
+    closing: &[NewMessage],
+    now: f64,
+) -> Result<AdmissionRow, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let (tip, current): (String, i64) = sessions::table
+            .filter(sessions::id.eq(session))
+            .select((sessions::tip_session_id, sessions::runtime_generation))
+            .first(conn)?;
+        if current != generation {
+            return Err(StoreError::StaleGeneration(format!("generation {generation} is not running")));
+        }
+        let n = diesel::update(
+            sa::table
+                .filter(sa::admission_id.eq(admission_id))
+                .filter(sa::target_session_id.eq(session))
+                .filter(sa::status.eq("started"))
+                .filter(sa::owner_epoch.eq(epoch))
+                .filter(sa::execution_generation.eq(generation)),
+        )
+        .set((
+            sa::status.eq("terminal"),
+            sa::outcome.eq(outcome),
+            sa::result_json.eq(result_json),
+            sa::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        if n != 1 {
+            return Err(StoreError::StaleGeneration(format!("admission {admission_id} is not the running attempt")));
+        }
+        let rows: Vec<NewMessage> =
+            closing.iter().cloned().map(|m| NewMessage { session_id: tip.clone(), ..m }).collect();
+        insert_messages(conn, &rows, now)?;
+        diesel::update(sessions::table.filter(sessions::id.eq(session)))
+            .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
+            .execute(conn)?;
+        by_id(conn, admission_id)
+    })
+}
+
+/// Cancel a queued row (terminal/cancelled). Started → `stale_generation`; unknown →
+/// `unknown_execution`; terminal rows are returned as they are.
+pub fn cancel(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    admission_id: &str,
+    now: f64,
+) -> Result<AdmissionRow, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let row = of_session(conn, session, admission_id)?;
+        match row.status.as_str() {
+            "queued" => {
+                diesel::update(sa::table.filter(sa::admission_id.eq(admission_id)).filter(sa::status.eq("queued")))
+                    .set((sa::status.eq("terminal"), sa::outcome.eq("cancelled"), sa::updated_at.eq(now)))
+                    .execute(conn)?;
+                by_id(conn, admission_id)
+            }
+            "started" => Err(StoreError::StaleGeneration("the admission is running; interrupt it instead".into())),
+            "unknown" => Err(StoreError::UnknownExecution("the admission is unknown; resolve it instead".into())),
+            _ => Ok(row),
+        }
+    })
+}
+
+/// Settle an `unknown` row `terminal/interrupted` (the operator's decision), closing the transcript
+/// in the same transaction. The generation must match; the input is never replayed.
+pub fn resolve_unknown(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    admission_id: &str,
+    generation: i64,
+    now: f64,
+) -> Result<AdmissionRow, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let row = of_session(conn, session, admission_id)?;
+        if row.status != "unknown" || row.execution_generation != Some(generation) {
+            return Err(StoreError::StaleGeneration(format!(
+                "admission {admission_id} is not unknown at generation {generation}"
+            )));
+        }
+        let tip: String =
+            sessions::table.filter(sessions::id.eq(session)).select(sessions::tip_session_id).first(conn)?;
+        let transcript = live(conn, &tip)?;
+        let closing: Vec<NewMessage> = closing_messages(
+            &transcript,
+            "[This turn was lost when the gateway stopped unexpectedly and was discarded by an operator. \
+             It may have been partially done.]",
+            Some(admission_id),
+        )
+        .into_iter()
+        .map(|m| NewMessage { session_id: tip.clone(), ..m })
+        .collect();
+        insert_messages(conn, &closing, now)?;
+        diesel::update(sa::table.filter(sa::admission_id.eq(admission_id)).filter(sa::status.eq("unknown")))
+            .set((
+                sa::status.eq("terminal"),
+                sa::outcome.eq("interrupted"),
+                sa::owner_epoch.eq(epoch),
+                sa::result_json.eq(r#"{"resolved":"operator"}"#),
+                sa::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        diesel::update(sessions::table.filter(sessions::id.eq(session)))
+            .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
+            .execute(conn)?;
+        by_id(conn, admission_id)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{epoch, sessions as sess, testing};
+
+    fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection, i64) {
+        let (d, mut conn) = testing::conn();
+        let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
+        let new = sess::NewSession {
+            id: "s1".into(),
+            principal_id: "p".into(),
+            request_id: "r".into(),
+            request_digest: "d".into(),
+            source: "cli".into(),
+            model: "m".into(),
+            provider: "custom".into(),
+            base_url: None,
+            cwd: "/".into(),
+            toolsets_json: "[]".into(),
+            profile: "default".into(),
+            title: None,
+            system_prompt: None,
+        };
+        sess::create_or_get(&mut conn, e, &new, 1.0).expect("session");
+        (d, conn, e)
+    }
+
+    #[test]
+    fn admit_is_idempotent_and_conflicts_on_other_text() {
+        let (_d, mut c, e) = setup();
+        let (a, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 1.0).expect("admit");
+        assert!(created);
+        let (b, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 2.0).expect("again");
+        assert!(!created);
+        assert_eq!(a.admission_id, b.admission_id);
+        assert!(matches!(admit(&mut c, e, "p", "s1", "in-1", "other", 10, 2.0), Err(StoreError::AdmissionConflict(_))));
+        assert!(matches!(admit(&mut c, e, "p", "nope", "in-2", "x", 10, 2.0), Err(StoreError::NotFound(_))));
+        admit(&mut c, e, "p", "s1", "in-2", "x", 2, 2.0).expect("second queued");
+        assert!(matches!(admit(&mut c, e, "p", "s1", "in-3", "x", 2, 2.0), Err(StoreError::SessionBusy(_))));
+    }
+
+    #[test]
+    fn claims_are_fifo_one_at_a_time_and_settles_are_fenced() {
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
+        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim") else { panic!("no claim") };
+        assert_eq!(first.admission_id, a.admission_id);
+        assert_eq!(first.execution_generation, Some(1));
+        assert!(matches!(claim_next(&mut c, e, "s1", 2.0).expect("busy"), Claim::Busy));
+        assert!(matches!(
+            settle(&mut c, e, "s1", &a.admission_id, 7, "completed", "{}", &[], 3.0),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        settle(&mut c, e, "s1", &a.admission_id, 1, "completed", "{}", &[], 3.0).expect("settle");
+        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim") else { panic!("no claim") };
+        assert_eq!(second.admission_id, b.admission_id);
+        assert_eq!(second.execution_generation, Some(2));
+    }
+
+    #[test]
+    fn unknown_holds_the_fifo_until_resolved_with_its_generation() {
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
+        assert!(matches!(claim_next(&mut c, e, "s1", 2.0), Ok(Claim::Started(_))));
+        let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
+        assert_eq!(epoch::recover_started(&mut c, e2, 3.0).expect("sweep"), 1);
+        assert!(matches!(claim_next(&mut c, e2, "s1", 3.0), Err(StoreError::UnknownExecution(_))));
+        assert!(sessions_ready_to_pump(&mut c).expect("ready").is_empty());
+        // The old process can no longer settle it.
+        assert!(matches!(
+            settle(&mut c, e, "s1", &a.admission_id, 1, "completed", "{}", &[], 3.0),
+            Err(StoreError::StaleEpoch)
+        ));
+        assert!(matches!(resolve_unknown(&mut c, e2, "s1", &a.admission_id, 9, 4.0), Err(StoreError::StaleGeneration(_))));
+        let r = resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0).expect("resolve");
+        assert_eq!((r.status.as_str(), r.outcome.as_deref()), ("terminal", Some("interrupted")));
+        assert!(matches!(resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0), Err(StoreError::StaleGeneration(_))));
+        assert!(matches!(claim_next(&mut c, e2, "s1", 5.0), Ok(Claim::Started(_))));
+    }
+
+    #[test]
+    fn only_queued_rows_cancel() {
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
+        claim_next(&mut c, e, "s1", 2.0).expect("claim");
+        assert!(matches!(cancel(&mut c, e, "s1", &a.admission_id, 2.0), Err(StoreError::StaleGeneration(_))));
+        let r = cancel(&mut c, e, "s1", &b.admission_id, 2.0).expect("cancel");
+        assert_eq!(r.outcome.as_deref(), Some("cancelled"));
+    }
+}

@@ -1,0 +1,98 @@
+//! The authority epoch: one row, +1 per boot. Every ledger write checks it first, so a stale
+//! process can never commit work it no longer owns.
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+
+use super::schema::{runtime_epoch, session_admissions, state_meta};
+use crate::error::StoreError;
+
+/// Take a new epoch (strictly greater than every earlier one) for `instance_id`.
+pub fn begin_epoch(conn: &mut SqliteConnection, instance_id: &str, now: f64) -> Result<i64, StoreError> {
+    conn.immediate_transaction(|conn| {
+        let current: Option<i64> = runtime_epoch::table
+            .select(runtime_epoch::epoch)
+            .filter(runtime_epoch::singleton.eq(1))
+            .first(conn)
+            .optional()?;
+        let next = current.unwrap_or(0) + 1;
+        diesel::replace_into(runtime_epoch::table)
+            .values((
+                runtime_epoch::singleton.eq(1),
+                runtime_epoch::epoch.eq(next),
+                runtime_epoch::instance_id.eq(instance_id),
+                runtime_epoch::started_at.eq(now),
+            ))
+            .execute(conn)?;
+        Ok(next)
+    })
+}
+
+/// Fail with `StaleEpoch` unless `epoch` is the stored one. Call inside a write transaction.
+pub fn check_epoch(conn: &mut SqliteConnection, epoch: i64) -> Result<(), StoreError> {
+    let current: Option<i64> = runtime_epoch::table
+        .select(runtime_epoch::epoch)
+        .filter(runtime_epoch::singleton.eq(1))
+        .first(conn)
+        .optional()?;
+    if current == Some(epoch) {
+        Ok(())
+    } else {
+        Err(StoreError::StaleEpoch)
+    }
+}
+
+/// Boot recovery: every `started` row of an older epoch becomes `unknown` (generation kept).
+pub fn recover_started(conn: &mut SqliteConnection, epoch: i64, now: f64) -> Result<usize, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let n = diesel::update(
+            session_admissions::table
+                .filter(session_admissions::status.eq("started"))
+                .filter(session_admissions::owner_epoch.ne(epoch)),
+        )
+        .set((session_admissions::status.eq("unknown"), session_admissions::updated_at.eq(now)))
+        .execute(conn)?;
+        Ok(n)
+    })
+}
+
+/// A value from `state_meta`, created with `make` on first use.
+pub fn meta_get_or_create(
+    conn: &mut SqliteConnection,
+    key: &str,
+    make: impl FnOnce() -> String,
+) -> Result<String, StoreError> {
+    conn.immediate_transaction(|conn| {
+        let existing: Option<String> = state_meta::table
+            .select(state_meta::value)
+            .filter(state_meta::key.eq(key))
+            .first(conn)
+            .optional()?;
+        if let Some(v) = existing {
+            return Ok(v);
+        }
+        let value = make();
+        diesel::insert_into(state_meta::table)
+            .values((state_meta::key.eq(key), state_meta::value.eq(&value)))
+            .execute(conn)?;
+        Ok(value)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing;
+
+    #[test]
+    fn epochs_strictly_increase_and_fence() {
+        let (_d, mut conn) = testing::conn();
+        let a = begin_epoch(&mut conn, "a", 1.0).expect("epoch");
+        let b = begin_epoch(&mut conn, "b", 2.0).expect("epoch");
+        assert_eq!((a, b), (1, 2));
+        assert!(matches!(check_epoch(&mut conn, a), Err(StoreError::StaleEpoch)));
+        assert!(check_epoch(&mut conn, b).is_ok());
+        assert!(matches!(recover_started(&mut conn, a, 3.0), Err(StoreError::StaleEpoch)));
+    }
+}

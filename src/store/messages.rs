@@ -1,0 +1,212 @@
+//! Transcripts. The live transcript of a session is `WHERE session_id=? AND active=1 ORDER BY id`.
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+
+use super::epoch::check_epoch;
+use super::schema::{messages, sessions};
+use crate::error::StoreError;
+
+#[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
+#[diesel(table_name = messages)]
+pub struct MessageRow {
+    pub id: i64,
+    pub session_id: String,
+    pub role: String,
+    pub content: Option<String>,
+    pub tool_call_id: Option<String>,
+    pub tool_calls: Option<String>,
+    pub tool_name: Option<String>,
+    pub finish_reason: Option<String>,
+    pub display_kind: Option<String>,
+    pub admission_id: Option<String>,
+    pub active: i32,
+    pub compacted: i32,
+    pub timestamp: f64,
+}
+
+/// A message to append.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NewMessage {
+    pub session_id: String,
+    pub role: String,
+    pub content: Option<String>,
+    pub tool_call_id: Option<String>,
+    pub tool_calls: Option<String>,
+    pub tool_name: Option<String>,
+    pub finish_reason: Option<String>,
+    pub display_kind: Option<String>,
+    pub admission_id: Option<String>,
+}
+
+impl NewMessage {
+    pub fn text(role: &str, content: impl Into<String>) -> NewMessage {
+        NewMessage { role: role.into(), content: Some(content.into()), ..Default::default() }
+    }
+
+    pub fn from_row(row: &MessageRow) -> NewMessage {
+        NewMessage {
+            session_id: row.session_id.clone(),
+            role: row.role.clone(),
+            content: row.content.clone(),
+            tool_call_id: row.tool_call_id.clone(),
+            tool_calls: row.tool_calls.clone(),
+            tool_name: row.tool_name.clone(),
+            finish_reason: row.finish_reason.clone(),
+            display_kind: row.display_kind.clone(),
+            admission_id: row.admission_id.clone(),
+        }
+    }
+}
+
+pub(crate) fn insert_messages(conn: &mut SqliteConnection, rows: &[NewMessage], now: f64) -> Result<(), StoreError> {
+    for m in rows {
+        diesel::insert_into(messages::table)
+            .values((
+                messages::session_id.eq(&m.session_id),
+                messages::role.eq(&m.role),
+                messages::content.eq(&m.content),
+                messages::tool_call_id.eq(&m.tool_call_id),
+                messages::tool_calls.eq(&m.tool_calls),
+                messages::tool_name.eq(&m.tool_name),
+                messages::finish_reason.eq(&m.finish_reason),
+                messages::display_kind.eq(&m.display_kind),
+                messages::admission_id.eq(&m.admission_id),
+                messages::timestamp.eq(now),
+            ))
+            .execute(conn)?;
+    }
+    Ok(())
+}
+
+/// Append messages for the running attempt `generation` of root `root_id`, into the root's
+/// current tip. Fenced: a stale attempt (older generation, or another epoch) writes nothing.
+pub fn append_for_attempt(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    root_id: &str,
+    generation: i64,
+    rows: &[NewMessage],
+    now: f64,
+) -> Result<String, StoreError> {
+    conn.immediate_transaction(|conn| {
+        check_epoch(conn, epoch)?;
+        let (tip, current): (String, i64) = sessions::table
+            .filter(sessions::id.eq(root_id))
+            .select((sessions::tip_session_id, sessions::runtime_generation))
+            .first(conn)?;
+        if current != generation {
+            return Err(StoreError::StaleGeneration(format!(
+                "attempt {generation} is not the running one ({current})"
+            )));
+        }
+        let rows: Vec<NewMessage> = rows.iter().cloned().map(|m| NewMessage { session_id: tip.clone(), ..m }).collect();
+        insert_messages(conn, &rows, now)?;
+        Ok(tip)
+    })
+}
+
+/// The live transcript of one physical session.
+pub fn live(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<MessageRow>, StoreError> {
+    Ok(messages::table
+        .filter(messages::session_id.eq(session_id))
+        .filter(messages::active.eq(1))
+        .order(messages::id.asc())
+        .select(MessageRow::as_select())
+        .load(conn)?)
+}
+
+/// What closes a transcript whose turn ended without a reply, so the next input is its own user
+/// message: a stub result for every tool call that never got one, then an assistant note when the
+/// tail is a user or tool message.
+pub fn closing_messages(live: &[MessageRow], note: &str, admission_id: Option<&str>) -> Vec<NewMessage> {
+    let mut out = Vec::new();
+    let Some(last_assistant) = live.iter().rposition(|m| m.role == "assistant") else {
+        if live.last().is_some_and(|m| m.role == "user") {
+            out.push(closing_note(note, admission_id));
+        }
+        return out;
+    };
+    let answered: std::collections::HashSet<&str> =
+        live[last_assistant..].iter().filter_map(|m| m.tool_call_id.as_deref()).collect();
+    if let Some(calls) = live[last_assistant].tool_calls.as_deref() {
+        let calls: Vec<serde_json::Value> = serde_json::from_str(calls).unwrap_or_default();
+        for call in calls {
+            let id = call.get("id").and_then(|v| v.as_str()).unwrap_or_default();
+            if !id.is_empty() && !answered.contains(id) {
+                let name = call.pointer("/function/name").and_then(|v| v.as_str()).unwrap_or("tool");
+                out.push(NewMessage {
+                    role: "tool".into(),
+                    content: Some(format!("[Tool execution cancelled: {name} did not run because the turn ended]")),
+                    tool_call_id: Some(id.to_string()),
+                    tool_name: Some(name.to_string()),
+                    display_kind: Some("stub_result".into()),
+                    admission_id: admission_id.map(str::to_string),
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    let tail_role = if out.is_empty() { live.last().map(|m| m.role.as_str()) } else { Some("tool") };
+    if matches!(tail_role, Some("user") | Some("tool")) {
+        out.push(closing_note(note, admission_id));
+    }
+    out
+}
+
+fn closing_note(note: &str, admission_id: Option<&str>) -> NewMessage {
+    NewMessage {
+        role: "assistant".into(),
+        content: Some(note.to_string()),
+        finish_reason: Some("interrupted".into()),
+        display_kind: Some("failed_turn".into()),
+        admission_id: admission_id.map(str::to_string),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, role: &str, calls: Option<&str>, call_id: Option<&str>) -> MessageRow {
+        MessageRow {
+            id,
+            session_id: "s".into(),
+            role: role.into(),
+            content: Some("x".into()),
+            tool_call_id: call_id.map(str::to_string),
+            tool_calls: calls.map(str::to_string),
+            tool_name: None,
+            finish_reason: None,
+            display_kind: None,
+            admission_id: None,
+            active: 1,
+            compacted: 0,
+            timestamp: 0.0,
+        }
+    }
+
+    #[test]
+    fn closing_a_bare_user_tail_adds_an_assistant_note() {
+        let out = closing_messages(&[row(1, "user", None, None)], "interrupted", None);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].role, "assistant");
+    }
+
+    #[test]
+    fn closing_dangling_tool_calls_adds_stubs_then_a_note() {
+        let calls = r#"[{"id":"a","function":{"name":"terminal"}},{"id":"b","function":{"name":"clarify"}}]"#;
+        let live = [row(1, "user", None, None), row(2, "assistant", Some(calls), None), row(3, "tool", None, Some("a"))];
+        let out = closing_messages(&live, "interrupted", None);
+        let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["tool", "assistant"]);
+        assert_eq!(out[0].tool_call_id.as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn a_closed_transcript_needs_nothing() {
+        let live = [row(1, "user", None, None), row(2, "assistant", None, None)];
+        assert!(closing_messages(&live, "interrupted", None).is_empty());
+    }
+}

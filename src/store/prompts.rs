@@ -1,0 +1,132 @@
+//! Prompt audit (every approval/clarify and how it ended) and the durable approval allow-lists.
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+
+use super::schema::{approval_allowlist, prompts, session_approvals};
+use crate::error::StoreError;
+
+#[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
+#[diesel(table_name = prompts)]
+pub struct PromptRow {
+    pub prompt_id: String,
+    pub session_id: String,
+    pub admission_id: String,
+    pub execution_generation: i64,
+    pub kind: String,
+    pub payload_json: String,
+    pub opened_at: f64,
+    pub resolved_at: Option<f64>,
+    pub resolution: Option<String>,
+    pub resolved_by: Option<String>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn record_open(
+    conn: &mut SqliteConnection,
+    prompt_id: &str,
+    session_id: &str,
+    admission_id: &str,
+    generation: i64,
+    kind: &str,
+    payload_json: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    conn.immediate_transaction(|conn| {
+        diesel::insert_into(prompts::table)
+            .values((
+                prompts::prompt_id.eq(prompt_id),
+                prompts::session_id.eq(session_id),
+                prompts::admission_id.eq(admission_id),
+                prompts::execution_generation.eq(generation),
+                prompts::kind.eq(kind),
+                prompts::payload_json.eq(payload_json),
+                prompts::opened_at.eq(now),
+            ))
+            .execute(conn)?;
+        Ok(())
+    })
+}
+
+/// Record how a prompt ended (first resolution wins).
+pub fn record_resolution(
+    conn: &mut SqliteConnection,
+    prompt_id: &str,
+    resolution: &str,
+    by: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    conn.immediate_transaction(|conn| {
+        diesel::update(prompts::table.filter(prompts::prompt_id.eq(prompt_id)).filter(prompts::resolved_at.is_null()))
+            .set((prompts::resolved_at.eq(now), prompts::resolution.eq(resolution), prompts::resolved_by.eq(by)))
+            .execute(conn)?;
+        Ok(())
+    })
+}
+
+/// At boot: prompts left open by a previous process ended with it.
+pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, StoreError> {
+    conn.immediate_transaction(|conn| {
+        Ok(diesel::update(prompts::table.filter(prompts::resolved_at.is_null()))
+            .set((
+                prompts::resolved_at.eq(now),
+                prompts::resolution.eq("abandoned"),
+                prompts::resolved_by.eq("restart"),
+            ))
+            .execute(conn)?)
+    })
+}
+
+pub fn for_session(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<PromptRow>, StoreError> {
+    Ok(prompts::table
+        .filter(prompts::session_id.eq(session_id))
+        .order(prompts::opened_at.asc())
+        .select(PromptRow::as_select())
+        .load(conn)?)
+}
+
+/// Is `key` approved for this session or permanently?
+pub fn is_approved(conn: &mut SqliteConnection, session_id: &str, key: &str) -> Result<bool, StoreError> {
+    let always: i64 = approval_allowlist::table
+        .filter(approval_allowlist::pattern_key.eq(key))
+        .count()
+        .get_result(conn)?;
+    if always > 0 {
+        return Ok(true);
+    }
+    let session: i64 = session_approvals::table
+        .filter(session_approvals::session_id.eq(session_id))
+        .filter(session_approvals::pattern_key.eq(key))
+        .count()
+        .get_result(conn)?;
+    Ok(session > 0)
+}
+
+pub fn remember(
+    conn: &mut SqliteConnection,
+    session_id: &str,
+    key: &str,
+    always: bool,
+    by: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    conn.immediate_transaction(|conn| {
+        diesel::insert_or_ignore_into(session_approvals::table)
+            .values((
+                session_approvals::session_id.eq(session_id),
+                session_approvals::pattern_key.eq(key),
+                session_approvals::created_at.eq(now),
+            ))
+            .execute(conn)?;
+        if always {
+            diesel::insert_or_ignore_into(approval_allowlist::table)
+                .values((
+                    approval_allowlist::pattern_key.eq(key),
+                    approval_allowlist::created_at.eq(now),
+                    approval_allowlist::created_by.eq(by),
+                ))
+                .execute(conn)?;
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,958 @@
+//! Running one shell command in a real child process (Unix only).
+//!
+//! The command runs as `bash -c <command>` (falling back to `sh`) in its own
+//! process group, with stdin closed and stdout/stderr captured together in
+//! arrival order. On timeout or cancellation the whole process group is
+//! killed with `SIGKILL`.
+//!
+//! Background processes: once the shell itself has exited, remaining output
+//! is read for at most [`DRAIN_AFTER_EXIT`]. If some process (typically a
+//! backgrounded grandchild such as `sleep 30 & echo hi`) still holds the
+//! output pipes at that point, the whole group is killed. A background
+//! process that released the pipes (`server >log 2>&1 &`) is left running.
+//!
+//! Output handling: ANSI escape sequences are stripped, invalid UTF-8 is
+//! decoded lossily, trailing whitespace is trimmed and the result is capped
+//! to [`CommandSpec::output_cap`] characters (first 40 % and last 60 % kept).
+//! While reading, at most `4 × cap` bytes are kept for the head and a rolling
+//! tail of `4 × cap` bytes (plus slack) for the end, so a command producing
+//! gigabytes of output does not grow memory. When bytes had to be dropped
+//! the "omitted" count in the truncation marker is computed from the number
+//! of UTF-8 characters dropped (escape sequences in the dropped part are
+//! counted as text).
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Default output cap, in characters.
+pub const DEFAULT_OUTPUT_CAP: usize = 50_000;
+/// Default command timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(180);
+/// Exit code reported when the command timed out.
+pub const EXIT_CODE_TIMEOUT: i32 = 124;
+/// Exit code reported when the command was interrupted.
+pub const EXIT_CODE_INTERRUPTED: i32 = 130;
+/// How long output is still read after the shell exited.
+pub const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(200);
+
+const DRAIN_AFTER_KILL: Duration = Duration::from_millis(500);
+const REAP_AFTER_KILL: Duration = Duration::from_secs(2);
+const READ_CHUNK: usize = 64 * 1024;
+const MIN_BUFFER: usize = 4096;
+const SHELLS: &[&str] = &["bash", "/bin/bash", "sh", "/bin/sh"];
+
+/// What to run and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandSpec {
+    /// Shell command line, passed to `bash -c`.
+    pub command: String,
+    /// Working directory; must exist.
+    pub cwd: PathBuf,
+    /// Wall-clock limit for the shell process.
+    pub timeout: Duration,
+    /// Maximum output length in characters.
+    pub output_cap: usize,
+    /// Environment variables whose name starts with one of these are removed.
+    pub env_remove_prefixes: Vec<String>,
+    /// Environment variables with exactly these names are removed.
+    pub env_remove: Vec<String>,
+    /// Variables added to (or overriding) the inherited environment. Removal
+    /// rules are applied after these, so they cannot reintroduce a removed
+    /// variable.
+    pub env_set: Vec<(String, String)>,
+}
+
+impl CommandSpec {
+    /// A spec with the default timeout and output cap and no env changes.
+    pub fn new(command: impl Into<String>, cwd: impl Into<PathBuf>) -> Self {
+        Self {
+            command: command.into(),
+            cwd: cwd.into(),
+            timeout: DEFAULT_TIMEOUT,
+            output_cap: DEFAULT_OUTPUT_CAP,
+            env_remove_prefixes: Vec::new(),
+            env_remove: Vec::new(),
+            env_set: Vec::new(),
+        }
+    }
+}
+
+/// Result of one command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandOutcome {
+    /// Cleaned, capped combined output.
+    pub output: String,
+    /// Exit code (`128 + signal` when killed by a signal, 124 on timeout,
+    /// 130 when interrupted).
+    pub exit_code: i32,
+    pub timed_out: bool,
+    pub interrupted: bool,
+    /// Whether the output was capped.
+    pub truncated: bool,
+}
+
+impl CommandOutcome {
+    /// The tool error message, if any.
+    pub fn error_message(&self, timeout_secs: u64) -> Option<String> {
+        if self.timed_out {
+            Some(format!("Command timed out after {timeout_secs} seconds"))
+        } else if self.interrupted {
+            Some("Command interrupted".to_string())
+        } else {
+            None
+        }
+    }
+
+    /// `{"output": ..., "exit_code": rc, "error": null | "..."}`.
+    pub fn to_tool_json(&self, timeout_secs: u64) -> String {
+        let error = self
+            .error_message(timeout_secs)
+            .map_or(serde_json::Value::Null, serde_json::Value::String);
+        format!(
+            "{{\"output\":{},\"exit_code\":{},\"error\":{}}}",
+            serde_json::Value::from(self.output.as_str()),
+            self.exit_code,
+            error
+        )
+    }
+}
+
+/// Errors that prevent a command from running at all.
+#[derive(Debug, thiserror::Error)]
+pub enum TerminalError {
+    #[error("working directory {} does not exist or is not a directory", .0.display())]
+    InvalidCwd(PathBuf),
+    #[error("failed to start shell: {0}")]
+    Spawn(#[source] io::Error),
+    #[error("failed to wait for shell: {0}")]
+    Wait(#[source] io::Error),
+}
+
+/// Runs `spec.command` and collects its output.
+///
+/// `cancel` interrupts the command when its value becomes `true`; dropping
+/// the sender is not a cancellation. If the value is already `true` the
+/// command is not started.
+pub async fn run_command(
+    spec: CommandSpec,
+    mut cancel: watch::Receiver<bool>,
+) -> Result<CommandOutcome, TerminalError> {
+    if *cancel.borrow_and_update() {
+        return Ok(CommandOutcome {
+            output: String::new(),
+            exit_code: EXIT_CODE_INTERRUPTED,
+            timed_out: false,
+            interrupted: true,
+            truncated: false,
+        });
+    }
+    if !spec.cwd.is_dir() {
+        return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
+    }
+    let env = build_env(std::env::vars_os(), &spec);
+    let mut child = spawn_shell(&spec, &env)?;
+    let mut group = GroupGuard {
+        pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
+    };
+    let mut pipes = Pipes {
+        stdout: child.stdout.take(),
+        stderr: child.stderr.take(),
+        out_buf: vec![0; READ_CHUNK],
+        err_buf: vec![0; READ_CHUNK],
+    };
+    let mut collector = Collector::new(spec.output_cap);
+
+    let start = Instant::now();
+    let deadline = start
+        .checked_add(spec.timeout)
+        .unwrap_or_else(|| start + Duration::from_secs(60 * 60 * 24 * 365));
+    let mut status: Option<ExitStatus> = None;
+    let mut drain_deadline: Option<Instant> = None;
+    let mut cancel_live = true;
+
+    let end = loop {
+        if status.is_some() && !pipes.is_open() {
+            break End::Completed;
+        }
+        tokio::select! {
+            biased;
+            changed = cancel.changed(), if cancel_live => match changed {
+                Ok(()) => {
+                    if *cancel.borrow_and_update() {
+                        break End::Interrupted;
+                    }
+                }
+                Err(_) => cancel_live = false,
+            },
+            () = tokio::time::sleep_until(deadline), if status.is_none() => break End::TimedOut,
+            waited = child.wait(), if status.is_none() => match waited {
+                Ok(exit) => {
+                    status = Some(exit);
+                    drain_deadline = Some(Instant::now() + DRAIN_AFTER_EXIT);
+                }
+                // The guard kills the group and kill_on_drop the child.
+                Err(err) => return Err(TerminalError::Wait(err)),
+            },
+            () = tokio::time::sleep_until(drain_deadline.unwrap_or(deadline)), if drain_deadline.is_some() => {
+                break End::DrainExpired;
+            }
+            () = pipes.pump(&mut collector), if pipes.is_open() => {}
+            else => break End::DrainExpired,
+        }
+    };
+
+    let (exit_code, timed_out, interrupted) = match end {
+        End::Completed => {
+            group.disarm();
+            (status.map_or(-1, exit_code_of), false, false)
+        }
+        End::DrainExpired => {
+            group.kill();
+            (status.map_or(-1, exit_code_of), false, false)
+        }
+        End::TimedOut | End::Interrupted => {
+            group.kill();
+            // Reap the shell; kill_on_drop covers the (unlikely) failure.
+            let _ = tokio::time::timeout(REAP_AFTER_KILL, child.wait()).await;
+            let until = Instant::now() + DRAIN_AFTER_KILL;
+            while pipes.is_open() {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => break,
+                    () = pipes.pump(&mut collector) => {}
+                }
+            }
+            if matches!(end, End::TimedOut) {
+                (EXIT_CODE_TIMEOUT, true, false)
+            } else {
+                (EXIT_CODE_INTERRUPTED, false, true)
+            }
+        }
+    };
+
+    let (output, truncated) = collector.finish();
+    Ok(CommandOutcome {
+        output,
+        exit_code,
+        timed_out,
+        interrupted,
+        truncated,
+    })
+}
+
+/// Caps `text` to `cap` characters, keeping the first 40 % and the last
+/// 60 % of the cap with a marker in between. Returns whether it was cut.
+pub fn cap_output(text: &str, cap: usize) -> (String, bool) {
+    let total = text.chars().count();
+    if total <= cap {
+        return (text.to_string(), false);
+    }
+    let (keep_head, keep_tail) = split_cap(cap);
+    let head_end = char_to_byte(text, keep_head);
+    let tail_start = char_to_byte(text, total - keep_tail);
+    let omitted = total - keep_head - keep_tail;
+    let mut out = String::with_capacity(head_end + (text.len() - tail_start) + 80);
+    out.push_str(&text[..head_end]);
+    out.push_str(&truncation_marker(omitted, total));
+    out.push_str(&text[tail_start..]);
+    (out, true)
+}
+
+/// Removes ANSI escape sequences (CSI, OSC and other string sequences,
+/// short escapes, 8-bit CSI).
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{1b}' => match chars.peek().copied() {
+                Some('[') => {
+                    chars.next();
+                    skip_csi(&mut chars);
+                }
+                Some(']' | 'P' | 'X' | '^' | '_') => {
+                    chars.next();
+                    skip_string(&mut chars);
+                }
+                Some(next) if ('\u{20}'..='\u{2f}').contains(&next) => {
+                    while let Some(&i) = chars.peek() {
+                        chars.next();
+                        if !('\u{20}'..='\u{2f}').contains(&i) {
+                            break;
+                        }
+                    }
+                }
+                Some(_) => {
+                    chars.next();
+                }
+                None => {}
+            },
+            '\u{9b}' => skip_csi(&mut chars),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+fn skip_csi(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) {
+    for c in chars.by_ref() {
+        if ('\u{40}'..='\u{7e}').contains(&c) {
+            break;
+        }
+    }
+}
+
+fn skip_string(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) {
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{7}' | '\u{9c}' => break,
+            '\u{1b}' => {
+                if chars.peek() == Some(&'\\') {
+                    chars.next();
+                }
+                break;
+            }
+            _ => {}
+        }
+    }
+}
+
+fn truncation_marker(omitted: usize, total: usize) -> String {
+    format!("\n... [OUTPUT TRUNCATED - {omitted} chars omitted out of {total} total] ...\n")
+}
+
+/// (head, tail) character budgets: 40 % / 60 % of `cap`.
+fn split_cap(cap: usize) -> (usize, usize) {
+    let head = cap / 5 * 2 + cap % 5 * 2 / 5;
+    (head, cap - head)
+}
+
+/// Byte offset of the `n`th character (or the end).
+fn char_to_byte(text: &str, n: usize) -> usize {
+    text.char_indices().nth(n).map_or(text.len(), |(i, _)| i)
+}
+
+/// Number of UTF-8 characters starting in `bytes` (non-continuation bytes).
+fn count_chars(bytes: &[u8]) -> usize {
+    bytes.iter().filter(|b| (**b & 0xC0) != 0x80).count()
+}
+
+fn clean(text: &str) -> String {
+    let mut stripped = strip_ansi(text);
+    let trimmed = stripped.trim_end().len();
+    stripped.truncate(trimmed);
+    stripped
+}
+
+fn exit_code_of(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .unwrap_or_else(|| status.signal().map_or(-1, |sig| 128 + sig))
+}
+
+/// The inherited environment plus `env_set`, minus removed variables.
+fn build_env<I>(base: I, spec: &CommandSpec) -> Vec<(OsString, OsString)>
+where
+    I: IntoIterator<Item = (OsString, OsString)>,
+{
+    let mut env: Vec<(OsString, OsString)> = base.into_iter().collect();
+    for (name, value) in &spec.env_set {
+        env.retain(|(existing, _)| existing.as_os_str() != OsStr::new(name));
+        env.push((OsString::from(name), OsString::from(value)));
+    }
+    env.retain(|(name, _)| !is_removed(name, spec));
+    env
+}
+
+fn is_removed(name: &OsStr, spec: &CommandSpec) -> bool {
+    let name = name.as_bytes();
+    spec.env_remove.iter().any(|r| r.as_bytes() == name)
+        || spec
+            .env_remove_prefixes
+            .iter()
+            .any(|p| !p.is_empty() && name.starts_with(p.as_bytes()))
+}
+
+fn spawn_shell(spec: &CommandSpec, env: &[(OsString, OsString)]) -> Result<Child, TerminalError> {
+    let mut last_err = None;
+    for shell in SHELLS {
+        let mut cmd = Command::new(shell);
+        cmd.arg("-c")
+            .arg(&spec.command)
+            .current_dir(&spec.cwd)
+            .env_clear()
+            .envs(env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        match cmd.spawn() {
+            Ok(child) => return Ok(child),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => last_err = Some(err),
+            Err(err) => return Err(TerminalError::Spawn(err)),
+        }
+    }
+    Err(TerminalError::Spawn(last_err.unwrap_or_else(|| {
+        io::Error::from(io::ErrorKind::NotFound)
+    })))
+}
+
+enum End {
+    Completed,
+    DrainExpired,
+    TimedOut,
+    Interrupted,
+}
+
+/// Kills the process group when dropped, unless disarmed.
+struct GroupGuard {
+    pgid: Option<libc::pid_t>,
+}
+
+impl GroupGuard {
+    fn kill(&mut self) {
+        if let Some(pgid) = self.pgid.take() {
+            // Never signal our own group (0) or init (1).
+            if pgid > 1 {
+                // SAFETY: killpg has no memory-safety preconditions; the
+                // group was created for this command by `process_group(0)`.
+                unsafe {
+                    libc::killpg(pgid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.pgid = None;
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Pipes {
+    stdout: Option<ChildStdout>,
+    stderr: Option<ChildStderr>,
+    out_buf: Vec<u8>,
+    err_buf: Vec<u8>,
+}
+
+impl Pipes {
+    fn is_open(&self) -> bool {
+        self.stdout.is_some() || self.stderr.is_some()
+    }
+
+    /// Reads one chunk from whichever pipe is ready. Cancel safe. Pending
+    /// forever when both pipes are closed.
+    async fn pump(&mut self, collector: &mut Collector) {
+        tokio::select! {
+            read = read_some(&mut self.stdout, &mut self.out_buf) => {
+                accept(read, &mut self.stdout, &self.out_buf, collector);
+            }
+            read = read_some(&mut self.stderr, &mut self.err_buf) => {
+                accept(read, &mut self.stderr, &self.err_buf, collector);
+            }
+        }
+    }
+}
+
+async fn read_some<R: AsyncRead + Unpin>(
+    reader: &mut Option<R>,
+    buf: &mut [u8],
+) -> io::Result<usize> {
+    match reader {
+        Some(reader) => reader.read(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn accept<R>(read: io::Result<usize>, slot: &mut Option<R>, buf: &[u8], collector: &mut Collector) {
+    match read {
+        Ok(n) if n > 0 => collector.push(buf.get(..n).unwrap_or(buf)),
+        _ => *slot = None,
+    }
+}
+
+/// Bounded output buffer: a fixed head and a rolling tail.
+struct Collector {
+    cap: usize,
+    head: Vec<u8>,
+    head_limit: usize,
+    tail: Vec<u8>,
+    tail_limit: usize,
+    dropped_chars: usize,
+    dropped_bytes: usize,
+}
+
+impl Collector {
+    fn new(cap: usize) -> Self {
+        let limit = cap.saturating_mul(4).max(MIN_BUFFER);
+        Self {
+            cap,
+            head: Vec::new(),
+            head_limit: limit,
+            tail: Vec::new(),
+            tail_limit: limit,
+            dropped_chars: 0,
+            dropped_bytes: 0,
+        }
+    }
+
+    fn push(&mut self, mut data: &[u8]) {
+        let room = self.head_limit - self.head.len();
+        if room > 0 {
+            let take = room.min(data.len());
+            self.head.extend_from_slice(&data[..take]);
+            data = &data[take..];
+        }
+        if data.is_empty() {
+            return;
+        }
+        self.tail.extend_from_slice(data);
+        if self.tail.len() > self.tail_limit.saturating_mul(2) {
+            self.compact();
+        }
+    }
+
+    fn compact(&mut self) {
+        if self.tail.len() > self.tail_limit {
+            let excess = self.tail.len() - self.tail_limit;
+            self.dropped_chars += count_chars(&self.tail[..excess]);
+            self.dropped_bytes += excess;
+            self.tail.drain(..excess);
+        }
+    }
+
+    #[cfg(test)]
+    fn buffered_bytes(&self) -> usize {
+        self.head.len() + self.tail.len()
+    }
+
+    fn finish(mut self) -> (String, bool) {
+        self.compact();
+        if self.dropped_bytes == 0 {
+            let mut all = self.head;
+            all.extend_from_slice(&self.tail);
+            return cap_output(&clean(&String::from_utf8_lossy(&all)), self.cap);
+        }
+
+        // Head: drop an incomplete character at the end (counted as dropped).
+        let head_valid = match std::str::from_utf8(&self.head) {
+            Err(err) if err.error_len().is_none() => err.valid_up_to(),
+            _ => self.head.len(),
+        };
+        self.dropped_chars += count_chars(&self.head[head_valid..]);
+        let head_text = strip_ansi(&String::from_utf8_lossy(&self.head[..head_valid]));
+        // Tail: skip continuation bytes of a character cut at the start.
+        let skip = self
+            .tail
+            .iter()
+            .take(3)
+            .take_while(|b| (**b & 0xC0) == 0x80)
+            .count();
+        let tail_text = clean(&String::from_utf8_lossy(&self.tail[skip..]));
+
+        let head_chars = head_text.chars().count();
+        let tail_chars = tail_text.chars().count();
+        let total = head_chars + self.dropped_chars + tail_chars;
+        let (keep_head, keep_tail) = split_cap(self.cap);
+        let keep_head = keep_head.min(head_chars);
+        let keep_tail = keep_tail.min(tail_chars);
+        let head_part = &head_text[..char_to_byte(&head_text, keep_head)];
+        let tail_part = &tail_text[char_to_byte(&tail_text, tail_chars - keep_tail)..];
+        let omitted = total - keep_head - keep_tail;
+        let mut out = String::with_capacity(head_part.len() + tail_part.len() + 80);
+        out.push_str(head_part);
+        out.push_str(&truncation_marker(omitted, total));
+        out.push_str(tail_part);
+        (out, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> Self {
+            static COUNTER: AtomicUsize = AtomicUsize::new(0);
+            let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+            let path = std::env::temp_dir().join(format!(
+                "gatehouse-terminal-{}-{n}-{name}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            Self(path.canonicalize().unwrap())
+        }
+
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn spec(command: &str, dir: &TempDir) -> CommandSpec {
+        CommandSpec::new(command, dir.path())
+    }
+
+    async fn run(spec: CommandSpec) -> CommandOutcome {
+        let (_tx, rx) = watch::channel(false);
+        run_command(spec, rx).await.unwrap()
+    }
+
+    fn process_alive(pid: libc::pid_t) -> bool {
+        // SAFETY: signal 0 only checks whether the process exists.
+        if unsafe { libc::kill(pid, 0) } != 0 {
+            return io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        }
+        // A zombie is dead for our purposes (the reaper may be slow).
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().chars().next())
+                .is_some_and(|state| !matches!(state, Some('Z' | 'X'))),
+            Err(_) => false,
+        }
+    }
+
+    async fn wait_until(mut cond: impl FnMut() -> bool, limit: Duration) -> bool {
+        let until = Instant::now() + limit;
+        loop {
+            if cond() {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn read_pid(path: &Path) -> Option<libc::pid_t> {
+        std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    }
+
+    #[tokio::test]
+    async fn echo_output_and_exit_code() {
+        let dir = TempDir::new("echo");
+        let out = run(spec("echo hello; sleep 0.1; echo oops >&2", &dir)).await;
+        assert_eq!(out.output, "hello\noops");
+        assert_eq!(out.exit_code, 0);
+        assert!(!out.timed_out && !out.interrupted && !out.truncated);
+        assert_eq!(
+            out.to_tool_json(180),
+            r#"{"output":"hello\noops","exit_code":0,"error":null}"#
+        );
+    }
+
+    #[tokio::test]
+    async fn nonzero_exit_code() {
+        let dir = TempDir::new("exit");
+        let out = run(spec("echo partial; exit 3", &dir)).await;
+        assert_eq!(out.output, "partial");
+        assert_eq!(out.exit_code, 3);
+        let out = run(spec("kill -TERM $$", &dir)).await;
+        assert_eq!(out.exit_code, 128 + libc::SIGTERM);
+    }
+
+    #[tokio::test]
+    async fn cwd_is_honoured() {
+        let dir = TempDir::new("cwd");
+        let out = run(spec("pwd -P", &dir)).await;
+        assert_eq!(Path::new(&out.output), dir.path());
+    }
+
+    #[tokio::test]
+    async fn invalid_cwd_is_an_error() {
+        let dir = TempDir::new("badcwd");
+        let spec = CommandSpec::new("true", dir.path().join("missing"));
+        let (_tx, rx) = watch::channel(false);
+        let err = run_command(spec, rx).await.unwrap_err();
+        assert!(matches!(err, TerminalError::InvalidCwd(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn env_vars_are_removed() {
+        let dir = TempDir::new("env");
+        let mut spec = spec(
+            r#"echo "${GATEHOUSE_TOKEN-unset} ${OPENAI_API_KEY-unset} ${DROP_EXACT-unset} ${DROP_EXACT_NOT-unset} ${KEEP_ME-unset} ${PATH:+path}""#,
+            &dir,
+        );
+        spec.env_set = vec![
+            ("GATEHOUSE_TOKEN".into(), "secret".into()),
+            ("OPENAI_API_KEY".into(), "sk".into()),
+            ("DROP_EXACT".into(), "x".into()),
+            ("DROP_EXACT_NOT".into(), "kept".into()),
+            ("KEEP_ME".into(), "yes".into()),
+        ];
+        spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
+        spec.env_remove = vec!["DROP_EXACT".into()];
+        let out = run(spec).await;
+        assert_eq!(out.output, "unset unset unset kept yes path");
+    }
+
+    #[test]
+    fn build_env_filters_inherited_variables() {
+        let base = [
+            ("PATH", "/bin"),
+            ("OPENAI_API_KEY", "sk"),
+            ("GATEHOUSE_DB", "x"),
+            ("HOME", "/root"),
+            ("SECRET", "s"),
+            ("SECRETS", "kept"),
+        ]
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)));
+        let mut spec = CommandSpec::new("true", "/");
+        spec.env_remove_prefixes = vec!["OPENAI_".into(), "GATEHOUSE_".into(), String::new()];
+        spec.env_remove = vec!["SECRET".into()];
+        spec.env_set = vec![
+            ("HOME".into(), "/tmp/h".into()),
+            ("EXTRA".into(), "1".into()),
+        ];
+        let mut env: Vec<(String, String)> = build_env(base, &spec)
+            .into_iter()
+            .map(|(k, v)| (k.into_string().unwrap(), v.into_string().unwrap()))
+            .collect();
+        env.sort();
+        let expected: Vec<(String, String)> = [
+            ("EXTRA", "1"),
+            ("HOME", "/tmp/h"),
+            ("PATH", "/bin"),
+            ("SECRETS", "kept"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .to_vec();
+        assert_eq!(env, expected);
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_process_group() {
+        let dir = TempDir::new("timeout");
+        let pid_file = dir.path().join("bg.pid");
+        let mut spec = spec("sleep 30 & echo $! > bg.pid; echo started; sleep 30", &dir);
+        spec.timeout = Duration::from_secs(1);
+        let started = Instant::now();
+        let out = run(spec).await;
+        let elapsed = started.elapsed();
+        assert!(out.timed_out);
+        assert!(!out.interrupted);
+        assert_eq!(out.exit_code, EXIT_CODE_TIMEOUT);
+        assert_eq!(out.output, "started");
+        assert!(elapsed >= Duration::from_secs(1), "{elapsed:?}");
+        assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+        assert_eq!(
+            out.to_tool_json(1),
+            r#"{"output":"started","exit_code":124,"error":"Command timed out after 1 seconds"}"#
+        );
+        let pid = read_pid(&pid_file).unwrap();
+        assert!(
+            wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
+            "background sleep {pid} survived the timeout"
+        );
+    }
+
+    #[tokio::test]
+    async fn background_grandchild_does_not_hang() {
+        let dir = TempDir::new("bg");
+        let pid_file = dir.path().join("bg.pid");
+        let mut spec = spec("sleep 30 & echo $! > bg.pid; echo hi", &dir);
+        spec.timeout = Duration::from_secs(20);
+        let started = Instant::now();
+        let out = run(spec).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(out.output, "hi");
+        assert_eq!(out.exit_code, 0);
+        assert!(!out.timed_out && !out.interrupted);
+        let pid = read_pid(&pid_file).unwrap();
+        assert!(
+            wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
+            "background sleep {pid} still holds the pipe"
+        );
+    }
+
+    #[tokio::test]
+    async fn cancel_kills_the_process_group() {
+        let dir = TempDir::new("cancel");
+        let pid_file = dir.path().join("bg.pid");
+        let mut spec = spec("sleep 30 & echo $! > bg.pid; sleep 30", &dir);
+        spec.timeout = Duration::from_secs(60);
+        let (tx, rx) = watch::channel(false);
+        let started = Instant::now();
+        let canceller = async {
+            let appeared =
+                wait_until(|| read_pid(&pid_file).is_some(), Duration::from_secs(10)).await;
+            let pid = read_pid(&pid_file);
+            let alive_before = pid.is_some_and(process_alive);
+            tx.send(true).unwrap();
+            (appeared, pid, alive_before)
+        };
+        let (out, (appeared, pid, alive_before)) = tokio::join!(run_command(spec, rx), canceller);
+        let out = out.unwrap();
+        assert!(appeared && alive_before, "background process never ran");
+        assert!(out.interrupted);
+        assert!(!out.timed_out);
+        assert_eq!(out.exit_code, EXIT_CODE_INTERRUPTED);
+        assert!(started.elapsed() < Duration::from_secs(15));
+        assert_eq!(
+            out.to_tool_json(60),
+            r#"{"output":"","exit_code":130,"error":"Command interrupted"}"#
+        );
+        let pid = pid.unwrap();
+        assert!(
+            wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
+            "background sleep {pid} survived cancellation"
+        );
+    }
+
+    #[tokio::test]
+    async fn dropped_sender_is_not_a_cancel() {
+        let dir = TempDir::new("dropped");
+        let (tx, rx) = watch::channel(false);
+        drop(tx);
+        let out = run_command(spec("sleep 0.2; echo done", &dir), rx)
+            .await
+            .unwrap();
+        assert_eq!(out.output, "done");
+        assert!(!out.interrupted);
+        assert_eq!(out.exit_code, 0);
+    }
+
+    #[tokio::test]
+    async fn already_cancelled_does_not_run() {
+        let dir = TempDir::new("precancel");
+        let (_tx, rx) = watch::channel(true);
+        let out = run_command(spec("touch ran", &dir), rx).await.unwrap();
+        assert!(out.interrupted);
+        assert_eq!(out.exit_code, EXIT_CODE_INTERRUPTED);
+        assert!(!dir.path().join("ran").exists());
+    }
+
+    #[tokio::test]
+    async fn output_is_capped_head_and_tail() {
+        let dir = TempDir::new("cap");
+        let out = run(spec(
+            "head -c 30000 /dev/zero | tr '\\0' a; head -c 30000 /dev/zero | tr '\\0' b",
+            &dir,
+        ))
+        .await;
+        assert!(out.truncated);
+        let expected = format!(
+            "{}\n... [OUTPUT TRUNCATED - 10000 chars omitted out of 60000 total] ...\n{}",
+            "a".repeat(20_000),
+            "b".repeat(30_000)
+        );
+        assert_eq!(out.output.len(), expected.len());
+        assert!(out.output == expected, "unexpected capped output");
+    }
+
+    #[tokio::test]
+    async fn huge_output_stays_bounded() {
+        let dir = TempDir::new("huge");
+        let mut spec = spec("yes | head -c 100000000", &dir);
+        spec.timeout = Duration::from_secs(120);
+        let out = run(spec).await;
+        assert_eq!(out.exit_code, 0);
+        assert!(out.truncated);
+        // 100M bytes of "y\n"; the final newline is trimmed.
+        let expected = format!(
+            "{}\n... [OUTPUT TRUNCATED - 99949999 chars omitted out of 99999999 total] ...\n{}",
+            "y\n".repeat(10_000),
+            "\ny".repeat(15_000)
+        );
+        assert!(
+            out.output == expected,
+            "unexpected output {:?}",
+            out.output.chars().take(200).collect::<String>()
+        );
+    }
+
+    #[test]
+    fn collector_memory_is_bounded() {
+        let cap = 1000;
+        let mut collector = Collector::new(cap);
+        let chunk = "é".repeat(10_000);
+        let mut max = 0;
+        for _ in 0..1000 {
+            collector.push(chunk.as_bytes());
+            max = max.max(collector.buffered_bytes());
+        }
+        // head 4×cap + tail up to 2×4×cap + one chunk
+        assert!(max <= 4 * cap + 8 * cap + chunk.len(), "{max}");
+        let (text, truncated) = collector.finish();
+        assert!(truncated);
+        let expected = format!(
+            "{}{}{}",
+            "é".repeat(400),
+            truncation_marker(10_000_000 - 1000, 10_000_000),
+            "é".repeat(600)
+        );
+        assert_eq!(text, expected);
+    }
+
+    #[tokio::test]
+    async fn output_is_cleaned() {
+        let dir = TempDir::new("clean");
+        let out = run(spec(r"printf '\033[31mred\033[0m a\377b \n\n  \n'", &dir)).await;
+        assert_eq!(out.output, "red a\u{fffd}b");
+    }
+
+    #[test]
+    fn cap_output_keeps_short_text() {
+        assert_eq!(cap_output("hello", 5), ("hello".to_string(), false));
+        assert_eq!(cap_output("", 0), (String::new(), false));
+    }
+
+    #[test]
+    fn cap_output_splits_40_60_on_char_boundaries() {
+        let text: String = "αβγδεζηθικ".repeat(2); // 20 chars, 2 bytes each
+        let (out, truncated) = cap_output(&text, 10);
+        assert!(truncated);
+        assert_eq!(out, format!("αβγδ{}εζηθικ", truncation_marker(10, 20)));
+        let (out, _) = cap_output("abcdefgh", 3);
+        assert_eq!(out, format!("a{}gh", truncation_marker(5, 8)));
+        let (out, _) = cap_output("abc", 0);
+        assert_eq!(out, truncation_marker(3, 3));
+    }
+
+    #[test]
+    fn split_cap_is_forty_sixty() {
+        assert_eq!(split_cap(50_000), (20_000, 30_000));
+        assert_eq!(split_cap(7), (2, 5));
+        assert_eq!(split_cap(usize::MAX).0, usize::MAX / 5 * 2);
+    }
+
+    #[test]
+    fn strip_ansi_removes_sequences() {
+        assert_eq!(strip_ansi("\u{1b}[1;32mok\u{1b}[0m"), "ok");
+        assert_eq!(strip_ansi("\u{1b}]0;title\u{7}x\u{1b}(By"), "xy");
+        assert_eq!(strip_ansi("plain"), "plain");
+    }
+}
