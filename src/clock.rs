@@ -20,7 +20,9 @@ pub struct SystemClock {
 
 impl Default for SystemClock {
     fn default() -> Self {
-        Self { origin: Instant::now() }
+        Self {
+            origin: Instant::now(),
+        }
     }
 }
 
@@ -45,7 +47,9 @@ pub struct ManualClock {
 
 impl ManualClock {
     pub fn new(start: f64) -> Self {
-        Self { inner: Arc::new(Mutex::new(start)) }
+        Self {
+            inner: Arc::new(Mutex::new(start)),
+        }
     }
 
     pub fn set(&self, value: f64) {

@@ -13,7 +13,10 @@ use serde_json::Value;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("config key `{key}`: {message}")]
@@ -139,7 +142,14 @@ pub struct AuxModelConfig {
 
 impl Default for AuxModelConfig {
     fn default() -> Self {
-        Self { provider: None, model: None, base_url: None, api_key: None, timeout: 120.0, extra: Extra::new() }
+        Self {
+            provider: None,
+            model: None,
+            base_url: None,
+            api_key: None,
+            timeout: 120.0,
+            extra: Extra::new(),
+        }
     }
 }
 
@@ -184,7 +194,12 @@ pub struct TerminalConfig {
 
 impl Default for TerminalConfig {
     fn default() -> Self {
-        Self { cwd: None, timeout: 180.0, output_cap: 50_000, extra: Extra::new() }
+        Self {
+            cwd: None,
+            timeout: 180.0,
+            output_cap: 50_000,
+            extra: Extra::new(),
+        }
     }
 }
 
@@ -226,7 +241,11 @@ pub struct ApprovalsConfig {
 
 impl Default for ApprovalsConfig {
     fn default() -> Self {
-        Self { mode: ApprovalMode::Manual, timeout: 300.0, extra: Extra::new() }
+        Self {
+            mode: ApprovalMode::Manual,
+            timeout: 300.0,
+            extra: Extra::new(),
+        }
     }
 }
 
@@ -242,7 +261,12 @@ pub struct AgentConfig {
 
 impl Default for AgentConfig {
     fn default() -> Self {
-        Self { clarify_timeout: 3600.0, max_iterations: 90, system_prompt: None, extra: Extra::new() }
+        Self {
+            clarify_timeout: 3600.0,
+            max_iterations: 90,
+            system_prompt: None,
+            extra: Extra::new(),
+        }
     }
 }
 
@@ -257,7 +281,11 @@ pub struct SessionLimits {
 
 impl Default for SessionLimits {
     fn default() -> Self {
-        Self { max_queued_admissions: 1000, max_text_bytes: 256 * 1024, extra: Extra::new() }
+        Self {
+            max_queued_admissions: 1000,
+            max_text_bytes: 256 * 1024,
+            extra: Extra::new(),
+        }
     }
 }
 
@@ -289,10 +317,16 @@ impl Config {
         let raw: Value = if text.trim().is_empty() {
             Value::Object(Default::default())
         } else {
-            serde_norway::from_str(text)
-                .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })?
+            serde_norway::from_str(text).map_err(|e| ConfigError::Parse {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?
         };
-        let raw = if raw.is_null() { Value::Object(Default::default()) } else { raw };
+        let raw = if raw.is_null() {
+            Value::Object(Default::default())
+        } else {
+            raw
+        };
         if !raw.is_object() {
             return Err(ConfigError::Parse {
                 path: path.to_path_buf(),
@@ -309,7 +343,10 @@ impl Config {
         let obj = raw.as_object().cloned().unwrap_or_default();
         let mut config = Config::default();
         for (key, value) in obj {
-            let bad = |e: serde_json::Error| ConfigError::Invalid { key: key.clone(), message: e.to_string() };
+            let bad = |e: serde_json::Error| ConfigError::Invalid {
+                key: key.clone(),
+                message: e.to_string(),
+            };
             match key.as_str() {
                 "gateway" => config.gateway = serde_json::from_value(value).map_err(bad)?,
                 "model" => config.model = serde_json::from_value(value).map_err(bad)?,
@@ -318,7 +355,9 @@ impl Config {
                 "terminal" => config.terminal = serde_json::from_value(value).map_err(bad)?,
                 "approvals" => config.approvals = serde_json::from_value(value).map_err(bad)?,
                 "agent" => config.agent = serde_json::from_value(value).map_err(bad)?,
-                "platform_toolsets" => config.platform_toolsets = serde_json::from_value(value).map_err(bad)?,
+                "platform_toolsets" => {
+                    config.platform_toolsets = serde_json::from_value(value).map_err(bad)?
+                }
                 "session" => config.session = serde_json::from_value(value).map_err(bad)?,
                 "profiles" => config.profiles = serde_json::from_value(value).map_err(bad)?,
                 _ => {
@@ -331,16 +370,25 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: &str| {
-            Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() })
+            Err(ConfigError::Invalid {
+                key: key.to_string(),
+                message: message.to_string(),
+            })
         };
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
         }
-        if !(self.gateway.drain_timeout_seconds > 0.0) {
-            return invalid("gateway.drain_timeout_seconds", "expected a positive number of seconds");
+        if self.gateway.drain_timeout_seconds.is_nan() || self.gateway.drain_timeout_seconds <= 0.0 {
+            return invalid(
+                "gateway.drain_timeout_seconds",
+                "expected a positive number of seconds",
+            );
         }
-        if !(self.gateway.ticket_ttl_seconds > 0.0) {
-            return invalid("gateway.ticket_ttl_seconds", "expected a positive number of seconds");
+        if self.gateway.ticket_ttl_seconds.is_nan() || self.gateway.ticket_ttl_seconds <= 0.0 {
+            return invalid(
+                "gateway.ticket_ttl_seconds",
+                "expected a positive number of seconds",
+            );
         }
         if !(self.compression.threshold > 0.0 && self.compression.threshold <= 1.0) {
             return invalid("compression.threshold", "expected a fraction in (0, 1]");
@@ -348,13 +396,16 @@ impl Config {
         if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
             return invalid("compression.max_attempts", "expected 1 to 10");
         }
-        if !(self.model.timeout_seconds > 0.0) {
-            return invalid("model.timeout_seconds", "expected a positive number of seconds");
+        if self.model.timeout_seconds.is_nan() || self.model.timeout_seconds <= 0.0 {
+            return invalid(
+                "model.timeout_seconds",
+                "expected a positive number of seconds",
+            );
         }
         if self.model.max_concurrent_requests == 0 {
             return invalid("model.max_concurrent_requests", "expected at least 1");
         }
-        if !(self.terminal.timeout > 0.0) {
+        if self.terminal.timeout.is_nan() || self.terminal.timeout <= 0.0 {
             return invalid("terminal.timeout", "expected a positive number of seconds");
         }
         if self.agent.max_iterations == 0 {
@@ -373,7 +424,11 @@ impl Config {
         let mut out = Vec::new();
         let mut push = |prefix: &str, extra: &Extra| {
             for key in extra.keys() {
-                out.push(if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") });
+                out.push(if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                });
             }
         };
         push("", &self.extra);
@@ -409,7 +464,9 @@ pub struct Endpoint {
 impl Config {
     /// The default endpoint: config, then `OPENAI_BASE_URL`, then the built-in echo provider.
     pub fn default_endpoint(&self) -> Endpoint {
-        let env_url = std::env::var("OPENAI_BASE_URL").ok().filter(|s| !s.is_empty());
+        let env_url = std::env::var("OPENAI_BASE_URL")
+            .ok()
+            .filter(|s| !s.is_empty());
         let base_url = self.model.base_url.clone().or(env_url);
         let provider = self.model.provider.clone().unwrap_or_else(|| {
             if base_url.is_some() {
@@ -425,12 +482,19 @@ impl Config {
                 "default".into()
             }
         });
-        Endpoint { provider, model, base_url }
+        Endpoint {
+            provider,
+            model,
+            base_url,
+        }
     }
 
     /// The API key for the main model.
     pub fn api_key(&self) -> Option<String> {
-        self.model.api_key.clone().or_else(|| std::env::var("OPENAI_API_KEY").ok())
+        self.model
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("OPENAI_API_KEY").ok())
     }
 }
 
@@ -452,17 +516,27 @@ mod tests {
         assert_eq!(c.approvals.timeout, 120.0);
         assert_eq!(c.platform_tools("cli"), vec!["terminal".to_string()]);
         let unknown = c.unknown_keys();
-        assert!(unknown.contains(&"gateway.multiplex_profiles".to_string()), "{unknown:?}");
-        assert!(unknown.contains(&"auxiliary.title_generation".to_string()), "{unknown:?}");
+        assert!(
+            unknown.contains(&"gateway.multiplex_profiles".to_string()),
+            "{unknown:?}"
+        );
+        assert!(
+            unknown.contains(&"auxiliary.title_generation".to_string()),
+            "{unknown:?}"
+        );
     }
 
     #[test]
     fn bad_values_name_their_key() {
-        let err = parse("approvals:\n  mode: sometimes\n").unwrap_err().to_string();
+        let err = parse("approvals:\n  mode: sometimes\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("approvals") && err.contains("manual"), "{err}");
         let err = parse("gateway:\n  port: lots\n").unwrap_err().to_string();
         assert!(err.contains("gateway"), "{err}");
-        let err = parse("compression:\n  threshold: 3\n").unwrap_err().to_string();
+        let err = parse("compression:\n  threshold: 3\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("compression.threshold"), "{err}");
         let err = parse("- a\n- b\n").unwrap_err().to_string();
         assert!(err.contains("mapping"), "{err}");

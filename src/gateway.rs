@@ -51,13 +51,19 @@ pub struct RunningGateway {
 /// Refuse a home that is group- or world-accessible, and create it 0700 when missing.
 pub fn prepare_home(home: &Path) -> Result<(), StartError> {
     if !home.exists() {
-        std::fs::create_dir_all(home).map_err(|e| StartError::Home(format!("cannot create {}: {e}", home.display())))?;
-        std::fs::set_permissions(home, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| StartError::Home(format!("cannot set permissions on {}: {e}", home.display())))?;
+        std::fs::create_dir_all(home)
+            .map_err(|e| StartError::Home(format!("cannot create {}: {e}", home.display())))?;
+        std::fs::set_permissions(home, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            StartError::Home(format!("cannot set permissions on {}: {e}", home.display()))
+        })?;
     }
-    let meta = std::fs::symlink_metadata(home).map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
+    let meta = std::fs::symlink_metadata(home)
+        .map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
     if !meta.is_dir() {
-        return Err(StartError::Home(format!("{} is not a directory", home.display())));
+        return Err(StartError::Home(format!(
+            "{} is not a directory",
+            home.display()
+        )));
     }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
@@ -81,7 +87,10 @@ impl Gateway {
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
-        let is_loopback = matches!(config.gateway.host.as_str(), "127.0.0.1" | "localhost" | "::1");
+        let is_loopback = matches!(
+            config.gateway.host.as_str(),
+            "127.0.0.1" | "localhost" | "::1"
+        );
         if !is_loopback && config.gateway.api_keys.is_empty() {
             return Err(StartError::Refused(format!(
                 "gateway.host {} is not a loopback address: configure at least one gateway.api_keys entry first",
@@ -92,7 +101,9 @@ impl Gateway {
         let pool = store::open_pool(&home.join("state.db"), 4)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
         let (epoch, recovered, to_pump) = {
-            let mut conn = pool.get().map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
+            let mut conn = pool
+                .get()
+                .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
             let now = clock.now();
             let epoch = epoch::begin_epoch(&mut conn, &instance_id, now)?;
             let recovered = epoch::recover_started(&mut conn, epoch, now)?;
@@ -128,13 +139,22 @@ impl Gateway {
             metrics: Arc::new(Metrics::default()),
         });
         let registry = SessionRegistry::new(shared.clone()).start();
-        let authority = Authority { shared: shared.clone(), registry: registry.clone() };
-        let tickets = Arc::new(Tickets::new(config.gateway.ticket_ttl_seconds, clock.clone()));
+        let authority = Authority {
+            shared: shared.clone(),
+            registry: registry.clone(),
+        };
+        let tickets = Arc::new(Tickets::new(
+            config.gateway.ticket_ttl_seconds,
+            clock.clone(),
+        ));
         if !to_pump.is_empty() {
             tracing::info!(sessions = to_pump.len(), "resuming queued work");
             registry.do_send(PumpSessions(to_pump));
         }
-        let state = web::Data::new(AppState { authority: authority.clone(), tickets: tickets.clone() });
+        let state = web::Data::new(AppState {
+            authority: authority.clone(),
+            tickets: tickets.clone(),
+        });
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .workers(2)
             .disable_signals()
@@ -142,7 +162,11 @@ impl Gateway {
             .max_connections(config.gateway.max_connections)
             .bind((config.gateway.host.as_str(), config.gateway.port))
             .map_err(StartError::Listen)?;
-        let addr = server.addrs().first().copied().ok_or_else(|| StartError::Refused("no listening address".into()))?;
+        let addr = server
+            .addrs()
+            .first()
+            .copied()
+            .ok_or_else(|| StartError::Refused("no listening address".into()))?;
         let api_origin = match addr {
             std::net::SocketAddr::V6(a) => format!("http://[{}]:{}", a.ip(), a.port()),
             std::net::SocketAddr::V4(a) => format!("http://{}:{}", a.ip(), a.port()),
@@ -158,12 +182,25 @@ impl Gateway {
             }
         });
         let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
-        let ctl = Arc::new(Control { authority, tickets: tickets.clone(), version: env!("CARGO_PKG_VERSION") });
+        let ctl = Arc::new(Control {
+            authority,
+            tickets: tickets.clone(),
+            version: env!("CARGO_PKG_VERSION"),
+        });
         let control_task = actix_rt::spawn(control::serve(listener, ctl));
         runtime.set_phase(RuntimePhase::Ready);
         crate::notify::ready();
         tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
-        Ok(RunningGateway { home, api_origin, runtime, shared, registry, server: handle, tickets, control_task })
+        Ok(RunningGateway {
+            home,
+            api_origin,
+            runtime,
+            shared,
+            registry,
+            server: handle,
+            tickets,
+            control_task,
+        })
     }
 }
 
@@ -175,8 +212,14 @@ impl RunningGateway {
         crate::notify::stopping();
         tracing::info!("draining");
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
-        if tokio::time::timeout(timeout, self.registry.send(DrainAll)).await.is_err() {
-            tracing::warn!(?timeout, "drain timed out; unsettled turns become unknown at the next boot");
+        if tokio::time::timeout(timeout, self.registry.send(DrainAll))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                ?timeout,
+                "drain timed out; unsettled turns become unknown at the next boot"
+            );
         }
         self.tickets.revoke_all();
         self.control_task.abort();

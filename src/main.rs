@@ -46,7 +46,13 @@ fn default_home() -> PathBuf {
 fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let command = it.next().ok_or_else(|| USAGE.to_string())?;
-    let mut args = Args { command, home: default_home(), json: false, log_json: false, rest: Vec::new() };
+    let mut args = Args {
+        command,
+        home: default_home(),
+        json: false,
+        log_json: false,
+        rest: Vec::new(),
+    };
     while let Some(a) = it.next() {
         match a.as_str() {
             "--home" => args.home = PathBuf::from(it.next().ok_or("--home needs a directory")?),
@@ -57,7 +63,9 @@ fn parse_args() -> Result<Args, String> {
                 _ => return Err("--log-format takes human or json".into()),
             },
             "-h" | "--help" => return Err(USAGE.to_string()),
-            other if other.starts_with("--") => return Err(format!("unknown option {other}\n\n{USAGE}")),
+            other if other.starts_with("--") => {
+                return Err(format!("unknown option {other}\n\n{USAGE}"))
+            }
             other => args.rest.push(other.to_string()),
         }
     }
@@ -97,7 +105,9 @@ fn serve(args: Args) -> ExitCode {
     };
     let system = actix_rt::System::new();
     let result: Result<(), String> = system.block_on(async move {
-        let gateway = Gateway::start(args.home.clone(), config).await.map_err(|e| e.to_string())?;
+        let gateway = Gateway::start(args.home.clone(), config)
+            .await
+            .map_err(|e| e.to_string())?;
         if let Some(every) = gatehouse::notify::watchdog_interval() {
             actix_rt::spawn(async move {
                 let mut tick = tokio::time::interval(every);
@@ -129,12 +139,20 @@ fn serve(args: Args) -> ExitCode {
 
 fn control_call(home: &std::path::Path, method: &str, params: Value) -> Result<Value, String> {
     let path = home.join("gateway.sock");
-    let mut stream = UnixStream::connect(&path)
-        .map_err(|e| format!("no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`", path.display()))?;
+    let mut stream = UnixStream::connect(&path).map_err(|e| {
+        format!(
+            "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
+            path.display()
+        )
+    })?;
     let line = json!({"method": method, "params": params}).to_string() + "\n";
-    stream.write_all(line.as_bytes()).map_err(|e| e.to_string())?;
+    stream
+        .write_all(line.as_bytes())
+        .map_err(|e| e.to_string())?;
     let mut reply = String::new();
-    BufReader::new(stream).read_line(&mut reply).map_err(|e| e.to_string())?;
+    BufReader::new(stream)
+        .read_line(&mut reply)
+        .map_err(|e| e.to_string())?;
     serde_json::from_str(&reply).map_err(|e| format!("bad reply from the daemon: {e}"))
 }
 
@@ -145,7 +163,10 @@ fn operator(args: Args) -> ExitCode {
                 eprintln!("usage: gatehouse resolve-unknown SESSION ADMISSION");
                 return ExitCode::from(2);
             };
-            ("resolve-unknown", json!({"session_id": session, "admission_id": admission}))
+            (
+                "resolve-unknown",
+                json!({"session_id": session, "admission_id": admission}),
+            )
         }
         other => (other, json!({})),
     };
@@ -157,7 +178,11 @@ fn operator(args: Args) -> ExitCode {
         }
     };
     if let Some(err) = reply.get("error") {
-        eprintln!("gatehouse: {}: {}", err["code"].as_str().unwrap_or("error"), err["message"].as_str().unwrap_or(""));
+        eprintln!(
+            "gatehouse: {}: {}",
+            err["code"].as_str().unwrap_or("error"),
+            err["message"].as_str().unwrap_or("")
+        );
         return ExitCode::from(1);
     }
     if args.json {
@@ -169,7 +194,10 @@ fn operator(args: Args) -> ExitCode {
             println!("state      {}", reply["state"].as_str().unwrap_or("?"));
             println!("pid        {}", reply["pid"]);
             println!("epoch      {}", reply["authority_epoch"]);
-            println!("instance   {}", reply["instance_id"].as_str().unwrap_or("?"));
+            println!(
+                "instance   {}",
+                reply["instance_id"].as_str().unwrap_or("?")
+            );
             println!("api        {}", reply["api_origin"].as_str().unwrap_or("?"));
             if let Some(a) = reply["admissions"].as_object() {
                 for (k, v) in a {
@@ -178,7 +206,10 @@ fn operator(args: Args) -> ExitCode {
             }
         }
         "sessions" => {
-            println!("{:<40} {:<20} {:<6} GENERATION", "SESSION", "MODEL", "SOURCE");
+            println!(
+                "{:<40} {:<20} {:<6} GENERATION",
+                "SESSION", "MODEL", "SOURCE"
+            );
             for s in reply["sessions"].as_array().cloned().unwrap_or_default() {
                 println!(
                     "{:<40} {:<20} {:<6} {}",
@@ -190,7 +221,10 @@ fn operator(args: Args) -> ExitCode {
             }
         }
         "pending" => {
-            println!("{:<40} {:<34} {:<10} TEXT", "SESSION", "ADMISSION", "GENERATION");
+            println!(
+                "{:<40} {:<34} {:<10} TEXT",
+                "SESSION", "ADMISSION", "GENERATION"
+            );
             for r in reply["unknown"].as_array().cloned().unwrap_or_default() {
                 let text: String = r["text"].as_str().unwrap_or("").chars().take(40).collect();
                 println!(

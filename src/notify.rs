@@ -4,8 +4,12 @@
 use std::os::unix::net::UnixDatagram;
 
 fn send(state: &str) {
-    let Ok(path) = std::env::var("NOTIFY_SOCKET") else { return };
-    let Ok(sock) = UnixDatagram::unbound() else { return };
+    let Ok(path) = std::env::var("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = UnixDatagram::unbound() else {
+        return;
+    };
     let result = if let Some(abstract_name) = path.strip_prefix('@') {
         use std::os::linux::net::SocketAddrExt;
         std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())

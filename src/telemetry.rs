@@ -8,8 +8,14 @@ use tracing_subscriber::EnvFilter;
 /// Install the global subscriber: human format, or JSON lines with `json == true`.
 pub fn init_logging(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if json { builder.json().try_init() } else { builder.with_ansi(false).try_init() };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.with_ansi(false).try_init()
+    };
 }
 
 const TURN_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
@@ -51,7 +57,11 @@ impl Metrics {
         self.prompts_open.fetch_add(1, Ordering::Relaxed);
     }
     pub fn prompt_closed(&self) {
-        let _ = self.prompts_open.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(1)));
+        let _ = self
+            .prompts_open
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(1))
+            });
     }
     pub fn set_active_sessions(&self, n: usize) {
         self.active_sessions.store(n as u64, Ordering::Relaxed);
@@ -61,7 +71,11 @@ impl Metrics {
         self.ws_connections_total.fetch_add(1, Ordering::Relaxed);
     }
     pub fn ws_closed(&self) {
-        let _ = self.ws_connections.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(1)));
+        let _ = self
+            .ws_connections
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(1))
+            });
     }
     pub fn model_error(&self, class: &str) {
         if let Ok(mut v) = self.model_errors.lock() {
@@ -76,9 +90,13 @@ impl Metrics {
     pub fn render(&self, admissions: &[(String, Option<String>, i64)]) -> String {
         let mut out = String::new();
         let g = |o: &mut String, name: &str, help: &str, kind: &str, v: u64| {
-            o.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
+            o.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+            ));
         };
-        out.push_str("# HELP gatehouse_admissions Admissions in the ledger by status and outcome.\n");
+        out.push_str(
+            "# HELP gatehouse_admissions Admissions in the ledger by status and outcome.\n",
+        );
         out.push_str("# TYPE gatehouse_admissions gauge\n");
         for (status, outcome, n) in admissions {
             out.push_str(&format!(
@@ -86,26 +104,79 @@ impl Metrics {
                 outcome.as_deref().unwrap_or("")
             ));
         }
-        g(&mut out, "gatehouse_admissions_accepted_total", "Inputs admitted by this process.", "counter", self.admissions.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_turns_started_total", "Turns started.", "counter", self.turns_started.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_turns_finished_total", "Turns finished.", "counter", self.turns_finished.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_prompts_open", "Open approval and clarify prompts.", "gauge", self.prompts_open.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_sessions_loaded", "Session supervisors in memory.", "gauge", self.active_sessions.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_ws_connections", "Open WebSocket connections.", "gauge", self.ws_connections.load(Ordering::Relaxed));
-        g(&mut out, "gatehouse_ws_connections_total", "WebSocket connections accepted.", "counter", self.ws_connections_total.load(Ordering::Relaxed));
+        g(
+            &mut out,
+            "gatehouse_admissions_accepted_total",
+            "Inputs admitted by this process.",
+            "counter",
+            self.admissions.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_turns_started_total",
+            "Turns started.",
+            "counter",
+            self.turns_started.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_turns_finished_total",
+            "Turns finished.",
+            "counter",
+            self.turns_finished.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_prompts_open",
+            "Open approval and clarify prompts.",
+            "gauge",
+            self.prompts_open.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_sessions_loaded",
+            "Session supervisors in memory.",
+            "gauge",
+            self.active_sessions.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_ws_connections",
+            "Open WebSocket connections.",
+            "gauge",
+            self.ws_connections.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_ws_connections_total",
+            "WebSocket connections accepted.",
+            "counter",
+            self.ws_connections_total.load(Ordering::Relaxed),
+        );
         out.push_str("# HELP gatehouse_model_errors_total Model request failures by class.\n# TYPE gatehouse_model_errors_total counter\n");
         if let Ok(v) = self.model_errors.lock() {
             for (class, n) in v.iter() {
-                out.push_str(&format!("gatehouse_model_errors_total{{class=\"{class}\"}} {n}\n"));
+                out.push_str(&format!(
+                    "gatehouse_model_errors_total{{class=\"{class}\"}} {n}\n"
+                ));
             }
         }
         out.push_str("# HELP gatehouse_turn_seconds Turn latency from claim to settlement.\n# TYPE gatehouse_turn_seconds histogram\n");
         if let Ok(h) = self.turn_hist.lock() {
             for (i, b) in TURN_BUCKETS.iter().enumerate() {
-                out.push_str(&format!("gatehouse_turn_seconds_bucket{{le=\"{b}\"}} {}\n", h.0[i]));
+                out.push_str(&format!(
+                    "gatehouse_turn_seconds_bucket{{le=\"{b}\"}} {}\n",
+                    h.0[i]
+                ));
             }
-            out.push_str(&format!("gatehouse_turn_seconds_bucket{{le=\"+Inf\"}} {}\n", h.1));
-            out.push_str(&format!("gatehouse_turn_seconds_sum {}\ngatehouse_turn_seconds_count {}\n", h.2, h.1));
+            out.push_str(&format!(
+                "gatehouse_turn_seconds_bucket{{le=\"+Inf\"}} {}\n",
+                h.1
+            ));
+            out.push_str(&format!(
+                "gatehouse_turn_seconds_sum {}\ngatehouse_turn_seconds_count {}\n",
+                h.2, h.1
+            ));
         }
         out
     }

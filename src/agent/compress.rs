@@ -6,7 +6,8 @@ use serde_json::{json, Value};
 
 use crate::store::messages::NewMessage;
 
-pub const SUMMARY_PREFIX: &str = "[CONTEXT COMPACTION] Earlier turns of this conversation were compacted into the \
+pub const SUMMARY_PREFIX: &str =
+    "[CONTEXT COMPACTION] Earlier turns of this conversation were compacted into the \
 summary below. Treat it as background reference only; respond to the latest user message.";
 
 /// The three parts of a transcript to compact.
@@ -18,11 +19,18 @@ pub struct Plan {
 }
 
 fn rough(m: &NewMessage) -> usize {
-    m.content.as_deref().map_or(0, str::len) / 4 + m.tool_calls.as_deref().map_or(0, str::len) / 4 + 10
+    m.content.as_deref().map_or(0, str::len) / 4
+        + m.tool_calls.as_deref().map_or(0, str::len) / 4
+        + 10
 }
 
 /// Split `t` into head / middle / tail, or `None` when there is nothing worth compacting.
-pub fn plan(t: &[NewMessage], first_n: usize, last_n: usize, tail_budget_tokens: usize) -> Option<Plan> {
+pub fn plan(
+    t: &[NewMessage],
+    first_n: usize,
+    last_n: usize,
+    tail_budget_tokens: usize,
+) -> Option<Plan> {
     let n = t.len();
     if n <= first_n + last_n + 1 {
         return None;
@@ -55,7 +63,11 @@ pub fn plan(t: &[NewMessage], first_n: usize, last_n: usize, tail_budget_tokens:
     if end <= start {
         return None;
     }
-    Some(Plan { head: t[..start].to_vec(), middle: t[start..end].to_vec(), tail: t[end..].to_vec() })
+    Some(Plan {
+        head: t[..start].to_vec(),
+        middle: t[start..end].to_vec(),
+        tail: t[end..].to_vec(),
+    })
 }
 
 fn clip(text: &str) -> String {
@@ -63,12 +75,23 @@ fn clip(text: &str) -> String {
         return text.to_string();
     }
     let head: String = text.chars().take(2000).collect();
-    let tail: String = text.chars().rev().take(800).collect::<Vec<_>>().into_iter().rev().collect();
+    let tail: String = text
+        .chars()
+        .rev()
+        .take(800)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
     format!("{head}...[truncated]...{tail}")
 }
 
 /// The body of the summary request (non-streaming) for `middle`.
-pub fn summary_request(model: &str, middle: &[NewMessage], previous_summary: Option<&str>) -> Value {
+pub fn summary_request(
+    model: &str,
+    middle: &[NewMessage],
+    previous_summary: Option<&str>,
+) -> Value {
     let mut turns = String::new();
     for m in middle {
         let content = clip(m.content.as_deref().unwrap_or(""));
@@ -81,8 +104,14 @@ pub fn summary_request(model: &str, middle: &[NewMessage], previous_summary: Opt
                     let list: Vec<String> = calls
                         .iter()
                         .map(|c| {
-                            let name = c.pointer("/function/name").and_then(|v| v.as_str()).unwrap_or("?");
-                            let args = c.pointer("/function/arguments").and_then(|v| v.as_str()).unwrap_or("");
+                            let name = c
+                                .pointer("/function/name")
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("?");
+                            let args = c
+                                .pointer("/function/arguments")
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("");
                             let args: String = args.chars().take(400).collect();
                             format!("{name}({args})")
                         })
@@ -121,7 +150,11 @@ pub fn assemble(plan: &Plan, summary: &str) -> Vec<NewMessage> {
     let text = format!("{SUMMARY_PREFIX}\n\n{}", summary.trim());
     let last_head = plan.head.last().map(|m| m.role.as_str());
     let first_tail = plan.tail.first().map(|m| m.role.as_str());
-    let mut role = if matches!(last_head, Some("assistant") | Some("tool")) { "user" } else { "assistant" };
+    let mut role = if matches!(last_head, Some("assistant") | Some("tool")) {
+        "user"
+    } else {
+        "assistant"
+    };
     let mut merge = false;
     if Some(role) == first_tail {
         role = if role == "user" { "assistant" } else { "user" };
@@ -159,13 +192,20 @@ mod tests {
     fn call(id: &str) -> NewMessage {
         NewMessage {
             role: "assistant".into(),
-            tool_calls: Some(format!(r#"[{{"id":"{id}","type":"function","function":{{"name":"terminal","arguments":"{{}}"}}}}]"#)),
+            tool_calls: Some(format!(
+                r#"[{{"id":"{id}","type":"function","function":{{"name":"terminal","arguments":"{{}}"}}}}]"#
+            )),
             ..Default::default()
         }
     }
 
     fn result(id: &str) -> NewMessage {
-        NewMessage { role: "tool".into(), content: Some("out".into()), tool_call_id: Some(id.into()), ..Default::default() }
+        NewMessage {
+            role: "tool".into(),
+            content: Some("out".into()),
+            tool_call_id: Some(id.into()),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -176,33 +216,63 @@ mod tests {
 
     #[test]
     fn head_and_tail_are_protected_and_the_summary_merges_when_roles_clash() {
-        let t = vec![m("user", "P0"), m("assistant", "A0"), m("user", "P1"), m("assistant", "A1"), m("user", "P2")];
+        let t = vec![
+            m("user", "P0"),
+            m("assistant", "A0"),
+            m("user", "P1"),
+            m("assistant", "A1"),
+            m("user", "P2"),
+        ];
         let p = plan(&t, 1, 2, 1).expect("plan");
         assert_eq!(p.head, vec![m("user", "P0")]);
         assert_eq!(p.tail, vec![m("assistant", "A1"), m("user", "P2")]);
         assert_eq!(p.middle.len(), 2);
         let out = assemble(&p, "FACTS");
         assert_eq!(out.len(), 3);
-        assert!(out[1].content.as_deref().is_some_and(|c| c.contains("FACTS") && c.ends_with("A1")));
+        assert!(out[1]
+            .content
+            .as_deref()
+            .is_some_and(|c| c.contains("FACTS") && c.ends_with("A1")));
     }
 
     #[test]
     fn a_tool_pair_at_the_boundary_is_never_split() {
         // The tail would start at the tool result; the cut moves back to its call.
-        let t = vec![m("user", "P0"), m("assistant", "A0"), m("user", "P1"), call("x"), result("x"), m("user", "P2")];
+        let t = vec![
+            m("user", "P0"),
+            m("assistant", "A0"),
+            m("user", "P1"),
+            call("x"),
+            result("x"),
+            m("user", "P2"),
+        ];
         let p = plan(&t, 1, 2, 1).expect("plan");
         assert_eq!(p.tail.first().map(|m| m.role.as_str()), Some("assistant"));
         assert!(p.tail.first().is_some_and(|m| m.tool_calls.is_some()));
         assert!(p.middle.iter().all(|m| m.role != "tool"));
         let out = assemble(&p, "S");
-        assert!(out.iter().any(|m| m.content.as_deref().is_some_and(|c| c.contains("S"))));
+        assert!(out
+            .iter()
+            .any(|m| m.content.as_deref().is_some_and(|c| c.contains("S"))));
     }
 
     #[test]
     fn head_never_starts_the_middle_with_a_tool_result() {
-        let t = vec![call("x"), result("x"), m("user", "P1"), m("assistant", "A1"), m("user", "P2"), m("assistant", "A2"), m("user", "P3")];
+        let t = vec![
+            call("x"),
+            result("x"),
+            m("user", "P1"),
+            m("assistant", "A1"),
+            m("user", "P2"),
+            m("assistant", "A2"),
+            m("user", "P3"),
+        ];
         let p = plan(&t, 1, 2, 1).expect("plan");
-        assert_eq!(p.head.len(), 2, "the call's result stays with its call in the head");
+        assert_eq!(
+            p.head.len(),
+            2,
+            "the call's result stays with its call in the head"
+        );
         assert_ne!(p.middle.first().map(|m| m.role.as_str()), Some("tool"));
     }
 

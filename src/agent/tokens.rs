@@ -30,7 +30,10 @@ fn lookup_cache(home: &Path, provider: &str, model: &str) -> Option<u64> {
     let v: Value = serde_json::from_str(&text).ok()?;
     let models = v.get(provider)?.get("models")?.as_object()?;
     let entry = models.get(model).or_else(|| {
-        models.iter().find(|(k, _)| k.eq_ignore_ascii_case(model)).map(|(_, v)| v)
+        models
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(model))
+            .map(|(_, v)| v)
     })?;
     entry.pointer("/limit/context")?.as_u64().filter(|c| *c > 0)
 }
@@ -68,7 +71,10 @@ mod tests {
         .expect("write");
         assert_eq!(context_limit(Some(5), &dir, "custom", "original"), 5);
         assert_eq!(context_limit(None, &dir, "custom", "original"), 64_000);
-        assert_eq!(context_limit(None, &dir, "custom", "other"), DEFAULT_CONTEXT);
+        assert_eq!(
+            context_limit(None, &dir, "custom", "other"),
+            DEFAULT_CONTEXT
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

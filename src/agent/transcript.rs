@@ -88,10 +88,19 @@ mod tests {
         result_a.tool_call_id = Some("a".into());
         let mut orphan = msg("tool", "stray");
         orphan.tool_call_id = Some("zzz".into());
-        let t = vec![msg("user", "hi"), orphan.clone(), call, result_a, msg("user", "next")];
+        let t = vec![
+            msg("user", "hi"),
+            orphan.clone(),
+            call,
+            result_a,
+            msg("user", "next"),
+        ];
         let w = wire_messages(Some("sys"), &t);
         let roles: Vec<&str> = w.iter().map(|m| m["role"].as_str().unwrap_or("")).collect();
-        assert_eq!(roles, ["system", "user", "assistant", "tool", "tool", "user"]);
+        assert_eq!(
+            roles,
+            ["system", "user", "assistant", "tool", "tool", "user"]
+        );
         assert_eq!(w[3]["tool_call_id"], "a");
         assert_eq!(w[4]["tool_call_id"], "b");
     }

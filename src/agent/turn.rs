@@ -18,8 +18,8 @@ use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{Emit, RegisterPrompt, RetirePrompt, SessionSupervisor};
 use crate::store::messages::{self, NewMessage};
-use crate::store::sessions::{self, Compaction, SessionRow};
 use crate::store::prompts as prompt_store;
+use crate::store::sessions::{self, Compaction, SessionRow};
 use crate::tools::{self, danger, CommandSpec, RunCommand};
 
 /// How an attempt ended.
@@ -53,8 +53,13 @@ enum Stop {
 impl From<StoreError> for Stop {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::StaleEpoch | StoreError::StaleGeneration(_) => Stop::Outcome(TurnOutcome::Stale),
-            other => Stop::Outcome(TurnOutcome::Failed { error: other.to_string(), reason: "storage_unavailable" }),
+            StoreError::StaleEpoch | StoreError::StaleGeneration(_) => {
+                Stop::Outcome(TurnOutcome::Stale)
+            }
+            other => Stop::Outcome(TurnOutcome::Failed {
+                error: other.to_string(),
+                reason: "storage_unavailable",
+            }),
         }
     }
 }
@@ -100,7 +105,10 @@ impl Turn {
             None => {
                 let s = build_system_prompt(&ctx.shared, &root);
                 let (id, text) = (tip_row.id.clone(), s.clone());
-                ctx.shared.db.write(move |c| sessions::set_system_prompt(c, &id, &text)).await?;
+                ctx.shared
+                    .db
+                    .write(move |c| sessions::set_system_prompt(c, &id, &text))
+                    .await?;
                 s
             }
         };
@@ -111,7 +119,15 @@ impl Turn {
             admission_id: Some(ctx.admission_id.clone()),
             ..Default::default()
         };
-        let mut turn = Turn { tip: tip_row.id.clone(), root, system, transcript: Vec::new(), tools, ctx, compressions: 0 };
+        let mut turn = Turn {
+            tip: tip_row.id.clone(),
+            root,
+            system,
+            transcript: Vec::new(),
+            tools,
+            ctx,
+            compressions: 0,
+        };
         turn.persist(vec![user.clone()]).await?;
         transcript.push(user);
         turn.transcript = transcript;
@@ -123,8 +139,12 @@ impl Turn {
     }
 
     async fn persist(&mut self, rows: Vec<NewMessage>) -> Result<(), Stop> {
-        let (epoch, root, generation, now) =
-            (self.ctx.shared.epoch, self.ctx.root_id.clone(), self.ctx.generation, self.ctx.shared.now());
+        let (epoch, root, generation, now) = (
+            self.ctx.shared.epoch,
+            self.ctx.root_id.clone(),
+            self.ctx.generation,
+            self.ctx.shared.now(),
+        );
         let tip = self
             .ctx
             .shared
@@ -151,13 +171,21 @@ impl Turn {
     fn threshold(&self) -> u64 {
         let c = &self.ctx.shared.config;
         let limit = tokens::context_limit(
-            if self.root.model == c.default_endpoint().model { c.model.context_length } else { None }
-                .or(c.model.context_length),
+            if self.root.model == c.default_endpoint().model {
+                c.model.context_length
+            } else {
+                None
+            }
+            .or(c.model.context_length),
             &self.ctx.shared.home,
             &self.root.provider,
             &self.root.model,
         );
-        tokens::threshold(limit, c.compression.threshold, c.compression.threshold_tokens)
+        tokens::threshold(
+            limit,
+            c.compression.threshold,
+            c.compression.threshold_tokens,
+        )
     }
 
     async fn run(&mut self) -> Result<TurnOutcome, Stop> {
@@ -171,7 +199,11 @@ impl Turn {
             if self.cancelled() {
                 return Ok(interrupted());
             }
-            let tools = if iterations >= max_iterations { None } else { self.tool_schemas() };
+            let tools = if iterations >= max_iterations {
+                None
+            } else {
+                self.tool_schemas()
+            };
             let mut wire = transcript::wire_messages(Some(&self.system), &self.transcript);
             if iterations >= max_iterations {
                 wire.push(json!({"role": "user", "content": "You have reached the maximum number of tool-calling \
@@ -181,7 +213,8 @@ impl Turn {
             if cfg.compression.enabled
                 && self.compressions < max_compressions
                 && tokens::estimate_request(&wire, tools.as_ref()) >= threshold
-                && self.transcript.len() > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
+                && self.transcript.len()
+                    > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
             {
                 self.compressions += 1;
                 match self.compact(threshold).await {
@@ -209,7 +242,9 @@ impl Turn {
                         Err(CompactError::Stop(s)) => return Err(s),
                         Err(CompactError::Failed(e)) => {
                             return Ok(TurnOutcome::Failed {
-                                error: format!("context_overflow: {detail}; compression failed: {e}"),
+                                error: format!(
+                                    "context_overflow: {detail}; compression failed: {e}"
+                                ),
                                 reason: "context_overflow",
                             })
                         }
@@ -217,13 +252,20 @@ impl Turn {
                 }
                 Err(e) => {
                     self.ctx.shared.metrics.model_error(e.class());
-                    return Ok(TurnOutcome::Failed { error: format!("model request failed: {e}"), reason: "model_error" });
+                    return Ok(TurnOutcome::Failed {
+                        error: format!("model request failed: {e}"),
+                        reason: "model_error",
+                    });
                 }
             };
             if let Some(u) = response.usage {
                 let (db, root) = (self.ctx.shared.db.clone(), self.ctx.root_id.clone());
                 actix::spawn(async move {
-                    let _ = db.write(move |c| sessions::add_usage(c, &root, u.prompt_tokens, u.completion_tokens)).await;
+                    let _ = db
+                        .write(move |c| {
+                            sessions::add_usage(c, &root, u.prompt_tokens, u.completion_tokens)
+                        })
+                        .await;
                 });
             }
             if response.tool_calls.is_empty() || iterations >= max_iterations {
@@ -245,7 +287,11 @@ impl Turn {
         }
     }
 
-    async fn call_model(&self, wire: Vec<Value>, tools: Option<Value>) -> Result<ChatResponse, ModelError> {
+    async fn call_model(
+        &self,
+        wire: Vec<Value>,
+        tools: Option<Value>,
+    ) -> Result<ChatResponse, ModelError> {
         let cfg = &self.ctx.shared.config;
         let mut body = json!({"model": self.root.model, "messages": wire});
         if let Some(t) = tools {
@@ -263,7 +309,10 @@ impl Turn {
                     StreamEvent::Content(text) => json!({"admission_id": admission, "text": text}),
                     StreamEvent::ToolName(name) => json!({"admission_id": admission, "tool": name}),
                 };
-                sup.do_send(Emit { kind: "message.delta", payload });
+                sup.do_send(Emit {
+                    kind: "message.delta",
+                    payload,
+                });
             }
         });
         let call = ChatCall {
@@ -276,7 +325,12 @@ impl Turn {
             cancel: self.ctx.cancel.clone(),
             timeout: Duration::from_secs_f64(cfg.model.timeout_seconds),
         };
-        self.ctx.shared.model.send(call).await.map_err(|_| ModelError::Unavailable)?
+        self.ctx
+            .shared
+            .model
+            .send(call)
+            .await
+            .map_err(|_| ModelError::Unavailable)?
     }
 
     /// Persist the assistant's calls, run them in order, persist each result.
@@ -297,7 +351,10 @@ impl Turn {
                 return Ok(Some(interrupted()));
             }
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": call.function.arguments}));
-            let result = match self.execute(&call.function.name, &call.function.arguments).await {
+            let result = match self
+                .execute(&call.function.name, &call.function.arguments)
+                .await
+            {
                 ToolResult::Output(text) => text,
                 ToolResult::Interrupted => return Ok(Some(interrupted())),
             };
@@ -322,7 +379,11 @@ impl Turn {
         } else {
             match serde_json::from_str(arguments) {
                 Ok(v) => v,
-                Err(e) => return ToolResult::Output(format!("Error executing tool '{name}': arguments are not valid JSON: {e}")),
+                Err(e) => {
+                    return ToolResult::Output(format!(
+                        "Error executing tool '{name}': arguments are not valid JSON: {e}"
+                    ))
+                }
             }
         };
         if !self.tools.iter().any(|t| t == name) {
@@ -339,7 +400,11 @@ impl Turn {
     }
 
     async fn terminal(&mut self, args: &Value) -> ToolResult {
-        let Some(command) = args.get("command").and_then(|c| c.as_str()).map(str::to_string) else {
+        let Some(command) = args
+            .get("command")
+            .and_then(|c| c.as_str())
+            .map(str::to_string)
+        else {
             return ToolResult::Output(blocked("the `command` argument is required"));
         };
         let shared = self.ctx.shared.clone();
@@ -361,10 +426,20 @@ impl Turn {
                 }
                 ApprovalMode::Manual => {
                     let (root, key) = (self.ctx.root_id.clone(), m.key.to_string());
-                    let approved =
-                        self.ctx.shared.db.read(move |c| prompt_store::is_approved(c, &root, &key)).await.unwrap_or(false);
+                    let approved = self
+                        .ctx
+                        .shared
+                        .db
+                        .read(move |c| prompt_store::is_approved(c, &root, &key))
+                        .await
+                        .unwrap_or(false);
                     if !approved {
-                        let choices = vec!["once".to_string(), "session".into(), "always".into(), "deny".into()];
+                        let choices = vec![
+                            "once".to_string(),
+                            "session".into(),
+                            "always".into(),
+                            "deny".into(),
+                        ];
                         let payload = json!({
                             "command": command,
                             "description": m.description,
@@ -421,12 +496,25 @@ impl Turn {
         spec.output_cap = cfg.terminal.output_cap;
         spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
         spec.env_remove = vec!["ANTHROPIC_API_KEY".into(), "NOTIFY_SOCKET".into()];
-        let outcome = self.ctx.shared.terminal.send(RunCommand { spec, cancel: self.ctx.cancel.clone() }).await;
+        let outcome = self
+            .ctx
+            .shared
+            .terminal
+            .send(RunCommand {
+                spec,
+                cancel: self.ctx.cancel.clone(),
+            })
+            .await;
         match outcome {
             Ok(Ok(o)) if o.interrupted => ToolResult::Interrupted,
             Ok(Ok(o)) => ToolResult::Output(o.to_tool_json(timeout.ceil() as u64)),
-            Ok(Err(e)) => ToolResult::Output(json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string()),
-            Err(_) => ToolResult::Output(json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"}).to_string()),
+            Ok(Err(e)) => ToolResult::Output(
+                json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
+            ),
+            Err(_) => ToolResult::Output(
+                json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"})
+                    .to_string(),
+            ),
         }
     }
 
@@ -435,7 +523,13 @@ impl Turn {
         if p.is_dir() {
             return p;
         }
-        self.ctx.shared.config.terminal.cwd.clone().unwrap_or_else(|| self.ctx.shared.home.clone())
+        self.ctx
+            .shared
+            .config
+            .terminal
+            .cwd
+            .clone()
+            .unwrap_or_else(|| self.ctx.shared.home.clone())
     }
 
     async fn clarify(&mut self, args: &Value) -> ToolResult {
@@ -448,7 +542,9 @@ impl Turn {
                             Value::String(s) => Some(s.clone()),
                             Value::Object(o) => ["label", "text", "title", "description"]
                                 .iter()
-                                .find_map(|k| o.get(*k).and_then(|v| v.as_str()).map(str::to_string)),
+                                .find_map(|k| {
+                                    o.get(*k).and_then(|v| v.as_str()).map(str::to_string)
+                                }),
                             _ => None,
                         })
                         .filter(|s| !s.trim().is_empty())
@@ -468,7 +564,9 @@ impl Turn {
             questions.push((text.to_string(), flatten_choices(args.get("choices"))));
         }
         if questions.is_empty() {
-            return ToolResult::Output(json!({"error": "clarify needs a `question` or a list of `questions`"}).to_string());
+            return ToolResult::Output(
+                json!({"error": "clarify needs a `question` or a list of `questions`"}).to_string(),
+            );
         }
         let payload = json!({
             "question": questions[0].0,
@@ -477,12 +575,19 @@ impl Turn {
             "multi_select": false,
         });
         let timeout = self.ctx.shared.config.agent.clarify_timeout;
-        let (answers, timed_out): (Vec<String>, bool) = match self.ask(PromptKind::Clarify, payload, Vec::new(), timeout).await {
+        let (answers, timed_out): (Vec<String>, bool) = match self
+            .ask(PromptKind::Clarify, payload, Vec::new(), timeout)
+            .await
+        {
             Asked::Cancelled => return ToolResult::Interrupted,
             Asked::TimedOut => (Vec::new(), true),
             Asked::Answered(PromptAnswer::Text(t)) | Asked::Answered(PromptAnswer::Choice(t)) => {
                 // Several questions may be answered at once with a JSON list of strings.
-                let many: Option<Vec<String>> = if questions.len() > 1 { serde_json::from_str(&t).ok() } else { None };
+                let many: Option<Vec<String>> = if questions.len() > 1 {
+                    serde_json::from_str(&t).ok()
+                } else {
+                    None
+                };
                 (many.unwrap_or_else(|| vec![t]), false)
             }
         };
@@ -516,7 +621,13 @@ impl Turn {
 
     /// Park on a prompt until it is answered, times out (`timeout ≤ 0`: never) or the turn is
     /// interrupted.
-    async fn ask(&mut self, kind: PromptKind, mut payload: Value, choices: Vec<String>, timeout: f64) -> Asked {
+    async fn ask(
+        &mut self,
+        kind: PromptKind,
+        mut payload: Value,
+        choices: Vec<String>,
+        timeout: f64,
+    ) -> Asked {
         let prompt_id = uuid::Uuid::new_v4().simple().to_string();
         payload["kind"] = json!(kind.as_str());
         payload["prompt_id"] = json!(prompt_id);
@@ -572,12 +683,20 @@ impl Turn {
         let cfg = &self.ctx.shared.config;
         let c = &cfg.compression;
         let tail_budget = (threshold as f64 * 0.2) as usize;
-        let Some(plan) = compress::plan(&self.transcript, c.protect_first_n, c.protect_last_n, tail_budget) else {
+        let Some(plan) = compress::plan(
+            &self.transcript,
+            c.protect_first_n,
+            c.protect_last_n,
+            tail_budget,
+        ) else {
             return Err(CompactError::Failed("nothing to compact".into()));
         };
         let aux = &cfg.auxiliary.compression;
         let model = aux.model.clone().unwrap_or_else(|| self.root.model.clone());
-        let provider = aux.provider.clone().unwrap_or_else(|| self.root.provider.clone());
+        let provider = aux
+            .provider
+            .clone()
+            .unwrap_or_else(|| self.root.provider.clone());
         let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
         let body = compress::summary_request(&model, &plan.middle, None);
         let call = ChatCall {
@@ -592,36 +711,60 @@ impl Turn {
         };
         let summary = match self.ctx.shared.model.send(call).await {
             Ok(Ok(r)) => r.content.unwrap_or_default(),
-            Ok(Err(ModelError::Interrupted)) => return Err(CompactError::Stop(Stop::Outcome(interrupted()))),
+            Ok(Err(ModelError::Interrupted)) => {
+                return Err(CompactError::Stop(Stop::Outcome(interrupted())))
+            }
             Ok(Err(e)) => return Err(CompactError::Failed(format!("summary request failed: {e}"))),
             Err(_) => return Err(CompactError::Failed("model client unavailable".into())),
         };
         if summary.trim().is_empty() {
-            return Err(CompactError::Failed("the summary model returned nothing".into()));
+            return Err(CompactError::Failed(
+                "the summary model returned nothing".into(),
+            ));
         }
         let compacted = compress::assemble(&plan, &summary);
         let system = if self.system.contains("[Note: earlier turns") {
             self.system.clone()
         } else {
-            format!("{}\n\n[Note: earlier turns of this conversation were compacted into a summary.]", self.system)
+            format!(
+                "{}\n\n[Note: earlier turns of this conversation were compacted into a summary.]",
+                self.system
+            )
         };
         let compaction = Compaction {
             root_id: self.ctx.root_id.clone(),
             old_tip: self.tip.clone(),
-            child_id: if c.in_place { None } else { Some(format!("{}-c{}", self.ctx.root_id, uuid::Uuid::new_v4().simple())) },
+            child_id: if c.in_place {
+                None
+            } else {
+                Some(format!(
+                    "{}-c{}",
+                    self.ctx.root_id,
+                    uuid::Uuid::new_v4().simple()
+                ))
+            },
             system_prompt: Some(system.clone()),
             messages: compacted.clone(),
         };
-        let (epoch, generation, now) = (self.ctx.shared.epoch, self.ctx.generation, self.ctx.shared.now());
+        let (epoch, generation, now) = (
+            self.ctx.shared.epoch,
+            self.ctx.generation,
+            self.ctx.shared.now(),
+        );
         let tip = self
             .ctx
             .shared
             .db
-            .write(move |conn| sessions::commit_compaction(conn, epoch, generation, &compaction, now))
+            .write(move |conn| {
+                sessions::commit_compaction(conn, epoch, generation, &compaction, now)
+            })
             .await
             .map_err(|e| CompactError::Stop(Stop::from(e)))?;
         tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
-        self.emit("session.info", json!({"compacted": true, "tip_session_id": tip}));
+        self.emit(
+            "session.info",
+            json!({"compacted": true, "tip_session_id": tip}),
+        );
         self.tip = tip;
         self.system = system;
         self.transcript = compacted;
@@ -657,7 +800,9 @@ async fn cancelled(rx: &mut watch::Receiver<bool>) {
 }
 
 fn interrupted() -> TurnOutcome {
-    TurnOutcome::Interrupted { reason: "the turn was interrupted".into() }
+    TurnOutcome::Interrupted {
+        reason: "the turn was interrupted".into(),
+    }
 }
 
 fn blocked(message: &str) -> String {
@@ -691,7 +836,10 @@ pub fn strip_think(text: &str) -> String {
 
 /// Tools the model sees: the session's frozen list, limited to tools this gateway has.
 fn enabled_tools(_shared: &Shared, root: &SessionRow) -> Vec<String> {
-    root.toolsets().into_iter().filter(|t| tools::KNOWN_TOOLS.contains(&t.as_str())).collect()
+    root.toolsets()
+        .into_iter()
+        .filter(|t| tools::KNOWN_TOOLS.contains(&t.as_str()))
+        .collect()
 }
 
 fn build_system_prompt(shared: &Shared, root: &SessionRow) -> String {
@@ -704,7 +852,12 @@ fn build_system_prompt(shared: &Shared, root: &SessionRow) -> String {
         s.push_str("\n\n");
         s.push_str(extra);
     }
-    if let Some(p) = shared.config.profiles.get(&root.profile).and_then(|p| p.system_prompt.clone()) {
+    if let Some(p) = shared
+        .config
+        .profiles
+        .get(&root.profile)
+        .and_then(|p| p.system_prompt.clone())
+    {
         s.push_str("\n\n");
         s.push_str(&p);
     }

@@ -57,17 +57,26 @@ fn err(code: &str, message: impl Into<String>) -> Value {
 }
 
 async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()> {
-    let same_user = stream.peer_cred().map(|c| c.uid() == unsafe_uid()).unwrap_or(false);
+    let same_user = stream
+        .peer_cred()
+        .map(|c| c.uid() == unsafe_uid())
+        .unwrap_or(false);
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read);
     loop {
         let mut line = Vec::new();
-        let n = (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line).await?;
+        let n = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await?;
         if n == 0 {
             return Ok(());
         }
         let reply = if line.len() > MAX_LINE {
-            let r = err("payload_too_large", format!("a request line is limited to {MAX_LINE} bytes"));
+            let r = err(
+                "payload_too_large",
+                format!("a request line is limited to {MAX_LINE} bytes"),
+            );
             write.write_all(format!("{r}\n").as_bytes()).await?;
             return Ok(());
         } else if !line.ends_with(b"\n") {
@@ -75,7 +84,11 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
         } else {
             match serde_json::from_slice::<Value>(&line) {
                 Ok(Value::Object(obj)) => {
-                    let method = obj.get("method").and_then(|m| m.as_str()).unwrap_or("").to_string();
+                    let method = obj
+                        .get("method")
+                        .and_then(|m| m.as_str())
+                        .unwrap_or("")
+                        .to_string();
                     let params = obj.get("params").cloned().unwrap_or(json!({}));
                     control.dispatch(&method, params, same_user).await
                 }
@@ -110,15 +123,24 @@ impl Control {
             }),
             "session-ticket" => {
                 if !same_user {
-                    return err("permission_denied", "tickets are minted only for the daemon's own user");
+                    return err(
+                        "permission_denied",
+                        "tickets are minted only for the daemon's own user",
+                    );
                 }
-                let purpose = params.get("purpose").and_then(|p| p.as_str()).unwrap_or("interactive");
+                let purpose = params
+                    .get("purpose")
+                    .and_then(|p| p.as_str())
+                    .unwrap_or("interactive");
                 if purpose != "interactive" {
                     return err("invalid_params", "purpose must be \"interactive\"");
                 }
                 if let Some(i) = params.get("instance_id").and_then(|i| i.as_str()) {
                     if i != shared.runtime.instance_id {
-                        return err("stale_instance", "the ticket was asked of another daemon instance");
+                        return err(
+                            "stale_instance",
+                            "the ticket was asked of another daemon instance",
+                        );
                     }
                 }
                 let (ticket, expires_at) = self.tickets.mint(&format!("uid:{}", unsafe_uid()));
@@ -140,7 +162,8 @@ impl Control {
                     "admissions": by_status,
                 })
             }
-            "sessions" if same_user => match shared.db.read(|c| sessions::list_roots(c, 500)).await {
+            "sessions" if same_user => match shared.db.read(|c| sessions::list_roots(c, 500)).await
+            {
                 Ok(rows) => json!({"sessions": rows.iter().map(|r| json!({
                     "session_id": r.id, "tip_session_id": r.tip_session_id, "model": r.model, "source": r.source,
                     "title": r.title, "execution_generation": r.runtime_generation, "started_at": r.started_at,
@@ -167,8 +190,16 @@ impl Control {
                 }
             }
             "resolve-unknown" if same_user => {
-                let session = params.get("session_id").and_then(|s| s.as_str()).unwrap_or("").to_string();
-                let admission = params.get("admission_id").and_then(|s| s.as_str()).unwrap_or("").to_string();
+                let session = params
+                    .get("session_id")
+                    .and_then(|s| s.as_str())
+                    .unwrap_or("")
+                    .to_string();
+                let admission = params
+                    .get("admission_id")
+                    .and_then(|s| s.as_str())
+                    .unwrap_or("")
+                    .to_string();
                 let (s, a) = (session.clone(), admission.clone());
                 let row = match shared
                     .db
@@ -186,14 +217,23 @@ impl Control {
                     .and_then(|g| g.as_i64())
                     .or(row.execution_generation)
                     .unwrap_or(-1);
-                match self.authority.resolve_unknown(&row.target_session_id, &admission, generation).await {
+                match self
+                    .authority
+                    .resolve_unknown(&row.target_session_id, &admission, generation)
+                    .await
+                {
                     Ok(r) => receipt(&r, shared.epoch),
                     Err(e) => err(e.reason(), e.detail()),
                 }
             }
-            "sessions" | "pending" | "resolve-unknown" => err("permission_denied", "operator commands need the daemon's user"),
-            other => json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
-                "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown"]}}),
+            "sessions" | "pending" | "resolve-unknown" => err(
+                "permission_denied",
+                "operator commands need the daemon's user",
+            ),
+            other => {
+                json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
+                "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown"]}})
+            }
         }
     }
 }

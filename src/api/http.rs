@@ -46,8 +46,12 @@ pub async fn healthz() -> HttpResponse {
 
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     match state.authority.shared.runtime.phase() {
-        RuntimePhase::Ready => HttpResponse::Ok().content_type("text/plain").body("ready\n"),
-        other => HttpResponse::ServiceUnavailable().content_type("text/plain").body(format!("{}\n", other.as_str())),
+        RuntimePhase::Ready => HttpResponse::Ok()
+            .content_type("text/plain")
+            .body("ready\n"),
+        other => HttpResponse::ServiceUnavailable()
+            .content_type("text/plain")
+            .body(format!("{}\n", other.as_str())),
     }
 }
 

@@ -15,7 +15,8 @@ use crate::error::{GatewayError, GatewayResult};
 use crate::session::prompts::{PromptAnswer, PromptKind};
 use crate::session::registry::{GetSupervisor, SessionRegistry};
 use crate::session::supervisor::{
-    CancelQueued, GetLive, Interrupt, PushEvent, ResolveUnknown, Respond, SessionSupervisor, Submit, Subscribe,
+    CancelQueued, GetLive, Interrupt, PushEvent, ResolveUnknown, Respond, SessionSupervisor,
+    Submit, Subscribe,
 };
 use crate::session::Shared;
 use crate::store::admissions::{self, hex, AdmissionRow};
@@ -120,7 +121,9 @@ const SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp", "bot_room"];
 
 fn check_id(name: &str, v: &str) -> GatewayResult<()> {
     if v.is_empty() || v.len() > 1024 {
-        return Err(GatewayError::InvalidParams(format!("{name} must be 1 to 1024 characters")));
+        return Err(GatewayError::InvalidParams(format!(
+            "{name} must be 1 to 1024 characters"
+        )));
     }
     Ok(())
 }
@@ -139,7 +142,11 @@ pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
         "execution_generation": row.execution_generation,
     });
     if row.is_terminal() {
-        if let Some(r) = row.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok()) {
+        if let Some(r) = row
+            .result_json
+            .as_deref()
+            .and_then(|r| serde_json::from_str::<Value>(r).ok())
+        {
             v["result"] = r;
         }
     }
@@ -154,7 +161,11 @@ fn pending_view(row: &AdmissionRow, epoch: i64) -> Value {
 
 fn message_view(m: &MessageRow) -> Value {
     let mut v = json!({"id": m.id, "role": m.role, "content": m.content});
-    if let Some(calls) = m.tool_calls.as_deref().and_then(|c| serde_json::from_str::<Value>(c).ok()) {
+    if let Some(calls) = m
+        .tool_calls
+        .as_deref()
+        .and_then(|c| serde_json::from_str::<Value>(c).ok())
+    {
         v["tool_calls"] = calls;
     }
     if let Some(id) = &m.tool_call_id {
@@ -183,38 +194,56 @@ impl Authority {
 
     async fn root(&self, id: &str) -> GatewayResult<SessionRow> {
         let id = id.to_string();
-        Ok(self.shared.db.read(move |c| sessions::root_of(c, &id)).await?)
+        Ok(self
+            .shared
+            .db
+            .read(move |c| sessions::root_of(c, &id))
+            .await?)
     }
 
     fn require_subscribed(caller: &Caller, root: &str) -> GatewayResult<()> {
         if caller.subscribed.contains(root) {
             Ok(())
         } else {
-            Err(GatewayError::PermissionDenied("create or resume this session on this connection first".into()))
+            Err(GatewayError::PermissionDenied(
+                "create or resume this session on this connection first".into(),
+            ))
         }
     }
 
     /// Dispatch one method.
     pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
-        let plain = |result: Value| Ok(CallResult { result, subscribe: None });
+        let plain = |result: Value| {
+            Ok(CallResult {
+                result,
+                subscribe: None,
+            })
+        };
         match method {
             "session.create" => self.create(params(p)?, caller).await,
             "session.resume" => {
                 let p: SessionParams = params(p)?;
                 let root = self.root(&p.session_id).await?;
                 if root.principal_id != caller.principal {
-                    return Err(GatewayError::PermissionDenied("this session belongs to another principal".into()));
+                    return Err(GatewayError::PermissionDenied(
+                        "this session belongs to another principal".into(),
+                    ));
                 }
                 self.subscribe(&root.id, caller).await?;
                 let snap = self.snapshot(&root.id).await?;
-                Ok(CallResult { result: snap, subscribe: Some(root.id) })
+                Ok(CallResult {
+                    result: snap,
+                    subscribe: Some(root.id),
+                })
             }
             "prompt.submit" => {
                 let p: SubmitParams = params(p)?;
                 check_id("input_id", &p.input_id)?;
                 let max = self.shared.config.session.max_text_bytes;
                 if p.text.len() > max {
-                    return Err(GatewayError::PayloadTooLarge(format!("text is over {max} bytes")));
+                    return Err(GatewayError::PayloadTooLarge(format!(
+                        "text is over {max} bytes"
+                    )));
                 }
                 let root = self.root(&p.session_id).await?;
                 Self::require_subscribed(caller, &root.id)?;
@@ -223,9 +252,15 @@ impl Authority {
                 }
                 let sup = self.supervisor(&root.id).await?;
                 let row = sup
-                    .send(Submit { principal: caller.principal.clone(), input_id: p.input_id, text: p.text })
+                    .send(Submit {
+                        principal: caller.principal.clone(),
+                        input_id: p.input_id,
+                        text: p.text,
+                    })
                     .await
-                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                    .map_err(|_| {
+                        GatewayError::Internal("session supervisor unavailable".into())
+                    })??;
                 plain(receipt(&row, self.shared.epoch))
             }
             "prompt.receipt" => {
@@ -233,7 +268,11 @@ impl Authority {
                 let root = self.root(&p.session_id).await?;
                 Self::require_subscribed(caller, &root.id)?;
                 let (r, a) = (root.id.clone(), p.admission_id.clone());
-                let row = self.shared.db.read(move |c| admissions::of_session(c, &r, &a)).await?;
+                let row = self
+                    .shared
+                    .db
+                    .read(move |c| admissions::of_session(c, &r, &a))
+                    .await?;
                 plain(receipt(&row, self.shared.epoch))
             }
             "prompt.cancel" => {
@@ -242,31 +281,57 @@ impl Authority {
                 Self::require_subscribed(caller, &root.id)?;
                 let sup = self.supervisor(&root.id).await?;
                 let row = sup
-                    .send(CancelQueued { admission_id: p.admission_id })
+                    .send(CancelQueued {
+                        admission_id: p.admission_id,
+                    })
                     .await
-                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                    .map_err(|_| {
+                        GatewayError::Internal("session supervisor unavailable".into())
+                    })??;
                 plain(receipt(&row, self.shared.epoch))
             }
             "prompt.resolve_unknown" => {
                 let p: ResolveParams = params(p)?;
                 let root = self.root(&p.session_id).await?;
                 Self::require_subscribed(caller, &root.id)?;
-                let row = self.resolve_unknown(&root.id, &p.admission_id, p.execution_generation).await?;
+                let row = self
+                    .resolve_unknown(&root.id, &p.admission_id, p.execution_generation)
+                    .await?;
                 plain(receipt(&row, self.shared.epoch))
             }
             "approval.respond" => {
                 let p: ApprovalParams = params(p)?;
                 let answer = PromptAnswer::Choice(p.choice);
-                self.respond(PromptKind::Approval, &p.session_id, p.execution_generation, p.prompt_id, answer, caller)
-                    .await
-                    .map(|result| CallResult { result, subscribe: None })
+                self.respond(
+                    PromptKind::Approval,
+                    &p.session_id,
+                    p.execution_generation,
+                    p.prompt_id,
+                    answer,
+                    caller,
+                )
+                .await
+                .map(|result| CallResult {
+                    result,
+                    subscribe: None,
+                })
             }
             "clarify.respond" => {
                 let p: ClarifyParams = params(p)?;
                 let answer = PromptAnswer::Text(p.answer);
-                self.respond(PromptKind::Clarify, &p.session_id, p.execution_generation, p.prompt_id, answer, caller)
-                    .await
-                    .map(|result| CallResult { result, subscribe: None })
+                self.respond(
+                    PromptKind::Clarify,
+                    &p.session_id,
+                    p.execution_generation,
+                    p.prompt_id,
+                    answer,
+                    caller,
+                )
+                .await
+                .map(|result| CallResult {
+                    result,
+                    subscribe: None,
+                })
             }
             "session.interrupt" => {
                 let p: InterruptParams = params(p)?;
@@ -274,9 +339,14 @@ impl Authority {
                 Self::require_subscribed(caller, &root.id)?;
                 let sup = self.supervisor(&root.id).await?;
                 let done = sup
-                    .send(Interrupt { generation: p.execution_generation, reason: "client interrupt".into() })
+                    .send(Interrupt {
+                        generation: p.execution_generation,
+                        reason: "client interrupt".into(),
+                    })
                     .await
-                    .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))??;
+                    .map_err(|_| {
+                        GatewayError::Internal("session supervisor unavailable".into())
+                    })??;
                 plain(json!({"interrupted": done}))
             }
             other => Err(GatewayError::UnknownMethod(other.to_string())),
@@ -284,11 +354,19 @@ impl Authority {
     }
 
     /// Resolve an unknown admission (shared by the RPC and the operator CLI).
-    pub async fn resolve_unknown(&self, root: &str, admission_id: &str, generation: i64) -> GatewayResult<AdmissionRow> {
+    pub async fn resolve_unknown(
+        &self,
+        root: &str,
+        admission_id: &str,
+        generation: i64,
+    ) -> GatewayResult<AdmissionRow> {
         let sup = self.supervisor(root).await?;
-        sup.send(ResolveUnknown { admission_id: admission_id.to_string(), generation })
-            .await
-            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
+        sup.send(ResolveUnknown {
+            admission_id: admission_id.to_string(),
+            generation,
+        })
+        .await
+        .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
     }
 
     async fn respond(
@@ -303,21 +381,34 @@ impl Authority {
         let root = self.root(session_id).await?;
         Self::require_subscribed(caller, &root.id)?;
         let Some(generation) = generation.as_i64() else {
-            return Err(GatewayError::StaleGeneration("execution_generation must be an integer".into()));
+            return Err(GatewayError::StaleGeneration(
+                "execution_generation must be an integer".into(),
+            ));
         };
         if prompt_id.is_empty() {
-            return Err(GatewayError::InvalidParams("prompt_id must not be empty".into()));
+            return Err(GatewayError::InvalidParams(
+                "prompt_id must not be empty".into(),
+            ));
         }
         let sup = self.supervisor(&root.id).await?;
-        sup.send(Respond { kind, generation, prompt_id, answer, by: caller.principal.clone() })
-            .await
-            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
+        sup.send(Respond {
+            kind,
+            generation,
+            prompt_id,
+            answer,
+            by: caller.principal.clone(),
+        })
+        .await
+        .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
     }
 
     async fn subscribe(&self, root: &str, caller: &Caller) -> GatewayResult<()> {
         if let Some(r) = &caller.recipient {
             let sup = self.supervisor(root).await?;
-            sup.do_send(Subscribe { conn_id: caller.conn_id, recipient: r.clone() });
+            sup.do_send(Subscribe {
+                conn_id: caller.conn_id,
+                recipient: r.clone(),
+            });
         }
         Ok(())
     }
@@ -327,16 +418,23 @@ impl Authority {
             return Err(GatewayError::RuntimeDraining);
         }
         let cfg = &self.shared.config;
-        let request_id = p.request_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let request_id = p
+            .request_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         check_id("request_id", &request_id)?;
         let source = p.source.clone().unwrap_or_else(|| "cli".into());
         if !SOURCES.contains(&source.as_str()) {
-            return Err(GatewayError::InvalidParams(format!("source must be one of {SOURCES:?}")));
+            return Err(GatewayError::InvalidParams(format!(
+                "source must be one of {SOURCES:?}"
+            )));
         }
         let profile = p.profile.clone().unwrap_or_else(|| "default".into());
         let profile_cfg = cfg.profiles.get(&profile);
         if profile != "default" && profile_cfg.is_none() {
-            return Err(GatewayError::InvalidParams(format!("no profile {profile:?} in the config")));
+            return Err(GatewayError::InvalidParams(format!(
+                "no profile {profile:?} in the config"
+            )));
         }
         let cwd = match &p.cwd {
             Some(c) => c.clone(),
@@ -350,7 +448,9 @@ impl Authority {
         };
         let cwd_path = Path::new(&cwd);
         if !cwd_path.is_absolute() || !cwd_path.is_dir() {
-            return Err(GatewayError::InvalidParams(format!("cwd {cwd:?} must be an absolute, existing directory")));
+            return Err(GatewayError::InvalidParams(format!(
+                "cwd {cwd:?} must be an absolute, existing directory"
+            )));
         }
         let endpoint = cfg.default_endpoint();
         let model = p
@@ -363,10 +463,20 @@ impl Authority {
             .clone()
             .or_else(|| profile_cfg.and_then(|c| c.provider.clone()))
             .unwrap_or(endpoint.provider.clone());
-        let base_url = p.base_url.clone().or_else(|| profile_cfg.and_then(|c| c.base_url.clone())).or(endpoint.base_url);
+        let base_url = p
+            .base_url
+            .clone()
+            .or_else(|| profile_cfg.and_then(|c| c.base_url.clone()))
+            .or(endpoint.base_url);
         if let Some(u) = &base_url {
-            if !(u.starts_with("http://") || u.starts_with("https://")) || u.contains('?') || u.contains('#') || u.contains('@') {
-                return Err(GatewayError::InvalidParams("base_url must be http(s) with no credentials, query or fragment".into()));
+            if !(u.starts_with("http://") || u.starts_with("https://"))
+                || u.contains('?')
+                || u.contains('#')
+                || u.contains('@')
+            {
+                return Err(GatewayError::InvalidParams(
+                    "base_url must be http(s) with no credentials, query or fragment".into(),
+                ));
             }
         }
         let platform = cfg.platform_tools(&source);
@@ -374,7 +484,9 @@ impl Authority {
             Some(list) => {
                 for t in list {
                     if !KNOWN_TOOLS.contains(&t.as_str()) {
-                        return Err(GatewayError::InvalidParams(format!("unknown toolset {t:?}")));
+                        return Err(GatewayError::InvalidParams(format!(
+                            "unknown toolset {t:?}"
+                        )));
                     }
                 }
                 list.clone()
@@ -408,10 +520,17 @@ impl Authority {
             system_prompt: None,
         };
         let (epoch, now) = (self.shared.epoch, self.shared.now());
-        let (row, _created) = self.shared.db.write(move |c| sessions::create_or_get(c, epoch, &new, now)).await?;
+        let (row, _created) = self
+            .shared
+            .db
+            .write(move |c| sessions::create_or_get(c, epoch, &new, now))
+            .await?;
         self.subscribe(&row.id, caller).await?;
         let snap = self.snapshot(&row.id).await?;
-        Ok(CallResult { result: snap, subscribe: Some(row.id) })
+        Ok(CallResult {
+            result: snap,
+            subscribe: Some(row.id),
+        })
     }
 
     /// The snapshot `session.create` and `session.resume` return.
@@ -428,7 +547,10 @@ impl Authority {
             })
             .await?;
         let sup = self.supervisor(&root.id).await?;
-        let live = sup.send(GetLive).await.map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?;
+        let live = sup
+            .send(GetLive)
+            .await
+            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?;
         let epoch = self.shared.epoch;
         Ok(json!({
             "session_id": root.id,

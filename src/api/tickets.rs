@@ -20,12 +20,20 @@ pub enum TicketRefusal {
 
 impl Tickets {
     pub fn new(ttl: f64, clock: SharedClock) -> Self {
-        Self { ttl, clock, map: Mutex::new(HashMap::new()) }
+        Self {
+            ttl,
+            clock,
+            map: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Mint a ticket for `principal`: `(ticket, expires_at)`.
     pub fn mint(&self, principal: &str) -> (String, f64) {
-        let ticket = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+        let ticket = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
         let now = self.clock.now();
         let expires = now + self.ttl;
         if let Ok(mut m) = self.map.lock() {

@@ -32,7 +32,9 @@ pub async fn ws_route(
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(',').map(|s| s.trim().to_string()))
         .collect();
-    let ticket = offered.iter().find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
+    let ticket = offered
+        .iter()
+        .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
     let principal = match ticket {
         Some(t) => match state.tickets.redeem(&t) {
             Ok(p) => p,
@@ -91,44 +93,71 @@ fn error_frame(id: Value, err: &GatewayError) -> String {
 impl WsConnection {
     fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
         if text.len() > self.max_frame {
-            let err = GatewayError::PayloadTooLarge(format!("frame is over {} bytes", self.max_frame));
+            let err =
+                GatewayError::PayloadTooLarge(format!("frame is over {} bytes", self.max_frame));
             ctx.text(error_frame(Value::Null, &err));
             return;
         }
         let msg: Value = match serde_json::from_str(text) {
             Ok(v) => v,
             Err(e) => {
-                ctx.text(error_frame(Value::Null, &GatewayError::Parse(e.to_string())));
+                ctx.text(error_frame(
+                    Value::Null,
+                    &GatewayError::Parse(e.to_string()),
+                ));
                 return;
             }
         };
         let Value::Object(obj) = msg else {
-            let what = if msg.is_array() { "batch requests are not supported" } else { "a request must be an object" };
-            ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest(what.into())));
+            let what = if msg.is_array() {
+                "batch requests are not supported"
+            } else {
+                "a request must be an object"
+            };
+            ctx.text(error_frame(
+                Value::Null,
+                &GatewayError::InvalidRequest(what.into()),
+            ));
             return;
         };
         let id = obj.get("id").cloned();
         let reply_id = match &id {
             Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
             Some(_) => {
-                ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest("id must be a string, number or null".into())));
+                ctx.text(error_frame(
+                    Value::Null,
+                    &GatewayError::InvalidRequest("id must be a string, number or null".into()),
+                ));
                 return;
             }
             None => Value::Null,
         };
         if obj.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
-            ctx.text(error_frame(reply_id, &GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into())));
+            ctx.text(error_frame(
+                reply_id,
+                &GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into()),
+            ));
             return;
         }
-        let Some(method) = obj.get("method").and_then(|m| m.as_str()).map(str::to_string) else {
-            ctx.text(error_frame(reply_id, &GatewayError::InvalidRequest("method must be a string".into())));
+        let Some(method) = obj
+            .get("method")
+            .and_then(|m| m.as_str())
+            .map(str::to_string)
+        else {
+            ctx.text(error_frame(
+                reply_id,
+                &GatewayError::InvalidRequest("method must be a string".into()),
+            ));
             return;
         };
         let params = match obj.get("params") {
             None | Some(Value::Null) => json!({}),
             Some(p @ Value::Object(_)) => p.clone(),
             Some(_) => {
-                ctx.text(error_frame(reply_id, &GatewayError::InvalidParams("params must be an object".into())));
+                ctx.text(error_frame(
+                    reply_id,
+                    &GatewayError::InvalidParams("params must be an object".into()),
+                ));
                 return;
             }
         };
@@ -167,11 +196,24 @@ impl Actor for WsConnection {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.authority.shared.metrics.ws_opened();
-        ctx.set_mailbox_capacity(self.authority.shared.config.gateway.outbound_queue_frames.max(16));
+        ctx.set_mailbox_capacity(
+            self.authority
+                .shared
+                .config
+                .gateway
+                .outbound_queue_frames
+                .max(16),
+        );
         ctx.run_interval(self.heartbeat, |act, ctx| {
             if act.last_seen.elapsed() > act.client_timeout {
-                tracing::info!(conn = act.conn_id, "client stopped answering pings; closing");
-                ctx.close(Some(ws::CloseReason { code: ws::CloseCode::Away, description: Some("heartbeat timeout".into()) }));
+                tracing::info!(
+                    conn = act.conn_id,
+                    "client stopped answering pings; closing"
+                );
+                ctx.close(Some(ws::CloseReason {
+                    code: ws::CloseCode::Away,
+                    description: Some("heartbeat timeout".into()),
+                }));
                 ctx.stop();
                 return;
             }
@@ -207,7 +249,10 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
         match item {
             Ok(ws::Message::Text(text)) => self.handle_text(&text, ctx),
             Ok(ws::Message::Binary(_)) => {
-                ctx.text(error_frame(Value::Null, &GatewayError::InvalidRequest("binary frames are not supported".into())));
+                ctx.text(error_frame(
+                    Value::Null,
+                    &GatewayError::InvalidRequest("binary frames are not supported".into()),
+                ));
             }
             Ok(ws::Message::Continuation(item)) => {
                 use actix_http::ws::Item;
@@ -220,11 +265,16 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
                 if first {
                     self.partial = Some(Vec::new());
                 }
-                let Some(buf) = self.partial.as_mut() else { return };
+                let Some(buf) = self.partial.as_mut() else {
+                    return;
+                };
                 buf.extend_from_slice(&bytes);
                 if buf.len() > self.max_frame {
                     self.partial = None;
-                    let err = GatewayError::PayloadTooLarge(format!("message is over {} bytes", self.max_frame));
+                    let err = GatewayError::PayloadTooLarge(format!(
+                        "message is over {} bytes",
+                        self.max_frame
+                    ));
                     ctx.text(error_frame(Value::Null, &err));
                     return;
                 }
@@ -232,7 +282,10 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
                     if let Some(buf) = self.partial.take() {
                         match String::from_utf8(buf) {
                             Ok(text) => self.handle_text(&text, ctx),
-                            Err(_) => ctx.text(error_frame(Value::Null, &GatewayError::Parse("message is not UTF-8".into()))),
+                            Err(_) => ctx.text(error_frame(
+                                Value::Null,
+                                &GatewayError::Parse("message is not UTF-8".into()),
+                            )),
                         }
                     }
                 }
@@ -246,8 +299,15 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
             Ok(ws::Message::Nop) => {}
             Err(e) => {
                 tracing::info!(conn = self.conn_id, error = %e, "websocket protocol error; closing");
-                let code = if matches!(e, ws::ProtocolError::Overflow) { ws::CloseCode::Size } else { ws::CloseCode::Protocol };
-                ctx.close(Some(ws::CloseReason { code, description: Some(e.to_string()) }));
+                let code = if matches!(e, ws::ProtocolError::Overflow) {
+                    ws::CloseCode::Size
+                } else {
+                    ws::CloseCode::Protocol
+                };
+                ctx.close(Some(ws::CloseReason {
+                    code,
+                    description: Some(e.to_string()),
+                }));
                 ctx.stop();
             }
         }

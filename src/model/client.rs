@@ -60,7 +60,10 @@ impl ModelError {
     fn retryable(&self) -> bool {
         matches!(
             self,
-            ModelError::Transient(_) | ModelError::RateLimited(_) | ModelError::Timeout(_) | ModelError::Malformed(_)
+            ModelError::Transient(_)
+                | ModelError::RateLimited(_)
+                | ModelError::Timeout(_)
+                | ModelError::Malformed(_)
         )
     }
 }
@@ -82,7 +85,8 @@ const OVERFLOW_PHRASES: &[&str] = &[
 pub fn classify(status: u16, body: &str) -> ModelError {
     let lower = body.to_lowercase();
     let snippet: String = body.chars().take(500).collect();
-    if (status == 400 || status == 413) && OVERFLOW_PHRASES.iter().any(|p| lower.contains(p)) || status == 413 {
+    let overflow_phrase = OVERFLOW_PHRASES.iter().any(|p| lower.contains(p));
+    if status == 413 || (status == 400 && overflow_phrase) {
         return ModelError::ContextOverflow(snippet);
     }
     match status {
@@ -139,7 +143,11 @@ impl ModelClient {
             .timeout(config.connect_timeout.max(Duration::from_secs(1)) * 20)
             .disable_redirects()
             .finish();
-        Self { config, client, limits: HashMap::new() }
+        Self {
+            config,
+            client,
+            limits: HashMap::new(),
+        }
     }
 
     /// Start on a dedicated arbiter.
@@ -157,7 +165,11 @@ impl Handler<ChatCall> for ModelClient {
     type Result = ResponseFuture<Result<ChatResponse, ModelError>>;
 
     fn handle(&mut self, call: ChatCall, _: &mut Context<Self>) -> Self::Result {
-        let key = format!("{}|{}", call.provider, call.base_url.clone().unwrap_or_default());
+        let key = format!(
+            "{}|{}",
+            call.provider,
+            call.base_url.clone().unwrap_or_default()
+        );
         let sem = self
             .limits
             .entry(key)
@@ -231,19 +243,27 @@ async fn one_call(
     call: &ChatCall,
     delivered: &mut bool,
 ) -> Result<ChatResponse, ModelError> {
-    let base = call.base_url.as_deref().ok_or_else(|| ModelError::Client("no base_url configured".into()))?;
+    let base = call
+        .base_url
+        .as_deref()
+        .ok_or_else(|| ModelError::Client("no base_url configured".into()))?;
     let url = format!("{}/chat/completions", base.trim_end_matches('/'));
     let mut body = call.body.clone();
     if call.stream {
         body["stream"] = Value::Bool(true);
         body["stream_options"] = serde_json::json!({"include_usage": true});
     }
-    let mut req = client.post(&url).insert_header(("Content-Type", "application/json"));
+    let mut req = client
+        .post(&url)
+        .insert_header(("Content-Type", "application/json"));
     if let Some(key) = call.api_key.as_deref().filter(|k| !k.is_empty()) {
         req = req.insert_header(("Authorization", format!("Bearer {key}")));
     }
     let payload = serde_json::to_vec(&body).map_err(|e| ModelError::Client(e.to_string()))?;
-    let mut resp = req.send_body(payload).await.map_err(|e| ModelError::Transient(format!("send: {e}")))?;
+    let mut resp = req
+        .send_body(payload)
+        .await
+        .map_err(|e| ModelError::Transient(format!("send: {e}")))?;
     let status = resp.status().as_u16();
     if status != 200 {
         let bytes = resp.body().limit(64 * 1024).await.unwrap_or_default();
@@ -255,14 +275,18 @@ async fn one_call(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
     if !is_sse {
-        let bytes = tokio::time::timeout(call.timeout, resp.body().limit(config.max_response_bytes))
-            .await
-            .map_err(|_| ModelError::Timeout("response body".into()))?
-            .map_err(|e| match e {
-                awc::error::PayloadError::Overflow => ModelError::TooLarge(config.max_response_bytes),
-                other => ModelError::Transient(format!("body: {other}")),
-            })?;
-        let v: Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let bytes =
+            tokio::time::timeout(call.timeout, resp.body().limit(config.max_response_bytes))
+                .await
+                .map_err(|_| ModelError::Timeout("response body".into()))?
+                .map_err(|e| match e {
+                    awc::error::PayloadError::Overflow => {
+                        ModelError::TooLarge(config.max_response_bytes)
+                    }
+                    other => ModelError::Transient(format!("body: {other}")),
+                })?;
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
         return parse_response(&v).map_err(ModelError::Malformed);
     }
     let mut parser = SseParser::new();
@@ -282,7 +306,9 @@ async fn one_call(
             Some(Err(e)) => return Err(ModelError::Transient(format!("stream: {e}"))),
             Some(Ok(bytes)) => {
                 total += bytes.len();
-                if total > config.max_response_bytes || parser.pending_len() > config.max_response_bytes {
+                if total > config.max_response_bytes
+                    || parser.pending_len() > config.max_response_bytes
+                {
                     return Err(ModelError::TooLarge(config.max_response_bytes));
                 }
                 parser.feed(&bytes)
@@ -293,7 +319,8 @@ async fn one_call(
                 done = true;
                 break;
             }
-            let chunk: Value = serde_json::from_str(&data).map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
+            let chunk: Value = serde_json::from_str(&data)
+                .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
             let delta = acc.apply(&chunk).map_err(|e| classify_stream_error(&e))?;
             if let Some(tx) = &call.deltas {
                 if let Some(text) = delta.content {
@@ -324,7 +351,11 @@ fn echo_reply(body: &Value) -> ChatResponse {
     let last = body
         .get("messages")
         .and_then(|m| m.as_array())
-        .and_then(|m| m.iter().rev().find(|m| m.get("role").and_then(|r| r.as_str()) == Some("user")))
+        .and_then(|m| {
+            m.iter()
+                .rev()
+                .find(|m| m.get("role").and_then(|r| r.as_str()) == Some("user"))
+        })
         .and_then(|m| m.get("content"))
         .and_then(|c| c.as_str())
         .unwrap_or("");
@@ -344,8 +375,14 @@ mod tests {
     #[test]
     fn classification_checks_overflow_before_generic_client_errors() {
         let body = r#"{"error":{"message":"This model's maximum context length is 64000 tokens.","type":"invalid_request_error","code":"context_length_exceeded"}}"#;
-        assert!(matches!(classify(400, body), ModelError::ContextOverflow(_)));
-        assert!(matches!(classify(413, "too big"), ModelError::ContextOverflow(_)));
+        assert!(matches!(
+            classify(400, body),
+            ModelError::ContextOverflow(_)
+        ));
+        assert!(matches!(
+            classify(413, "too big"),
+            ModelError::ContextOverflow(_)
+        ));
         assert!(matches!(classify(400, "bad field"), ModelError::Client(_)));
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));

@@ -60,7 +60,8 @@ impl SseParser {
         }
         let text = String::from_utf8_lossy(line);
         if let Some(rest) = text.strip_prefix("data:") {
-            self.data.push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
+            self.data
+                .push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
         }
         // `event:`, `id:`, `retry:` and unknown fields are ignored.
     }
@@ -102,7 +103,9 @@ mod tests {
             let mut got = Vec::new();
             let mut i = 0;
             while i < stream.len() {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let n = 1 + (seed >> 33) as usize % 7;
                 let j = (i + n).min(stream.len());
                 got.extend(p.feed(&stream[i..j]));

@@ -52,7 +52,11 @@ pub fn flatten_content(v: &Value) -> Option<String> {
         Value::Array(parts) => Some(
             parts
                 .iter()
-                .filter_map(|p| p.get("text").and_then(|t| t.as_str()).or_else(|| p.as_str()))
+                .filter_map(|p| {
+                    p.get("text")
+                        .and_then(|t| t.as_str())
+                        .or_else(|| p.as_str())
+                })
                 .collect::<Vec<_>>()
                 .join(""),
         ),
@@ -87,8 +91,14 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
             .and_then(|f| f.as_str())
             .unwrap_or("stop")
             .to_string(),
-        usage: body.get("usage").and_then(|u| serde_json::from_value(u.clone()).ok()).map(fix_total),
-        model: body.get("model").and_then(|m| m.as_str()).map(str::to_string),
+        usage: body
+            .get("usage")
+            .and_then(|u| serde_json::from_value(u.clone()).ok())
+            .map(fix_total),
+        model: body
+            .get("model")
+            .and_then(|m| m.as_str())
+            .map(str::to_string),
     })
 }
 
@@ -149,7 +159,11 @@ impl StreamAccumulator {
                 delta_out.content = Some(text);
             }
         }
-        if let Some(r) = delta.get("reasoning_content").or_else(|| delta.get("reasoning")).and_then(|v| v.as_str()) {
+        if let Some(r) = delta
+            .get("reasoning_content")
+            .or_else(|| delta.get("reasoning"))
+            .and_then(|v| v.as_str())
+        {
             self.reasoning.push_str(r);
         }
         if let Some(calls) = delta.get("tool_calls").and_then(|t| t.as_array()) {
@@ -166,7 +180,13 @@ impl StreamAccumulator {
                 let pos = match self.slots.iter().position(|(i, _)| *i == slot_index) {
                     Some(p) => p,
                     None => {
-                        self.slots.push((slot_index, ToolCall { kind: "function".into(), ..Default::default() }));
+                        self.slots.push((
+                            slot_index,
+                            ToolCall {
+                                kind: "function".into(),
+                                ..Default::default()
+                            },
+                        ));
                         self.slots.len() - 1
                     }
                 };
@@ -203,8 +223,16 @@ impl StreamAccumulator {
             })
             .collect();
         ChatResponse {
-            content: if self.saw_content && !self.content.is_empty() { Some(self.content) } else { None },
-            reasoning: if self.reasoning.is_empty() { None } else { Some(self.reasoning) },
+            content: if self.saw_content && !self.content.is_empty() {
+                Some(self.content)
+            } else {
+                None
+            },
+            reasoning: if self.reasoning.is_empty() {
+                None
+            } else {
+                Some(self.reasoning)
+            },
             tool_calls,
             finish_reason: self.finish_reason.unwrap_or_else(|| "stop".into()),
             usage: self.usage,
@@ -221,7 +249,8 @@ mod tests {
     #[test]
     fn fragments_accumulate_by_index_and_finish_defaults_to_stop() {
         let mut acc = StreamAccumulator::default();
-        acc.apply(&json!({"choices":[{"index":0,"delta":{"content":"A"}}]})).expect("a");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"content":"A"}}]}))
+            .expect("a");
         acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"c2","function":{"name":"clarify","arguments":"{\"q"}}]}}]}))
             .expect("b");
         acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","function":{"name":"terminal","arguments":"{}"}}]}}]}))
@@ -243,7 +272,10 @@ mod tests {
         let mut acc = StreamAccumulator::default();
         assert!(acc.apply(&json!({"error":{"message":"boom"}})).is_err());
         assert!(parse_response(&json!({"id":"x"})).is_err());
-        let r = parse_response(&json!({"choices":[{"message":{"content":[{"type":"text","text":"hi"}]}}]})).expect("ok");
+        let r = parse_response(
+            &json!({"choices":[{"message":{"content":[{"type":"text","text":"hi"}]}}]}),
+        )
+        .expect("ok");
         assert_eq!(r.content.as_deref(), Some("hi"));
     }
 }

@@ -15,7 +15,10 @@ pub struct SessionRegistry {
 
 impl SessionRegistry {
     pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared, sessions: HashMap::new() }
+        Self {
+            shared,
+            sessions: HashMap::new(),
+        }
     }
 
     fn get(&mut self, root_id: &str) -> Addr<SessionSupervisor> {

@@ -68,7 +68,10 @@ impl RuntimeState {
     }
 
     pub fn origin(&self) -> String {
-        self.api_origin.lock().map(|g| g.clone()).unwrap_or_default()
+        self.api_origin
+            .lock()
+            .map(|g| g.clone())
+            .unwrap_or_default()
     }
 }
 

@@ -72,7 +72,8 @@ impl SessionSupervisor {
             }
         });
         let text: Arc<str> = Arc::from(frame.to_string());
-        self.subscribers.retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+        self.subscribers
+            .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
     }
 
     fn info_payload(&self) -> Value {
@@ -97,12 +98,15 @@ impl SessionSupervisor {
         let fut = async move {
             let now = shared.now();
             let epoch = shared.epoch;
-            shared.db.write(move |c| admissions::claim_next(c, epoch, &root, now)).await
+            shared
+                .db
+                .write(move |c| admissions::claim_next(c, epoch, &root, now))
+                .await
         };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
             act.claiming = false;
             match res {
-                Ok(Claim::Started(row)) => act.start_turn(row, ctx),
+                Ok(Claim::Started(row)) => act.start_turn(*row, ctx),
                 Ok(Claim::Idle) | Ok(Claim::Busy) => {
                     if std::mem::take(&mut act.pump_again) {
                         act.pump(ctx);
@@ -135,7 +139,10 @@ impl SessionSupervisor {
         self.shared.metrics.turn_started();
         let info = self.info_payload();
         self.emit("session.info", info);
-        self.emit("message.start", json!({"admission_id": row.admission_id, "execution_generation": generation}));
+        self.emit(
+            "message.start",
+            json!({"admission_id": row.admission_id, "execution_generation": generation}),
+        );
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
         let turn = TurnCtx {
             shared: self.shared.clone(),
@@ -154,9 +161,12 @@ impl SessionSupervisor {
             let settled = settle(&shared, &root, &admission_id, generation, &outcome).await;
             (outcome, settled)
         };
-        ctx.spawn(fut.into_actor(self).map(move |(outcome, settled), act, ctx| {
-            act.turn_finished(generation, outcome, settled, ctx);
-        }));
+        ctx.spawn(
+            fut.into_actor(self)
+                .map(move |(outcome, settled), act, ctx| {
+                    act.turn_finished(generation, outcome, settled, ctx);
+                }),
+        );
     }
 
     fn turn_finished(
@@ -167,10 +177,16 @@ impl SessionSupervisor {
         ctx: &mut Context<Self>,
     ) {
         if let Some(r) = self.running.take() {
-            self.shared.metrics.turn_finished(r.started.elapsed().as_secs_f64());
+            self.shared
+                .metrics
+                .turn_finished(r.started.elapsed().as_secs_f64());
         }
-        let stale: Vec<String> =
-            self.prompts.iter().filter(|(_, p)| p.generation == generation).map(|(k, _)| k.clone()).collect();
+        let stale: Vec<String> = self
+            .prompts
+            .iter()
+            .filter(|(_, p)| p.generation == generation)
+            .map(|(k, _)| k.clone())
+            .collect();
         for id in stale {
             self.retire_prompt(&id, "turn_ended");
         }
@@ -179,9 +195,10 @@ impl SessionSupervisor {
                 let info = self.info_payload();
                 self.emit("session.info", info);
                 let (status, text) = match &outcome {
-                    TurnOutcome::Completed { final_message } => {
-                        ("complete", final_message.content.clone().unwrap_or_default())
-                    }
+                    TurnOutcome::Completed { final_message } => (
+                        "complete",
+                        final_message.content.clone().unwrap_or_default(),
+                    ),
                     TurnOutcome::Interrupted { reason } => ("interrupted", reason.clone()),
                     TurnOutcome::Failed { error, .. } => ("error", error.clone()),
                     TurnOutcome::Stale => ("error", String::new()),
@@ -217,7 +234,11 @@ impl SessionSupervisor {
                 &format!("{kind}.settled"),
                 json!({"prompt_id": prompt_id, "resolution": resolution, "execution_generation": p.generation}),
             );
-            self.audit_resolution(prompt_id.to_string(), resolution.to_string(), "gateway".to_string());
+            self.audit_resolution(
+                prompt_id.to_string(),
+                resolution.to_string(),
+                "gateway".to_string(),
+            );
         }
     }
 
@@ -227,7 +248,9 @@ impl SessionSupervisor {
             let now = shared.now();
             if let Err(e) = shared
                 .db
-                .write(move |c| prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now))
+                .write(move |c| {
+                    prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now)
+                })
                 .await
             {
                 tracing::error!(error = %e, "prompt audit write failed");
@@ -238,7 +261,11 @@ impl SessionSupervisor {
     /// Open prompts of the running attempt, as listed in snapshots.
     fn open_prompts(&self) -> Vec<Value> {
         let running = self.running.as_ref().map(|r| r.generation);
-        let mut v: Vec<&OpenPrompt> = self.prompts.values().filter(|p| Some(p.generation) == running).collect();
+        let mut v: Vec<&OpenPrompt> = self
+            .prompts
+            .values()
+            .filter(|p| Some(p.generation) == running)
+            .collect();
         v.sort_by(|a, b| a.prompt_id.cmp(&b.prompt_id));
         v.into_iter().map(|p| p.payload.clone()).collect()
     }
@@ -252,19 +279,43 @@ async fn settle(
     outcome: &TurnOutcome,
 ) -> Result<AdmissionRow, StoreError> {
     let (status, closing, result) = match outcome {
-        TurnOutcome::Stale => return Err(StoreError::StaleGeneration("the attempt lost its fence".into())),
+        TurnOutcome::Stale => {
+            return Err(StoreError::StaleGeneration(
+                "the attempt lost its fence".into(),
+            ))
+        }
         TurnOutcome::Completed { final_message } => (
             "completed",
             vec![final_message.clone()],
             json!({"final_response": final_message.content, "completed": true}),
         ),
         TurnOutcome::Interrupted { reason } => {
-            let closing = closing_for(shared, root, admission_id, &format!("[Turn interrupted: {reason}]")).await?;
-            ("interrupted", closing, json!({"interrupted": true, "reason": reason}))
+            let closing = closing_for(
+                shared,
+                root,
+                admission_id,
+                &format!("[Turn interrupted: {reason}]"),
+            )
+            .await?;
+            (
+                "interrupted",
+                closing,
+                json!({"interrupted": true, "reason": reason}),
+            )
         }
         TurnOutcome::Failed { error, reason } => {
-            let closing = closing_for(shared, root, admission_id, &format!("[Turn failed: {error}]")).await?;
-            ("failed", closing, json!({"failed": true, "error": error, "reason": reason}))
+            let closing = closing_for(
+                shared,
+                root,
+                admission_id,
+                &format!("[Turn failed: {error}]"),
+            )
+            .await?;
+            (
+                "failed",
+                closing,
+                json!({"failed": true, "error": error, "reason": reason}),
+            )
         }
     };
     let epoch = shared.epoch;
@@ -275,7 +326,17 @@ async fn settle(
     shared
         .db
         .write(move |c| {
-            admissions::settle(c, epoch, &root, &admission_id, generation, status, &result, &closing, now)
+            admissions::settle(
+                c,
+                epoch,
+                &root,
+                &admission_id,
+                generation,
+                status,
+                &result,
+                &closing,
+                now,
+            )
         })
         .await
 }
@@ -382,7 +443,18 @@ impl Handler<Submit> for SessionSupervisor {
             let max = shared.config.session.max_queued_admissions;
             let (row, created) = shared
                 .db
-                .write(move |c| admissions::admit(c, epoch, &m.principal, &root, &m.input_id, &m.text, max, now))
+                .write(move |c| {
+                    admissions::admit(
+                        c,
+                        epoch,
+                        &m.principal,
+                        &root,
+                        &m.input_id,
+                        &m.text,
+                        max,
+                        now,
+                    )
+                })
                 .await?;
             Ok((row, created))
         };
@@ -390,7 +462,10 @@ impl Handler<Submit> for SessionSupervisor {
             let (row, created) = res?;
             if created {
                 act.shared.metrics.admitted();
-                act.emit("session.info", json!({"admitted": row.admission_id, "sequence": row.seq}));
+                act.emit(
+                    "session.info",
+                    json!({"admitted": row.admission_id, "sequence": row.seq}),
+                );
                 act.pump(ctx);
             }
             Ok(row)
@@ -414,7 +489,10 @@ impl Handler<GetLive> for SessionSupervisor {
     type Result = MessageResult<GetLive>;
     fn handle(&mut self, _: GetLive, _: &mut Context<Self>) -> Self::Result {
         MessageResult(LiveView {
-            running: self.running.as_ref().map(|r| (r.admission_id.clone(), r.generation)),
+            running: self
+                .running
+                .as_ref()
+                .map(|r| (r.admission_id.clone(), r.generation)),
             prompts: self.open_prompts(),
             last_sequence: self.seq,
         })
@@ -436,7 +514,8 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         }
         let payload = p.payload.clone();
         let kind = p.kind.as_str();
-        let (prompt_id, admission_id, generation) = (p.prompt_id.clone(), p.admission_id.clone(), p.generation);
+        let (prompt_id, admission_id, generation) =
+            (p.prompt_id.clone(), p.admission_id.clone(), p.generation);
         let session = self.root_id.clone();
         self.prompts.insert(p.prompt_id.clone(), p);
         self.shared.metrics.prompt_opened();
@@ -447,7 +526,16 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
             let r = shared
                 .db
                 .write(move |c| {
-                    prompt_store::record_open(c, &prompt_id, &session, &admission_id, generation, kind, &audit, now)
+                    prompt_store::record_open(
+                        c,
+                        &prompt_id,
+                        &session,
+                        &admission_id,
+                        generation,
+                        kind,
+                        &audit,
+                        now,
+                    )
                 })
                 .await;
             if let Err(e) = r {
@@ -513,8 +601,12 @@ impl Handler<Respond> for SessionSupervisor {
                 m.generation
             )));
         }
-        let stale: Vec<String> =
-            self.prompts.iter().filter(|(_, p)| Some(p.generation) != running).map(|(k, _)| k.clone()).collect();
+        let stale: Vec<String> = self
+            .prompts
+            .iter()
+            .filter(|(_, p)| Some(p.generation) != running)
+            .map(|(k, _)| k.clone())
+            .collect();
         for id in stale {
             self.retire_prompt(&id, "stale");
         }
@@ -522,7 +614,11 @@ impl Handler<Respond> for SessionSupervisor {
             return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
         };
         if p.kind != m.kind {
-            return Err(GatewayError::InvalidParams(format!("prompt {} is a {} prompt", m.prompt_id, p.kind.as_str())));
+            return Err(GatewayError::InvalidParams(format!(
+                "prompt {} is a {} prompt",
+                m.prompt_id,
+                p.kind.as_str()
+            )));
         }
         if let PromptAnswer::Choice(choice) = &m.answer {
             if !p.choices.contains(choice) {
@@ -547,7 +643,11 @@ impl Handler<Respond> for SessionSupervisor {
             json!({"prompt_id": m.prompt_id, "resolution": resolution, "execution_generation": p.generation}),
         );
         self.audit_resolution(m.prompt_id.clone(), resolution, m.by);
-        let status = if delivered { "resolved" } else { "already_resolved" };
+        let status = if delivered {
+            "resolved"
+        } else {
+            "already_resolved"
+        };
         Ok(json!({"status": status, "prompt_id": m.prompt_id}))
     }
 }
@@ -569,15 +669,23 @@ impl Handler<ResolveUnknown> for SessionSupervisor {
             let now = shared.now();
             Ok(shared
                 .db
-                .write(move |c| admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now))
+                .write(move |c| {
+                    admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now)
+                })
                 .await?)
         };
-        Box::pin(fut.into_actor(self).map(|res: Result<AdmissionRow, GatewayError>, act, ctx| {
-            let row = res?;
-            act.emit("session.info", json!({"resolved": row.admission_id, "outcome": row.outcome}));
-            act.pump(ctx);
-            Ok(row)
-        }))
+        Box::pin(
+            fut.into_actor(self)
+                .map(|res: Result<AdmissionRow, GatewayError>, act, ctx| {
+                    let row = res?;
+                    act.emit(
+                        "session.info",
+                        json!({"resolved": row.admission_id, "outcome": row.outcome}),
+                    );
+                    act.pump(ctx);
+                    Ok(row)
+                }),
+        )
     }
 }
 
@@ -595,13 +703,19 @@ impl Handler<CancelQueued> for SessionSupervisor {
         let fut = async move {
             let epoch = shared.epoch;
             let now = shared.now();
-            Ok(shared.db.write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now)).await?)
+            Ok(shared
+                .db
+                .write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now))
+                .await?)
         };
-        Box::pin(fut.into_actor(self).map(|res: Result<AdmissionRow, GatewayError>, act, _| {
-            let row = res?;
-            act.emit("session.info", json!({"cancelled": row.admission_id}));
-            Ok(row)
-        }))
+        Box::pin(
+            fut.into_actor(self)
+                .map(|res: Result<AdmissionRow, GatewayError>, act, _| {
+                    let row = res?;
+                    act.emit("session.info", json!({"cancelled": row.admission_id}));
+                    Ok(row)
+                }),
+        )
     }
 }
 
@@ -624,7 +738,9 @@ impl Handler<Interrupt> for SessionSupervisor {
         };
         if let Some(g) = m.generation {
             if g != r.generation {
-                return Err(GatewayError::StaleGeneration(format!("generation {g} is not running")));
+                return Err(GatewayError::StaleGeneration(format!(
+                    "generation {g} is not running"
+                )));
             }
         }
         tracing::info!(session = %self.root_id, reason = %m.reason, "interrupting the running turn");
@@ -671,6 +787,9 @@ pub struct IsIdle;
 impl Handler<IsIdle> for SessionSupervisor {
     type Result = bool;
     fn handle(&mut self, _: IsIdle, _: &mut Context<Self>) -> bool {
-        self.running.is_none() && self.subscribers.is_empty() && !self.claiming && self.prompts.is_empty()
+        self.running.is_none()
+            && self.subscribers.is_empty()
+            && !self.claiming
+            && self.prompts.is_empty()
     }
 }

@@ -89,7 +89,10 @@ pub fn admit(
                 "input_id {request_id} was admitted with other content"
             )));
         }
-        let exists: i64 = sessions::table.filter(sessions::id.eq(target)).count().get_result(conn)?;
+        let exists: i64 = sessions::table
+            .filter(sessions::id.eq(target))
+            .count()
+            .get_result(conn)?;
         if exists == 0 {
             return Err(StoreError::NotFound(format!("no session {target}")));
         }
@@ -99,7 +102,9 @@ pub fn admit(
             .count()
             .get_result(conn)?;
         if waiting >= max_queued {
-            return Err(StoreError::SessionBusy(format!("{waiting} inputs are already queued")));
+            return Err(StoreError::SessionBusy(format!(
+                "{waiting} inputs are already queued"
+            )));
         }
         let admission_id = uuid::Uuid::new_v4().simple().to_string();
         diesel::insert_into(sa::table)
@@ -131,16 +136,25 @@ pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<Admissio
 }
 
 /// One admission of `session` (not another session's).
-pub fn of_session(conn: &mut SqliteConnection, session: &str, admission_id: &str) -> Result<AdmissionRow, StoreError> {
+pub fn of_session(
+    conn: &mut SqliteConnection,
+    session: &str,
+    admission_id: &str,
+) -> Result<AdmissionRow, StoreError> {
     let row = by_id(conn, admission_id)?;
     if row.target_session_id != session {
-        return Err(StoreError::NotFound(format!("no admission {admission_id} in session {session}")));
+        return Err(StoreError::NotFound(format!(
+            "no admission {admission_id} in session {session}"
+        )));
     }
     Ok(row)
 }
 
 /// Non-terminal rows of a session, in seq order.
-pub fn pending(conn: &mut SqliteConnection, session: &str) -> Result<Vec<AdmissionRow>, StoreError> {
+pub fn pending(
+    conn: &mut SqliteConnection,
+    session: &str,
+) -> Result<Vec<AdmissionRow>, StoreError> {
     Ok(sa::table
         .filter(sa::target_session_id.eq(session))
         .filter(sa::status.ne("terminal"))
@@ -150,7 +164,11 @@ pub fn pending(conn: &mut SqliteConnection, session: &str) -> Result<Vec<Admissi
 }
 
 /// Every non-terminal row with status `status` across sessions (operator view).
-pub fn all_with_status(conn: &mut SqliteConnection, status: &str, limit: i64) -> Result<Vec<AdmissionRow>, StoreError> {
+pub fn all_with_status(
+    conn: &mut SqliteConnection,
+    status: &str,
+    limit: i64,
+) -> Result<Vec<AdmissionRow>, StoreError> {
     Ok(sa::table
         .filter(sa::status.eq(status))
         .order(sa::seq.asc())
@@ -160,7 +178,9 @@ pub fn all_with_status(conn: &mut SqliteConnection, status: &str, limit: i64) ->
 }
 
 /// Counts by status (and outcome for terminal rows), for metrics and status.
-pub fn counts(conn: &mut SqliteConnection) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
+pub fn counts(
+    conn: &mut SqliteConnection,
+) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
     Ok(sa::table
         .group_by((sa::status, sa::outcome))
         .select((sa::status, sa::outcome, diesel::dsl::count_star()))
@@ -169,8 +189,11 @@ pub fn counts(conn: &mut SqliteConnection) -> Result<Vec<(String, Option<String>
 
 /// Sessions that have queued work and nothing unknown: the pumps to start at boot.
 pub fn sessions_ready_to_pump(conn: &mut SqliteConnection) -> Result<Vec<String>, StoreError> {
-    let queued: Vec<String> =
-        sa::table.filter(sa::status.eq("queued")).select(sa::target_session_id).distinct().load(conn)?;
+    let queued: Vec<String> = sa::table
+        .filter(sa::status.eq("queued"))
+        .select(sa::target_session_id)
+        .distinct()
+        .load(conn)?;
     let blocked: std::collections::HashSet<String> = sa::table
         .filter(sa::status.eq_any(["unknown", "started"]))
         .select(sa::target_session_id)
@@ -178,14 +201,17 @@ pub fn sessions_ready_to_pump(conn: &mut SqliteConnection) -> Result<Vec<String>
         .load::<String>(conn)?
         .into_iter()
         .collect();
-    Ok(queued.into_iter().filter(|s| !blocked.contains(s)).collect())
+    Ok(queued
+        .into_iter()
+        .filter(|s| !blocked.contains(s))
+        .collect())
 }
 
 /// What a claim found.
 #[derive(Debug)]
 pub enum Claim {
     /// The head was claimed: it is now `started` with a new generation.
-    Started(AdmissionRow),
+    Started(Box<AdmissionRow>),
     /// Nothing queued.
     Idle,
     /// Something is already started (one at a time).
@@ -194,7 +220,12 @@ pub enum Claim {
 
 /// Claim the lowest-seq queued row of `session`: bump the session's generation and stamp it.
 /// An `unknown` row holds the FIFO (`unknown_execution`).
-pub fn claim_next(conn: &mut SqliteConnection, epoch: i64, session: &str, now: f64) -> Result<Claim, StoreError> {
+pub fn claim_next(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    now: f64,
+) -> Result<Claim, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let rows = pending(conn, session)?;
@@ -213,10 +244,14 @@ pub fn claim_next(conn: &mut SqliteConnection, epoch: i64, session: &str, now: f
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_generation.eq(sessions::runtime_generation + 1))
             .execute(conn)?;
-        let generation: i64 =
-            sessions::table.filter(sessions::id.eq(session)).select(sessions::runtime_generation).first(conn)?;
+        let generation: i64 = sessions::table
+            .filter(sessions::id.eq(session))
+            .select(sessions::runtime_generation)
+            .first(conn)?;
         let n = diesel::update(
-            sa::table.filter(sa::admission_id.eq(&head.admission_id)).filter(sa::status.eq("queued")),
+            sa::table
+                .filter(sa::admission_id.eq(&head.admission_id))
+                .filter(sa::status.eq("queued")),
         )
         .set((
             sa::status.eq("started"),
@@ -226,9 +261,11 @@ pub fn claim_next(conn: &mut SqliteConnection, epoch: i64, session: &str, now: f
         ))
         .execute(conn)?;
         if n != 1 {
-            return Err(StoreError::StaleGeneration("the head moved during the claim".into()));
+            return Err(StoreError::StaleGeneration(
+                "the head moved during the claim".into(),
+            ));
         }
-        Ok(Claim::Started(by_id(conn, &head.admission_id)?))
+        Ok(Claim::Started(Box::new(by_id(conn, &head.admission_id)?)))
     })
 }
 
@@ -253,7 +290,9 @@ pub fn settle(
             .select((sessions::tip_session_id, sessions::runtime_generation))
             .first(conn)?;
         if current != generation {
-            return Err(StoreError::StaleGeneration(format!("generation {generation} is not running")));
+            return Err(StoreError::StaleGeneration(format!(
+                "generation {generation} is not running"
+            )));
         }
         let n = diesel::update(
             sa::table
@@ -271,10 +310,18 @@ pub fn settle(
         ))
         .execute(conn)?;
         if n != 1 {
-            return Err(StoreError::StaleGeneration(format!("admission {admission_id} is not the running attempt")));
+            return Err(StoreError::StaleGeneration(format!(
+                "admission {admission_id} is not the running attempt"
+            )));
         }
-        let rows: Vec<NewMessage> =
-            closing.iter().cloned().map(|m| NewMessage { session_id: tip.clone(), ..m }).collect();
+        let rows: Vec<NewMessage> = closing
+            .iter()
+            .cloned()
+            .map(|m| NewMessage {
+                session_id: tip.clone(),
+                ..m
+            })
+            .collect();
         insert_messages(conn, &rows, now)?;
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
@@ -297,13 +344,25 @@ pub fn cancel(
         let row = of_session(conn, session, admission_id)?;
         match row.status.as_str() {
             "queued" => {
-                diesel::update(sa::table.filter(sa::admission_id.eq(admission_id)).filter(sa::status.eq("queued")))
-                    .set((sa::status.eq("terminal"), sa::outcome.eq("cancelled"), sa::updated_at.eq(now)))
-                    .execute(conn)?;
+                diesel::update(
+                    sa::table
+                        .filter(sa::admission_id.eq(admission_id))
+                        .filter(sa::status.eq("queued")),
+                )
+                .set((
+                    sa::status.eq("terminal"),
+                    sa::outcome.eq("cancelled"),
+                    sa::updated_at.eq(now),
+                ))
+                .execute(conn)?;
                 by_id(conn, admission_id)
             }
-            "started" => Err(StoreError::StaleGeneration("the admission is running; interrupt it instead".into())),
-            "unknown" => Err(StoreError::UnknownExecution("the admission is unknown; resolve it instead".into())),
+            "started" => Err(StoreError::StaleGeneration(
+                "the admission is running; interrupt it instead".into(),
+            )),
+            "unknown" => Err(StoreError::UnknownExecution(
+                "the admission is unknown; resolve it instead".into(),
+            )),
             _ => Ok(row),
         }
     })
@@ -391,10 +450,19 @@ mod tests {
         let (b, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 2.0).expect("again");
         assert!(!created);
         assert_eq!(a.admission_id, b.admission_id);
-        assert!(matches!(admit(&mut c, e, "p", "s1", "in-1", "other", 10, 2.0), Err(StoreError::AdmissionConflict(_))));
-        assert!(matches!(admit(&mut c, e, "p", "nope", "in-2", "x", 10, 2.0), Err(StoreError::NotFound(_))));
+        assert!(matches!(
+            admit(&mut c, e, "p", "s1", "in-1", "other", 10, 2.0),
+            Err(StoreError::AdmissionConflict(_))
+        ));
+        assert!(matches!(
+            admit(&mut c, e, "p", "nope", "in-2", "x", 10, 2.0),
+            Err(StoreError::NotFound(_))
+        ));
         admit(&mut c, e, "p", "s1", "in-2", "x", 2, 2.0).expect("second queued");
-        assert!(matches!(admit(&mut c, e, "p", "s1", "in-3", "x", 2, 2.0), Err(StoreError::SessionBusy(_))));
+        assert!(matches!(
+            admit(&mut c, e, "p", "s1", "in-3", "x", 2, 2.0),
+            Err(StoreError::SessionBusy(_))
+        ));
     }
 
     #[test]
@@ -402,16 +470,44 @@ mod tests {
         let (_d, mut c, e) = setup();
         let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
         let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
-        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim") else { panic!("no claim") };
+        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim") else {
+            panic!("no claim")
+        };
         assert_eq!(first.admission_id, a.admission_id);
         assert_eq!(first.execution_generation, Some(1));
-        assert!(matches!(claim_next(&mut c, e, "s1", 2.0).expect("busy"), Claim::Busy));
         assert!(matches!(
-            settle(&mut c, e, "s1", &a.admission_id, 7, "completed", "{}", &[], 3.0),
+            claim_next(&mut c, e, "s1", 2.0).expect("busy"),
+            Claim::Busy
+        ));
+        assert!(matches!(
+            settle(
+                &mut c,
+                e,
+                "s1",
+                &a.admission_id,
+                7,
+                "completed",
+                "{}",
+                &[],
+                3.0
+            ),
             Err(StoreError::StaleGeneration(_))
         ));
-        settle(&mut c, e, "s1", &a.admission_id, 1, "completed", "{}", &[], 3.0).expect("settle");
-        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim") else { panic!("no claim") };
+        settle(
+            &mut c,
+            e,
+            "s1",
+            &a.admission_id,
+            1,
+            "completed",
+            "{}",
+            &[],
+            3.0,
+        )
+        .expect("settle");
+        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim") else {
+            panic!("no claim")
+        };
         assert_eq!(second.admission_id, b.admission_id);
         assert_eq!(second.execution_generation, Some(2));
     }
@@ -421,21 +517,49 @@ mod tests {
         let (_d, mut c, e) = setup();
         let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
         admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
-        assert!(matches!(claim_next(&mut c, e, "s1", 2.0), Ok(Claim::Started(_))));
+        assert!(matches!(
+            claim_next(&mut c, e, "s1", 2.0),
+            Ok(Claim::Started(_))
+        ));
         let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
         assert_eq!(epoch::recover_started(&mut c, e2, 3.0).expect("sweep"), 1);
-        assert!(matches!(claim_next(&mut c, e2, "s1", 3.0), Err(StoreError::UnknownExecution(_))));
+        assert!(matches!(
+            claim_next(&mut c, e2, "s1", 3.0),
+            Err(StoreError::UnknownExecution(_))
+        ));
         assert!(sessions_ready_to_pump(&mut c).expect("ready").is_empty());
         // The old process can no longer settle it.
         assert!(matches!(
-            settle(&mut c, e, "s1", &a.admission_id, 1, "completed", "{}", &[], 3.0),
+            settle(
+                &mut c,
+                e,
+                "s1",
+                &a.admission_id,
+                1,
+                "completed",
+                "{}",
+                &[],
+                3.0
+            ),
             Err(StoreError::StaleEpoch)
         ));
-        assert!(matches!(resolve_unknown(&mut c, e2, "s1", &a.admission_id, 9, 4.0), Err(StoreError::StaleGeneration(_))));
+        assert!(matches!(
+            resolve_unknown(&mut c, e2, "s1", &a.admission_id, 9, 4.0),
+            Err(StoreError::StaleGeneration(_))
+        ));
         let r = resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0).expect("resolve");
-        assert_eq!((r.status.as_str(), r.outcome.as_deref()), ("terminal", Some("interrupted")));
-        assert!(matches!(resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0), Err(StoreError::StaleGeneration(_))));
-        assert!(matches!(claim_next(&mut c, e2, "s1", 5.0), Ok(Claim::Started(_))));
+        assert_eq!(
+            (r.status.as_str(), r.outcome.as_deref()),
+            ("terminal", Some("interrupted"))
+        );
+        assert!(matches!(
+            resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        assert!(matches!(
+            claim_next(&mut c, e2, "s1", 5.0),
+            Ok(Claim::Started(_))
+        ));
     }
 
     #[test]
@@ -444,7 +568,10 @@ mod tests {
         let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
         let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
         claim_next(&mut c, e, "s1", 2.0).expect("claim");
-        assert!(matches!(cancel(&mut c, e, "s1", &a.admission_id, 2.0), Err(StoreError::StaleGeneration(_))));
+        assert!(matches!(
+            cancel(&mut c, e, "s1", &a.admission_id, 2.0),
+            Err(StoreError::StaleGeneration(_))
+        ));
         let r = cancel(&mut c, e, "s1", &b.admission_id, 2.0).expect("cancel");
         assert_eq!(r.outcome.as_deref(), Some("cancelled"));
     }

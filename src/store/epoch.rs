@@ -8,7 +8,11 @@ use super::schema::{runtime_epoch, session_admissions, state_meta};
 use crate::error::StoreError;
 
 /// Take a new epoch (strictly greater than every earlier one) for `instance_id`.
-pub fn begin_epoch(conn: &mut SqliteConnection, instance_id: &str, now: f64) -> Result<i64, StoreError> {
+pub fn begin_epoch(
+    conn: &mut SqliteConnection,
+    instance_id: &str,
+    now: f64,
+) -> Result<i64, StoreError> {
     conn.immediate_transaction(|conn| {
         let current: Option<i64> = runtime_epoch::table
             .select(runtime_epoch::epoch)
@@ -43,7 +47,11 @@ pub fn check_epoch(conn: &mut SqliteConnection, epoch: i64) -> Result<(), StoreE
 }
 
 /// Boot recovery: every `started` row of an older epoch becomes `unknown` (generation kept).
-pub fn recover_started(conn: &mut SqliteConnection, epoch: i64, now: f64) -> Result<usize, StoreError> {
+pub fn recover_started(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    now: f64,
+) -> Result<usize, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let n = diesel::update(
@@ -51,7 +59,10 @@ pub fn recover_started(conn: &mut SqliteConnection, epoch: i64, now: f64) -> Res
                 .filter(session_admissions::status.eq("started"))
                 .filter(session_admissions::owner_epoch.ne(epoch)),
         )
-        .set((session_admissions::status.eq("unknown"), session_admissions::updated_at.eq(now)))
+        .set((
+            session_admissions::status.eq("unknown"),
+            session_admissions::updated_at.eq(now),
+        ))
         .execute(conn)?;
         Ok(n)
     })
@@ -91,8 +102,14 @@ mod tests {
         let a = begin_epoch(&mut conn, "a", 1.0).expect("epoch");
         let b = begin_epoch(&mut conn, "b", 2.0).expect("epoch");
         assert_eq!((a, b), (1, 2));
-        assert!(matches!(check_epoch(&mut conn, a), Err(StoreError::StaleEpoch)));
+        assert!(matches!(
+            check_epoch(&mut conn, a),
+            Err(StoreError::StaleEpoch)
+        ));
         assert!(check_epoch(&mut conn, b).is_ok());
-        assert!(matches!(recover_started(&mut conn, a, 3.0), Err(StoreError::StaleEpoch)));
+        assert!(matches!(
+            recover_started(&mut conn, a, 3.0),
+            Err(StoreError::StaleEpoch)
+        ));
     }
 }

@@ -41,7 +41,11 @@ pub struct NewMessage {
 
 impl NewMessage {
     pub fn text(role: &str, content: impl Into<String>) -> NewMessage {
-        NewMessage { role: role.into(), content: Some(content.into()), ..Default::default() }
+        NewMessage {
+            role: role.into(),
+            content: Some(content.into()),
+            ..Default::default()
+        }
     }
 
     pub fn from_row(row: &MessageRow) -> NewMessage {
@@ -59,7 +63,11 @@ impl NewMessage {
     }
 }
 
-pub(crate) fn insert_messages(conn: &mut SqliteConnection, rows: &[NewMessage], now: f64) -> Result<(), StoreError> {
+pub(crate) fn insert_messages(
+    conn: &mut SqliteConnection,
+    rows: &[NewMessage],
+    now: f64,
+) -> Result<(), StoreError> {
     for m in rows {
         diesel::insert_into(messages::table)
             .values((
@@ -100,7 +108,14 @@ pub fn append_for_attempt(
                 "attempt {generation} is not the running one ({current})"
             )));
         }
-        let rows: Vec<NewMessage> = rows.iter().cloned().map(|m| NewMessage { session_id: tip.clone(), ..m }).collect();
+        let rows: Vec<NewMessage> = rows
+            .iter()
+            .cloned()
+            .map(|m| NewMessage {
+                session_id: tip.clone(),
+                ..m
+            })
+            .collect();
         insert_messages(conn, &rows, now)?;
         Ok(tip)
     })
@@ -119,7 +134,11 @@ pub fn live(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<Message
 /// What closes a transcript whose turn ended without a reply, so the next input is its own user
 /// message: a stub result for every tool call that never got one, then an assistant note when the
 /// tail is a user or tool message.
-pub fn closing_messages(live: &[MessageRow], note: &str, admission_id: Option<&str>) -> Vec<NewMessage> {
+pub fn closing_messages(
+    live: &[MessageRow],
+    note: &str,
+    admission_id: Option<&str>,
+) -> Vec<NewMessage> {
     let mut out = Vec::new();
     let Some(last_assistant) = live.iter().rposition(|m| m.role == "assistant") else {
         if live.last().is_some_and(|m| m.role == "user") {
@@ -127,17 +146,24 @@ pub fn closing_messages(live: &[MessageRow], note: &str, admission_id: Option<&s
         }
         return out;
     };
-    let answered: std::collections::HashSet<&str> =
-        live[last_assistant..].iter().filter_map(|m| m.tool_call_id.as_deref()).collect();
+    let answered: std::collections::HashSet<&str> = live[last_assistant..]
+        .iter()
+        .filter_map(|m| m.tool_call_id.as_deref())
+        .collect();
     if let Some(calls) = live[last_assistant].tool_calls.as_deref() {
         let calls: Vec<serde_json::Value> = serde_json::from_str(calls).unwrap_or_default();
         for call in calls {
             let id = call.get("id").and_then(|v| v.as_str()).unwrap_or_default();
             if !id.is_empty() && !answered.contains(id) {
-                let name = call.pointer("/function/name").and_then(|v| v.as_str()).unwrap_or("tool");
+                let name = call
+                    .pointer("/function/name")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("tool");
                 out.push(NewMessage {
                     role: "tool".into(),
-                    content: Some(format!("[Tool execution cancelled: {name} did not run because the turn ended]")),
+                    content: Some(format!(
+                        "[Tool execution cancelled: {name} did not run because the turn ended]"
+                    )),
                     tool_call_id: Some(id.to_string()),
                     tool_name: Some(name.to_string()),
                     display_kind: Some("stub_result".into()),
@@ -147,7 +173,11 @@ pub fn closing_messages(live: &[MessageRow], note: &str, admission_id: Option<&s
             }
         }
     }
-    let tail_role = if out.is_empty() { live.last().map(|m| m.role.as_str()) } else { Some("tool") };
+    let tail_role = if out.is_empty() {
+        live.last().map(|m| m.role.as_str())
+    } else {
+        Some("tool")
+    };
     if matches!(tail_role, Some("user") | Some("tool")) {
         out.push(closing_note(note, admission_id));
     }
@@ -197,7 +227,11 @@ mod tests {
     #[test]
     fn closing_dangling_tool_calls_adds_stubs_then_a_note() {
         let calls = r#"[{"id":"a","function":{"name":"terminal"}},{"id":"b","function":{"name":"clarify"}}]"#;
-        let live = [row(1, "user", None, None), row(2, "assistant", Some(calls), None), row(3, "tool", None, Some("a"))];
+        let live = [
+            row(1, "user", None, None),
+            row(2, "assistant", Some(calls), None),
+            row(3, "tool", None, Some("a")),
+        ];
         let out = closing_messages(&live, "interrupted", None);
         let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["tool", "assistant"]);

@@ -104,7 +104,11 @@ impl Db {
         let writer = SyncArbiter::start(1, move || DbWorker { pool: p.clone() });
         let p = pool.clone();
         let readers = SyncArbiter::start(readers.max(1), move || DbWorker { pool: p.clone() });
-        Db { writer, readers, pool }
+        Db {
+            writer,
+            readers,
+            pool,
+        }
     }
 
     async fn run<R, F>(addr: &Addr<DbWorker>, f: F) -> Result<R, StoreError>
@@ -116,8 +120,11 @@ impl Db {
         let job: Job = Box::new(move |conn| {
             let _ = tx.send(f(conn));
         });
-        addr.send(DbJob(job)).await.map_err(|e| StoreError::Pool(e.to_string()))?;
-        rx.await.map_err(|_| StoreError::Pool("database worker gave no answer".into()))?
+        addr.send(DbJob(job))
+            .await
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        rx.await
+            .map_err(|_| StoreError::Pool("database worker gave no answer".into()))?
     }
 
     /// Run a write transition on the single writer.
@@ -160,7 +167,8 @@ pub mod testing {
         let dir = tempfile_dir::TempDir::new();
         let path = dir.path().join("state.db");
         let mut conn = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        conn.batch_execute("PRAGMA foreign_keys = ON;").expect("pragma");
+        conn.batch_execute("PRAGMA foreign_keys = ON;")
+            .expect("pragma");
         conn.run_pending_migrations(MIGRATIONS).expect("migrate");
         (dir, conn)
     }
@@ -174,7 +182,8 @@ pub mod testing {
         impl TempDir {
             #[allow(clippy::new_without_default)]
             pub fn new() -> TempDir {
-                let p = std::env::temp_dir().join(format!("gatehouse-test-{}", uuid::Uuid::new_v4().simple()));
+                let p = std::env::temp_dir()
+                    .join(format!("gatehouse-test-{}", uuid::Uuid::new_v4().simple()));
                 std::fs::create_dir_all(&p).expect("temp dir");
                 TempDir(p)
             }

@@ -57,9 +57,17 @@ pub fn record_resolution(
     now: f64,
 ) -> Result<(), StoreError> {
     conn.immediate_transaction(|conn| {
-        diesel::update(prompts::table.filter(prompts::prompt_id.eq(prompt_id)).filter(prompts::resolved_at.is_null()))
-            .set((prompts::resolved_at.eq(now), prompts::resolution.eq(resolution), prompts::resolved_by.eq(by)))
-            .execute(conn)?;
+        diesel::update(
+            prompts::table
+                .filter(prompts::prompt_id.eq(prompt_id))
+                .filter(prompts::resolved_at.is_null()),
+        )
+        .set((
+            prompts::resolved_at.eq(now),
+            prompts::resolution.eq(resolution),
+            prompts::resolved_by.eq(by),
+        ))
+        .execute(conn)?;
         Ok(())
     })
 }
@@ -67,17 +75,22 @@ pub fn record_resolution(
 /// At boot: prompts left open by a previous process ended with it.
 pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, StoreError> {
     conn.immediate_transaction(|conn| {
-        Ok(diesel::update(prompts::table.filter(prompts::resolved_at.is_null()))
-            .set((
-                prompts::resolved_at.eq(now),
-                prompts::resolution.eq("abandoned"),
-                prompts::resolved_by.eq("restart"),
-            ))
-            .execute(conn)?)
+        Ok(
+            diesel::update(prompts::table.filter(prompts::resolved_at.is_null()))
+                .set((
+                    prompts::resolved_at.eq(now),
+                    prompts::resolution.eq("abandoned"),
+                    prompts::resolved_by.eq("restart"),
+                ))
+                .execute(conn)?,
+        )
     })
 }
 
-pub fn for_session(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<PromptRow>, StoreError> {
+pub fn for_session(
+    conn: &mut SqliteConnection,
+    session_id: &str,
+) -> Result<Vec<PromptRow>, StoreError> {
     Ok(prompts::table
         .filter(prompts::session_id.eq(session_id))
         .order(prompts::opened_at.asc())
@@ -86,7 +99,11 @@ pub fn for_session(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<
 }
 
 /// Is `key` approved for this session or permanently?
-pub fn is_approved(conn: &mut SqliteConnection, session_id: &str, key: &str) -> Result<bool, StoreError> {
+pub fn is_approved(
+    conn: &mut SqliteConnection,
+    session_id: &str,
+    key: &str,
+) -> Result<bool, StoreError> {
     let always: i64 = approval_allowlist::table
         .filter(approval_allowlist::pattern_key.eq(key))
         .count()

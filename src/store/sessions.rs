@@ -99,7 +99,8 @@ pub fn create_or_get(
                 sessions::started_at.eq(now),
             ))
             .execute(conn)?;
-        let row = find(conn, &new.id)?.ok_or_else(|| StoreError::Other("session vanished".into()))?;
+        let row =
+            find(conn, &new.id)?.ok_or_else(|| StoreError::Other("session vanished".into()))?;
         Ok((row, true))
     })
 }
@@ -118,7 +119,8 @@ pub fn root_of(conn: &mut SqliteConnection, id: &str) -> Result<SessionRow, Stor
     if row.root_id == row.id {
         return Ok(row);
     }
-    find(conn, &row.root_id)?.ok_or_else(|| StoreError::NotFound(format!("no session {}", row.root_id)))
+    find(conn, &row.root_id)?
+        .ok_or_else(|| StoreError::NotFound(format!("no session {}", row.root_id)))
 }
 
 /// Every root session (for the operator view).
@@ -152,15 +154,22 @@ pub fn commit_compaction(
 ) -> Result<String, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
-        let root = find(conn, &c.root_id)?.ok_or_else(|| StoreError::NotFound(c.root_id.clone()))?;
+        let root =
+            find(conn, &c.root_id)?.ok_or_else(|| StoreError::NotFound(c.root_id.clone()))?;
         if root.tip_session_id != c.old_tip || root.runtime_generation != generation {
-            return Err(StoreError::StaleGeneration("the session moved on during compaction".into()));
+            return Err(StoreError::StaleGeneration(
+                "the session moved on during compaction".into(),
+            ));
         }
         let target = match &c.child_id {
             Some(child) => {
-                let old = find(conn, &c.old_tip)?.ok_or_else(|| StoreError::NotFound(c.old_tip.clone()))?;
+                let old = find(conn, &c.old_tip)?
+                    .ok_or_else(|| StoreError::NotFound(c.old_tip.clone()))?;
                 diesel::update(sessions::table.filter(sessions::id.eq(&c.old_tip)))
-                    .set((sessions::ended_at.eq(now), sessions::end_reason.eq("compression")))
+                    .set((
+                        sessions::ended_at.eq(now),
+                        sessions::end_reason.eq("compression"),
+                    ))
                     .execute(conn)?;
                 let lineage = old.compression_count + 1;
                 let title = old.title.as_ref().map(|t| format!("{t} #{}", lineage + 1));
@@ -193,7 +202,9 @@ pub fn commit_compaction(
             }
             None => {
                 diesel::update(
-                    messages::table.filter(messages::session_id.eq(&c.old_tip)).filter(messages::active.eq(1)),
+                    messages::table
+                        .filter(messages::session_id.eq(&c.old_tip))
+                        .filter(messages::active.eq(1)),
                 )
                 .set((messages::active.eq(0), messages::compacted.eq(1)))
                 .execute(conn)?;
@@ -206,15 +217,27 @@ pub fn commit_compaction(
                 c.old_tip.clone()
             }
         };
-        let rows: Vec<NewMessage> =
-            c.messages.iter().cloned().map(|m| NewMessage { session_id: target.clone(), ..m }).collect();
+        let rows: Vec<NewMessage> = c
+            .messages
+            .iter()
+            .cloned()
+            .map(|m| NewMessage {
+                session_id: target.clone(),
+                ..m
+            })
+            .collect();
         insert_messages(conn, &rows, now)?;
         Ok(target)
     })
 }
 
 /// Add token usage to the root's totals.
-pub fn add_usage(conn: &mut SqliteConnection, root_id: &str, prompt: i64, completion: i64) -> Result<(), StoreError> {
+pub fn add_usage(
+    conn: &mut SqliteConnection,
+    root_id: &str,
+    prompt: i64,
+    completion: i64,
+) -> Result<(), StoreError> {
     conn.immediate_transaction(|conn| {
         diesel::update(sessions::table.filter(sessions::id.eq(root_id)))
             .set((
@@ -227,9 +250,17 @@ pub fn add_usage(conn: &mut SqliteConnection, root_id: &str, prompt: i64, comple
 }
 
 /// Store the system prompt built for a session on its first turn.
-pub fn set_system_prompt(conn: &mut SqliteConnection, id: &str, prompt: &str) -> Result<(), StoreError> {
-    diesel::update(sessions::table.filter(sessions::id.eq(id)).filter(sessions::system_prompt.is_null()))
-        .set(sessions::system_prompt.eq(prompt))
-        .execute(conn)?;
+pub fn set_system_prompt(
+    conn: &mut SqliteConnection,
+    id: &str,
+    prompt: &str,
+) -> Result<(), StoreError> {
+    diesel::update(
+        sessions::table
+            .filter(sessions::id.eq(id))
+            .filter(sessions::system_prompt.is_null()),
+    )
+    .set(sessions::system_prompt.eq(prompt))
+    .execute(conn)?;
     Ok(())
 }
