@@ -1,0 +1,4 @@
+//! One integration-test binary: the real daemon over real sockets against a loopback fake model.
+
+mod authority;
+mod helpers;
