@@ -51,6 +51,7 @@ pub struct GatewayConfig {
     pub id: Option<String>,
     pub api_keys: Vec<String>,
     pub drain_timeout_seconds: f64,
+    pub drain_grace_seconds: f64,
     pub ticket_ttl_seconds: f64,
     pub max_connections: usize,
     pub outbound_queue_frames: usize,
@@ -69,6 +70,7 @@ impl Default for GatewayConfig {
             id: None,
             api_keys: Vec::new(),
             drain_timeout_seconds: 45.0,
+            drain_grace_seconds: 0.0,
             ticket_ttl_seconds: 60.0,
             max_connections: 1024,
             outbound_queue_frames: 4096,
@@ -378,7 +380,8 @@ impl Config {
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
         }
-        if self.gateway.drain_timeout_seconds.is_nan() || self.gateway.drain_timeout_seconds <= 0.0 {
+        if self.gateway.drain_timeout_seconds.is_nan() || self.gateway.drain_timeout_seconds <= 0.0
+        {
             return invalid(
                 "gateway.drain_timeout_seconds",
                 "expected a positive number of seconds",

@@ -78,6 +78,24 @@ pub fn prepare_home(home: &Path) -> Result<(), StartError> {
     Ok(())
 }
 
+/// Warn when systemd would kill the daemon before its drain can finish.
+fn check_stop_budget(config: &Config) {
+    let needed = config.gateway.drain_timeout_seconds + config.gateway.drain_grace_seconds;
+    match std::env::var("GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC").ok().and_then(|v| v.parse::<f64>().ok()) {
+        Some(limit) if limit <= needed => tracing::warn!(
+            limit,
+            needed,
+            "TimeoutStopSec is not longer than gateway.drain_timeout_seconds + drain_grace_seconds: \
+             systemd may SIGKILL the daemon mid-drain (those turns would become unknown)"
+        ),
+        None if std::env::var_os("INVOCATION_ID").is_some() => tracing::warn!(
+            "running under systemd without GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC; cannot check TimeoutStopSec \
+             against the drain timeout"
+        ),
+        _ => {}
+    }
+}
+
 pub struct Gateway;
 
 impl Gateway {
@@ -97,6 +115,7 @@ impl Gateway {
                 config.gateway.host
             )));
         }
+        check_stop_budget(&config);
         let clock: SharedClock = Arc::new(SystemClock::default());
         let pool = store::open_pool(&home.join("state.db"), 4)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
@@ -210,6 +229,12 @@ impl RunningGateway {
     pub async fn stop(self) {
         self.runtime.set_phase(RuntimePhase::Stopping);
         crate::notify::stopping();
+        let grace = self.shared.config.gateway.drain_grace_seconds;
+        if grace > 0.0 {
+            // Keep answering `/readyz` 503 (and refusing new work) so load balancers move away first.
+            tracing::info!(grace, "refusing new work before the drain");
+            tokio::time::sleep(Duration::from_secs_f64(grace)).await;
+        }
         tracing::info!("draining");
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
         if tokio::time::timeout(timeout, self.registry.send(DrainAll))

@@ -2,12 +2,14 @@
 
 pub mod agent;
 pub mod api;
+pub mod chat;
 pub mod clock;
 pub mod config;
 pub mod error;
 pub mod gateway;
 pub mod model;
 pub mod notify;
+pub mod rooms;
 pub mod session;
 pub mod store;
 pub mod telemetry;

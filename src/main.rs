@@ -13,6 +13,7 @@ const USAGE: &str = "usage: gatehouse <command> [--home DIR] [options]
 
 commands:
   serve [--log-format human|json]     run the daemon in the foreground
+  chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   status [--json]                     identify the running daemon and count admissions
   sessions [--json]                   list sessions
   pending [--json]                    list unknown admissions waiting for an operator
@@ -25,6 +26,7 @@ struct Args {
     home: PathBuf,
     json: bool,
     log_json: bool,
+    session: String,
     rest: Vec<String>,
 }
 
@@ -51,12 +53,14 @@ fn parse_args() -> Result<Args, String> {
         home: default_home(),
         json: false,
         log_json: false,
+        session: "default".into(),
         rest: Vec::new(),
     };
     while let Some(a) = it.next() {
         match a.as_str() {
             "--home" => args.home = PathBuf::from(it.next().ok_or("--home needs a directory")?),
             "--json" => args.json = true,
+            "--session" => args.session = it.next().ok_or("--session needs a name")?,
             "--log-format" => match it.next().as_deref() {
                 Some("json") => args.log_json = true,
                 Some("human") => args.log_json = false,
@@ -83,6 +87,7 @@ fn main() -> ExitCode {
     match args.command.as_str() {
         "serve" => serve(args),
         "status" | "sessions" | "pending" | "resolve-unknown" => operator(args),
+        "chat" => chat(args),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -129,6 +134,27 @@ fn serve(args: Args) -> ExitCode {
         Ok(())
     });
     match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gatehouse: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn chat(args: Args) -> ExitCode {
+    let text = if args.rest.is_empty() {
+        None
+    } else {
+        Some(args.rest.join(" "))
+    };
+    let opts = gatehouse::chat::ChatOptions {
+        home: args.home,
+        session: args.session,
+        text,
+    };
+    let system = actix_rt::System::new();
+    match system.block_on(gatehouse::chat::run(opts)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gatehouse: {e}");

@@ -7,8 +7,12 @@
 
 pub mod admissions;
 pub mod epoch;
+pub mod leases;
 pub mod messages;
 pub mod prompts;
+pub mod room_tasks;
+pub mod rooms;
+pub mod rooms_schema;
 pub mod schema;
 pub mod sessions;
 

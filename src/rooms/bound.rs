@@ -1,0 +1,66 @@
+//! Bounding terminal text: replies are cut to 64 KiB of UTF-8 on a character boundary, with a
+//! notice; errors to 4 KiB.
+
+/// Largest reply text, in UTF-8 bytes (notice included).
+pub const MAX_TERMINAL_TEXT_BYTES: usize = 65536;
+/// Largest error text, in UTF-8 bytes (notice included).
+pub const MAX_TERMINAL_ERROR_BYTES: usize = 4096;
+/// Appended to a truncated reply.
+pub const TRUNCATION_NOTICE: &str =
+    "\n\n[Reply truncated. Ask the Bot to share the full result as a file.]";
+
+/// Cut `text` to at most `limit` bytes including the notice. Returns the text and whether it was cut.
+pub fn bound_text(text: &str, limit: usize) -> (String, bool) {
+    if text.len() <= limit {
+        return (text.to_string(), false);
+    }
+    let mut end = limit.saturating_sub(TRUNCATION_NOTICE.len());
+    while end > 0 && !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = String::with_capacity(end + TRUNCATION_NOTICE.len());
+    out.push_str(&text[..end]);
+    out.push_str(TRUNCATION_NOTICE);
+    (out, true)
+}
+
+/// The stored result of a member reply: `{message_id, text, error? (non-empty), truncated? (true)}`.
+pub fn bounded_result(message_id: &str, text: &str, error: Option<&str>) -> serde_json::Value {
+    let (text, truncated) = bound_text(text, MAX_TERMINAL_TEXT_BYTES);
+    let mut result = serde_json::Map::new();
+    result.insert("message_id".into(), message_id.into());
+    result.insert("text".into(), text.into());
+    if let Some(error) = error.filter(|e| !e.is_empty()) {
+        let (error, error_cut) = bound_text(error, MAX_TERMINAL_ERROR_BYTES);
+        result.insert("error".into(), error.into());
+        if error_cut {
+            result.insert("truncated".into(), true.into());
+        }
+    }
+    if truncated {
+        result.insert("truncated".into(), true.into());
+    }
+    serde_json::Value::Object(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_text_is_untouched() {
+        assert_eq!(bound_text("hello", 10), ("hello".to_string(), false));
+        let result = bounded_result("m", "hi", Some(""));
+        assert_eq!(result, serde_json::json!({"message_id": "m", "text": "hi"}));
+    }
+
+    #[test]
+    fn long_text_is_cut_on_a_char_boundary_with_the_notice() {
+        let text = "é".repeat(MAX_TERMINAL_TEXT_BYTES);
+        let (cut, truncated) = bound_text(&text, MAX_TERMINAL_TEXT_BYTES);
+        assert!(truncated);
+        assert!(cut.len() <= MAX_TERMINAL_TEXT_BYTES);
+        assert!(cut.ends_with("share the full result as a file.]"));
+        assert!(cut.len() > MAX_TERMINAL_TEXT_BYTES - TRUNCATION_NOTICE.len() - 2);
+    }
+}

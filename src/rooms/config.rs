@@ -1,0 +1,144 @@
+//! `rooms.*` configuration with its defaults and validation.
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// Configuration of the hosted-room runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoomsConfig {
+    /// Driver lease time-to-live.
+    pub lease_ttl_seconds: f64,
+    /// Idle wait between scheduler cycles.
+    pub poll_interval_seconds: f64,
+    /// Observation poll while a turn is in flight.
+    pub active_poll_interval_seconds: f64,
+    /// Longest a member turn may run before it is stopped and failed.
+    pub turn_timeout_seconds: f64,
+    /// How long an abandoned attempt stays indeterminate (blocking its room) before it is deferred.
+    pub indeterminate_defer_seconds: f64,
+    /// Most rooms executing at once.
+    #[serde(deserialize_with = "positive_integer")]
+    pub max_concurrent_rooms: usize,
+    /// First back-off after a member provably did not admit a turn.
+    pub unavailable_retry_min_seconds: f64,
+    /// Cap of that back-off.
+    pub unavailable_retry_max_seconds: f64,
+}
+
+impl Default for RoomsConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl_seconds: 30.0,
+            poll_interval_seconds: 5.0,
+            active_poll_interval_seconds: 0.25,
+            turn_timeout_seconds: 1830.0,
+            indeterminate_defer_seconds: 60.0,
+            max_concurrent_rooms: 4,
+            unavailable_retry_min_seconds: 1.0,
+            unavailable_retry_max_seconds: 30.0,
+        }
+    }
+}
+
+const MAX_CONCURRENT_ROOMS_MESSAGE: &str = "max_concurrent_rooms must be a positive integer";
+
+fn positive_integer<'de, D: Deserializer<'de>>(deserializer: D) -> Result<usize, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    match value.as_u64() {
+        // booleans, floats, strings and negatives are not positive integers
+        Some(n) if n >= 1 && !value.is_boolean() => {
+            usize::try_from(n).map_err(|_| serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE))
+        }
+        _ => Err(serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE)),
+    }
+}
+
+/// A configuration value that is out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid rooms configuration: {0}")]
+pub struct RoomsConfigError(pub String);
+
+impl RoomsConfig {
+    /// Check every bound; the message names the offending key.
+    pub fn validate(&self) -> Result<(), RoomsConfigError> {
+        let positive = [
+            ("lease_ttl_seconds", self.lease_ttl_seconds),
+            ("poll_interval_seconds", self.poll_interval_seconds),
+            (
+                "active_poll_interval_seconds",
+                self.active_poll_interval_seconds,
+            ),
+            ("turn_timeout_seconds", self.turn_timeout_seconds),
+            (
+                "indeterminate_defer_seconds",
+                self.indeterminate_defer_seconds,
+            ),
+        ];
+        for (name, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(RoomsConfigError(format!("{name} must be positive")));
+            }
+        }
+        if self.max_concurrent_rooms < 1 {
+            return Err(RoomsConfigError(MAX_CONCURRENT_ROOMS_MESSAGE.into()));
+        }
+        let (min, max) = (
+            self.unavailable_retry_min_seconds,
+            self.unavailable_retry_max_seconds,
+        );
+        if !(min.is_finite() && max.is_finite() && min > 0.0 && min <= max) {
+            return Err(RoomsConfigError(
+                "unavailable retry bounds are invalid".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let config: RoomsConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(config, RoomsConfig::default());
+        assert_eq!(config.lease_ttl_seconds, 30.0);
+        assert_eq!(config.poll_interval_seconds, 5.0);
+        assert_eq!(config.active_poll_interval_seconds, 0.25);
+        assert_eq!(config.turn_timeout_seconds, 1830.0);
+        assert_eq!(config.indeterminate_defer_seconds, 60.0);
+        assert_eq!(config.max_concurrent_rooms, 4);
+        assert_eq!(config.unavailable_retry_min_seconds, 1.0);
+        assert_eq!(config.unavailable_retry_max_seconds, 30.0);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn bounds_are_validated_with_the_key_name() {
+        let config = RoomsConfig {
+            unavailable_retry_min_seconds: 5.0,
+            unavailable_retry_max_seconds: 1.0,
+            ..Default::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("unavailable retry bounds"));
+        let config = RoomsConfig {
+            lease_ttl_seconds: 0.0,
+            ..Default::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lease_ttl_seconds"));
+        let err =
+            serde_json::from_str::<RoomsConfig>(r#"{"max_concurrent_rooms": 2.5}"#).unwrap_err();
+        assert!(err.to_string().contains("max_concurrent_rooms"));
+        let parsed: RoomsConfig = serde_json::from_str(r#"{"max_concurrent_rooms": 2}"#).unwrap();
+        assert_eq!(parsed.max_concurrent_rooms, 2);
+    }
+}

@@ -1,0 +1,720 @@
+//! The hosted-room runtime: construction, lifecycle, the bounded rotating scheduler, status, and
+//! the operator actions (`cancel`, `retry_indeterminate`). The per-room pass lives in
+//! `supervisor.rs`.
+//!
+//! Scheduling: each cycle spawns at most `max_concurrent_rooms − busy` room workers, walking the
+//! room list from a start index that rotates by one per cycle, so a later room is always reached.
+//! A worker runs one pass of its room (`process_room`), which holds the slot for as long as a
+//! member turn is observed (until it is terminal, stopped or past its deadline).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::clock::{SharedClock, SystemClock};
+use crate::rooms::config::{RoomsConfig, RoomsConfigError};
+use crate::rooms::db::RoomsDb;
+use crate::rooms::port::{PortError, ProfileTurnLocks, SessionPort, TurnLocks};
+use crate::store::leases::Lease;
+use crate::store::room_tasks::{
+    begin_task_cancel, cancel_task, get_task, requeue_deferred_task, requeue_indeterminate_task,
+    resolve_indeterminate_cancellation, resolve_indeterminate_task, TaskIdentity, TaskStatus,
+    TaskView,
+};
+use crate::store::rooms::RoomStoreError;
+
+/// A room this gateway drives, with the authority it drives it under.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct RoomBinding {
+    pub room_id: String,
+    pub gateway_id: String,
+    pub authority_epoch: i64,
+}
+
+impl RoomBinding {
+    pub fn new(
+        room_id: impl Into<String>,
+        gateway_id: impl Into<String>,
+        authority_epoch: i64,
+    ) -> Self {
+        Self {
+            room_id: room_id.into(),
+            gateway_id: gateway_id.into(),
+            authority_epoch,
+        }
+    }
+}
+
+/// The rooms to drive, re-read on every use.
+pub type BindingSource = Arc<dyn Fn() -> Vec<RoomBinding> + Send + Sync>;
+
+/// Chooses the transport of one task (e.g. a [`crate::rooms::port::PeerTransport`] for a member
+/// on another gateway). Never changes durable state.
+pub type TransportResolver =
+    Arc<dyn Fn(&RoomBinding, &TaskView) -> Result<Arc<dyn SessionPort>, PortError> + Send + Sync>;
+
+/// Policy hooks. All have no-op defaults; consumers must be idempotent.
+pub trait RoomHooks: Send + Sync {
+    /// Called at the start of every room pass.
+    fn prepare_room(&self, _binding: &RoomBinding) -> Result<(), String> {
+        Ok(())
+    }
+    /// Called once per terminal commit the runtime makes (settled, failed, deferred).
+    fn publish_terminal(&self, _binding: &RoomBinding, _task: &TaskView) {}
+    /// A member waits on an approval (`Some`), or no longer does (`None`).
+    fn pending_action(
+        &self,
+        _room_id: &str,
+        _member_id: &str,
+        _action: Option<&serde_json::Value>,
+    ) {
+    }
+}
+
+/// Hooks that do nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoRoomHooks;
+
+impl RoomHooks for NoRoomHooks {}
+
+/// Errors of the runtime's operations.
+#[derive(Debug, thiserror::Error)]
+pub enum RoomsError {
+    #[error(transparent)]
+    Store(#[from] RoomStoreError),
+    #[error(transparent)]
+    Port(#[from] PortError),
+    #[error(transparent)]
+    Config(#[from] RoomsConfigError),
+    #[error("{0}")]
+    Hook(String),
+}
+
+impl RoomsError {
+    /// The store error inside, if any.
+    pub fn store(&self) -> Option<&RoomStoreError> {
+        match self {
+            Self::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// A snapshot of the runtime.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoomsStatus {
+    pub running: bool,
+    pub stopping: bool,
+    pub process_generation: String,
+    pub current_task: Option<TaskIdentity>,
+    /// One identity per room with a member turn in flight.
+    pub current_tasks: Vec<TaskIdentity>,
+    pub leased_rooms: Vec<String>,
+    pub blocked_rooms: Vec<String>,
+    pub last_error: Option<String>,
+    /// Completed scheduler cycles.
+    pub cycles: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Backoff {
+    pub delay: f64,
+    pub next_at: f64,
+}
+
+#[derive(Default)]
+pub(crate) struct RuntimeState {
+    pub running: bool,
+    pub stopping: bool,
+    pub cycles: u64,
+    pub cursor: usize,
+    pub leases: HashMap<String, Lease>,
+    pub recovered: HashSet<(String, i64)>,
+    pub blocked: BTreeSet<String>,
+    pub last_error: Option<String>,
+    pub current_tasks: BTreeMap<String, TaskIdentity>,
+    pub inspected: HashSet<(String, String, i64)>,
+    pub backoff: HashMap<(String, String), Backoff>,
+    pub pending_actions: HashMap<(String, String), Option<serde_json::Value>>,
+}
+
+pub(crate) struct Inner {
+    pub db: RoomsDb,
+    pub bindings: BindingSource,
+    pub rpc: Option<Arc<dyn SessionPort>>,
+    pub resolver: Option<TransportResolver>,
+    pub locks: Arc<dyn TurnLocks>,
+    pub hooks: Arc<dyn RoomHooks>,
+    pub clock: SharedClock,
+    pub config: RoomsConfig,
+    pub process_generation: String,
+    pub state: Mutex<RuntimeState>,
+    pub wake: watch::Sender<u64>,
+    pub stop: watch::Sender<bool>,
+    pub supervisor: Mutex<Option<JoinHandle<()>>>,
+    pub workers: Mutex<HashMap<String, JoinHandle<()>>>,
+}
+
+/// Builds a [`RoomRuntime`].
+pub struct RoomRuntimeBuilder {
+    db: RoomsDb,
+    bindings: BindingSource,
+    rpc: Option<Arc<dyn SessionPort>>,
+    resolver: Option<TransportResolver>,
+    locks: Option<Arc<dyn TurnLocks>>,
+    hooks: Option<Arc<dyn RoomHooks>>,
+    clock: Option<SharedClock>,
+    config: RoomsConfig,
+    process_generation: Option<String>,
+}
+
+impl RoomRuntimeBuilder {
+    /// The local session adapter (the session authority's `SessionPort`).
+    pub fn rpc(mut self, rpc: Arc<dyn SessionPort>) -> Self {
+        self.rpc = Some(rpc);
+        self
+    }
+
+    /// A per-task transport resolver (takes precedence over `rpc`).
+    pub fn transport_resolver(mut self, resolver: TransportResolver) -> Self {
+        self.resolver = Some(resolver);
+        self
+    }
+
+    /// The per-profile turn locks (default: [`ProfileTurnLocks`]). Share them with anything else
+    /// that runs turns for the same profiles.
+    pub fn turn_locks(mut self, locks: Arc<dyn TurnLocks>) -> Self {
+        self.locks = Some(locks);
+        self
+    }
+
+    pub fn hooks(mut self, hooks: Arc<dyn RoomHooks>) -> Self {
+        self.hooks = Some(hooks);
+        self
+    }
+
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    pub fn config(mut self, config: RoomsConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Override the process generation (default: a random UUIDv4 as 32 lowercase hex chars).
+    pub fn process_generation(mut self, generation: impl Into<String>) -> Self {
+        self.process_generation = Some(generation.into());
+        self
+    }
+
+    pub fn build(self) -> Result<RoomRuntime, RoomsError> {
+        self.config.validate()?;
+        if self.rpc.is_none() && self.resolver.is_none() {
+            return Err(RoomsError::Config(RoomsConfigError(
+                "rpc or transport_resolver is required".into(),
+            )));
+        }
+        let process_generation = match self.process_generation {
+            Some(generation) => {
+                crate::store::rooms::validate_identifier("process_generation", &generation)?
+            }
+            None => uuid::Uuid::new_v4().simple().to_string(),
+        };
+        let (wake, _) = watch::channel(0_u64);
+        let (stop, _) = watch::channel(false);
+        Ok(RoomRuntime {
+            inner: Arc::new(Inner {
+                db: self.db,
+                bindings: self.bindings,
+                rpc: self.rpc,
+                resolver: self.resolver,
+                locks: self
+                    .locks
+                    .unwrap_or_else(|| Arc::new(ProfileTurnLocks::default())),
+                hooks: self.hooks.unwrap_or_else(|| Arc::new(NoRoomHooks)),
+                clock: self
+                    .clock
+                    .unwrap_or_else(|| Arc::new(SystemClock::default())),
+                config: self.config,
+                process_generation,
+                state: Mutex::new(RuntimeState::default()),
+                wake,
+                stop,
+                supervisor: Mutex::new(None),
+                workers: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+}
+
+/// The hosted-room runtime. Cheap to clone; all clones share one runtime.
+#[derive(Clone)]
+pub struct RoomRuntime {
+    pub(crate) inner: Arc<Inner>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RoomRuntime {
+    /// Start building a runtime over `db` for the rooms `bindings` returns.
+    pub fn builder(db: RoomsDb, bindings: BindingSource) -> RoomRuntimeBuilder {
+        RoomRuntimeBuilder {
+            db,
+            bindings,
+            rpc: None,
+            resolver: None,
+            locks: None,
+            hooks: None,
+            clock: None,
+            config: RoomsConfig::default(),
+            process_generation: None,
+        }
+    }
+
+    /// A fixed list of bindings.
+    pub fn fixed_bindings(bindings: Vec<RoomBinding>) -> BindingSource {
+        Arc::new(move || bindings.clone())
+    }
+
+    pub fn process_generation(&self) -> &str {
+        &self.inner.process_generation
+    }
+
+    pub fn config(&self) -> &RoomsConfig {
+        &self.inner.config
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, RuntimeState> {
+        lock(&self.inner.state)
+    }
+
+    pub(crate) fn now(&self) -> f64 {
+        self.inner.clock.now()
+    }
+
+    pub(crate) fn set_error(&self, message: String) {
+        tracing::warn!(target: "gatehouse::rooms", "{message}");
+        self.state().last_error = Some(message);
+    }
+
+    pub(crate) fn is_stopping(&self) -> bool {
+        *self.inner.stop.borrow()
+    }
+
+    /// The in-memory lease of a room, if held.
+    pub fn lease(&self, room_id: &str) -> Option<Lease> {
+        self.state().leases.get(room_id).cloned()
+    }
+
+    /// Adopt a lease acquired elsewhere for this process (used by recovery tooling and tests).
+    pub fn adopt_lease(&self, lease: Lease) {
+        self.state().leases.insert(lease.room_id.clone(), lease);
+    }
+
+    pub(crate) fn binding_for(&self, room_id: &str) -> Option<RoomBinding> {
+        (self.inner.bindings)()
+            .into_iter()
+            .find(|b| b.room_id == room_id)
+    }
+
+    /// Wake the scheduler and every observer now.
+    pub fn wakeup(&self) {
+        self.inner.wake.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Wait up to `seconds`, or until woken or stopped.
+    pub(crate) async fn pause(&self, seconds: f64) {
+        let mut wake = self.inner.wake.subscribe();
+        let mut stop = self.inner.stop.subscribe();
+        if *stop.borrow_and_update() {
+            return;
+        }
+        let duration = Duration::from_secs_f64(seconds.clamp(0.001, 3600.0));
+        tokio::select! {
+            _ = wake.changed() => {}
+            _ = stop.changed() => {}
+            _ = tokio::time::sleep(duration) => {}
+        }
+    }
+
+    /// A snapshot of the runtime.
+    pub fn status(&self) -> RoomsStatus {
+        let state = self.state();
+        let current_tasks: Vec<TaskIdentity> = state.current_tasks.values().cloned().collect();
+        let mut leased_rooms: Vec<String> = state.leases.keys().cloned().collect();
+        leased_rooms.sort();
+        RoomsStatus {
+            running: state.running,
+            stopping: state.stopping,
+            process_generation: self.inner.process_generation.clone(),
+            current_task: current_tasks.first().cloned(),
+            current_tasks,
+            leased_rooms,
+            blocked_rooms: state.blocked.iter().cloned().collect(),
+            last_error: state.last_error.clone(),
+            cycles: state.cycles,
+        }
+    }
+
+    /// Start the scheduler (idempotent). Must be called inside a tokio runtime.
+    pub fn start(&self) {
+        let mut supervisor = lock(&self.inner.supervisor);
+        if supervisor.as_ref().is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        {
+            let mut state = self.state();
+            state.running = true;
+            state.stopping = false;
+        }
+        self.inner.stop.send_replace(false);
+        let runtime = self.clone();
+        *supervisor = Some(tokio::spawn(async move { runtime.supervise().await }));
+    }
+
+    async fn supervise(&self) {
+        let mut wake = self.inner.wake.subscribe();
+        let mut stop = self.inner.stop.subscribe();
+        loop {
+            if *stop.borrow_and_update() {
+                break;
+            }
+            wake.borrow_and_update();
+            self.schedule_cycle();
+            self.state().cycles += 1;
+            let poll = Duration::from_secs_f64(self.inner.config.poll_interval_seconds);
+            tokio::select! {
+                _ = wake.changed() => {}
+                _ = stop.changed() => {}
+                _ = tokio::time::sleep(poll) => {}
+            }
+        }
+    }
+
+    /// One scheduling cycle: spawn room workers up to the free capacity, from a rotating start.
+    fn schedule_cycle(&self) {
+        if self.is_stopping() {
+            return;
+        }
+        let mut workers = lock(&self.inner.workers);
+        workers.retain(|_, handle| !handle.is_finished());
+        let mut available = self
+            .inner
+            .config
+            .max_concurrent_rooms
+            .saturating_sub(workers.len());
+        if available == 0 {
+            return;
+        }
+        let bindings = (self.inner.bindings)();
+        if bindings.is_empty() {
+            return;
+        }
+        let start = {
+            let mut state = self.state();
+            let start = state.cursor % bindings.len();
+            state.cursor = state.cursor.wrapping_add(1);
+            start
+        };
+        for offset in 0..bindings.len() {
+            if available == 0 {
+                break;
+            }
+            let binding = bindings[(start + offset) % bindings.len()].clone();
+            if workers.contains_key(&binding.room_id) {
+                continue;
+            }
+            let runtime = self.clone();
+            let room_id = binding.room_id.clone();
+            workers.insert(
+                room_id,
+                tokio::spawn(async move { runtime.process_room(&binding).await }),
+            );
+            available -= 1;
+        }
+    }
+
+    /// Process every room once, one after the other (for tools and tests).
+    pub async fn run_cycle(&self) {
+        for binding in (self.inner.bindings)() {
+            self.process_room(&binding).await;
+        }
+        self.state().cycles += 1;
+    }
+
+    /// Stop the scheduler and room workers, waiting at most `timeout`. Never interrupts an
+    /// accepted turn: its task stays `running` and a late completion may still settle it while the
+    /// lease is valid. Returns true iff everything stopped in time.
+    pub async fn stop(&self, timeout: Duration) -> bool {
+        self.state().stopping = true;
+        self.inner.stop.send_replace(true);
+        self.wakeup();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut stopped = true;
+        let supervisor = lock(&self.inner.supervisor).take();
+        if let Some(handle) = supervisor {
+            stopped &= tokio::time::timeout_at(deadline, handle).await.is_ok();
+        }
+        let workers: Vec<JoinHandle<()>> =
+            lock(&self.inner.workers).drain().map(|(_, h)| h).collect();
+        for handle in workers {
+            stopped &= tokio::time::timeout_at(deadline, handle).await.is_ok();
+        }
+        let leases: Vec<Lease> = self
+            .state()
+            .leases
+            .drain()
+            .map(|(_, lease)| lease)
+            .collect();
+        for lease in leases {
+            let clock = self.inner.clock.clone();
+            let release = self
+                .inner
+                .db
+                .run(move |conn| crate::store::leases::release_lease(conn, &lease, clock.as_ref()));
+            // a room with a running task keeps its lease until it expires
+            let _ = tokio::time::timeout_at(deadline, release).await;
+        }
+        let mut state = self.state();
+        state.running = false;
+        state.current_tasks.clear();
+        stopped
+    }
+
+    /// Cancel a task: queued or deferred work is cancelled at once; running work gets a durable
+    /// stop intent (`stopping`) before any interrupt, and is cancelled once the member
+    /// acknowledges. A completion that wins the race settles the task instead. Returns the fresh
+    /// task view (`cancelled`, `stopping` or `settled`).
+    pub async fn cancel(
+        &self,
+        identity: &TaskIdentity,
+        cancel_id: &str,
+    ) -> Result<TaskView, RoomsError> {
+        let clock = self.inner.clock.clone();
+        let mut stopping = None;
+        let mut last_status = None;
+        for _ in 0..8 {
+            let task = self.read_task(identity).await?;
+            last_status = Some(task.status);
+            let (id, cancel, generation) = (
+                identity.clone(),
+                cancel_id.to_string(),
+                task.cancel_generation,
+            );
+            let clock = clock.clone();
+            let attempt = match task.status {
+                TaskStatus::Cancelled => return Ok(task),
+                TaskStatus::Settled | TaskStatus::Failed => {
+                    return Err(RoomStoreError::InvalidTransition(format!(
+                        "cannot cancel task in state '{}'",
+                        task.status
+                    ))
+                    .into())
+                }
+                TaskStatus::Stopping => {
+                    stopping = Some(task);
+                    break;
+                }
+                TaskStatus::Queued | TaskStatus::Deferred => {
+                    let result = self
+                        .inner
+                        .db
+                        .run(move |c| cancel_task(c, &id, &cancel, generation, clock.as_ref()))
+                        .await;
+                    match result {
+                        Ok(view) => {
+                            self.wakeup();
+                            return Ok(view);
+                        }
+                        Err(e) => e,
+                    }
+                }
+                TaskStatus::Running | TaskStatus::Indeterminate => {
+                    let result = self
+                        .inner
+                        .db
+                        .run(move |c| {
+                            begin_task_cancel(c, &id, &cancel, generation, clock.as_ref())
+                        })
+                        .await;
+                    match result {
+                        Ok(view) => {
+                            stopping = Some(view);
+                            break;
+                        }
+                        Err(e) => e,
+                    }
+                }
+            };
+            match attempt {
+                RoomStoreError::InvalidTransition(_) | RoomStoreError::StaleTask(_) => continue,
+                other => return Err(other.into()),
+            }
+        }
+        let Some(task) = stopping else {
+            let task = self.read_task(identity).await?;
+            if task.status == TaskStatus::Cancelled {
+                return Ok(task);
+            }
+            let state = last_status.map(|s| s.to_string()).unwrap_or_default();
+            return Err(RoomStoreError::InvalidTransition(format!(
+                "cancel kept losing races with the task (last observed state '{state}')"
+            ))
+            .into());
+        };
+        let Some(binding) = self.binding_for(&identity.room_id) else {
+            return Ok(task);
+        };
+        if let Err(error) = self.finish_user_stop(&binding, &task).await {
+            self.set_error(format!(
+                "task {} stop remains pending: {error}",
+                identity.task_id
+            ));
+        }
+        self.wakeup();
+        Ok(self.read_task(identity).await?)
+    }
+
+    /// Explicit operator retry of an indeterminate or deferred task. A deferred task is requeued.
+    /// An indeterminate one is probed first (resolve, resume, history and info on the resumed
+    /// session): an exact receipt settles it, a remote cancellation cancels it, a still-active
+    /// attempt refuses the retry; otherwise it is requeued and its next start is a new generation.
+    pub async fn retry_indeterminate(
+        &self,
+        identity: &TaskIdentity,
+    ) -> Result<TaskView, RoomsError> {
+        let task = self.read_task(identity).await?;
+        if !matches!(
+            task.status,
+            TaskStatus::Indeterminate | TaskStatus::Deferred
+        ) {
+            return Err(RoomStoreError::InvalidTransition(format!(
+                "cannot retry task in state '{}'",
+                task.status
+            ))
+            .into());
+        }
+        let binding = self
+            .binding_for(&identity.room_id)
+            .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room is unavailable".into()))?;
+        let lease = self.ensure_lease(&binding).await?;
+        let clock = self.inner.clock.clone();
+        let (id, exec, cancel) = (
+            identity.clone(),
+            task.execution_generation,
+            task.cancel_generation,
+        );
+        let room_id = identity.room_id.clone();
+        if task.status == TaskStatus::Deferred {
+            let view = self
+                .inner
+                .db
+                .run(move |c| requeue_deferred_task(c, &id, &lease, exec, cancel, clock.as_ref()))
+                .await?;
+            self.state().blocked.remove(&room_id);
+            self.wakeup();
+            return Ok(view);
+        }
+        let port = self.transport(&binding, &task)?;
+        let probe = {
+            let _guard = self
+                .inner
+                .locks
+                .lock(task.payload.target_profile.clone())
+                .await;
+            self.full_probe(&binding, port.as_ref(), &task).await?
+        };
+        if let Some(settlement) = probe
+            .receipt
+            .as_ref()
+            .map(crate::rooms::supervisor::settlement_from_history)
+        {
+            let view = self
+                .inner
+                .db
+                .run(move |c| {
+                    resolve_indeterminate_task(
+                        c,
+                        &id,
+                        &lease,
+                        exec,
+                        cancel,
+                        &settlement,
+                        clock.as_ref(),
+                    )
+                })
+                .await?;
+            if !view.idempotent {
+                self.inner.hooks.publish_terminal(&binding, &view);
+            }
+            return Ok(view);
+        }
+        if probe.status() == Some("cancelled") {
+            let cancel_id = format!("remote-cancel:{exec}");
+            let view = self
+                .inner
+                .db
+                .run(move |c| {
+                    resolve_indeterminate_cancellation(
+                        c,
+                        &id,
+                        &lease,
+                        exec,
+                        cancel,
+                        &cancel_id,
+                        clock.as_ref(),
+                    )
+                })
+                .await?;
+            if !view.idempotent {
+                self.inner.hooks.publish_terminal(&binding, &view);
+            }
+            return Ok(view);
+        }
+        if probe.active_for(&task.identity.task_id) {
+            self.state().blocked.insert(room_id);
+            return Err(RoomStoreError::InvalidTransition(
+                "cannot retry while the original task attempt is still active".into(),
+            )
+            .into());
+        }
+        let view = self
+            .inner
+            .db
+            .run(move |c| requeue_indeterminate_task(c, &id, &lease, exec, cancel, clock.as_ref()))
+            .await?;
+        self.state().blocked.remove(&room_id);
+        self.wakeup();
+        Ok(view)
+    }
+
+    pub(crate) async fn read_task(
+        &self,
+        identity: &TaskIdentity,
+    ) -> Result<TaskView, RoomStoreError> {
+        let id = identity.clone();
+        self.inner.db.run(move |c| get_task(c, &id)).await
+    }
+
+    pub(crate) fn transport(
+        &self,
+        binding: &RoomBinding,
+        task: &TaskView,
+    ) -> Result<Arc<dyn SessionPort>, PortError> {
+        if let Some(resolver) = &self.inner.resolver {
+            return resolver(binding, task);
+        }
+        self.inner
+            .rpc
+            .clone()
+            .ok_or_else(|| PortError::new("no session transport is configured"))
+    }
+}

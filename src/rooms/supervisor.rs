@@ -1,0 +1,1397 @@
+//! One pass of one room (`process_room`), in this order: prepare hook; inspection of attempts
+//! abandoned by another process (live probe only for local sessions, never a resubmit); lease;
+//! recovery once per lease generation; retries of durable stops; reconciliation of indeterminate
+//! attempts (deferred after `indeterminate_defer_seconds`); then queued tasks in room order, each
+//! observed to its end under the member's turn lock, with its deadline enforced.
+
+use std::sync::Arc;
+
+use crate::rooms::bound::{bound_text, bounded_result, MAX_TERMINAL_ERROR_BYTES};
+use crate::rooms::port::{
+    room_session_title, HistoryMessage, InterruptRequest, PortError, SessionAddress, SessionInfo,
+    SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt, ROOM_SESSION_SOURCE,
+};
+use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError};
+use crate::store::leases::{acquire_lease, renew_lease, Lease};
+use crate::store::room_tasks::{
+    complete_task_cancel, defer_indeterminate_task, get_task, list_tasks, recover_room,
+    requeue_not_admitted_task, resolve_indeterminate_cancellation, resolve_indeterminate_task,
+    settle_stopping_task, settle_task, start_task, Settlement, SettlementStatus, TaskAttempt,
+    TaskStatus, TaskView,
+};
+use crate::store::rooms::{validate_identifier, RoomStoreError};
+
+/// The result of a failed deadline, as stored.
+pub const DEADLINE_ERROR: &str =
+    "This Group Chat turn exceeded its configured time limit and was stopped.";
+/// The reason code of a failed deadline.
+pub const DEADLINE_REASON_CODE: &str = "turn_deadline_exceeded";
+/// The reason a parked attempt was deferred.
+pub const MEMBER_UNAVAILABLE: &str = "member_unavailable";
+
+/// What a recovery probe saw.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Probe {
+    pub receipt: Option<HistoryMessage>,
+    pub info: Option<SessionInfo>,
+}
+
+impl Probe {
+    /// The session is busy with this task (or with an unnamed one).
+    pub fn active_for(&self, task_id: &str) -> bool {
+        self.info.as_ref().is_some_and(|info| {
+            info.active && info.task_id.as_deref().is_none_or(|id| id == task_id)
+        })
+    }
+
+    pub fn status(&self) -> Option<&str> {
+        self.info.as_ref().and_then(|info| info.status.as_deref())
+    }
+}
+
+/// How a stop attempt ended.
+pub(crate) enum StopOutcome {
+    Resolved,
+    Pending,
+}
+
+/// The newest assistant receipt of exactly this task attempt.
+pub(crate) fn exact_receipt(
+    history: &[HistoryMessage],
+    task_id: &str,
+    generation: i64,
+) -> Option<HistoryMessage> {
+    history
+        .iter()
+        .rev()
+        .find(|m| {
+            m.role == "assistant"
+                && m.task_id.as_deref() == Some(task_id)
+                && m.execution_generation == Some(generation)
+                && matches!(m.status.as_deref(), Some("settled" | "failed"))
+        })
+        .cloned()
+}
+
+fn settlement_id_for(candidate: Option<&str>, task_id: &str, generation: i64) -> String {
+    candidate
+        .and_then(|id| validate_identifier("settlement_id", id).ok())
+        .unwrap_or_else(|| format!("reply:{task_id}:{generation}"))
+}
+
+/// A settlement built from a history receipt (serialises identically to the callback's).
+pub(crate) fn settlement_from_history(message: &HistoryMessage) -> Settlement {
+    let task_id = message.task_id.clone().unwrap_or_default();
+    let generation = message.execution_generation.unwrap_or_default();
+    let settlement_id = settlement_id_for(message.message_id.as_deref(), &task_id, generation);
+    let message_id = message
+        .message_id
+        .clone()
+        .unwrap_or_else(|| settlement_id.clone());
+    Settlement {
+        settlement_id,
+        status: if message.status.as_deref() == Some("settled") {
+            SettlementStatus::Settled
+        } else {
+            SettlementStatus::Failed
+        },
+        result: bounded_result(&message_id, &message.content, None),
+    }
+}
+
+fn settlement_from_receipt(
+    receipt: &TerminalReceipt,
+    task_id: &str,
+    generation: i64,
+) -> Settlement {
+    let settlement_id = settlement_id_for(
+        receipt
+            .settlement_id
+            .as_deref()
+            .or(receipt.message_id.as_deref()),
+        task_id,
+        generation,
+    );
+    let message_id = receipt
+        .message_id
+        .clone()
+        .unwrap_or_else(|| settlement_id.clone());
+    Settlement {
+        settlement_id,
+        status: if receipt.status == "settled" {
+            SettlementStatus::Settled
+        } else {
+            SettlementStatus::Failed
+        },
+        result: bounded_result(
+            &message_id,
+            receipt.text.as_deref().unwrap_or(""),
+            receipt.error.as_deref(),
+        ),
+    }
+}
+
+fn is_lease_loss(error: &RoomStoreError) -> bool {
+    matches!(
+        error,
+        RoomStoreError::StaleLease(_) | RoomStoreError::RoomUnavailable(_)
+    )
+}
+
+impl RoomRuntime {
+    /// One pass of one room. Errors are recorded in `status().last_error`, never raised.
+    pub async fn process_room(&self, binding: &RoomBinding) {
+        match self.process_room_inner(binding).await {
+            Ok(()) => {}
+            Err(RoomsError::Store(RoomStoreError::LeaseHeld(_))) => {}
+            Err(RoomsError::Store(error)) if is_lease_loss(&error) => {
+                {
+                    let mut state = self.state();
+                    state.leases.remove(&binding.room_id);
+                    state.blocked.remove(&binding.room_id);
+                }
+                self.set_error(format!("room {}: {error}", binding.room_id));
+            }
+            Err(error) => self.set_error(format!("room {}: {error}", binding.room_id)),
+        }
+    }
+
+    async fn process_room_inner(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
+        self.inner
+            .hooks
+            .prepare_room(binding)
+            .map_err(RoomsError::Hook)?;
+        if !self.inspect_abandoned_attempts(binding).await? {
+            return Ok(());
+        }
+        let lease = self.ensure_lease(binding).await?;
+        self.recover_once(binding, &lease).await?;
+        if !self.reattach_own_attempts(binding, &lease).await? {
+            return Ok(());
+        }
+        if self.retry_stopping_tasks(binding, &lease).await? {
+            return Ok(());
+        }
+        let lease = self.ensure_lease(binding).await?;
+        if self.reconcile_indeterminate(binding, &lease).await? {
+            return Ok(());
+        }
+        self.run_queued(binding).await
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Leases and recovery
+
+    /// The room's lease: the in-memory one, renewed when half its TTL is gone, else a fresh one.
+    pub(crate) async fn ensure_lease(
+        &self,
+        binding: &RoomBinding,
+    ) -> Result<Lease, RoomStoreError> {
+        self.ensure_lease_inner(binding, false).await
+    }
+
+    async fn ensure_lease_inner(
+        &self,
+        binding: &RoomBinding,
+        force_renew: bool,
+    ) -> Result<Lease, RoomStoreError> {
+        let ttl = self.inner.config.lease_ttl_seconds;
+        let clock = self.inner.clock.clone();
+        let existing = self.lease(&binding.room_id);
+        if let Some(lease) = existing {
+            let same_authority = lease.gateway_id == binding.gateway_id
+                && lease.authority_epoch == binding.authority_epoch;
+            if same_authority {
+                if !force_renew && self.now() < lease.expires_at - ttl / 2.0 {
+                    return Ok(lease);
+                }
+                let current = lease.clone();
+                match self
+                    .inner
+                    .db
+                    .run(move |c| renew_lease(c, &current, ttl, clock.as_ref()))
+                    .await
+                {
+                    Ok(renewed) => {
+                        self.state()
+                            .leases
+                            .insert(binding.room_id.clone(), renewed.clone());
+                        return Ok(renewed);
+                    }
+                    Err(error) if is_lease_loss(&error) => {
+                        self.state().leases.remove(&binding.room_id);
+                    }
+                    Err(error) => return Err(error),
+                }
+            } else {
+                self.state().leases.remove(&binding.room_id);
+            }
+        }
+        let (room, gateway, epoch) = (
+            binding.room_id.clone(),
+            binding.gateway_id.clone(),
+            binding.authority_epoch,
+        );
+        let process = self.inner.process_generation.clone();
+        let clock = self.inner.clock.clone();
+        let lease = self
+            .inner
+            .db
+            .run(move |c| acquire_lease(c, &room, &gateway, epoch, &process, ttl, clock.as_ref()))
+            .await?;
+        let mut state = self.state();
+        state.recovered.retain(|(room, generation)| {
+            room != &binding.room_id || *generation == lease.lease_generation
+        });
+        state.leases.insert(binding.room_id.clone(), lease.clone());
+        Ok(lease)
+    }
+
+    async fn recover_once(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+    ) -> Result<(), RoomStoreError> {
+        let key = (binding.room_id.clone(), lease.lease_generation);
+        if self.state().recovered.contains(&key) {
+            return Ok(());
+        }
+        let (current, clock) = (lease.clone(), self.inner.clock.clone());
+        self.inner
+            .db
+            .run(move |c| recover_room(c, &current, clock.as_ref()))
+            .await?;
+        self.state().recovered.insert(key);
+        Ok(())
+    }
+
+    /// Running attempts this lease started but nobody observes any more (e.g. after `stop()` and
+    /// a new `start()` of the same runtime): observe them again, never resubmitting. Returns false
+    /// while one is still running after its observation ends.
+    async fn reattach_own_attempts(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+    ) -> Result<bool, RoomsError> {
+        let room = binding.room_id.clone();
+        let running = self
+            .inner
+            .db
+            .run(move |c| list_tasks(c, &room, Some(TaskStatus::Running)))
+            .await?;
+        for task in running {
+            let own = task.run_gateway_id.as_deref() == Some(lease.gateway_id.as_str())
+                && task.run_process_generation.as_deref()
+                    == Some(lease.process_generation.as_str())
+                && task.run_lease_generation == Some(lease.lease_generation);
+            if !own || self.is_stopping() {
+                continue;
+            }
+            let attempt = TaskAttempt {
+                identity: task.identity.clone(),
+                lease: lease.clone(),
+                execution_generation: task.execution_generation,
+                cancel_generation: task.cancel_generation,
+            };
+            let port = self.transport(binding, &task)?;
+            let profile = task.payload.target_profile.clone();
+            self.state()
+                .current_tasks
+                .insert(binding.room_id.clone(), attempt.identity.clone());
+            {
+                let _guard = self.inner.locks.lock(profile.clone()).await;
+                match self
+                    .open_existing(port.as_ref(), &profile, &binding.room_id)
+                    .await
+                {
+                    Ok(Some(session_id)) => {
+                        let started = task.started_at.unwrap_or(task.updated_at);
+                        let left = started + self.inner.config.turn_timeout_seconds - self.now();
+                        let deadline = self.inner.clock.monotonic() + left;
+                        self.observe(
+                            binding,
+                            &attempt,
+                            &task,
+                            port.as_ref(),
+                            &session_id,
+                            deadline,
+                        )
+                        .await;
+                    }
+                    Ok(None) => self.set_error(format!(
+                        "task {} is running but its room session is gone",
+                        task.identity.task_id
+                    )),
+                    Err(error) => self.set_error(format!(
+                        "task {} observation failed after submit: {error}",
+                        task.identity.task_id
+                    )),
+                }
+            }
+            self.state().current_tasks.remove(&binding.room_id);
+            let after = self.read_task(&task.identity).await?;
+            if after.status == TaskStatus::Running {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Running attempts started by another process: probe them (live only, for local sessions).
+    /// Returns false when such an attempt is still active, which ends the pass quietly.
+    async fn inspect_abandoned_attempts(&self, binding: &RoomBinding) -> Result<bool, RoomsError> {
+        let room = binding.room_id.clone();
+        let running = self
+            .inner
+            .db
+            .run(move |c| list_tasks(c, &room, Some(TaskStatus::Running)))
+            .await?;
+        for task in running {
+            if task.run_process_generation.as_deref()
+                == Some(self.inner.process_generation.as_str())
+            {
+                continue;
+            }
+            let probe = match self.transport(binding, &task) {
+                Ok(port) => {
+                    let _guard = self
+                        .inner
+                        .locks
+                        .lock(task.payload.target_profile.clone())
+                        .await;
+                    if port.is_peer() {
+                        self.full_probe(binding, port.as_ref(), &task).await
+                    } else {
+                        self.live_probe(binding, port.as_ref(), &task).await
+                    }
+                }
+                Err(error) => Err(error),
+            };
+            let probe = match probe {
+                Ok(probe) => probe,
+                Err(error) => {
+                    self.set_error(format!(
+                        "task {} recovery probe failed: {error}",
+                        task.identity.task_id
+                    ));
+                    continue;
+                }
+            };
+            if let Some(receipt) = &probe.receipt {
+                // succeeds only while the previous holder's lease is still live
+                if let (Some(gateway), Some(process), Some(generation)) = (
+                    task.run_gateway_id.clone(),
+                    task.run_process_generation.clone(),
+                    task.run_lease_generation,
+                ) {
+                    let attempt = TaskAttempt {
+                        identity: task.identity.clone(),
+                        lease: Lease {
+                            room_id: binding.room_id.clone(),
+                            gateway_id: gateway,
+                            authority_epoch: binding.authority_epoch,
+                            process_generation: process,
+                            lease_generation: generation,
+                            expires_at: 0.0,
+                            reclaimed: false,
+                        },
+                        execution_generation: task.execution_generation,
+                        cancel_generation: task.cancel_generation,
+                    };
+                    let settlement = settlement_from_history(receipt);
+                    let clock = self.inner.clock.clone();
+                    if let Ok(view) = self
+                        .inner
+                        .db
+                        .run(move |c| settle_task(c, &attempt, &settlement, clock.as_ref()))
+                        .await
+                    {
+                        if !view.idempotent {
+                            self.inner.hooks.publish_terminal(binding, &view);
+                        }
+                    }
+                }
+                continue;
+            }
+            if probe.active_for(&task.identity.task_id) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Open the room session without creating it: resolve, then resume (its returned id is used).
+    async fn open_existing(
+        &self,
+        port: &dyn SessionPort,
+        profile: &str,
+        room_id: &str,
+    ) -> Result<Option<String>, PortError> {
+        self.open_session(port, profile, room_id, false).await
+    }
+
+    async fn open_session(
+        &self,
+        port: &dyn SessionPort,
+        profile: &str,
+        room_id: &str,
+        create: bool,
+    ) -> Result<Option<String>, PortError> {
+        let address = SessionAddress {
+            profile: profile.to_string(),
+            title: room_session_title(room_id),
+            source: ROOM_SESSION_SOURCE.to_string(),
+        };
+        let handle = match port.resolve_exact(address.clone()).await? {
+            Some(found) => {
+                port.resume(SessionRef {
+                    profile: profile.to_string(),
+                    session_id: found.session_id,
+                    source: ROOM_SESSION_SOURCE.to_string(),
+                })
+                .await?
+            }
+            None if create => port.create(address).await?,
+            None => return Ok(None),
+        };
+        if handle.session_id.is_empty() {
+            return Err(PortError::new("session adapter returned no session_id"));
+        }
+        Ok(Some(handle.session_id))
+    }
+
+    fn session_ref(profile: &str, session_id: &str) -> SessionRef {
+        SessionRef {
+            profile: profile.to_string(),
+            session_id: session_id.to_string(),
+            source: ROOM_SESSION_SOURCE.to_string(),
+        }
+    }
+
+    /// Live probe of a local session: resolve and info only (no resume, no history, no submit).
+    async fn live_probe(
+        &self,
+        binding: &RoomBinding,
+        port: &dyn SessionPort,
+        task: &TaskView,
+    ) -> Result<Probe, PortError> {
+        let profile = &task.payload.target_profile;
+        let address = SessionAddress {
+            profile: profile.clone(),
+            title: room_session_title(&binding.room_id),
+            source: ROOM_SESSION_SOURCE.to_string(),
+        };
+        let Some(found) = port.resolve_exact(address).await? else {
+            return Ok(Probe::default());
+        };
+        let info = port
+            .info(Self::session_ref(profile, &found.session_id))
+            .await?;
+        self.report_pending(binding, task, &found.session_id, &info);
+        Ok(Probe {
+            receipt: None,
+            info: Some(info),
+        })
+    }
+
+    /// Full probe: resolve, resume, then history and info on the resumed session.
+    pub(crate) async fn full_probe(
+        &self,
+        binding: &RoomBinding,
+        port: &dyn SessionPort,
+        task: &TaskView,
+    ) -> Result<Probe, PortError> {
+        let profile = &task.payload.target_profile;
+        let Some(session_id) = self.open_existing(port, profile, &binding.room_id).await? else {
+            return Ok(Probe::default());
+        };
+        let history = port
+            .history(Self::session_ref(profile, &session_id))
+            .await?;
+        let receipt = exact_receipt(&history, &task.identity.task_id, task.execution_generation);
+        let info = port.info(Self::session_ref(profile, &session_id)).await?;
+        self.report_pending(binding, task, &session_id, &info);
+        Ok(Probe {
+            receipt,
+            info: Some(info),
+        })
+    }
+
+    /// Resolve indeterminate attempts in room order. Returns true when the room stays blocked.
+    pub(crate) async fn reconcile_indeterminate(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+    ) -> Result<bool, RoomsError> {
+        let room = binding.room_id.clone();
+        let tasks = self
+            .inner
+            .db
+            .run(move |c| list_tasks(c, &room, Some(TaskStatus::Indeterminate)))
+            .await?;
+        for task in tasks {
+            let id = task.identity.clone();
+            let generation = task.execution_generation;
+            let key = (binding.room_id.clone(), id.task_id.clone(), generation);
+            let port = match self.transport(binding, &task) {
+                Ok(port) => port,
+                Err(error) => {
+                    self.set_error(format!(
+                        "task {} recovery probe failed: {error}",
+                        id.task_id
+                    ));
+                    self.state().blocked.insert(binding.room_id.clone());
+                    return Ok(true);
+                }
+            };
+            let inspected = self.state().inspected.contains(&key);
+            if !port.is_peer() && !inspected {
+                let probe = {
+                    let _guard = self
+                        .inner
+                        .locks
+                        .lock(task.payload.target_profile.clone())
+                        .await;
+                    self.live_probe(binding, port.as_ref(), &task).await
+                };
+                self.state().inspected.insert(key.clone());
+                match probe {
+                    Ok(probe) if probe.active_for(&id.task_id) => {
+                        self.state().blocked.insert(binding.room_id.clone());
+                        return Ok(true);
+                    }
+                    Ok(_) => {}
+                    Err(error) => self.set_error(format!(
+                        "task {} recovery probe failed: {error}",
+                        id.task_id
+                    )),
+                }
+            }
+            let since = task.indeterminate_at.unwrap_or(task.updated_at);
+            let deadline = since + self.inner.config.indeterminate_defer_seconds;
+            if port.is_peer() && (!inspected || self.now() >= deadline) {
+                let probe = {
+                    let _guard = self
+                        .inner
+                        .locks
+                        .lock(task.payload.target_profile.clone())
+                        .await;
+                    self.full_probe(binding, port.as_ref(), &task).await
+                };
+                self.state().inspected.insert(key.clone());
+                match probe {
+                    Ok(probe) => {
+                        let (current, clock, cancel) = (
+                            lease.clone(),
+                            self.inner.clock.clone(),
+                            task.cancel_generation,
+                        );
+                        let task_id = id.clone();
+                        if probe.status() == Some("cancelled") {
+                            let cancel_id = format!("remote-cancel:{generation}");
+                            self.inner
+                                .db
+                                .run(move |c| {
+                                    resolve_indeterminate_cancellation(
+                                        c,
+                                        &task_id,
+                                        &current,
+                                        generation,
+                                        cancel,
+                                        &cancel_id,
+                                        clock.as_ref(),
+                                    )
+                                })
+                                .await?;
+                            continue;
+                        }
+                        if let Some(receipt) = &probe.receipt {
+                            let settlement = settlement_from_history(receipt);
+                            self.inner
+                                .db
+                                .run(move |c| {
+                                    resolve_indeterminate_task(
+                                        c,
+                                        &task_id,
+                                        &current,
+                                        generation,
+                                        cancel,
+                                        &settlement,
+                                        clock.as_ref(),
+                                    )
+                                })
+                                .await?;
+                            continue;
+                        }
+                        if probe.active_for(&id.task_id) {
+                            self.state().blocked.insert(binding.room_id.clone());
+                            return Ok(true);
+                        }
+                    }
+                    Err(error) => self.set_error(format!(
+                        "task {} recovery probe failed: {error}",
+                        id.task_id
+                    )),
+                }
+            }
+            if self.now() < deadline {
+                self.state().blocked.insert(binding.room_id.clone());
+                return Ok(true);
+            }
+            let (current, clock, cancel) = (
+                lease.clone(),
+                self.inner.clock.clone(),
+                task.cancel_generation,
+            );
+            let view = self
+                .inner
+                .db
+                .run(move |c| {
+                    defer_indeterminate_task(
+                        c,
+                        &id,
+                        &current,
+                        generation,
+                        cancel,
+                        MEMBER_UNAVAILABLE,
+                        clock.as_ref(),
+                    )
+                })
+                .await?;
+            if !view.idempotent {
+                self.inner.hooks.publish_terminal(binding, &view);
+            }
+        }
+        self.state().blocked.remove(&binding.room_id);
+        Ok(false)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Stops
+
+    /// Retry every durable stop of the room. Returns true while one remains unacknowledged
+    /// (the room is then blocked).
+    pub(crate) async fn retry_stopping_tasks(
+        &self,
+        binding: &RoomBinding,
+        _lease: &Lease,
+    ) -> Result<bool, RoomsError> {
+        let room = binding.room_id.clone();
+        let tasks = self
+            .inner
+            .db
+            .run(move |c| list_tasks(c, &room, Some(TaskStatus::Stopping)))
+            .await?;
+        for task in tasks {
+            let lease = self.ensure_lease(binding).await?;
+            let outcome = if self.peer_stop_acknowledged(binding, &task).await {
+                self.complete_acknowledged_stop(binding, &lease, &task)
+                    .await
+                    .map(|_| StopOutcome::Resolved)
+            } else {
+                self.finish_stop(binding, &lease, &task).await
+            };
+            match outcome {
+                Ok(StopOutcome::Resolved) => {}
+                Ok(StopOutcome::Pending) => {
+                    self.state().blocked.insert(binding.room_id.clone());
+                    return Ok(true);
+                }
+                Err(error) => {
+                    self.set_error(format!(
+                        "task {} stop retry remains pending: {error}",
+                        task.identity.task_id
+                    ));
+                    self.state().blocked.insert(binding.room_id.clone());
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    pub(crate) async fn finish_user_stop(
+        &self,
+        binding: &RoomBinding,
+        task: &TaskView,
+    ) -> Result<(), RoomsError> {
+        let lease = self.ensure_lease(binding).await?;
+        if self.peer_stop_acknowledged(binding, task).await {
+            return self.complete_acknowledged_stop(binding, &lease, task).await;
+        }
+        self.finish_stop(binding, &lease, task).await.map(|_| ())
+    }
+
+    /// Completion wins: an exact receipt settles the stopping task; otherwise interrupt the exact
+    /// task, and complete the stop once acknowledged.
+    pub(crate) async fn finish_stop(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+    ) -> Result<StopOutcome, RoomsError> {
+        match self.finish_stop_inner(binding, lease, task).await {
+            Err(RoomsError::Store(RoomStoreError::StaleTask(message))) => {
+                // the task moved on (e.g. the completion landed meanwhile)
+                let fresh = self.read_task(&task.identity).await?;
+                if fresh.status != TaskStatus::Stopping {
+                    Ok(StopOutcome::Resolved)
+                } else {
+                    Err(RoomStoreError::StaleTask(message).into())
+                }
+            }
+            other => other,
+        }
+    }
+
+    async fn finish_stop_inner(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+    ) -> Result<StopOutcome, RoomsError> {
+        let port = self.transport(binding, task)?;
+        let profile = task.payload.target_profile.clone();
+        let session = self
+            .open_existing(port.as_ref(), &profile, &binding.room_id)
+            .await?;
+        if let Some(session_id) = &session {
+            let history = port
+                .history(Self::session_ref(&profile, session_id))
+                .await?;
+            if let Some(receipt) =
+                exact_receipt(&history, &task.identity.task_id, task.execution_generation)
+            {
+                let settlement = settlement_from_history(&receipt);
+                self.settle_stopping(binding, lease, task, settlement)
+                    .await?;
+                return Ok(StopOutcome::Resolved);
+            }
+        }
+        if !self
+            .interrupt_stopping_task(binding, port.as_ref(), session.as_deref(), task)
+            .await?
+        {
+            return Ok(StopOutcome::Pending);
+        }
+        self.complete_acknowledged_stop(binding, lease, task)
+            .await?;
+        Ok(StopOutcome::Resolved)
+    }
+
+    async fn settle_stopping(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+        settlement: Settlement,
+    ) -> Result<TaskView, RoomStoreError> {
+        let (id, current, clock) = (
+            task.identity.clone(),
+            lease.clone(),
+            self.inner.clock.clone(),
+        );
+        let (exec, cancel) = (task.execution_generation, task.cancel_generation);
+        let view = self
+            .inner
+            .db
+            .run(move |c| {
+                settle_stopping_task(c, &id, &current, exec, cancel, &settlement, clock.as_ref())
+            })
+            .await?;
+        if !view.idempotent {
+            self.inner.hooks.publish_terminal(binding, &view);
+        }
+        Ok(view)
+    }
+
+    /// An acknowledged stop: `cancelled`, or the deadline failure for a `deadline:` stop.
+    async fn complete_acknowledged_stop(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+    ) -> Result<(), RoomsError> {
+        let cancel_id = task.cancel_id.clone().unwrap_or_default();
+        if cancel_id.starts_with("deadline:") {
+            let settlement = Settlement {
+                settlement_id: cancel_id,
+                status: SettlementStatus::Failed,
+                result: serde_json::json!({
+                    "error": DEADLINE_ERROR,
+                    "reason_code": DEADLINE_REASON_CODE,
+                    "timeout_seconds": self.inner.config.turn_timeout_seconds,
+                }),
+            };
+            self.settle_stopping(binding, lease, task, settlement)
+                .await?;
+            return Ok(());
+        }
+        let (id, clock, cancel) = (
+            task.identity.clone(),
+            self.inner.clock.clone(),
+            task.cancel_generation,
+        );
+        self.inner
+            .db
+            .run(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
+            .await?;
+        Ok(())
+    }
+
+    /// Interrupt the exact task, never a newer one. Returns whether the stop is acknowledged.
+    async fn interrupt_stopping_task(
+        &self,
+        binding: &RoomBinding,
+        port: &dyn SessionPort,
+        session_id: Option<&str>,
+        task: &TaskView,
+    ) -> Result<bool, PortError> {
+        let Some(session_id) = session_id else {
+            // an accepted local turn cannot outlive its session
+            return Ok(!port.is_peer());
+        };
+        let profile = &task.payload.target_profile;
+        let info = port.info(Self::session_ref(profile, session_id)).await?;
+        self.report_pending(binding, task, session_id, &info);
+        if !info.active {
+            return Ok(true);
+        }
+        if info.task_id.as_deref() != Some(task.identity.task_id.as_str()) {
+            return Ok(false);
+        }
+        let reply = port
+            .interrupt(InterruptRequest {
+                profile: profile.clone(),
+                session_id: session_id.to_string(),
+                source: ROOM_SESSION_SOURCE.to_string(),
+                expected_task_id: task.identity.task_id.clone(),
+            })
+            .await?;
+        Ok(reply.is_some_and(|r| r.acknowledged()))
+    }
+
+    /// Peer stop evidence (no history read): the peer session is inactive, cancelled or
+    /// interrupted, and names this exact task attempt.
+    pub(crate) async fn peer_stop_acknowledged(
+        &self,
+        binding: &RoomBinding,
+        task: &TaskView,
+    ) -> bool {
+        let Ok(port) = self.transport(binding, task) else {
+            return false;
+        };
+        if !port.is_peer() {
+            return false;
+        }
+        let profile = &task.payload.target_profile;
+        let Ok(Some(session_id)) = self
+            .open_existing(port.as_ref(), profile, &binding.room_id)
+            .await
+        else {
+            return false;
+        };
+        let Ok(info) = port.info(Self::session_ref(profile, &session_id)).await else {
+            return false;
+        };
+        !info.active
+            && matches!(info.status.as_deref(), Some("cancelled" | "interrupted"))
+            && info.task_id.as_deref() == Some(task.identity.task_id.as_str())
+            && info.execution_generation == Some(task.execution_generation)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Queued work
+
+    async fn run_queued(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
+        loop {
+            let room = binding.room_id.clone();
+            let queued = self
+                .inner
+                .db
+                .run(move |c| list_tasks(c, &room, Some(TaskStatus::Queued)))
+                .await?;
+            let Some(head) = queued.into_iter().next() else {
+                return Ok(());
+            };
+            let route = (
+                binding.room_id.clone(),
+                head.payload.member_id().to_string(),
+            );
+            if self
+                .state()
+                .backoff
+                .get(&route)
+                .is_some_and(|b| self.now() < b.next_at)
+            {
+                return Ok(());
+            }
+            if self.is_stopping() {
+                return Ok(());
+            }
+            let lease = self.ensure_lease(binding).await?;
+            let (id, clock, cancel) = (
+                head.identity.clone(),
+                self.inner.clock.clone(),
+                head.cancel_generation,
+            );
+            let attempt = self
+                .inner
+                .db
+                .run(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
+                .await?;
+            self.execute_attempt(binding, &attempt, &head).await;
+            let after = self.read_task(&head.identity).await?;
+            if !(after.status.is_terminal() || after.status == TaskStatus::Deferred) {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn execute_attempt(&self, binding: &RoomBinding, attempt: &TaskAttempt, task: &TaskView) {
+        self.state()
+            .current_tasks
+            .insert(binding.room_id.clone(), attempt.identity.clone());
+        self.run_attempt(binding, attempt, task).await;
+        self.state().current_tasks.remove(&binding.room_id);
+        self.wakeup();
+    }
+
+    async fn run_attempt(&self, binding: &RoomBinding, attempt: &TaskAttempt, task: &TaskView) {
+        let task_id = attempt.identity.task_id.clone();
+        let port = match self.transport(binding, task) {
+            Ok(port) => port,
+            Err(error) => return self.fail_before_submit(binding, attempt, error).await,
+        };
+        let profile = task.payload.target_profile.clone();
+        let _guard = self.inner.locks.lock(profile.clone()).await;
+        let session_id = match self
+            .open_session(port.as_ref(), &profile, &binding.room_id, true)
+            .await
+        {
+            Ok(Some(session_id)) => session_id,
+            Ok(None) => {
+                return self
+                    .fail_before_submit(
+                        binding,
+                        attempt,
+                        PortError::new("session adapter returned no session_id"),
+                    )
+                    .await
+            }
+            Err(error) if error.not_admitted => {
+                return self
+                    .requeue_not_admitted(binding, attempt, task, error)
+                    .await
+            }
+            Err(error) => return self.fail_before_submit(binding, attempt, error).await,
+        };
+        let deadline = self.inner.clock.monotonic() + self.inner.config.turn_timeout_seconds;
+        let request = SubmitRequest {
+            profile: profile.clone(),
+            session_id: session_id.clone(),
+            prompt: task.payload.prompt.clone(),
+            source: ROOM_SESSION_SOURCE.to_string(),
+            task: attempt.identity.clone(),
+            execution_generation: attempt.execution_generation,
+            on_terminal: self.terminal_callback(binding, attempt),
+        };
+        match port.submit(request).await {
+            Ok(()) => {
+                let route = (
+                    binding.room_id.clone(),
+                    task.payload.member_id().to_string(),
+                );
+                self.state().backoff.remove(&route);
+            }
+            Err(error) if error.not_admitted => {
+                return self
+                    .requeue_not_admitted(binding, attempt, task, error)
+                    .await
+            }
+            // the member may have admitted it: never resubmit, keep observing
+            Err(error) => self.set_error(format!(
+                "task {task_id} observation failed after submit: {error}"
+            )),
+        }
+        self.observe(binding, attempt, task, port.as_ref(), &session_id, deadline)
+            .await;
+    }
+
+    async fn fail_before_submit(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        error: PortError,
+    ) {
+        let task_id = attempt.identity.task_id.clone();
+        let (message, _) = bound_text(&error.message, MAX_TERMINAL_ERROR_BYTES);
+        let settlement = Settlement {
+            settlement_id: format!("failure:{task_id}:{}", attempt.execution_generation),
+            status: SettlementStatus::Failed,
+            result: serde_json::json!({ "error": message }),
+        };
+        self.set_error(format!("task {task_id} failed: {error}"));
+        if let Err(commit) = self.commit_receipt(binding, attempt, settlement).await {
+            self.set_error(format!("task {task_id} fenced: {commit}"));
+        }
+    }
+
+    async fn requeue_not_admitted(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        task: &TaskView,
+        error: PortError,
+    ) {
+        let task_id = attempt.identity.task_id.clone();
+        let (current, clock) = (attempt.clone(), self.inner.clock.clone());
+        match self
+            .inner
+            .db
+            .run(move |c| requeue_not_admitted_task(c, &current, clock.as_ref()))
+            .await
+        {
+            Ok(_) => {
+                let route = (
+                    binding.room_id.clone(),
+                    task.payload.member_id().to_string(),
+                );
+                let delay = self.schedule_route_retry(route);
+                self.set_error(format!(
+                    "task {task_id} was not admitted; queued for retry in {delay}s: {error}"
+                ));
+            }
+            Err(fence) => self.set_error(format!(
+                "task {task_id} not-admitted proof lost its fence: {fence}"
+            )),
+        }
+    }
+
+    /// Exponential, capped back-off per member route: min, then min(max, max(min, previous × 2)).
+    fn schedule_route_retry(&self, route: (String, String)) -> f64 {
+        let (min, max) = (
+            self.inner.config.unavailable_retry_min_seconds,
+            self.inner.config.unavailable_retry_max_seconds,
+        );
+        let now = self.now();
+        let mut state = self.state();
+        let delay = match state.backoff.get(&route) {
+            None => min,
+            Some(previous) => max.min(min.max(previous.delay * 2.0)),
+        };
+        state.backoff.insert(
+            route,
+            Backoff {
+                delay,
+                next_at: now + delay,
+            },
+        );
+        delay
+    }
+
+    /// Observe a submitted attempt until it is terminal, its stop is resolved or pending past its
+    /// deadline, its fence is lost, or the runtime stops (which leaves it running).
+    async fn observe(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        task: &TaskView,
+        port: &dyn SessionPort,
+        session_id: &str,
+        deadline: f64,
+    ) {
+        let task_id = attempt.identity.task_id.clone();
+        let generation = attempt.execution_generation;
+        let poll = self.inner.config.active_poll_interval_seconds;
+        let profile = task.payload.target_profile.clone();
+        loop {
+            if self.is_stopping() {
+                return;
+            }
+            let current = match self.read_task(&attempt.identity).await {
+                Ok(current) => current,
+                Err(error) => {
+                    self.set_error(format!(
+                        "task {task_id} observation failed after submit: {error}"
+                    ));
+                    self.pause(poll).await;
+                    continue;
+                }
+            };
+            if current.execution_generation != generation {
+                return;
+            }
+            match current.status {
+                TaskStatus::Running => {}
+                TaskStatus::Stopping => {
+                    let lease = match self.ensure_lease_inner(binding, true).await {
+                        Ok(lease) => lease,
+                        Err(error) => {
+                            self.fenced(binding, &task_id, &error);
+                            return;
+                        }
+                    };
+                    let outcome = self.finish_stop(binding, &lease, &current).await;
+                    let deadline_stop = current
+                        .cancel_id
+                        .as_deref()
+                        .is_some_and(|id| id.starts_with("deadline:"));
+                    match outcome {
+                        Ok(StopOutcome::Resolved) => continue,
+                        Ok(StopOutcome::Pending) if deadline_stop => {
+                            self.set_error(format!(
+                                "task {task_id} exceeded its deadline; stop remains pending"
+                            ));
+                            return;
+                        }
+                        Ok(StopOutcome::Pending) => {}
+                        Err(error) if deadline_stop => {
+                            self.set_error(format!("task {task_id} exceeded its deadline; stop remains pending: {error}"));
+                            return;
+                        }
+                        Err(error) => {
+                            self.set_error(format!("task {task_id} stop remains pending: {error}"))
+                        }
+                    }
+                    self.pause(poll).await;
+                    continue;
+                }
+                _ => return,
+            }
+            if self.inner.clock.monotonic() >= deadline {
+                let cancel_id = format!("deadline:{generation}");
+                let (id, clock, cancel) = (
+                    attempt.identity.clone(),
+                    self.inner.clock.clone(),
+                    current.cancel_generation,
+                );
+                let begun = self
+                    .inner
+                    .db
+                    .run(move |c| {
+                        crate::store::room_tasks::begin_task_cancel(
+                            c,
+                            &id,
+                            &cancel_id,
+                            cancel,
+                            clock.as_ref(),
+                        )
+                    })
+                    .await;
+                match begun {
+                    Ok(_)
+                    | Err(RoomStoreError::InvalidTransition(_))
+                    | Err(RoomStoreError::StaleTask(_)) => {}
+                    Err(error) => {
+                        self.set_error(format!("task {task_id} deadline stop failed: {error}"));
+                        self.pause(poll).await;
+                    }
+                }
+                continue;
+            }
+            if let Err(error) = self.ensure_lease(binding).await {
+                self.fenced(binding, &task_id, &error);
+                return;
+            }
+            if self
+                .lease(&binding.room_id)
+                .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
+            {
+                self.set_error(format!(
+                    "task {task_id} fenced: driver lease is stale or expired"
+                ));
+                return;
+            }
+            let session = Self::session_ref(&profile, session_id);
+            match port.history(session.clone()).await {
+                Ok(history) => {
+                    if let Some(receipt) = exact_receipt(&history, &task_id, generation) {
+                        if let Err(error) = self
+                            .commit_receipt(binding, attempt, settlement_from_history(&receipt))
+                            .await
+                        {
+                            if error.is_fence() {
+                                self.fenced(binding, &task_id, &error);
+                                return;
+                            }
+                            self.set_error(format!(
+                                "task {task_id} observation failed after submit: {error}"
+                            ));
+                        }
+                        continue;
+                    }
+                }
+                Err(error) => {
+                    self.set_error(format!(
+                        "task {task_id} observation failed after submit: {error}"
+                    ));
+                    self.pause(poll).await;
+                    continue;
+                }
+            }
+            match port.info(session).await {
+                Ok(info) => self.report_pending(binding, &current, session_id, &info),
+                Err(error) => self.set_error(format!(
+                    "task {task_id} observation failed after submit: {error}"
+                )),
+            }
+            let left = deadline - self.inner.clock.monotonic();
+            self.pause(poll.min(left.max(0.0))).await;
+        }
+    }
+
+    fn fenced(&self, binding: &RoomBinding, task_id: &str, error: &RoomStoreError) {
+        if is_lease_loss(error) {
+            self.state().leases.remove(&binding.room_id);
+        }
+        self.set_error(format!("task {task_id} fenced: {error}"));
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Terminal commits
+
+    fn terminal_callback(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> TerminalCallback {
+        let weak = Arc::downgrade(&self.inner);
+        let (binding, attempt) = (binding.clone(), attempt.clone());
+        Arc::new(move |receipt: TerminalReceipt| {
+            if let Some(inner) = weak.upgrade() {
+                RoomRuntime { inner }.on_terminal(&binding, &attempt, receipt);
+            }
+        })
+    }
+
+    /// A terminal report from the member (any thread). Stops are resolved by the stop path, so
+    /// cancelled and interrupted reports only wake the observers.
+    fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
+        if !matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
+            let task_id = &attempt.identity.task_id;
+            let settlement =
+                settlement_from_receipt(&receipt, task_id, attempt.execution_generation);
+            match self.commit_receipt_sync(binding, attempt, settlement) {
+                Ok(_) | Err(RoomStoreError::StaleTask(_)) => {}
+                Err(error) if error.is_fence() || is_lease_loss(&error) => {
+                    self.fenced(binding, task_id, &error)
+                }
+                Err(error) => {
+                    self.set_error(format!("task {task_id} terminal commit failed: {error}"))
+                }
+            }
+        }
+        self.wakeup();
+    }
+
+    async fn commit_receipt(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        settlement: Settlement,
+    ) -> Result<TaskView, RoomStoreError> {
+        let runtime = self.clone();
+        let (binding, attempt) = (binding.clone(), attempt.clone());
+        tokio::task::spawn_blocking(move || {
+            runtime.commit_receipt_sync(&binding, &attempt, settlement)
+        })
+        .await
+        .map_err(|e| RoomStoreError::Pool(format!("database worker failed: {e}")))?
+    }
+
+    /// Settle the attempt; if a stop intent got there first, the completion still wins while the
+    /// stop is unacknowledged. Publishes once per non-idempotent commit.
+    fn commit_receipt_sync(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        settlement: Settlement,
+    ) -> Result<TaskView, RoomStoreError> {
+        let clock = self.inner.clock.clone();
+        let view = match self
+            .inner
+            .db
+            .run_sync(|c| settle_task(c, attempt, &settlement, clock.as_ref()))
+        {
+            Ok(view) => view,
+            Err(RoomStoreError::StaleTask(message)) => {
+                let row = self.inner.db.run_sync(|c| get_task(c, &attempt.identity))?;
+                if row.status != TaskStatus::Stopping
+                    || row.execution_generation != attempt.execution_generation
+                {
+                    return Err(RoomStoreError::StaleTask(message));
+                }
+                let lease = self
+                    .lease(&binding.room_id)
+                    .unwrap_or_else(|| attempt.lease.clone());
+                self.inner.db.run_sync(|c| {
+                    settle_stopping_task(
+                        c,
+                        &attempt.identity,
+                        &lease,
+                        attempt.execution_generation,
+                        row.cancel_generation,
+                        &settlement,
+                        clock.as_ref(),
+                    )
+                })?
+            }
+            Err(error) => return Err(error),
+        };
+        if !view.idempotent {
+            self.inner.hooks.publish_terminal(binding, &view);
+        }
+        Ok(view)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Pending approvals
+
+    /// Report a pending approval (choices narrowed to once/deny) or its absence, on change.
+    fn report_pending(
+        &self,
+        binding: &RoomBinding,
+        task: &TaskView,
+        session_id: &str,
+        info: &SessionInfo,
+    ) {
+        let action = info.pending_approval.as_ref().filter(|a| a.is_object()).map(|approval| {
+            let mut approval = approval.clone();
+            let narrowed: Vec<serde_json::Value> = approval
+                .get("choices")
+                .and_then(|c| c.as_array())
+                .map(|choices| {
+                    choices
+                        .iter()
+                        .filter(|c| matches!(c.as_str(), Some("once" | "deny")))
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            let choices = if narrowed.is_empty() {
+                vec![serde_json::Value::from("once"), serde_json::Value::from("deny")]
+            } else {
+                narrowed
+            };
+            approval["choices"] = serde_json::Value::Array(choices);
+            serde_json::json!({
+                "kind": "approval",
+                "task_id": task.identity.task_id,
+                "execution_generation": task.execution_generation,
+                "run_id": info.run_id,
+                "session_id": session_id,
+                "request_id": approval.get("request_id").cloned().unwrap_or(serde_json::Value::Null),
+                "approval": approval,
+            })
+        });
+        let member = task.payload.member_id().to_string();
+        let key = (binding.room_id.clone(), member.clone());
+        {
+            let mut state = self.state();
+            if state.pending_actions.get(&key) == Some(&action) {
+                return;
+            }
+            state.pending_actions.insert(key, action.clone());
+        }
+        self.inner
+            .hooks
+            .pending_action(&binding.room_id, &member, action.as_ref());
+    }
+}

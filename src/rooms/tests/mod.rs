@@ -1,0 +1,5 @@
+//! Unit tests of the room state layer and runtime.
+
+mod fakes;
+mod scenarios;
+mod state;

@@ -1,0 +1,1432 @@
+//! The hosted-room runtime acceptance scenarios, one test per seed scenario and named after it.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::fakes::*;
+use crate::clock::{ManualClock, SystemClock};
+use crate::rooms::bound::MAX_TERMINAL_TEXT_BYTES;
+use crate::rooms::config::RoomsConfig;
+use crate::rooms::port::{SessionPort, ROOM_SESSION_SOURCE};
+use crate::rooms::runtime::{RoomBinding, RoomsError, TransportResolver};
+use crate::rooms::testing::TestDb;
+use crate::store::leases::release_lease;
+use crate::store::room_tasks::{
+    begin_task_cancel, recover_room, requeue_indeterminate_task, settle_task, start_task,
+    Settlement, SettlementStatus, TaskAttempt, TaskIdentity, TaskStatus, TaskView,
+};
+use crate::store::rooms::{claim_authority, RoomStoreError};
+
+const STOP: Duration = Duration::from_secs(5);
+
+fn db() -> TestDb {
+    TestDb::with_room(ROOM_ID, GATEWAY)
+}
+
+fn rpc(auto_complete: bool) -> Arc<FakeSessionRpc> {
+    Arc::new(FakeSessionRpc::new(auto_complete))
+}
+
+/// An attempt started under an old process's lease (`ttl` seconds from the clock's now).
+fn start_old_attempt(
+    db: &TestDb,
+    identity: &TaskIdentity,
+    ttl: f64,
+    clock: &dyn crate::clock::Clock,
+) -> TaskAttempt {
+    let old = lease_for(db, "old-process", ttl, clock);
+    start_task(&mut db.conn(), identity, &old, 0, clock).expect("start")
+}
+
+/// Recover an old attempt into `indeterminate` under a separate process, then release.
+fn recover_elsewhere(db: &TestDb, clock: &ManualClock) {
+    let recovery = lease_for(db, "recovery-process", 30.0, clock);
+    recover_room(&mut db.conn(), &recovery, clock).expect("recover");
+    release_lease(&mut db.conn(), &recovery, clock).expect("release");
+}
+
+#[tokio::test]
+async fn test_runtime_uses_unique_process_generation() {
+    let db = db();
+    let first = Spec::new(&rpc(true)).build(&db);
+    let second = Spec::new(&rpc(true)).build(&db);
+    assert_ne!(first.process_generation(), second.process_generation());
+    assert_eq!(first.process_generation().len(), 32);
+    assert!(first
+        .process_generation()
+        .chars()
+        .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+}
+
+#[tokio::test]
+async fn test_room_concurrency_bound_must_be_a_positive_integer_0() {
+    let db = db();
+    let mut spec = Spec::new(&rpc(true));
+    spec.config.max_concurrent_rooms = 0;
+    let error = spec.try_build(&db).err().expect("rejected");
+    assert!(
+        error.to_string().contains("max_concurrent_rooms"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn test_room_concurrency_bound_must_be_a_positive_integer_true() {
+    // A boolean is not a positive integer (the configuration is typed, so it is refused on read).
+    let error =
+        serde_json::from_value::<RoomsConfig>(json!({ "max_concurrent_rooms": true })).unwrap_err();
+    assert!(
+        error.to_string().contains("max_concurrent_rooms"),
+        "{error}"
+    );
+}
+
+/// Two rooms with one task each, for the multi-room scenarios.
+fn two_rooms(
+    db: &TestDb,
+    rooms: [&str; 2],
+    profiles: [&str; 2],
+) -> (Vec<RoomBinding>, Vec<TaskIdentity>) {
+    let threads = ["thread-a", "thread-b"];
+    let turns = ["turn-a", "turn-b"];
+    let tasks = ["task-waiting", "task-healthy"];
+    let mut bindings = Vec::new();
+    let mut identities = Vec::new();
+    for i in 0..2 {
+        db.add_room(rooms[i], profiles[i], GATEWAY);
+        let identity = TaskIdentity::new(rooms[i], tasks[i], threads[i], turns[i]).unwrap();
+        admit_to(
+            db,
+            &identity,
+            profiles[i],
+            &format!("Run {}.", rooms[i]),
+            1,
+            &SystemClock::default(),
+        );
+        bindings.push(RoomBinding::new(rooms[i], GATEWAY, 1));
+        identities.push(identity);
+    }
+    (bindings, identities)
+}
+
+#[tokio::test]
+async fn test_waiting_room_does_not_block_an_independent_local_room() {
+    let db = TestDb::new();
+    let (bindings, ids) = two_rooms(
+        &db,
+        ["room-waiting", "room-healthy"],
+        ["profile-waiting", "profile-healthy"],
+    );
+    let mut fake = FakeSessionRpc::new(true);
+    fake.waiting_profiles.insert("profile-waiting".into());
+    let rpc = Arc::new(fake);
+    let mut spec = Spec::new(&rpc);
+    spec.bindings = bindings;
+    spec.config.max_concurrent_rooms = 2;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("healthy settled", || {
+        status(&db, &ids[1]) == TaskStatus::Settled
+    })
+    .await;
+    wait_for("waiting running", || {
+        status(&db, &ids[0]) == TaskStatus::Running
+    })
+    .await;
+    assert_eq!(status(&db, &ids[0]), TaskStatus::Running);
+    wait_for("one current task", || {
+        runtime.status().current_tasks.len() == 1
+    })
+    .await;
+    assert_eq!(runtime.status().current_tasks.len(), 1);
+    assert!(runtime.stop(STOP).await);
+}
+
+async fn later_room_runs(db: TestDb) {
+    let bindings: Vec<RoomBinding> = (1..=3)
+        .map(|i| RoomBinding::new(format!("room-{i}"), GATEWAY, 1))
+        .collect();
+    for binding in &bindings {
+        db.add_room(&binding.room_id, PROFILE, GATEWAY);
+    }
+    let identity =
+        TaskIdentity::new("room-3", "task-room-3", "thread-room-3", "turn-room-3").unwrap();
+    admit_to(
+        &db,
+        &identity,
+        PROFILE,
+        "Run the later room.",
+        1,
+        &SystemClock::default(),
+    );
+    let mut spec = Spec::new(&rpc(true));
+    spec.bindings = bindings;
+    spec.config.max_concurrent_rooms = 2;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("later room settled", || {
+        status(&db, &identity) == TaskStatus::Settled
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_rotated_bounded_scheduler_eventually_runs_later_room() {
+    later_room_runs(TestDb::new()).await;
+}
+
+#[tokio::test]
+async fn test_queued_task_routes_profile_and_credentials_without_overrides() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Use the configured profile credentials.");
+    let rpc = rpc(true);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    let create = rpc.params("create").into_iter().next().expect("create");
+    let submit = rpc.params("submit").into_iter().next().expect("submit");
+    assert_eq!(
+        create,
+        json!({ "profile": PROFILE, "title": "Group: room-1", "source": ROOM_SESSION_SOURCE })
+    );
+    assert_eq!(submit["profile"], PROFILE);
+    assert_eq!(submit["source"], ROOM_SESSION_SOURCE);
+    assert_eq!(submit["prompt"], "Use the configured profile credentials.");
+    for key in ["model", "provider"] {
+        assert!(create.get(key).is_none() && submit.get(key).is_none());
+    }
+    assert_eq!(task(&db, &id).result.unwrap()["text"], "Finished once.");
+}
+
+#[tokio::test]
+async fn test_worker_settles_without_any_client_transport() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let runtime = Spec::new(&rpc(true)).build(&db);
+    runtime.start();
+    wait_for("settled and cycled", || {
+        status(&db, &id) == TaskStatus::Settled && runtime.status().cycles >= 1
+    })
+    .await;
+    assert!(runtime.status().running);
+    assert!(runtime.status().cycles >= 1);
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_policy_hooks_prepare_and_publish_terminal_idempotently() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc(true));
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert!(!lock(&hooks.prepared).is_empty());
+    let published: Vec<(String, String, TaskStatus)> = lock(&hooks.published)
+        .iter()
+        .map(|(room, task)| (room.clone(), task.identity.task_id.clone(), task.status))
+        .collect();
+    assert_eq!(
+        published,
+        vec![(
+            ROOM_ID.to_string(),
+            "task-1".to_string(),
+            TaskStatus::Settled
+        )]
+    );
+}
+
+#[tokio::test]
+async fn test_transport_resolver_selects_member_transport_without_forking_state() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let selected = rpc(true);
+    let resolutions: Arc<Mutex<Vec<(RoomBinding, TaskIdentity, String)>>> = Arc::default();
+    let (seen, chosen) = (resolutions.clone(), selected.clone());
+    let resolver: TransportResolver = Arc::new(move |binding: &RoomBinding, task: &TaskView| {
+        lock(&seen).push((
+            binding.clone(),
+            task.identity.clone(),
+            task.payload.prompt.clone(),
+        ));
+        Ok(chosen.clone() as Arc<dyn SessionPort>)
+    });
+    let mut spec = Spec::new(&selected);
+    spec.rpc = None;
+    spec.resolver = Some(resolver);
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    let resolutions = lock(&resolutions).clone();
+    assert!(!resolutions.is_empty());
+    assert!(resolutions.iter().all(|(b, _, _)| *b == binding()));
+    assert!(resolutions.iter().all(|(_, i, _)| *i == id));
+    assert!(selected.count("submit") >= 1);
+}
+
+#[tokio::test]
+async fn test_not_admitted_peer_task_stays_queued_with_exponential_capped_retry() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Keep this exact prompt queued.",
+        1,
+        &clock,
+    );
+    let rpc = rpc(true);
+    rpc.not_admitted_failures.store(3, Ordering::SeqCst);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.unavailable_retry_min_seconds = 2.0;
+    spec.config.unavailable_retry_max_seconds = 4.0;
+    let runtime = spec.build(&db);
+    let generations = || lock(&rpc.attempted_generations).clone();
+    runtime.run_cycle().await;
+    assert_eq!(status(&db, &id), TaskStatus::Queued);
+    assert_eq!(generations(), vec![1]);
+    runtime.run_cycle().await;
+    assert_eq!(generations(), vec![1]);
+    clock.advance(2.0);
+    runtime.run_cycle().await;
+    assert_eq!(generations(), vec![1, 2]);
+    clock.advance(3.9);
+    runtime.run_cycle().await;
+    assert_eq!(generations(), vec![1, 2]);
+    clock.advance(0.1);
+    runtime.run_cycle().await;
+    assert_eq!(generations(), vec![1, 2, 3]);
+    clock.advance(4.0);
+    runtime.run_cycle().await;
+    let view = task(&db, &id);
+    assert_eq!(view.status, TaskStatus::Settled);
+    assert_eq!(view.execution_generation, 4);
+    assert_eq!(view.payload.prompt, "Keep this exact prompt queued.");
+    assert_eq!(generations(), vec![1, 2, 3, 4]);
+}
+
+#[tokio::test]
+async fn test_not_admitted_room_does_not_block_other_rooms() {
+    let db = TestDb::new();
+    db.add_room("room-1", PROFILE, GATEWAY);
+    db.add_room("room-2", PROFILE, GATEWAY);
+    let offline_id = identity("offline-task");
+    let healthy_id =
+        TaskIdentity::new("room-2", "healthy-task", "thread-2", "turn-healthy").unwrap();
+    admit(&db, &offline_id, "Inspect the release candidate.");
+    admit(&db, &healthy_id, "Inspect the release candidate.");
+    let offline = rpc(true);
+    offline.not_admitted_failures.store(10, Ordering::SeqCst);
+    let healthy = rpc(true);
+    let (off, ok) = (offline.clone(), healthy.clone());
+    let resolver: TransportResolver = Arc::new(move |binding: &RoomBinding, _task: &TaskView| {
+        Ok(if binding.room_id == ROOM_ID {
+            off.clone()
+        } else {
+            ok.clone()
+        } as Arc<dyn SessionPort>)
+    });
+    let mut spec = Spec::new(&offline).manual(&ManualClock::new(100.0));
+    spec.rpc = None;
+    spec.resolver = Some(resolver);
+    spec.bindings = vec![binding(), RoomBinding::new("room-2", GATEWAY, 1)];
+    spec.config.lease_ttl_seconds = 30.0;
+    let runtime = spec.build(&db);
+    runtime.run_cycle().await;
+    assert_eq!(status(&db, &offline_id), TaskStatus::Queued);
+    assert_eq!(status(&db, &healthy_id), TaskStatus::Settled);
+}
+
+#[tokio::test]
+async fn test_waiting_room_does_not_block_an_independent_room() {
+    let db = TestDb::new();
+    let (bindings, ids) = two_rooms(
+        &db,
+        ["room-waiting", "room-healthy"],
+        ["profile-waiting", "profile-healthy"],
+    );
+    let waiting = rpc(false);
+    let healthy = rpc(true);
+    let (w, h) = (waiting.clone(), healthy.clone());
+    let resolver: TransportResolver = Arc::new(move |binding: &RoomBinding, _task: &TaskView| {
+        Ok(if binding.room_id == "room-waiting" {
+            w.clone()
+        } else {
+            h.clone()
+        } as Arc<dyn SessionPort>)
+    });
+    let mut spec = Spec::new(&waiting);
+    spec.rpc = None;
+    spec.resolver = Some(resolver);
+    spec.bindings = bindings;
+    spec.config.max_concurrent_rooms = 2;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(waiting.submitted.wait(Duration::from_secs(5)).await);
+    wait_for("healthy settled", || {
+        status(&db, &ids[1]) == TaskStatus::Settled
+    })
+    .await;
+    assert_eq!(status(&db, &ids[0]), TaskStatus::Running);
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_bounded_scheduler_eventually_runs_later_room() {
+    later_room_runs(TestDb::new()).await;
+}
+
+#[tokio::test]
+async fn test_existing_canonical_session_is_resumed_not_duplicated() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(true);
+    let session_id = rpc.add_session(false, None, Vec::new());
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(rpc.count("create"), 0);
+    let resume = rpc.params("resume").into_iter().next().expect("resume");
+    assert_eq!(
+        resume,
+        json!({ "profile": PROFILE, "session_id": session_id, "source": ROOM_SESSION_SOURCE })
+    );
+}
+
+#[tokio::test]
+async fn test_local_crash_recovery_keeps_ambiguous_history_explicit_without_resume() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 0.2, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(
+        false,
+        Some("task-1"),
+        vec![receipt(
+            "task-1",
+            1,
+            "reply:recovered",
+            "Recovered durable answer.",
+        )],
+    );
+    clock.set(101.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.indeterminate_defer_seconds = 5.0;
+    let runtime = spec.build(&db);
+    runtime.process_room(&binding()).await;
+    let recovered = task(&db, &id);
+    assert_eq!(recovered.status, TaskStatus::Indeterminate);
+    assert_eq!(recovered.result, None);
+    assert_eq!(rpc.count("history"), 0);
+    assert!(rpc.count("info") > 0);
+    assert_eq!(rpc.count("resume"), 0);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_expired_local_attempt_defers_without_hydrating_or_resubmitting() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 0.2, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(
+        false,
+        Some("task-1"),
+        vec![receipt(
+            "task-1",
+            1,
+            "reply:expired-recovered",
+            "Recovered.",
+        )],
+    );
+    clock.set(101.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.indeterminate_defer_seconds = 0.5;
+    let runtime = spec.build(&db);
+    runtime.process_room(&binding()).await;
+    clock.set(102.0);
+    runtime.process_room(&binding()).await;
+    let recovered = task(&db, &id);
+    assert_eq!(recovered.status, TaskStatus::Deferred);
+    assert_eq!(
+        recovered.result,
+        Some(json!({ "reason": "member_unavailable", "retryable": true }))
+    );
+    assert_eq!(rpc.count("history"), 0);
+    assert_eq!(rpc.count("resume"), 0);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.turn_timeout_seconds = 30.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    rpc.complete(
+        "task-1",
+        &"é".repeat(MAX_TERMINAL_TEXT_BYTES + 100),
+        "settled",
+    );
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    let result = task(&db, &id).result.expect("result");
+    assert_eq!(result["truncated"], true);
+    let text = result["text"].as_str().expect("text");
+    assert!(text.len() <= MAX_TERMINAL_TEXT_BYTES);
+    assert!(text.ends_with("share the full result as a file.]"));
+}
+
+#[tokio::test]
+async fn test_peer_recovery_probe_is_bounded_by_attempt_and_stale_age() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    // the peer member: every probe starts with one resolve, recorded with the clock's time
+    let mut peer = FakeSessionRpc::new(false);
+    peer.peer = true;
+    peer.probe_clock = Some(Arc::new(clock.clone()));
+    let peer = Arc::new(peer);
+    let member = peer.clone();
+    let mut spec = Spec::new(&rpc(true)).manual(&clock);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.indeterminate_defer_seconds = 5.0;
+    spec.resolver = Some(Arc::new(move |_b: &RoomBinding, _t: &TaskView| {
+        Ok(member.clone() as Arc<dyn SessionPort>)
+    }));
+    let runtime = spec.build(&db);
+    let recovery = lease_for(&db, runtime.process_generation(), 30.0, &clock);
+    recover_room(&mut db.conn(), &recovery, &clock).unwrap();
+    let probes = || lock(&peer.resolve_times).clone();
+    assert!(runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert!(runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert_eq!(probes(), vec![102.0]);
+    clock.set(108.0);
+    assert!(!runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert_eq!(probes(), vec![102.0, 108.0]);
+    assert_eq!(status(&db, &id), TaskStatus::Deferred);
+}
+
+#[tokio::test]
+async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc);
+    spec.config.active_poll_interval_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 0.05;
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("failed", || status(&db, &id) == TaskStatus::Failed).await;
+    assert!(runtime.stop(STOP).await);
+    let failed = task(&db, &id);
+    assert_eq!(
+        failed.result,
+        Some(json!({
+            "error": "This Group Chat turn exceeded its configured time limit and was stopped.",
+            "reason_code": "turn_deadline_exceeded",
+            "timeout_seconds": 0.05,
+        }))
+    );
+    assert_eq!(failed.cancel_id.as_deref(), Some("deadline:1"));
+    assert!(rpc.count("interrupt") > 0);
+    assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
+}
+
+#[tokio::test]
+async fn test_deadline_releases_worker_capacity_for_later_room() {
+    let db = TestDb::new();
+    let (bindings, ids) = two_rooms(&db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
+    let mut fake = FakeSessionRpc::new(false);
+    fake.complete_rooms.insert("room-healthy".into());
+    let rpc = Arc::new(fake);
+    let mut spec = Spec::new(&rpc);
+    spec.bindings = bindings;
+    spec.config.poll_interval_seconds = 0.02;
+    spec.config.active_poll_interval_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 0.05;
+    spec.config.max_concurrent_rooms = 1;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("stuck failed", || {
+        status(&db, &ids[0]) == TaskStatus::Failed
+    })
+    .await;
+    wait_for("healthy settled", || {
+        status(&db, &ids[1]) == TaskStatus::Settled
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(
+        task(&db, &ids[0]).result.unwrap()["reason_code"],
+        "turn_deadline_exceeded"
+    );
+    assert_eq!(status(&db, &ids[1]), TaskStatus::Settled);
+}
+
+#[tokio::test]
+async fn test_retry_ignores_late_receipt_from_prior_execution_generation() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let old_attempt = start_old_attempt(&db, &id, 0.2, &clock);
+    clock.set(101.0);
+    let current = lease_for(&db, "manual-recovery", 30.0, &clock);
+    recover_room(&mut db.conn(), &current, &clock).unwrap();
+    requeue_indeterminate_task(
+        &mut db.conn(),
+        &id,
+        &current,
+        old_attempt.execution_generation,
+        old_attempt.cancel_generation,
+        &clock,
+    )
+    .unwrap();
+    release_lease(&mut db.conn(), &current, &clock).unwrap();
+    let rpc = rpc(false);
+    rpc.add_session(
+        false,
+        Some("task-1"),
+        vec![receipt(
+            "task-1",
+            1,
+            "reply:late-old-attempt",
+            "Late old result.",
+        )],
+    );
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    // let the observer read the stale receipt more than once
+    wait_for("history observed twice", || rpc.count("history") >= 2).await;
+    assert!(runtime.stop(STOP).await);
+    let view = task(&db, &id);
+    assert_eq!(view.status, TaskStatus::Running);
+    assert_eq!(
+        view.execution_generation,
+        old_attempt.execution_generation + 1
+    );
+}
+
+#[tokio::test]
+async fn test_active_recovered_turn_is_never_resubmitted() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    start_old_attempt(&db, &id, 10.0, &SystemClock::default());
+    let rpc = rpc(false);
+    rpc.add_session(true, Some("task-1"), Vec::new());
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    // several full scheduler cycles instead of a sleep
+    wait_for("several cycles", || {
+        runtime.status().cycles >= 5 && rpc.count("info") >= 3
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_retry_cannot_advance_generation_while_original_attempt_is_active() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    recover_elsewhere(&db, &clock);
+    let rpc = rpc(false);
+    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    lock(&rpc.states)
+        .get_mut(&session)
+        .unwrap()
+        .execution_generation = Some(attempt.execution_generation);
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    let error = runtime.retry_indeterminate(&id).await.unwrap_err();
+    assert!(
+        matches!(error, RoomsError::Store(RoomStoreError::InvalidTransition(ref m)) if m.contains("still active")),
+        "{error}"
+    );
+    let view = task(&db, &id);
+    assert_eq!(view.status, TaskStatus::Indeterminate);
+    assert_eq!(view.execution_generation, attempt.execution_generation);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_retry_uses_runtime_session_id_returned_by_resume() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    recover_elsewhere(&db, &clock);
+    let rpc = rpc(false);
+    let stored = rpc.add_session(false, Some("task-1"), Vec::new());
+    rpc.rename_state(&stored, "runtime-session");
+    *lock(&rpc.resume_to) = Some("runtime-session".into());
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    let retried = runtime.retry_indeterminate(&id).await.unwrap();
+    assert_eq!(retried.status, TaskStatus::Queued);
+    let history: Vec<_> = rpc
+        .params("history")
+        .iter()
+        .map(|p| p["session_id"].clone())
+        .collect();
+    let info: Vec<_> = rpc
+        .params("info")
+        .iter()
+        .map(|p| p["session_id"].clone())
+        .collect();
+    assert_eq!(history, vec![json!("runtime-session")]);
+    assert_eq!(info, vec![json!("runtime-session")]);
+}
+
+#[tokio::test]
+async fn test_retry_reconciles_terminal_remote_cancellation_without_new_generation() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    recover_elsewhere(&db, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(false, Some("task-1"), Vec::new());
+    *lock(&rpc.info_status) = Some("cancelled".into());
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    let cancelled = runtime.retry_indeterminate(&id).await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert_eq!(cancelled.execution_generation, attempt.execution_generation);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_ambiguous_recovery_remains_indeterminate() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 0.2, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(false, Some("task-1"), Vec::new());
+    clock.set(101.0);
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    runtime.start();
+    wait_for("indeterminate", || {
+        status(&db, &id) == TaskStatus::Indeterminate
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+#[tokio::test]
+async fn test_offline_member_defers_then_healthy_task_runs_and_retry_is_fenced() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let first = identity("task-offline");
+    let second =
+        TaskIdentity::new(ROOM_ID, "task-healthy", "thread-1", "turn-task-healthy").unwrap();
+    admit_to(&db, &first, PROFILE, "Try the offline member.", 1, &clock);
+    let old_attempt = start_old_attempt(&db, &first, 1.0, &clock);
+    admit_to(
+        &db,
+        &second,
+        PROFILE,
+        "Continue with the healthy member.",
+        2,
+        &clock,
+    );
+    clock.set(102.0);
+    let rpc = rpc(true);
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.indeterminate_defer_seconds = 5.0;
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &first), TaskStatus::Indeterminate);
+    assert_eq!(status(&db, &second), TaskStatus::Queued);
+    clock.set(108.0);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &first), TaskStatus::Deferred);
+    assert_eq!(status(&db, &second), TaskStatus::Settled);
+    assert_eq!(
+        hooks.published_statuses(),
+        vec![TaskStatus::Deferred, TaskStatus::Settled]
+    );
+    assert!(!runtime
+        .status()
+        .blocked_rooms
+        .contains(&ROOM_ID.to_string()));
+    let requeued = runtime.retry_indeterminate(&first).await.unwrap();
+    assert_eq!(requeued.status, TaskStatus::Queued);
+    let lease = runtime.lease(ROOM_ID).expect("lease");
+    let retry_attempt = start_task(&mut db.conn(), &first, &lease, 0, &clock).unwrap();
+    assert_eq!(
+        retry_attempt.execution_generation,
+        old_attempt.execution_generation + 1
+    );
+    let late_attempt = TaskAttempt {
+        identity: first.clone(),
+        lease: lease.clone(),
+        execution_generation: old_attempt.execution_generation,
+        cancel_generation: old_attempt.cancel_generation,
+    };
+    let settlement = |id: &str, text: &str| Settlement {
+        settlement_id: id.into(),
+        status: SettlementStatus::Settled,
+        result: json!({ "text": text }),
+    };
+    assert!(matches!(
+        settle_task(
+            &mut db.conn(),
+            &late_attempt,
+            &settlement("late-old-result", "too late"),
+            &clock
+        ),
+        Err(RoomStoreError::StaleTask(_))
+    ));
+    settle_task(
+        &mut db.conn(),
+        &retry_attempt,
+        &settlement("retry-result", "retry accepted"),
+        &clock,
+    )
+    .unwrap();
+    assert_eq!(task(&db, &first).result.unwrap()["text"], "retry accepted");
+}
+
+#[tokio::test]
+async fn test_post_submit_observation_failure_preserves_recoverable_outcome() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    rpc.history_failures.store(1, Ordering::SeqCst);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    wait_for("observation failure reported", || {
+        runtime
+            .status()
+            .last_error
+            .unwrap_or_default()
+            .contains("observation failed after submit")
+    })
+    .await;
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    rpc.complete("task-1", "Recovered after a transient read.", "settled");
+    runtime.wakeup();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(
+        task(&db, &id).result.unwrap()["text"],
+        "Recovered after a transient read."
+    );
+    assert_eq!(rpc.count("submit"), 1);
+}
+
+#[tokio::test]
+async fn test_cancellation_is_persisted_before_interrupt_and_fences_late_result() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    let observed: Arc<Mutex<Vec<TaskStatus>>> = Arc::default();
+    let (seen, handle, task_id) = (observed.clone(), db.db.clone(), id.clone());
+    *lock(&rpc.on_interrupt) = Some(Box::new(move || {
+        let view = handle
+            .run_sync(|c| crate::store::room_tasks::get_task(c, &task_id))
+            .unwrap();
+        lock(&seen).push(view.status);
+    }));
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let cancelled = runtime.cancel(&id, "cancel-user").await.unwrap();
+    rpc.complete("task-1", "Too late.", "settled");
+    runtime.wakeup();
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert_eq!(*lock(&observed), vec![TaskStatus::Stopping]);
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn test_transient_remote_stop_failure_stays_pending_and_retries() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let retry_allowed = Arc::new(Event::default());
+    rpc.interrupt_failures.store(1, Ordering::SeqCst);
+    *lock(&rpc.interrupt_gate) = Some(retry_allowed.clone());
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let stopping = runtime.cancel(&id, "cancel-retry").await.unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    assert_eq!(status(&db, &id), TaskStatus::Stopping);
+    retry_allowed.set();
+    runtime.wakeup();
+    wait_for("cancelled", || status(&db, &id) == TaskStatus::Cancelled).await;
+    assert!(rpc.interrupt_attempts.load(Ordering::SeqCst) >= 2);
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+}
+
+/// A runtime holding a live lease whose task is running in an active session.
+fn running_under_runtime(
+    db: &TestDb,
+    rpc: &Arc<FakeSessionRpc>,
+) -> (crate::rooms::RoomRuntime, TaskAttempt) {
+    let runtime = Spec::new(rpc).build(db);
+    let clock = SystemClock::default();
+    let lease = lease_for(db, runtime.process_generation(), 1.0, &clock);
+    runtime.adopt_lease(lease.clone());
+    let attempt = start_task(&mut db.conn(), &identity("task-1"), &lease, 0, &clock).unwrap();
+    (runtime, attempt)
+}
+
+#[tokio::test]
+async fn test_provisional_stopping_response_does_not_acknowledge_cancellation() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let (runtime, attempt) = running_under_runtime(&db, &rpc);
+    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    lock(&rpc.states)
+        .get_mut(&session)
+        .unwrap()
+        .execution_generation = Some(attempt.execution_generation);
+    *lock(&rpc.interrupt_status) = Some("stopping".into());
+    let stopping = runtime.cancel(&id, "cancel-peer").await.unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    assert_eq!(status(&db, &id), TaskStatus::Stopping);
+    *lock(&rpc.interrupt_status) = Some("cancelled".into());
+    let cancelled = runtime.cancel(&id, "cancel-peer").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+}
+
+fn peer_runtime(
+    db: &TestDb,
+    client: &Arc<TerminalPeerClient>,
+) -> (
+    crate::rooms::RoomRuntime,
+    crate::store::leases::Lease,
+    TaskAttempt,
+) {
+    let mut spec = Spec::new(&rpc(false));
+    spec.resolver = Some(peer_resolver(client.clone()));
+    let runtime = spec.build(db);
+    let clock = SystemClock::default();
+    let lease = lease_for(db, runtime.process_generation(), 1.0, &clock);
+    runtime.adopt_lease(lease.clone());
+    let attempt = start_task(&mut db.conn(), &identity("task-1"), &lease, 0, &clock).unwrap();
+    (runtime, lease, attempt)
+}
+
+#[tokio::test]
+async fn test_peer_terminal_status_acknowledges_durable_stop_on_retry() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let client = Arc::new(TerminalPeerClient::new("task-1", 1));
+    let (runtime, lease, attempt) = peer_runtime(&db, &client);
+    assert_eq!(attempt.execution_generation, client.execution_generation);
+    let stopping = begin_task_cancel(
+        &mut db.conn(),
+        &id,
+        "cancel-peer-terminal",
+        0,
+        &SystemClock::default(),
+    )
+    .unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    runtime
+        .retry_stopping_tasks(&binding(), &lease)
+        .await
+        .unwrap();
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+    assert_eq!(client.history_calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn test_peer_terminal_status_must_match_exact_task_attempt() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let client = Arc::new(TerminalPeerClient::new("task-1", 1));
+    *lock(&client.status_task_id) = "different-task".into();
+    let (runtime, _lease, attempt) = peer_runtime(&db, &client);
+    let stopping = begin_task_cancel(
+        &mut db.conn(),
+        &id,
+        "cancel-mismatch",
+        0,
+        &SystemClock::default(),
+    )
+    .unwrap();
+    assert!(!runtime.peer_stop_acknowledged(&binding(), &stopping).await);
+    *lock(&client.status_task_id) = "task-1".into();
+    *lock(&client.status_generation) = attempt.execution_generation + 1;
+    assert!(!runtime.peer_stop_acknowledged(&binding(), &stopping).await);
+    assert_eq!(status(&db, &id), TaskStatus::Stopping);
+}
+
+#[tokio::test]
+async fn test_completion_wins_a_race_with_unacknowledged_stop() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let (member, handle, task_id) = (Arc::downgrade(&rpc), db.db.clone(), id.clone());
+    *lock(&rpc.on_info) = Some(Box::new(move || {
+        let view = handle
+            .run_sync(|c| crate::store::room_tasks::get_task(c, &task_id))
+            .unwrap();
+        if view.status == TaskStatus::Stopping {
+            if let Some(member) = member.upgrade() {
+                member.complete("task-1", "Already done.", "settled");
+            }
+        }
+    }));
+    let result = runtime.cancel(&id, "cancel-raced").await.unwrap();
+    assert_eq!(result.status, TaskStatus::Settled);
+    assert_eq!(result.result.unwrap()["text"], "Already done.");
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_restart_harvests_completion_before_retrying_durable_stop() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    let stopping = begin_task_cancel(
+        &mut db.conn(),
+        &id,
+        "cancel-before-restart",
+        attempt.cancel_generation,
+        &clock,
+    )
+    .unwrap();
+    let rpc = rpc(false);
+    rpc.add_session(
+        false,
+        Some("task-1"),
+        vec![receipt(
+            "task-1",
+            attempt.execution_generation,
+            "reply-after-stop",
+            "Finished before Stop reached the session.",
+        )],
+    );
+    clock.set(102.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.process_generation = Some("new-process".into());
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    assert_eq!(
+        task(&db, &id).result.unwrap()["text"],
+        "Finished before Stop reached the session."
+    );
+    assert_eq!(rpc.count("interrupt"), 0);
+}
+
+#[tokio::test]
+async fn test_restart_acknowledges_inactive_local_stop_without_memory_marker() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    begin_task_cancel(
+        &mut db.conn(),
+        &id,
+        "cancel-before-restart",
+        attempt.cancel_generation,
+        &clock,
+    )
+    .unwrap();
+    let rpc = rpc(false);
+    clock.set(102.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.process_generation = Some("new-process".into());
+    let runtime = spec.build(&db);
+    let cancelled = runtime.cancel(&id, "cancel-before-restart").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert_eq!(rpc.count("interrupt"), 0);
+}
+
+#[tokio::test]
+async fn test_stop_resumes_persisted_session_before_reading_runtime_history() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let (runtime, attempt) = running_under_runtime(&db, &rpc);
+    let stored = rpc.add_session(false, Some("task-1"), Vec::new());
+    rpc.rename_state(&stored, "runtime-session");
+    *lock(&rpc.resume_to) = Some("runtime-session".into());
+    begin_task_cancel(
+        &mut db.conn(),
+        &id,
+        "cancel-remapped",
+        attempt.cancel_generation,
+        &SystemClock::default(),
+    )
+    .unwrap();
+    let cancelled = runtime.cancel(&id, "cancel-remapped").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    let methods = rpc.methods();
+    let resume = methods.iter().position(|m| m == "resume").expect("resume");
+    let history = methods
+        .iter()
+        .position(|m| m == "history")
+        .expect("history");
+    assert!(resume < history);
+    assert_eq!(rpc.params("history")[0]["session_id"], "runtime-session");
+}
+
+#[tokio::test]
+async fn test_pending_local_approval_is_reported_with_safe_choices() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc);
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    lock(&rpc.states)
+        .get_mut(&session)
+        .unwrap()
+        .pending_approval = Some(json!({
+        "request_id": "approval-1",
+        "command": "pytest -q tests/focused",
+        "choices": ["once", "session", "always", "deny"],
+    }));
+    runtime.wakeup();
+    wait_for("approval reported", || {
+        lock(&hooks.actions).iter().any(|(_, _, a)| a.is_some())
+    })
+    .await;
+    let (_room, member, action) = lock(&hooks.actions)
+        .iter()
+        .find(|(_, _, a)| a.is_some())
+        .cloned()
+        .expect("action");
+    let action = action.expect("action");
+    assert_eq!(member, PROFILE);
+    assert_eq!(action["request_id"], "approval-1");
+    assert_eq!(action["approval"]["choices"], json!(["once", "deny"]));
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_cancel_never_interrupts_a_newer_task_in_the_same_session() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    let (member, target) = (Arc::downgrade(&rpc), session.clone());
+    *lock(&rpc.on_info) = Some(Box::new(move || {
+        if let Some(member) = member.upgrade() {
+            let mut states = lock(&member.states);
+            let state = states.get_mut(&target).unwrap();
+            state.active = true;
+            state.task_id = Some("task-2".into());
+        }
+    }));
+    let cancelled = runtime.cancel(&id, "cancel-old-task").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Stopping);
+    assert_eq!(rpc.count("interrupt"), 0);
+    assert!(rpc
+        .params("interrupt_skipped")
+        .iter()
+        .all(|p| p["expected_task_id"] == "task-1"));
+    {
+        let states = lock(&rpc.states);
+        assert!(states[&session].active);
+        assert_eq!(states[&session].task_id.as_deref(), Some("task-2"));
+    }
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
+async fn test_status_reports_room_blocked_on_unresolved_indeterminate_task() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    start_old_attempt(&db, &id, 1.0, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(false, Some("task-1"), Vec::new());
+    clock.advance(2.0);
+    let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    runtime.start();
+    wait_for("room blocked", || {
+        runtime
+            .status()
+            .blocked_rooms
+            .contains(&ROOM_ID.to_string())
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+}
+
+#[tokio::test]
+async fn test_authority_loss_stops_terminal_commit() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 30.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    claim_authority(
+        &mut db.conn(),
+        ROOM_ID,
+        GATEWAY,
+        1,
+        "gateway-b",
+        "claim-gateway-b",
+        &SystemClock::default(),
+    )
+    .unwrap();
+    rpc.complete("task-1", "Finished once.", "settled");
+    runtime.wakeup();
+    wait_for("error reported", || runtime.status().last_error.is_some()).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    let error = runtime.status().last_error.unwrap_or_default();
+    assert!(error.contains("authority changed"), "{error}");
+}
+
+#[tokio::test]
+async fn test_profile_turn_lock_covers_resolve_submit_and_terminal_observation() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let locks = RecordingTurnLocks::default();
+    let mut fake = FakeSessionRpc::new(true);
+    fake.required_lock = Some(locks.clone());
+    let rpc = Arc::new(fake);
+    let mut spec = Spec::new(&rpc);
+    spec.locks = locks.clone();
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(
+        locks.events(),
+        vec![
+            ("lock-enter".to_string(), PROFILE.to_string()),
+            ("lock-exit".to_string(), PROFILE.to_string())
+        ]
+    );
+    let methods = rpc.methods();
+    let index = |m: &str| {
+        methods
+            .iter()
+            .position(|x| x == m)
+            .unwrap_or_else(|| panic!("{m} missing"))
+    };
+    assert!(index("resolve_exact") < index("submit"));
+    assert!(index("submit") < index("complete"));
+    assert!(!methods.contains(&"history".to_string()));
+}
+
+#[tokio::test]
+async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let started = Instant::now();
+    let stopped = runtime.stop(Duration::from_millis(500)).await;
+    assert!(stopped);
+    assert!(started.elapsed() < Duration::from_millis(500));
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("interrupt"), 0);
+}
+
+#[tokio::test]
+async fn restarted_runtime_observes_its_own_running_attempt_again() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 30.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    // the terminal callback is gone: only the transcript can tell
+    let session = rpc.first_session();
+    lock(&rpc.states).get_mut(&session).unwrap().on_terminal = None;
+    runtime.start();
+    rpc.complete("task-1", "Observed again.", "settled");
+    runtime.wakeup();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(task(&db, &id).result.unwrap()["text"], "Observed again.");
+    assert_eq!(rpc.count("submit"), 1);
+}
+
+#[test]
+fn every_seed_scenario_has_a_test() {
+    // The 42 seed scenarios (one parametrized into two cases) each have a test above.
+    let source = include_str!("scenarios.rs");
+    let names: HashSet<&str> = source
+        .lines()
+        .filter_map(|l| l.strip_prefix("async fn "))
+        .filter_map(|l| l.split('(').next())
+        .filter(|n| n.starts_with("test_"))
+        .collect();
+    assert_eq!(names.len(), 43);
+}

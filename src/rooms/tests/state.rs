@@ -1,0 +1,695 @@
+//! State-function tests: every transition of the room task table, with its fences (stale lease,
+//! stale generation, authority change) and idempotent replays.
+
+use diesel::prelude::*;
+
+use crate::clock::ManualClock;
+use crate::rooms::testing::TestDb;
+use crate::store::leases::{acquire_lease, release_lease, Lease};
+use crate::store::room_tasks::*;
+use crate::store::rooms::{begin_disband, claim_authority, RoomStoreError};
+
+const ROOM: &str = "room-1";
+const GW: &str = "gw-a";
+
+fn identity(task: &str) -> TaskIdentity {
+    TaskIdentity::new(ROOM, task, "thread-1", &format!("turn-{task}")).unwrap()
+}
+
+fn payload(seq: i64) -> TaskPayload {
+    TaskPayload {
+        target_profile: "ops".into(),
+        prompt: "Inspect the release candidate.".into(),
+        source_event_seq: seq,
+        target_member_id: None,
+    }
+}
+
+fn settlement(id: &str, text: &str) -> Settlement {
+    Settlement {
+        settlement_id: id.into(),
+        status: SettlementStatus::Settled,
+        result: serde_json::json!({ "message_id": id, "text": text }),
+    }
+}
+
+struct Fixture {
+    db: TestDb,
+    clock: ManualClock,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        Self {
+            db: TestDb::with_room(ROOM, GW),
+            clock: ManualClock::new(100.0),
+        }
+    }
+
+    fn admit(&self, task: &str, seq: i64) -> TaskIdentity {
+        let id = identity(task);
+        admit_task(&mut self.db.conn(), &id, &payload(seq), &self.clock).unwrap();
+        id
+    }
+
+    fn lease(&self, process: &str, ttl: f64) -> Lease {
+        acquire_lease(&mut self.db.conn(), ROOM, GW, 1, process, ttl, &self.clock).unwrap()
+    }
+
+    fn start(&self, id: &TaskIdentity, lease: &Lease) -> TaskAttempt {
+        let cancel = get_task(&mut self.db.conn(), id).unwrap().cancel_generation;
+        start_task(&mut self.db.conn(), id, lease, cancel, &self.clock).unwrap()
+    }
+
+    fn get(&self, id: &TaskIdentity) -> TaskView {
+        get_task(&mut self.db.conn(), id).unwrap()
+    }
+
+    /// An attempt started by an old process whose lease then expired, recovered by a new lease.
+    fn indeterminate(&self, task: &str) -> (TaskIdentity, TaskAttempt, Lease) {
+        let id = self.admit(task, 1);
+        let old = self.lease("old-process", 1.0);
+        let attempt = self.start(&id, &old);
+        self.clock.advance(2.0);
+        let lease = self.lease("new-process", 30.0);
+        let report = recover_room(&mut self.db.conn(), &lease, &self.clock).unwrap();
+        assert_eq!(report.indeterminate, vec![task.to_string()]);
+        (id, attempt, lease)
+    }
+}
+
+fn is_stale_task(result: Result<TaskView, RoomStoreError>) -> bool {
+    matches!(result, Err(RoomStoreError::StaleTask(_)))
+}
+
+#[test]
+fn admit_is_idempotent_by_identity_and_payload() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let replay = admit_task(&mut f.db.conn(), &id, &payload(1), &f.clock).unwrap();
+    assert!(replay.idempotent);
+    assert_eq!(replay.status, TaskStatus::Queued);
+    assert_eq!(
+        (replay.execution_generation, replay.cancel_generation),
+        (0, 0)
+    );
+    let mut other = payload(1);
+    other.prompt = "Something else.".into();
+    let err = admit_task(&mut f.db.conn(), &id, &other, &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::Conflict(ref m) if m.contains("different payload")));
+    let reused_turn = TaskIdentity::new(ROOM, "task-2", "thread-1", "turn-task-1").unwrap();
+    let err = admit_task(&mut f.db.conn(), &reused_turn, &payload(2), &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::Conflict(_)));
+    let other_turn = TaskIdentity::new(ROOM, "task-1", "thread-1", "turn-x").unwrap();
+    let err = admit_task(&mut f.db.conn(), &other_turn, &payload(1), &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::Conflict(ref m) if m.contains("different turn")));
+}
+
+#[test]
+fn admit_validates_and_respects_the_disband_fence() {
+    let f = Fixture::new();
+    let mut blank = payload(1);
+    blank.prompt = "   ".into();
+    assert!(matches!(
+        admit_task(&mut f.db.conn(), &identity("t"), &blank, &f.clock),
+        Err(RoomStoreError::Validation(_))
+    ));
+    assert!(matches!(
+        admit_task(&mut f.db.conn(), &identity("t"), &payload(0), &f.clock),
+        Err(RoomStoreError::Validation(_))
+    ));
+    let unknown: Result<TaskPayload, _> = serde_json::from_value(serde_json::json!({
+        "target_profile": "ops", "prompt": "x", "source_event_seq": 1, "model": "m"
+    }));
+    assert!(unknown.is_err());
+    begin_disband(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    assert!(matches!(
+        admit_task(&mut f.db.conn(), &identity("t"), &payload(1), &f.clock),
+        Err(RoomStoreError::RoomUnavailable(ref m)) if m.contains("being disbanded")
+    ));
+}
+
+#[test]
+fn tasks_list_in_room_order_and_reads_verify_the_payload_digest() {
+    let f = Fixture::new();
+    f.admit("b-late", 2);
+    f.admit("z-early", 1);
+    let ids: Vec<String> = list_tasks(&mut f.db.conn(), ROOM, None)
+        .unwrap()
+        .into_iter()
+        .map(|t| t.identity.task_id)
+        .collect();
+    assert_eq!(ids, vec!["z-early", "b-late"]);
+    let counts = count_tasks_by_status(&mut f.db.conn(), ROOM).unwrap();
+    assert_eq!(counts.get("queued"), Some(&2));
+    use crate::store::rooms_schema::room_tasks;
+    diesel::update(room_tasks::table.find((ROOM, "b-late")))
+        .set(room_tasks::payload_digest.eq("0".repeat(64)))
+        .execute(&mut f.db.conn())
+        .unwrap();
+    assert!(matches!(
+        get_task(&mut f.db.conn(), &identity("b-late")),
+        Err(RoomStoreError::Conflict(ref m)) if m.contains("integrity")
+    ));
+}
+
+#[test]
+fn start_requires_the_head_of_room_order_and_nothing_blocking() {
+    let f = Fixture::new();
+    let first = f.admit("task-1", 1);
+    let second = f.admit("task-2", 2);
+    let lease = f.lease("proc", 30.0);
+    let err = start_task(&mut f.db.conn(), &second, &lease, 0, &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("event order")));
+    let err = start_task(&mut f.db.conn(), &first, &lease, 1, &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleTask(_)));
+    let attempt = start_task(&mut f.db.conn(), &first, &lease, 0, &f.clock).unwrap();
+    assert_eq!(attempt.execution_generation, 1);
+    let view = f.get(&first);
+    assert_eq!(view.status, TaskStatus::Running);
+    assert_eq!(view.run_lease_generation, Some(lease.lease_generation));
+    let err = start_task(&mut f.db.conn(), &first, &lease, 0, &f.clock).unwrap_err();
+    assert!(
+        matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("cannot start task in state 'running'"))
+    );
+    let err = start_task(&mut f.db.conn(), &second, &lease, 0, &f.clock).unwrap_err();
+    assert!(
+        matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("recovery must resolve"))
+    );
+}
+
+#[test]
+fn start_needs_an_active_lease_and_no_disband_fence() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 1.0);
+    f.clock.advance(5.0);
+    assert!(matches!(
+        start_task(&mut f.db.conn(), &id, &lease, 0, &f.clock),
+        Err(RoomStoreError::StaleLease(_))
+    ));
+    let lease = f.lease("proc", 30.0);
+    begin_disband(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    assert!(matches!(
+        start_task(&mut f.db.conn(), &id, &lease, 0, &f.clock),
+        Err(RoomStoreError::RoomUnavailable(_))
+    ));
+}
+
+#[test]
+fn settle_commits_once_replays_identically_and_conflicts_otherwise() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    let settled = settle_task(
+        &mut f.db.conn(),
+        &attempt,
+        &settlement("reply-1", "done"),
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(settled.status, TaskStatus::Settled);
+    assert!(!settled.idempotent);
+    assert_eq!(settled.result.as_ref().unwrap()["text"], "done");
+    let replay = settle_task(
+        &mut f.db.conn(),
+        &attempt,
+        &settlement("reply-1", "done"),
+        &f.clock,
+    )
+    .unwrap();
+    assert!(replay.idempotent);
+    let err = settle_task(
+        &mut f.db.conn(),
+        &attempt,
+        &settlement("reply-1", "other"),
+        &f.clock,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, RoomStoreError::Conflict(ref m) if m.contains("different terminal settlement"))
+    );
+    // an identical replay succeeds even after the lease moved on
+    f.clock.advance(60.0);
+    let replay = settle_task(
+        &mut f.db.conn(),
+        &attempt,
+        &settlement("reply-1", "done"),
+        &f.clock,
+    )
+    .unwrap();
+    assert!(replay.idempotent);
+    // release is allowed once nothing runs
+    let lease = f.lease("proc", 30.0);
+    release_lease(&mut f.db.conn(), &lease, &f.clock).unwrap();
+}
+
+#[test]
+fn settle_is_fenced_by_generation_lease_and_authority() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    let mut old_gen = attempt.clone();
+    old_gen.execution_generation = 0;
+    assert!(is_stale_task(settle_task(
+        &mut f.db.conn(),
+        &old_gen,
+        &settlement("r", "x"),
+        &f.clock
+    )));
+    let err = release_lease(&mut f.db.conn(), &lease, &f.clock).unwrap_err();
+    assert!(
+        matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("tasks are running"))
+    );
+    claim_authority(&mut f.db.conn(), ROOM, GW, 1, "gw-b", "claim-1", &f.clock).unwrap();
+    let err = settle_task(&mut f.db.conn(), &attempt, &settlement("r", "x"), &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleLease(ref m) if m.contains("authority changed")));
+    assert_eq!(f.get(&id).status, TaskStatus::Running);
+}
+
+#[test]
+fn settle_with_an_expired_or_replaced_lease_is_stale() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc-a", 1.0);
+    let attempt = f.start(&id, &lease);
+    f.clock.advance(2.0);
+    let err = settle_task(&mut f.db.conn(), &attempt, &settlement("r", "x"), &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleLease(ref m) if m.contains("stale or expired")));
+    let new = f.lease("proc-b", 30.0);
+    assert_eq!(new.lease_generation, 2);
+    let mut under_new = attempt.clone();
+    under_new.lease = new;
+    // the run fence still names the old lease
+    assert!(is_stale_task(settle_task(
+        &mut f.db.conn(),
+        &under_new,
+        &settlement("r", "x"),
+        &f.clock
+    )));
+}
+
+#[test]
+fn not_admitted_attempt_requeues_with_its_generation() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    let queued = requeue_not_admitted_task(&mut f.db.conn(), &attempt, &f.clock).unwrap();
+    assert_eq!(queued.status, TaskStatus::Queued);
+    assert_eq!(queued.execution_generation, 1);
+    assert_eq!(queued.run_gateway_id, None);
+    assert!(
+        requeue_not_admitted_task(&mut f.db.conn(), &attempt, &f.clock)
+            .unwrap()
+            .idempotent
+    );
+    let next = f.start(&id, &lease);
+    assert_eq!(next.execution_generation, 2);
+    assert!(matches!(
+        requeue_not_admitted_task(&mut f.db.conn(), &attempt, &f.clock),
+        Err(RoomStoreError::StaleTask(ref m)) if m.contains("lost its fence")
+    ));
+}
+
+#[test]
+fn queued_and_deferred_tasks_cancel_directly() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let cancelled = cancel_task(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock).unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert_eq!(cancelled.cancel_generation, 1);
+    assert!(
+        cancel_task(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock)
+            .unwrap()
+            .idempotent
+    );
+    assert!(matches!(
+        cancel_task(&mut f.db.conn(), &id, "cancel-2", 1, &f.clock),
+        Err(RoomStoreError::InvalidTransition(ref m)) if m.contains("cannot cancel task in state 'cancelled'")
+    ));
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-2");
+    defer_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        attempt.execution_generation,
+        0,
+        "member_unavailable",
+        &f.clock,
+    )
+    .unwrap();
+    assert!(matches!(
+        cancel_task(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock),
+        Err(RoomStoreError::StaleTask(_))
+    ));
+    let cancelled = cancel_task(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock).unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+}
+
+#[test]
+fn running_work_needs_two_phase_cancellation() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    assert!(matches!(
+        cancel_task(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock),
+        Err(RoomStoreError::InvalidTransition(ref m)) if m.contains("two-phase")
+    ));
+    assert!(matches!(
+        begin_task_cancel(&mut f.db.conn(), &id, "cancel-1", 5, &f.clock),
+        Err(RoomStoreError::StaleTask(_))
+    ));
+    let stopping = begin_task_cancel(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock).unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    assert_eq!(stopping.cancel_generation, 1);
+    assert_eq!(stopping.execution_generation, 1);
+    assert!(
+        begin_task_cancel(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock)
+            .unwrap()
+            .idempotent
+    );
+    // the running attempt can no longer settle normally
+    assert!(is_stale_task(settle_task(
+        &mut f.db.conn(),
+        &attempt,
+        &settlement("r", "x"),
+        &f.clock
+    )));
+    assert!(matches!(
+        complete_task_cancel(&mut f.db.conn(), &id, "cancel-other", 1, &f.clock),
+        Err(RoomStoreError::StaleTask(ref m)) if m.contains("stale")
+    ));
+    let cancelled = complete_task_cancel(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock).unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert!(
+        complete_task_cancel(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock)
+            .unwrap()
+            .idempotent
+    );
+    let queued = f.admit("task-2", 2);
+    assert!(matches!(
+        begin_task_cancel(&mut f.db.conn(), &queued, "cancel-2", 0, &f.clock),
+        Err(RoomStoreError::InvalidTransition(ref m)) if m.contains("cannot request remote stop in state 'queued'")
+    ));
+}
+
+#[test]
+fn completion_wins_an_unacknowledged_stop() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    f.start(&id, &lease);
+    begin_task_cancel(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock).unwrap();
+    assert!(matches!(
+        settle_stopping_task(&mut f.db.conn(), &id, &lease, 1, 0, &settlement("r", "x"), &f.clock),
+        Err(RoomStoreError::Validation(ref m)) if m.contains("generations are invalid")
+    ));
+    assert!(is_stale_task(settle_stopping_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        2,
+        1,
+        &settlement("r", "x"),
+        &f.clock
+    )));
+    let settled = settle_stopping_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        1,
+        1,
+        &settlement("r", "x"),
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(settled.status, TaskStatus::Settled);
+    assert!(
+        settle_stopping_task(
+            &mut f.db.conn(),
+            &id,
+            &lease,
+            1,
+            1,
+            &settlement("r", "x"),
+            &f.clock
+        )
+        .unwrap()
+        .idempotent
+    );
+    assert!(matches!(
+        complete_task_cancel(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock),
+        Err(RoomStoreError::StaleTask(_))
+    ));
+}
+
+#[test]
+fn recovery_marks_only_attempts_of_other_leases_indeterminate() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    f.start(&id, &lease);
+    let report = recover_room(&mut f.db.conn(), &lease, &f.clock).unwrap();
+    assert!(report.indeterminate.is_empty());
+    assert_eq!(f.get(&id).status, TaskStatus::Running);
+    let f = Fixture::new();
+    let (id, _attempt, lease) = f.indeterminate("task-1");
+    let view = f.get(&id);
+    assert_eq!(view.status, TaskStatus::Indeterminate);
+    assert_eq!(view.indeterminate_at, Some(102.0));
+    assert!(
+        recover_room(&mut f.db.conn(), &lease, &f.clock)
+            .unwrap()
+            .indeterminate
+            == vec!["task-1".to_string()]
+    );
+}
+
+#[test]
+fn indeterminate_resolves_with_the_exact_generation() {
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    assert!(matches!(
+        resolve_indeterminate_task(&mut f.db.conn(), &id, &lease, gen + 1, 0, &settlement("r", "x"), &f.clock),
+        Err(RoomStoreError::StaleTask(ref m)) if m.contains("indeterminate task generation changed")
+    ));
+    let settled = resolve_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        &settlement("r", "x"),
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(settled.status, TaskStatus::Settled);
+    assert!(
+        resolve_indeterminate_task(
+            &mut f.db.conn(),
+            &id,
+            &lease,
+            gen,
+            0,
+            &settlement("r", "x"),
+            &f.clock
+        )
+        .unwrap()
+        .idempotent
+    );
+}
+
+#[test]
+fn indeterminate_resolves_as_remote_cancellation() {
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    let cancelled = resolve_indeterminate_cancellation(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        "remote-cancel:1",
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert_eq!(cancelled.execution_generation, gen);
+    assert_eq!(cancelled.cancel_generation, 1);
+    assert!(
+        resolve_indeterminate_cancellation(
+            &mut f.db.conn(),
+            &id,
+            &lease,
+            gen,
+            0,
+            "remote-cancel:1",
+            &f.clock
+        )
+        .unwrap()
+        .idempotent
+    );
+}
+
+#[test]
+fn indeterminate_requeues_once_and_the_next_start_is_a_new_generation() {
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    let other_room_lease = Lease {
+        room_id: "room-2".into(),
+        ..lease.clone()
+    };
+    assert!(matches!(
+        requeue_indeterminate_task(&mut f.db.conn(), &id, &other_room_lease, gen, 0, &f.clock),
+        Err(RoomStoreError::Validation(ref m)) if m.contains("different rooms")
+    ));
+    let queued =
+        requeue_indeterminate_task(&mut f.db.conn(), &id, &lease, gen, 0, &f.clock).unwrap();
+    assert_eq!(queued.status, TaskStatus::Queued);
+    assert_eq!(queued.indeterminate_at, None);
+    assert!(is_stale_task(requeue_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        &f.clock
+    )));
+    let next = f.start(&id, &lease);
+    assert_eq!(next.execution_generation, gen + 1);
+    // the old attempt's late receipt is fenced, even under the current lease
+    let late = TaskAttempt {
+        lease: lease.clone(),
+        ..attempt.clone()
+    };
+    assert!(is_stale_task(settle_task(
+        &mut f.db.conn(),
+        &late,
+        &settlement("late", "x"),
+        &f.clock
+    )));
+    assert!(matches!(
+        settle_task(
+            &mut f.db.conn(),
+            &attempt,
+            &settlement("late", "x"),
+            &f.clock
+        ),
+        Err(RoomStoreError::StaleLease(_))
+    ));
+}
+
+#[test]
+fn indeterminate_defers_then_requeues_or_resolves() {
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    let deferred = defer_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        "member_unavailable",
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(deferred.status, TaskStatus::Deferred);
+    assert_eq!(
+        deferred.result,
+        Some(serde_json::json!({"reason": "member_unavailable", "retryable": true}))
+    );
+    assert!(
+        defer_indeterminate_task(
+            &mut f.db.conn(),
+            &id,
+            &lease,
+            gen,
+            0,
+            "member_unavailable",
+            &f.clock
+        )
+        .unwrap()
+        .idempotent
+    );
+    // a deferred task does not block later work
+    let later = f.admit("task-2", 2);
+    f.start(&later, &lease);
+    let later_view = f.get(&later);
+    assert_eq!(later_view.status, TaskStatus::Running);
+    let settled = resolve_deferred_completion(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        &settlement("r", "x"),
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(settled.status, TaskStatus::Settled);
+
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    defer_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        "member_unavailable",
+        &f.clock,
+    )
+    .unwrap();
+    assert!(matches!(
+        requeue_deferred_task(&mut f.db.conn(), &id, &lease, gen + 1, 0, &f.clock),
+        Err(RoomStoreError::StaleTask(ref m)) if m.contains("deferred task generation changed")
+    ));
+    let queued = requeue_deferred_task(&mut f.db.conn(), &id, &lease, gen, 0, &f.clock).unwrap();
+    assert_eq!(queued.status, TaskStatus::Queued);
+    assert_eq!(queued.result, None);
+    assert_eq!(queued.terminal_at, None);
+}
+
+#[test]
+fn recovery_family_checks_the_lease_first() {
+    let f = Fixture::new();
+    let (id, attempt, lease) = f.indeterminate("task-1");
+    let gen = attempt.execution_generation;
+    claim_authority(&mut f.db.conn(), ROOM, GW, 1, "gw-b", "claim-1", &f.clock).unwrap();
+    let err =
+        requeue_indeterminate_task(&mut f.db.conn(), &id, &lease, gen, 0, &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleLease(ref m) if m.contains("authority changed")));
+    let err = defer_indeterminate_task(
+        &mut f.db.conn(),
+        &id,
+        &lease,
+        gen,
+        0,
+        "member_unavailable",
+        &f.clock,
+    )
+    .unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleLease(_)));
+    let err = recover_room(&mut f.db.conn(), &lease, &f.clock).unwrap_err();
+    assert!(matches!(err, RoomStoreError::StaleLease(_)));
+}
+
+#[test]
+fn indeterminate_work_can_be_stopped_two_phase() {
+    let f = Fixture::new();
+    let (id, _attempt, _lease) = f.indeterminate("task-1");
+    let stopping = begin_task_cancel(&mut f.db.conn(), &id, "cancel-1", 0, &f.clock).unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    let cancelled = complete_task_cancel(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock).unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+}

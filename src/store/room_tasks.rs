@@ -1,0 +1,1207 @@
+//! Room tasks: one member's turn in a room, and every transition of its state machine.
+//!
+//! Statuses: queued → running → settled | failed, with stopping (a durable stop intent),
+//! indeterminate (an abandoned attempt nobody can vouch for), deferred (parked, retryable) and
+//! cancelled. Each function is one `immediate_transaction`: load, replay check, lease check, guard,
+//! then a compare-and-swap `UPDATE … WHERE <fence>` that must touch exactly one row.
+
+use std::fmt;
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Clock;
+use crate::store::leases::{check_active_lease, Lease};
+use crate::store::rooms::{
+    canonical_json, live_room, read_clock, sha256_hex, validate_identifier, RoomStoreError,
+    StoreResult,
+};
+use crate::store::rooms_schema::room_tasks;
+
+/// Largest prompt, in UTF-8 bytes.
+pub const MAX_PROMPT_BYTES: usize = 128 * 1024;
+/// Largest stored result, in canonical JSON bytes.
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+
+/// The identity of one room task (one member's turn).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TaskIdentity {
+    pub room_id: String,
+    pub task_id: String,
+    pub thread_id: String,
+    pub turn_id: String,
+}
+
+impl TaskIdentity {
+    /// Build a validated identity.
+    pub fn new(room_id: &str, task_id: &str, thread_id: &str, turn_id: &str) -> StoreResult<Self> {
+        Ok(Self {
+            room_id: validate_identifier("room_id", room_id)?,
+            task_id: validate_identifier("task_id", task_id)?,
+            thread_id: validate_identifier("thread_id", thread_id)?,
+            turn_id: validate_identifier("turn_id", turn_id)?,
+        })
+    }
+
+    fn validated(&self) -> StoreResult<Self> {
+        Self::new(&self.room_id, &self.task_id, &self.thread_id, &self.turn_id)
+    }
+}
+
+/// What the task asks a member to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskPayload {
+    pub target_profile: String,
+    pub prompt: String,
+    pub source_event_seq: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_member_id: Option<String>,
+}
+
+impl TaskPayload {
+    fn normalized(&self) -> StoreResult<Self> {
+        if self.prompt.trim().is_empty() {
+            return Err(RoomStoreError::Validation(
+                "prompt must not be blank".into(),
+            ));
+        }
+        if self.prompt.len() > MAX_PROMPT_BYTES {
+            return Err(RoomStoreError::Validation("prompt is too large".into()));
+        }
+        if self.source_event_seq < 1 {
+            return Err(RoomStoreError::Validation(
+                "source_event_seq must be a positive integer".into(),
+            ));
+        }
+        Ok(Self {
+            target_profile: validate_identifier("target_profile", &self.target_profile)?,
+            prompt: self.prompt.clone(),
+            source_event_seq: self.source_event_seq,
+            target_member_id: match &self.target_member_id {
+                Some(id) => Some(validate_identifier("target_member_id", id)?),
+                None => None,
+            },
+        })
+    }
+
+    /// The member a task addresses: its member id, else its profile.
+    pub fn member_id(&self) -> &str {
+        self.target_member_id
+            .as_deref()
+            .unwrap_or(&self.target_profile)
+    }
+}
+
+/// Task statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskStatus {
+    Queued,
+    Running,
+    Stopping,
+    Settled,
+    Failed,
+    Cancelled,
+    Indeterminate,
+    Deferred,
+}
+
+impl TaskStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Stopping => "stopping",
+            Self::Settled => "settled",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Indeterminate => "indeterminate",
+            Self::Deferred => "deferred",
+        }
+    }
+
+    pub fn parse(value: &str) -> StoreResult<Self> {
+        Ok(match value {
+            "queued" => Self::Queued,
+            "running" => Self::Running,
+            "stopping" => Self::Stopping,
+            "settled" => Self::Settled,
+            "failed" => Self::Failed,
+            "cancelled" => Self::Cancelled,
+            "indeterminate" => Self::Indeterminate,
+            "deferred" => Self::Deferred,
+            other => {
+                return Err(RoomStoreError::Validation(format!(
+                    "unknown task status {other}"
+                )))
+            }
+        })
+    }
+
+    /// settled, failed or cancelled.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Settled | Self::Failed | Self::Cancelled)
+    }
+}
+
+impl fmt::Display for TaskStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a settlement ends a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SettlementStatus {
+    Settled,
+    Failed,
+}
+
+impl SettlementStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Settled => "settled",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// A terminal receipt to commit: its id, status and result.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Settlement {
+    pub settlement_id: String,
+    pub status: SettlementStatus,
+    pub result: serde_json::Value,
+}
+
+impl Settlement {
+    fn checked(&self) -> StoreResult<(String, String)> {
+        let id = validate_identifier("settlement_id", &self.settlement_id)?;
+        let json = canonical_json(&self.result);
+        if json.len() > MAX_RESULT_BYTES {
+            return Err(RoomStoreError::Validation("result is too large".into()));
+        }
+        Ok((id, json))
+    }
+}
+
+/// The exact capability needed to settle one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskAttempt {
+    pub identity: TaskIdentity,
+    pub lease: Lease,
+    pub execution_generation: i64,
+    pub cancel_generation: i64,
+}
+
+/// A task as read.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskView {
+    pub identity: TaskIdentity,
+    pub payload: TaskPayload,
+    pub payload_digest: String,
+    pub status: TaskStatus,
+    pub execution_generation: i64,
+    pub cancel_generation: i64,
+    pub run_gateway_id: Option<String>,
+    pub run_process_generation: Option<String>,
+    pub run_lease_generation: Option<i64>,
+    pub cancel_id: Option<String>,
+    pub settlement_id: Option<String>,
+    pub settlement_status: Option<String>,
+    pub result: Option<serde_json::Value>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub started_at: Option<f64>,
+    pub terminal_at: Option<f64>,
+    pub indeterminate_at: Option<f64>,
+    /// True only when the call replayed an identical earlier commit.
+    pub idempotent: bool,
+}
+
+/// What `recover_room` found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RecoveryReport {
+    pub queued: Vec<String>,
+    pub indeterminate: Vec<String>,
+}
+
+#[derive(Debug, Clone, Queryable, Selectable)]
+#[diesel(table_name = room_tasks)]
+#[diesel(check_for_backend(diesel::sqlite::Sqlite))]
+struct TaskRow {
+    room_id: String,
+    task_id: String,
+    thread_id: String,
+    turn_id: String,
+    source_event_seq: i64,
+    payload_json: String,
+    payload_digest: String,
+    status: String,
+    execution_generation: i64,
+    cancel_generation: i64,
+    run_gateway_id: Option<String>,
+    run_process_generation: Option<String>,
+    run_lease_generation: Option<i64>,
+    cancel_id: Option<String>,
+    settlement_id: Option<String>,
+    settlement_status: Option<String>,
+    result_json: Option<String>,
+    created_at: f64,
+    updated_at: f64,
+    started_at: Option<f64>,
+    terminal_at: Option<f64>,
+    indeterminate_at: Option<f64>,
+}
+
+impl TaskRow {
+    fn status(&self) -> StoreResult<TaskStatus> {
+        TaskStatus::parse(&self.status)
+    }
+
+    fn run_fence_is(&self, lease: &Lease) -> bool {
+        self.run_gateway_id.as_deref() == Some(lease.gateway_id.as_str())
+            && self.run_process_generation.as_deref() == Some(lease.process_generation.as_str())
+            && self.run_lease_generation == Some(lease.lease_generation)
+    }
+
+    fn into_view(self, idempotent: bool) -> StoreResult<TaskView> {
+        if sha256_hex(&self.payload_json) != self.payload_digest {
+            return Err(integrity_error());
+        }
+        let payload: TaskPayload =
+            serde_json::from_str(&self.payload_json).map_err(|_| integrity_error())?;
+        if payload.source_event_seq != self.source_event_seq {
+            return Err(integrity_error());
+        }
+        let result = match &self.result_json {
+            Some(text) => Some(serde_json::from_str(text).map_err(|_| integrity_error())?),
+            None => None,
+        };
+        Ok(TaskView {
+            status: self.status()?,
+            identity: TaskIdentity {
+                room_id: self.room_id,
+                task_id: self.task_id,
+                thread_id: self.thread_id,
+                turn_id: self.turn_id,
+            },
+            payload,
+            payload_digest: self.payload_digest,
+            execution_generation: self.execution_generation,
+            cancel_generation: self.cancel_generation,
+            run_gateway_id: self.run_gateway_id,
+            run_process_generation: self.run_process_generation,
+            run_lease_generation: self.run_lease_generation,
+            cancel_id: self.cancel_id,
+            settlement_id: self.settlement_id,
+            settlement_status: self.settlement_status,
+            result,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            started_at: self.started_at,
+            terminal_at: self.terminal_at,
+            indeterminate_at: self.indeterminate_at,
+            idempotent,
+        })
+    }
+}
+
+fn integrity_error() -> RoomStoreError {
+    RoomStoreError::Conflict("stored task payload failed its integrity check".into())
+}
+
+fn find_row(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+    task_id: &str,
+) -> StoreResult<Option<TaskRow>> {
+    Ok(room_tasks::table
+        .find((room_id, task_id))
+        .select(TaskRow::as_select())
+        .first(conn)
+        .optional()?)
+}
+
+fn load_row(conn: &mut SqliteConnection, identity: &TaskIdentity) -> StoreResult<TaskRow> {
+    let row = find_row(conn, &identity.room_id, &identity.task_id)?
+        .ok_or_else(|| RoomStoreError::Conflict("task does not exist".into()))?;
+    if row.thread_id != identity.thread_id || row.turn_id != identity.turn_id {
+        return Err(RoomStoreError::Conflict(
+            "task_id is already bound to a different turn".into(),
+        ));
+    }
+    Ok(row)
+}
+
+fn reload(conn: &mut SqliteConnection, identity: &TaskIdentity) -> StoreResult<TaskView> {
+    load_row(conn, identity)?.into_view(false)
+}
+
+/// An identical settlement replays; a different one on a settled row conflicts.
+fn settlement_replay(
+    row: &TaskRow,
+    settlement_id: &str,
+    status: SettlementStatus,
+    json: &str,
+) -> StoreResult<bool> {
+    match &row.settlement_id {
+        None => Ok(false),
+        Some(existing) => {
+            if existing == settlement_id
+                && row.settlement_status.as_deref() == Some(status.as_str())
+                && row.result_json.as_deref() == Some(json)
+            {
+                Ok(true)
+            } else {
+                Err(RoomStoreError::Conflict(
+                    "task already has a different terminal settlement".into(),
+                ))
+            }
+        }
+    }
+}
+
+fn expect_one(updated: usize, error: impl FnOnce() -> RoomStoreError) -> StoreResult<()> {
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(error())
+    }
+}
+
+fn stale(message: &str) -> impl FnOnce() -> RoomStoreError + '_ {
+    move || RoomStoreError::StaleTask(message.to_string())
+}
+
+fn check_recovery_inputs(
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+) -> StoreResult<TaskIdentity> {
+    let identity = identity.validated()?;
+    if lease.room_id != identity.room_id {
+        return Err(RoomStoreError::Validation(
+            "lease and task belong to different rooms".into(),
+        ));
+    }
+    if expected_execution_generation < 1 {
+        return Err(RoomStoreError::Validation(
+            "expected_execution_generation must be a positive integer".into(),
+        ));
+    }
+    if expected_cancel_generation < 0 {
+        return Err(RoomStoreError::Validation(
+            "expected_cancel_generation must be a non-negative integer".into(),
+        ));
+    }
+    Ok(identity)
+}
+
+/// Admit a task as `queued`. Idempotent by identity and payload; a different payload for the same
+/// task, or a (thread, turn) already used by another task, is a conflict.
+pub fn admit_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    payload: &TaskPayload,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = identity.validated()?;
+    let payload = payload.normalized()?;
+    let payload_value =
+        serde_json::to_value(&payload).map_err(|e| RoomStoreError::Validation(e.to_string()))?;
+    let payload_json = canonical_json(&payload_value);
+    let digest = sha256_hex(&payload_json);
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        if let Some(row) = find_row(conn, &identity.room_id, &identity.task_id)? {
+            if row.thread_id != identity.thread_id || row.turn_id != identity.turn_id {
+                return Err(RoomStoreError::Conflict(
+                    "task_id is already bound to a different turn".into(),
+                ));
+            }
+            if row.payload_json != payload_json {
+                return Err(RoomStoreError::Conflict(
+                    "task_id is already bound to a different payload".into(),
+                ));
+            }
+            return row.into_view(true);
+        }
+        live_room(conn, &identity.room_id, true)?;
+        let turn_taken: i64 = room_tasks::table
+            .filter(room_tasks::room_id.eq(&identity.room_id))
+            .filter(room_tasks::thread_id.eq(&identity.thread_id))
+            .filter(room_tasks::turn_id.eq(&identity.turn_id))
+            .count()
+            .get_result(conn)?;
+        if turn_taken > 0 {
+            return Err(RoomStoreError::Conflict(
+                "thread turn is already bound to a different task".into(),
+            ));
+        }
+        diesel::insert_into(room_tasks::table)
+            .values((
+                room_tasks::room_id.eq(&identity.room_id),
+                room_tasks::task_id.eq(&identity.task_id),
+                room_tasks::thread_id.eq(&identity.thread_id),
+                room_tasks::turn_id.eq(&identity.turn_id),
+                room_tasks::source_event_seq.eq(payload.source_event_seq),
+                room_tasks::payload_json.eq(&payload_json),
+                room_tasks::payload_digest.eq(&digest),
+                room_tasks::status.eq(TaskStatus::Queued.as_str()),
+                room_tasks::execution_generation.eq(0_i64),
+                room_tasks::cancel_generation.eq(0_i64),
+                room_tasks::created_at.eq(now),
+                room_tasks::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        reload(conn, &identity)
+    })
+}
+
+/// Read one task (its payload digest re-verified).
+pub fn get_task(conn: &mut SqliteConnection, identity: &TaskIdentity) -> StoreResult<TaskView> {
+    load_row(conn, identity)?.into_view(false)
+}
+
+/// Read one task by room and task id.
+pub fn find_task(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+    task_id: &str,
+) -> StoreResult<Option<TaskView>> {
+    match find_row(conn, room_id, task_id)? {
+        Some(row) => Ok(Some(row.into_view(false)?)),
+        None => Ok(None),
+    }
+}
+
+/// Tasks of a room in room order (`source_event_seq, created_at, task_id`), optionally by status.
+pub fn list_tasks(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+    status: Option<TaskStatus>,
+) -> StoreResult<Vec<TaskView>> {
+    let mut query = room_tasks::table
+        .filter(room_tasks::room_id.eq(room_id))
+        .select(TaskRow::as_select())
+        .into_boxed();
+    if let Some(status) = status {
+        query = query.filter(room_tasks::status.eq(status.as_str()));
+    }
+    let rows: Vec<TaskRow> = query
+        .order((
+            room_tasks::source_event_seq.asc(),
+            room_tasks::created_at.asc(),
+            room_tasks::task_id.asc(),
+        ))
+        .load(conn)?;
+    rows.into_iter().map(|row| row.into_view(false)).collect()
+}
+
+/// Number of tasks of a room by status (for `room.get`).
+pub fn count_tasks_by_status(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+) -> StoreResult<std::collections::BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> = room_tasks::table
+        .filter(room_tasks::room_id.eq(room_id))
+        .group_by(room_tasks::status)
+        .select((room_tasks::status, diesel::dsl::count_star()))
+        .load(conn)?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Start the room's next queued task under an active lease: `running`, execution generation + 1,
+/// run fence = the lease.
+pub fn start_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskAttempt> {
+    let identity = identity.validated()?;
+    if lease.room_id != identity.room_id {
+        return Err(RoomStoreError::Validation(
+            "lease and task belong to different rooms".into(),
+        ));
+    }
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        live_room(conn, &identity.room_id, true)?;
+        check_active_lease(conn, lease, now)?;
+        let row = load_row(conn, &identity)?;
+        if row.cancel_generation != expected_cancel_generation {
+            return Err(RoomStoreError::StaleTask(
+                "task cancel generation changed".into(),
+            ));
+        }
+        let status = row.status()?;
+        if status != TaskStatus::Queued {
+            return Err(RoomStoreError::InvalidTransition(format!(
+                "cannot start task in state '{status}'"
+            )));
+        }
+        let blocking: i64 = room_tasks::table
+            .filter(room_tasks::room_id.eq(&identity.room_id))
+            .filter(room_tasks::status.eq_any(["running", "indeterminate", "stopping"]))
+            .count()
+            .get_result(conn)?;
+        if blocking > 0 {
+            return Err(RoomStoreError::InvalidTransition(
+                "room recovery must resolve the prior task before starting new work".into(),
+            ));
+        }
+        let head: Option<String> = room_tasks::table
+            .filter(room_tasks::room_id.eq(&identity.room_id))
+            .filter(room_tasks::status.eq("queued"))
+            .order((
+                room_tasks::source_event_seq.asc(),
+                room_tasks::created_at.asc(),
+                room_tasks::task_id.asc(),
+            ))
+            .select(room_tasks::task_id)
+            .first(conn)
+            .optional()?;
+        if head.as_deref() != Some(identity.task_id.as_str()) {
+            return Err(RoomStoreError::InvalidTransition(
+                "task is not next in the hosted room event order".into(),
+            ));
+        }
+        let execution_generation = row.execution_generation + 1;
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq("queued"))
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation))
+                .filter(room_tasks::execution_generation.eq(row.execution_generation)),
+        )
+        .set((
+            room_tasks::status.eq("running"),
+            room_tasks::execution_generation.eq(execution_generation),
+            room_tasks::run_gateway_id.eq(Some(&lease.gateway_id)),
+            room_tasks::run_process_generation.eq(Some(&lease.process_generation)),
+            room_tasks::run_lease_generation.eq(Some(lease.lease_generation)),
+            room_tasks::started_at.eq(Some(now)),
+            room_tasks::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task changed before it could start"))?;
+        Ok(TaskAttempt {
+            identity: identity.clone(),
+            lease: lease.clone(),
+            execution_generation,
+            cancel_generation: expected_cancel_generation,
+        })
+    })
+}
+
+macro_rules! settle_columns {
+    ($id:expr, $status:expr, $json:expr, $now:expr) => {
+        (
+            room_tasks::status.eq($status.as_str()),
+            room_tasks::settlement_id.eq(Some($id)),
+            room_tasks::settlement_status.eq(Some($status.as_str())),
+            room_tasks::result_json.eq(Some($json)),
+            room_tasks::terminal_at.eq(Some($now)),
+            room_tasks::updated_at.eq($now),
+        )
+    };
+}
+
+/// Settle the running attempt: needs the active lease that started it and both generations.
+pub fn settle_task(
+    conn: &mut SqliteConnection,
+    attempt: &TaskAttempt,
+    settlement: &Settlement,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = attempt.identity.validated()?;
+    let (settlement_id, json) = settlement.checked()?;
+    let now = read_clock(clock)?;
+    let lease = &attempt.lease;
+    conn.immediate_transaction(|conn| {
+        let row = load_row(conn, &identity)?;
+        if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
+            return row.into_view(true);
+        }
+        check_active_lease(conn, lease, now)?;
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq("running"))
+                .filter(room_tasks::execution_generation.eq(attempt.execution_generation))
+                .filter(room_tasks::cancel_generation.eq(attempt.cancel_generation))
+                .filter(room_tasks::run_gateway_id.eq(&lease.gateway_id))
+                .filter(room_tasks::run_process_generation.eq(&lease.process_generation))
+                .filter(room_tasks::run_lease_generation.eq(lease.lease_generation)),
+        )
+        .set(settle_columns!(
+            &settlement_id,
+            settlement.status,
+            &json,
+            now
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task attempt is stale or cancelled"))?;
+        reload(conn, &identity)
+    })
+}
+
+/// Land a completion that raced an unacknowledged stop (or the acknowledged deadline failure):
+/// `stopping` → settled/failed, under any active lease, on both generations.
+#[allow(clippy::too_many_arguments)]
+pub fn settle_stopping_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    settlement: &Settlement,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    if expected_execution_generation < 1 || expected_cancel_generation < 1 {
+        return Err(RoomStoreError::Validation(
+            "stopping settlement generations are invalid".into(),
+        ));
+    }
+    let identity = check_recovery_inputs(
+        identity,
+        lease,
+        expected_execution_generation,
+        expected_cancel_generation,
+    )?;
+    let (settlement_id, json) = settlement.checked()?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        let row = load_row(conn, &identity)?;
+        if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
+            return row.into_view(true);
+        }
+        check_active_lease(conn, lease, now)?;
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq("stopping"))
+                .filter(room_tasks::execution_generation.eq(expected_execution_generation))
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation)),
+        )
+        .set(settle_columns!(
+            &settlement_id,
+            settlement.status,
+            &json,
+            now
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task completion lost the stop race"))?;
+        reload(conn, &identity)
+    })
+}
+
+/// Put an attempt that provably never reached the member back in the queue (prompt unchanged,
+/// execution generation kept, so the next start is generation + 1).
+pub fn requeue_not_admitted_task(
+    conn: &mut SqliteConnection,
+    attempt: &TaskAttempt,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = attempt.identity.validated()?;
+    let now = read_clock(clock)?;
+    let lease = &attempt.lease;
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, lease, now)?;
+        let row = load_row(conn, &identity)?;
+        if row.status()? == TaskStatus::Queued
+            && row.execution_generation == attempt.execution_generation
+            && row.cancel_generation == attempt.cancel_generation
+            && row.run_gateway_id.is_none()
+        {
+            return row.into_view(true);
+        }
+        live_room(conn, &identity.room_id, true)?;
+        let error = || RoomStoreError::StaleTask("not-admitted task attempt lost its fence".into());
+        if !row.run_fence_is(lease) {
+            return Err(error());
+        }
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq("running"))
+                .filter(room_tasks::execution_generation.eq(attempt.execution_generation))
+                .filter(room_tasks::cancel_generation.eq(attempt.cancel_generation))
+                .filter(room_tasks::run_gateway_id.eq(&lease.gateway_id))
+                .filter(room_tasks::run_process_generation.eq(&lease.process_generation))
+                .filter(room_tasks::run_lease_generation.eq(lease.lease_generation)),
+        )
+        .set((
+            room_tasks::status.eq("queued"),
+            room_tasks::run_gateway_id.eq(None::<String>),
+            room_tasks::run_process_generation.eq(None::<String>),
+            room_tasks::run_lease_generation.eq(None::<i64>),
+            room_tasks::started_at.eq(None::<f64>),
+            room_tasks::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        expect_one(updated, error)?;
+        reload(conn, &identity)
+    })
+}
+
+/// Cancel work that never started (queued) or is parked (deferred), directly.
+pub fn cancel_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    cancel_id: &str,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = identity.validated()?;
+    let cancel_id = validate_identifier("cancel_id", cancel_id)?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        let row = load_row(conn, &identity)?;
+        let status = row.status()?;
+        if status == TaskStatus::Cancelled && row.cancel_id.as_deref() == Some(cancel_id.as_str()) {
+            return row.into_view(true);
+        }
+        if status.is_terminal() {
+            return Err(RoomStoreError::InvalidTransition(format!(
+                "cannot cancel task in state '{status}'"
+            )));
+        }
+        if !matches!(status, TaskStatus::Queued | TaskStatus::Deferred) {
+            return Err(RoomStoreError::InvalidTransition(
+                "running work requires acknowledged two-phase cancellation".into(),
+            ));
+        }
+        if row.cancel_generation != expected_cancel_generation {
+            return Err(RoomStoreError::StaleTask(
+                "task cancel generation changed".into(),
+            ));
+        }
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq_any(["queued", "deferred"]))
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation)),
+        )
+        .set((
+            room_tasks::status.eq("cancelled"),
+            room_tasks::cancel_generation.eq(expected_cancel_generation + 1),
+            room_tasks::cancel_id.eq(Some(&cancel_id)),
+            room_tasks::terminal_at.eq(Some(now)),
+            room_tasks::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task changed during cancellation"))?;
+        reload(conn, &identity)
+    })
+}
+
+/// Persist a stop intent for running (or indeterminate) work: `stopping`, cancel generation + 1.
+/// The run fence and execution generation are kept, so a racing completion can still land.
+pub fn begin_task_cancel(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    cancel_id: &str,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = identity.validated()?;
+    let cancel_id = validate_identifier("cancel_id", cancel_id)?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        let row = load_row(conn, &identity)?;
+        let status = row.status()?;
+        if status == TaskStatus::Stopping && row.cancel_id.as_deref() == Some(cancel_id.as_str()) {
+            return row.into_view(true);
+        }
+        if status.is_terminal() || matches!(status, TaskStatus::Queued | TaskStatus::Deferred) {
+            return Err(RoomStoreError::InvalidTransition(format!(
+                "cannot request remote stop in state '{status}'"
+            )));
+        }
+        if row.cancel_generation != expected_cancel_generation {
+            return Err(RoomStoreError::StaleTask(
+                "task cancel generation changed".into(),
+            ));
+        }
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq_any(["running", "indeterminate"]))
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation)),
+        )
+        .set((
+            room_tasks::status.eq("stopping"),
+            room_tasks::cancel_generation.eq(expected_cancel_generation + 1),
+            room_tasks::cancel_id.eq(Some(&cancel_id)),
+            room_tasks::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task changed during stop request"))?;
+        reload(conn, &identity)
+    })
+}
+
+/// Complete an acknowledged stop: `stopping` with this cancel id and generation → `cancelled`.
+pub fn complete_task_cancel(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    cancel_id: &str,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = identity.validated()?;
+    let cancel_id = validate_identifier("cancel_id", cancel_id)?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        let row = load_row(conn, &identity)?;
+        if row.status()? == TaskStatus::Cancelled
+            && row.cancel_id.as_deref() == Some(cancel_id.as_str())
+        {
+            return row.into_view(true);
+        }
+        let updated = diesel::update(
+            room_tasks::table
+                .find((&identity.room_id, &identity.task_id))
+                .filter(room_tasks::status.eq("stopping"))
+                .filter(room_tasks::cancel_id.eq(&cancel_id))
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation)),
+        )
+        .set((
+            room_tasks::status.eq("cancelled"),
+            room_tasks::terminal_at.eq(Some(now)),
+            room_tasks::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        expect_one(updated, stale("task stop acknowledgement is stale"))?;
+        reload(conn, &identity)
+    })
+}
+
+/// Under a new lease, mark every running attempt this lease did not start `indeterminate`.
+pub fn recover_room(
+    conn: &mut SqliteConnection,
+    lease: &Lease,
+    clock: &dyn Clock,
+) -> StoreResult<RecoveryReport> {
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, lease, now)?;
+        let running: Vec<TaskRow> = room_tasks::table
+            .filter(room_tasks::room_id.eq(&lease.room_id))
+            .filter(room_tasks::status.eq("running"))
+            .select(TaskRow::as_select())
+            .load(conn)?;
+        for row in running.iter().filter(|row| !row.run_fence_is(lease)) {
+            let updated = diesel::update(
+                room_tasks::table
+                    .find((&row.room_id, &row.task_id))
+                    .filter(room_tasks::status.eq("running"))
+                    .filter(room_tasks::execution_generation.eq(row.execution_generation)),
+            )
+            .set((
+                room_tasks::status.eq("indeterminate"),
+                room_tasks::indeterminate_at.eq(Some(now)),
+                room_tasks::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+            expect_one(updated, stale("task changed during recovery"))?;
+        }
+        let mut report = RecoveryReport::default();
+        for view in list_tasks(conn, &lease.room_id, None)? {
+            match view.status {
+                TaskStatus::Queued => report.queued.push(view.identity.task_id),
+                TaskStatus::Indeterminate => report.indeterminate.push(view.identity.task_id),
+                _ => {}
+            }
+        }
+        Ok(report)
+    })
+}
+
+/// Shared shape of the recovery family: lease first, then replay, then a CAS on
+/// `status = from` and both generations.
+struct RecoveryCas<'a> {
+    identity: &'a TaskIdentity,
+    lease: &'a Lease,
+    from: TaskStatus,
+    exec: i64,
+    cancel: i64,
+    stale_message: &'a str,
+}
+
+impl RecoveryCas<'_> {
+    fn updated(&self, updated: usize) -> StoreResult<()> {
+        expect_one(updated, stale(self.stale_message))
+    }
+}
+
+macro_rules! recovery_target {
+    ($cas:expr) => {
+        room_tasks::table
+            .find((&$cas.identity.room_id, &$cas.identity.task_id))
+            .filter(room_tasks::status.eq($cas.from.as_str()))
+            .filter(room_tasks::execution_generation.eq($cas.exec))
+            .filter(room_tasks::cancel_generation.eq($cas.cancel))
+    };
+}
+
+fn settle_recovered(
+    conn: &mut SqliteConnection,
+    cas: RecoveryCas<'_>,
+    settlement: &Settlement,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = check_recovery_inputs(cas.identity, cas.lease, cas.exec, cas.cancel)?;
+    let (settlement_id, json) = settlement.checked()?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, cas.lease, now)?;
+        let row = load_row(conn, &identity)?;
+        if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
+            return row.into_view(true);
+        }
+        let updated = diesel::update(recovery_target!(cas))
+            .set(settle_columns!(
+                &settlement_id,
+                settlement.status,
+                &json,
+                now
+            ))
+            .execute(conn)?;
+        cas.updated(updated)?;
+        reload(conn, &identity)
+    })
+}
+
+/// A probe found the exact receipt of an indeterminate attempt: settle it.
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_indeterminate_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    settlement: &Settlement,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let cas = RecoveryCas {
+        identity,
+        lease,
+        from: TaskStatus::Indeterminate,
+        exec: expected_execution_generation,
+        cancel: expected_cancel_generation,
+        stale_message: "indeterminate task generation changed",
+    };
+    settle_recovered(conn, cas, settlement, clock)
+}
+
+/// A probe saw the member cancelled an indeterminate attempt: `cancelled`, cancel generation + 1.
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_indeterminate_cancellation(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    cancel_id: &str,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = check_recovery_inputs(
+        identity,
+        lease,
+        expected_execution_generation,
+        expected_cancel_generation,
+    )?;
+    let cancel_id = validate_identifier("cancel_id", cancel_id)?;
+    let now = read_clock(clock)?;
+    let cas = RecoveryCas {
+        identity: &identity,
+        lease,
+        from: TaskStatus::Indeterminate,
+        exec: expected_execution_generation,
+        cancel: expected_cancel_generation,
+        stale_message: "indeterminate task generation changed",
+    };
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, lease, now)?;
+        let row = load_row(conn, &identity)?;
+        if row.status()? == TaskStatus::Cancelled
+            && row.cancel_id.as_deref() == Some(cancel_id.as_str())
+        {
+            return row.into_view(true);
+        }
+        let updated = diesel::update(recovery_target!(cas))
+            .set((
+                room_tasks::status.eq("cancelled"),
+                room_tasks::cancel_generation.eq(expected_cancel_generation + 1),
+                room_tasks::cancel_id.eq(Some(&cancel_id)),
+                room_tasks::terminal_at.eq(Some(now)),
+                room_tasks::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        cas.updated(updated)?;
+        reload(conn, &identity)
+    })
+}
+
+/// Explicit operator retry of an indeterminate attempt (accepting at-least-once): back to `queued`.
+pub fn requeue_indeterminate_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    requeue_from(
+        conn,
+        RecoveryCas {
+            identity,
+            lease,
+            from: TaskStatus::Indeterminate,
+            exec: expected_execution_generation,
+            cancel: expected_cancel_generation,
+            stale_message: "indeterminate task generation changed",
+        },
+        clock,
+    )
+}
+
+/// Explicit retry of a deferred task: back to `queued` with its result cleared.
+pub fn requeue_deferred_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    requeue_from(
+        conn,
+        RecoveryCas {
+            identity,
+            lease,
+            from: TaskStatus::Deferred,
+            exec: expected_execution_generation,
+            cancel: expected_cancel_generation,
+            stale_message: "deferred task generation changed",
+        },
+        clock,
+    )
+}
+
+fn requeue_from(
+    conn: &mut SqliteConnection,
+    cas: RecoveryCas<'_>,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = check_recovery_inputs(cas.identity, cas.lease, cas.exec, cas.cancel)?;
+    let now = read_clock(clock)?;
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, cas.lease, now)?;
+        load_row(conn, &identity)?;
+        live_room(conn, &identity.room_id, true)?;
+        let updated = diesel::update(recovery_target!(cas))
+            .set((
+                room_tasks::status.eq("queued"),
+                room_tasks::run_gateway_id.eq(None::<String>),
+                room_tasks::run_process_generation.eq(None::<String>),
+                room_tasks::run_lease_generation.eq(None::<i64>),
+                room_tasks::result_json.eq(None::<String>),
+                room_tasks::started_at.eq(None::<f64>),
+                room_tasks::terminal_at.eq(None::<f64>),
+                room_tasks::indeterminate_at.eq(None::<f64>),
+                room_tasks::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        cas.updated(updated)?;
+        reload(conn, &identity)
+    })
+}
+
+/// Park an indeterminate attempt after its defer age: `deferred`, result
+/// `{"reason": <reason>, "retryable": true}`; later room work may run.
+#[allow(clippy::too_many_arguments)]
+pub fn defer_indeterminate_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    reason: &str,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    let identity = check_recovery_inputs(
+        identity,
+        lease,
+        expected_execution_generation,
+        expected_cancel_generation,
+    )?;
+    let reason = validate_identifier("reason", reason)?;
+    let json = canonical_json(&serde_json::json!({ "reason": reason, "retryable": true }));
+    let now = read_clock(clock)?;
+    let cas = RecoveryCas {
+        identity: &identity,
+        lease,
+        from: TaskStatus::Indeterminate,
+        exec: expected_execution_generation,
+        cancel: expected_cancel_generation,
+        stale_message: "indeterminate task generation changed",
+    };
+    conn.immediate_transaction(|conn| {
+        check_active_lease(conn, lease, now)?;
+        let row = load_row(conn, &identity)?;
+        if row.status()? == TaskStatus::Deferred
+            && row.execution_generation == expected_execution_generation
+            && row.cancel_generation == expected_cancel_generation
+            && row.result_json.as_deref() == Some(json.as_str())
+        {
+            return row.into_view(true);
+        }
+        let updated = diesel::update(recovery_target!(cas))
+            .set((
+                room_tasks::status.eq("deferred"),
+                room_tasks::result_json.eq(Some(&json)),
+                room_tasks::terminal_at.eq(Some(now)),
+                room_tasks::updated_at.eq(now),
+            ))
+            .execute(conn)?;
+        cas.updated(updated)?;
+        reload(conn, &identity)
+    })
+}
+
+/// The exact successful receipt of a deferred attempt turned up: `settled`.
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_deferred_completion(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    lease: &Lease,
+    expected_execution_generation: i64,
+    expected_cancel_generation: i64,
+    settlement: &Settlement,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    if settlement.status != SettlementStatus::Settled {
+        return Err(RoomStoreError::Validation(
+            "a deferred task resolves only with a settled receipt".into(),
+        ));
+    }
+    let cas = RecoveryCas {
+        identity,
+        lease,
+        from: TaskStatus::Deferred,
+        exec: expected_execution_generation,
+        cancel: expected_cancel_generation,
+        stale_message: "deferred task generation changed",
+    };
+    settle_recovered(conn, cas, settlement, clock)
+}
