@@ -16,7 +16,8 @@ use diesel::prelude::*;
 use futures_util::{SinkExt, StreamExt};
 use gatehouse::store::admissions::AdmissionRow;
 use gatehouse::store::messages::MessageRow;
-use gatehouse::store::schema::{messages, session_admissions, sessions};
+use gatehouse::store::prompts::PromptRow;
+use gatehouse::store::schema::{messages, prompts, session_admissions, sessions};
 use serde_json::{json, Value};
 
 // ---------- temp home ----------
@@ -27,7 +28,8 @@ pub struct Home {
 
 impl Home {
     pub fn new() -> Home {
-        let path = std::env::temp_dir().join(format!("gatehouse-it-{}", uuid::Uuid::new_v4().simple()));
+        let path =
+            std::env::temp_dir().join(format!("gatehouse-it-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&path).expect("home");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).expect("chmod");
         Home { path }
@@ -51,7 +53,10 @@ impl Home {
     }
 
     pub fn admission(&self, input_id: &str) -> AdmissionRow {
-        self.admissions().into_iter().find(|r| r.request_id == input_id).expect("admission row")
+        self.admissions()
+            .into_iter()
+            .find(|r| r.request_id == input_id)
+            .expect("admission row")
     }
 
     pub fn transcript(&self, session: &str) -> Vec<MessageRow> {
@@ -89,6 +94,23 @@ impl Home {
             .expect("session")
     }
 
+    /// The prompt audit rows of a session, oldest first.
+    pub fn prompt_rows(&self, session: &str) -> Vec<PromptRow> {
+        prompts::table
+            .filter(prompts::session_id.eq(session))
+            .order(prompts::opened_at.asc())
+            .select(PromptRow::as_select())
+            .load(&mut self.db())
+            .expect("prompts")
+    }
+
+    pub fn admission_by_id(&self, admission_id: &str) -> AdmissionRow {
+        self.admissions()
+            .into_iter()
+            .find(|r| r.admission_id == admission_id)
+            .expect("admission row")
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.path.join("daemon.log")).unwrap_or_default()
     }
@@ -97,7 +119,11 @@ impl Home {
 impl Drop for Home {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("--- daemon log ({}) ---\n{}", self.path.display(), tail(&self.log(), 6000));
+            eprintln!(
+                "--- daemon log ({}) ---\n{}",
+                self.path.display(),
+                tail(&self.log(), 6000)
+            );
         }
         let _ = std::fs::remove_dir_all(&self.path);
     }
@@ -177,12 +203,21 @@ impl FakeModel {
                 std::thread::spawn(move || serve_one(stream, &reqs, &rel, &*handler));
             }
         });
-        FakeModel { url: format!("http://127.0.0.1:{port}/v1"), requests, release }
+        FakeModel {
+            url: format!("http://127.0.0.1:{port}/v1"),
+            requests,
+            release,
+        }
     }
 
     /// Answers ACK_<last user text> to everything.
     pub fn ack() -> FakeModel {
-        FakeModel::start(|body| Reply::Message(json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}), "stop"))
+        FakeModel::start(|body| {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
+        })
     }
 
     pub fn release(&self) {
@@ -199,7 +234,10 @@ impl FakeModel {
 
     /// Requests whose last user text is `text` and whose last message is not a tool result.
     pub fn reached(&self, text: &str) -> usize {
-        self.requests().iter().filter(|b| last_user(b) == text && !after_tool(b)).count()
+        self.requests()
+            .iter()
+            .filter(|b| last_user(b) == text && !after_tool(b))
+            .count()
     }
 
     /// Last user texts of the requests, in order.
@@ -224,13 +262,21 @@ pub fn last_user(body: &Value) -> String {
 }
 
 pub fn after_tool(body: &Value) -> bool {
-    body["messages"].as_array().and_then(|m| m.last()).is_some_and(|m| m["role"] == "tool")
+    body["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .is_some_and(|m| m["role"] == "tool")
 }
 
 pub fn user_texts(body: &Value) -> Vec<String> {
     body["messages"]
         .as_array()
-        .map(|m| m.iter().filter(|m| m["role"] == "user").filter_map(|m| m["content"].as_str().map(str::to_string)).collect())
+        .map(|m| {
+            m.iter()
+                .filter(|m| m["role"] == "user")
+                .filter_map(|m| m["content"].as_str().map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -239,7 +285,42 @@ pub fn tool_call(id: &str, name: &str, args: Value) -> Value {
         {"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]})
 }
 
-fn serve_one(mut stream: TcpStream, reqs: &Mutex<Vec<Value>>, release: &(Mutex<bool>, Condvar), handler: &Handler) {
+/// Several tool calls in one assistant message: `(id, name, args)`, at indexes 0, 1, ….
+pub fn tool_calls(calls: &[(&str, &str, Value)]) -> Value {
+    let list: Vec<Value> = calls
+        .iter()
+        .enumerate()
+        .map(|(i, (id, name, args))| {
+            json!({"index": i, "id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}})
+        })
+        .collect();
+    json!({"role": "assistant", "content": null, "tool_calls": list})
+}
+
+/// The content of the last message when it is a tool result.
+pub fn last_tool_result(body: &Value) -> Option<String> {
+    body["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .filter(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .map(str::to_string)
+}
+
+/// Total characters of a request's messages.
+pub fn wire_chars(body: &Value) -> usize {
+    body["messages"]
+        .as_array()
+        .map(|m| m.iter().map(|m| m.to_string().len()).sum())
+        .unwrap_or(0)
+}
+
+fn serve_one(
+    mut stream: TcpStream,
+    reqs: &Mutex<Vec<Value>>,
+    release: &(Mutex<bool>, Condvar),
+    handler: &Handler,
+) {
     let mut reader = BufReader::new(match stream.try_clone() {
         Ok(s) => s,
         Err(_) => return,
@@ -273,7 +354,11 @@ fn serve_one(mut stream: TcpStream, reqs: &Mutex<Vec<Value>>, release: &(Mutex<b
                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
             if stream_mode {
                 frame["choices"][0]["delta"] = message;
-                (200, "text/event-stream", format!("data: {frame}\n\ndata: [DONE]\n\n"))
+                (
+                    200,
+                    "text/event-stream",
+                    format!("data: {frame}\n\ndata: [DONE]\n\n"),
+                )
             } else {
                 frame["choices"][0]["message"] = message;
                 (200, "application/json", frame.to_string())
@@ -293,7 +378,10 @@ fn serve_one(mut stream: TcpStream, reqs: &Mutex<Vec<Value>>, release: &(Mutex<b
             let deadline = Instant::now() + Duration::from_secs(120);
             let mut released = lock.lock().unwrap_or_else(|e| e.into_inner());
             while !*released && Instant::now() < deadline {
-                released = cv.wait_timeout(released, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+                released = cv
+                    .wait_timeout(released, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
             return;
         }
@@ -335,7 +423,10 @@ impl Daemon {
             .arg(&home.path)
             .env_remove("OPENAI_BASE_URL")
             .env("OPENAI_API_KEY", "loopback-only")
-            .env("RUST_LOG", std::env::var("TEST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
@@ -346,14 +437,25 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("gatehouse exited with {status} before ready:\n{}", home.log());
+                panic!(
+                    "gatehouse exited with {status} before ready:\n{}",
+                    home.log()
+                );
             }
             if let Ok(v) = control(&home.path, "identify", json!({})) {
                 if v["state"] == "ready" {
-                    return Daemon { child, home: home.path.clone(), identify: v };
+                    return Daemon {
+                        child,
+                        home: home.path.clone(),
+                        identify: v,
+                    };
                 }
             }
-            assert!(Instant::now() < deadline, "gatehouse not ready:\n{}", home.log());
+            assert!(
+                Instant::now() < deadline,
+                "gatehouse not ready:\n{}",
+                home.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -363,7 +465,10 @@ impl Daemon {
     }
 
     pub fn origin(&self) -> String {
-        self.identify["api_origin"].as_str().expect("origin").to_string()
+        self.identify["api_origin"]
+            .as_str()
+            .expect("origin")
+            .to_string()
     }
 
     pub fn kill(&mut self) {
@@ -382,7 +487,10 @@ impl Daemon {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return status.code();
             }
-            assert!(Instant::now() < deadline, "gatehouse did not stop on SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "gatehouse did not stop on SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -427,7 +535,9 @@ pub struct Ws {
 /// Try an upgrade with these subprotocols; the HTTP status on refusal.
 pub async fn try_upgrade(origin: &str, protocols: &[String]) -> Result<(), u16> {
     let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
-    let client = awc::Client::builder().max_http_version(awc::http::Version::HTTP_11).finish();
+    let client = awc::Client::builder()
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish();
     match client.ws(url).protocols(protocols).connect().await {
         Ok(_) => Ok(()),
         Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
@@ -439,7 +549,9 @@ impl Ws {
     pub async fn connect(home: &Path, origin: &str) -> Ws {
         let t = ticket(home);
         let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
-        let client = awc::Client::builder().max_http_version(awc::http::Version::HTTP_11).finish();
+        let client = awc::Client::builder()
+            .max_http_version(awc::http::Version::HTTP_11)
+            .finish();
         let (resp, framed) = client
             .ws(url)
             .protocols(["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")])
@@ -448,24 +560,39 @@ impl Ws {
             .await
             .expect("websocket connect");
         assert_eq!(
-            resp.headers().get("sec-websocket-protocol").and_then(|v| v.to_str().ok()),
+            resp.headers()
+                .get("sec-websocket-protocol")
+                .and_then(|v| v.to_str().ok()),
             Some("gatehouse.v1")
         );
-        Ws { framed, events: Vec::new(), next_id: 1 }
+        Ws {
+            framed,
+            events: Vec::new(),
+            next_id: 1,
+        }
     }
 
     pub async fn send_raw(&mut self, text: String) {
-        self.framed.send(awc::ws::Message::Text(text.into())).await.expect("send");
+        self.framed
+            .send(awc::ws::Message::Text(text.into()))
+            .await
+            .expect("send");
     }
 
     pub async fn send_binary(&mut self, bytes: Vec<u8>) {
-        self.framed.send(awc::ws::Message::Binary(bytes.into())).await.expect("send");
+        self.framed
+            .send(awc::ws::Message::Binary(bytes.into()))
+            .await
+            .expect("send");
     }
 
     /// The next non-event frame.
     pub async fn recv_reply(&mut self) -> Value {
         loop {
-            let v = self.recv_any(Duration::from_secs(30)).await.expect("a reply frame");
+            let v = self
+                .recv_any(Duration::from_secs(30))
+                .await
+                .expect("a reply frame");
             if v.get("method").is_some() && v.get("id").is_none() {
                 self.events.push(v);
                 continue;
@@ -476,7 +603,9 @@ impl Ws {
 
     async fn recv_any(&mut self, timeout: Duration) -> Option<Value> {
         loop {
-            let frame = tokio::time::timeout(timeout, self.framed.next()).await.ok()??;
+            let frame = tokio::time::timeout(timeout, self.framed.next())
+                .await
+                .ok()??;
             match frame {
                 Ok(awc::ws::Frame::Text(b)) => return serde_json::from_slice(&b).ok(),
                 Ok(awc::ws::Frame::Ping(p)) => {
@@ -492,7 +621,10 @@ impl Ws {
     pub async fn call(&mut self, method: &str, params: Value) -> Value {
         let id = format!("t{}", self.next_id);
         self.next_id += 1;
-        self.send_raw(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string()).await;
+        self.send_raw(
+            json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string(),
+        )
+        .await;
         loop {
             let v = self.recv_reply().await;
             if v["id"] == json!(id) {
@@ -540,19 +672,31 @@ impl Ws {
 
     /// Create a session with default params; its id.
     pub async fn session(&mut self, request_id: &str, cwd: &Path) -> String {
-        self.create(request_id, cwd, json!({})).await["session_id"].as_str().expect("session id").to_string()
+        self.create(request_id, cwd, json!({})).await["session_id"]
+            .as_str()
+            .expect("session id")
+            .to_string()
     }
 
     pub async fn submit(&mut self, session: &str, input_id: &str, text: &str) -> Value {
-        self.ok("prompt.submit", json!({"session_id": session, "input_id": input_id, "text": text})).await
+        self.ok(
+            "prompt.submit",
+            json!({"session_id": session, "input_id": input_id, "text": text}),
+        )
+        .await
     }
 
     /// Poll `session.resume` until an open prompt of `kind` shows.
     pub async fn wait_prompt(&mut self, session: &str, kind: &str) -> Value {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let snap = self.ok("session.resume", json!({"session_id": session})).await;
-            if let Some(p) = snap["prompts"].as_array().and_then(|a| a.iter().find(|p| p["kind"] == kind)) {
+            let snap = self
+                .ok("session.resume", json!({"session_id": session}))
+                .await;
+            if let Some(p) = snap["prompts"]
+                .as_array()
+                .and_then(|a| a.iter().find(|p| p["kind"] == kind))
+            {
                 return p.clone();
             }
             assert!(Instant::now() < deadline, "no {kind} prompt: {snap}");

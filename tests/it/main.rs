@@ -1,4 +1,6 @@
 //! One integration-test binary: the real daemon over real sockets against a loopback fake model.
 
 mod authority;
+mod compression;
 mod helpers;
+mod tools;

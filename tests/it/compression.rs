@@ -1,0 +1,561 @@
+//! Context compression: preflight rotation into a child session, in-place compaction, the
+//! overflow → compress → retry path, its circuit breaker, and a crash during the summary call.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+const T: Duration = Duration::from_secs(30);
+const SUMMARY: &str = "SUMMARY_RETAINED_FACTS: the user is sending pressure turns.";
+/// Characters of filler in every pressure message and reply.
+const FILL: usize = 2000;
+
+/// `P<i>` followed by filler.
+fn pressure(i: usize) -> String {
+    format!("P{i} {}", "u".repeat(FILL))
+}
+
+fn tag(text: &str) -> String {
+    text.split_whitespace().next().unwrap_or("").to_string()
+}
+
+fn is_summary(body: &Value) -> bool {
+    body["model"] == "summary"
+}
+
+fn ack(body: &Value) -> Reply {
+    let t = tag(&last_user(body));
+    Reply::Message(
+        json!({"role": "assistant", "content": format!("ACK_{t} {}", "a".repeat(FILL))}),
+        "stop",
+    )
+}
+
+fn summary_reply() -> Reply {
+    Reply::Message(json!({"role": "assistant", "content": SUMMARY}), "stop")
+}
+
+/// Main model requests (not summaries).
+fn main_requests(model: &FakeModel) -> Vec<Value> {
+    model
+        .requests()
+        .into_iter()
+        .filter(|b| !is_summary(b))
+        .collect()
+}
+
+fn summaries(model: &FakeModel) -> Vec<Value> {
+    model.requests().into_iter().filter(is_summary).collect()
+}
+
+fn mentions(body: &Value, needle: &str) -> bool {
+    body["messages"].to_string().contains(needle)
+}
+
+/// A small threshold: three pressure exchanges plus a new input pass it, two do not, and the
+/// compacted history plus one more exchange stays under it. No tools, so only messages count.
+fn pressure_config(url: &str, in_place: bool) -> Value {
+    config(
+        url,
+        json!({
+            "model": {"context_length": 64000},
+            "compression": {"threshold_tokens": 3200, "protect_first_n": 1, "protect_last_n": 2, "in_place": in_place},
+            "auxiliary": {"compression": {"model": "summary"}},
+        }),
+    )
+}
+
+async fn run(ws: &mut Ws, home: &Home, sid: &str, i: usize) {
+    let id = format!("P{i}");
+    ws.submit(sid, &id, &pressure(i)).await;
+    wait_until(&id, T, || home.admission(&id).status == "terminal").await;
+    assert_eq!(
+        home.admission(&id).outcome.as_deref(),
+        Some("completed"),
+        "{id}"
+    );
+}
+
+fn user_tags(rows: &[gatehouse::store::messages::MessageRow]) -> Vec<String> {
+    rows.iter()
+        .filter(|m| m.role == "user")
+        .map(|m| tag(m.content.as_deref().unwrap_or("")))
+        .collect()
+}
+
+#[actix_rt::test]
+async fn preflight_compression_rotates_into_a_child_session() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, false));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let root = ws
+        .create("rotate", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..3 {
+        run(&mut ws, &home, &root, i).await;
+    }
+    assert!(
+        summaries(&model).is_empty(),
+        "under the threshold nothing is compressed"
+    );
+    assert!(home.children(&root).is_empty());
+    let before: Vec<(i64, Option<String>)> = home
+        .all_messages(&root)
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    run(&mut ws, &home, &root, 3).await;
+
+    // Exactly one summary, to the auxiliary model, before P3's only main request.
+    let all = model.requests();
+    let sums: Vec<&Value> = all.iter().filter(|b| is_summary(b)).collect();
+    assert_eq!(sums.len(), 1);
+    let s = sums[0];
+    assert_eq!(s["temperature"], 0.3);
+    let prompt = s["messages"][0]["content"].as_str().unwrap_or("");
+    assert_eq!(s["messages"].as_array().map(Vec::len), Some(1));
+    assert!(
+        prompt.contains("[USER]: P1 ") && prompt.contains("[ASSISTANT]: ACK_P0"),
+        "the middle is summarised"
+    );
+    assert!(
+        !prompt.contains("[USER]: P0 "),
+        "the protected head is not summarised"
+    );
+    let pos = all.iter().position(is_summary).expect("summary");
+    let p3: Vec<usize> = (0..all.len())
+        .filter(|&i| !is_summary(&all[i]) && tag(&last_user(&all[i])) == "P3")
+        .collect();
+    assert_eq!(p3.len(), 1, "P3 reached the main model once");
+    assert!(pos < p3[0], "compression ran before the main request");
+    let req = &all[p3[0]];
+    assert!(mentions(req, SUMMARY));
+    let users: Vec<String> = user_texts(req).iter().map(|u| tag(u)).collect();
+    assert_eq!(
+        users,
+        ["P0", "P3"],
+        "P0 kept verbatim, P1 and P2 only in the summary"
+    );
+
+    // Lineage: one child of the root, the root ended by compression.
+    let children = home.children(&root);
+    assert_eq!(children.len(), 1);
+    let child = children[0].clone();
+    assert_eq!(home.end_reason(&root).as_deref(), Some("compression"));
+    assert_eq!(home.end_reason(&child), None);
+    let root_rows: Vec<(i64, Option<String>)> = home
+        .all_messages(&root)
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    assert_eq!(
+        &root_rows[..before.len()],
+        &before[..],
+        "the root's rows are untouched"
+    );
+    assert!(home.all_messages(&root).iter().all(|m| m.active == 1));
+    let child_rows = home.transcript(&child);
+    assert_eq!(user_tags(&child_rows), ["P0", "P3"]);
+    assert!(child_rows
+        .iter()
+        .any(|m| m.content.as_deref().is_some_and(|c| c.contains(SUMMARY))));
+    assert_eq!(
+        child_rows
+            .last()
+            .and_then(|m| m.content.as_deref())
+            .map(tag)
+            .as_deref(),
+        Some("ACK_P3")
+    );
+
+    // A later turn: the client still names the root; the rows land in the child.
+    run(&mut ws, &home, &root, 4).await;
+    assert_eq!(summaries(&model).len(), 1, "no second compaction");
+    assert!(home
+        .admissions()
+        .iter()
+        .all(|r| r.target_session_id == root));
+    assert_eq!(user_tags(&home.transcript(&child)), ["P0", "P3", "P4"]);
+    assert!(!user_tags(&home.all_messages(&root)).contains(&"P4".to_string()));
+    let p4 = main_requests(&model)
+        .into_iter()
+        .find(|b| tag(&last_user(b)) == "P4")
+        .expect("P4 request");
+    assert!(mentions(&p4, SUMMARY));
+    let snap = ws.ok("session.resume", json!({"session_id": root})).await;
+    assert_eq!(snap["session_id"], root);
+    assert_eq!(snap["stored_session_id"], child);
+    let contents: Vec<String> = snap["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["content"].as_str().map(str::to_string))
+        .collect();
+    assert!(contents.iter().any(|c| c.contains(SUMMARY)));
+    assert_eq!(contents.len(), home.transcript(&child).len());
+    // The child's earlier rows are byte-identical: later turns only append.
+    let now: Vec<(i64, Option<String>)> = home
+        .transcript(&child)
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    let then: Vec<(i64, Option<String>)> = child_rows
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    assert_eq!(&now[..then.len()], &then[..]);
+}
+
+#[actix_rt::test]
+async fn in_place_compression_soft_archives_the_old_rows() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, true));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("in-place", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..3 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    let before: Vec<i64> = home.all_messages(&sid).iter().map(|m| m.id).collect();
+    assert_eq!(before.len(), 6);
+    run(&mut ws, &home, &sid, 3).await;
+    assert_eq!(summaries(&model).len(), 1);
+    assert!(home.children(&sid).is_empty(), "no child in place");
+    assert_eq!(home.end_reason(&sid), None);
+    let rows = home.all_messages(&sid);
+    // The six earlier rows and P3's first user row are archived.
+    let archived: Vec<i64> = rows
+        .iter()
+        .filter(|m| m.active == 0)
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(&archived[..6], &before[..]);
+    assert_eq!(archived.len(), 7);
+    assert!(rows
+        .iter()
+        .filter(|m| m.active == 0)
+        .all(|m| m.compacted == 1));
+    let live = home.transcript(&sid);
+    assert!(live
+        .iter()
+        .all(|m| m.compacted == 0 && m.id > *before.last().unwrap_or(&0)));
+    assert_eq!(user_tags(&live), ["P0", "P3"]);
+    assert!(live
+        .iter()
+        .any(|m| m.content.as_deref().is_some_and(|c| c.contains(SUMMARY))));
+    run(&mut ws, &home, &sid, 4).await;
+    assert_eq!(summaries(&model).len(), 1);
+    assert_eq!(user_tags(&home.transcript(&sid)), ["P0", "P3", "P4"]);
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["stored_session_id"], sid);
+    assert_eq!(
+        snap["messages"].as_array().map(Vec::len),
+        Some(home.transcript(&sid).len())
+    );
+}
+
+/// The main model refuses requests over this many characters of messages.
+const WIRE_LIMIT: usize = 9000;
+
+fn overflow() -> Reply {
+    Reply::Status(
+        400,
+        json!({"error": {"message": "This model's maximum context length is 4096 tokens.", "type": "invalid_request_error",
+                         "code": "context_length_exceeded"}}),
+    )
+}
+
+#[actix_rt::test]
+async fn an_overflow_error_compresses_and_retries_the_same_step() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if wire_chars(body) > WIRE_LIMIT {
+            overflow()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000}, "compression": {"protect_first_n": 1, "protect_last_n": 2},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("overflow", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    run(&mut ws, &home, &sid, 0).await;
+    run(&mut ws, &home, &sid, 1).await;
+    assert!(
+        summaries(&model).is_empty(),
+        "the preflight threshold is far away"
+    );
+    run(&mut ws, &home, &sid, 2).await;
+    let all = model.requests();
+    let p2: Vec<&Value> = all
+        .iter()
+        .filter(|b| is_summary(b) || tag(&last_user(b)) == "P2")
+        .collect();
+    assert_eq!(p2.len(), 3, "overflow, summary, retry");
+    assert!(!is_summary(p2[0]) && wire_chars(p2[0]) > WIRE_LIMIT);
+    assert!(is_summary(p2[1]));
+    assert!(!is_summary(p2[2]) && wire_chars(p2[2]) <= WIRE_LIMIT);
+    assert!(mentions(p2[2], SUMMARY));
+    assert_eq!(
+        user_texts(p2[2]).last().map(|u| tag(u)).as_deref(),
+        Some("P2"),
+        "the same step is retried"
+    );
+    let children = home.children(&sid);
+    assert_eq!(children.len(), 1);
+    let live = home.transcript(&children[0]);
+    assert_eq!(
+        user_tags(&live),
+        ["P0", "P2"],
+        "P2's user message is not duplicated"
+    );
+    let r = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": home.admission("P2").admission_id}),
+        )
+        .await;
+    assert!(r["result"]["final_response"]
+        .as_str()
+        .is_some_and(|t| t.starts_with("ACK_P2")));
+}
+
+#[actix_rt::test]
+async fn repeated_overflow_trips_the_breaker_and_the_session_stays_usable() {
+    // The main model always overflows on BOOM, whatever the size.
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if last_user(body).starts_with("BOOM") {
+            overflow()
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", tag(&last_user(body)))}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000}, "compression": {"protect_first_n": 1, "protect_last_n": 2, "max_attempts": 3},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("breaker", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    let other = ws
+        .create("bystander", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..6 {
+        let id = format!("M{i}");
+        ws.submit(&sid, &id, &format!("M{i} short message number {i}"))
+            .await;
+    }
+    ws.submit(&sid, "BOOM", "BOOM overflowing input").await;
+    ws.submit(&other, "BYSTANDER", "BYSTANDER").await;
+    ws.submit(&sid, "AFTER", "AFTER").await;
+    wait_until("all turns", T, || all_terminal(&home)).await;
+    let boom = home.admission("BOOM");
+    assert_eq!(boom.outcome.as_deref(), Some("failed"));
+    let sums = summaries(&model).len();
+    assert!((1..=3).contains(&sums), "{sums} compression attempts");
+    let boom_requests = main_requests(&model)
+        .iter()
+        .filter(|b| last_user(b).starts_with("BOOM"))
+        .count();
+    assert!(
+        boom_requests <= sums + 1,
+        "{boom_requests} requests for {sums} compressions: no endless loop"
+    );
+    let result: Value =
+        serde_json::from_str(boom.result_json.as_deref().unwrap_or("null")).expect("result");
+    assert_eq!(result["reason"], "context_overflow", "{result}");
+    assert!(
+        result["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("context_overflow")),
+        "{result}"
+    );
+    let r = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": boom.admission_id}),
+        )
+        .await;
+    assert_eq!(r["outcome"], "failed");
+    assert_eq!(r["result"]["reason"], "context_overflow");
+    // Visible in the transcript of the session's tip.
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let texts: Vec<String> = snap["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["content"].as_str().map(str::to_string))
+        .collect();
+    let note = texts
+        .iter()
+        .position(|t| t.contains("context_overflow"))
+        .expect("a visible failure note");
+    // Usable afterwards: the next input completes as its own user turn.
+    assert_eq!(
+        home.admission("AFTER").outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(texts[note + 1..].iter().any(|t| t == "AFTER"));
+    assert_eq!(texts.last().map(String::as_str), Some("ACK_AFTER"));
+    let after = main_requests(&model)
+        .into_iter()
+        .find(|b| last_user(b) == "AFTER")
+        .expect("AFTER request");
+    let users = user_texts(&after);
+    assert_eq!(
+        &users[users.len() - 2..],
+        ["BOOM overflowing input".to_string(), "AFTER".to_string()]
+    );
+    // The bystander never noticed.
+    assert_eq!(
+        home.admission("BYSTANDER").outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(home.children(&other).is_empty());
+    assert_eq!(model.reached("BYSTANDER"), 1);
+}
+
+#[actix_rt::test]
+async fn a_crash_during_the_summary_call_leaves_the_transcript_intact() {
+    let hang = Arc::new(AtomicBool::new(true));
+    let h = hang.clone();
+    let model = FakeModel::start(move |body| {
+        if is_summary(body) {
+            if h.load(Ordering::SeqCst) {
+                Reply::Hang
+            } else {
+                summary_reply()
+            }
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, false));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let root = ws
+        .create("crash", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..3 {
+        run(&mut ws, &home, &root, i).await;
+    }
+    let p3 = ws.submit(&root, "P3", &pressure(3)).await;
+    wait_until("the summary call", T, || !summaries(&model).is_empty()).await;
+    let snapshot = |home: &Home| -> Vec<(i64, String, Option<String>, i32, i32)> {
+        home.all_messages(&root)
+            .iter()
+            .map(|m| {
+                (
+                    m.id,
+                    m.role.clone(),
+                    m.content.clone(),
+                    m.active,
+                    m.compacted,
+                )
+            })
+            .collect()
+    };
+    let before = snapshot(&home);
+    assert_eq!(user_tags(&home.transcript(&root)), ["P0", "P1", "P2", "P3"]);
+    d.kill();
+    model.release();
+    let d2 = Daemon::start(&home);
+    assert!(home.children(&root).is_empty(), "no half-made child");
+    assert_eq!(home.end_reason(&root), None);
+    assert_eq!(
+        snapshot(&home),
+        before,
+        "the root's transcript is as it was"
+    );
+    assert!(
+        before.iter().all(|r| r.3 == 1 && r.4 == 0),
+        "every row still active"
+    );
+    let row = home.admission("P3");
+    assert_eq!(row.status, "unknown");
+    assert_eq!(
+        main_requests(&model)
+            .iter()
+            .filter(|b| tag(&last_user(b)) == "P3")
+            .count(),
+        0
+    );
+    let mut ws = d2.ws().await;
+    let snap = ws.ok("session.resume", json!({"session_id": root})).await;
+    assert_eq!(snap["stored_session_id"], root);
+    assert_eq!(
+        snap["messages"].as_array().map(Vec::len),
+        Some(before.len())
+    );
+    // Discard the lost turn; the session compresses on its next input and carries on.
+    hang.store(false, Ordering::SeqCst);
+    let gen = row.execution_generation.expect("generation");
+    ws.ok("prompt.resolve_unknown", json!({"session_id": root, "admission_id": p3["admission_id"], "execution_generation": gen})).await;
+    run(&mut ws, &home, &root, 4).await;
+    assert_eq!(home.children(&root).len(), 1);
+    assert_eq!(
+        main_requests(&model)
+            .iter()
+            .filter(|b| tag(&last_user(b)) == "P3")
+            .count(),
+        0,
+        "the lost input never ran"
+    );
+}

@@ -1,0 +1,876 @@
+//! Tools and prompts: tool-call batches and streamed fragments, dangerous-command approvals,
+//! clarify questions, prompt fencing by generation and connection, interrupts and SIGTERM while
+//! a turn is parked.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+const T: Duration = Duration::from_secs(30);
+
+/// A model that answers a user text from `script` with that assistant message (a tool call), then
+/// `DONE_<text>` once the last message is a tool result; anything else gets `ACK_<text>`.
+fn scripted(script: Vec<(&str, Value)>) -> FakeModel {
+    let script: HashMap<String, Value> = script
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    FakeModel::start(move |body| {
+        let text = last_user(body);
+        if after_tool(body) {
+            return Reply::Message(
+                json!({"role": "assistant", "content": format!("DONE_{text}")}),
+                "stop",
+            );
+        }
+        match script.get(&text) {
+            Some(m) => Reply::Message(m.clone(), "tool_calls"),
+            None => Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{text}")}),
+                "stop",
+            ),
+        }
+    })
+}
+
+fn terminal(id: &str, command: &str) -> Value {
+    tool_call(id, "terminal", json!({"command": command}))
+}
+
+fn rm(dir: &Path) -> String {
+    format!("rm -rf -- {}", dir.display())
+}
+
+fn victim(home: &Home, name: &str) -> PathBuf {
+    let p = home.path.join(name);
+    std::fs::create_dir_all(p.join("inside")).expect("victim dir");
+    p
+}
+
+/// The tool result the model was given for the turn of user text `text` (the last one).
+fn tool_result(model: &FakeModel, text: &str) -> Value {
+    let reqs = model.requests();
+    let body = reqs
+        .iter()
+        .rev()
+        .find(|b| last_user(b) == text && after_tool(b))
+        .expect("a request after the tool");
+    let content = last_tool_result(body).expect("tool content");
+    serde_json::from_str(&content).unwrap_or(Value::String(content))
+}
+
+fn requests_after_tool(model: &FakeModel, text: &str) -> usize {
+    model
+        .requests()
+        .iter()
+        .filter(|b| last_user(b) == text && after_tool(b))
+        .count()
+}
+
+async fn settled(home: &Home, input_id: &str) -> gatehouse::store::admissions::AdmissionRow {
+    wait_until(&format!("{input_id} settled"), T, || {
+        home.admission(input_id).status == "terminal"
+    })
+    .await;
+    home.admission(input_id)
+}
+
+async fn respond(ws: &mut Ws, sid: &str, prompt: &Value, choice: &str) -> Value {
+    ws.ok(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": prompt["execution_generation"], "prompt_id": prompt["prompt_id"], "choice": choice}),
+    )
+    .await
+}
+
+async fn answer(ws: &mut Ws, sid: &str, prompt: &Value, text: &str) -> Value {
+    ws.ok(
+        "clarify.respond",
+        json!({"session_id": sid, "execution_generation": prompt["execution_generation"], "prompt_id": prompt["prompt_id"], "answer": text}),
+    )
+    .await
+}
+
+#[actix_rt::test]
+async fn two_tool_calls_in_one_response_run_in_order_before_the_next_request() {
+    let two = tool_calls(&[
+        ("call_one", "terminal", json!({"command": "echo one"})),
+        ("call_two", "terminal", json!({"command": "echo two"})),
+    ]);
+    let model = scripted(vec![("TWO", two)]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("two", &home.path).await;
+    ws.submit(&sid, "TWO", "TWO").await;
+    let row = settled(&home, "TWO").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    let reqs = model.requests();
+    assert_eq!(
+        reqs.len(),
+        2,
+        "one request for the calls, one with both results"
+    );
+    let msgs = reqs[1]["messages"].as_array().expect("messages");
+    let n = msgs.len();
+    assert_eq!(msgs[n - 3]["role"], "assistant");
+    let ids: Vec<&str> = msgs[n - 3]["tool_calls"]
+        .as_array()
+        .expect("calls")
+        .iter()
+        .filter_map(|c| c["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["call_one", "call_two"]);
+    assert_eq!(
+        (
+            msgs[n - 2]["role"].as_str(),
+            msgs[n - 2]["tool_call_id"].as_str()
+        ),
+        (Some("tool"), Some("call_one"))
+    );
+    assert_eq!(
+        (
+            msgs[n - 1]["role"].as_str(),
+            msgs[n - 1]["tool_call_id"].as_str()
+        ),
+        (Some("tool"), Some("call_two"))
+    );
+    let out = |m: &Value| -> Value {
+        serde_json::from_str(m["content"].as_str().unwrap_or("")).unwrap_or(Value::Null)
+    };
+    assert_eq!(
+        (
+            out(&msgs[n - 2])["output"].as_str(),
+            out(&msgs[n - 2])["exit_code"].as_i64()
+        ),
+        (Some("one"), Some(0))
+    );
+    assert_eq!(
+        (
+            out(&msgs[n - 1])["output"].as_str(),
+            out(&msgs[n - 1])["exit_code"].as_i64()
+        ),
+        (Some("two"), Some(0))
+    );
+    // Run in order: the first call completes before the second starts.
+    let mut seqs = Vec::new();
+    for (kind, id) in [
+        ("tool.start", "call_one"),
+        ("tool.complete", "call_one"),
+        ("tool.start", "call_two"),
+        ("tool.complete", "call_two"),
+    ] {
+        let e = ws
+            .event(T, |e| {
+                e["type"] == kind && e["payload"]["tool_call_id"] == id
+            })
+            .await;
+        seqs.push(e["seq"].as_u64().expect("seq"));
+    }
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "tool events out of order: {seqs:?}"
+    );
+    let roles: Vec<(String, Option<String>)> = home
+        .transcript(&sid)
+        .iter()
+        .map(|m| (m.role.clone(), m.tool_call_id.clone()))
+        .collect();
+    assert_eq!(
+        roles,
+        vec![
+            ("user".into(), None),
+            ("assistant".into(), None),
+            ("tool".into(), Some("call_one".into())),
+            ("tool".into(), Some("call_two".into())),
+            ("assistant".into(), None),
+        ]
+    );
+    let r = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": row.admission_id}),
+        )
+        .await;
+    assert_eq!(r["result"]["final_response"], "DONE_TWO");
+}
+
+#[actix_rt::test]
+async fn streamed_tool_call_fragments_are_concatenated_by_index() {
+    let parts = ["{\"comm", "and\": \"echo frag", "mented-", "arguments\"}"];
+    let whole: String = parts.concat();
+    let model = FakeModel::start(move |body| {
+        if after_tool(body) {
+            return Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop");
+        }
+        let mut events = vec![json!({"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [
+            {"index": 0, "id": "call_frag", "type": "function", "function": {"name": "terminal", "arguments": ""}}]}}]})
+        .to_string()];
+        for p in parts {
+            events.push(
+                json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}}]})
+                    .to_string(),
+            );
+        }
+        events.push(
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+                .to_string(),
+        );
+        Reply::Sse(events)
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("frag", &home.path).await;
+    ws.submit(&sid, "FRAG", "FRAG").await;
+    assert_eq!(
+        settled(&home, "FRAG").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let reqs = model.requests();
+    assert_eq!(reqs.len(), 2);
+    let msgs = reqs[1]["messages"].as_array().expect("messages");
+    let call = &msgs[msgs.len() - 2]["tool_calls"][0];
+    assert_eq!(call["id"], "call_frag");
+    assert_eq!(call["function"]["name"], "terminal");
+    assert_eq!(call["function"]["arguments"].as_str(), Some(whole.as_str()));
+    let result = tool_result(&model, "FRAG");
+    assert_eq!(result["output"], "fragmented-arguments", "{result}");
+    assert_eq!(result["exit_code"], 0);
+}
+
+#[actix_rt::test]
+async fn approval_once_runs_the_command_and_does_not_remember_it() {
+    let home = Home::new();
+    let (v1, v2) = (victim(&home, "victim"), victim(&home, "victim2"));
+    let model = scripted(vec![
+        ("RM", terminal("call_rm", &rm(&v1))),
+        ("RM2", terminal("call_rm2", &rm(&v2))),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("once", &home.path).await;
+    let receipt = ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["command"].as_str(), Some(rm(&v1).as_str()));
+    assert_eq!(p["description"], "delete in root path");
+    assert_eq!(p["choices"], json!(["once", "session", "always", "deny"]));
+    assert_eq!(p["admission_id"], receipt["admission_id"]);
+    let gen = home
+        .admission("RM")
+        .execution_generation
+        .expect("generation");
+    assert_eq!(p["execution_generation"], gen);
+    let req = ws.event(T, |e| e["type"] == "approval.request").await;
+    assert_eq!(req["payload"]["prompt_id"], p["prompt_id"]);
+    assert!(v1.exists(), "nothing runs before the answer");
+    assert_eq!(model.requests().len(), 1, "no model request while parked");
+    assert_eq!(home.admission("RM").status, "started");
+    let r = respond(&mut ws, &sid, &p, "once").await;
+    assert_eq!(
+        r,
+        json!({"status": "resolved", "prompt_id": p["prompt_id"]})
+    );
+    let row = settled(&home, "RM").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(!v1.exists(), "the approved command ran");
+    assert_eq!(tool_result(&model, "RM")["exit_code"], 0);
+    let s = ws.event(T, |e| e["type"] == "approval.settled").await;
+    assert_eq!(s["payload"]["resolution"], "choice:once");
+    // `once` is not remembered: the same pattern prompts again.
+    ws.submit(&sid, "RM2", "RM2").await;
+    let p2 = ws.wait_prompt(&sid, "approval").await;
+    assert_ne!(p2["prompt_id"], p["prompt_id"]);
+    assert!(v2.exists());
+    respond(&mut ws, &sid, &p2, "deny").await;
+    settled(&home, "RM2").await;
+    assert!(v2.exists());
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(
+        audit,
+        vec![
+            Some("choice:once".to_string()),
+            Some("choice:deny".to_string())
+        ]
+    );
+}
+
+#[actix_rt::test]
+async fn approval_deny_blocks_the_command_and_tells_the_model() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("deny", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(
+        respond(&mut ws, &sid, &p, "deny").await["status"],
+        "resolved"
+    );
+    let row = settled(&home, "RM").await;
+    assert_eq!(
+        row.outcome.as_deref(),
+        Some("completed"),
+        "the loop carries on to a final answer"
+    );
+    assert!(v.exists(), "a denied command never runs");
+    let result = tool_result(&model, "RM");
+    let error = result["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("BLOCKED:") && error.contains("denied"),
+        "{result}"
+    );
+    assert_eq!(
+        (result["exit_code"].as_i64(), result["status"].as_str()),
+        (Some(-1), Some("blocked"))
+    );
+    assert_eq!(model.reached("RM"), 1);
+    assert_eq!(requests_after_tool(&model, "RM"), 1);
+}
+
+#[actix_rt::test]
+async fn approval_session_remembers_the_pattern_for_that_session_only() {
+    let home = Home::new();
+    let (v1, v2, v3) = (
+        victim(&home, "victim1"),
+        victim(&home, "victim2"),
+        victim(&home, "victim3"),
+    );
+    let model = scripted(vec![
+        ("FIRST", terminal("call_1", &rm(&v1))),
+        ("SECOND", terminal("call_2", &rm(&v2))),
+        ("OTHER", terminal("call_3", &rm(&v3))),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("sess", &home.path).await;
+    ws.submit(&sid, "FIRST", "FIRST").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    respond(&mut ws, &sid, &p, "session").await;
+    settled(&home, "FIRST").await;
+    assert!(!v1.exists());
+    // The same pattern (delete in root path) again in this session: no prompt, it runs.
+    ws.submit(&sid, "SECOND", "SECOND").await;
+    let row = settled(&home, "SECOND").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(!v2.exists(), "the remembered pattern ran without a prompt");
+    assert_eq!(
+        home.prompt_rows(&sid).len(),
+        1,
+        "only the first command prompted"
+    );
+    assert_eq!(tool_result(&model, "SECOND")["exit_code"], 0);
+    // Another session still prompts.
+    let other = ws.session("sess-other", &home.path).await;
+    ws.submit(&other, "OTHER", "OTHER").await;
+    let p3 = ws.wait_prompt(&other, "approval").await;
+    assert!(v3.exists());
+    respond(&mut ws, &other, &p3, "deny").await;
+    settled(&home, "OTHER").await;
+    assert!(v3.exists());
+}
+
+#[actix_rt::test]
+async fn approval_timeout_denies_fail_closed() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({"approvals": {"timeout": 1}})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("timeout", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    // Waiting out the configured one-second approval timeout.
+    let row = settled(&home, "RM").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(v.exists(), "silence is not consent");
+    let result = tool_result(&model, "RM");
+    let error = result["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("BLOCKED:") && error.contains("timed out"),
+        "{result}"
+    );
+    assert_eq!(result["status"], "blocked");
+    let s = ws.event(T, |e| e["type"] == "approval.settled").await;
+    assert_eq!(
+        (
+            s["payload"]["prompt_id"].clone(),
+            s["payload"]["resolution"].clone()
+        ),
+        (p["prompt_id"].clone(), json!("timeout"))
+    );
+    // A late answer finds nothing to resolve and runs nothing.
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"}),
+        "stale_generation",
+    )
+    .await;
+    assert!(v.exists());
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(audit, vec![Some("timeout".to_string())]);
+}
+
+#[actix_rt::test]
+async fn clarify_answers_reach_the_tool_result() {
+    let single = tool_call(
+        "call_q",
+        "clarify",
+        json!({"question": "Pick a color", "choices": ["BLUE", "GREEN"]}),
+    );
+    let batch = tool_call(
+        "call_b",
+        "clarify",
+        json!({"questions": [{"question": "Pick a color", "choices": ["BLUE", "GREEN"]}]}),
+    );
+    let model = scripted(vec![("ASK", single), ("BATCH", batch)]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("clarify", &home.path).await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    let p = ws.wait_prompt(&sid, "clarify").await;
+    assert_eq!(p["question"], "Pick a color");
+    assert_eq!(p["choices"], json!(["BLUE", "GREEN"]));
+    assert_eq!(model.requests().len(), 1, "parked: no model request yet");
+    assert_eq!(
+        answer(&mut ws, &sid, &p, "BLUE").await["status"],
+        "resolved"
+    );
+    assert_eq!(
+        settled(&home, "ASK").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let result = tool_result(&model, "ASK");
+    assert_eq!(
+        result,
+        json!({"question": "Pick a color", "choices_offered": ["BLUE", "GREEN"], "user_response": "BLUE"})
+    );
+    ws.submit(&sid, "BATCH", "BATCH").await;
+    let p = ws.wait_prompt(&sid, "clarify").await;
+    answer(&mut ws, &sid, &p, "GREEN").await;
+    settled(&home, "BATCH").await;
+    let result = tool_result(&model, "BATCH");
+    assert_eq!(result["responses"][0]["user_response"], "GREEN", "{result}");
+    assert!(result.get("timed_out").is_none());
+}
+
+#[actix_rt::test]
+async fn clarify_skip_is_an_empty_answer() {
+    let model = scripted(vec![(
+        "ASK",
+        tool_call("call_q", "clarify", json!({"question": "Anything else?"})),
+    )]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("skip", &home.path).await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    let p = ws.wait_prompt(&sid, "clarify").await;
+    assert_eq!(answer(&mut ws, &sid, &p, "").await["status"], "resolved");
+    assert_eq!(
+        settled(&home, "ASK").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let result = tool_result(&model, "ASK");
+    assert_eq!(result["user_response"], "", "{result}");
+    let s = ws.event(T, |e| e["type"] == "clarify.settled").await;
+    assert_eq!(s["payload"]["resolution"], "skipped");
+}
+
+#[actix_rt::test]
+async fn clarify_timeout_gives_the_sentinel_and_the_turn_continues() {
+    let single = tool_call(
+        "call_q",
+        "clarify",
+        json!({"question": "Pick a color", "choices": ["BLUE", "GREEN"]}),
+    );
+    let batch = tool_call(
+        "call_b",
+        "clarify",
+        json!({"questions": [{"question": "Pick a size"}]}),
+    );
+    let model = scripted(vec![("ASK", single), ("BATCH", batch)]);
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"agent": {"clarify_timeout": 1}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("clarify-timeout", &home.path).await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    ws.submit(&sid, "BATCH", "BATCH").await;
+    ws.wait_prompt(&sid, "clarify").await;
+    // Waiting out the configured one-second clarify timeout, twice.
+    wait_until("both turns", T, || all_terminal(&home)).await;
+    assert_eq!(home.admission("ASK").outcome.as_deref(), Some("completed"));
+    assert_eq!(
+        home.admission("BATCH").outcome.as_deref(),
+        Some("completed")
+    );
+    let result = tool_result(&model, "ASK");
+    assert_eq!(
+        result["user_response"],
+        "The user did not provide a response within the time limit. Use your best judgement to make the choice and proceed."
+    );
+    let result = tool_result(&model, "BATCH");
+    assert_eq!(result["timed_out"], true, "{result}");
+    assert_eq!(result["responses"][0]["user_response"], "");
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(
+        audit,
+        vec![Some("timeout".to_string()), Some("timeout".to_string())]
+    );
+}
+
+#[actix_rt::test]
+async fn prompt_answers_are_fenced_by_the_running_generation() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![
+        ("RM", terminal("call_rm", &rm(&v))),
+        (
+            "LATER",
+            tool_call("call_q", "clarify", json!({"question": "Still there?"})),
+        ),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("stale", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    let gen = p["execution_generation"].as_i64().expect("generation");
+    let with = |gen: Value, prompt: Value, choice: &str| json!({"session_id": sid, "execution_generation": gen, "prompt_id": prompt, "choice": choice});
+    ws.refused(
+        "approval.respond",
+        with(json!(gen + 1), p["prompt_id"].clone(), "once"),
+        "stale_generation",
+    )
+    .await;
+    ws.refused(
+        "approval.respond",
+        with(json!(gen - 1), p["prompt_id"].clone(), "once"),
+        "stale_generation",
+    )
+    .await;
+    let r = ws
+        .ok(
+            "approval.respond",
+            with(json!(gen), json!("no-such-prompt"), "once"),
+        )
+        .await;
+    assert_eq!(
+        r,
+        json!({"status": "already_resolved", "prompt_id": "no-such-prompt"})
+    );
+    ws.refused(
+        "approval.respond",
+        with(json!(gen), p["prompt_id"].clone(), "maybe"),
+        "invalid_params",
+    )
+    .await;
+    ws.refused(
+        "clarify.respond",
+        json!({"session_id": sid, "execution_generation": gen, "prompt_id": p["prompt_id"], "answer": "yes"}),
+        "invalid_params",
+    )
+    .await;
+    // None of that ran anything, and the prompt is still open.
+    assert!(v.exists());
+    assert_eq!(
+        ws.wait_prompt(&sid, "approval").await["prompt_id"],
+        p["prompt_id"]
+    );
+    assert_eq!(home.admission("RM").status, "started");
+    // End the attempt without answering; the FIFO moves on to a later input that parks too.
+    ws.submit(&sid, "LATER", "LATER").await;
+    assert_eq!(
+        ws.ok(
+            "session.interrupt",
+            json!({"session_id": sid, "execution_generation": gen})
+        )
+        .await["interrupted"],
+        true
+    );
+    assert_eq!(
+        settled(&home, "RM").await.outcome.as_deref(),
+        Some("interrupted")
+    );
+    let later = ws.wait_prompt(&sid, "clarify").await;
+    let later_gen = later["execution_generation"].as_i64().expect("generation");
+    assert_eq!(later_gen, gen + 1);
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(
+        snap["prompts"].as_array().map(Vec::len),
+        Some(1),
+        "the old prompt is gone: {snap}"
+    );
+    ws.refused(
+        "approval.respond",
+        with(json!(gen), p["prompt_id"].clone(), "once"),
+        "stale_generation",
+    )
+    .await;
+    // Under the new generation the old prompt id names nothing.
+    let r = ws
+        .ok(
+            "approval.respond",
+            with(json!(later_gen), p["prompt_id"].clone(), "once"),
+        )
+        .await;
+    assert_eq!(r["status"], "already_resolved");
+    answer(&mut ws, &sid, &later, "yes").await;
+    assert_eq!(
+        settled(&home, "LATER").await.outcome.as_deref(),
+        Some("completed")
+    );
+    // After the turn ended and nothing runs, the old prompt is still stale.
+    ws.refused(
+        "approval.respond",
+        with(json!(gen), p["prompt_id"].clone(), "once"),
+        "stale_generation",
+    )
+    .await;
+    assert!(v.exists(), "the gated command never ran");
+    assert_eq!(requests_after_tool(&model, "RM"), 0);
+}
+
+#[actix_rt::test]
+async fn a_parked_session_does_not_hold_up_other_sessions() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let parked = ws.session("parked", &home.path).await;
+    let busy = ws.session("busy", &home.path).await;
+    ws.submit(&parked, "RM", "RM").await;
+    let p = ws.wait_prompt(&parked, "approval").await;
+    let names: Vec<String> = (0..4).map(|i| format!("B{i}")).collect();
+    for n in &names {
+        ws.submit(&busy, n, n).await;
+    }
+    wait_until("the other session's turns", T, || {
+        names.iter().all(|n| home.admission(n).status == "terminal")
+    })
+    .await;
+    for n in &names {
+        assert_eq!(home.admission(n).outcome.as_deref(), Some("completed"));
+        assert_eq!(model.reached(n), 1);
+    }
+    // Still parked, untouched.
+    assert_eq!(home.admission("RM").status, "started");
+    assert_eq!(
+        ws.wait_prompt(&parked, "approval").await["prompt_id"],
+        p["prompt_id"]
+    );
+    assert!(v.exists());
+    respond(&mut ws, &parked, &p, "once").await;
+    assert_eq!(
+        settled(&home, "RM").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(!v.exists());
+}
+
+#[actix_rt::test]
+async fn only_a_subscribed_connection_may_answer_a_prompt() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("owner", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    let mut stranger = d.ws().await;
+    let params = json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"});
+    stranger
+        .refused("approval.respond", params.clone(), "permission_denied")
+        .await;
+    stranger
+        .refused(
+            "clarify.respond",
+            json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "answer": "x"}),
+            "permission_denied",
+        )
+        .await;
+    assert!(v.exists());
+    assert_eq!(
+        ws.wait_prompt(&sid, "approval").await["prompt_id"],
+        p["prompt_id"],
+        "still open"
+    );
+    // Once it resumes the session, the same connection may answer.
+    stranger
+        .ok("session.resume", json!({"session_id": sid}))
+        .await;
+    assert_eq!(
+        stranger.ok("approval.respond", params).await["status"],
+        "resolved"
+    );
+    settled(&home, "RM").await;
+    assert!(!v.exists());
+}
+
+#[actix_rt::test]
+async fn interrupt_kills_a_running_command_and_settles_interrupted() {
+    let home = Home::new();
+    let pidfile = home.path.join("sleep.pid");
+    let command = format!("echo $$ > {}; exec sleep 30", pidfile.display());
+    let model = scripted(vec![("SLEEP", terminal("call_sleep", &command))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("interrupt", &home.path).await;
+    ws.submit(&sid, "SLEEP", "SLEEP").await;
+    let mut pid = 0i32;
+    wait_until("the command to start", T, || {
+        pid = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        pid > 0
+            && std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with("sleep"))
+    })
+    .await;
+    let gen = home
+        .admission("SLEEP")
+        .execution_generation
+        .expect("generation");
+    ws.refused(
+        "session.interrupt",
+        json!({"session_id": sid, "execution_generation": gen + 1}),
+        "stale_generation",
+    )
+    .await;
+    let asked = Instant::now();
+    assert_eq!(
+        ws.ok(
+            "session.interrupt",
+            json!({"session_id": sid, "execution_generation": gen})
+        )
+        .await["interrupted"],
+        true
+    );
+    let row = settled(&home, "SLEEP").await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "settled in {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(row.outcome.as_deref(), Some("interrupted"));
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .and_then(|rest| rest.split_whitespace().next())
+                    .map(|st| st != "Z")
+            })
+            .unwrap_or(false)
+    };
+    wait_until("the sleep to be killed", Duration::from_secs(5), || {
+        !alive(pid)
+    })
+    .await;
+    assert_eq!(
+        requests_after_tool(&model, "SLEEP"),
+        0,
+        "no model call after an interrupt"
+    );
+    let done = ws.event(T, |e| e["type"] == "message.complete").await;
+    assert_eq!(done["payload"]["status"], "interrupted");
+    // The session goes on; the next input is its own user turn.
+    ws.submit(&sid, "NEXT", "NEXT").await;
+    assert_eq!(
+        settled(&home, "NEXT").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let reqs = model.requests();
+    let next = reqs
+        .iter()
+        .find(|b| last_user(b) == "NEXT")
+        .expect("NEXT request");
+    assert_eq!(
+        user_texts(next),
+        vec!["SLEEP".to_string(), "NEXT".to_string()]
+    );
+}
+
+#[actix_rt::test]
+async fn sigterm_while_parked_on_an_approval_never_runs_the_command() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("term", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    ws.wait_prompt(&sid, "approval").await;
+    ws.submit(&sid, "AFTER", "AFTER").await;
+    assert_eq!(d.term(), Some(0));
+    let row = home.admission("RM");
+    assert_eq!(
+        (row.status.as_str(), row.outcome.as_deref()),
+        ("terminal", Some("interrupted"))
+    );
+    assert!(v.exists(), "the gated command never ran");
+    assert_eq!(
+        requests_after_tool(&model, "RM"),
+        0,
+        "no model request after the tool"
+    );
+    assert_eq!(home.admission("AFTER").status, "queued");
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(audit, vec![Some("shutdown".to_string())]);
+    // After the next boot the follower runs by itself; no prompt is open and the old one is gone.
+    let d2 = Daemon::start(&home);
+    wait_until("the follower", T, || all_terminal(&home)).await;
+    assert_eq!(
+        home.admission("AFTER").outcome.as_deref(),
+        Some("completed")
+    );
+    let mut ws = d2.ws().await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["prompts"], json!([]));
+    assert!(v.exists());
+    assert_eq!(requests_after_tool(&model, "RM"), 0);
+}
