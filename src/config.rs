@@ -38,6 +38,7 @@ pub struct Config {
     pub platform_toolsets: BTreeMap<String, Vec<String>>,
     pub session: SessionLimits,
     pub profiles: BTreeMap<String, ProfileConfig>,
+    pub rooms: crate::rooms::RoomsConfig,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -362,6 +363,7 @@ impl Config {
                 }
                 "session" => config.session = serde_json::from_value(value).map_err(bad)?,
                 "profiles" => config.profiles = serde_json::from_value(value).map_err(bad)?,
+                "rooms" => config.rooms = serde_json::from_value(value).map_err(bad)?,
                 _ => {
                     config.extra.insert(key, value);
                 }
@@ -410,6 +412,9 @@ impl Config {
         }
         if self.terminal.timeout.is_nan() || self.terminal.timeout <= 0.0 {
             return invalid("terminal.timeout", "expected a positive number of seconds");
+        }
+        if let Err(e) = self.rooms.validate() {
+            return invalid("rooms", &e.0);
         }
         if self.agent.max_iterations == 0 {
             return invalid("agent.max_iterations", "expected at least 1");

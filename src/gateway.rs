@@ -11,11 +11,14 @@ use actix_web::{web, App, HttpServer};
 
 use crate::api::control::{self, Control};
 use crate::api::http::{routes, AppState};
+use crate::api::rooms::{RoomEventHub, RoomsService};
 use crate::api::rpc::Authority;
 use crate::api::tickets::Tickets;
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::Config;
 use crate::model::client::{ModelClient, ModelClientConfig};
+use crate::rooms::db::RoomsDb;
+use crate::rooms::runtime::{BindingSource, RoomBinding, RoomRuntime};
 use crate::session::registry::{DrainAll, PumpSessions, SessionRegistry};
 use crate::session::{RuntimePhase, RuntimeState, Shared};
 use crate::store::{self, admissions, epoch, prompts, Db};
@@ -43,6 +46,7 @@ pub struct RunningGateway {
     pub runtime: Arc<RuntimeState>,
     pub shared: Arc<Shared>,
     registry: Addr<SessionRegistry>,
+    rooms: Arc<RoomsService>,
     server: actix_web::dev::ServerHandle,
     tickets: Arc<Tickets>,
     control_task: actix_rt::task::JoinHandle<()>,
@@ -96,6 +100,53 @@ fn check_stop_budget(config: &Config) {
     }
 }
 
+/// Build and start the hosted-room runtime over the local session port.
+fn start_rooms(
+    config: &Config,
+    pool: store::SqlitePool,
+    authority: &Authority,
+    clock: SharedClock,
+    gateway_id: &str,
+    process_generation: &str,
+) -> Result<Arc<RoomsService>, StartError> {
+    let rooms_db = RoomsDb::new(pool);
+    let hub = Arc::new(RoomEventHub::default());
+    let bindings: BindingSource = {
+        let (db, gid) = (rooms_db.clone(), gateway_id.to_string());
+        Arc::new(move || {
+            db.run_sync(|c| store::rooms::list_rooms_for_gateway(c, &gid))
+                .map(|rooms| {
+                    rooms
+                        .into_iter()
+                        .map(|r| RoomBinding::new(r.room_id, gid.clone(), r.authority_epoch))
+                        .collect()
+                })
+                .unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "cannot list rooms");
+                    Vec::new()
+                })
+        })
+    };
+    let poll = Duration::from_secs_f64(config.rooms.active_poll_interval_seconds);
+    let runtime = RoomRuntime::builder(rooms_db.clone(), bindings)
+        .rpc(crate::rooms::local::port(authority.clone(), poll))
+        .hooks(hub.clone())
+        .clock(clock.clone())
+        .config(config.rooms.clone())
+        .process_generation(process_generation.to_string())
+        .build()
+        .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
+    runtime.start();
+    tracing::info!(gateway = %gateway_id, "hosted rooms running");
+    Ok(Arc::new(RoomsService {
+        runtime,
+        db: rooms_db,
+        hub,
+        gateway_id: gateway_id.to_string(),
+        clock,
+    }))
+}
+
 pub struct Gateway;
 
 impl Gateway {
@@ -119,7 +170,7 @@ impl Gateway {
         let clock: SharedClock = Arc::new(SystemClock::default());
         let pool = store::open_pool(&home.join("state.db"), 4)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
-        let (epoch, recovered, to_pump) = {
+        let (epoch, recovered, to_pump, gateway_id) = {
             let mut conn = pool
                 .get()
                 .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
@@ -128,10 +179,16 @@ impl Gateway {
             let recovered = epoch::recover_started(&mut conn, epoch, now)?;
             prompts::close_abandoned(&mut conn, now)?;
             let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
-            (epoch, recovered, to_pump)
+            let gateway_id = match &config.gateway.id {
+                Some(id) => id.clone(),
+                None => epoch::meta_get_or_create(&mut conn, "gateway_id", || {
+                    format!("gw-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+                })?,
+            };
+            (epoch, recovered, to_pump, gateway_id)
         };
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
-        let db = Db::start(pool, 2);
+        let db = Db::start(pool.clone(), 2);
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
             connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),
@@ -161,7 +218,17 @@ impl Gateway {
         let authority = Authority {
             shared: shared.clone(),
             registry: registry.clone(),
+            rooms: Arc::new(std::sync::OnceLock::new()),
         };
+        let rooms = start_rooms(
+            &config,
+            pool,
+            &authority,
+            clock.clone(),
+            &gateway_id,
+            &runtime.instance_id,
+        )?;
+        let _ = authority.rooms.set(rooms.clone());
         let tickets = Arc::new(Tickets::new(
             config.gateway.ticket_ttl_seconds,
             clock.clone(),
@@ -216,6 +283,7 @@ impl Gateway {
             runtime,
             shared,
             registry,
+            rooms,
             server: handle,
             tickets,
             control_task,
@@ -237,6 +305,9 @@ impl RunningGateway {
         }
         tracing::info!("draining");
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
+        if !self.rooms.stop(timeout / 2).await {
+            tracing::warn!("room workers did not stop in time");
+        }
         if tokio::time::timeout(timeout, self.registry.send(DrainAll))
             .await
             .is_err()

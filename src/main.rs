@@ -18,6 +18,9 @@ commands:
   sessions [--json]                   list sessions
   pending [--json]                    list unknown admissions waiting for an operator
   resolve-unknown SESSION ADMISSION   settle an unknown admission as interrupted
+  rooms [--json]                      list hosted rooms and the room runtime's status
+  room-retry ROOM TASK                retry an indeterminate or deferred room task
+  room-cancel ROOM TASK               cancel a room task
 
 The home is --home, else $GATEHOUSE_HOME, else $XDG_STATE_HOME/gatehouse (~/.local/state/gatehouse).";
 
@@ -86,7 +89,8 @@ fn main() -> ExitCode {
     };
     match args.command.as_str() {
         "serve" => serve(args),
-        "status" | "sessions" | "pending" | "resolve-unknown" => operator(args),
+        "status" | "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry"
+        | "room-cancel" => operator(args),
         "chat" => chat(args),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
@@ -261,6 +265,36 @@ fn operator(args: Args) -> ExitCode {
                     text
                 );
             }
+        }
+        "rooms" => {
+            println!("gateway {}", reply["gateway_id"].as_str().unwrap_or("?"));
+            println!("{:<24} {:<24} {:<8} TASKS", "ROOM", "NAME", "MEMBERS");
+            for r in reply["rooms"].as_array().cloned().unwrap_or_default() {
+                println!(
+                    "{:<24} {:<24} {:<8} {}",
+                    r["room_id"].as_str().unwrap_or(""),
+                    r["name"].as_str().unwrap_or(""),
+                    r["members"],
+                    r["task_counts"]
+                );
+            }
+            let st = &reply["status"];
+            println!(
+                "runtime running={} cycles={} leased={} blocked={} last_error={}",
+                st["running"],
+                st["cycles"],
+                st["leased_rooms"],
+                st["blocked_rooms"],
+                st["last_error"]
+            );
+        }
+        "room-retry" | "room-cancel" => {
+            println!(
+                "{} {} {}",
+                reply["identity"]["room_id"].as_str().unwrap_or(""),
+                reply["identity"]["task_id"].as_str().unwrap_or(""),
+                reply["status"].as_str().unwrap_or("")
+            );
         }
         _ => {
             println!(

@@ -226,13 +226,34 @@ impl Control {
                     Err(e) => err(e.reason(), e.detail()),
                 }
             }
-            "sessions" | "pending" | "resolve-unknown" => err(
-                "permission_denied",
-                "operator commands need the daemon's user",
-            ),
+            "rooms" | "room-retry" | "room-cancel" if same_user => {
+                let Some(rooms) = self.authority.rooms.get() else {
+                    return err("unavailable", "hosted rooms are not running");
+                };
+                let result = match method {
+                    "rooms" => rooms.list().await,
+                    "room-retry" => rooms.call("room.retry", params, |_| {}).await,
+                    _ => {
+                        let mut p = params;
+                        if p.get("cancel_id").is_none() {
+                            p["cancel_id"] =
+                                json!(format!("operator-{}", uuid::Uuid::new_v4().simple()));
+                        }
+                        rooms.call("room.cancel", p, |_| {}).await
+                    }
+                };
+                result.unwrap_or_else(|e| err(e.reason(), e.detail()))
+            }
+            "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry" | "room-cancel" => {
+                err(
+                    "permission_denied",
+                    "operator commands need the daemon's user",
+                )
+            }
             other => {
                 json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
-                "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown"]}})
+                "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown",
+                    "rooms", "room-retry", "room-cancel"]}})
             }
         }
     }

@@ -2,6 +2,7 @@
 
 pub mod control;
 pub mod http;
+pub mod rooms;
 pub mod rpc;
 pub mod tickets;
 pub mod ws;

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use super::rooms::RoomsService;
 use crate::error::{GatewayError, GatewayResult};
 use crate::session::prompts::{PromptAnswer, PromptKind};
 use crate::session::registry::{GetSupervisor, SessionRegistry};
@@ -43,6 +44,8 @@ pub struct CallResult {
 pub struct Authority {
     pub shared: Arc<Shared>,
     pub registry: Addr<SessionRegistry>,
+    /// The hosted-room service, set once it is built (it needs this authority for its port).
+    pub rooms: Arc<std::sync::OnceLock<Arc<RoomsService>>>,
 }
 
 fn params<T: for<'de> Deserialize<'de>>(p: Value) -> GatewayResult<T> {
@@ -348,6 +351,25 @@ impl Authority {
                         GatewayError::Internal("session supervisor unavailable".into())
                     })??;
                 plain(json!({"interrupted": done}))
+            }
+            m if m.starts_with("room.") => {
+                let Some(rooms) = self.rooms.get() else {
+                    return Err(GatewayError::UnknownMethod(m.to_string()));
+                };
+                let wanted = std::sync::Mutex::new(Vec::new());
+                let result = rooms
+                    .call(m, p, |room| {
+                        if let Ok(mut w) = wanted.lock() {
+                            w.push(room.to_string());
+                        }
+                    })
+                    .await?;
+                if let Some(r) = &caller.recipient {
+                    for room in wanted.into_inner().unwrap_or_default() {
+                        rooms.hub.subscribe(&room, caller.conn_id, r.clone());
+                    }
+                }
+                plain(result)
             }
             other => Err(GatewayError::UnknownMethod(other.to_string())),
         }

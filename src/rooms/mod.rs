@@ -9,6 +9,7 @@
 pub mod bound;
 pub mod config;
 pub mod db;
+pub mod local;
 pub mod port;
 pub mod runtime;
 pub mod supervisor;

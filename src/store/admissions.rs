@@ -163,6 +163,19 @@ pub fn pending(
         .load(conn)?)
 }
 
+/// Terminal rows of a session, in seq order.
+pub fn terminal_of_session(
+    conn: &mut SqliteConnection,
+    session: &str,
+) -> Result<Vec<AdmissionRow>, StoreError> {
+    Ok(sa::table
+        .filter(sa::target_session_id.eq(session))
+        .filter(sa::status.eq("terminal"))
+        .order(sa::seq.asc())
+        .select(AdmissionRow::as_select())
+        .load(conn)?)
+}
+
 /// Every non-terminal row with status `status` across sessions (operator view).
 pub fn all_with_status(
     conn: &mut SqliteConnection,

@@ -1,0 +1,303 @@
+//! Hosted-room methods (`room.*`) and their events (`room.task`, `room.pending_action`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::Recipient;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::clock::SharedClock;
+use crate::error::{GatewayError, GatewayResult};
+use crate::rooms::db::RoomsDb;
+use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, RoomsError};
+use crate::session::supervisor::PushEvent;
+use crate::store::room_tasks::{self, TaskIdentity, TaskPayload, TaskStatus, TaskView};
+use crate::store::rooms::{self, RoomMember, RoomStoreError};
+
+/// Maps room errors to wire reasons.
+pub fn room_error(e: RoomsError) -> GatewayError {
+    match e {
+        RoomsError::Store(s) => store_error(s),
+        RoomsError::Port(p) => GatewayError::SessionBusy(p.to_string()),
+        RoomsError::Config(c) => GatewayError::InvalidParams(c.to_string()),
+        RoomsError::Hook(h) => GatewayError::SessionBusy(h),
+    }
+}
+
+pub fn store_error(e: RoomStoreError) -> GatewayError {
+    match e {
+        RoomStoreError::Validation(m) | RoomStoreError::InvalidTransition(m) => {
+            GatewayError::InvalidParams(m)
+        }
+        RoomStoreError::RoomUnavailable(m) => GatewayError::NotFound(m),
+        RoomStoreError::LeaseHeld(m) => GatewayError::SessionBusy(m),
+        RoomStoreError::StaleLease(m) | RoomStoreError::StaleTask(m) => {
+            GatewayError::StaleGeneration(m)
+        }
+        RoomStoreError::Conflict(m) => GatewayError::AdmissionConflict(m),
+        other => {
+            tracing::error!(error = %other, "rooms storage failure");
+            GatewayError::StorageUnavailable
+        }
+    }
+}
+
+/// Connections that want a room's events.
+#[derive(Default)]
+pub struct RoomEventHub {
+    subscribers: Mutex<HashMap<String, HashMap<u64, Recipient<PushEvent>>>>,
+    seq: Mutex<HashMap<String, u64>>,
+}
+
+impl RoomEventHub {
+    pub fn subscribe(&self, room_id: &str, conn_id: u64, r: Recipient<PushEvent>) {
+        if let Ok(mut s) = self.subscribers.lock() {
+            s.entry(room_id.to_string()).or_default().insert(conn_id, r);
+        }
+    }
+
+    fn publish(&self, room_id: &str, kind: &str, payload: Value) {
+        let seq = match self.seq.lock() {
+            Ok(mut m) => {
+                let e = m.entry(room_id.to_string()).or_insert(0);
+                *e += 1;
+                *e
+            }
+            Err(_) => 0,
+        };
+        let frame = json!({"jsonrpc": "2.0", "method": "event",
+            "params": {"type": kind, "room_id": room_id, "seq": seq, "payload": payload}});
+        let text: Arc<str> = Arc::from(frame.to_string());
+        if let Ok(mut s) = self.subscribers.lock() {
+            if let Some(subs) = s.get_mut(room_id) {
+                subs.retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+            }
+        }
+    }
+}
+
+impl RoomHooks for RoomEventHub {
+    fn publish_terminal(&self, binding: &RoomBinding, task: &TaskView) {
+        self.publish(&binding.room_id, "room.task", task_view(task));
+    }
+
+    fn pending_action(&self, room_id: &str, member_id: &str, action: Option<&Value>) {
+        self.publish(
+            room_id,
+            "room.pending_action",
+            json!({"member_id": member_id, "action": action}),
+        );
+    }
+}
+
+pub fn task_view(t: &TaskView) -> Value {
+    serde_json::to_value(t).unwrap_or(Value::Null)
+}
+
+/// The rooms side of the authority.
+pub struct RoomsService {
+    pub runtime: RoomRuntime,
+    pub db: RoomsDb,
+    pub hub: Arc<RoomEventHub>,
+    pub gateway_id: String,
+    pub clock: SharedClock,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRoom {
+    room_id: String,
+    name: String,
+    members: Vec<RoomMember>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoomRef {
+    room_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdmitTask {
+    room_id: String,
+    task_id: String,
+    thread_id: String,
+    turn_id: String,
+    target_profile: String,
+    prompt: String,
+    source_event_seq: i64,
+    target_member_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListTasks {
+    room_id: String,
+    status: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskRef {
+    room_id: String,
+    task_id: String,
+    cancel_id: Option<String>,
+}
+
+fn params<T: for<'de> Deserialize<'de>>(p: Value) -> GatewayResult<T> {
+    serde_json::from_value(p).map_err(|e| GatewayError::InvalidParams(e.to_string()))
+}
+
+impl RoomsService {
+    async fn find(&self, room_id: &str, task_id: &str) -> GatewayResult<TaskView> {
+        let (r, t) = (room_id.to_string(), task_id.to_string());
+        self.db
+            .run(move |c| room_tasks::find_task(c, &r, &t))
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| GatewayError::NotFound(format!("no task {task_id} in room {room_id}")))
+    }
+
+    /// Dispatch a `room.*` method; `subscribe` is called with the room the caller now follows.
+    pub async fn call(
+        &self,
+        method: &str,
+        p: Value,
+        subscribe: impl Fn(&str),
+    ) -> GatewayResult<Value> {
+        match method {
+            "room.create" => {
+                let p: CreateRoom = params(p)?;
+                let (clock, gateway) = (self.clock.clone(), self.gateway_id.clone());
+                let room = self
+                    .db
+                    .run(move |c| {
+                        rooms::create_room(
+                            c,
+                            &p.room_id,
+                            &p.name,
+                            &p.members,
+                            &gateway,
+                            clock.as_ref(),
+                        )
+                    })
+                    .await
+                    .map_err(store_error)?;
+                subscribe(&room.room_id);
+                self.runtime.wakeup();
+                Ok(serde_json::to_value(room).unwrap_or(Value::Null))
+            }
+            "room.get" => {
+                let p: RoomRef = params(p)?;
+                let id = p.room_id.clone();
+                let (room, counts) = self
+                    .db
+                    .run(move |c| {
+                        Ok((
+                            rooms::get_room(c, &id)?,
+                            room_tasks::count_tasks_by_status(c, &id)?,
+                        ))
+                    })
+                    .await
+                    .map_err(store_error)?;
+                let room =
+                    room.ok_or_else(|| GatewayError::NotFound(format!("no room {}", p.room_id)))?;
+                subscribe(&room.room_id);
+                let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
+                v["task_counts"] = json!(counts);
+                Ok(v)
+            }
+            "room.admit" => {
+                let p: AdmitTask = params(p)?;
+                let identity = TaskIdentity::new(&p.room_id, &p.task_id, &p.thread_id, &p.turn_id)
+                    .map_err(store_error)?;
+                let payload = TaskPayload {
+                    target_profile: p.target_profile,
+                    prompt: p.prompt,
+                    source_event_seq: p.source_event_seq,
+                    target_member_id: p.target_member_id,
+                };
+                let clock = self.clock.clone();
+                let view = self
+                    .db
+                    .run(move |c| room_tasks::admit_task(c, &identity, &payload, clock.as_ref()))
+                    .await
+                    .map_err(store_error)?;
+                subscribe(&view.identity.room_id);
+                self.runtime.wakeup();
+                Ok(task_view(&view))
+            }
+            "room.tasks" => {
+                let p: ListTasks = params(p)?;
+                let status = match p.status.as_deref() {
+                    Some(s) => Some(TaskStatus::parse(s).map_err(store_error)?),
+                    None => None,
+                };
+                let id = p.room_id.clone();
+                let tasks = self
+                    .db
+                    .run(move |c| room_tasks::list_tasks(c, &id, status))
+                    .await
+                    .map_err(store_error)?;
+                subscribe(&p.room_id);
+                Ok(json!({"tasks": tasks.iter().map(task_view).collect::<Vec<_>>()}))
+            }
+            "room.cancel" => {
+                let p: TaskRef = params(p)?;
+                let cancel_id = p
+                    .cancel_id
+                    .clone()
+                    .ok_or_else(|| GatewayError::InvalidParams("cancel_id is required".into()))?;
+                let task = self.find(&p.room_id, &p.task_id).await?;
+                let view = self
+                    .runtime
+                    .cancel(&task.identity, &cancel_id)
+                    .await
+                    .map_err(room_error)?;
+                Ok(task_view(&view))
+            }
+            "room.retry" => {
+                let p: TaskRef = params(p)?;
+                let task = self.find(&p.room_id, &p.task_id).await?;
+                let view = self
+                    .runtime
+                    .retry_indeterminate(&task.identity)
+                    .await
+                    .map_err(room_error)?;
+                self.runtime.wakeup();
+                Ok(task_view(&view))
+            }
+            "room.status" => Ok(serde_json::to_value(self.runtime.status()).unwrap_or(Value::Null)),
+            other => Err(GatewayError::UnknownMethod(other.to_string())),
+        }
+    }
+
+    /// Rooms this gateway drives (operator view).
+    pub async fn list(&self) -> GatewayResult<Value> {
+        let gateway = self.gateway_id.clone();
+        let rooms = self
+            .db
+            .run(move |c| {
+                let rooms = rooms::list_rooms_for_gateway(c, &gateway)?;
+                let mut out = Vec::new();
+                for r in rooms {
+                    let counts = room_tasks::count_tasks_by_status(c, &r.room_id)?;
+                    out.push(
+                        json!({"room_id": r.room_id, "name": r.name, "members": r.members.len(),
+                        "authority_epoch": r.authority_epoch, "task_counts": counts}),
+                    );
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(store_error)?;
+        Ok(json!({"gateway_id": self.gateway_id, "rooms": rooms, "status": self.runtime.status()}))
+    }
+
+    pub async fn stop(&self, timeout: Duration) -> bool {
+        self.runtime.stop(timeout).await
+    }
+}

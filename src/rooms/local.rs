@@ -1,0 +1,344 @@
+//! The local [`SessionPort`]: member turns of hosted rooms run through the same session authority
+//! as every other input (registry → supervisor → admission ledger). A member's room session is
+//! created under the rooms principal with title `Group: <room_id>` and source `bot_room`; each
+//! attempt is admitted with the input id `room/<room>/<task>/<generation>`, so receipts and
+//! history match the exact attempt.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::port::{
+    HistoryMessage, InterruptReply, InterruptRequest, PortError, PortFuture, SessionAddress,
+    SessionHandle, SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalReceipt,
+};
+use crate::api::rpc::{session_id_for, Authority, Caller};
+use crate::error::GatewayError;
+use crate::session::supervisor::{GetLive, Interrupt, Submit};
+use crate::store::admissions::{self, AdmissionRow};
+use crate::store::sessions;
+
+/// The principal that owns room sessions.
+pub const ROOMS_PRINCIPAL: &str = "gateway:rooms";
+
+pub struct LocalSessionPort {
+    authority: Authority,
+    poll: Duration,
+}
+
+impl LocalSessionPort {
+    pub fn new(authority: Authority, poll: Duration) -> Self {
+        Self { authority, poll }
+    }
+
+    fn request_id(address: &SessionAddress) -> String {
+        format!("room-session/{}/{}", address.profile, address.title)
+    }
+
+    fn caller() -> Caller {
+        Caller {
+            principal: ROOMS_PRINCIPAL.into(),
+            conn_id: 0,
+            recipient: None,
+            subscribed: Default::default(),
+        }
+    }
+}
+
+fn port_err(e: GatewayError) -> PortError {
+    PortError::new(e.to_string())
+}
+
+/// `room/<room>/<task>/<generation>` → (task, generation).
+pub fn parse_input_id(input_id: &str) -> Option<(String, i64)> {
+    let mut parts = input_id.strip_prefix("room/")?.split('/');
+    let _room = parts.next()?;
+    let task = parts.next()?;
+    let gen = parts.next()?.parse().ok()?;
+    Some((task.to_string(), gen))
+}
+
+fn result_text(row: &AdmissionRow) -> (Option<String>, Option<String>) {
+    let v: Value = row
+        .result_json
+        .as_deref()
+        .and_then(|r| serde_json::from_str(r).ok())
+        .unwrap_or(Value::Null);
+    let text = v
+        .get("final_response")
+        .and_then(|t| t.as_str())
+        .map(str::to_string);
+    let error = v.get("error").and_then(|t| t.as_str()).map(str::to_string);
+    (text, error)
+}
+
+fn receipt_of(row: &AdmissionRow) -> TerminalReceipt {
+    let (text, error) = result_text(row);
+    let status = match row.outcome.as_deref() {
+        Some("completed") => "settled",
+        Some("cancelled") => "cancelled",
+        Some("interrupted") => "interrupted",
+        _ => "failed",
+    };
+    TerminalReceipt {
+        status: status.into(),
+        settlement_id: Some(row.admission_id.clone()),
+        message_id: Some(row.admission_id.clone()),
+        text,
+        error,
+    }
+}
+
+impl SessionPort for LocalSessionPort {
+    fn resolve_exact(&self, address: SessionAddress) -> PortFuture<'_, Option<SessionHandle>> {
+        Box::pin(async move {
+            let id = session_id_for(ROOMS_PRINCIPAL, &Self::request_id(&address));
+            let found = self
+                .authority
+                .shared
+                .db
+                .read(move |c| sessions::find(c, &id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(found.map(|s| SessionHandle { session_id: s.id }))
+        })
+    }
+
+    fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle> {
+        Box::pin(async move {
+            let params = json!({
+                "request_id": Self::request_id(&address),
+                "source": address.source,
+                "profile": address.profile,
+                "title": address.title,
+            });
+            let r = self
+                .authority
+                .call("session.create", params, &Self::caller())
+                .await
+                .map_err(port_err)?;
+            let id = r.result["session_id"]
+                .as_str()
+                .ok_or_else(|| PortError::new("no session id"))?;
+            Ok(SessionHandle {
+                session_id: id.to_string(),
+            })
+        })
+    }
+
+    fn resume(&self, session: SessionRef) -> PortFuture<'_, SessionHandle> {
+        Box::pin(async move {
+            let id = session.session_id.clone();
+            let root = self
+                .authority
+                .shared
+                .db
+                .read(move |c| sessions::root_of(c, &id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(SessionHandle {
+                session_id: root.id,
+            })
+        })
+    }
+
+    fn submit(&self, request: SubmitRequest) -> PortFuture<'_, ()> {
+        Box::pin(async move {
+            if self.authority.shared.runtime.draining() {
+                return Err(PortError::not_admitted("the gateway is draining"));
+            }
+            let input_id = format!(
+                "room/{}/{}/{}",
+                request.task.room_id, request.task.task_id, request.execution_generation
+            );
+            let sup = self
+                .authority
+                .supervisor(&request.session_id)
+                .await
+                .map_err(port_err)?;
+            let row = match sup
+                .send(Submit {
+                    principal: ROOMS_PRINCIPAL.into(),
+                    input_id,
+                    text: request.prompt.clone(),
+                })
+                .await
+            {
+                Ok(Ok(row)) => row,
+                // Refused by the ledger: the transaction did not commit.
+                Ok(Err(e)) => return Err(PortError::not_admitted(e.to_string())),
+                Err(e) => return Err(PortError::not_admitted(e.to_string())),
+            };
+            let db = self.authority.shared.db.clone();
+            let poll = self.poll;
+            let callback = request.on_terminal.clone();
+            let admission = row.admission_id.clone();
+            tokio::spawn(async move {
+                loop {
+                    let id = admission.clone();
+                    match db.read(move |c| admissions::by_id(c, &id)).await {
+                        Ok(row) if row.is_terminal() => {
+                            callback(receipt_of(&row));
+                            return;
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "room turn observation failed; retrying")
+                        }
+                    }
+                    tokio::time::sleep(poll).await;
+                }
+            });
+            Ok(())
+        })
+    }
+
+    fn history(&self, session: SessionRef) -> PortFuture<'_, Vec<HistoryMessage>> {
+        Box::pin(async move {
+            let id = session.session_id.clone();
+            let rows = self
+                .authority
+                .shared
+                .db
+                .read(move |c| admissions::terminal_of_session(c, &id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(rows
+                .iter()
+                .filter_map(|row| {
+                    let (task, gen) = parse_input_id(&row.request_id)?;
+                    let status = match row.outcome.as_deref() {
+                        Some("completed") => "settled",
+                        Some("failed") => "failed",
+                        _ => return None,
+                    };
+                    let (text, error) = result_text(row);
+                    Some(HistoryMessage {
+                        role: "assistant".into(),
+                        task_id: Some(task),
+                        execution_generation: Some(gen),
+                        status: Some(status.into()),
+                        message_id: Some(row.admission_id.clone()),
+                        content: text.or(error).unwrap_or_default(),
+                    })
+                })
+                .collect())
+        })
+    }
+
+    fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo> {
+        Box::pin(async move {
+            let sup = self
+                .authority
+                .supervisor(&session.session_id)
+                .await
+                .map_err(port_err)?;
+            let live = sup
+                .send(GetLive)
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?;
+            let Some((admission_id, _)) = live.running.clone() else {
+                return Ok(SessionInfo::default());
+            };
+            let id = admission_id.clone();
+            let row = self
+                .authority
+                .shared
+                .db
+                .read(move |c| admissions::by_id(c, &id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            let (task_id, generation) = match parse_input_id(&row.request_id) {
+                Some((t, g)) => (Some(t), Some(g)),
+                None => (None, None),
+            };
+            let approval = live
+                .prompts
+                .iter()
+                .find(|p| p["kind"] == "approval")
+                .cloned();
+            Ok(SessionInfo {
+                active: true,
+                task_id,
+                status: Some(
+                    if approval.is_some() {
+                        "waiting_for_approval"
+                    } else {
+                        "running"
+                    }
+                    .into(),
+                ),
+                execution_generation: generation,
+                pending_approval: approval,
+                run_id: Some(admission_id),
+            })
+        })
+    }
+
+    fn interrupt(&self, request: InterruptRequest) -> PortFuture<'_, Option<InterruptReply>> {
+        Box::pin(async move {
+            let sup = self
+                .authority
+                .supervisor(&request.session_id)
+                .await
+                .map_err(port_err)?;
+            let live = sup
+                .send(GetLive)
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?;
+            let Some((admission_id, generation)) = live.running else {
+                return Ok(Some(InterruptReply {
+                    interrupted: Some(false),
+                    status: Some("idle".into()),
+                }));
+            };
+            let id = admission_id.clone();
+            let row = self
+                .authority
+                .shared
+                .db
+                .read(move |c| admissions::by_id(c, &id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            if parse_input_id(&row.request_id).map(|(t, _)| t)
+                != Some(request.expected_task_id.clone())
+            {
+                // Never interrupt a newer (or foreign) turn.
+                return Ok(None);
+            }
+            let done = sup
+                .send(Interrupt {
+                    generation: Some(generation),
+                    reason: "room task stop".into(),
+                })
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?
+                .map_err(port_err)?;
+            Ok(Some(InterruptReply {
+                interrupted: Some(done),
+                status: Some("interrupted".into()),
+            }))
+        })
+    }
+}
+
+/// Shared handle for building the port.
+pub fn port(authority: Authority, poll: Duration) -> Arc<dyn SessionPort> {
+    Arc::new(LocalSessionPort::new(authority, poll))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_input_id;
+
+    #[test]
+    fn input_ids_carry_task_and_generation() {
+        assert_eq!(
+            parse_input_id("room/r1/t-9/3"),
+            Some(("t-9".to_string(), 3))
+        );
+        assert_eq!(parse_input_id("other"), None);
+        assert_eq!(parse_input_id("room/r1/t/x"), None);
+    }
+}

@@ -1,0 +1,193 @@
+//! Hosted rooms end to end: the real daemon, the room runtime over the local session port, and a
+//! loopback model.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+async fn room_tasks(ws: &mut Ws, room: &str) -> Vec<Value> {
+    ws.ok("room.tasks", json!({"room_id": room})).await["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn task_status(ws: &mut Ws, room: &str, task: &str) -> String {
+    room_tasks(ws, room)
+        .await
+        .iter()
+        .find(|t| t["identity"]["task_id"] == task)
+        .and_then(|t| t["status"].as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+async fn wait_status(ws: &mut Ws, room: &str, task: &str, want: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = task_status(ws, room, task).await;
+        if s == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{room}/{task} is {s}, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn admit(room: &str, task: &str, profile: &str, prompt: &str, seq: i64) -> Value {
+    json!({"room_id": room, "task_id": task, "thread_id": format!("th-{task}"), "turn_id": format!("tu-{task}"),
+           "target_profile": profile, "prompt": prompt, "source_event_seq": seq})
+}
+
+#[actix_rt::test]
+async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
+    let victim = Home::new();
+    std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
+    let command = format!("rm -rf -- {}", victim.path.join("keep").display());
+    let cmd = command.clone();
+    let model = FakeModel::start(move |body| {
+        let last_is_user = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .is_some_and(|m| m["role"] == "user");
+        if last_is_user && last_user(body).starts_with("PARK") {
+            Reply::Message(
+                tool_call("call_rm", "terminal", json!({"command": cmd})),
+                "tool_calls",
+            )
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}, "dev": {"toolsets": []}},
+            "rooms": {"turn_timeout_seconds": 3, "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
+                      "max_concurrent_rooms": 2},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "room-a", "name": "A", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
+    .await;
+    let again = ws
+        .ok("room.create", json!({"room_id": "room-a", "name": "A", "members": [{"profile": "ops", "handle": "ops"}]}))
+        .await;
+    assert_eq!(again["idempotent"], true);
+    ws.refused(
+        "room.create",
+        json!({"room_id": "room-a", "name": "other", "members": [{"profile": "ops", "handle": "ops"}]}),
+        "admission_conflict",
+    )
+    .await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "room-b", "name": "B", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+
+    ws.ok("room.admit", admit("room-a", "a1", "ops", "PARK please", 1))
+        .await;
+    let again = ws
+        .ok("room.admit", admit("room-a", "a1", "ops", "PARK please", 1))
+        .await;
+    assert_eq!(again["idempotent"], true);
+    ws.refused(
+        "room.admit",
+        admit("room-a", "a1", "ops", "something else", 1),
+        "admission_conflict",
+    )
+    .await;
+
+    // The member parks on an approval; the room reports it with choices narrowed to once/deny.
+    let pending = ws
+        .event(Duration::from_secs(30), |e| {
+            e["type"] == "room.pending_action" && e["payload"]["action"].is_object()
+        })
+        .await;
+    assert_eq!(pending["room_id"], "room-a");
+    assert_eq!(
+        pending["payload"]["action"]["approval"]["choices"],
+        json!(["once", "deny"])
+    );
+    assert_eq!(task_status(&mut ws, "room-a", "a1").await, "running");
+
+    // Meanwhile the other room's tasks settle.
+    ws.ok("room.admit", admit("room-b", "b1", "dev", "hello b1", 1))
+        .await;
+    ws.ok("room.admit", admit("room-b", "b2", "dev", "hello b2", 2))
+        .await;
+    wait_status(&mut ws, "room-b", "b1", "settled").await;
+    wait_status(&mut ws, "room-b", "b2", "settled").await;
+    let b = room_tasks(&mut ws, "room-b").await;
+    assert!(
+        b[0]["result"].to_string().contains("ACK_hello b1"),
+        "{}",
+        b[0]
+    );
+    let settled_event = ws
+        .event(Duration::from_secs(10), |e| {
+            e["type"] == "room.task" && e["room_id"] == "room-b"
+        })
+        .await;
+    assert_eq!(settled_event["payload"]["status"], "settled");
+    assert_eq!(
+        model
+            .texts()
+            .iter()
+            .filter(|t| t.as_str() == "hello b1")
+            .count(),
+        1
+    );
+
+    // The deadline stops exactly the parked attempt and fails its task.
+    wait_status(&mut ws, "room-a", "a1", "failed").await;
+    let a1 = room_tasks(&mut ws, "room-a")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "a1")
+        .expect("a1");
+    assert!(a1.to_string().contains("turn_deadline_exceeded"), "{a1}");
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+
+    // The slot is free again: a new task in the same room runs.
+    ws.ok("room.admit", admit("room-a", "a2", "ops", "hello a2", 2))
+        .await;
+    wait_status(&mut ws, "room-a", "a2", "settled").await;
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["running"], true);
+    assert!(status["cycles"].as_u64().is_some_and(|c| c > 0));
+    let room = ws.ok("room.get", json!({"room_id": "room-a"})).await;
+    assert_eq!(room["task_counts"]["failed"], 1);
+    assert_eq!(room["task_counts"]["settled"], 1);
+    // Member turns ran through the session authority, in the member's room session.
+    let sessions: Vec<(String, Option<String>)> = {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::sessions;
+        sessions::table
+            .select((sessions::source, sessions::title))
+            .load(&mut home.db())
+            .expect("sessions")
+    };
+    assert!(
+        sessions.contains(&("bot_room".to_string(), Some("Group: room-a".to_string()))),
+        "{sessions:?}"
+    );
+    let ops = control(&home.path, "rooms", json!({})).expect("rooms");
+    assert_eq!(ops["rooms"].as_array().map(Vec::len), Some(2), "{ops}");
+}
