@@ -16,7 +16,9 @@ async fn identify_reports_ready_and_epochs_strictly_increase() {
     let first = d.identify.clone();
     assert_eq!(first["state"], "ready");
     assert_eq!(first["instance_id"].as_str().map(str::len), Some(32));
-    assert!(first["api_origin"].as_str().is_some_and(|o| o.starts_with("http://127.0.0.1:")));
+    assert!(first["api_origin"]
+        .as_str()
+        .is_some_and(|o| o.starts_with("http://127.0.0.1:")));
     assert_eq!(first["pid"].as_u64(), Some(d.child.id() as u64));
     d.kill();
     let d2 = Daemon::start(&home);
@@ -24,60 +26,105 @@ async fn identify_reports_ready_and_epochs_strictly_increase() {
     assert_ne!(d2.identify["instance_id"], first["instance_id"]);
     let unknown = control(&home.path, "no-such-verb", json!({})).expect("reply");
     assert_eq!(unknown["error"]["code"], "unknown_method");
-    assert_eq!(control(&home.path, "identify", json!({})).expect("still usable")["state"], "ready");
+    assert_eq!(
+        control(&home.path, "identify", json!({})).expect("still usable")["state"],
+        "ready"
+    );
 }
 
 #[actix_rt::test]
 async fn tickets_are_required_single_use_and_expire() {
     let model = FakeModel::ack();
     let home = Home::new();
-    home.write_config(&config(&model.url, json!({"gateway": {"ticket_ttl_seconds": 0.3}})));
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"ticket_ttl_seconds": 0.3}}),
+    ));
     let d = Daemon::start(&home);
     let origin = d.origin();
-    assert_eq!(try_upgrade(&origin, &["gatehouse.v1".to_string()]).await, Err(401));
-    let bogus = vec!["gatehouse.v1".to_string(), "gatehouse-ticket.nope".to_string()];
+    assert_eq!(
+        try_upgrade(&origin, &["gatehouse.v1".to_string()]).await,
+        Err(401)
+    );
+    let bogus = vec![
+        "gatehouse.v1".to_string(),
+        "gatehouse-ticket.nope".to_string(),
+    ];
     assert_eq!(try_upgrade(&origin, &bogus).await, Err(401));
     let t = ticket(&home.path);
     let offer = vec!["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")];
     assert_eq!(try_upgrade(&origin, &offer).await, Ok(()));
-    assert_eq!(try_upgrade(&origin, &offer).await, Err(401), "a ticket is single-use");
+    assert_eq!(
+        try_upgrade(&origin, &offer).await,
+        Err(401),
+        "a ticket is single-use"
+    );
     let t = ticket(&home.path);
     // The only wait here is for the ticket's own 0.3 s lifetime to pass.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let offer = vec!["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")];
-    assert_eq!(try_upgrade(&origin, &offer).await, Err(401), "an expired ticket is refused");
+    assert_eq!(
+        try_upgrade(&origin, &offer).await,
+        Err(401),
+        "an expired ticket is refused"
+    );
 }
 
 #[actix_rt::test]
 async fn the_envelope_refuses_bad_requests_and_stays_up() {
     let model = FakeModel::ack();
     let home = Home::new();
-    home.write_config(&config(&model.url, json!({"gateway": {"max_frame_bytes": 4096}})));
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"max_frame_bytes": 4096}}),
+    ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let v = ws.call("no.such.method", json!({})).await;
     assert_eq!(v["error"]["code"], -32601);
     assert_eq!(v["error"]["data"]["reason"], "unknown_method");
-    ws.refused("session.resume", json!({"session_id": 7}), "invalid_params").await;
-    ws.refused("session.resume", json!({"session_id": "x", "extra": 1}), "invalid_params").await;
-    let v = ws.refused("session.resume", json!({"session_id": "never-created"}), "not_found").await;
+    ws.refused("session.resume", json!({"session_id": 7}), "invalid_params")
+        .await;
+    ws.refused(
+        "session.resume",
+        json!({"session_id": "x", "extra": 1}),
+        "invalid_params",
+    )
+    .await;
+    let v = ws
+        .refused(
+            "session.resume",
+            json!({"session_id": "never-created"}),
+            "not_found",
+        )
+        .await;
     assert_eq!(v["error"]["code"], 4001);
     ws.send_raw("{not json".into()).await;
     let v = ws.recv_reply().await;
     assert_eq!(v["error"]["code"], -32700);
-    ws.send_raw(json!([{"jsonrpc": "2.0", "id": 1, "method": "session.resume"}]).to_string()).await;
+    ws.send_raw(json!([{"jsonrpc": "2.0", "id": 1, "method": "session.resume"}]).to_string())
+        .await;
     assert_eq!(ws.recv_reply().await["error"]["code"], -32600);
-    ws.send_raw(json!({"jsonrpc": "1.0", "id": 2, "method": "session.resume"}).to_string()).await;
+    ws.send_raw(json!({"jsonrpc": "1.0", "id": 2, "method": "session.resume"}).to_string())
+        .await;
     let v = ws.recv_reply().await;
-    assert_eq!((v["id"].clone(), v["error"]["code"].clone()), (json!(2), json!(-32600)));
-    ws.send_raw(json!({"jsonrpc": "2.0", "id": 3, "method": "x", "pad": "y".repeat(8000)}).to_string()).await;
+    assert_eq!(
+        (v["id"].clone(), v["error"]["code"].clone()),
+        (json!(2), json!(-32600))
+    );
+    ws.send_raw(
+        json!({"jsonrpc": "2.0", "id": 3, "method": "x", "pad": "y".repeat(8000)}).to_string(),
+    )
+    .await;
     let v = ws.recv_reply().await;
     assert_eq!(v["error"]["data"]["reason"], "payload_too_large");
     ws.send_binary(vec![1, 2, 3]).await;
     assert_eq!(ws.recv_reply().await["error"]["code"], -32600);
     // Still serving on the same connection.
     let s = ws.create("after-abuse", &home.path, json!({})).await;
-    assert!(s["session_id"].as_str().is_some_and(|s| s.starts_with("local-")));
+    assert!(s["session_id"]
+        .as_str()
+        .is_some_and(|s| s.starts_with("local-")));
 }
 
 #[actix_rt::test]
@@ -87,21 +134,44 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
     home.write_config(&config(&model.url, json!({})));
     let mut d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let a = ws.create("req-1", &home.path, json!({"toolsets": []})).await;
-    let b = ws.create("req-1", &home.path, json!({"toolsets": []})).await;
+    let a = ws
+        .create("req-1", &home.path, json!({"toolsets": []}))
+        .await;
+    let b = ws
+        .create("req-1", &home.path, json!({"toolsets": []}))
+        .await;
     assert_eq!(a["session_id"], b["session_id"]);
     assert_eq!(a["info"]["model"], "fake-model");
-    ws.refused("session.create", json!({"request_id": "req-1", "cwd": home.path, "toolsets": [], "model": "other"}), "invalid_params")
-        .await;
-    ws.refused("session.create", json!({"request_id": "req-2", "cwd": "relative/dir"}), "invalid_params").await;
-    ws.refused("session.create", json!({"request_id": "req-3", "cwd": home.path, "toolsets": ["rocket"]}), "invalid_params").await;
+    ws.refused(
+        "session.create",
+        json!({"request_id": "req-1", "cwd": home.path, "toolsets": [], "model": "other"}),
+        "invalid_params",
+    )
+    .await;
+    ws.refused(
+        "session.create",
+        json!({"request_id": "req-2", "cwd": "relative/dir"}),
+        "invalid_params",
+    )
+    .await;
+    ws.refused(
+        "session.create",
+        json!({"request_id": "req-3", "cwd": home.path, "toolsets": ["rocket"]}),
+        "invalid_params",
+    )
+    .await;
     drop(ws);
     d.kill();
     // The config changes; the existing session keeps its frozen model and (empty) toolsets.
-    home.write_config(&config(&model.url, json!({"model": {"default": "changed-model"}})));
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"default": "changed-model"}}),
+    ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let c = ws.create("req-1", &home.path, json!({"toolsets": []})).await;
+    let c = ws
+        .create("req-1", &home.path, json!({"toolsets": []}))
+        .await;
     assert_eq!(c["session_id"], a["session_id"]);
     assert_eq!(c["info"]["model"], "fake-model");
     let sid = c["session_id"].as_str().expect("sid").to_string();
@@ -109,7 +179,10 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
     wait_until("the turn", Duration::from_secs(20), || all_terminal(&home)).await;
     let req = &model.requests()[0];
     assert_eq!(req["model"], "fake-model");
-    assert!(req.get("tools").is_none(), "an empty toolset list sends no tools: {req}");
+    assert!(
+        req.get("tools").is_none(),
+        "an empty toolset list sends no tools: {req}"
+    );
     let fresh = ws.create("req-new", &home.path, json!({})).await;
     assert_eq!(fresh["info"]["model"], "changed-model");
 }
@@ -124,21 +197,45 @@ async fn submit_is_durable_idempotent_and_needs_a_subscription() {
     let sid = ws.session("s", &home.path).await;
     let first = ws.submit(&sid, "in-1", "hello").await;
     assert_eq!(first["status"], "queued");
-    assert!(home.admissions().iter().any(|r| r.admission_id == first["admission_id"]), "committed before the reply");
+    assert!(
+        home.admissions()
+            .iter()
+            .any(|r| r.admission_id == first["admission_id"]),
+        "committed before the reply"
+    );
     wait_until("the turn", Duration::from_secs(20), || all_terminal(&home)).await;
     let again = ws.submit(&sid, "in-1", "hello").await;
     assert_eq!(again["admission_id"], first["admission_id"]);
     assert_eq!(again["status"], "terminal");
-    ws.refused("prompt.submit", json!({"session_id": sid, "input_id": "in-1", "text": "other"}), "admission_conflict").await;
-    let r = ws.ok("prompt.receipt", json!({"session_id": sid, "admission_id": first["admission_id"]})).await;
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "in-1", "text": "other"}),
+        "admission_conflict",
+    )
+    .await;
+    let r = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": first["admission_id"]}),
+        )
+        .await;
     assert_eq!(r["outcome"], "completed");
     assert_eq!(r["result"]["final_response"], "ACK_hello");
     // A second connection must resume before it may submit.
     let mut other = d.ws().await;
-    other.refused("prompt.submit", json!({"session_id": sid, "input_id": "in-2", "text": "x"}), "permission_denied").await;
+    other
+        .refused(
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "in-2", "text": "x"}),
+            "permission_denied",
+        )
+        .await;
     other.ok("session.resume", json!({"session_id": sid})).await;
     other.submit(&sid, "in-2", "x").await;
-    wait_until("the second turn", Duration::from_secs(20), || all_terminal(&home)).await;
+    wait_until("the second turn", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
     assert_eq!(model.reached("hello"), 1);
     assert_eq!(model.reached("x"), 1);
 }
@@ -163,11 +260,27 @@ async fn inputs_run_in_fifo_order_one_at_a_time() {
     })
     .await;
     assert!(max_started <= 1, "at most one started row per session");
-    assert_eq!(model.texts(), names, "the model saw inputs in admission order");
-    let gens: Vec<i64> = home.admissions().iter().filter_map(|r| r.execution_generation).collect();
-    assert_eq!(gens, (1..=12).collect::<Vec<_>>(), "each claim takes the next generation");
+    assert_eq!(
+        model.texts(),
+        names,
+        "the model saw inputs in admission order"
+    );
+    let gens: Vec<i64> = home
+        .admissions()
+        .iter()
+        .filter_map(|r| r.execution_generation)
+        .collect();
+    assert_eq!(
+        gens,
+        (1..=12).collect::<Vec<_>>(),
+        "each claim takes the next generation"
+    );
     let transcript = home.transcript(&sid);
-    let users: Vec<_> = transcript.iter().filter(|m| m.role == "user").filter_map(|m| m.content.clone()).collect();
+    let users: Vec<_> = transcript
+        .iter()
+        .filter(|m| m.role == "user")
+        .filter_map(|m| m.content.clone())
+        .collect();
     assert_eq!(users, names);
 }
 
@@ -177,7 +290,10 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
         if last_user(body) == "LOST" {
             Reply::Hang
         } else {
-            Reply::Message(json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}), "stop")
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
         }
     });
     let home = Home::new();
@@ -186,7 +302,10 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     let mut ws = d.ws().await;
     let sid = ws.session("crash", &home.path).await;
     let lost = ws.submit(&sid, "LOST", "LOST").await;
-    wait_until("the model to hold LOST", Duration::from_secs(20), || model.reached("LOST") == 1).await;
+    wait_until("the model to hold LOST", Duration::from_secs(20), || {
+        model.reached("LOST") == 1
+    })
+    .await;
     ws.submit(&sid, "F1", "F1").await;
     ws.submit(&sid, "F2", "F2").await;
     d.kill();
@@ -202,11 +321,20 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
             .as_array()
             .expect("pending")
             .iter()
-            .map(|r| (r["input_id"].as_str().unwrap_or("").to_string(), r["status"].as_str().unwrap_or("").to_string()))
+            .map(|r| {
+                (
+                    r["input_id"].as_str().unwrap_or("").to_string(),
+                    r["status"].as_str().unwrap_or("").to_string(),
+                )
+            })
             .collect();
         assert_eq!(
             statuses,
-            vec![("LOST".into(), "unknown".into()), ("F1".into(), "queued".into()), ("F2".into(), "queued".into())]
+            vec![
+                ("LOST".into(), "unknown".into()),
+                ("F1".into(), "queued".into()),
+                ("F2".into(), "queued".into())
+            ]
         );
         assert_eq!(model.reached("F1"), 0, "nothing runs behind unknown work");
         d2.kill();
@@ -214,7 +342,10 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     let d3 = Daemon::start(&home);
     let mut ws = d3.ws().await;
     ws.ok("session.resume", json!({"session_id": sid})).await;
-    let gen = home.admission("LOST").execution_generation.expect("generation");
+    let gen = home
+        .admission("LOST")
+        .execution_generation
+        .expect("generation");
     ws.refused(
         "prompt.resolve_unknown",
         json!({"session_id": sid, "admission_id": lost["admission_id"], "execution_generation": gen + 5}),
@@ -224,14 +355,32 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     let r = ws
         .ok("prompt.resolve_unknown", json!({"session_id": sid, "admission_id": lost["admission_id"], "execution_generation": gen}))
         .await;
-    assert_eq!((r["status"].as_str(), r["outcome"].as_str()), (Some("terminal"), Some("interrupted")));
+    assert_eq!(
+        (r["status"].as_str(), r["outcome"].as_str()),
+        (Some("terminal"), Some("interrupted"))
+    );
     wait_until("followers", Duration::from_secs(20), || all_terminal(&home)).await;
-    assert_eq!(model.reached("LOST"), 1, "the lost input is never sent again");
+    assert_eq!(
+        model.reached("LOST"),
+        1,
+        "the lost input is never sent again"
+    );
     assert_eq!((model.reached("F1"), model.reached("F2")), (1, 1));
     let reqs = model.requests();
-    let f1 = reqs.iter().find(|b| last_user(b) == "F1").expect("F1 request");
-    assert_eq!(user_texts(f1), vec!["LOST".to_string(), "F1".to_string()], "separate user messages");
-    let order: Vec<String> = model.texts().into_iter().filter(|t| t.starts_with('F')).collect();
+    let f1 = reqs
+        .iter()
+        .find(|b| last_user(b) == "F1")
+        .expect("F1 request");
+    assert_eq!(
+        user_texts(f1),
+        vec!["LOST".to_string(), "F1".to_string()],
+        "separate user messages"
+    );
+    let order: Vec<String> = model
+        .texts()
+        .into_iter()
+        .filter(|t| t.starts_with('F'))
+        .collect();
     assert_eq!(order, vec!["F1".to_string(), "F2".to_string()]);
     ws.refused(
         "prompt.resolve_unknown",
@@ -247,7 +396,10 @@ async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
         if last_user(body) == "SLOW" {
             Reply::Hang
         } else {
-            Reply::Message(json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}), "stop")
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
         }
     });
     let home = Home::new();
@@ -256,20 +408,41 @@ async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
     let mut ws = d.ws().await;
     let sid = ws.session("term", &home.path).await;
     ws.submit(&sid, "SLOW", "SLOW").await;
-    wait_until("the model to hold SLOW", Duration::from_secs(20), || model.reached("SLOW") == 1).await;
+    wait_until("the model to hold SLOW", Duration::from_secs(20), || {
+        model.reached("SLOW") == 1
+    })
+    .await;
     ws.submit(&sid, "AFTER", "AFTER").await;
     assert_eq!(d.term(), Some(0), "a graceful stop exits 0");
     let slow = home.admission("SLOW");
-    assert_eq!((slow.status.as_str(), slow.outcome.as_deref()), ("terminal", Some("interrupted")));
+    assert_eq!(
+        (slow.status.as_str(), slow.outcome.as_deref()),
+        ("terminal", Some("interrupted"))
+    );
     assert_eq!(home.admission("AFTER").status, "queued");
-    assert!(!home.path.join("gateway.sock").exists(), "the socket is removed on a clean stop");
+    assert!(
+        !home.path.join("gateway.sock").exists(),
+        "the socket is removed on a clean stop"
+    );
     let _d2 = Daemon::start(&home);
-    wait_until("the follower", Duration::from_secs(20), || all_terminal(&home)).await;
-    assert_eq!(home.admission("AFTER").outcome.as_deref(), Some("completed"));
+    wait_until("the follower", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    assert_eq!(
+        home.admission("AFTER").outcome.as_deref(),
+        Some("completed")
+    );
     assert_eq!(model.reached("SLOW"), 1);
     let reqs = model.requests();
-    let after = reqs.iter().find(|b| last_user(b) == "AFTER").expect("AFTER request");
-    assert_eq!(user_texts(after), vec!["SLOW".to_string(), "AFTER".to_string()]);
+    let after = reqs
+        .iter()
+        .find(|b| last_user(b) == "AFTER")
+        .expect("AFTER request");
+    assert_eq!(
+        user_texts(after),
+        vec!["SLOW".to_string(), "AFTER".to_string()]
+    );
 }
 
 #[actix_rt::test]
@@ -287,19 +460,35 @@ async fn a_queued_admission_committed_before_a_kill_runs_exactly_once() {
     let mut ws = d.ws().await;
     let sid = ws.session("a", &home.path).await;
     let head = ws.submit(&sid, "HEAD", "HEAD").await;
-    wait_until("HEAD in flight", Duration::from_secs(20), || model.reached("HEAD") == 1).await;
+    wait_until("HEAD in flight", Duration::from_secs(20), || {
+        model.reached("HEAD") == 1
+    })
+    .await;
     let queued = ws.submit(&sid, "QUEUED", "QUEUED").await;
     assert_eq!(queued["status"], "queued");
     d.kill();
-    assert_eq!(home.admission("QUEUED").status, "queued", "acknowledged means committed");
+    assert_eq!(
+        home.admission("QUEUED").status,
+        "queued",
+        "acknowledged means committed"
+    );
     let d2 = Daemon::start(&home);
     let mut ws = d2.ws().await;
     ws.ok("session.resume", json!({"session_id": sid})).await;
-    let gen = home.admission("HEAD").execution_generation.expect("generation");
+    let gen = home
+        .admission("HEAD")
+        .execution_generation
+        .expect("generation");
     ws.ok("prompt.resolve_unknown", json!({"session_id": sid, "admission_id": head["admission_id"], "execution_generation": gen}))
         .await;
-    wait_until("QUEUED settled", Duration::from_secs(20), || all_terminal(&home)).await;
-    assert_eq!(home.admission("QUEUED").outcome.as_deref(), Some("completed"));
+    wait_until("QUEUED settled", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    assert_eq!(
+        home.admission("QUEUED").outcome.as_deref(),
+        Some("completed")
+    );
     assert_eq!(model.reached("QUEUED"), 1, "ran exactly once");
     assert_eq!(model.reached("HEAD"), 1, "the lost head never ran again");
 }

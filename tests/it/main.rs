@@ -3,4 +3,5 @@
 mod authority;
 mod compression;
 mod helpers;
+mod rooms;
 mod tools;
