@@ -188,7 +188,8 @@ impl Gateway {
             (epoch, recovered, to_pump, gateway_id)
         };
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
-        let db = Db::start(pool.clone(), 2);
+        let metrics = Arc::new(Metrics::default());
+        let db = Db::start(pool.clone(), 2).with_metrics(metrics.clone());
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
             connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),
@@ -197,6 +198,7 @@ impl Gateway {
             max_retries: m.max_retries,
             max_response_bytes: m.max_response_bytes,
             retry_base: Duration::from_millis(500),
+            metrics: Some(metrics.clone()),
         });
         let endpoint = config.default_endpoint();
         if endpoint.provider == "echo" {
@@ -212,7 +214,7 @@ impl Gateway {
             terminal: TerminalTool::start_on_own_arbiter(),
             runtime: runtime.clone(),
             clock: clock.clone(),
-            metrics: Arc::new(Metrics::default()),
+            metrics,
         });
         let registry = SessionRegistry::new(shared.clone()).start();
         let authority = Authority {

@@ -19,9 +19,51 @@ pub fn init_logging(json: bool) {
 }
 
 const TURN_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+const DB_BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
+];
+
+/// A fixed-bucket histogram.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64; 10],
+    inner: Mutex<([u64; 10], u64, f64)>,
+}
+
+impl Histogram {
+    const fn new(bounds: &'static [f64; 10]) -> Self {
+        Self {
+            bounds,
+            inner: Mutex::new(([0; 10], 0, 0.0)),
+        }
+    }
+
+    pub fn observe(&self, seconds: f64) {
+        if let Ok(mut h) = self.inner.lock() {
+            for (i, b) in self.bounds.iter().enumerate() {
+                if seconds <= *b {
+                    h.0[i] += 1;
+                }
+            }
+            h.1 += 1;
+            h.2 += seconds;
+        }
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        if let Ok(h) = self.inner.lock() {
+            for (i, b) in self.bounds.iter().enumerate() {
+                out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {}\n", h.0[i]));
+            }
+            out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {}\n", h.1));
+            out.push_str(&format!("{name}_sum {}\n{name}_count {}\n", h.2, h.1));
+        }
+    }
+}
 
 /// Process-wide counters.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
     admissions: AtomicU64,
     turns_started: AtomicU64,
@@ -31,7 +73,29 @@ pub struct Metrics {
     ws_connections: AtomicU64,
     ws_connections_total: AtomicU64,
     model_errors: Mutex<Vec<(String, u64)>>,
-    turn_hist: Mutex<([u64; 10], u64, f64)>,
+    turn_hist: Histogram,
+    /// Model request latency (each HTTP call, retries included).
+    pub model_hist: Histogram,
+    /// Database job latency (queue wait plus transaction).
+    pub db_hist: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            admissions: AtomicU64::new(0),
+            turns_started: AtomicU64::new(0),
+            turns_finished: AtomicU64::new(0),
+            prompts_open: AtomicU64::new(0),
+            active_sessions: AtomicU64::new(0),
+            ws_connections: AtomicU64::new(0),
+            ws_connections_total: AtomicU64::new(0),
+            model_errors: Mutex::new(Vec::new()),
+            turn_hist: Histogram::new(&TURN_BUCKETS),
+            model_hist: Histogram::new(&TURN_BUCKETS),
+            db_hist: Histogram::new(&DB_BUCKETS),
+        }
+    }
 }
 
 impl Metrics {
@@ -43,15 +107,7 @@ impl Metrics {
     }
     pub fn turn_finished(&self, seconds: f64) {
         self.turns_finished.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut h) = self.turn_hist.lock() {
-            for (i, b) in TURN_BUCKETS.iter().enumerate() {
-                if seconds <= *b {
-                    h.0[i] += 1;
-                }
-            }
-            h.1 += 1;
-            h.2 += seconds;
-        }
+        self.turn_hist.observe(seconds);
     }
     pub fn prompt_opened(&self) {
         self.prompts_open.fetch_add(1, Ordering::Relaxed);
@@ -161,23 +217,21 @@ impl Metrics {
                 ));
             }
         }
-        out.push_str("# HELP gatehouse_turn_seconds Turn latency from claim to settlement.\n# TYPE gatehouse_turn_seconds histogram\n");
-        if let Ok(h) = self.turn_hist.lock() {
-            for (i, b) in TURN_BUCKETS.iter().enumerate() {
-                out.push_str(&format!(
-                    "gatehouse_turn_seconds_bucket{{le=\"{b}\"}} {}\n",
-                    h.0[i]
-                ));
-            }
-            out.push_str(&format!(
-                "gatehouse_turn_seconds_bucket{{le=\"+Inf\"}} {}\n",
-                h.1
-            ));
-            out.push_str(&format!(
-                "gatehouse_turn_seconds_sum {}\ngatehouse_turn_seconds_count {}\n",
-                h.2, h.1
-            ));
-        }
+        self.turn_hist.render(
+            &mut out,
+            "gatehouse_turn_seconds",
+            "Turn latency from claim to settlement.",
+        );
+        self.model_hist.render(
+            &mut out,
+            "gatehouse_model_request_seconds",
+            "Model request latency.",
+        );
+        self.db_hist.render(
+            &mut out,
+            "gatehouse_db_transaction_seconds",
+            "Database job latency (wait and transaction).",
+        );
         out
     }
 }

@@ -58,9 +58,60 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     let shared = state.authority.shared.clone();
     let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
+    let mut body = shared.metrics.render(&counts);
+    if let Some(rooms) = state.authority.rooms.get() {
+        let tasks = rooms
+            .db
+            .run(crate::store::room_tasks::count_all_tasks_by_status)
+            .await
+            .unwrap_or_default();
+        body.push_str("# HELP gatehouse_room_tasks Room tasks by status.\n# TYPE gatehouse_room_tasks gauge\n");
+        for (status, n) in tasks {
+            body.push_str(&format!(
+                "gatehouse_room_tasks{{status=\"{status}\"}} {n}\n"
+            ));
+        }
+        let st = rooms.runtime.status();
+        for (name, help, kind, v) in [
+            (
+                "gatehouse_room_lease_renewals_total",
+                "Room lease renewals.",
+                "counter",
+                st.lease_renewals,
+            ),
+            (
+                "gatehouse_room_lease_losses_total",
+                "Room leases lost.",
+                "counter",
+                st.lease_losses,
+            ),
+            (
+                "gatehouse_rooms_leased",
+                "Rooms this process holds a lease on.",
+                "gauge",
+                st.leased_rooms.len() as u64,
+            ),
+            (
+                "gatehouse_rooms_blocked",
+                "Rooms blocked on indeterminate work.",
+                "gauge",
+                st.blocked_rooms.len() as u64,
+            ),
+            (
+                "gatehouse_room_cycles_total",
+                "Room scheduler cycles.",
+                "counter",
+                st.cycles,
+            ),
+        ] {
+            body.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+            ));
+        }
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
-        .body(shared.metrics.render(&counts))
+        .body(body)
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {

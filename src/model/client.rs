@@ -129,6 +129,8 @@ pub struct ModelClientConfig {
     pub max_retries: u32,
     pub max_response_bytes: usize,
     pub retry_base: Duration,
+    /// Where request latencies are recorded.
+    pub metrics: Option<Arc<crate::telemetry::Metrics>>,
 }
 
 pub struct ModelClient {
@@ -186,8 +188,12 @@ impl Handler<ChatCall> for ModelClient {
                 p = sem.acquire_owned() => p.map_err(|_| ModelError::Unavailable)?,
                 _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
             };
+            let started = std::time::Instant::now();
             let result = call_with_retries(&client, &config, &call).await;
             drop(permit);
+            if let Some(m) = &config.metrics {
+                m.model_hist.observe(started.elapsed().as_secs_f64());
+            }
             result
         })
     }

@@ -118,6 +118,10 @@ pub struct RoomsStatus {
     pub last_error: Option<String>,
     /// Completed scheduler cycles.
     pub cycles: u64,
+    /// Lease renewals committed.
+    pub lease_renewals: u64,
+    /// Leases found lost (expired, replaced, or authority moved).
+    pub lease_losses: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -140,6 +144,8 @@ pub(crate) struct RuntimeState {
     pub inspected: HashSet<(String, String, i64)>,
     pub backoff: HashMap<(String, String), Backoff>,
     pub pending_actions: HashMap<(String, String), Option<serde_json::Value>>,
+    pub lease_renewals: u64,
+    pub lease_losses: u64,
 }
 
 pub(crate) struct Inner {
@@ -361,6 +367,8 @@ impl RoomRuntime {
             blocked_rooms: state.blocked.iter().cloned().collect(),
             last_error: state.last_error.clone(),
             cycles: state.cycles,
+            lease_renewals: state.lease_renewals,
+            lease_losses: state.lease_losses,
         }
     }
 

@@ -147,6 +147,7 @@ impl RoomRuntime {
             Err(RoomsError::Store(error)) if is_lease_loss(&error) => {
                 {
                     let mut state = self.state();
+                    state.lease_losses += 1;
                     state.leases.remove(&binding.room_id);
                     state.blocked.remove(&binding.room_id);
                 }
@@ -213,13 +214,17 @@ impl RoomRuntime {
                     .await
                 {
                     Ok(renewed) => {
-                        self.state()
+                        let mut state = self.state();
+                        state.lease_renewals += 1;
+                        state
                             .leases
                             .insert(binding.room_id.clone(), renewed.clone());
                         return Ok(renewed);
                     }
                     Err(error) if is_lease_loss(&error) => {
-                        self.state().leases.remove(&binding.room_id);
+                        let mut state = self.state();
+                        state.lease_losses += 1;
+                        state.leases.remove(&binding.room_id);
                     }
                     Err(error) => return Err(error),
                 }

@@ -99,6 +99,7 @@ pub struct Db {
     writer: Addr<DbWorker>,
     readers: Addr<DbWorker>,
     pool: SqlitePool,
+    metrics: Option<std::sync::Arc<crate::telemetry::Metrics>>,
 }
 
 impl Db {
@@ -112,10 +113,30 @@ impl Db {
             writer,
             readers,
             pool,
+            metrics: None,
         }
     }
 
-    async fn run<R, F>(addr: &Addr<DbWorker>, f: F) -> Result<R, StoreError>
+    /// Record job latencies in `metrics`.
+    pub fn with_metrics(mut self, metrics: std::sync::Arc<crate::telemetry::Metrics>) -> Db {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    async fn run<R, F>(&self, addr: &Addr<DbWorker>, f: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
+    {
+        let started = std::time::Instant::now();
+        let result = Self::run_job(addr, f).await;
+        if let Some(m) = &self.metrics {
+            m.db_hist.observe(started.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    async fn run_job<R, F>(addr: &Addr<DbWorker>, f: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
@@ -137,7 +158,7 @@ impl Db {
         R: Send + 'static,
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
-        Self::run(&self.writer, f).await
+        self.run(&self.writer, f).await
     }
 
     /// Run a read on a reader worker.
@@ -146,7 +167,7 @@ impl Db {
         R: Send + 'static,
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
-        Self::run(&self.readers, f).await
+        self.run(&self.readers, f).await
     }
 
     /// A connection for start-up work that runs before the actors.

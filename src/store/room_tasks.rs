@@ -516,6 +516,17 @@ pub fn count_tasks_by_status(
     Ok(rows.into_iter().collect())
 }
 
+/// Number of tasks of every room by status (for metrics).
+pub fn count_all_tasks_by_status(
+    conn: &mut SqliteConnection,
+) -> StoreResult<std::collections::BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> = room_tasks::table
+        .group_by(room_tasks::status)
+        .select((room_tasks::status, diesel::dsl::count_star()))
+        .load(conn)?;
+    Ok(rows.into_iter().collect())
+}
+
 /// Start the room's next queued task under an active lease: `running`, execution generation + 1,
 /// run fence = the lease.
 pub fn start_task(

@@ -5,3 +5,4 @@ mod compression;
 mod helpers;
 mod rooms;
 mod tools;
+mod ops;

@@ -1,0 +1,332 @@
+//! Operating the gateway: the CLI as child processes, health, readiness during drain, metrics,
+//! the systemd unit, and the built-in echo provider.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+fn cli(home: &Home, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(bin())
+        .args(args)
+        .arg("--home")
+        .arg(&home.path)
+        .current_dir(&home.path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn gatehouse");
+    if let Some(mut s) = child.stdin.take() {
+        let _ = s.write_all(stdin.as_bytes());
+    }
+    child.wait_with_output().expect("gatehouse output")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+async fn http_get(url: &str) -> (u16, String) {
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .finish();
+    match client.get(url).send().await {
+        Ok(mut resp) => {
+            let body = resp
+                .body()
+                .limit(1 << 20)
+                .await
+                .map(|b| String::from_utf8_lossy(&b).to_string())
+                .unwrap_or_default();
+            (resp.status().as_u16(), body)
+        }
+        Err(e) => panic!("GET {url}: {e}"),
+    }
+}
+
+/// Parse Prometheus text format strictly enough to catch malformed output.
+fn parse_prometheus(text: &str) -> Vec<(String, f64)> {
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix('#') {
+            let words: Vec<&str> = rest.split_whitespace().collect();
+            assert!(
+                matches!(words.first(), Some(&"HELP") | Some(&"TYPE")),
+                "bad comment line: {line}"
+            );
+            if words[0] == "TYPE" {
+                assert!(
+                    matches!(
+                        words.get(2),
+                        Some(&"counter" | &"gauge" | &"histogram" | &"summary" | &"untyped")
+                    ),
+                    "{line}"
+                );
+            }
+            continue;
+        }
+        let (name_labels, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("no value: {line}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value: {line}"));
+        let name = name_labels.split('{').next().unwrap_or("");
+        assert!(
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name: {line}"
+        );
+        if let Some(labels) = name_labels.strip_prefix(name) {
+            if !labels.is_empty() {
+                assert!(
+                    labels.starts_with('{') && labels.ends_with('}'),
+                    "bad labels: {line}"
+                );
+            }
+        }
+        samples.push((name_labels.to_string(), value));
+    }
+    samples
+}
+
+fn sample(samples: &[(String, f64)], key: &str) -> f64 {
+    samples
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| *v)
+        .unwrap_or_else(|| panic!("no sample {key}"))
+}
+
+#[actix_rt::test]
+async fn chat_and_operator_commands_work_as_child_processes() {
+    let victim = Home::new();
+    std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
+    let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
+    let model = FakeModel::start(move |body| {
+        let last_is_user = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .is_some_and(|m| m["role"] == "user");
+        match last_user(body).as_str() {
+            "HANG" => Reply::Hang,
+            "DANGER" if last_is_user => Reply::Message(
+                tool_call("c1", "terminal", json!({"command": cmd})),
+                "tool_calls",
+            ),
+            text => Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{text}")}),
+                "stop",
+            ),
+        }
+    });
+    let home = Home::new();
+    // Before a daemon runs, the CLI says so clearly.
+    let o = cli(&home, &["status"], "");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("no gatehouse daemon"),
+        "{o:?}"
+    );
+
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let o = cli(&home, &["chat", "--session", "ops", "hello there"], "");
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains("ACK_hello there"), "{}", stdout(&o));
+
+    // An approval is asked of the operator with the offered choices; a denial keeps the directory.
+    let o = cli(&home, &["chat", "--session", "ops", "DANGER"], "deny\n");
+    let out = stdout(&o);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        out.contains("approval needed") && out.contains("once/session/always/deny"),
+        "{out}"
+    );
+    assert!(out.contains("ACK_DANGER"), "{out}");
+    assert!(victim.path.join("keep").exists());
+
+    let o = cli(&home, &["status", "--json"], "");
+    let status: Value = serde_json::from_slice(&o.stdout).expect("status json");
+    assert_eq!(status["state"], "ready");
+    assert_eq!(status["admissions"]["terminal"], 2);
+    let o = cli(&home, &["status"], "");
+    assert!(stdout(&o).contains("state      ready"), "{}", stdout(&o));
+    let o = cli(&home, &["sessions"], "");
+    assert!(stdout(&o).contains("fake-model"), "{}", stdout(&o));
+
+    // A turn lost to SIGKILL is listed by `pending` and settled by `resolve-unknown`.
+    let mut ws = d.ws().await;
+    let sid = ws.session("lost", &home.path).await;
+    ws.submit(&sid, "HANG", "HANG").await;
+    wait_until("HANG in flight", Duration::from_secs(20), || {
+        model.reached("HANG") == 1
+    })
+    .await;
+    ws.submit(&sid, "NEXT", "NEXT").await;
+    d.kill();
+    let _d2 = Daemon::start(&home);
+    let o = cli(&home, &["pending", "--json"], "");
+    let pending: Value = serde_json::from_slice(&o.stdout).expect("pending json");
+    let lost = &pending["unknown"][0];
+    assert_eq!(lost["input_id"], "HANG");
+    let admission = lost["admission_id"]
+        .as_str()
+        .expect("admission")
+        .to_string();
+    let o = cli(&home, &["pending"], "");
+    assert!(stdout(&o).contains(&admission), "{}", stdout(&o));
+    let o = cli(&home, &["resolve-unknown", &sid, &admission], "");
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        stdout(&o).contains("terminal interrupted"),
+        "{}",
+        stdout(&o)
+    );
+    wait_until("the follower", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    assert_eq!(model.reached("NEXT"), 1);
+    assert_eq!(model.reached("HANG"), 1);
+    let o = cli(&home, &["resolve-unknown", &sid, &admission], "");
+    assert_eq!(o.status.code(), Some(1), "a second resolve is refused");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("stale_generation"),
+        "{o:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn metrics_parse_and_move_with_the_work() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    assert_eq!(http_get(&format!("{origin}/healthz")).await.0, 200);
+    assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
+    let (code, before) = http_get(&format!("{origin}/metrics")).await;
+    assert_eq!(code, 200);
+    let before = parse_prometheus(&before);
+    let mut ws = d.ws().await;
+    let sid = ws.session("m", &home.path).await;
+    for i in 0..3 {
+        ws.submit(&sid, &format!("i{i}"), "hi").await;
+    }
+    wait_until("turns", Duration::from_secs(20), || all_terminal(&home)).await;
+    let (_, after) = http_get(&format!("{origin}/metrics")).await;
+    let after = parse_prometheus(&after);
+    let moved = |k: &str| sample(&after, k) - sample(&before, k);
+    assert_eq!(moved("gatehouse_admissions_accepted_total"), 3.0);
+    assert_eq!(moved("gatehouse_turns_finished_total"), 3.0);
+    assert_eq!(moved("gatehouse_turn_seconds_count"), 3.0);
+    assert_eq!(
+        sample(
+            &after,
+            "gatehouse_admissions{status=\"terminal\",outcome=\"completed\"}"
+        ),
+        3.0
+    );
+    assert!(sample(&after, "gatehouse_ws_connections") >= 1.0);
+    assert!(moved("gatehouse_model_request_seconds_count") >= 3.0);
+    assert!(moved("gatehouse_db_transaction_seconds_count") >= 6.0);
+    assert_eq!(sample(&after, "gatehouse_prompts_open"), 0.0);
+    assert!(
+        sample(&after, "gatehouse_room_cycles_total") >= 1.0,
+        "the room scheduler runs"
+    );
+    assert_eq!(sample(&after, "gatehouse_rooms_leased"), 0.0);
+}
+
+#[actix_rt::test]
+async fn readyz_is_unavailable_while_draining() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"drain_grace_seconds": 3}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let origin = d.origin();
+    assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(d.child.id() as i32, libc::SIGTERM);
+    }
+    let mut seen = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        let (code, body) = http_get(&format!("{origin}/readyz")).await;
+        if code == 503 {
+            seen = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(seen.as_deref(), Some("stopping\n"));
+    assert_eq!(
+        http_get(&format!("{origin}/healthz")).await.0,
+        200,
+        "alive while draining"
+    );
+    let ident = control(&home.path, "identify", json!({})).expect("identify");
+    assert_eq!(ident["state"], "stopping");
+    assert_eq!(d.term(), Some(0));
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    let Ok(which) = Command::new("sh")
+        .args(["-c", "command -v systemd-analyze"])
+        .output()
+    else {
+        return;
+    };
+    if !which.status.success() {
+        eprintln!("systemd-analyze is not installed; skipping the unit check");
+        return;
+    }
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/gatehouse.service"
+    ))
+    .expect("unit");
+    assert!(unit.contains("Type=notify") && unit.contains("StateDirectory=gatehouse"));
+    let dir = Home::new();
+    let path = dir.path.join("gatehouse.service");
+    std::fs::write(&path, unit.replace("/usr/local/bin/gatehouse", bin())).expect("write unit");
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("systemd-analyze");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "systemd-analyze verify failed: {stderr}"
+    );
+}
+
+#[actix_rt::test]
+async fn with_no_model_configured_the_echo_provider_answers() {
+    let home = Home::new();
+    let _d = Daemon::start(&home);
+    let o = cli(&home, &["chat", "quick start"], "");
+    assert!(o.status.success(), "{o:?}");
+    let out = stdout(&o);
+    assert!(
+        out.contains("echo provider") && out.contains("quick start"),
+        "{out}"
+    );
+    assert!(home.log().contains("echo provider"), "the log says so too");
+}
