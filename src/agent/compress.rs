@@ -10,6 +10,9 @@ pub const SUMMARY_PREFIX: &str =
     "[CONTEXT COMPACTION] Earlier turns of this conversation were compacted into the \
 summary below. Treat it as background reference only; respond to the latest user message.";
 
+/// `display_kind` of a summary stored as its own message.
+pub const SUMMARY_KIND: &str = "compaction_summary";
+
 /// The three parts of a transcript to compact.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -56,11 +59,25 @@ pub fn plan(
     if end <= start {
         end = n.saturating_sub(last_n);
     }
+    // The latest user message is what the model must answer: it always stays verbatim in the
+    // tail, however small `last_n` or the budget.
+    if let Some(last_user) = t.iter().rposition(|m| m.role == "user") {
+        if last_user >= start {
+            end = end.min(last_user);
+        }
+    }
     // Never split an assistant's tool calls from their results: move the cut back to the call.
     while end > start && end < n && t[end].role == "tool" {
         end -= 1;
     }
     if end <= start {
+        return None;
+    }
+    // Only an earlier summary in the middle: summarising it again would shrink nothing.
+    if t[start..end]
+        .iter()
+        .all(|m| m.display_kind.as_deref() == Some(SUMMARY_KIND))
+    {
         return None;
     }
     Some(Plan {
@@ -173,7 +190,7 @@ pub fn assemble(plan: &Plan, summary: &str) -> Vec<NewMessage> {
         out.push(NewMessage {
             role: role.into(),
             content: Some(text),
-            display_kind: Some("compaction_summary".into()),
+            display_kind: Some(SUMMARY_KIND.into()),
             ..Default::default()
         });
     }
@@ -274,6 +291,55 @@ mod tests {
             "the call's result stays with its call in the head"
         );
         assert_ne!(p.middle.first().map(|m| m.role.as_str()), Some("tool"));
+    }
+
+    #[test]
+    fn the_latest_user_message_stays_in_the_tail() {
+        let t = vec![
+            m("user", "P0"),
+            m("assistant", "A0"),
+            m("user", "P1"),
+            m("assistant", "A1"),
+            m("user", &"P2".repeat(1000)),
+        ];
+        // No protected tail and a budget smaller than the last message alone.
+        let p = plan(&t, 1, 0, 1).expect("plan");
+        assert_eq!(p.tail.first().map(|m| m.role.as_str()), Some("user"));
+        assert_eq!(p.tail.len(), 1);
+        assert_eq!(p.middle.len(), 3);
+        // A turn in progress: the user message and everything after it are kept.
+        let t = vec![
+            m("user", "P0"),
+            m("assistant", "A0"),
+            m("user", "P1"),
+            m("assistant", "A1"),
+            m("user", "P2"),
+            call("x"),
+            result("x"),
+            call("y"),
+            result("y"),
+        ];
+        let p = plan(&t, 1, 2, 1).expect("plan");
+        assert_eq!(
+            p.tail.first().and_then(|m| m.content.as_deref()),
+            Some("P2")
+        );
+        assert_eq!(p.tail.len(), 5);
+    }
+
+    #[test]
+    fn a_lone_earlier_summary_is_not_compacted_again() {
+        let mut t = vec![m("user", "P0"), m("assistant", "A0"), m("user", "P1")];
+        for i in 0..4 {
+            t.push(m("assistant", &format!("A{i}")));
+            t.push(m("user", &format!("Q{i}")));
+        }
+        let p = plan(&t, 1, 2, 30).expect("plan");
+        let once = assemble(&p, "S");
+        assert!(once
+            .iter()
+            .any(|m| m.display_kind.as_deref() == Some(SUMMARY_KIND)));
+        assert!(plan(&once, 1, 2, 30).is_none(), "{once:?}");
     }
 
     #[test]

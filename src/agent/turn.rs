@@ -658,7 +658,10 @@ impl Turn {
                 std::future::pending::<()>().await;
             }
         };
+        // Biased: an answer that was delivered (the responder was told `resolved`) wins over a
+        // timeout that became ready in the same instant.
         let result = tokio::select! {
+            biased;
             answer = rx => match answer {
                 Ok(a) => Asked::Answered(a),
                 Err(_) => Asked::Cancelled,

@@ -117,6 +117,12 @@ impl SessionSupervisor {
                 }
                 Err(e) => tracing::error!(session = %act.root_id, error = %e, "claim failed"),
             }
+            // A drain that arrived during the claim waits for it; with nothing started it is done.
+            if act.running.is_none() {
+                for w in act.drain_waiters.drain(..) {
+                    let _ = w.send(());
+                }
+            }
         }));
     }
 
@@ -613,6 +619,11 @@ impl Handler<Respond> for SessionSupervisor {
         let Some(p) = self.prompts.get(&m.prompt_id) else {
             return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
         };
+        if p.responder.is_closed() {
+            // The turn stopped waiting (timeout or interrupt) and has already asked to retire the
+            // prompt with the real resolution; this answer changes nothing.
+            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+        }
         if p.kind != m.kind {
             return Err(GatewayError::InvalidParams(format!(
                 "prompt {} is a {} prompt",
@@ -763,13 +774,17 @@ impl Handler<Drain> for SessionSupervisor {
     type Result = ResponseFuture<()>;
     fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
         self.draining = true;
-        let Some(r) = &self.running else {
-            return Box::pin(async {});
-        };
-        let _ = r.cancel.send(true);
-        let open: Vec<String> = self.prompts.keys().cloned().collect();
-        for id in open {
-            self.retire_prompt(&id, "shutdown");
+        match &self.running {
+            Some(r) => {
+                let _ = r.cancel.send(true);
+                let open: Vec<String> = self.prompts.keys().cloned().collect();
+                for id in open {
+                    self.retire_prompt(&id, "shutdown");
+                }
+            }
+            // A claim in flight may start an attempt (born cancelled): wait for it to settle.
+            None if self.claiming => {}
+            None => return Box::pin(async {}),
         }
         let (tx, rx) = oneshot::channel();
         self.drain_waiters.push(tx);

@@ -559,3 +559,104 @@ async fn a_crash_during_the_summary_call_leaves_the_transcript_intact() {
         "the lost input never ran"
     );
 }
+
+#[actix_rt::test]
+async fn the_latest_user_message_is_never_summarised_away() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000},
+               "compression": {"threshold_tokens": 3200, "protect_first_n": 1, "protect_last_n": 0},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("tail-user", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..3 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    // A pasted message larger than the whole tail budget.
+    let big = format!("P3 {}", "u".repeat(4000));
+    ws.submit(&sid, "P3", &big).await;
+    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
+    assert_eq!(home.admission("P3").outcome.as_deref(), Some("completed"));
+    assert_eq!(summaries(&model).len(), 1);
+    let req = main_requests(&model)
+        .into_iter()
+        .find(|b| tag(&last_user(b)) == "P3")
+        .expect("P3 request");
+    let msgs = req["messages"].as_array().expect("messages");
+    assert_eq!(
+        msgs.last()
+            .map(|m| (m["role"].clone(), m["content"].clone())),
+        Some((json!("user"), json!(big)))
+    );
+}
+
+#[actix_rt::test]
+async fn a_summary_is_not_summarised_again_when_nothing_new_can_be_compacted() {
+    // A small tail budget keeps more than `protect_last_n` short messages, so after one
+    // compaction the only thing left between head and tail is the summary itself.
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if last_user(body).starts_with("BOOM") {
+            overflow()
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", tag(&last_user(body)))}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000},
+               "compression": {"threshold_tokens": 1000, "protect_first_n": 1, "protect_last_n": 2},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("no-progress", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..6 {
+        let id = format!("M{i}");
+        ws.submit(&sid, &id, &format!("M{i} {}", "m".repeat(100)))
+            .await;
+    }
+    ws.submit(&sid, "BOOM", "BOOM overflowing input").await;
+    wait_until("all turns", T, || all_terminal(&home)).await;
+    assert!(
+        summaries(&model).len() == 1,
+        "{} summary requests",
+        summaries(&model).len()
+    );
+    assert_eq!(home.children(&sid).len(), 1);
+    let child = home.children(&sid)[0].clone();
+    assert!(
+        home.children(&child).is_empty(),
+        "no rotation that compacts nothing"
+    );
+    let boom = home.admission("BOOM");
+    assert_eq!(boom.outcome.as_deref(), Some("failed"));
+    let result: Value =
+        serde_json::from_str(boom.result_json.as_deref().unwrap_or("null")).expect("result");
+    assert_eq!(result["reason"], "context_overflow", "{result}");
+}

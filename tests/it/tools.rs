@@ -874,3 +874,153 @@ async fn sigterm_while_parked_on_an_approval_never_runs_the_command() {
     assert!(v.exists());
     assert_eq!(requests_after_tool(&model, "RM"), 0);
 }
+
+#[actix_rt::test]
+async fn approval_always_is_remembered_across_sessions() {
+    let home = Home::new();
+    let (v1, v2) = (victim(&home, "victim1"), victim(&home, "victim2"));
+    let model = scripted(vec![
+        ("FIRST", terminal("call_1", &rm(&v1))),
+        ("SECOND", terminal("call_2", &rm(&v2))),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let a = ws.session("always-a", &home.path).await;
+    let b = ws.session("always-b", &home.path).await;
+    ws.submit(&a, "FIRST", "FIRST").await;
+    let p = ws.wait_prompt(&a, "approval").await;
+    respond(&mut ws, &a, &p, "always").await;
+    settled(&home, "FIRST").await;
+    assert!(!v1.exists());
+    ws.submit(&b, "SECOND", "SECOND").await;
+    assert_eq!(
+        settled(&home, "SECOND").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(
+        !v2.exists(),
+        "an `always` pattern runs in another session without a prompt"
+    );
+    assert!(home.prompt_rows(&b).is_empty());
+}
+
+#[actix_rt::test]
+async fn interrupting_a_parked_prompt_runs_nothing() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![
+        ("RM", terminal("call_rm", &rm(&v))),
+        (
+            "ASK",
+            tool_call("call_q", "clarify", json!({"question": "Sure?"})),
+        ),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("int-parked", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    ws.ok(
+        "session.interrupt",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"]}),
+    )
+    .await;
+    assert_eq!(
+        settled(&home, "RM").await.outcome.as_deref(),
+        Some("interrupted")
+    );
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"}),
+        "stale_generation",
+    )
+    .await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    let q = ws.wait_prompt(&sid, "clarify").await;
+    ws.ok(
+        "session.interrupt",
+        json!({"session_id": sid, "execution_generation": q["execution_generation"]}),
+    )
+    .await;
+    assert_eq!(
+        settled(&home, "ASK").await.outcome.as_deref(),
+        Some("interrupted")
+    );
+    assert!(v.exists());
+    assert_eq!(
+        requests_after_tool(&model, "RM") + requests_after_tool(&model, "ASK"),
+        0
+    );
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(
+        audit,
+        vec![
+            Some("interrupted".to_string()),
+            Some("interrupted".to_string())
+        ]
+    );
+    // The transcript is closed: stub results, then the next input is its own turn.
+    ws.submit(&sid, "NEXT", "NEXT").await;
+    settled(&home, "NEXT").await;
+    let reqs = model.requests();
+    let next = reqs.iter().find(|b| last_user(b) == "NEXT").expect("NEXT");
+    assert_eq!(user_texts(next), ["RM", "ASK", "NEXT"]);
+}
+
+#[actix_rt::test]
+async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("crash-parked", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    d.kill();
+    let d2 = Daemon::start(&home);
+    let mut ws = d2.ws().await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["prompts"], json!([]));
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"}),
+        "stale_generation",
+    )
+    .await;
+    assert_eq!(home.admission("RM").status, "unknown");
+    assert!(v.exists());
+    assert_eq!(requests_after_tool(&model, "RM"), 0);
+}
+
+#[actix_rt::test]
+async fn approval_modes_off_and_deny() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({"approvals": {"mode": "deny"}})));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("modes", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    settled(&home, "RM").await;
+    assert!(v.exists());
+    assert_eq!(tool_result(&model, "RM")["status"], "blocked");
+    drop(ws);
+    d.term();
+    home.write_config(&config(&model.url, json!({"approvals": {"mode": "off"}})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    ws.ok("session.resume", json!({"session_id": sid})).await;
+    ws.submit(&sid, "RM-again", "RM").await;
+    settled(&home, "RM-again").await;
+    assert!(!v.exists(), "mode off runs it without a prompt");
+    assert!(home.prompt_rows(&sid).is_empty());
+}
