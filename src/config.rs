@@ -58,8 +58,28 @@ pub struct GatewayConfig {
     pub outbound_queue_frames: usize,
     pub heartbeat_seconds: f64,
     pub client_timeout_seconds: f64,
+    /// Directories a session's `cwd` must lie under (after resolving symlinks); empty = anywhere.
+    pub allowed_cwd_roots: Vec<PathBuf>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+impl GatewayConfig {
+    /// Is `cwd` (absolute, existing) inside one of `allowed_cwd_roots`? Always true when none
+    /// are configured. Both sides are canonicalised, so `..` and symlinks cannot escape a root.
+    pub fn cwd_allowed(&self, cwd: &Path) -> bool {
+        if self.allowed_cwd_roots.is_empty() {
+            return true;
+        }
+        let Ok(cwd) = cwd.canonicalize() else {
+            return false;
+        };
+        self.allowed_cwd_roots.iter().any(|root| {
+            root.canonicalize()
+                .map(|root| cwd.starts_with(root))
+                .unwrap_or(false)
+        })
+    }
 }
 
 impl Default for GatewayConfig {
@@ -77,6 +97,7 @@ impl Default for GatewayConfig {
             outbound_queue_frames: 4096,
             heartbeat_seconds: 15.0,
             client_timeout_seconds: 60.0,
+            allowed_cwd_roots: Vec::new(),
             extra: Extra::new(),
         }
     }
@@ -381,6 +402,17 @@ impl Config {
         };
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
+        }
+        if self
+            .gateway
+            .allowed_cwd_roots
+            .iter()
+            .any(|r| !r.is_absolute())
+        {
+            return invalid(
+                "gateway.allowed_cwd_roots",
+                "expected a list of absolute directory paths",
+            );
         }
         if self.gateway.drain_timeout_seconds.is_nan() || self.gateway.drain_timeout_seconds <= 0.0
         {

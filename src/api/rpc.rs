@@ -474,6 +474,11 @@ impl Authority {
                 "cwd {cwd:?} must be an absolute, existing directory"
             )));
         }
+        if !cfg.gateway.cwd_allowed(cwd_path) {
+            return Err(GatewayError::PermissionDenied(format!(
+                "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
+            )));
+        }
         let endpoint = cfg.default_endpoint();
         let model = p
             .model

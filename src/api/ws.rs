@@ -90,77 +90,77 @@ fn error_frame(id: Value, err: &GatewayError) -> String {
     json!({"jsonrpc": "2.0", "id": id, "error": err.to_rpc_error()}).to_string()
 }
 
+/// One decoded JSON-RPC request: `id` is `None` for a notification (no reply is sent).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RpcRequest {
+    pub id: Option<Value>,
+    pub method: String,
+    pub params: Value,
+}
+
+/// Decode one text frame into a request (pure: no I/O). On refusal, the id to answer with (the
+/// request's own when it could be read, else `null`) and the typed error.
+pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value, GatewayError)> {
+    if text.len() > max_bytes {
+        let err = GatewayError::PayloadTooLarge(format!("frame is over {max_bytes} bytes"));
+        return Err((Value::Null, err));
+    }
+    let msg: Value = serde_json::from_str(text)
+        .map_err(|e| (Value::Null, GatewayError::Parse(e.to_string())))?;
+    let Value::Object(mut obj) = msg else {
+        let what = if msg.is_array() {
+            "batch requests are not supported"
+        } else {
+            "a request must be an object"
+        };
+        return Err((Value::Null, GatewayError::InvalidRequest(what.into())));
+    };
+    let id = obj.remove("id");
+    let reply_id = match &id {
+        Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
+        Some(_) => {
+            return Err((
+                Value::Null,
+                GatewayError::InvalidRequest("id must be a string, number or null".into()),
+            ))
+        }
+        None => Value::Null,
+    };
+    if obj.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
+        return Err((
+            reply_id,
+            GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into()),
+        ));
+    }
+    let Some(Value::String(method)) = obj.remove("method") else {
+        return Err((
+            reply_id,
+            GatewayError::InvalidRequest("method must be a string".into()),
+        ));
+    };
+    let params = match obj.remove("params") {
+        None | Some(Value::Null) => json!({}),
+        Some(p @ Value::Object(_)) => p,
+        Some(_) => {
+            return Err((
+                reply_id,
+                GatewayError::InvalidParams("params must be an object".into()),
+            ))
+        }
+    };
+    Ok(RpcRequest { id, method, params })
+}
+
 impl WsConnection {
     fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
-        if text.len() > self.max_frame {
-            let err =
-                GatewayError::PayloadTooLarge(format!("frame is over {} bytes", self.max_frame));
-            ctx.text(error_frame(Value::Null, &err));
-            return;
-        }
-        let msg: Value = match serde_json::from_str(text) {
-            Ok(v) => v,
-            Err(e) => {
-                ctx.text(error_frame(
-                    Value::Null,
-                    &GatewayError::Parse(e.to_string()),
-                ));
+        let RpcRequest { id, method, params } = match parse_request(text, self.max_frame) {
+            Ok(r) => r,
+            Err((reply_id, err)) => {
+                ctx.text(error_frame(reply_id, &err));
                 return;
             }
         };
-        let Value::Object(obj) = msg else {
-            let what = if msg.is_array() {
-                "batch requests are not supported"
-            } else {
-                "a request must be an object"
-            };
-            ctx.text(error_frame(
-                Value::Null,
-                &GatewayError::InvalidRequest(what.into()),
-            ));
-            return;
-        };
-        let id = obj.get("id").cloned();
-        let reply_id = match &id {
-            Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
-            Some(_) => {
-                ctx.text(error_frame(
-                    Value::Null,
-                    &GatewayError::InvalidRequest("id must be a string, number or null".into()),
-                ));
-                return;
-            }
-            None => Value::Null,
-        };
-        if obj.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
-            ctx.text(error_frame(
-                reply_id,
-                &GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into()),
-            ));
-            return;
-        }
-        let Some(method) = obj
-            .get("method")
-            .and_then(|m| m.as_str())
-            .map(str::to_string)
-        else {
-            ctx.text(error_frame(
-                reply_id,
-                &GatewayError::InvalidRequest("method must be a string".into()),
-            ));
-            return;
-        };
-        let params = match obj.get("params") {
-            None | Some(Value::Null) => json!({}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
-                ctx.text(error_frame(
-                    reply_id,
-                    &GatewayError::InvalidParams("params must be an object".into()),
-                ));
-                return;
-            }
-        };
+        let reply_id = id.clone().unwrap_or(Value::Null);
         let caller = Caller {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
@@ -299,10 +299,13 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
             Ok(ws::Message::Nop) => {}
             Err(e) => {
                 tracing::info!(conn = self.conn_id, error = %e, "websocket protocol error; closing");
-                let code = if matches!(e, ws::ProtocolError::Overflow) {
-                    ws::CloseCode::Size
-                } else {
-                    ws::CloseCode::Protocol
+                let code = match &e {
+                    ws::ProtocolError::Overflow => ws::CloseCode::Size,
+                    // A text frame that is not UTF-8 (the codec reports it as an I/O error).
+                    ws::ProtocolError::Io(io) if io.to_string().contains("utf-8") => {
+                        ws::CloseCode::Invalid
+                    }
+                    _ => ws::CloseCode::Protocol,
                 };
                 ctx.close(Some(ws::CloseReason {
                     code,

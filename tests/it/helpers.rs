@@ -572,6 +572,15 @@ impl Ws {
         }
     }
 
+    /// Wrap an already-upgraded connection (e.g. one made with a bearer key).
+    pub fn from_framed(framed: Framed) -> Ws {
+        Ws {
+            framed,
+            events: Vec::new(),
+            next_id: 1,
+        }
+    }
+
     pub async fn send_raw(&mut self, text: String) {
         self.framed
             .send(awc::ws::Message::Text(text.into()))

@@ -2,7 +2,9 @@
 
 mod authority;
 mod compression;
+mod fuzz;
 mod helpers;
+mod hostile;
+mod ops;
 mod rooms;
 mod tools;
-mod ops;

@@ -1,0 +1,976 @@
+//! Hostile input, table-driven: every malformed or unauthorised request over the WebSocket, the
+//! upgrade and the control socket gets a typed error, the daemon stays up, and a normal request
+//! succeeds right after each case.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::helpers::*;
+
+// ---------- a raw WebSocket client (for frames a well-behaved client cannot send) ----------
+
+pub struct RawWs {
+    stream: TcpStream,
+}
+
+pub struct Upgrade {
+    pub status: u16,
+    pub body: String,
+    pub stream: TcpStream,
+}
+
+fn host_port(origin: &str) -> String {
+    origin.trim_start_matches("http://").to_string()
+}
+
+/// An HTTP upgrade with these subprotocols (and extra headers); the status, body and stream.
+pub fn raw_upgrade(origin: &str, protocols: &[String], headers: &[(&str, &str)]) -> Upgrade {
+    let addr = host_port(origin);
+    let mut stream = TcpStream::connect(&addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut req = format!(
+        "GET /api/ws HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+    );
+    if !protocols.is_empty() {
+        req.push_str(&format!(
+            "Sec-WebSocket-Protocol: {}\r\n",
+            protocols.join(", ")
+        ));
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    stream.write_all(req.as_bytes()).expect("write upgrade");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = stream.read(&mut byte).expect("read head");
+        assert!(n == 1, "connection closed during the upgrade");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let mut body = String::new();
+    if status != 101 {
+        let len = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+            })
+            .unwrap_or(0);
+        let mut buf = vec![0u8; len];
+        stream.read_exact(&mut buf).expect("body");
+        body = String::from_utf8_lossy(&buf).to_string();
+    }
+    Upgrade {
+        status,
+        body,
+        stream,
+    }
+}
+
+impl RawWs {
+    pub fn connect(home: &Path, origin: &str) -> RawWs {
+        let t = ticket(home);
+        let up = raw_upgrade(
+            origin,
+            &["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")],
+            &[],
+        );
+        assert_eq!(up.status, 101, "{}", up.body);
+        RawWs { stream: up.stream }
+    }
+
+    /// Send one frame (client frames are masked).
+    pub fn frame(&mut self, fin: bool, opcode: u8, payload: &[u8]) {
+        let mut out = vec![if fin { 0x80 } else { 0 } | opcode];
+        let len = payload.len();
+        if len < 126 {
+            out.push(0x80 | len as u8);
+        } else if len <= 0xffff {
+            out.push(0x80 | 126);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0x80 | 127);
+            out.extend_from_slice(&(len as u64).to_be_bytes());
+        }
+        let mask = [0x11u8, 0x22, 0x33, 0x44];
+        out.extend_from_slice(&mask);
+        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        let _ = self.stream.write_all(&out);
+    }
+
+    pub fn text(&mut self, payload: &[u8]) {
+        self.frame(true, 0x1, payload);
+    }
+
+    /// The next data or close frame: `(opcode, payload)`; `None` at EOF.
+    pub fn read(&mut self) -> Option<(u8, Vec<u8>)> {
+        loop {
+            let mut h = [0u8; 2];
+            self.stream.read_exact(&mut h).ok()?;
+            let opcode = h[0] & 0x0f;
+            let mut len = (h[1] & 0x7f) as u64;
+            if len == 126 {
+                let mut b = [0u8; 2];
+                self.stream.read_exact(&mut b).ok()?;
+                len = u16::from_be_bytes(b) as u64;
+            } else if len == 127 {
+                let mut b = [0u8; 8];
+                self.stream.read_exact(&mut b).ok()?;
+                len = u64::from_be_bytes(b);
+            }
+            let mut payload = vec![0u8; len as usize];
+            self.stream.read_exact(&mut payload).ok()?;
+            match opcode {
+                0x9 => self.frame(true, 0xA, &payload),
+                0xA => {}
+                _ => return Some((opcode, payload)),
+            }
+        }
+    }
+
+    /// The next JSON reply (events skipped).
+    pub fn reply(&mut self) -> Value {
+        loop {
+            let (op, payload) = self.read().expect("a frame");
+            assert_eq!(op, 0x1, "a text frame, got opcode {op}");
+            let v: Value = serde_json::from_slice(&payload).expect("json");
+            if v.get("method").is_some() && v.get("id").is_none() {
+                continue;
+            }
+            return v;
+        }
+    }
+
+    /// The close frame's code and reason, or `None` if the stream just ended.
+    pub fn close_code(&mut self) -> Option<(u16, String)> {
+        loop {
+            let (op, payload) = self.read()?;
+            if op == 0x8 {
+                let code = payload
+                    .get(..2)
+                    .map(|b| u16::from_be_bytes([b[0], b[1]]))
+                    .unwrap_or(1005);
+                let reason = String::from_utf8_lossy(payload.get(2..).unwrap_or(&[])).to_string();
+                return Some((code, reason));
+            }
+        }
+    }
+}
+
+fn sha256_hex(s: &str) -> String {
+    Sha256::digest(s.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `(name, frame, expected code, expected reason, expected reply id)`.
+type FrameCase = (&'static str, String, i64, &'static str, Value);
+
+fn frame_cases(sid: &str) -> Vec<FrameCase> {
+    let resume = |params: Value| {
+        json!({"jsonrpc": "2.0", "id": 9, "method": "session.resume", "params": params}).to_string()
+    };
+    let submit = |params: Value| {
+        json!({"jsonrpc": "2.0", "id": 10, "method": "prompt.submit", "params": params}).to_string()
+    };
+    let create = |params: Value| {
+        json!({"jsonrpc": "2.0", "id": 11, "method": "session.create", "params": params})
+            .to_string()
+    };
+    let nested = format!(
+        r#"{{"jsonrpc":"2.0","id":12,"method":"session.resume","params":{{"session_id":{}1{}}}}}"#,
+        "[".repeat(400),
+        "]".repeat(400)
+    );
+    vec![
+        (
+            "invalid_json",
+            "{not json".into(),
+            -32700,
+            "parse_error",
+            Value::Null,
+        ),
+        (
+            "empty_frame",
+            String::new(),
+            -32700,
+            "parse_error",
+            Value::Null,
+        ),
+        (
+            "truncated_json",
+            r#"{"jsonrpc":"2.0","id":1,"method":"#.into(),
+            -32700,
+            "parse_error",
+            Value::Null,
+        ),
+        (
+            "lone_surrogate",
+            r#"{"jsonrpc":"2.0","id":1,"method":"\ud800"}"#.into(),
+            -32700,
+            "parse_error",
+            Value::Null,
+        ),
+        ("deep_nesting", nested, -32700, "parse_error", Value::Null),
+        (
+            "wrong_jsonrpc_version",
+            json!({"jsonrpc": "1.0", "id": 2, "method": "session.resume"}).to_string(),
+            -32600,
+            "invalid_request",
+            json!(2),
+        ),
+        (
+            "jsonrpc_as_number",
+            json!({"jsonrpc": 2.0, "id": 3, "method": "session.resume"}).to_string(),
+            -32600,
+            "invalid_request",
+            json!(3),
+        ),
+        (
+            "missing_jsonrpc",
+            json!({"id": 4, "method": "session.resume"}).to_string(),
+            -32600,
+            "invalid_request",
+            json!(4),
+        ),
+        (
+            "batch_array",
+            json!([{"jsonrpc": "2.0", "id": 5, "method": "session.resume"}]).to_string(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "empty_batch",
+            "[]".into(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "bare_number",
+            "42".into(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "bare_string",
+            "\"hello\"".into(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "bare_null",
+            "null".into(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "missing_method",
+            json!({"jsonrpc": "2.0", "id": 6}).to_string(),
+            -32600,
+            "invalid_request",
+            json!(6),
+        ),
+        (
+            "method_not_a_string",
+            json!({"jsonrpc": "2.0", "id": 7, "method": 17}).to_string(),
+            -32600,
+            "invalid_request",
+            json!(7),
+        ),
+        (
+            "id_bool",
+            json!({"jsonrpc": "2.0", "id": true, "method": "x"}).to_string(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "id_array",
+            json!({"jsonrpc": "2.0", "id": [1], "method": "x"}).to_string(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "id_object",
+            json!({"jsonrpc": "2.0", "id": {"a": 1}, "method": "x"}).to_string(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
+            "params_array",
+            json!({"jsonrpc": "2.0", "id": 8, "method": "session.resume", "params": [sid]})
+                .to_string(),
+            -32602,
+            "invalid_params",
+            json!(8),
+        ),
+        (
+            "params_string",
+            json!({"jsonrpc": "2.0", "id": 8, "method": "session.resume", "params": "x"})
+                .to_string(),
+            -32602,
+            "invalid_params",
+            json!(8),
+        ),
+        (
+            "unknown_method",
+            json!({"jsonrpc": "2.0", "id": "u", "method": "session.explode"}).to_string(),
+            -32601,
+            "unknown_method",
+            json!("u"),
+        ),
+        (
+            "huge_method_name",
+            json!({"jsonrpc": "2.0", "id": "m", "method": "x".repeat(20_000)}).to_string(),
+            -32601,
+            "unknown_method",
+            json!("m"),
+        ),
+        (
+            "missing_param",
+            resume(json!({})),
+            -32602,
+            "invalid_params",
+            json!(9),
+        ),
+        (
+            "extra_param",
+            resume(json!({"session_id": sid, "admin": true})),
+            -32602,
+            "invalid_params",
+            json!(9),
+        ),
+        (
+            "ill_typed_param",
+            resume(json!({"session_id": 7})),
+            -32602,
+            "invalid_params",
+            json!(9),
+        ),
+        (
+            "null_param",
+            resume(json!({"session_id": null})),
+            -32602,
+            "invalid_params",
+            json!(9),
+        ),
+        (
+            "unknown_session",
+            resume(json!({"session_id": "local-nope"})),
+            4001,
+            "not_found",
+            json!(9),
+        ),
+        (
+            "text_over_limit",
+            submit(json!({"session_id": sid, "input_id": "big", "text": "x".repeat(5000)})),
+            4001,
+            "payload_too_large",
+            json!(10),
+        ),
+        (
+            "empty_input_id",
+            submit(json!({"session_id": sid, "input_id": "", "text": "x"})),
+            -32602,
+            "invalid_params",
+            json!(10),
+        ),
+        (
+            "huge_input_id",
+            submit(json!({"session_id": sid, "input_id": "i".repeat(2000), "text": "x"})),
+            -32602,
+            "invalid_params",
+            json!(10),
+        ),
+        (
+            "text_ill_typed",
+            submit(json!({"session_id": sid, "input_id": "i", "text": {"nested": [1, 2]}})),
+            -32602,
+            "invalid_params",
+            json!(10),
+        ),
+        (
+            "toolsets_ill_typed",
+            create(json!({"request_id": "h", "toolsets": "terminal"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "unknown_toolset",
+            create(json!({"request_id": "h", "toolsets": ["rocket"]})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "unknown_source",
+            create(json!({"request_id": "h", "source": "satellite"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "cwd_relative",
+            create(json!({"request_id": "h", "cwd": "relative/dir"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "cwd_missing_dir",
+            create(json!({"request_id": "h", "cwd": "/no/such/dir/anywhere"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "base_url_with_credentials",
+            create(json!({"request_id": "h", "base_url": "http://u:p@127.0.0.1:1/v1"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "request_id_too_long",
+            create(json!({"request_id": "r".repeat(2000)})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "frame_over_limit",
+            json!({"jsonrpc": "2.0", "id": 13, "method": "x", "pad": "p".repeat(40_000)})
+                .to_string(),
+            4001,
+            "payload_too_large",
+            Value::Null,
+        ),
+    ]
+}
+
+async fn normal_request(ws: &mut Ws, sid: &str) {
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["session_id"], sid);
+}
+
+#[actix_rt::test]
+async fn hostile_frames_get_typed_errors_and_the_connection_keeps_serving() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"max_frame_bytes": 32768}, "session": {"max_text_bytes": 4096}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("hostile", &home.path).await;
+    for (name, frame, code, reason, id) in frame_cases(&sid) {
+        ws.send_raw(frame).await;
+        let v = ws.recv_reply().await;
+        assert_eq!(v["jsonrpc"], "2.0", "{name}: {v}");
+        assert_eq!(v["error"]["code"], code, "{name}: {v}");
+        assert_eq!(v["error"]["data"]["reason"], reason, "{name}: {v}");
+        assert_eq!(v["id"], id, "{name}: {v}");
+        assert!(v.get("result").is_none(), "{name}: {v}");
+        normal_request(&mut ws, &sid).await;
+    }
+    // Ids of every JSON type a request may use come back unchanged.
+    for id in [
+        json!("s"),
+        json!(""),
+        json!(0),
+        json!(-7),
+        json!(1.5),
+        json!(9_007_199_254_740_993u64),
+        Value::Null,
+    ] {
+        ws.send_raw(
+            json!({"jsonrpc": "2.0", "id": id, "method": "session.resume", "params": {"session_id": sid}})
+                .to_string(),
+        )
+        .await;
+        let v = ws.recv_reply().await;
+        assert_eq!(v["id"], id, "id {id}: {v}");
+        assert_eq!(v["result"]["session_id"], sid, "id {id}: {v}");
+    }
+    // A notification (no id) gets no reply, even when it fails: the next reply is the next call's.
+    ws.send_raw(json!({"jsonrpc": "2.0", "method": "no.such.method"}).to_string())
+        .await;
+    ws.send_raw(
+        json!({"jsonrpc": "2.0", "method": "session.resume", "params": {"session_id": sid}})
+            .to_string(),
+    )
+    .await;
+    normal_request(&mut ws, &sid).await;
+    // Binary frames are refused in-band.
+    ws.send_binary(b"\x00\x01binary".to_vec()).await;
+    let v = ws.recv_reply().await;
+    assert_eq!(
+        (
+            v["error"]["code"].clone(),
+            v["error"]["data"]["reason"].clone()
+        ),
+        (json!(-32600), json!("invalid_request"))
+    );
+    normal_request(&mut ws, &sid).await;
+    assert!(
+        home.admissions().is_empty(),
+        "no hostile frame admitted anything"
+    );
+    assert_eq!(model.requests().len(), 0);
+}
+
+#[actix_rt::test]
+async fn hostile_raw_frames_close_or_refuse_and_the_daemon_keeps_serving() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"max_frame_bytes": 4096}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("raw", &home.path).await;
+
+    // non_utf8_text_frame: the connection is closed as invalid payload (1007), not the daemon.
+    let mut raw = RawWs::connect(&home.path, &origin);
+    raw.text(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"\xff\xfe\"}");
+    let (code, reason) = raw
+        .close_code()
+        .expect("non_utf8_text_frame: a close frame");
+    assert_eq!(code, 1007, "non_utf8_text_frame: {reason}");
+    normal_request(&mut ws, &sid).await;
+
+    // fragmented_message: reassembled and answered like one frame.
+    let mut raw = RawWs::connect(&home.path, &origin);
+    let msg =
+        json!({"jsonrpc": "2.0", "id": "frag", "method": "session.resume", "params": {"session_id": sid}})
+            .to_string();
+    let (a, b) = msg.as_bytes().split_at(10);
+    raw.frame(false, 0x1, a);
+    raw.frame(true, 0x0, b);
+    let v = raw.reply();
+    assert_eq!(v["id"], "frag");
+    assert_eq!(v["result"]["session_id"], sid, "{v}");
+
+    // fragmented_over_limit: the pieces together exceed the limit → payload_too_large in-band.
+    let chunk = vec![b' '; 3000];
+    raw.frame(false, 0x1, b"{");
+    raw.frame(false, 0x0, &chunk);
+    raw.frame(true, 0x0, &chunk);
+    let v = raw.reply();
+    assert_eq!(
+        v["error"]["data"]["reason"], "payload_too_large",
+        "fragmented_over_limit: {v}"
+    );
+    raw.text(msg.as_bytes());
+    assert_eq!(raw.reply()["id"], "frag", "still serving after fragments");
+
+    // fragmented_non_utf8: reassembled bytes that are not UTF-8 → parse error in-band.
+    raw.frame(false, 0x1, b"{\"a\":\"\xff");
+    raw.frame(true, 0x0, b"\"}");
+    let v = raw.reply();
+    assert_eq!(v["error"]["code"], -32700, "fragmented_non_utf8: {v}");
+    raw.text(msg.as_bytes());
+    assert_eq!(raw.reply()["id"], "frag");
+
+    // frame_over_codec_limit: a single frame far over the limit closes the connection (1009).
+    let mut raw = RawWs::connect(&home.path, &origin);
+    raw.text(&vec![b'x'; 100 * 1024]);
+    let (code, _) = raw
+        .close_code()
+        .expect("frame_over_codec_limit: a close frame");
+    assert_eq!(code, 1009, "frame_over_codec_limit");
+    normal_request(&mut ws, &sid).await;
+
+    // reserved_opcode: a protocol error closes that connection only (1002).
+    let mut raw = RawWs::connect(&home.path, &origin);
+    raw.frame(true, 0x3, b"??");
+    let closed = raw.close_code();
+    assert!(
+        matches!(closed, None | Some((1002, _))),
+        "reserved_opcode: {closed:?}"
+    );
+    normal_request(&mut ws, &sid).await;
+    assert!(home.admissions().is_empty());
+}
+
+#[actix_rt::test]
+async fn hostile_upgrades_are_refused_before_the_websocket() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    let key = "test-key-123";
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"ticket_ttl_seconds": 0.3, "api_keys": [sha256_hex(key)]}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let origin = d.origin();
+    let refused = |name: &str, up: Upgrade, status: u16, reason: &str| {
+        assert_eq!(up.status, status, "{name}: {}", up.body);
+        let body: Value = serde_json::from_str(&up.body).unwrap_or(Value::Null);
+        assert_eq!(body["error"]["reason"], reason, "{name}: {}", up.body);
+    };
+    let p = |t: &str| vec!["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")];
+    refused(
+        "ticket_missing",
+        raw_upgrade(&origin, &["gatehouse.v1".into()], &[]),
+        401,
+        "permission_denied",
+    );
+    refused(
+        "ticket_unknown",
+        raw_upgrade(&origin, &p("bogus"), &[]),
+        401,
+        "permission_denied",
+    );
+    refused(
+        "ticket_empty",
+        raw_upgrade(&origin, &p(""), &[]),
+        401,
+        "permission_denied",
+    );
+    refused(
+        "bearer_wrong_key",
+        raw_upgrade(
+            &origin,
+            &["gatehouse.v1".into()],
+            &[("Authorization", "Bearer not-the-key")],
+        ),
+        401,
+        "permission_denied",
+    );
+    let t = ticket(&home.path);
+    assert_eq!(raw_upgrade(&origin, &p(&t), &[]).status, 101);
+    refused(
+        "ticket_reused",
+        raw_upgrade(&origin, &p(&t), &[]),
+        401,
+        "permission_denied",
+    );
+    let t = ticket(&home.path);
+    refused(
+        "subprotocol_missing",
+        raw_upgrade(&origin, &[format!("gatehouse-ticket.{t}")], &[]),
+        400,
+        "invalid_request",
+    );
+    let t = ticket(&home.path);
+    // The only wait: the ticket's own 0.3 s lifetime.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    refused(
+        "ticket_expired",
+        raw_upgrade(&origin, &p(&t), &[]),
+        401,
+        "permission_denied",
+    );
+    // ticket_for_another_instance: minted by this instance, offered to the next one.
+    let t = ticket(&home.path);
+    let old_instance = d.identify["instance_id"].clone();
+    d.kill();
+    let d2 = Daemon::start(&home);
+    assert_ne!(d2.identify["instance_id"], old_instance);
+    refused(
+        "ticket_for_another_instance",
+        raw_upgrade(&d2.origin(), &p(&t), &[]),
+        401,
+        "permission_denied",
+    );
+    // A bearer key works and is another principal.
+    let up = raw_upgrade(
+        &d2.origin(),
+        &["gatehouse.v1".into()],
+        &[("Authorization", &format!("Bearer {key}"))],
+    );
+    assert_eq!(up.status, 101, "bearer_key_accepted: {}", up.body);
+    // After all that, a normal client connects and works.
+    let mut ws = d2.ws().await;
+    let sid = ws.session("after", &home.path).await;
+    normal_request(&mut ws, &sid).await;
+}
+
+#[actix_rt::test]
+async fn access_control_is_per_connection_and_per_principal() {
+    let home = Home::new();
+    let victim = home.path.join("victim");
+    std::fs::create_dir_all(victim.join("inside")).expect("victim");
+    let cmd = format!("rm -rf -- {}", victim.display());
+    let model = FakeModel::start(move |body| {
+        if after_tool(body) {
+            Reply::Message(json!({"role": "assistant", "content": "done"}), "stop")
+        } else {
+            Reply::Message(
+                tool_call("c1", "terminal", json!({"command": cmd})),
+                "tool_calls",
+            )
+        }
+    });
+    let key = "principal-two";
+    let inside = home.path.join("work");
+    let outside = std::env::temp_dir();
+    std::fs::create_dir_all(inside.join("sub")).expect("work dir");
+    std::os::unix::fs::symlink(&outside, inside.join("escape")).expect("symlink");
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"api_keys": [sha256_hex(key)], "allowed_cwd_roots": [inside]}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut owner = d.ws().await;
+    // cwd outside the allowed roots, by path, by `..` and by symlink.
+    let esc = |p: &Path| p.to_string_lossy().to_string();
+    for (name, cwd, reason) in [
+        ("cwd_outside_roots", esc(&outside), "permission_denied"),
+        (
+            "cwd_dotdot_escape",
+            format!("{}/sub/../..", inside.display()),
+            "permission_denied",
+        ),
+        (
+            "cwd_symlink_escape",
+            esc(&inside.join("escape")),
+            "permission_denied",
+        ),
+        ("cwd_not_absolute", "work/sub".to_string(), "invalid_params"),
+    ] {
+        owner
+            .refused(
+                "session.create",
+                json!({"request_id": name, "cwd": cwd}),
+                reason,
+            )
+            .await;
+    }
+    let sid = owner.session("acl", &inside.join("sub")).await;
+    let r = owner.submit(&sid, "RM", "RM").await;
+    let p = owner.wait_prompt(&sid, "approval").await;
+    let gen = p["execution_generation"].clone();
+    // A second connection of the same principal that never resumed the session.
+    let mut other = d.ws().await;
+    for (name, method, params) in [
+        (
+            "answer_foreign_prompt",
+            "approval.respond",
+            json!({"session_id": sid, "execution_generation": gen, "prompt_id": p["prompt_id"], "choice": "once"}),
+        ),
+        (
+            "clarify_foreign_prompt",
+            "clarify.respond",
+            json!({"session_id": sid, "execution_generation": gen, "prompt_id": p["prompt_id"], "answer": "yes"}),
+        ),
+        (
+            "submit_unresumed",
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "x", "text": "x"}),
+        ),
+        (
+            "receipt_unresumed",
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": r["admission_id"]}),
+        ),
+        (
+            "cancel_unresumed",
+            "prompt.cancel",
+            json!({"session_id": sid, "admission_id": r["admission_id"]}),
+        ),
+        (
+            "interrupt_unresumed",
+            "session.interrupt",
+            json!({"session_id": sid, "execution_generation": gen}),
+        ),
+        (
+            "resolve_unresumed",
+            "prompt.resolve_unknown",
+            json!({"session_id": sid, "admission_id": r["admission_id"], "execution_generation": gen}),
+        ),
+    ] {
+        let v = other.call(method, params).await;
+        assert_eq!(v["error"]["code"], 4001, "{name}: {v}");
+        assert_eq!(
+            v["error"]["data"]["reason"], "permission_denied",
+            "{name}: {v}"
+        );
+        // The owner's connection keeps working, and the prompt is still open.
+        normal_request(&mut owner, &sid).await;
+    }
+    assert!(victim.exists(), "no foreign answer ran the command");
+    // Another principal (an API key) may not even resume it.
+    let url = format!("{}/api/ws", d.origin().replacen("http", "ws", 1));
+    let (_, framed) = awc::Client::builder()
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish()
+        .ws(url)
+        .protocols(["gatehouse.v1"])
+        .bearer_auth(key)
+        .connect()
+        .await
+        .expect("bearer connect");
+    let mut stranger = Ws::from_framed(framed);
+    stranger
+        .refused(
+            "session.resume",
+            json!({"session_id": sid}),
+            "permission_denied",
+        )
+        .await;
+    // Wrong-typed generation on a real prompt: refused as stale, nothing runs.
+    owner
+        .refused(
+            "approval.respond",
+            json!({"session_id": sid, "execution_generation": "1", "prompt_id": p["prompt_id"], "choice": "once"}),
+            "stale_generation",
+        )
+        .await;
+    owner
+        .refused(
+            "approval.respond",
+            json!({"session_id": sid, "execution_generation": gen, "prompt_id": p["prompt_id"], "choice": "sudo"}),
+            "invalid_params",
+        )
+        .await;
+    assert!(victim.exists());
+    owner
+        .ok(
+            "approval.respond",
+            json!({"session_id": sid, "execution_generation": gen, "prompt_id": p["prompt_id"], "choice": "deny"}),
+        )
+        .await;
+    wait_until("the turn", Duration::from_secs(20), || all_terminal(&home)).await;
+    assert!(victim.exists(), "denied: never ran");
+}
+
+/// One control-socket exchange on a fresh connection: write `bytes`, read one line.
+fn control_raw(home: &Path, bytes: &[u8], close_write: bool) -> (Value, UnixStream) {
+    let mut s = UnixStream::connect(home.join("gateway.sock")).expect("control socket");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(bytes).expect("write");
+    if close_write {
+        s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    }
+    let mut line = String::new();
+    BufReader::new(s.try_clone().expect("clone"))
+        .read_line(&mut line)
+        .expect("a reply line");
+    (serde_json::from_str(&line).expect("json reply"), s)
+}
+
+#[actix_rt::test]
+async fn hostile_control_socket_lines_get_typed_errors() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let ok = |name: &str| {
+        let v = control(&home.path, "identify", json!({})).expect("identify");
+        assert_eq!(v["state"], "ready", "after {name}: {v}");
+    };
+    let big = format!(
+        "{{\"method\":\"identify\",\"pad\":\"{}\"}}\n",
+        "x".repeat(70_000)
+    );
+    let cases: Vec<(&str, Vec<u8>, bool, &str)> = vec![
+        ("invalid_json", b"{nope\n".to_vec(), false, "parse_error"),
+        ("empty_line", b"\n".to_vec(), false, "parse_error"),
+        (
+            "non_utf8_line",
+            b"{\"method\":\"\xff\xfe\"}\n".to_vec(),
+            false,
+            "parse_error",
+        ),
+        ("json_array", b"[1,2]\n".to_vec(), false, "invalid_request"),
+        (
+            "json_string",
+            b"\"identify\"\n".to_vec(),
+            false,
+            "invalid_request",
+        ),
+        (
+            "unknown_method",
+            b"{\"method\":\"format-disk\"}\n".to_vec(),
+            false,
+            "unknown_method",
+        ),
+        (
+            "method_not_a_string",
+            b"{\"method\":7}\n".to_vec(),
+            false,
+            "unknown_method",
+        ),
+        (
+            "ticket_bad_purpose",
+            b"{\"method\":\"session-ticket\",\"params\":{\"purpose\":\"admin\"}}\n".to_vec(),
+            false,
+            "invalid_params",
+        ),
+        (
+            "ticket_for_another_instance",
+            b"{\"method\":\"session-ticket\",\"params\":{\"instance_id\":\"someone-else\"}}\n"
+                .to_vec(),
+            false,
+            "stale_instance",
+        ),
+        (
+            "resolve_unknown_nonsense",
+            b"{\"method\":\"resolve-unknown\",\"params\":5}\n".to_vec(),
+            false,
+            "not_found",
+        ),
+        (
+            "line_without_newline",
+            b"{\"method\":\"identify\"}".to_vec(),
+            true,
+            "invalid_request",
+        ),
+        (
+            "line_over_limit",
+            big.into_bytes(),
+            false,
+            "payload_too_large",
+        ),
+    ];
+    for (name, bytes, close_write, code) in cases {
+        let (v, mut s) = control_raw(&home.path, &bytes, close_write);
+        assert_eq!(v["error"]["code"], code, "{name}: {v}");
+        if !close_write && code != "payload_too_large" {
+            // The same connection stays usable.
+            s.write_all(b"{\"method\":\"identify\"}\n").expect("write");
+            let mut line = String::new();
+            BufReader::new(s).read_line(&mut line).expect("line");
+            let v: Value = serde_json::from_str(&line).expect("json");
+            assert_eq!(v["state"], "ready", "{name}: same connection");
+        }
+        ok(name);
+    }
+    // Still a working daemon for WebSocket clients too.
+    let mut ws = d.ws().await;
+    let sid = ws.session("ctl", &home.path).await;
+    normal_request(&mut ws, &sid).await;
+}
