@@ -216,7 +216,6 @@ impl Turn {
                 && self.transcript.len()
                     > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
             {
-                self.compressions += 1;
                 match self.compact(threshold).await {
                     Ok(()) => continue,
                     Err(CompactError::Stop(s)) => return Err(s),
@@ -236,7 +235,6 @@ impl Turn {
                             reason: "context_overflow",
                         });
                     }
-                    self.compressions += 1;
                     match self.compact(threshold).await {
                         Ok(()) => continue,
                         Err(CompactError::Stop(s)) => return Err(s),
@@ -416,7 +414,7 @@ impl Turn {
             )));
         }
         if let Some(m) = danger::detect(&command) {
-            match cfg.approvals.mode {
+            match cfg.approvals.mode_for(&self.root.source) {
                 ApprovalMode::Off => {}
                 ApprovalMode::Deny => {
                     return ToolResult::Output(blocked(&format!(
@@ -702,6 +700,8 @@ impl Turn {
             .unwrap_or_else(|| self.root.provider.clone());
         let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
         let body = compress::summary_request(&model, &plan.middle, None);
+        // An attempt is a summary request: a plan with nothing to compact costs nothing.
+        self.compressions += 1;
         let call = ChatCall {
             provider,
             base_url,

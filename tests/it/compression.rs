@@ -660,3 +660,149 @@ async fn a_summary_is_not_summarised_again_when_nothing_new_can_be_compacted() {
         serde_json::from_str(boom.result_json.as_deref().unwrap_or("null")).expect("result");
     assert_eq!(result["reason"], "context_overflow", "{result}");
 }
+
+/// Every tool result follows the assistant message that called it, and every call has its result.
+fn well_formed(body: &Value) -> Result<(), String> {
+    let msgs = body["messages"].as_array().ok_or("no messages")?;
+    let mut open: Vec<String> = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        match m["role"].as_str() {
+            Some("tool") => {
+                let id = m["tool_call_id"].as_str().unwrap_or("").to_string();
+                let pos = open
+                    .iter()
+                    .position(|o| *o == id)
+                    .ok_or(format!("orphan tool result at {i}: {id}"))?;
+                open.remove(pos);
+            }
+            role => {
+                if !open.is_empty() {
+                    return Err(format!("calls {open:?} unanswered before message {i}"));
+                }
+                if role == Some("assistant") {
+                    open = m["tool_calls"]
+                        .as_array()
+                        .map(|c| {
+                            c.iter()
+                                .filter_map(|c| c["id"].as_str().map(str::to_string))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[actix_rt::test]
+async fn compaction_never_splits_a_tool_call_from_its_result() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return summary_reply();
+        }
+        let t = tag(&last_user(body));
+        if after_tool(body) {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{t}")}),
+                "stop",
+            )
+        } else {
+            let call = tool_call(
+                &format!("call_{t}"),
+                "terminal",
+                json!({"command": "head -c 2000 /dev/zero | tr '\\0' x"}),
+            );
+            Reply::Message(call, "tool_calls")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000},
+               "compression": {"threshold_tokens": 2000, "protect_first_n": 1, "protect_last_n": 2},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("pairs", &home.path).await;
+    for i in 0..5 {
+        let id = format!("T{i}");
+        ws.submit(&sid, &id, &format!("T{i} run the command")).await;
+    }
+    wait_until("all turns", T, || all_terminal(&home)).await;
+    for i in 0..5 {
+        assert_eq!(
+            home.admission(&format!("T{i}")).outcome.as_deref(),
+            Some("completed")
+        );
+    }
+    let sums = summaries(&model);
+    assert!(
+        !sums.is_empty(),
+        "the tool output pushed the history over the threshold"
+    );
+    assert!(sums
+        .iter()
+        .any(|s| mentions(s, "[Tool calls: terminal(") && mentions(s, "[TOOL RESULT call_T")));
+    for b in main_requests(&model) {
+        if let Err(e) = well_formed(&b) {
+            panic!("{e}: {}", b["messages"]);
+        }
+    }
+    // Stored, too: the tip's live rows pair up.
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    well_formed(&snap).expect("the tip's transcript pairs calls and results");
+    let last = main_requests(&model).pop().expect("requests");
+    assert_eq!(tag(&last_user(&last)), "T4");
+}
+
+#[actix_rt::test]
+async fn max_attempts_bounds_the_compressions_of_one_turn() {
+    // P3 is compressed before its request (the one allowed attempt), then overflows anyway.
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if tag(&last_user(body)) == "P3" {
+            overflow()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    let mut cfg = pressure_config(&model.url, false);
+    merge(&mut cfg, json!({"compression": {"max_attempts": 1}}));
+    home.write_config(&cfg);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("attempts", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..3 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    ws.submit(&sid, "P3", &pressure(3)).await;
+    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
+    let row = home.admission("P3");
+    assert_eq!(row.outcome.as_deref(), Some("failed"));
+    assert_eq!(summaries(&model).len(), 1);
+    assert_eq!(
+        main_requests(&model)
+            .iter()
+            .filter(|b| tag(&last_user(b)) == "P3")
+            .count(),
+        1
+    );
+    let result: Value =
+        serde_json::from_str(row.result_json.as_deref().unwrap_or("null")).expect("result");
+    assert_eq!(result["reason"], "context_overflow");
+    assert!(
+        result["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("after 1 compression")),
+        "{result}"
+    );
+}

@@ -1024,3 +1024,103 @@ async fn approval_modes_off_and_deny() {
     assert!(!v.exists(), "mode off runs it without a prompt");
     assert!(home.prompt_rows(&sid).is_empty());
 }
+
+#[actix_rt::test]
+async fn tool_failures_become_results_and_the_loop_carries_on() {
+    let model = scripted(vec![
+        (
+            "SLOW",
+            tool_call(
+                "call_slow",
+                "terminal",
+                json!({"command": "sleep 5", "timeout": 1}),
+            ),
+        ),
+        ("GHOST", tool_call("call_ghost", "rocket", json!({}))),
+        (
+            "BROKEN",
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"index": 0, "id": "call_broken", "type": "function", "function": {"name": "terminal", "arguments": "{\"command\": "}}]}),
+        ),
+        ("FAIL", terminal("call_fail", "echo oops >&2; exit 3")),
+    ]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("failures", &home.path).await;
+    for t in ["SLOW", "GHOST", "BROKEN", "FAIL"] {
+        ws.submit(&sid, t, t).await;
+    }
+    wait_until("all turns", T, || all_terminal(&home)).await;
+    for t in ["SLOW", "GHOST", "BROKEN", "FAIL"] {
+        assert_eq!(
+            home.admission(t).outcome.as_deref(),
+            Some("completed"),
+            "{t}"
+        );
+    }
+    let slow = tool_result(&model, "SLOW");
+    assert_eq!(slow["exit_code"], 124, "{slow}");
+    assert!(
+        slow["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timed out after 1 seconds")),
+        "{slow}"
+    );
+    let ghost = tool_result(&model, "GHOST");
+    assert!(
+        ghost.as_str().is_some_and(|s| s.contains("does not exist")),
+        "{ghost}"
+    );
+    let broken = tool_result(&model, "BROKEN");
+    assert!(
+        broken
+            .as_str()
+            .is_some_and(|s| s.contains("not valid JSON")),
+        "{broken}"
+    );
+    let fail = tool_result(&model, "FAIL");
+    assert_eq!(
+        (fail["exit_code"].as_i64(), fail["output"].as_str()),
+        (Some(3), Some("oops")),
+        "{fail}"
+    );
+}
+
+#[actix_rt::test]
+async fn the_iteration_limit_forces_a_final_answer_without_tools() {
+    // A model that calls a tool whenever it may.
+    let model = FakeModel::start(|body| {
+        if body.get("tools").is_some() {
+            Reply::Message(terminal("call_again", "echo again"), "tool_calls")
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "FINAL"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({"agent": {"max_iterations": 2}})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("limit", &home.path).await;
+    let r = ws.submit(&sid, "LOOP", "LOOP").await;
+    assert_eq!(
+        settled(&home, "LOOP").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let reqs = model.requests();
+    assert_eq!(
+        reqs.len(),
+        3,
+        "two tool rounds, then one request without tools"
+    );
+    assert!(reqs[2].get("tools").is_none());
+    assert!(last_user(&reqs[2]).contains("maximum number of tool-calling iterations"));
+    let receipt = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": sid, "admission_id": r["admission_id"]}),
+        )
+        .await;
+    assert_eq!(receipt["result"]["final_response"], "FINAL");
+}
