@@ -322,6 +322,8 @@ impl RunningGateway {
         self.tickets.revoke_all();
         self.control_task.abort();
         let _ = std::fs::remove_file(control::socket_path(&self.home));
+        // Clients see 1001 "going away" rather than a five-second wait for them to hang up.
+        crate::api::ws::close_all("server stopping");
         self.server.stop(true).await;
         tracing::info!("stopped");
     }

@@ -1,7 +1,8 @@
 //! `GET /api/ws`: the WebSocket (JSON-RPC 2.0 text frames). All WebSocket code lives here.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -16,6 +17,26 @@ use crate::session::registry::GetSupervisor;
 use crate::session::supervisor::{PushEvent, Unsubscribe};
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// Open connections, so that a graceful stop can close them (1001) instead of waiting them out.
+static OPEN: Mutex<BTreeMap<u64, Recipient<CloseNow>>> = Mutex::new(BTreeMap::new());
+
+/// Close the connection with 1001 "going away".
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct CloseNow(pub &'static str);
+
+/// Ask every open WebSocket connection to close; returns how many were asked.
+pub fn close_all(reason: &'static str) -> usize {
+    let open: Vec<Recipient<CloseNow>> = OPEN
+        .lock()
+        .map(|m| m.values().cloned().collect())
+        .unwrap_or_default();
+    for r in &open {
+        r.do_send(CloseNow(reason));
+    }
+    open.len()
+}
 
 pub const SUBPROTOCOL: &str = "gatehouse.v1";
 pub const TICKET_PREFIX: &str = "gatehouse-ticket.";
@@ -196,6 +217,9 @@ impl Actor for WsConnection {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.authority.shared.metrics.ws_opened();
+        if let Ok(mut open) = OPEN.lock() {
+            open.insert(self.conn_id, ctx.address().recipient());
+        }
         ctx.set_mailbox_capacity(
             self.authority
                 .shared
@@ -223,6 +247,9 @@ impl Actor for WsConnection {
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.authority.shared.metrics.ws_closed();
+        if let Ok(mut open) = OPEN.lock() {
+            open.remove(&self.conn_id);
+        }
         let registry = self.authority.registry.clone();
         let conn_id = self.conn_id;
         for root in self.subscribed.drain() {
@@ -233,6 +260,17 @@ impl Actor for WsConnection {
                 }
             });
         }
+    }
+}
+
+impl Handler<CloseNow> for WsConnection {
+    type Result = ();
+    fn handle(&mut self, m: CloseNow, ctx: &mut Self::Context) {
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Away,
+            description: Some(m.0.to_string()),
+        }));
+        ctx.stop();
     }
 }
 

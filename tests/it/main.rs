@@ -8,3 +8,4 @@ mod hostile;
 mod ops;
 mod rooms;
 mod tools;
+mod torture;
