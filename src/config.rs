@@ -37,6 +37,8 @@ pub struct Config {
     pub agent: AgentConfig,
     pub platform_toolsets: BTreeMap<String, Vec<String>>,
     pub session: SessionLimits,
+    pub events: EventsConfig,
+    pub http: HttpConfig,
     pub profiles: BTreeMap<String, ProfileConfig>,
     pub rooms: crate::rooms::RoomsConfig,
     #[serde(flatten)]
@@ -258,6 +260,9 @@ impl<'de> Deserialize<'de> for ApprovalMode {
 #[serde(default)]
 pub struct ApprovalsConfig {
     pub mode: ApprovalMode,
+    /// The mode for unattended sessions (source `api`, as the chat-completions facade creates):
+    /// nobody is there to answer, so manual approvals are denied by default.
+    pub unattended_mode: ApprovalMode,
     pub timeout: f64,
     #[serde(flatten)]
     pub extra: Extra,
@@ -267,6 +272,7 @@ impl Default for ApprovalsConfig {
     fn default() -> Self {
         Self {
             mode: ApprovalMode::Manual,
+            unattended_mode: ApprovalMode::Deny,
             timeout: 300.0,
             extra: Extra::new(),
         }
@@ -289,6 +295,87 @@ impl Default for AgentConfig {
             clarify_timeout: 3600.0,
             max_iterations: 90,
             system_prompt: None,
+            extra: Extra::new(),
+        }
+    }
+}
+
+impl ApprovalsConfig {
+    /// The approval mode of a session launched from `source`.
+    pub fn mode_for(&self, source: &str) -> ApprovalMode {
+        if is_unattended(source) {
+            self.unattended_mode
+        } else {
+            self.mode
+        }
+    }
+}
+
+/// Sessions of this source have nobody to answer a prompt (HTTP API clients).
+pub fn is_unattended(source: &str) -> bool {
+    source == "api"
+}
+
+/// The durable per-session event log.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct EventsConfig {
+    /// Events older than this are pruned (0: no age limit).
+    pub retention_seconds: f64,
+    /// Each session keeps at most this many of its newest events.
+    pub max_per_session: i64,
+    /// How often the pruner runs.
+    pub prune_interval_seconds: f64,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self {
+            retention_seconds: 7.0 * 24.0 * 3600.0,
+            max_per_session: 10_000,
+            prune_interval_seconds: 60.0,
+            extra: Extra::new(),
+        }
+    }
+}
+
+impl EventsConfig {
+    pub fn retention(&self) -> crate::store::events::Retention {
+        crate::store::events::Retention {
+            max_age_seconds: self.retention_seconds,
+            max_per_session: self.max_per_session,
+        }
+    }
+}
+
+/// The HTTP API (`/v1`): REST, SSE and the chat-completions facade.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct HttpConfig {
+    /// Seconds between SSE keep-alive comments.
+    pub sse_keepalive_seconds: f64,
+    /// The longest `?wait=` a receipt long-poll may ask for.
+    pub max_wait_seconds: f64,
+    /// How long a chat completion waits for its turn before answering 504.
+    pub completion_timeout_seconds: f64,
+    /// Lifetime of a bearer token exchanged for a control-socket ticket (`POST /v1/auth/token`).
+    pub token_ttl_seconds: f64,
+    /// Does `/metrics` need a key? Unset: only when the listener is not on loopback.
+    pub metrics_require_key: Option<bool>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            sse_keepalive_seconds: 15.0,
+            max_wait_seconds: 120.0,
+            completion_timeout_seconds: 300.0,
+            token_ttl_seconds: 900.0,
+            metrics_require_key: None,
             extra: Extra::new(),
         }
     }
@@ -383,6 +470,8 @@ impl Config {
                     config.platform_toolsets = serde_json::from_value(value).map_err(bad)?
                 }
                 "session" => config.session = serde_json::from_value(value).map_err(bad)?,
+                "events" => config.events = serde_json::from_value(value).map_err(bad)?,
+                "http" => config.http = serde_json::from_value(value).map_err(bad)?,
                 "profiles" => config.profiles = serde_json::from_value(value).map_err(bad)?,
                 "rooms" => config.rooms = serde_json::from_value(value).map_err(bad)?,
                 _ => {
@@ -448,6 +537,33 @@ impl Config {
         if let Err(e) = self.rooms.validate() {
             return invalid("rooms", &e.0);
         }
+        if self.events.max_per_session < 1 {
+            return invalid("events.max_per_session", "expected at least 1");
+        }
+        for (key, v) in [
+            ("events.retention_seconds", self.events.retention_seconds),
+            ("http.max_wait_seconds", self.http.max_wait_seconds),
+        ] {
+            if v.is_nan() || v < 0.0 {
+                return invalid(key, "expected 0 or more seconds");
+            }
+        }
+        for (key, v) in [
+            (
+                "events.prune_interval_seconds",
+                self.events.prune_interval_seconds,
+            ),
+            ("http.sse_keepalive_seconds", self.http.sse_keepalive_seconds),
+            (
+                "http.completion_timeout_seconds",
+                self.http.completion_timeout_seconds,
+            ),
+            ("http.token_ttl_seconds", self.http.token_ttl_seconds),
+        ] {
+            if v.is_nan() || v <= 0.0 {
+                return invalid(key, "expected a positive number of seconds");
+            }
+        }
         if self.agent.max_iterations == 0 {
             return invalid("agent.max_iterations", "expected at least 1");
         }
@@ -481,6 +597,8 @@ impl Config {
         push("approvals", &self.approvals.extra);
         push("agent", &self.agent.extra);
         push("session", &self.session.extra);
+        push("events", &self.events.extra);
+        push("http", &self.http.extra);
         out
     }
 
@@ -489,7 +607,14 @@ impl Config {
         self.platform_toolsets
             .get(source)
             .cloned()
-            .unwrap_or_else(|| vec!["terminal".to_string(), "clarify".to_string()])
+            .unwrap_or_else(|| {
+                if is_unattended(source) {
+                    // Nobody could answer a clarifying question.
+                    vec!["terminal".to_string()]
+                } else {
+                    vec!["terminal".to_string(), "clarify".to_string()]
+                }
+            })
     }
 }
 

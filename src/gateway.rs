@@ -160,9 +160,10 @@ impl Gateway {
             config.gateway.host.as_str(),
             "127.0.0.1" | "localhost" | "::1"
         );
-        if !is_loopback && config.gateway.api_keys.is_empty() {
+        if !is_loopback && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys) {
             return Err(StartError::Refused(format!(
-                "gateway.host {} is not a loopback address: configure at least one gateway.api_keys entry first",
+                "gateway.host {} is not a loopback address: configure at least one gateway.api_keys entry \
+                 (or run `gatehouse key create`) first",
                 config.gateway.host
             )));
         }
@@ -239,9 +240,20 @@ impl Gateway {
             tracing::info!(sessions = to_pump.len(), "resuming queued work");
             registry.do_send(PumpSessions(to_pump));
         }
+        crate::store::events::spawn_pruner(
+            shared.db.clone(),
+            clock.clone(),
+            config.events.retention(),
+            Duration::from_secs_f64(config.events.prune_interval_seconds),
+        );
         let state = web::Data::new(AppState {
             authority: authority.clone(),
             tickets: tickets.clone(),
+            auth: Arc::new(crate::api::auth::HttpAuth::new(
+                &home,
+                &config,
+                clock.clone(),
+            )),
         });
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .workers(2)

@@ -15,6 +15,8 @@ commands:
   serve [--log-format human|json]     run the daemon in the foreground
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   status [--json]                     identify the running daemon and count admissions
+  key create [NAME] | list | revoke NAME
+                                      HTTP API keys (HOME/api_keys holds their SHA-256 only)
   sessions [--json]                   list sessions
   pending [--json]                    list unknown admissions waiting for an operator
   resolve-unknown SESSION ADMISSION   settle an unknown admission as interrupted
@@ -92,6 +94,7 @@ fn main() -> ExitCode {
         "status" | "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry"
         | "room-cancel" => operator(args),
         "chat" => chat(args),
+        "key" => key(args),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -306,4 +309,70 @@ fn operator(args: Args) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// `gatehouse key create|list|revoke`: API keys for the HTTP API, kept as SHA-256 hashes in
+/// `HOME/api_keys` (the daemon re-reads it when it changes: no restart needed).
+fn key(args: Args) -> ExitCode {
+    use gatehouse::api::auth;
+    if let Err(e) = gatehouse::gateway::prepare_home(&args.home) {
+        eprintln!("gatehouse: {e}");
+        return ExitCode::from(1);
+    }
+    let words: Vec<&str> = args.rest.iter().map(String::as_str).collect();
+    let result = match words.as_slice() {
+        ["create"] | ["create", _] => {
+            let default = format!("key-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+            let name = words.get(1).map(|s| s.to_string()).unwrap_or(default);
+            auth::create_key(&args.home, &name).map(|(key, entry)| {
+                if args.json {
+                    println!("{}", json!({"key": key, "name": entry.name, "sha256": entry.digest}));
+                } else {
+                    println!("{key}");
+                    eprintln!(
+                        "created API key {:?} (sha256:{}…); it is shown only this once. Send it as \
+                         `Authorization: Bearer <key>`.",
+                        entry.name,
+                        &entry.digest[..12]
+                    );
+                }
+            })
+        }
+        ["list"] => auth::list_keys(&args.home).map(|keys| {
+            if args.json {
+                let list: Vec<Value> = keys
+                    .iter()
+                    .map(|k| json!({"name": k.name, "sha256": k.digest, "created_at": k.created_at}))
+                    .collect();
+                println!("{}", json!({"keys": list}));
+            } else {
+                println!("{:<24} {:<14} CREATED", "NAME", "SHA256");
+                for k in keys {
+                    println!("{:<24} {:<14} {}", k.name, &k.digest[..12], k.created_at);
+                }
+            }
+        }),
+        ["revoke", which] => match auth::revoke_key(&args.home, which) {
+            Ok(0) => Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no key named {which:?} (or with that hash prefix)"),
+            )),
+            Ok(n) => {
+                println!("revoked {n} key(s)");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        },
+        _ => {
+            eprintln!("usage: gatehouse key create [NAME] | key list | key revoke NAME|SHA256-PREFIX");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gatehouse: {e}");
+            ExitCode::from(1)
+        }
+    }
 }

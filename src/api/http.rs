@@ -1,10 +1,12 @@
-//! HTTP routes: health, readiness, metrics, and the shared application state.
+//! HTTP routes: health, readiness, metrics, the `/v1` API (REST, SSE, chat completions) and the
+//! shared application state. Every route but `/healthz` and `/readyz` needs credentials (see
+//! `auth`); `/metrics` needs them unless the listener is on loopback (`http.metrics_require_key`).
 
 use std::sync::Arc;
 
-use actix_web::{web, HttpRequest, HttpResponse};
-use sha2::{Digest, Sha256};
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 
+use super::auth::{self, HttpAuth};
 use super::rpc::Authority;
 use super::tickets::Tickets;
 use crate::session::RuntimePhase;
@@ -13,31 +15,15 @@ use crate::store::admissions;
 pub struct AppState {
     pub authority: Authority,
     pub tickets: Arc<Tickets>,
+    pub auth: Arc<HttpAuth>,
 }
 
 impl AppState {
-    /// The principal of a valid `Authorization: Bearer <key>` (keys are stored as SHA-256 hex).
+    /// The principal of a valid `Authorization: Bearer <key or token>` (keys are stored as
+    /// SHA-256 hex and compared in constant time).
     pub fn bearer_principal(&self, req: &HttpRequest) -> Option<String> {
-        let header = req.headers().get("authorization")?.to_str().ok()?;
-        let key = header.strip_prefix("Bearer ")?.trim();
-        let digest = crate::store::admissions::hex(&Sha256::digest(key.as_bytes()));
-        let keys = &self.authority.shared.config.gateway.api_keys;
-        let mut found = None;
-        for k in keys {
-            let stored = k.trim().trim_start_matches("sha256:").to_lowercase();
-            if constant_time_eq(stored.as_bytes(), digest.as_bytes()) {
-                found = Some(format!("key:{}", &digest[..12]));
-            }
-        }
-        found
+        auth::bearer(&self.auth, req)
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 pub async fn healthz() -> HttpResponse {
@@ -55,7 +41,12 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    if state.auth.metrics_require_key {
+        if let Err(e) = auth::authenticate(&state, &req) {
+            return e.error_response();
+        }
+    }
     let shared = state.authority.shared.clone();
     let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
     let mut body = shared.metrics.render(&counts);
@@ -118,5 +109,6 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
         .route("/readyz", web::get().to(readyz))
         .route("/metrics", web::get().to(metrics))
-        .route("/api/ws", web::get().to(super::ws::ws_route));
+        .route("/api/ws", web::get().to(super::ws::ws_route))
+        .configure(super::rest::routes);
 }

@@ -21,6 +21,7 @@ use crate::session::supervisor::{
 };
 use crate::session::Shared;
 use crate::store::admissions::{self, hex, AdmissionRow};
+use crate::store::events;
 use crate::store::messages::{self, MessageRow};
 use crate::store::sessions::{self, NewSession, SessionRow};
 use crate::tools::KNOWN_TOOLS;
@@ -115,6 +116,17 @@ struct ClarifyParams {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct EventsSinceParams {
+    session_id: String,
+    last_sequence: i64,
+    limit: Option<i64>,
+}
+
+/// The most events one `session.events.since` answer carries (ask again from `last_sequence`).
+pub const EVENTS_PAGE: i64 = 500;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct InterruptParams {
     session_id: String,
     execution_generation: Option<i64>,
@@ -204,6 +216,17 @@ impl Authority {
             .await?)
     }
 
+    /// The root of session `id` when `principal` owns it (`permission_denied` otherwise).
+    pub async fn owned_root(&self, id: &str, principal: &str) -> GatewayResult<SessionRow> {
+        let root = self.root(id).await?;
+        if root.principal_id != principal {
+            return Err(GatewayError::PermissionDenied(
+                "this session belongs to another principal".into(),
+            ));
+        }
+        Ok(root)
+    }
+
     fn require_subscribed(caller: &Caller, root: &str) -> GatewayResult<()> {
         if caller.subscribed.contains(root) {
             Ok(())
@@ -226,12 +249,7 @@ impl Authority {
             "session.create" => self.create(params(p)?, caller).await,
             "session.resume" => {
                 let p: SessionParams = params(p)?;
-                let root = self.root(&p.session_id).await?;
-                if root.principal_id != caller.principal {
-                    return Err(GatewayError::PermissionDenied(
-                        "this session belongs to another principal".into(),
-                    ));
-                }
+                let root = self.owned_root(&p.session_id, &caller.principal).await?;
                 self.subscribe(&root.id, caller).await?;
                 let snap = self.snapshot(&root.id).await?;
                 Ok(CallResult {
@@ -352,6 +370,24 @@ impl Authority {
                     })??;
                 plain(json!({"interrupted": done}))
             }
+            "session.events.since" => {
+                let p: EventsSinceParams = params(p)?;
+                if p.last_sequence < 0 {
+                    return Err(GatewayError::InvalidParams(
+                        "last_sequence must be 0 or more".into(),
+                    ));
+                }
+                let root = self.root(&p.session_id).await?;
+                Self::require_subscribed(caller, &root.id)?;
+                let limit = p.limit.unwrap_or(EVENTS_PAGE).clamp(1, EVENTS_PAGE);
+                let s = self.events_since(&root.id, p.last_sequence, limit).await?;
+                plain(json!({
+                    "events": s.events.iter().map(|e| e.to_wire()).collect::<Vec<_>>(),
+                    "last_sequence": s.last_sequence,
+                    "truncated": s.truncated,
+                    "has_more": s.has_more,
+                }))
+            }
             m if m.starts_with("room.") => {
                 let Some(rooms) = self.rooms.get() else {
                     return Err(GatewayError::UnknownMethod(m.to_string()));
@@ -373,6 +409,21 @@ impl Authority {
             }
             other => Err(GatewayError::UnknownMethod(other.to_string())),
         }
+    }
+
+    /// Durable events of root session `root` after `after` (`session.events.since`, SSE).
+    pub async fn events_since(
+        &self,
+        root: &str,
+        after: i64,
+        limit: i64,
+    ) -> GatewayResult<events::Since> {
+        let root = root.to_string();
+        Ok(self
+            .shared
+            .db
+            .read(move |c| events::since(c, &root, after, limit))
+            .await?)
     }
 
     /// Resolve an unknown admission (shared by the RPC and the operator CLI).

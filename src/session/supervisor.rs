@@ -1,8 +1,16 @@
 //! `SessionSupervisor`: one actor per session. It owns the FIFO pump (claims in `seq` order, one
 //! at a time), the running attempt and its cancel switch, the live prompts of that attempt, the
-//! subscribers and the event sequence. A parked turn holds nothing but this actor's own state.
+//! subscribers and the outbox of notifications. A parked turn holds nothing but this actor's own
+//! state.
+//!
+//! Notifications: every event that reports a committed change is appended to the durable log
+//! (`store::events`) by the transition itself and sent to subscribers from what the transaction
+//! returned, strictly in `seq` order (a gap is filled from the log). Streaming deltas
+//! (`message.delta`) are live only: they carry no `seq` but `after_seq` (the last durable seq sent
+//! before them) and `live_seq` (a counter of this process), and wait behind event writes still in
+//! flight so that subscribers see things in the order they happened.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -14,6 +22,7 @@ use super::shared::Shared;
 use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome};
 use crate::error::{GatewayError, StoreError};
 use crate::store::admissions::{self, AdmissionRow, Claim};
+use crate::store::events::{self, EventRow, Logged, NewEvent};
 use crate::store::messages::{closing_messages, live, NewMessage};
 use crate::store::{prompts as prompt_store, sessions};
 
@@ -29,13 +38,31 @@ struct Running {
     started: std::time::Instant,
 }
 
+/// Notifications on their way to subscribers.
+#[derive(Default)]
+struct Outbox {
+    /// The last durable seq sent (read from the log when the supervisor starts).
+    sent: Option<i64>,
+    /// Durable events waiting for an earlier seq.
+    waiting: BTreeMap<i64, EventRow>,
+    /// Event-bearing writes started here that have not answered yet.
+    in_flight: usize,
+    /// Live events held behind them.
+    held: Vec<(&'static str, Value)>,
+    live_seq: u64,
+    catching_up: bool,
+}
+
+/// How many events one catch-up read of the log fetches.
+const CATCH_UP_BATCH: i64 = 1000;
+
 pub struct SessionSupervisor {
     shared: Arc<Shared>,
     root_id: String,
     running: Option<Running>,
     prompts: HashMap<String, OpenPrompt>,
     subscribers: HashMap<u64, Recipient<PushEvent>>,
-    seq: u64,
+    outbox: Outbox,
     claiming: bool,
     pump_again: bool,
     draining: bool,
@@ -50,7 +77,7 @@ impl SessionSupervisor {
             running: None,
             prompts: HashMap::new(),
             subscribers: HashMap::new(),
-            seq: 0,
+            outbox: Outbox::default(),
             claiming: false,
             pump_again: false,
             draining: false,
@@ -58,30 +85,154 @@ impl SessionSupervisor {
         }
     }
 
-    fn emit(&mut self, kind: &str, payload: Value) {
-        self.seq += 1;
-        let frame = json!({
-            "jsonrpc": "2.0",
-            "method": "event",
-            "params": {
-                "type": kind,
-                "session_id": self.root_id,
-                "seq": self.seq,
-                "authority_epoch": self.shared.epoch,
-                "payload": payload,
-            }
-        });
+    fn push(&mut self, mut params: Value) {
+        params["authority_epoch"] = json!(self.shared.epoch);
+        let frame = json!({"jsonrpc": "2.0", "method": "event", "params": params});
         let text: Arc<str> = Arc::from(frame.to_string());
         self.subscribers
             .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
     }
 
-    fn info_payload(&self) -> Value {
-        json!({
-            "running": self.running.is_some(),
-            "execution_generation": self.running.as_ref().map(|r| r.generation),
-            "admission_id": self.running.as_ref().map(|r| r.admission_id.clone()),
-        })
+    /// An event-bearing write starts: live events wait until it answers.
+    fn write_started(&mut self) {
+        self.outbox.in_flight += 1;
+    }
+
+    /// It answered, with the events it committed (none if it failed).
+    fn write_answered(&mut self, rows: Vec<EventRow>, ctx: &mut Context<Self>) {
+        self.outbox.in_flight = self.outbox.in_flight.saturating_sub(1);
+        self.deliver(rows, ctx);
+    }
+
+    /// A transition's answer: deliver its events, pass its value on.
+    fn answered<T, E>(
+        &mut self,
+        res: Result<Logged<T>, E>,
+        ctx: &mut Context<Self>,
+    ) -> Result<T, E> {
+        match res {
+            Ok(Logged { value, events }) => {
+                self.write_answered(events, ctx);
+                Ok(value)
+            }
+            Err(e) => {
+                self.write_answered(Vec::new(), ctx);
+                Err(e)
+            }
+        }
+    }
+
+    /// Committed events: send each once, in seq order.
+    fn deliver(&mut self, rows: Vec<EventRow>, ctx: &mut Context<Self>) {
+        for row in rows {
+            if self.outbox.sent.is_none_or(|s| row.seq > s) {
+                self.outbox.waiting.insert(row.seq, row);
+            }
+        }
+        self.flush(ctx);
+    }
+
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        let first = self.outbox.waiting.keys().next().copied();
+        if let (None, Some(first)) = (self.outbox.sent, first) {
+            // The head could not be read at start: begin with what arrives.
+            self.outbox.sent = Some(first - 1);
+        }
+        if let Some(mut sent) = self.outbox.sent {
+            while let Some(row) = self.outbox.waiting.remove(&(sent + 1)) {
+                sent = row.seq;
+                self.outbox.sent = Some(sent);
+                self.push(row.to_wire());
+            }
+        }
+        if self.outbox.in_flight > 0 || self.outbox.catching_up {
+            return;
+        }
+        if !self.outbox.waiting.is_empty() {
+            // A gap no write of ours will fill (an answer that was lost): read it from the log.
+            self.catch_up(ctx);
+            return;
+        }
+        for (kind, payload) in std::mem::take(&mut self.outbox.held) {
+            self.outbox.live_seq += 1;
+            let params = json!({
+                "type": kind,
+                "session_id": self.root_id,
+                "after_seq": self.outbox.sent.unwrap_or(0),
+                "live_seq": self.outbox.live_seq,
+                "payload": payload,
+            });
+            self.push(params);
+        }
+    }
+
+    fn catch_up(&mut self, ctx: &mut Context<Self>) {
+        let Some(after) = self.outbox.sent else {
+            return;
+        };
+        self.outbox.catching_up = true;
+        let (shared, root) = (self.shared.clone(), self.root_id.clone());
+        let fut = async move {
+            shared
+                .db
+                .read(move |c| events::since(c, &root, after, CATCH_UP_BATCH))
+                .await
+        };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            act.outbox.catching_up = false;
+            let more = match res {
+                Ok(s) => {
+                    for row in s.events {
+                        if act.outbox.sent.is_none_or(|sent| row.seq > sent) {
+                            act.outbox.waiting.insert(row.seq, row);
+                        }
+                    }
+                    s.has_more
+                }
+                Err(e) => {
+                    tracing::error!(session = %act.root_id, error = %e, "cannot read the event log");
+                    false
+                }
+            };
+            if !more {
+                // What the log does not hold any more (pruned) cannot be sent: move past it.
+                if let (Some(sent), Some(&first)) =
+                    (act.outbox.sent, act.outbox.waiting.keys().next())
+                {
+                    if first > sent + 1 {
+                        act.outbox.sent = Some(first - 1);
+                    }
+                }
+            }
+            act.flush(ctx);
+        }));
+    }
+
+    /// A live-only event (a streaming delta): sent now, or after the writes in flight.
+    fn emit_live(&mut self, kind: &'static str, payload: Value, ctx: &mut Context<Self>) {
+        self.outbox.held.push((kind, payload));
+        self.flush(ctx);
+    }
+
+    /// A durable event that reports no other state change (tool activity), in its own write.
+    fn record(&mut self, kind: &str, payload: Value, ctx: &mut Context<Self>) {
+        self.write_started();
+        let (shared, root) = (self.shared.clone(), self.root_id.clone());
+        let event = NewEvent::new(kind, payload);
+        let fut = async move {
+            let now = shared.now();
+            shared
+                .db
+                .write(move |c| events::append_tx(c, &root, &[event], now))
+                .await
+        };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            let rows = res.unwrap_or_else(|e| {
+                tracing::error!(session = %act.root_id, error = %e, "event write failed");
+                Vec::new()
+            });
+            act.write_answered(rows, ctx);
+        }));
     }
 
     fn pump(&mut self, ctx: &mut Context<Self>) {
@@ -93,6 +244,7 @@ impl SessionSupervisor {
             return;
         }
         self.claiming = true;
+        self.write_started();
         let shared = self.shared.clone();
         let root = self.root_id.clone();
         let fut = async move {
@@ -105,7 +257,7 @@ impl SessionSupervisor {
         };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
             act.claiming = false;
-            match res {
+            match act.answered(res, ctx) {
                 Ok(Claim::Started(row)) => act.start_turn(*row, ctx),
                 Ok(Claim::Idle) | Ok(Claim::Busy) => {
                     if std::mem::take(&mut act.pump_again) {
@@ -143,12 +295,6 @@ impl SessionSupervisor {
             started: std::time::Instant::now(),
         });
         self.shared.metrics.turn_started();
-        let info = self.info_payload();
-        self.emit("session.info", info);
-        self.emit(
-            "message.start",
-            json!({"admission_id": row.admission_id, "execution_generation": generation}),
-        );
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
         let turn = TurnCtx {
             shared: self.shared.clone(),
@@ -164,22 +310,17 @@ impl SessionSupervisor {
         let admission_id = row.admission_id.clone();
         let fut = async move {
             let outcome = tracing::Instrument::instrument(run_turn(turn), span).await;
-            let settled = settle(&shared, &root, &admission_id, generation, &outcome).await;
-            (outcome, settled)
+            settle(&shared, &root, &admission_id, generation, &outcome).await
         };
-        ctx.spawn(
-            fut.into_actor(self)
-                .map(move |(outcome, settled), act, ctx| {
-                    act.turn_finished(generation, outcome, settled, ctx);
-                }),
-        );
+        ctx.spawn(fut.into_actor(self).map(move |settled, act, ctx| {
+            act.turn_finished(generation, settled, ctx);
+        }));
     }
 
     fn turn_finished(
         &mut self,
         generation: i64,
-        outcome: TurnOutcome,
-        settled: Result<AdmissionRow, StoreError>,
+        settled: Result<Logged<AdmissionRow>, StoreError>,
         ctx: &mut Context<Self>,
     ) {
         if let Some(r) = self.running.take() {
@@ -194,32 +335,11 @@ impl SessionSupervisor {
             .map(|(k, _)| k.clone())
             .collect();
         for id in stale {
-            self.retire_prompt(&id, "turn_ended");
+            self.retire_prompt(&id, "turn_ended", ctx);
         }
         match settled {
-            Ok(row) => {
-                let info = self.info_payload();
-                self.emit("session.info", info);
-                let (status, text) = match &outcome {
-                    TurnOutcome::Completed { final_message } => (
-                        "complete",
-                        final_message.content.clone().unwrap_or_default(),
-                    ),
-                    TurnOutcome::Interrupted { reason } => ("interrupted", reason.clone()),
-                    TurnOutcome::Failed { error, .. } => ("error", error.clone()),
-                    TurnOutcome::Stale => ("error", String::new()),
-                };
-                self.emit(
-                    "message.complete",
-                    json!({
-                        "admission_id": row.admission_id,
-                        "outcome": row.outcome,
-                        "status": status,
-                        "text": text,
-                        "execution_generation": generation,
-                    }),
-                );
-            }
+            // The settlement's events (`session.info`, `message.complete`) were committed with it.
+            Ok(logged) => self.deliver(logged.events, ctx),
             Err(e) => {
                 // Not settled: the row stays started and becomes unknown at the next boot.
                 tracing::error!(session = %self.root_id, error = %e, "settlement refused");
@@ -233,35 +353,43 @@ impl SessionSupervisor {
         }
     }
 
-    fn retire_prompt(&mut self, prompt_id: &str, resolution: &str) {
-        if let Some(p) = self.prompts.remove(prompt_id) {
-            let kind = p.kind.as_str();
-            self.emit(
-                &format!("{kind}.settled"),
-                json!({"prompt_id": prompt_id, "resolution": resolution, "execution_generation": p.generation}),
-            );
+    fn retire_prompt(&mut self, prompt_id: &str, resolution: &str, ctx: &mut Context<Self>) {
+        if self.prompts.remove(prompt_id).is_some() {
             self.audit_resolution(
                 prompt_id.to_string(),
                 resolution.to_string(),
                 "gateway".to_string(),
+                ctx,
             );
         }
     }
 
-    fn audit_resolution(&self, prompt_id: String, resolution: String, by: String) {
+    /// Record how a prompt ended, with its `<kind>.settled` event.
+    fn audit_resolution(
+        &mut self,
+        prompt_id: String,
+        resolution: String,
+        by: String,
+        ctx: &mut Context<Self>,
+    ) {
+        self.write_started();
         let shared = self.shared.clone();
-        actix::spawn(async move {
+        let fut = async move {
             let now = shared.now();
-            if let Err(e) = shared
+            shared
                 .db
                 .write(move |c| {
                     prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now)
                 })
                 .await
-            {
+        };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            let rows = res.unwrap_or_else(|e| {
                 tracing::error!(error = %e, "prompt audit write failed");
-            }
-        });
+                Vec::new()
+            });
+            act.write_answered(rows, ctx);
+        }));
     }
 
     /// Open prompts of the running attempt, as listed in snapshots.
@@ -283,7 +411,7 @@ async fn settle(
     admission_id: &str,
     generation: i64,
     outcome: &TurnOutcome,
-) -> Result<AdmissionRow, StoreError> {
+) -> Result<Logged<AdmissionRow>, StoreError> {
     let (status, closing, result) = match outcome {
         TurnOutcome::Stale => {
             return Err(StoreError::StaleGeneration(
@@ -324,6 +452,32 @@ async fn settle(
             )
         }
     };
+    let (shown, text) = match outcome {
+        TurnOutcome::Completed { final_message } => (
+            "complete",
+            final_message.content.clone().unwrap_or_default(),
+        ),
+        TurnOutcome::Interrupted { reason } => ("interrupted", reason.clone()),
+        TurnOutcome::Failed { error, .. } => ("error", error.clone()),
+        TurnOutcome::Stale => ("error", String::new()),
+    };
+    let report = [
+        NewEvent::new(
+            "session.info",
+            json!({"running": false, "settled": admission_id, "outcome": status,
+                   "execution_generation": generation}),
+        ),
+        NewEvent::new(
+            "message.complete",
+            json!({
+                "admission_id": admission_id,
+                "outcome": status,
+                "status": shown,
+                "text": text,
+                "execution_generation": generation,
+            }),
+        ),
+    ];
     let epoch = shared.epoch;
     let now = shared.now();
     let root = root.to_string();
@@ -341,6 +495,7 @@ async fn settle(
                 status,
                 &result,
                 &closing,
+                &report,
                 now,
             )
         })
@@ -371,6 +526,17 @@ impl Actor for SessionSupervisor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.set_mailbox_capacity(1024);
+        if self.outbox.sent.is_none() {
+            // Where the log stands, before any message is handled: later events follow it.
+            let (shared, root) = (self.shared.clone(), self.root_id.clone());
+            let fut = async move { shared.db.read(move |c| events::head(c, &root)).await };
+            ctx.wait(fut.into_actor(self).map(|res, act, _| match res {
+                Ok(h) => act.outbox.sent = Some(h.last_seq),
+                Err(e) => {
+                    tracing::error!(session = %act.root_id, error = %e, "cannot read the event head")
+                }
+            }));
+        }
     }
 }
 
@@ -440,6 +606,7 @@ impl Handler<Submit> for SessionSupervisor {
     fn handle(&mut self, m: Submit, _: &mut Context<Self>) -> Self::Result {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
+        self.write_started();
         let fut = async move {
             if shared.runtime.draining() {
                 return Err(GatewayError::RuntimeDraining);
@@ -447,7 +614,7 @@ impl Handler<Submit> for SessionSupervisor {
             let epoch = shared.epoch;
             let now = shared.now();
             let max = shared.config.session.max_queued_admissions;
-            let (row, created) = shared
+            Ok(shared
                 .db
                 .write(move |c| {
                     admissions::admit(
@@ -461,21 +628,18 @@ impl Handler<Submit> for SessionSupervisor {
                         now,
                     )
                 })
-                .await?;
-            Ok((row, created))
+                .await?)
         };
-        Box::pin(fut.into_actor(self).map(|res, act, ctx| {
-            let (row, created) = res?;
-            if created {
-                act.shared.metrics.admitted();
-                act.emit(
-                    "session.info",
-                    json!({"admitted": row.admission_id, "sequence": row.seq}),
-                );
-                act.pump(ctx);
-            }
-            Ok(row)
-        }))
+        Box::pin(fut.into_actor(self).map(
+            |res: Result<Logged<(AdmissionRow, bool)>, GatewayError>, act, ctx| {
+                let (row, created) = act.answered(res, ctx)?;
+                if created {
+                    act.shared.metrics.admitted();
+                    act.pump(ctx);
+                }
+                Ok(row)
+            },
+        ))
     }
 }
 
@@ -500,7 +664,7 @@ impl Handler<GetLive> for SessionSupervisor {
                 .as_ref()
                 .map(|r| (r.admission_id.clone(), r.generation)),
             prompts: self.open_prompts(),
-            last_sequence: self.seq,
+            last_sequence: self.outbox.sent.unwrap_or(0).max(0) as u64,
         })
     }
 }
@@ -512,7 +676,7 @@ pub struct RegisterPrompt(pub OpenPrompt);
 
 impl Handler<RegisterPrompt> for SessionSupervisor {
     type Result = Result<(), ()>;
-    fn handle(&mut self, m: RegisterPrompt, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, m: RegisterPrompt, ctx: &mut Context<Self>) -> Self::Result {
         let p = m.0;
         let live = self.running.as_ref().map(|r| r.generation) == Some(p.generation);
         if !live || self.draining {
@@ -525,11 +689,12 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         let session = self.root_id.clone();
         self.prompts.insert(p.prompt_id.clone(), p);
         self.shared.metrics.prompt_opened();
+        // The `<kind>.request` event is committed with the prompt's audit row.
+        self.write_started();
         let shared = self.shared.clone();
-        let audit = payload.to_string();
-        actix::spawn(async move {
+        let fut = async move {
             let now = shared.now();
-            let r = shared
+            shared
                 .db
                 .write(move |c| {
                     prompt_store::record_open(
@@ -539,16 +704,19 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
                         &admission_id,
                         generation,
                         kind,
-                        &audit,
+                        &payload,
                         now,
                     )
                 })
-                .await;
-            if let Err(e) = r {
+                .await
+        };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            let rows = res.unwrap_or_else(|e| {
                 tracing::error!(error = %e, "prompt audit write failed");
-            }
-        });
-        self.emit(&format!("{kind}.request"), payload);
+                Vec::new()
+            });
+            act.write_answered(rows, ctx);
+        }));
         Ok(())
     }
 }
@@ -563,15 +731,16 @@ pub struct RetirePrompt {
 
 impl Handler<RetirePrompt> for SessionSupervisor {
     type Result = ();
-    fn handle(&mut self, m: RetirePrompt, _: &mut Context<Self>) {
+    fn handle(&mut self, m: RetirePrompt, ctx: &mut Context<Self>) {
         if self.prompts.contains_key(&m.prompt_id) {
             self.shared.metrics.prompt_closed();
         }
-        self.retire_prompt(&m.prompt_id, &m.resolution);
+        self.retire_prompt(&m.prompt_id, &m.resolution, ctx);
     }
 }
 
-/// From a turn: a live event (deltas, tool activity).
+/// From a turn: an event of the attempt. Streaming deltas (`message.delta`) are live only; the
+/// rest (tool activity, compaction) is recorded in the log first.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Emit {
@@ -581,8 +750,12 @@ pub struct Emit {
 
 impl Handler<Emit> for SessionSupervisor {
     type Result = ();
-    fn handle(&mut self, m: Emit, _: &mut Context<Self>) {
-        self.emit(m.kind, m.payload);
+    fn handle(&mut self, m: Emit, ctx: &mut Context<Self>) {
+        if m.kind == "message.delta" {
+            self.emit_live(m.kind, m.payload, ctx);
+        } else {
+            self.record(m.kind, m.payload, ctx);
+        }
     }
 }
 
@@ -599,7 +772,7 @@ pub struct Respond {
 
 impl Handler<Respond> for SessionSupervisor {
     type Result = Result<Value, GatewayError>;
-    fn handle(&mut self, m: Respond, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, m: Respond, ctx: &mut Context<Self>) -> Self::Result {
         let running = self.running.as_ref().map(|r| r.generation);
         if running != Some(m.generation) || self.draining {
             return Err(GatewayError::StaleGeneration(format!(
@@ -614,7 +787,7 @@ impl Handler<Respond> for SessionSupervisor {
             .map(|(k, _)| k.clone())
             .collect();
         for id in stale {
-            self.retire_prompt(&id, "stale");
+            self.retire_prompt(&id, "stale", ctx);
         }
         let Some(p) = self.prompts.get(&m.prompt_id) else {
             return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
@@ -649,11 +822,7 @@ impl Handler<Respond> for SessionSupervisor {
             PromptAnswer::Text(_) => "answered".to_string(),
         };
         let delivered = p.responder.send(m.answer).is_ok();
-        self.emit(
-            &format!("{}.settled", p.kind.as_str()),
-            json!({"prompt_id": m.prompt_id, "resolution": resolution, "execution_generation": p.generation}),
-        );
-        self.audit_resolution(m.prompt_id.clone(), resolution, m.by);
+        self.audit_resolution(m.prompt_id.clone(), resolution, m.by, ctx);
         let status = if delivered {
             "resolved"
         } else {
@@ -675,6 +844,7 @@ impl Handler<ResolveUnknown> for SessionSupervisor {
     fn handle(&mut self, m: ResolveUnknown, _: &mut Context<Self>) -> Self::Result {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
+        self.write_started();
         let fut = async move {
             let epoch = shared.epoch;
             let now = shared.now();
@@ -685,18 +855,13 @@ impl Handler<ResolveUnknown> for SessionSupervisor {
                 })
                 .await?)
         };
-        Box::pin(
-            fut.into_actor(self)
-                .map(|res: Result<AdmissionRow, GatewayError>, act, ctx| {
-                    let row = res?;
-                    act.emit(
-                        "session.info",
-                        json!({"resolved": row.admission_id, "outcome": row.outcome}),
-                    );
-                    act.pump(ctx);
-                    Ok(row)
-                }),
-        )
+        Box::pin(fut.into_actor(self).map(
+            |res: Result<Logged<AdmissionRow>, GatewayError>, act, ctx| {
+                let row = act.answered(res, ctx)?;
+                act.pump(ctx);
+                Ok(row)
+            },
+        ))
     }
 }
 
@@ -711,6 +876,7 @@ impl Handler<CancelQueued> for SessionSupervisor {
     fn handle(&mut self, m: CancelQueued, _: &mut Context<Self>) -> Self::Result {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
+        self.write_started();
         let fut = async move {
             let epoch = shared.epoch;
             let now = shared.now();
@@ -719,14 +885,9 @@ impl Handler<CancelQueued> for SessionSupervisor {
                 .write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now))
                 .await?)
         };
-        Box::pin(
-            fut.into_actor(self)
-                .map(|res: Result<AdmissionRow, GatewayError>, act, _| {
-                    let row = res?;
-                    act.emit("session.info", json!({"cancelled": row.admission_id}));
-                    Ok(row)
-                }),
-        )
+        Box::pin(fut.into_actor(self).map(
+            |res: Result<Logged<AdmissionRow>, GatewayError>, act, ctx| act.answered(res, ctx),
+        ))
     }
 }
 
@@ -740,7 +901,7 @@ pub struct Interrupt {
 
 impl Handler<Interrupt> for SessionSupervisor {
     type Result = Result<bool, GatewayError>;
-    fn handle(&mut self, m: Interrupt, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, m: Interrupt, ctx: &mut Context<Self>) -> Self::Result {
         let Some(r) = &self.running else {
             if m.generation.is_some() {
                 return Err(GatewayError::StaleGeneration("nothing is running".into()));
@@ -759,7 +920,7 @@ impl Handler<Interrupt> for SessionSupervisor {
         let _ = r.cancel.send(true);
         let open: Vec<String> = self.prompts.keys().cloned().collect();
         for id in open {
-            self.retire_prompt(&id, "interrupted");
+            self.retire_prompt(&id, "interrupted", ctx);
         }
         Ok(true)
     }
@@ -772,14 +933,14 @@ pub struct Drain;
 
 impl Handler<Drain> for SessionSupervisor {
     type Result = ResponseFuture<()>;
-    fn handle(&mut self, _: Drain, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, _: Drain, ctx: &mut Context<Self>) -> Self::Result {
         self.draining = true;
         match &self.running {
             Some(r) => {
                 let _ = r.cancel.send(true);
                 let open: Vec<String> = self.prompts.keys().cloned().collect();
                 for id in open {
-                    self.retire_prompt(&id, "shutdown");
+                    self.retire_prompt(&id, "shutdown", ctx);
                 }
             }
             // A claim in flight may start an attempt (born cancelled): wait for it to settle.
@@ -806,5 +967,6 @@ impl Handler<IsIdle> for SessionSupervisor {
             && self.subscribers.is_empty()
             && !self.claiming
             && self.prompts.is_empty()
+            && self.outbox.in_flight == 0
     }
 }

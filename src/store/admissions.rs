@@ -6,6 +6,7 @@ use diesel::sqlite::SqliteConnection;
 use sha2::{Digest, Sha256};
 
 use super::epoch::check_epoch;
+use super::events::{self, Logged, NewEvent};
 use super::messages::{closing_messages, insert_messages, live, NewMessage};
 use super::schema::{session_admissions as sa, sessions};
 use crate::error::StoreError;
@@ -58,7 +59,8 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 /// Admit an input. Same `(principal, target, request_id)` and digest → the existing row whatever
-/// its status (`created == false`); another digest → `admission_conflict`.
+/// its status (`created == false`); another digest → `admission_conflict`. A new row is reported
+/// by a `session.info {admitted}` event in the same transaction.
 #[allow(clippy::too_many_arguments)]
 pub fn admit(
     conn: &mut SqliteConnection,
@@ -69,7 +71,7 @@ pub fn admit(
     text: &str,
     max_queued: i64,
     now: f64,
-) -> Result<(AdmissionRow, bool), StoreError> {
+) -> Result<Logged<(AdmissionRow, bool)>, StoreError> {
     let payload = serde_json::json!({ "text": text }).to_string();
     let fingerprint = digest(target, &payload);
     conn.immediate_transaction(|conn| {
@@ -83,7 +85,7 @@ pub fn admit(
             .optional()?;
         if let Some(row) = existing {
             if row.payload_digest == fingerprint {
-                return Ok((row, false));
+                return Ok(Logged::quiet((row, false)));
             }
             return Err(StoreError::AdmissionConflict(format!(
                 "input_id {request_id} was admitted with other content"
@@ -122,7 +124,16 @@ pub fn admit(
             ))
             .execute(conn)?;
         let row = by_id(conn, &admission_id)?;
-        Ok((row, true))
+        let logged = events::append(
+            conn,
+            target,
+            &[NewEvent::new(
+                "session.info",
+                serde_json::json!({"admitted": row.admission_id, "sequence": row.seq, "input_id": row.request_id}),
+            )],
+            now,
+        )?;
+        Ok(Logged::new((row, true), logged))
     })
 }
 
@@ -232,13 +243,14 @@ pub enum Claim {
 }
 
 /// Claim the lowest-seq queued row of `session`: bump the session's generation and stamp it.
-/// An `unknown` row holds the FIFO (`unknown_execution`).
+/// An `unknown` row holds the FIFO (`unknown_execution`). A claim is reported by
+/// `session.info {running}` and `message.start` events in the same transaction.
 pub fn claim_next(
     conn: &mut SqliteConnection,
     epoch: i64,
     session: &str,
     now: f64,
-) -> Result<Claim, StoreError> {
+) -> Result<Logged<Claim>, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let rows = pending(conn, session)?;
@@ -249,10 +261,10 @@ pub fn claim_next(
             )));
         }
         if rows.iter().any(|r| r.status == "started") {
-            return Ok(Claim::Busy);
+            return Ok(Logged::quiet(Claim::Busy));
         }
         let Some(head) = rows.into_iter().find(|r| r.status == "queued") else {
-            return Ok(Claim::Idle);
+            return Ok(Logged::quiet(Claim::Idle));
         };
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_generation.eq(sessions::runtime_generation + 1))
@@ -278,12 +290,29 @@ pub fn claim_next(
                 "the head moved during the claim".into(),
             ));
         }
-        Ok(Claim::Started(Box::new(by_id(conn, &head.admission_id)?)))
+        let ids = serde_json::json!({"admission_id": head.admission_id, "execution_generation": generation});
+        let logged = events::append(
+            conn,
+            session,
+            &[
+                NewEvent::new(
+                    "session.info",
+                    serde_json::json!({"running": true, "execution_generation": generation, "admission_id": head.admission_id}),
+                ),
+                NewEvent::new("message.start", ids),
+            ],
+            now,
+        )?;
+        Ok(Logged::new(
+            Claim::Started(Box::new(by_id(conn, &head.admission_id)?)),
+            logged,
+        ))
     })
 }
 
-/// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip in the
-/// same transaction. Fenced: started, this epoch, this generation, the session's running one.
+/// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip and
+/// `report` (the settlement's events) to the log in the same transaction. Fenced: started, this
+/// epoch, this generation, the session's running one.
 #[allow(clippy::too_many_arguments)]
 pub fn settle(
     conn: &mut SqliteConnection,
@@ -294,8 +323,9 @@ pub fn settle(
     outcome: &str,
     result_json: &str,
     closing: &[NewMessage],
+    report: &[NewEvent],
     now: f64,
-) -> Result<AdmissionRow, StoreError> {
+) -> Result<Logged<AdmissionRow>, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let (tip, current): (String, i64) = sessions::table
@@ -339,19 +369,21 @@ pub fn settle(
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
             .execute(conn)?;
-        by_id(conn, admission_id)
+        let logged = events::append(conn, session, report, now)?;
+        Ok(Logged::new(by_id(conn, admission_id)?, logged))
     })
 }
 
 /// Cancel a queued row (terminal/cancelled). Started → `stale_generation`; unknown →
-/// `unknown_execution`; terminal rows are returned as they are.
+/// `unknown_execution`; terminal rows are returned as they are. A cancellation is reported by a
+/// `session.info {cancelled}` event.
 pub fn cancel(
     conn: &mut SqliteConnection,
     epoch: i64,
     session: &str,
     admission_id: &str,
     now: f64,
-) -> Result<AdmissionRow, StoreError> {
+) -> Result<Logged<AdmissionRow>, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let row = of_session(conn, session, admission_id)?;
@@ -368,7 +400,16 @@ pub fn cancel(
                     sa::updated_at.eq(now),
                 ))
                 .execute(conn)?;
-                by_id(conn, admission_id)
+                let logged = events::append(
+                    conn,
+                    session,
+                    &[NewEvent::new(
+                        "session.info",
+                        serde_json::json!({"cancelled": admission_id, "outcome": "cancelled"}),
+                    )],
+                    now,
+                )?;
+                Ok(Logged::new(by_id(conn, admission_id)?, logged))
             }
             "started" => Err(StoreError::StaleGeneration(
                 "the admission is running; interrupt it instead".into(),
@@ -376,13 +417,14 @@ pub fn cancel(
             "unknown" => Err(StoreError::UnknownExecution(
                 "the admission is unknown; resolve it instead".into(),
             )),
-            _ => Ok(row),
+            _ => Ok(Logged::quiet(row)),
         }
     })
 }
 
 /// Settle an `unknown` row `terminal/interrupted` (the operator's decision), closing the transcript
-/// in the same transaction. The generation must match; the input is never replayed.
+/// in the same transaction. The generation must match; the input is never replayed. Reported by a
+/// `session.info {resolved}` event.
 pub fn resolve_unknown(
     conn: &mut SqliteConnection,
     epoch: i64,
@@ -390,7 +432,7 @@ pub fn resolve_unknown(
     admission_id: &str,
     generation: i64,
     now: f64,
-) -> Result<AdmissionRow, StoreError> {
+) -> Result<Logged<AdmissionRow>, StoreError> {
     conn.immediate_transaction(|conn| {
         check_epoch(conn, epoch)?;
         let row = of_session(conn, session, admission_id)?;
@@ -399,8 +441,10 @@ pub fn resolve_unknown(
                 "admission {admission_id} is not unknown at generation {generation}"
             )));
         }
-        let tip: String =
-            sessions::table.filter(sessions::id.eq(session)).select(sessions::tip_session_id).first(conn)?;
+        let tip: String = sessions::table
+            .filter(sessions::id.eq(session))
+            .select(sessions::tip_session_id)
+            .first(conn)?;
         let transcript = live(conn, &tip)?;
         let closing: Vec<NewMessage> = closing_messages(
             &transcript,
@@ -412,19 +456,32 @@ pub fn resolve_unknown(
         .map(|m| NewMessage { session_id: tip.clone(), ..m })
         .collect();
         insert_messages(conn, &closing, now)?;
-        diesel::update(sa::table.filter(sa::admission_id.eq(admission_id)).filter(sa::status.eq("unknown")))
-            .set((
-                sa::status.eq("terminal"),
-                sa::outcome.eq("interrupted"),
-                sa::owner_epoch.eq(epoch),
-                sa::result_json.eq(r#"{"resolved":"operator"}"#),
-                sa::updated_at.eq(now),
-            ))
-            .execute(conn)?;
+        diesel::update(
+            sa::table
+                .filter(sa::admission_id.eq(admission_id))
+                .filter(sa::status.eq("unknown")),
+        )
+        .set((
+            sa::status.eq("terminal"),
+            sa::outcome.eq("interrupted"),
+            sa::owner_epoch.eq(epoch),
+            sa::result_json.eq(r#"{"resolved":"operator"}"#),
+            sa::updated_at.eq(now),
+        ))
+        .execute(conn)?;
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
             .execute(conn)?;
-        by_id(conn, admission_id)
+        let logged = events::append(
+            conn,
+            session,
+            &[NewEvent::new(
+                "session.info",
+                serde_json::json!({"resolved": admission_id, "outcome": "interrupted"}),
+            )],
+            now,
+        )?;
+        Ok(Logged::new(by_id(conn, admission_id)?, logged))
     })
 }
 
@@ -458,9 +515,13 @@ mod tests {
     #[test]
     fn admit_is_idempotent_and_conflicts_on_other_text() {
         let (_d, mut c, e) = setup();
-        let (a, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 1.0).expect("admit");
+        let (a, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 1.0)
+            .expect("admit")
+            .value;
         assert!(created);
-        let (b, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 2.0).expect("again");
+        let (b, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 2.0)
+            .expect("again")
+            .value;
         assert!(!created);
         assert_eq!(a.admission_id, b.admission_id);
         assert!(matches!(
@@ -481,15 +542,19 @@ mod tests {
     #[test]
     fn claims_are_fifo_one_at_a_time_and_settles_are_fenced() {
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
-        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
-        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim") else {
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
+            .expect("b")
+            .value;
+        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
         assert_eq!(first.admission_id, a.admission_id);
         assert_eq!(first.execution_generation, Some(1));
         assert!(matches!(
-            claim_next(&mut c, e, "s1", 2.0).expect("busy"),
+            claim_next(&mut c, e, "s1", 2.0).expect("busy").value,
             Claim::Busy
         ));
         assert!(matches!(
@@ -501,6 +566,7 @@ mod tests {
                 7,
                 "completed",
                 "{}",
+                &[],
                 &[],
                 3.0
             ),
@@ -515,10 +581,11 @@ mod tests {
             "completed",
             "{}",
             &[],
+            &[],
             3.0,
         )
         .expect("settle");
-        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim") else {
+        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim").value else {
             panic!("no claim")
         };
         assert_eq!(second.admission_id, b.admission_id);
@@ -528,10 +595,12 @@ mod tests {
     #[test]
     fn unknown_holds_the_fifo_until_resolved_with_its_generation() {
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
         admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
         assert!(matches!(
-            claim_next(&mut c, e, "s1", 2.0),
+            claim_next(&mut c, e, "s1", 2.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
         let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
@@ -552,6 +621,7 @@ mod tests {
                 "completed",
                 "{}",
                 &[],
+                &[],
                 3.0
             ),
             Err(StoreError::StaleEpoch)
@@ -560,7 +630,9 @@ mod tests {
             resolve_unknown(&mut c, e2, "s1", &a.admission_id, 9, 4.0),
             Err(StoreError::StaleGeneration(_))
         ));
-        let r = resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0).expect("resolve");
+        let r = resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0)
+            .expect("resolve")
+            .value;
         assert_eq!(
             (r.status.as_str(), r.outcome.as_deref()),
             ("terminal", Some("interrupted"))
@@ -570,7 +642,7 @@ mod tests {
             Err(StoreError::StaleGeneration(_))
         ));
         assert!(matches!(
-            claim_next(&mut c, e2, "s1", 5.0),
+            claim_next(&mut c, e2, "s1", 5.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
     }
@@ -578,14 +650,79 @@ mod tests {
     #[test]
     fn only_queued_rows_cancel() {
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
-        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
+            .expect("b")
+            .value;
         claim_next(&mut c, e, "s1", 2.0).expect("claim");
         assert!(matches!(
             cancel(&mut c, e, "s1", &a.admission_id, 2.0),
             Err(StoreError::StaleGeneration(_))
         ));
-        let r = cancel(&mut c, e, "s1", &b.admission_id, 2.0).expect("cancel");
+        let r = cancel(&mut c, e, "s1", &b.admission_id, 2.0)
+            .expect("cancel")
+            .value;
         assert_eq!(r.outcome.as_deref(), Some("cancelled"));
+    }
+
+    fn kinds(events: &[events::EventRow]) -> Vec<(i64, &str)> {
+        events.iter().map(|e| (e.seq, e.kind.as_str())).collect()
+    }
+
+    #[test]
+    fn transitions_log_their_events_and_refusals_log_nothing() {
+        let (_d, mut c, e) = setup();
+        let a = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        assert_eq!(kinds(&a.events), vec![(1, "session.info")]);
+        assert_eq!(a.events[0].payload()["admitted"], a.value.0.admission_id);
+        let again = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("again");
+        assert!(again.events.is_empty());
+        let claim = claim_next(&mut c, e, "s1", 2.0).expect("claim");
+        assert_eq!(
+            kinds(&claim.events),
+            vec![(2, "session.info"), (3, "message.start")]
+        );
+        let id = a.value.0.admission_id.clone();
+        let report = [NewEvent::new(
+            "message.complete",
+            serde_json::json!({ "admission_id": id }),
+        )];
+        assert!(settle(
+            &mut c,
+            e,
+            "s1",
+            &id,
+            9,
+            "completed",
+            "{}",
+            &[],
+            &report,
+            3.0
+        )
+        .is_err());
+        let done = settle(
+            &mut c,
+            e,
+            "s1",
+            &id,
+            1,
+            "completed",
+            "{}",
+            &[],
+            &report,
+            3.0,
+        )
+        .expect("settle");
+        assert_eq!(kinds(&done.events), vec![(4, "message.complete")]);
+        assert_eq!(events::head(&mut c, "s1").expect("head").last_seq, 4);
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 4.0)
+            .expect("b")
+            .value;
+        let cancelled = cancel(&mut c, e, "s1", &b.admission_id, 5.0).expect("cancel");
+        assert_eq!(kinds(&cancelled.events), vec![(6, "session.info")]);
+        let again = cancel(&mut c, e, "s1", &b.admission_id, 5.0).expect("again");
+        assert!(again.events.is_empty());
     }
 }

@@ -11,6 +11,7 @@ pub mod leases;
 pub mod messages;
 pub mod prompts;
 pub mod room_tasks;
+pub mod events;
 pub mod rooms;
 pub mod rooms_schema;
 pub mod schema;

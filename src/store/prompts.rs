@@ -3,6 +3,7 @@
 use diesel::prelude::*;
 use diesel::sqlite::SqliteConnection;
 
+use super::events::{self, EventRow, NewEvent};
 use super::schema::{approval_allowlist, prompts, session_approvals};
 use crate::error::StoreError;
 
@@ -21,6 +22,7 @@ pub struct PromptRow {
     pub resolved_by: Option<String>,
 }
 
+/// Record an open prompt and its `<kind>.request` event (the payload clients answer from).
 #[allow(clippy::too_many_arguments)]
 pub fn record_open(
     conn: &mut SqliteConnection,
@@ -29,9 +31,10 @@ pub fn record_open(
     admission_id: &str,
     generation: i64,
     kind: &str,
-    payload_json: &str,
+    payload: &serde_json::Value,
     now: f64,
-) -> Result<(), StoreError> {
+) -> Result<Vec<EventRow>, StoreError> {
+    let payload_json = payload.to_string();
     conn.immediate_transaction(|conn| {
         diesel::insert_into(prompts::table)
             .values((
@@ -40,23 +43,45 @@ pub fn record_open(
                 prompts::admission_id.eq(admission_id),
                 prompts::execution_generation.eq(generation),
                 prompts::kind.eq(kind),
-                prompts::payload_json.eq(payload_json),
+                prompts::payload_json.eq(&payload_json),
                 prompts::opened_at.eq(now),
             ))
             .execute(conn)?;
-        Ok(())
+        events::append(
+            conn,
+            session_id,
+            &[NewEvent::new(format!("{kind}.request"), payload.clone())],
+            now,
+        )
     })
 }
 
-/// Record how a prompt ended (first resolution wins).
+fn settled_event(row: &PromptRow, resolution: &str) -> NewEvent {
+    NewEvent::new(
+        format!("{}.settled", row.kind),
+        serde_json::json!({"prompt_id": row.prompt_id, "resolution": resolution,
+                           "execution_generation": row.execution_generation}),
+    )
+}
+
+/// Record how a prompt ended (first resolution wins) and its `<kind>.settled` event.
 pub fn record_resolution(
     conn: &mut SqliteConnection,
     prompt_id: &str,
     resolution: &str,
     by: &str,
     now: f64,
-) -> Result<(), StoreError> {
+) -> Result<Vec<EventRow>, StoreError> {
     conn.immediate_transaction(|conn| {
+        let Some(row) = prompts::table
+            .filter(prompts::prompt_id.eq(prompt_id))
+            .filter(prompts::resolved_at.is_null())
+            .select(PromptRow::as_select())
+            .first(conn)
+            .optional()?
+        else {
+            return Ok(Vec::new());
+        };
         diesel::update(
             prompts::table
                 .filter(prompts::prompt_id.eq(prompt_id))
@@ -68,22 +93,40 @@ pub fn record_resolution(
             prompts::resolved_by.eq(by),
         ))
         .execute(conn)?;
-        Ok(())
+        events::append(
+            conn,
+            &row.session_id,
+            &[settled_event(&row, resolution)],
+            now,
+        )
     })
 }
 
-/// At boot: prompts left open by a previous process ended with it.
+/// At boot: prompts left open by a previous process ended with it (each with its
+/// `<kind>.settled {resolution: "abandoned"}` event).
 pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, StoreError> {
     conn.immediate_transaction(|conn| {
-        Ok(
-            diesel::update(prompts::table.filter(prompts::resolved_at.is_null()))
-                .set((
-                    prompts::resolved_at.eq(now),
-                    prompts::resolution.eq("abandoned"),
-                    prompts::resolved_by.eq("restart"),
-                ))
-                .execute(conn)?,
-        )
+        let open: Vec<PromptRow> = prompts::table
+            .filter(prompts::resolved_at.is_null())
+            .order(prompts::opened_at.asc())
+            .select(PromptRow::as_select())
+            .load(conn)?;
+        diesel::update(prompts::table.filter(prompts::resolved_at.is_null()))
+            .set((
+                prompts::resolved_at.eq(now),
+                prompts::resolution.eq("abandoned"),
+                prompts::resolved_by.eq("restart"),
+            ))
+            .execute(conn)?;
+        for row in &open {
+            events::append(
+                conn,
+                &row.session_id,
+                &[settled_event(row, "abandoned")],
+                now,
+            )?;
+        }
+        Ok(open.len())
     })
 }
 

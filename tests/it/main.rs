@@ -6,6 +6,7 @@ mod fuzz;
 mod helpers;
 mod hostile;
 mod ops;
+mod rest;
 mod rooms;
 mod tools;
 mod torture;

@@ -1,0 +1,508 @@
+//! Who is calling over HTTP, and the refusal body every `/v1` route shares.
+//!
+//! A caller proves itself with one of:
+//! - `Authorization: Bearer <key>`: an API key whose SHA-256 is listed in `gateway.api_keys` or in
+//!   the keys file `HOME/api_keys` (written by `gatehouse key create`; re-read when it changes, so
+//!   `gatehouse key revoke` takes effect without a restart). Principal `key:<first 12 hex of the
+//!   hash>`; keys are compared in constant time.
+//! - `X-Gatehouse-Ticket: <ticket>`: a control-socket ticket, consumed by that one request.
+//! - `Authorization: Bearer <token>`: a token from `POST /v1/auth/token` (which takes a ticket),
+//!   valid for `http.token_ttl_seconds`; for local clients that make many requests.
+//!
+//! Tickets and tokens carry the principal of the control socket's user (`uid:N`).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use actix_web::http::StatusCode;
+use actix_web::{web, FromRequest, HttpRequest, HttpResponse, ResponseError};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::http::AppState;
+use crate::clock::SharedClock;
+use crate::error::GatewayError;
+use crate::store::admissions::hex;
+
+/// The keys file in the home.
+pub const KEYS_FILE: &str = "api_keys";
+/// The header that carries a single-use control-socket ticket.
+pub const TICKET_HEADER: &str = "x-gatehouse-ticket";
+
+// ---------- refusals ----------
+
+/// A refusal over HTTP: `{"error": {"reason", "message"}}` with a fitting status.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, reason: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "permission_denied", message)
+    }
+
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::from(GatewayError::InvalidParams(message.into()))
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"reason": self.reason, "message": self.message}})
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason, self.message)
+    }
+}
+
+/// The HTTP status of each stable reason.
+pub fn status_of(err: &GatewayError) -> StatusCode {
+    match err {
+        GatewayError::InvalidParams(_)
+        | GatewayError::Parse(_)
+        | GatewayError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+        GatewayError::NotFound(_) | GatewayError::UnknownMethod(_) => StatusCode::NOT_FOUND,
+        GatewayError::PermissionDenied(_) => StatusCode::FORBIDDEN,
+        GatewayError::ProfileMismatch(_)
+        | GatewayError::StaleGeneration(_)
+        | GatewayError::StaleEpoch
+        | GatewayError::UnknownExecution(_)
+        | GatewayError::AdmissionConflict(_) => StatusCode::CONFLICT,
+        GatewayError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+        GatewayError::SessionBusy(_) | GatewayError::RateLimited(_) => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        GatewayError::RuntimeDraining
+        | GatewayError::StorageUnavailable
+        | GatewayError::Internal(_) => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+impl From<GatewayError> for ApiError {
+    fn from(err: GatewayError) -> ApiError {
+        ApiError {
+            status: status_of(&err),
+            reason: err.reason(),
+            message: err.detail(),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut r = HttpResponse::build(self.status);
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.insert_header(("www-authenticate", "Bearer"));
+        }
+        r.json(self.body())
+    }
+}
+
+// ---------- API keys ----------
+
+/// One line of the keys file: `sha256:<hex> <name> <created_unix_seconds>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyEntry {
+    pub digest: String,
+    pub name: String,
+    pub created_at: i64,
+}
+
+/// The SHA-256 of a key, as stored.
+pub fn key_digest(key: &str) -> String {
+    hex(&Sha256::digest(key.as_bytes()))
+}
+
+fn normalise(stored: &str) -> String {
+    stored
+        .trim()
+        .trim_start_matches("sha256:")
+        .to_ascii_lowercase()
+}
+
+pub fn keys_file(home: &Path) -> PathBuf {
+    home.join(KEYS_FILE)
+}
+
+/// Parse the keys file (blank lines and `#` comments are skipped).
+pub fn parse_keys(text: &str) -> Vec<KeyEntry> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter_map(|l| {
+            let mut parts = l.split_whitespace();
+            let digest = normalise(parts.next()?);
+            if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
+            Some(KeyEntry {
+                digest,
+                name: parts.next().unwrap_or("").to_string(),
+                created_at: parts.next().and_then(|t| t.parse().ok()).unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+/// The keys listed in `HOME/api_keys` (none when there is no file).
+pub fn list_keys(home: &Path) -> std::io::Result<Vec<KeyEntry>> {
+    match std::fs::read_to_string(keys_file(home)) {
+        Ok(text) => Ok(parse_keys(&text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Make a new key named `name`, append its hash to the keys file (created 0600) and return the
+/// key itself: it is shown once and stored nowhere.
+pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)> {
+    let name: String = name
+        .chars()
+        .map(|c| if c.is_whitespace() { '-' } else { c })
+        .collect();
+    if list_keys(home)?.iter().any(|k| k.name == name) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("a key named {name:?} exists already"),
+        ));
+    }
+    let key = format!(
+        "gk_{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let created_at = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let entry = KeyEntry {
+        digest: key_digest(&key),
+        name,
+        created_at,
+    };
+    let path = keys_file(home);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(&path)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    writeln!(
+        f,
+        "sha256:{} {} {}",
+        entry.digest, entry.name, entry.created_at
+    )?;
+    f.sync_all()?;
+    Ok((key, entry))
+}
+
+/// Remove every key whose name is `which` or whose hash starts with it (at least 8 hex digits);
+/// how many were removed.
+pub fn revoke_key(home: &Path, which: &str) -> std::io::Result<usize> {
+    let path = keys_file(home);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let prefix = normalise(which);
+    let matches =
+        |e: &KeyEntry| e.name == which || (prefix.len() >= 8 && e.digest.starts_with(&prefix));
+    let mut removed = 0;
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| match parse_keys(l).first() {
+            Some(e) if matches(e) => {
+                removed += 1;
+                false
+            }
+            _ => true,
+        })
+        .collect();
+    if removed > 0 {
+        let tmp = path.with_extension("tmp");
+        {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            for l in kept {
+                writeln!(f, "{l}")?;
+            }
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(removed)
+}
+
+/// Size and modification time: when either changes, the file is read again.
+type Stamp = (u64, Option<SystemTime>);
+
+/// The accepted API keys: `gateway.api_keys` plus the keys file, re-read when it changes.
+pub struct ApiKeys {
+    configured: Vec<String>,
+    path: PathBuf,
+    file: Mutex<(Option<Stamp>, Vec<String>)>,
+}
+
+impl ApiKeys {
+    pub fn new(home: &Path, configured: &[String]) -> ApiKeys {
+        let keys = ApiKeys {
+            configured: configured.iter().map(|k| normalise(k)).collect(),
+            path: keys_file(home),
+            file: Mutex::new((None, Vec::new())),
+        };
+        keys.file_keys();
+        keys
+    }
+
+    fn file_keys(&self) -> Vec<String> {
+        let stamp = std::fs::metadata(&self.path)
+            .ok()
+            .map(|m| (m.len(), m.modified().ok()));
+        let Ok(mut cache) = self.file.lock() else {
+            return Vec::new();
+        };
+        if cache.0 != stamp || stamp.is_none() {
+            let keys = std::fs::read_to_string(&self.path)
+                .map(|t| parse_keys(&t).into_iter().map(|e| e.digest).collect())
+                .unwrap_or_default();
+            *cache = (stamp, keys);
+        }
+        cache.1.clone()
+    }
+
+    /// Is any key configured at all?
+    pub fn any(&self) -> bool {
+        !self.configured.is_empty() || !self.file_keys().is_empty()
+    }
+
+    /// The principal of `key`, if it is accepted. Every stored hash is compared, in constant time.
+    pub fn principal(&self, key: &str) -> Option<String> {
+        let digest = key_digest(key);
+        let mut found = false;
+        for stored in self.configured.iter().chain(self.file_keys().iter()) {
+            found |= constant_time_eq(stored.as_bytes(), digest.as_bytes());
+        }
+        found.then(|| format!("key:{}", &digest[..12]))
+    }
+}
+
+/// Is any API key configured for a gateway on `home` (config or keys file)?
+pub fn any_api_key(home: &Path, configured: &[String]) -> bool {
+    !configured.is_empty() || list_keys(home).map(|k| !k.is_empty()).unwrap_or(false)
+}
+
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+// ---------- tokens (a ticket exchanged for a short session) ----------
+
+/// Bearer tokens minted for a redeemed ticket; kept in memory only (a restart ends them).
+pub struct Tokens {
+    ttl: f64,
+    clock: SharedClock,
+    /// By the token's SHA-256: `(expires_at, principal)`.
+    map: Mutex<HashMap<String, (f64, String)>>,
+}
+
+impl Tokens {
+    pub fn new(ttl: f64, clock: SharedClock) -> Tokens {
+        Tokens {
+            ttl,
+            clock,
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn mint(&self, principal: &str) -> (String, f64) {
+        let token = format!(
+            "gt_{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let now = self.clock.now();
+        let expires = now + self.ttl;
+        if let Ok(mut m) = self.map.lock() {
+            m.retain(|_, (exp, _)| *exp > now);
+            m.insert(key_digest(&token), (expires, principal.to_string()));
+        }
+        (token, expires)
+    }
+
+    pub fn principal(&self, token: &str) -> Option<String> {
+        let m = self.map.lock().ok()?;
+        let (expires, principal) = m.get(&key_digest(token))?;
+        (*expires > self.clock.now()).then(|| principal.clone())
+    }
+
+    pub fn revoke_all(&self) {
+        if let Ok(mut m) = self.map.lock() {
+            m.clear();
+        }
+    }
+}
+
+/// Keys and tokens, as the HTTP routes see them.
+pub struct HttpAuth {
+    pub keys: ApiKeys,
+    pub tokens: Tokens,
+    /// Does `/metrics` need credentials?
+    pub metrics_require_key: bool,
+}
+
+impl HttpAuth {
+    pub fn new(home: &Path, config: &crate::config::Config, clock: SharedClock) -> HttpAuth {
+        let loopback = matches!(
+            config.gateway.host.as_str(),
+            "127.0.0.1" | "localhost" | "::1"
+        );
+        HttpAuth {
+            keys: ApiKeys::new(home, &config.gateway.api_keys),
+            tokens: Tokens::new(config.http.token_ttl_seconds, clock),
+            metrics_require_key: config.http.metrics_require_key.unwrap_or(!loopback),
+        }
+    }
+}
+
+/// The principal behind `Authorization: Bearer …` (an API key or a token), if any.
+pub fn bearer(auth: &HttpAuth, req: &HttpRequest) -> Option<String> {
+    let header = req.headers().get("authorization")?.to_str().ok()?;
+    let value = header
+        .strip_prefix("Bearer ")
+        .or_else(|| header.strip_prefix("bearer "))?
+        .trim();
+    if value.is_empty() {
+        return None;
+    }
+    auth.keys
+        .principal(value)
+        .or_else(|| auth.tokens.principal(value))
+}
+
+/// Authenticate an HTTP request: a bearer key or token, else a single-use ticket header.
+pub fn authenticate(state: &AppState, req: &HttpRequest) -> Result<String, ApiError> {
+    if req.headers().contains_key("authorization") {
+        return bearer(&state.auth, req)
+            .ok_or_else(|| ApiError::unauthorized("the API key or token is not valid"));
+    }
+    if let Some(t) = req.headers().get(TICKET_HEADER) {
+        let t = t.to_str().unwrap_or("").trim();
+        return state
+            .tickets
+            .redeem(t)
+            .map_err(|why| ApiError::unauthorized(format!("ticket refused: {why:?}")));
+    }
+    Err(ApiError::unauthorized(
+        "send Authorization: Bearer <API key or token>, or X-Gatehouse-Ticket: <ticket>",
+    ))
+}
+
+/// An authenticated caller: take it as a handler argument and the route needs credentials.
+#[derive(Debug, Clone)]
+pub struct Principal(pub String);
+
+impl FromRequest for Principal {
+    type Error = ApiError;
+    type Future = std::future::Ready<Result<Principal, ApiError>>;
+
+    fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
+        let result = match req.app_data::<web::Data<AppState>>() {
+            Some(state) => authenticate(state, req).map(Principal),
+            None => Err(ApiError::from(GatewayError::Internal(
+                "no application state".into(),
+            ))),
+        };
+        std::future::ready(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_created_listed_accepted_and_revoked() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path();
+        assert!(!any_api_key(home, &[]));
+        let (key, entry) = create_key(home, "ci bot").expect("create");
+        assert_eq!(entry.name, "ci-bot");
+        assert!(key.starts_with("gk_") && key.len() == 67);
+        assert!(create_key(home, "ci-bot").is_err(), "names are unique");
+        let (other, _) = create_key(home, "laptop").expect("create");
+        let mode = std::fs::metadata(keys_file(home))
+            .expect("file")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(!std::fs::read_to_string(keys_file(home))
+            .expect("read")
+            .contains(&key));
+        let keys = ApiKeys::new(home, &["sha256:".to_string() + &"ab".repeat(32)]);
+        assert_eq!(
+            keys.principal(&key),
+            Some(format!("key:{}", &entry.digest[..12]))
+        );
+        assert!(keys.principal("gk_wrong").is_none());
+        assert!(keys.principal("").is_none());
+        assert_eq!(revoke_key(home, "ci-bot").expect("revoke"), 1);
+        assert!(
+            keys.principal(&key).is_none(),
+            "a revoked key is refused at once"
+        );
+        assert!(keys.principal(&other).is_some());
+        assert_eq!(revoke_key(home, "nobody").expect("revoke"), 0);
+        assert_eq!(list_keys(home).expect("list").len(), 1);
+        assert!(any_api_key(home, &[]));
+    }
+
+    #[test]
+    fn refusals_have_fitting_statuses() {
+        let cases = [
+            (GatewayError::InvalidParams("x".into()), 400),
+            (GatewayError::NotFound("x".into()), 404),
+            (GatewayError::PermissionDenied("x".into()), 403),
+            (GatewayError::AdmissionConflict("x".into()), 409),
+            (GatewayError::StaleGeneration("x".into()), 409),
+            (GatewayError::PayloadTooLarge("x".into()), 413),
+            (GatewayError::SessionBusy("x".into()), 429),
+            (GatewayError::RuntimeDraining, 503),
+        ];
+        for (err, status) in cases {
+            let reason = err.reason();
+            let e = ApiError::from(err);
+            assert_eq!(e.status.as_u16(), status, "{reason}");
+            assert_eq!(e.body()["error"]["reason"], reason);
+        }
+        let e = ApiError::from(GatewayError::Internal("disk on fire".into()));
+        assert!(!e.body().to_string().contains("disk on fire"));
+    }
+}

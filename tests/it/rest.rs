@@ -1,0 +1,1345 @@
+//! The HTTP API: REST endpoints and their refusals, one admission whatever the transport, the
+//! resumable SSE event stream and pruning, the chat-completions facade in OpenAI's wire shapes,
+//! API keys on every route, and a whole approval journey driven with a plain HTTP client.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+const T: Duration = Duration::from_secs(30);
+const KEY: &str = "gk_test_key_one";
+const OTHER_KEY: &str = "gk_test_key_two";
+
+fn digest(key: &str) -> String {
+    format!("sha256:{}", gatehouse::api::auth::key_digest(key))
+}
+
+fn keyed(model: &FakeModel, extra: Value) -> Value {
+    let mut c = config(
+        &model.url,
+        json!({"gateway": {"api_keys": [digest(KEY), digest(OTHER_KEY)]}}),
+    );
+    merge(&mut c, extra);
+    c
+}
+
+// ---------- a plain HTTP client ----------
+
+#[derive(Clone)]
+struct Api {
+    origin: String,
+    auth: Vec<(String, String)>,
+}
+
+struct Resp {
+    status: u16,
+    body: Value,
+    headers: awc::http::header::HeaderMap,
+}
+
+fn client() -> awc::Client {
+    awc::Client::builder()
+        .timeout(Duration::from_secs(90))
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish()
+}
+
+impl Api {
+    fn new(d: &Daemon, key: &str) -> Api {
+        Api {
+            origin: d.origin(),
+            auth: vec![("authorization".into(), format!("Bearer {key}"))],
+        }
+    }
+
+    fn anonymous(d: &Daemon) -> Api {
+        Api {
+            origin: d.origin(),
+            auth: Vec::new(),
+        }
+    }
+
+    fn with(&self, name: &str, value: &str) -> Api {
+        let mut a = self.clone();
+        a.auth.push((name.to_string(), value.to_string()));
+        a
+    }
+
+    async fn raw(&self, method: &str, path: &str, body: Option<String>) -> Resp {
+        let method = awc::http::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut req = client().request(method, format!("{}{path}", self.origin));
+        for (k, v) in &self.auth {
+            req = req.insert_header((k.as_str(), v.as_str()));
+        }
+        let sent = match body {
+            Some(b) => {
+                req.insert_header(("content-type", "application/json"))
+                    .send_body(b)
+                    .await
+            }
+            None => req.send().await,
+        };
+        let mut resp = sent.unwrap_or_else(|e| panic!("{path}: {e}"));
+        let bytes = resp.body().limit(16 << 20).await.expect("body");
+        Resp {
+            status: resp.status().as_u16(),
+            body: serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into())),
+            headers: resp.headers().clone(),
+        }
+    }
+
+    async fn get(&self, path: &str) -> Resp {
+        self.raw("GET", path, None).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Resp {
+        self.raw("POST", path, Some(body.to_string())).await
+    }
+
+    /// A call that must answer `status`; its body.
+    async fn expect(&self, method: &str, path: &str, body: Option<Value>, status: u16) -> Value {
+        let r = self.raw(method, path, body.map(|b| b.to_string())).await;
+        assert_eq!(r.status, status, "{method} {path}: {}", r.body);
+        r.body
+    }
+
+    async fn session(&self, request_id: &str, cwd: &Path) -> String {
+        let snap = self
+            .with("idempotency-key", request_id)
+            .expect(
+                "POST",
+                "/v1/sessions",
+                Some(json!({"cwd": cwd.to_string_lossy()})),
+                200,
+            )
+            .await;
+        snap["session_id"].as_str().expect("session id").to_string()
+    }
+
+    async fn submit(&self, sid: &str, input_id: &str, text: &str) -> Value {
+        self.expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/inputs"),
+            Some(json!({"input_id": input_id, "text": text})),
+            202,
+        )
+        .await
+    }
+
+    async fn wait(&self, sid: &str, admission: &Value) -> Value {
+        let a = admission.as_str().expect("admission id");
+        let r = self
+            .expect(
+                "GET",
+                &format!("/v1/sessions/{sid}/inputs/{a}?wait=30"),
+                None,
+                200,
+            )
+            .await;
+        assert_eq!(r["status"], "terminal", "{r}");
+        r
+    }
+}
+
+/// A refusal body is exactly `{"error": {"reason", "message"}}`.
+fn assert_refusal(body: &Value, reason: &str) {
+    assert_eq!(body["error"]["reason"], reason, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert_eq!(body.as_object().map(|o| o.len()), Some(1), "{body}");
+    assert_eq!(
+        body["error"].as_object().map(|o| o.len()),
+        Some(2),
+        "{body}"
+    );
+}
+
+// ---------- an SSE client ----------
+
+#[derive(Debug, Clone)]
+struct Ev {
+    id: Option<i64>,
+    event: String,
+    data: Value,
+}
+
+struct Sse {
+    resp: awc::ClientResponse,
+    buf: String,
+}
+
+impl Sse {
+    async fn open(api: &Api, path: &str, last_event_id: Option<i64>) -> Sse {
+        let mut req = client().get(format!("{}{path}", api.origin));
+        for (k, v) in &api.auth {
+            req = req.insert_header((k.as_str(), v.as_str()));
+        }
+        if let Some(id) = last_event_id {
+            req = req.insert_header(("last-event-id", id.to_string()));
+        }
+        let resp = req.send().await.expect("sse");
+        assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(
+            resp.headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("text/event-stream")
+        );
+        Sse {
+            resp,
+            buf: String::new(),
+        }
+    }
+
+    /// The next event (comments skipped); `None` when the stream ends or `timeout` passes.
+    async fn next(&mut self, timeout: Duration) -> Option<Ev> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let (mut id, mut event, mut data) = (None, "message".to_string(), None);
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("id: ") {
+                        id = Some(v.parse::<i64>().expect("numeric id"));
+                    } else if let Some(v) = line.strip_prefix("event: ") {
+                        event = v.to_string();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data = Some(serde_json::from_str(v).expect("json data"));
+                    }
+                }
+                if let Some(data) = data {
+                    return Some(Ev { id, event, data });
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let chunk = tokio::time::timeout(left, self.resp.next()).await.ok()??;
+            self.buf
+                .push_str(&String::from_utf8_lossy(&chunk.expect("sse chunk")));
+        }
+    }
+
+    /// Events until (and with) one matching `pred`.
+    async fn until(&mut self, pred: impl Fn(&Ev) -> bool) -> Vec<Ev> {
+        let mut seen = Vec::new();
+        loop {
+            let ev = self
+                .next(T)
+                .await
+                .unwrap_or_else(|| panic!("stream ended; saw {seen:?}"));
+            let done = pred(&ev);
+            seen.push(ev);
+            if done {
+                return seen;
+            }
+        }
+    }
+}
+
+fn completes(admission: &Value) -> impl Fn(&Ev) -> bool + '_ {
+    move |e: &Ev| e.event == "message.complete" && e.data["payload"]["admission_id"] == *admission
+}
+
+/// `(seq, type)` of every stored event of `session`.
+fn stored_events(home: &Home, session: &str) -> Vec<(i64, String)> {
+    use diesel::prelude::*;
+    use gatehouse::store::events::schema::session_events as ev;
+    ev::table
+        .filter(ev::session_id.eq(session))
+        .order(ev::seq.asc())
+        .select((ev::seq, ev::kind))
+        .load(&mut home.db())
+        .expect("events")
+}
+
+fn durable(events: &[Ev]) -> Vec<(i64, String)> {
+    events
+        .iter()
+        .filter_map(|e| e.id.map(|id| (id, e.event.clone())))
+        .collect()
+}
+
+// ---------- tests ----------
+
+#[actix_rt::test]
+async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
+    let model = FakeModel::start(|body| {
+        let text = last_user(body);
+        if text == "SLOW" {
+            Reply::Hang
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{text}")}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({"session": {"max_text_bytes": 2000}})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let cwd = home.path.to_string_lossy().to_string();
+
+    // Create: idempotent by Idempotency-Key (or request_id); other params with it are refused.
+    let first = api
+        .with("idempotency-key", "s1")
+        .expect(
+            "POST",
+            "/v1/sessions",
+            Some(json!({"cwd": cwd, "title": "t"})),
+            200,
+        )
+        .await;
+    let sid = first["session_id"].as_str().expect("sid").to_string();
+    assert_eq!(first["info"]["source"], "cli");
+    assert_eq!(first["messages"], json!([]));
+    let again = api
+        .expect(
+            "POST",
+            "/v1/sessions",
+            Some(json!({"cwd": cwd, "title": "t", "request_id": "s1"})),
+            200,
+        )
+        .await;
+    assert_eq!(again["session_id"], sid);
+    let b = api
+        .with("idempotency-key", "s1")
+        .expect(
+            "POST",
+            "/v1/sessions",
+            Some(json!({"cwd": cwd, "title": "other"})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let b = api
+        .with("idempotency-key", "s2")
+        .expect(
+            "POST",
+            "/v1/sessions",
+            Some(json!({"request_id": "s3"})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let b = api
+        .expect(
+            "POST",
+            "/v1/sessions",
+            Some(json!({"cwd": "relative"})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let b = api
+        .expect("POST", "/v1/sessions", Some(json!({"colour": "red"})), 400)
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let r = api
+        .raw("POST", "/v1/sessions", Some("{not json".into()))
+        .await;
+    assert_eq!(r.status, 400);
+    assert_refusal(&r.body, "invalid_params");
+
+    // Snapshot: the owner only.
+    let snap = api
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 200)
+        .await;
+    assert_eq!(snap["session_id"], sid);
+    assert_eq!(snap["last_sequence"], 0);
+    let other = Api::new(&d, OTHER_KEY);
+    let b = other
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 403)
+        .await;
+    assert_refusal(&b, "permission_denied");
+    let b = other
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/inputs"),
+            Some(json!({"input_id": "x", "text": "x"})),
+            403,
+        )
+        .await;
+    assert_refusal(&b, "permission_denied");
+    let b = api.expect("GET", "/v1/sessions/nope", None, 404).await;
+    assert_refusal(&b, "not_found");
+
+    // Submit: 202 with the receipt; the same id gives the same receipt; other text 409.
+    let inputs = format!("/v1/sessions/{sid}/inputs");
+    let b = api
+        .expect("POST", &inputs, Some(json!({"text": "A"})), 400)
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let r = api
+        .with("idempotency-key", "in-a")
+        .expect("POST", &inputs, Some(json!({"text": "A"})), 202)
+        .await;
+    assert_eq!(r["input_id"], "in-a");
+    assert_eq!(r["session_id"], sid);
+    assert!(r["sequence"].is_i64() && r["authority_epoch"].is_i64());
+    let same = api.submit(&sid, "in-a", "A").await;
+    assert_eq!(same["admission_id"], r["admission_id"]);
+    let b = api
+        .with("idempotency-key", "in-a")
+        .expect("POST", &inputs, Some(json!({"text": "B"})), 409)
+        .await;
+    assert_refusal(&b, "admission_conflict");
+    let b = api
+        .with("idempotency-key", "in-b")
+        .expect(
+            "POST",
+            &inputs,
+            Some(json!({"input_id": "in-c", "text": "B"})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+    let b = api
+        .expect(
+            "POST",
+            &inputs,
+            Some(json!({"input_id": "big", "text": "x".repeat(3000)})),
+            413,
+        )
+        .await;
+    assert_refusal(&b, "payload_too_large");
+
+    // Receipt: long-polled until terminal, with the result.
+    let done = api.wait(&sid, &r["admission_id"]).await;
+    assert_eq!(done["outcome"], "completed");
+    assert_eq!(done["result"]["final_response"], "ACK_A");
+    let b = api
+        .expect("GET", &format!("{inputs}/nope"), None, 404)
+        .await;
+    assert_refusal(&b, "not_found");
+    let b = api
+        .expect("GET", &format!("{inputs}/x?wait=soon"), None, 400)
+        .await;
+    assert_refusal(&b, "invalid_params");
+
+    // Cancel: a queued input only; interrupt the running one.
+    let slow = api.submit(&sid, "slow", "SLOW").await;
+    let queued = api.submit(&sid, "queued", "Q").await;
+    wait_until("SLOW reached the model", T, || model.reached("SLOW") == 1).await;
+    let slow_id = slow["admission_id"].as_str().expect("id");
+    let started = Instant::now();
+    let pending = api
+        .expect("GET", &format!("{inputs}/{slow_id}?wait=0.5"), None, 200)
+        .await;
+    assert_eq!(pending["status"], "started");
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    let b = api
+        .expect("POST", &format!("{inputs}/{slow_id}/cancel"), None, 409)
+        .await;
+    assert_refusal(&b, "stale_generation");
+    let q_id = queued["admission_id"].as_str().expect("id");
+    let c = api
+        .expect("POST", &format!("{inputs}/{q_id}/cancel"), None, 200)
+        .await;
+    assert_eq!(
+        (c["status"].as_str(), c["outcome"].as_str()),
+        (Some("terminal"), Some("cancelled"))
+    );
+
+    // Prompts: an answer needs the running generation; choice xor answer.
+    let generation = pending["execution_generation"]
+        .as_i64()
+        .expect("generation");
+    let prompts = format!("/v1/sessions/{sid}/prompts/nope");
+    let b = api
+        .expect(
+            "POST",
+            &prompts,
+            Some(json!({"execution_generation": generation + 7, "choice": "once"})),
+            409,
+        )
+        .await;
+    assert_refusal(&b, "stale_generation");
+    let ok = api
+        .expect(
+            "POST",
+            &prompts,
+            Some(json!({"execution_generation": generation, "choice": "once"})),
+            200,
+        )
+        .await;
+    assert_eq!(
+        ok,
+        json!({"status": "already_resolved", "prompt_id": "nope"})
+    );
+    let b = api
+        .expect(
+            "POST",
+            &prompts,
+            Some(json!({"execution_generation": generation, "choice": "once", "answer": "x"})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+
+    // Resolve-unknown: only an unknown admission.
+    let b = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/resolve-unknown"),
+            Some(json!({"admission_id": slow_id, "execution_generation": generation})),
+            409,
+        )
+        .await;
+    assert_refusal(&b, "stale_generation");
+    let b = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/resolve-unknown"),
+            Some(json!({"admission_id": slow_id})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
+
+    // Interrupt the running turn: it settles interrupted.
+    let i = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/interrupt"),
+            Some(json!({"execution_generation": generation})),
+            200,
+        )
+        .await;
+    assert_eq!(i, json!({"interrupted": true}));
+    let r = api.wait(&sid, &slow["admission_id"]).await;
+    assert_eq!(r["outcome"], "interrupted");
+    model.release();
+
+    // Unknown routes and methods are refused too.
+    let b = api.expect("GET", "/v1/nothing-here", None, 404).await;
+    assert_refusal(&b, "not_found");
+    let b = api.expect("GET", "/v1/sessions", None, 404).await;
+    assert_refusal(&b, "not_found");
+}
+
+#[actix_rt::test]
+async fn the_same_input_over_rest_and_websocket_is_one_admission() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("shared", &home.path).await;
+    // The WebSocket's ticket and a token from a ticket carry the same local principal.
+    let anon = Api::anonymous(&d);
+    let b = anon
+        .with("x-gatehouse-ticket", "forged")
+        .expect("POST", "/v1/auth/token", None, 401)
+        .await;
+    assert_refusal(&b, "permission_denied");
+    let t = anon
+        .with("x-gatehouse-ticket", &ticket(&home.path))
+        .expect("POST", "/v1/auth/token", None, 200)
+        .await;
+    assert_eq!(t["token_type"], "bearer");
+    let api = Api::new(&d, t["token"].as_str().expect("token"));
+
+    let over_rest = api.submit(&sid, "same-input", "X").await;
+    let over_ws = ws.submit(&sid, "same-input", "X").await;
+    assert_eq!(over_ws["admission_id"], over_rest["admission_id"]);
+    let over_ws = ws.submit(&sid, "ws-first", "Y").await;
+    let over_rest = api.submit(&sid, "ws-first", "Y").await;
+    assert_eq!(over_ws["admission_id"], over_rest["admission_id"]);
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "same-input", "text": "Z"}),
+        "admission_conflict",
+    )
+    .await;
+    let b = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/inputs"),
+            Some(json!({"input_id": "ws-first", "text": "Z"})),
+            409,
+        )
+        .await;
+    assert_refusal(&b, "admission_conflict");
+    let done = api.wait(&sid, &over_rest["admission_id"]).await;
+    assert_eq!(done["result"]["final_response"], "ACK_Y");
+    let rows = home.admissions();
+    assert_eq!(rows.len(), 2, "one admission per input id");
+    assert_eq!(model.reached("X"), 1);
+    assert_eq!(model.reached("Y"), 1);
+
+    // WebSocket notifications carry the durable seq: every stored event arrives, with its type.
+    let stored = stored_events(&home, &sid);
+    assert!(stored.len() >= 10, "{stored:?}");
+    for (seq, kind) in &stored {
+        let e = ws.event(T, |e| e["seq"] == *seq).await;
+        assert_eq!(e["type"], *kind, "seq {seq}");
+    }
+    let page = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": sid, "last_sequence": 3}),
+        )
+        .await;
+    let seqs: Vec<i64> = page["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| e["seq"].as_i64().expect("seq"))
+        .collect();
+    assert_eq!(seqs, (4..=stored.len() as i64).collect::<Vec<_>>());
+    assert_eq!(page["last_sequence"], stored.len() as i64);
+    assert_eq!(page["truncated"], false);
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["last_sequence"], stored.len() as i64);
+    ws.refused(
+        "session.events.since",
+        json!({"session_id": sid, "last_sequence": -1}),
+        "invalid_params",
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn sse_resumes_after_a_dropped_connection_with_every_event_once_in_order() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"http": {"sse_keepalive_seconds": 0.3}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("sse", &home.path).await;
+    let path = format!("/v1/sessions/{sid}/events");
+    let mut first = Sse::open(&api, &path, None).await;
+    let a1 = api.submit(&sid, "i1", "one").await;
+    let mut seen = first.until(completes(&a1["admission_id"])).await;
+    let a2 = api.submit(&sid, "i2", "two").await;
+    seen.extend(first.until(|e| e.event == "message.start").await);
+    drop(first);
+    // While nobody listens: the rest of i2, and two more inputs.
+    api.wait(&sid, &a2["admission_id"]).await;
+    let a3 = api.submit(&sid, "i3", "three").await;
+    api.wait(&sid, &a3["admission_id"]).await;
+    let last = durable(&seen).last().map(|(id, _)| *id).expect("an id");
+    let mut second = Sse::open(&api, &path, Some(last)).await;
+    let mut resumed = second.until(completes(&a3["admission_id"])).await;
+    // Then live, with its deltas.
+    let a4 = api.submit(&sid, "i4", "four").await;
+    resumed.extend(second.until(completes(&a4["admission_id"])).await);
+    assert!(
+        resumed
+            .iter()
+            .any(|e| e.id.is_none() && e.event == "message.delta" && e.data["after_seq"].is_i64()),
+        "live deltas come without an id: {resumed:?}"
+    );
+    let mut all = durable(&seen);
+    all.extend(durable(&resumed));
+    assert_eq!(
+        all,
+        stored_events(&home, &sid),
+        "every committed event once, in order"
+    );
+    let ids: Vec<i64> = all.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, (1..=ids.len() as i64).collect::<Vec<_>>());
+    // Keep-alive comments flow while idle (the stream stays open).
+    let quiet = second.next(Duration::from_millis(900)).await;
+    assert!(quiet.is_none(), "{quiet:?}");
+    // `?after=` is the same as Last-Event-ID; a bad one is refused.
+    let mut third = Sse::open(&api, &format!("{path}?after={}", ids.len() - 1), None).await;
+    let e = third.next(T).await.expect("the last event");
+    assert_eq!(e.id, Some(ids.len() as i64));
+    let r = api.get(&format!("{path}?after=-3")).await;
+    assert_eq!(r.status, 400);
+    let r = api.with("last-event-id", "x").get(&path).await;
+    assert_eq!(r.status, 400);
+}
+
+#[actix_rt::test]
+async fn pruned_events_are_reported_truncated() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"events": {"max_per_session": 4, "prune_interval_seconds": 0.1}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("pruned", &home.path).await;
+    // The session belongs to the local user: REST uses a token from a ticket.
+    let token = Api::anonymous(&d)
+        .with("x-gatehouse-ticket", &ticket(&home.path))
+        .expect("POST", "/v1/auth/token", None, 200)
+        .await;
+    let api = Api::new(&d, token["token"].as_str().expect("token"));
+    for i in 0..2 {
+        let r = ws.submit(&sid, &format!("p{i}"), "hi").await;
+        wait_until("settled", T, || {
+            home.admission_by_id(r["admission_id"].as_str().unwrap_or(""))
+                .status
+                == "terminal"
+        })
+        .await;
+    }
+    wait_until("pruned", T, || stored_events(&home, &sid).len() == 4).await;
+    let head = stored_events(&home, &sid)
+        .last()
+        .map(|e| e.0)
+        .expect("head");
+    let page = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": sid, "last_sequence": 0}),
+        )
+        .await;
+    assert_eq!(page["truncated"], true);
+    assert_eq!(page["events"][0]["seq"], head - 3);
+    assert_eq!(page["last_sequence"], head);
+    let page = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": sid, "last_sequence": head - 4}),
+        )
+        .await;
+    assert_eq!(
+        page["truncated"],
+        false,
+        "nothing after {} was pruned",
+        head - 4
+    );
+    // Over SSE: a `truncated` event whose id is where the stream picks up, then the rest.
+    let mut sse = Sse::open(&api, &format!("/v1/sessions/{sid}/events"), Some(1)).await;
+    let t = sse.next(T).await.expect("truncated");
+    assert_eq!(t.event, "truncated");
+    assert_eq!(t.id, Some(head - 4));
+    assert_eq!(t.data["requested_after"], 1);
+    let rest: Vec<Option<i64>> = [sse.next(T).await, sse.next(T).await]
+        .into_iter()
+        .map(|e| e.and_then(|e| e.id))
+        .collect();
+    assert_eq!(rest, vec![Some(head - 3), Some(head - 2)]);
+    let mut fresh = Sse::open(&api, &format!("/v1/sessions/{sid}/events"), Some(head - 1)).await;
+    let e = fresh.next(T).await.expect("the head");
+    assert_eq!((e.event.as_str(), e.id), ("message.complete", Some(head)));
+}
+
+// ---------- the chat-completions facade ----------
+
+/// Mirrors of the official OpenAI client's models: what it requires to parse a response (the
+/// fields exist to be parsed, not read).
+#[allow(dead_code)]
+mod openai {
+    use serde::Deserialize;
+    use serde_json::Value;
+
+    #[derive(Debug, Deserialize)]
+    pub enum CompletionObject {
+        #[serde(rename = "chat.completion")]
+        Completion,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub enum ChunkObject {
+        #[serde(rename = "chat.completion.chunk")]
+        Chunk,
+    }
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    #[serde(rename_all = "snake_case")]
+    pub enum FinishReason {
+        Stop,
+        Length,
+        ToolCalls,
+        ContentFilter,
+        FunctionCall,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub enum Assistant {
+        #[serde(rename = "assistant")]
+        Assistant,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct Usage {
+        pub prompt_tokens: u64,
+        pub completion_tokens: u64,
+        pub total_tokens: u64,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct Message {
+        pub role: Assistant,
+        pub content: Option<String>,
+        #[serde(default)]
+        pub refusal: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct Choice {
+        pub index: u32,
+        pub message: Message,
+        pub finish_reason: FinishReason,
+        #[serde(default)]
+        pub logprobs: Option<Value>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct ChatCompletion {
+        pub id: String,
+        pub object: CompletionObject,
+        pub created: i64,
+        pub model: String,
+        pub choices: Vec<Choice>,
+        pub usage: Option<Usage>,
+        #[serde(default)]
+        pub system_fingerprint: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct Delta {
+        #[serde(default)]
+        pub role: Option<Assistant>,
+        #[serde(default)]
+        pub content: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct ChunkChoice {
+        pub index: u32,
+        pub delta: Delta,
+        #[serde(default)]
+        pub finish_reason: Option<FinishReason>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct ChatCompletionChunk {
+        pub id: String,
+        pub object: ChunkObject,
+        pub created: i64,
+        pub model: String,
+        pub choices: Vec<ChunkChoice>,
+        #[serde(default)]
+        pub usage: Option<Usage>,
+    }
+
+    /// Recorded from OpenAI's API reference.
+    pub const RECORDED_COMPLETION: &str = r#"{
+      "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT", "object": "chat.completion", "created": 1741569952,
+      "model": "gpt-4.1-2025-04-14",
+      "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello! How can I assist you today?",
+                   "refusal": null, "annotations": []}, "logprobs": null, "finish_reason": "stop"}],
+      "usage": {"prompt_tokens": 19, "completion_tokens": 10, "total_tokens": 29,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                  "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}},
+      "service_tier": "default"}"#;
+
+    /// Recorded from OpenAI's streaming reference (`data:` payloads).
+    pub const RECORDED_CHUNKS: [&str; 3] = [
+        r#"{"id":"chatcmpl-123","object":"chat.completion.chunk","created":1694268190,"model":"gpt-4o-mini","system_fingerprint":"fp_44709d6fcb","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+        r#"{"id":"chatcmpl-123","object":"chat.completion.chunk","created":1694268190,"model":"gpt-4o-mini","system_fingerprint":"fp_44709d6fcb","choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}]}"#,
+        r#"{"id":"chatcmpl-123","object":"chat.completion.chunk","created":1694268190,"model":"gpt-4o-mini","system_fingerprint":"fp_44709d6fcb","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}"#,
+    ];
+}
+
+/// Every key of `recorded` that a client reads is in `ours`, with the same JSON type (or null
+/// where the recording has null).
+fn same_shape(recorded: &Value, ours: &Value, keys: &[&str], at: &str) {
+    for k in keys {
+        let (r, o) = (&recorded[*k], &ours[*k]);
+        assert!(ours.get(*k).is_some(), "{at}.{k} missing in {ours}");
+        let kind = |v: &Value| match v {
+            Value::Null => "null",
+            Value::Bool(_) => "bool",
+            Value::Number(_) => "number",
+            Value::String(_) => "string",
+            Value::Array(_) => "array",
+            Value::Object(_) => "object",
+        };
+        assert!(
+            kind(r) == kind(o) || r.is_null() || o.is_null() && *k != "content",
+            "{at}.{k}: recorded {r}, ours {o}"
+        );
+    }
+}
+
+async fn chat(api: &Api, body: Value) -> Resp {
+    api.post("/v1/chat/completions", body).await
+}
+
+#[actix_rt::test]
+async fn chat_completions_speak_the_openai_wire_format() {
+    let model = FakeModel::start(|body| {
+        let text = last_user(body);
+        if text == "HANG" {
+            return Reply::Hang;
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"http": {"completion_timeout_seconds": 1.5}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let recorded: Value = serde_json::from_str(openai::RECORDED_COMPLETION).expect("recorded");
+    serde_json::from_value::<openai::ChatCompletion>(recorded.clone())
+        .expect("the mirror parses the recording");
+
+    // Non-streaming.
+    let conversation =
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]);
+    let r = chat(
+        &api,
+        json!({"model": "gpt-4o", "messages": conversation, "temperature": 0.2}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let parsed: openai::ChatCompletion =
+        serde_json::from_value(r.body.clone()).expect("an OpenAI client parses it");
+    assert!(matches!(
+        parsed.object,
+        openai::CompletionObject::Completion
+    ));
+    assert_eq!(parsed.choices.len(), 1);
+    assert_eq!(parsed.choices[0].index, 0);
+    assert_eq!(parsed.choices[0].finish_reason, openai::FinishReason::Stop);
+    assert_eq!(
+        parsed.choices[0].message.content.as_deref(),
+        Some("ACK_hello")
+    );
+    assert!(parsed.id.starts_with("chatcmpl-") && parsed.created > 1_700_000_000);
+    assert_eq!(parsed.model, "fake-model");
+    let usage = parsed.usage.expect("usage");
+    assert_eq!(
+        usage.total_tokens,
+        usage.prompt_tokens + usage.completion_tokens
+    );
+    same_shape(
+        &recorded,
+        &r.body,
+        &["id", "object", "created", "model", "choices", "usage"],
+        "completion",
+    );
+    same_shape(
+        &recorded["choices"][0],
+        &r.body["choices"][0],
+        &["index", "message", "logprobs", "finish_reason"],
+        "choice",
+    );
+    same_shape(
+        &recorded["choices"][0]["message"],
+        &r.body["choices"][0]["message"],
+        &["role", "content", "refusal"],
+        "message",
+    );
+    same_shape(
+        &recorded["usage"],
+        &r.body["usage"],
+        &["prompt_tokens", "completion_tokens", "total_tokens"],
+        "usage",
+    );
+    let session = r
+        .headers
+        .get("x-gatehouse-session")
+        .and_then(|v| v.to_str().ok())
+        .expect("session header")
+        .to_string();
+
+    // The same request again joins the same admission (a retry never runs twice).
+    let again = chat(&api, json!({"model": "gpt-4o", "messages": conversation})).await;
+    assert_eq!(again.body["id"], r.body["id"]);
+    assert_eq!(model.reached("hello"), 1);
+
+    // The conversation goes on in the same session; the model sees the transcript.
+    let mut longer = conversation.as_array().cloned().expect("array");
+    longer.push(json!({"role": "assistant", "content": "ACK_hello"}));
+    longer.push(json!({"role": "user", "content": [{"type": "text", "text": "more"}]}));
+    let r2 = chat(
+        &api,
+        json!({"model": "gpt-4o", "messages": longer, "stream": true,
+                                "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(r2.status, 200);
+    assert_eq!(
+        r2.headers.get("content-type").and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    assert_eq!(
+        r2.headers
+            .get("x-gatehouse-session")
+            .and_then(|v| v.to_str().ok()),
+        Some(session.as_str())
+    );
+    let body = r2.body.as_str().expect("an event stream").to_string();
+    let lines: Vec<&str> = body.lines().filter(|l| l.starts_with("data: ")).collect();
+    assert_eq!(lines.last(), Some(&"data: [DONE]"), "{body}");
+    let mut text = String::new();
+    let mut finish = Vec::new();
+    let mut usage = None;
+    let mut ids = std::collections::HashSet::new();
+    for (i, line) in lines[..lines.len() - 1].iter().enumerate() {
+        let v: Value = serde_json::from_str(&line["data: ".len()..]).expect("chunk json");
+        let chunk: openai::ChatCompletionChunk =
+            serde_json::from_value(v.clone()).expect("an OpenAI client parses the chunk");
+        assert!(matches!(chunk.object, openai::ChunkObject::Chunk));
+        ids.insert(chunk.id.clone());
+        if let Some(c) = chunk.choices.first() {
+            let recorded: Value =
+                serde_json::from_str(openai::RECORDED_CHUNKS[i.min(2)]).expect("recorded");
+            serde_json::from_value::<openai::ChatCompletionChunk>(recorded.clone())
+                .expect("the mirror parses the recording");
+            same_shape(
+                &recorded,
+                &v,
+                &["id", "object", "created", "model", "choices"],
+                "chunk",
+            );
+            same_shape(
+                &recorded["choices"][0],
+                &v["choices"][0],
+                &["index", "delta", "finish_reason"],
+                "chunk choice",
+            );
+            assert_eq!(c.index, 0);
+            text.push_str(c.delta.content.as_deref().unwrap_or(""));
+            finish.extend(
+                c.finish_reason
+                    .as_ref()
+                    .map(|f| f == &openai::FinishReason::Stop),
+            );
+        }
+        usage = usage.or(chunk.usage);
+    }
+    assert_eq!(text, "ACK_more");
+    assert_eq!(finish, vec![true]);
+    assert_eq!(ids.len(), 1);
+    assert!(usage.is_some(), "include_usage gives a usage chunk");
+    let last = model.requests().last().cloned().expect("a request");
+    assert_eq!(user_texts(&last), vec!["hello", "more"]);
+
+    // A named session is its own.
+    let named = api.with("x-gatehouse-session", "work");
+    let r3 = chat(
+        &named,
+        json!({"messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .await;
+    assert_eq!(r3.status, 200);
+    assert_ne!(
+        r3.headers
+            .get("x-gatehouse-session")
+            .and_then(|v| v.to_str().ok()),
+        Some(session.as_str())
+    );
+
+    // Refusals in OpenAI's shape (plus the reason); a stuck turn answers 504 in time.
+    let bad = chat(
+        &api,
+        json!({"messages": [{"role": "system", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(bad.status, 400);
+    assert!(bad.body["error"]["message"].is_string());
+    assert_eq!(bad.body["error"]["type"], "invalid_request_error");
+    assert_eq!(bad.body["error"]["reason"], "invalid_params");
+    let started = Instant::now();
+    let slow = chat(
+        &named,
+        json!({"messages": [{"role": "user", "content": "HANG"}]}),
+    )
+    .await;
+    assert_eq!(slow.status, 504, "{}", slow.body);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let started = Instant::now();
+    let slow = chat(
+        &named,
+        json!({"messages": [{"role": "user", "content": "HANG"}], "stream": true}),
+    )
+    .await;
+    let body = slow.body.as_str().unwrap_or("").to_string();
+    assert!(
+        body.contains("\"timeout\"") && body.trim_end().ends_with("data: [DONE]"),
+        "{body}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(model.reached("HANG"), 1, "the retry joined the same turn");
+    model.release();
+}
+
+#[actix_rt::test]
+async fn unattended_chat_sessions_deny_approvals_instead_of_waiting() {
+    let home = Home::new();
+    let victim = home.path.join("victim");
+    std::fs::create_dir_all(victim.join("inside")).expect("victim");
+    let command = format!("rm -rf -- {}", victim.display());
+    let model = FakeModel::start(move |body| {
+        if after_tool(body) {
+            return Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop");
+        }
+        Reply::Message(
+            tool_call("call_rm", "terminal", json!({"command": command})),
+            "tool_calls",
+        )
+    });
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let started = Instant::now();
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "clean up"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["choices"][0]["message"]["content"], "DONE");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(victim.exists(), "the gated command never ran");
+    let tool = model
+        .requests()
+        .iter()
+        .find_map(last_tool_result)
+        .expect("a tool result");
+    assert!(tool.contains("BLOCKED"), "{tool}");
+    let sid = r
+        .headers
+        .get("x-gatehouse-session")
+        .and_then(|v| v.to_str().ok())
+        .expect("sid")
+        .to_string();
+    let snap = api
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 200)
+        .await;
+    assert_eq!(snap["info"]["source"], "api");
+    assert_eq!(
+        snap["info"]["toolsets"],
+        json!(["terminal"]),
+        "nobody to clarify with"
+    );
+}
+
+// ---------- keys ----------
+
+fn cli(home: &Home, args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .arg("--home")
+        .arg(&home.path)
+        .output()
+        .expect("run gatehouse")
+}
+
+#[actix_rt::test]
+async fn every_route_refuses_missing_wrong_and_revoked_keys() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let out = cli(&home, &["key", "create", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+    let minted = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(minted.starts_with("gk_"), "{minted}");
+    let stored = std::fs::read_to_string(home.path.join("api_keys")).expect("keys file");
+    assert!(!stored.contains(&minted), "only the hash is stored");
+    let d = Daemon::start(&home);
+    let good = Api::new(&d, KEY);
+    let doc = good.expect("GET", "/v1/openapi.json", None, 200).await;
+    assert_eq!(doc["openapi"], "3.1.0");
+    let laptop = Api::new(&d, &minted);
+    laptop.expect("GET", "/v1/openapi.json", None, 200).await;
+    let listed = cli(&home, &["key", "list", "--json"]);
+    let listed: Value = serde_json::from_slice(&listed.stdout).expect("list json");
+    assert_eq!(listed["keys"][0]["name"], "laptop");
+    let out = cli(&home, &["key", "revoke", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+
+    let mut routes: Vec<(String, String)> = Vec::new();
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for method in item.as_object().expect("item").keys() {
+            let concrete = path
+                .split('/')
+                .map(|s| if s.starts_with('{') { "x" } else { s })
+                .collect::<Vec<_>>()
+                .join("/");
+            routes.push((method.to_uppercase(), concrete));
+        }
+    }
+    assert!(routes.len() >= 12, "{routes:?}");
+    let callers = [
+        ("missing", Api::anonymous(&d)),
+        ("wrong", Api::new(&d, "gk_not_a_key")),
+        ("revoked", laptop.clone()),
+        (
+            "malformed",
+            Api::anonymous(&d).with("authorization", "Basic Zm9vOmJhcg=="),
+        ),
+        (
+            "bad ticket",
+            Api::anonymous(&d).with("x-gatehouse-ticket", "nope"),
+        ),
+    ];
+    for (who, api) in &callers {
+        for (method, path) in &routes {
+            let body = (method == "POST").then(|| "{}".to_string());
+            let r = api.raw(method, path, body).await;
+            assert_eq!(r.status, 401, "{who} {method} {path}: {}", r.body);
+            assert_refusal(&r.body, "permission_denied");
+            assert!(r.headers.contains_key("www-authenticate"));
+        }
+    }
+    // The WebSocket too.
+    for key in ["gk_not_a_key", minted.as_str()] {
+        let res = client()
+            .ws(format!("{}/api/ws", d.origin().replacen("http", "ws", 1)))
+            .protocols(["gatehouse.v1"])
+            .bearer_auth(key)
+            .connect()
+            .await;
+        assert!(
+            matches!(res, Err(awc::error::WsClientError::InvalidResponseStatus(s)) if s.as_u16() == 401)
+        );
+    }
+    // A ticket authenticates exactly one request.
+    let t = ticket(&home.path);
+    let once = Api::anonymous(&d).with("x-gatehouse-ticket", &t);
+    once.expect("GET", "/v1/openapi.json", None, 200).await;
+    once.expect("GET", "/v1/openapi.json", None, 401).await;
+    // Health and readiness need nothing; /metrics on a loopback listener neither.
+    let anon = Api::anonymous(&d);
+    for p in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(anon.get(p).await.status, 200, "{p}");
+    }
+}
+
+#[actix_rt::test]
+async fn a_public_listener_needs_a_key() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({"gateway": {"host": "0.0.0.0"}})));
+    let out = Command::new(bin())
+        .args(["serve", "--home"])
+        .arg(&home.path)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not a loopback address") && err.contains("key create"),
+        "{err}"
+    );
+    let created = cli(&home, &["key", "create", "ops"]);
+    assert!(created.status.success(), "{created:?}");
+    let key = String::from_utf8_lossy(&created.stdout).trim().to_string();
+    let d = Daemon::start(&home);
+    let port = d.origin().rsplit(':').next().expect("port").to_string();
+    assert!(d.origin().starts_with("http://0.0.0.0:"), "{}", d.origin());
+    let local = Api {
+        origin: format!("http://127.0.0.1:{port}"),
+        auth: Vec::new(),
+    };
+    // Off loopback, /metrics needs a key as well.
+    assert_eq!(local.get("/metrics").await.status, 401);
+    assert_eq!(local.get("/healthz").await.status, 200);
+    let keyed = local.with("authorization", &format!("Bearer {key}"));
+    assert_eq!(keyed.get("/metrics").await.status, 200);
+    assert_eq!(keyed.get("/v1/openapi.json").await.status, 200);
+}
+
+// ---------- a whole journey with a plain HTTP client ----------
+
+#[actix_rt::test]
+async fn an_approval_journey_over_rest_and_sse() {
+    let home = Home::new();
+    let victim = home.path.join("victim");
+    std::fs::create_dir_all(victim.join("inside")).expect("victim");
+    let command = format!("rm -rf -- {}", victim.display());
+    let model = FakeModel::start(move |body| {
+        if after_tool(body) {
+            return Reply::Message(json!({"role": "assistant", "content": "CLEANED"}), "stop");
+        }
+        Reply::Message(
+            tool_call("call_rm", "terminal", json!({"command": command})),
+            "tool_calls",
+        )
+    });
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("journey", &home.path).await;
+    let mut sse = Sse::open(&api, &format!("/v1/sessions/{sid}/events"), None).await;
+    let receipt = api.submit(&sid, "clean", "please clean up").await;
+    assert_eq!(receipt["status"], "queued");
+    let seen = sse.until(|e| e.event == "approval.request").await;
+    let request = seen.last().cloned().expect("request");
+    let prompt = &request.data["payload"];
+    assert_eq!(prompt["admission_id"], receipt["admission_id"]);
+    assert_eq!(
+        prompt["choices"],
+        json!(["once", "session", "always", "deny"])
+    );
+    assert!(victim.exists(), "nothing runs before the answer");
+    let pid = prompt["prompt_id"].as_str().expect("prompt id");
+    let answer = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/prompts/{pid}"),
+            Some(json!({"execution_generation": prompt["execution_generation"], "choice": "once"})),
+            200,
+        )
+        .await;
+    assert_eq!(answer["status"], "resolved");
+    let rest = sse.until(completes(&receipt["admission_id"])).await;
+    let mut all = durable(&seen);
+    all.extend(durable(&rest));
+    let at = |kind: &str| {
+        all.iter()
+            .position(|(_, k)| k == kind)
+            .unwrap_or_else(|| panic!("{kind} missing from {all:?}"))
+    };
+    let order: Vec<usize> = [
+        "message.start",
+        "tool.start",
+        "approval.request",
+        "approval.settled",
+        "tool.complete",
+        "message.complete",
+    ]
+    .iter()
+    .map(|k| at(k))
+    .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{all:?}");
+    let complete = rest.last().expect("complete");
+    assert_eq!(complete.data["payload"]["text"], "CLEANED");
+    assert_eq!(complete.data["payload"]["outcome"], "completed");
+    let settled = rest
+        .iter()
+        .find(|e| e.event == "approval.settled")
+        .expect("settled");
+    assert_eq!(settled.data["payload"]["resolution"], "choice:once");
+    assert!(!victim.exists(), "the approved command ran");
+    let done = api.wait(&sid, &receipt["admission_id"]).await;
+    assert_eq!(done["result"]["final_response"], "CLEANED");
+    assert_eq!(all, stored_events(&home, &sid));
+    let snap = api
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 200)
+        .await;
+    assert_eq!(snap["prompts"], json!([]));
+    let roles: Vec<&str> = snap["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["role"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(roles, vec!["user", "assistant", "tool", "assistant"]);
+}
