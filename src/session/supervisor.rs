@@ -267,6 +267,14 @@ impl SessionSupervisor {
                 Err(StoreError::UnknownExecution(m)) => {
                     tracing::info!(session = %act.root_id, "FIFO held: {m}");
                 }
+                Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
+                    // The store failed (disk full, locked): try again, or queued work would wait
+                    // for the next submit or boot.
+                    tracing::error!(session = %act.root_id, error = %e, "claim failed; retrying");
+                    ctx.run_later(std::time::Duration::from_millis(500), |act, ctx| {
+                        act.pump(ctx)
+                    });
+                }
                 Err(e) => tracing::error!(session = %act.root_id, error = %e, "claim failed"),
             }
             // A drain that arrived during the claim waits for it; with nothing started it is done.
@@ -310,7 +318,21 @@ impl SessionSupervisor {
         let admission_id = row.admission_id.clone();
         let fut = async move {
             let outcome = tracing::Instrument::instrument(run_turn(turn), span).await;
-            settle(&shared, &root, &admission_id, generation, &outcome).await
+            // A storage failure (disk full, database locked) must not strand the row `started`
+            // with nothing running it: keep the FIFO held and retry until the store is back.
+            let mut backoff = std::time::Duration::from_millis(100);
+            loop {
+                match settle(&shared, &root, &admission_id, generation, &outcome).await {
+                    Err(
+                        e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
+                    ) => {
+                        tracing::warn!(error = %e, ?backoff, "settlement failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                    }
+                    settled => break settled,
+                }
+            }
         };
         ctx.spawn(fut.into_actor(self).map(move |settled, act, ctx| {
             act.turn_finished(generation, settled, ctx);

@@ -412,6 +412,15 @@ impl Daemon {
     }
 
     pub fn start_with_env(home: &Home, env: &[(&str, &str)]) -> Daemon {
+        Self::start_with(home, |cmd| {
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+        })
+    }
+
+    /// Start with a last say over the command (environment, `pre_exec`, …).
+    pub fn start_with(home: &Home, tweak: impl FnOnce(&mut Command)) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -430,9 +439,7 @@ impl Daemon {
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
+        tweak(&mut cmd);
         let mut child = cmd.spawn().expect("spawn gatehouse");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {

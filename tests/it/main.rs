@@ -1,7 +1,9 @@
 //! One integration-test binary: the real daemon over real sockets against a loopback fake model.
 
 mod authority;
+mod chaos;
 mod compression;
+mod faults;
 mod fuzz;
 mod helpers;
 mod hostile;

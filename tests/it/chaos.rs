@@ -1,0 +1,297 @@
+//! A chaos model server: a raw HTTP/1.1 endpoint that answers each chat-completions request
+//! according to a plan, with faults a well-behaved server never shows (resets mid-stream, stalls,
+//! malformed SSE, oversized bodies, error bursts). Attempts are counted per user text.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::helpers::last_user;
+
+/// How to answer one request.
+#[derive(Clone, Debug)]
+pub enum Fault {
+    /// A normal streamed answer with this content.
+    Ok(String),
+    /// An HTTP error status with this body.
+    Status(u16, String),
+    /// Read the request, then close without answering.
+    CloseWithoutResponse,
+    /// Send the response head, then reset the connection (RST) before any event.
+    ResetBeforeBody,
+    /// Send the head and one content delta, then reset the connection.
+    ResetMidStream,
+    /// Send the head, then nothing at all (until the client gives up).
+    Stall,
+    /// One small delta every `every`, never finishing.
+    Drip(Duration),
+    /// An SSE event whose data is not JSON.
+    Malformed,
+    /// A streamed answer of about this many bytes of content.
+    Huge(usize),
+    /// A non-streamed JSON body of about this many bytes (Content-Length set).
+    HugeJson(usize),
+}
+
+type Plan = dyn Fn(&str, usize) -> Fault + Send + Sync;
+
+pub struct ChaosModel {
+    pub url: String,
+    attempts: Arc<Mutex<HashMap<String, usize>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl ChaosModel {
+    /// `plan(last user text, attempt number from 1)` decides each answer.
+    pub fn start(plan: impl Fn(&str, usize) -> Fault + Send + Sync + 'static) -> ChaosModel {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind chaos model");
+        let port = listener.local_addr().expect("addr").port();
+        let attempts = Arc::new(Mutex::new(HashMap::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let plan: Arc<Plan> = Arc::new(plan);
+        let (a, s) = (attempts.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                if s.load(Ordering::Relaxed) {
+                    return;
+                }
+                let Ok(stream) = stream else { continue };
+                let (a, s, plan) = (a.clone(), s.clone(), plan.clone());
+                std::thread::spawn(move || serve(stream, &a, &s, &*plan));
+            }
+        });
+        ChaosModel {
+            url: format!("http://127.0.0.1:{port}/v1"),
+            attempts,
+            stop,
+        }
+    }
+
+    /// How many requests carried this last user text.
+    pub fn attempts(&self, text: &str) -> usize {
+        self.attempts
+            .lock()
+            .map(|m| m.get(text).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for ChaosModel {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect(
+            self.url
+                .trim_start_matches("http://")
+                .trim_end_matches("/v1"),
+        );
+    }
+}
+
+/// A loopback URL where nothing listens (connection refused).
+pub fn dead_url() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    drop(l);
+    format!("http://127.0.0.1:{port}/v1")
+}
+
+fn read_request(stream: &TcpStream) -> Option<Value> {
+    let mut reader = BufReader::new(stream.try_clone().ok()?);
+    let mut length = 0usize;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some(v) = l.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0u8; length];
+    reader.read_exact(&mut body).ok()?;
+    Some(serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+fn chunk(stream: &mut TcpStream, data: &str) -> std::io::Result<()> {
+    stream.write_all(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes())?;
+    stream.flush()
+}
+
+fn delta(content: &str) -> String {
+    let frame = json!({"id": "chaos", "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]});
+    format!("data: {frame}\n\n")
+}
+
+fn finish() -> String {
+    let frame = json!({"id": "chaos", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
+    format!("data: {frame}\n\ndata: [DONE]\n\n")
+}
+
+const SSE_HEAD: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+
+/// Close with RST instead of FIN.
+fn reset(stream: TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setting a socket option on a socket we own, with a correctly sized value.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+    drop(stream);
+}
+
+fn serve(
+    mut stream: TcpStream,
+    attempts: &Mutex<HashMap<String, usize>>,
+    stop: &AtomicBool,
+    plan: &Plan,
+) {
+    let Some(body) = read_request(&stream) else {
+        return;
+    };
+    let text = last_user(&body);
+    let n = {
+        let mut m = attempts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(text.clone()).or_insert(0);
+        *n += 1;
+        *n
+    };
+    let fault = plan(&text, n);
+    let rst = matches!(fault, Fault::ResetBeforeBody | Fault::ResetMidStream);
+    let _ = answer(&mut stream, fault, stop, &body);
+    if rst {
+        reset(stream);
+    }
+}
+
+fn answer(
+    stream: &mut TcpStream,
+    fault: Fault,
+    stop: &AtomicBool,
+    body: &Value,
+) -> std::io::Result<()> {
+    let streaming = body["stream"].as_bool().unwrap_or(false);
+    match fault {
+        Fault::Ok(content) if !streaming => {
+            let v = json!({"id": "chaos", "choices": [{"index": 0, "finish_reason": "stop",
+                           "message": {"role": "assistant", "content": content}}]})
+            .to_string();
+            write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{v}",
+                v.len()
+            )
+        }
+        Fault::Ok(content) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &delta(&content))?;
+            chunk(stream, &finish())?;
+            stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::Status(code, text) => write!(
+            stream,
+            "HTTP/1.1 {code} Chaos\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        ),
+        Fault::CloseWithoutResponse => Ok(()),
+        Fault::ResetBeforeBody => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            stream.flush()
+        }
+        Fault::ResetMidStream => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &delta("partial "))?;
+            // Let the client read the delta before the reset.
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        }
+        Fault::Stall => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            stream.flush()?;
+            hold(stream, stop, Duration::from_secs(60), None)
+        }
+        Fault::Drip(every) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            hold(stream, stop, Duration::from_secs(60), Some(every))
+        }
+        Fault::Malformed => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, "data: {\"choices\": [{\"delta\": {\"content\": \"x\"\n\n")?;
+            chunk(stream, "data: [DONE]\n\n")?;
+            stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::Huge(bytes) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            let piece = "y".repeat(4096);
+            let mut sent = 0;
+            while sent < bytes {
+                chunk(stream, &delta(&piece))?;
+                sent += piece.len();
+            }
+            chunk(stream, &finish())?;
+            stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::HugeJson(bytes) => {
+            let v = json!({"id": "chaos", "choices": [{"index": 0, "finish_reason": "stop",
+                           "message": {"role": "assistant", "content": "z".repeat(bytes)}}]})
+            .to_string();
+            write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{v}",
+                v.len()
+            )
+        }
+    }
+}
+
+/// Keep the connection open (dripping deltas if asked) until the peer leaves or we stop.
+fn hold(
+    stream: &mut TcpStream,
+    stop: &AtomicBool,
+    max: Duration,
+    drip: Option<Duration>,
+) -> std::io::Result<()> {
+    let deadline = Instant::now() + max;
+    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+        match drip {
+            Some(every) => {
+                std::thread::sleep(every);
+                chunk(stream, &delta("."))?;
+            }
+            None => {
+                std::thread::sleep(Duration::from_millis(50));
+                // A zero-byte write does not reach the peer; probe for a closed connection.
+                stream.set_nonblocking(true)?;
+                let mut b = [0u8; 1];
+                let gone = matches!(stream.read(&mut b), Ok(0));
+                stream.set_nonblocking(false)?;
+                if gone {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Ok(())
+}

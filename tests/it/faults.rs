@@ -1,0 +1,559 @@
+//! Faults between the gateway and the model, through the chaos model server: each fault has a
+//! defined outcome (retried within `model.max_retries`, then a failed turn whose error is in the
+//! receipt and closes the transcript), other sessions keep working meanwhile, and the same
+//! session serves a normal request right after.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::chaos::{dead_url, ChaosModel, Fault};
+use crate::helpers::*;
+
+const T: Duration = Duration::from_secs(30);
+
+/// What a fault must lead to.
+struct Expect {
+    /// `completed` or `failed`.
+    outcome: &'static str,
+    /// A piece of the error in the receipt and the transcript (failed turns).
+    error: &'static str,
+    /// Requests the model saw for the input (`None`: not countable, e.g. connection refused).
+    attempts: Option<usize>,
+    /// The fault takes long enough that healthy sessions must finish while it is still running.
+    slow: bool,
+}
+
+/// Run one fault on session `faulty` (input `FAULT`) beside a healthy session, then a normal
+/// input on the faulty session.
+async fn fault_case(
+    name: &str,
+    fault: impl Fn(usize) -> Fault + Send + Sync + 'static,
+    extra: Value,
+    faulty_base_url: Option<String>,
+    expect: Expect,
+) {
+    let chaos = ChaosModel::start(move |text, n| {
+        if text == "FAULT" {
+            fault(n)
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    let home = Home::new();
+    let mut cfg = config(
+        &chaos.url,
+        json!({"model": {"max_retries": 2, "idle_timeout_seconds": 0.5, "timeout_seconds": 6,
+                         "max_response_bytes": 65536}}),
+    );
+    merge(&mut cfg, extra);
+    home.write_config(&cfg);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let create = match &faulty_base_url {
+        Some(u) => json!({"base_url": u}),
+        None => json!({}),
+    };
+    let faulty = ws.create("faulty", &home.path, create).await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    let healthy = ws.session("healthy", &home.path).await;
+    let began = Instant::now();
+    let r = ws.submit(&faulty, "FAULT", "FAULT").await;
+    for i in 0..3 {
+        let text = format!("H{i}");
+        ws.submit(&healthy, &text, &text).await;
+    }
+    // Other sessions keep working while the fault plays out.
+    wait_until(&format!("{name}: the healthy session"), T, || {
+        ["H0", "H1", "H2"]
+            .iter()
+            .all(|t| home.admission(t).status == "terminal")
+    })
+    .await;
+    for t in ["H0", "H1", "H2"] {
+        assert_eq!(
+            home.admission(t).outcome.as_deref(),
+            Some("completed"),
+            "{name}: healthy {t}"
+        );
+    }
+    if expect.slow {
+        assert_eq!(
+            home.admission("FAULT").status,
+            "started",
+            "{name}: the healthy session finished while the fault was still running"
+        );
+    }
+    wait_until(&format!("{name}: the faulty turn settles"), T, || {
+        home.admission("FAULT").status == "terminal"
+    })
+    .await;
+    let elapsed = began.elapsed();
+    let row = home.admission("FAULT");
+    assert_eq!(
+        row.outcome.as_deref(),
+        Some(expect.outcome),
+        "{name}: {:?}",
+        row.result_json
+    );
+    let receipt = ws
+        .ok(
+            "prompt.receipt",
+            json!({"session_id": faulty, "admission_id": r["admission_id"]}),
+        )
+        .await;
+    assert_eq!(receipt["status"], "terminal", "{name}");
+    assert_eq!(receipt["outcome"], expect.outcome, "{name}");
+    if expect.outcome == "failed" {
+        let error = receipt["result"]["error"].as_str().unwrap_or("");
+        assert!(
+            error.contains(expect.error),
+            "{name}: receipt error {error:?} lacks {:?}",
+            expect.error
+        );
+        assert_eq!(receipt["result"]["failed"], true, "{name}");
+        assert_eq!(receipt["result"]["reason"], "model_error", "{name}");
+        let transcript = home.transcript(&faulty);
+        let last = transcript.last().expect("a transcript");
+        assert_eq!(last.role, "assistant", "{name}: the turn is closed");
+        let content = last.content.clone().unwrap_or_default();
+        assert!(
+            content.starts_with("[Turn failed:") && content.contains(expect.error),
+            "{name}: closing message {content:?}"
+        );
+    } else {
+        assert_eq!(receipt["result"]["final_response"], "ACK_FAULT", "{name}");
+    }
+    if let Some(n) = expect.attempts {
+        assert_eq!(chaos.attempts("FAULT"), n, "{name}: model attempts");
+    }
+    // Retries back off (0.5 s, then 1 s): a fault retried twice takes at least 1.5 s.
+    if expect.attempts.is_some_and(|n| n >= 3) {
+        assert!(
+            elapsed >= Duration::from_millis(1400),
+            "{name}: retried without back-off ({elapsed:?})"
+        );
+    }
+    // The same session serves a normal request right after.
+    if faulty_base_url.is_none() {
+        ws.submit(&faulty, "AFTER", "AFTER").await;
+        wait_until(&format!("{name}: AFTER"), T, || {
+            home.admission("AFTER").status == "terminal"
+        })
+        .await;
+        let after = home.admission("AFTER");
+        assert_eq!(after.outcome.as_deref(), Some("completed"), "{name}");
+        assert_eq!(
+            chaos.attempts("AFTER"),
+            1,
+            "{name}: the next input ran once"
+        );
+    } else {
+        // A session frozen to a dead endpoint keeps failing cleanly; a new one works.
+        let fresh = ws.session("fresh", &home.path).await;
+        ws.submit(&fresh, "AFTER", "AFTER").await;
+        wait_until(&format!("{name}: AFTER"), T, || {
+            home.admission("AFTER").status == "terminal"
+        })
+        .await;
+        assert_eq!(
+            home.admission("AFTER").outcome.as_deref(),
+            Some("completed"),
+            "{name}"
+        );
+    }
+    let v = ws.ok("session.resume", json!({"session_id": faulty})).await;
+    assert_eq!(v["running"], false, "{name}");
+    assert!(
+        !home.log().contains("panicked"),
+        "{name}: a panic in the log"
+    );
+}
+
+#[actix_rt::test]
+async fn model_connection_refused_retries_then_fails_the_turn() {
+    fault_case(
+        "connection_refused",
+        |_| Fault::Ok("unused".into()),
+        json!({}),
+        Some(dead_url()),
+        Expect {
+            outcome: "failed",
+            error: "transient: send:",
+            attempts: None,
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_closing_without_a_response_is_retried_then_fails() {
+    fault_case(
+        "close_without_response",
+        |_| Fault::CloseWithoutResponse,
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "transient:",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_reset_before_any_event_is_retried_and_recovers() {
+    fault_case(
+        "reset_before_body",
+        |n| {
+            if n == 1 {
+                Fault::ResetBeforeBody
+            } else {
+                Fault::Ok("ACK_FAULT".into())
+            }
+        },
+        json!({}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(2),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_reset_mid_stream_fails_without_a_retry() {
+    // A delta already reached the client: retrying would show it twice, so the turn fails.
+    fault_case(
+        "reset_mid_stream",
+        |_| Fault::ResetMidStream,
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "transient: stream:",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_stall_past_the_idle_timeout_retries_then_fails() {
+    fault_case(
+        "stall",
+        |_| Fault::Stall,
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "timed out: no bytes for",
+            attempts: Some(3),
+            slow: true,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_drip_past_the_request_timeout_fails() {
+    fault_case(
+        "drip",
+        |_| Fault::Drip(Duration::from_millis(200)),
+        json!({"model": {"timeout_seconds": 1.5}}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "no complete response within",
+            attempts: Some(1),
+            slow: true,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_5xx_burst_within_the_retries_recovers() {
+    fault_case(
+        "5xx_burst",
+        |n| {
+            if n <= 2 {
+                Fault::Status(503, r#"{"error":{"message":"overloaded"}}"#.into())
+            } else {
+                Fault::Ok("ACK_FAULT".into())
+            }
+        },
+        json!({}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_5xx_past_the_retries_fails_the_turn() {
+    fault_case(
+        "5xx_persistent",
+        |_| Fault::Status(502, r#"{"error":{"message":"bad gateway"}}"#.into()),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "transient: HTTP 502",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_429_is_retried_then_fails_the_turn() {
+    fault_case(
+        "429",
+        |_| Fault::Status(429, r#"{"error":{"message":"slow down"}}"#.into()),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "rate limited:",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_malformed_sse_is_retried_then_fails_the_turn() {
+    fault_case(
+        "malformed_sse",
+        |_| Fault::Malformed,
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "invalid response: SSE chunk",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_stream_over_the_size_limit_fails_without_a_retry() {
+    fault_case(
+        "stream_too_large",
+        |_| Fault::Huge(300_000),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "response larger than 65536 bytes",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_json_body_over_the_size_limit_fails_without_a_retry() {
+    fault_case(
+        "json_too_large",
+        |_| Fault::HugeJson(300_000),
+        json!({"model": {"stream": false}}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "response larger than 65536 bytes",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_auth_failure_is_not_retried() {
+    fault_case(
+        "401",
+        |_| Fault::Status(401, r#"{"error":{"message":"bad key"}}"#.into()),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "authentication failed",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+// ---------- storage faults ----------
+
+/// Limit the size of files the daemon may write (its "disk"), or lift the limit.
+fn set_file_size_limit(pid: u32, bytes: Option<u64>) {
+    let lim = libc::rlimit {
+        rlim_cur: bytes.unwrap_or(libc::RLIM_INFINITY),
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: prlimit on our own child with a valid rlimit value and no old-value pointer.
+    let rc = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_FSIZE, &lim, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// A model that holds `SLOW` until `go` is set, and answers everything else at once.
+fn gated_model() -> (ChaosModel, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let go = std::sync::Arc::new(AtomicBool::new(false));
+    let g = go.clone();
+    let model = ChaosModel::start(move |text, _| {
+        if text == "SLOW" {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !g.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Fault::Ok(format!("ACK_{text}"))
+    });
+    (model, go)
+}
+
+async fn expect_storage_unavailable(ws: &mut Ws, method: &str, params: Value, what: &str) {
+    let v = ws.call(method, params).await;
+    assert_eq!(v["error"]["code"], 5001, "{what}: {v}");
+    assert_eq!(
+        v["error"]["data"]["reason"], "storage_unavailable",
+        "{what}: {v}"
+    );
+}
+
+#[actix_rt::test]
+async fn storage_disk_full_refuses_writes_then_recovers() {
+    use std::os::unix::process::CommandExt;
+    use std::sync::atomic::Ordering;
+    let (model, go) = gated_model();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    // A real write error instead of the default SIGXFSZ death when the limit is hit.
+    let d = Daemon::start_with(&home, |cmd| {
+        // SAFETY: only async-signal-safe work between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+    });
+    let mut ws = d.ws().await;
+    let sid = ws.session("disk", &home.path).await;
+    ws.submit(&sid, "A", "A").await;
+    wait_until("A", T, || home.admission("A").status == "terminal").await;
+    // A turn in flight and one queued behind it when the disk fills up.
+    ws.submit(&sid, "SLOW", "SLOW").await;
+    wait_until("SLOW at the model", T, || model.attempts("SLOW") == 1).await;
+    ws.submit(&sid, "QUEUED", "QUEUED").await;
+    set_file_size_limit(d.child.id(), Some(4096));
+    go.store(true, Ordering::SeqCst);
+    let before = home.admissions().len();
+    for (what, method, params) in [
+        (
+            "submit",
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "B", "text": "B"}),
+        ),
+        (
+            "create",
+            "session.create",
+            json!({"request_id": "new", "cwd": home.path}),
+        ),
+    ] {
+        expect_storage_unavailable(&mut ws, method, params, what).await;
+        // Reads keep working during the fault.
+        let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+        assert_eq!(snap["session_id"], sid);
+    }
+    assert_eq!(home.admissions().len(), before, "nothing half-written");
+    assert_eq!(
+        model.attempts("QUEUED"),
+        0,
+        "nothing ran while the disk was full"
+    );
+    // The fault clears: the in-flight turn settles, the queued one runs, new writes work.
+    set_file_size_limit(d.child.id(), None);
+    wait_until("SLOW and QUEUED settle", T, || {
+        ["SLOW", "QUEUED"]
+            .iter()
+            .all(|t| home.admission(t).status == "terminal")
+    })
+    .await;
+    assert_eq!(
+        home.admission("QUEUED").outcome.as_deref(),
+        Some("completed")
+    );
+    assert_eq!(model.attempts("QUEUED"), 1);
+    ws.submit(&sid, "B", "B").await;
+    wait_until("B", T, || home.admission("B").status == "terminal").await;
+    assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
+    assert_eq!((model.attempts("SLOW"), model.attempts("B")), (1, 1));
+    let users: Vec<String> = home
+        .transcript(&sid)
+        .into_iter()
+        .filter(|m| m.role == "user")
+        .filter_map(|m| m.content)
+        .collect();
+    assert_eq!(users, ["A", "SLOW", "QUEUED", "B"]);
+    ws.create("new", &home.path, json!({})).await;
+}
+
+#[actix_rt::test]
+async fn storage_locked_database_refuses_writes_then_recovers() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let (model, go) = gated_model();
+    go.store(true, std::sync::atomic::Ordering::SeqCst);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("locked", &home.path).await;
+    ws.submit(&sid, "A", "A").await;
+    wait_until("A", T, || home.admission("A").status == "terminal").await;
+    // Another process holds the write lock.
+    let mut holder =
+        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
+    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    let before = home.admissions().len();
+    expect_storage_unavailable(
+        &mut ws,
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "B", "text": "B"}),
+        "submit under a lock",
+    )
+    .await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["session_id"], sid, "reads work under the lock");
+    assert_eq!(home.admissions().len(), before, "nothing half-written");
+    holder.batch_execute("ROLLBACK").expect("release");
+    ws.submit(&sid, "B", "B").await;
+    wait_until("B", T, || home.admission("B").status == "terminal").await;
+    assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
+    assert_eq!(model.attempts("B"), 1);
+}
