@@ -67,6 +67,11 @@ pub struct GatewayConfig {
 }
 
 impl GatewayConfig {
+    /// Does the listener stay on this host?
+    pub fn is_loopback(&self) -> bool {
+        matches!(self.host.as_str(), "127.0.0.1" | "localhost" | "::1")
+    }
+
     /// Is `cwd` (absolute, existing) inside one of `allowed_cwd_roots`? Always true when none
     /// are configured. Both sides are canonicalised, so `..` and symlinks cannot escape a root.
     pub fn cwd_allowed(&self, cwd: &Path) -> bool {

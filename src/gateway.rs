@@ -156,11 +156,9 @@ impl Gateway {
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
-        let is_loopback = matches!(
-            config.gateway.host.as_str(),
-            "127.0.0.1" | "localhost" | "::1"
-        );
-        if !is_loopback && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys) {
+        if !config.gateway.is_loopback()
+            && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys)
+        {
             return Err(StartError::Refused(format!(
                 "gateway.host {} is not a loopback address: configure at least one gateway.api_keys entry \
                  (or run `gatehouse key create`) first",

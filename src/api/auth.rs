@@ -191,10 +191,7 @@ pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     );
-    let created_at = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let created_at = crate::store::now() as i64;
     let entry = KeyEntry {
         digest: key_digest(&key),
         name,
@@ -380,10 +377,7 @@ pub struct HttpAuth {
 
 impl HttpAuth {
     pub fn new(home: &Path, config: &crate::config::Config, clock: SharedClock) -> HttpAuth {
-        let loopback = matches!(
-            config.gateway.host.as_str(),
-            "127.0.0.1" | "localhost" | "::1"
-        );
+        let loopback = config.gateway.is_loopback();
         HttpAuth {
             keys: ApiKeys::new(home, &config.gateway.api_keys),
             tokens: Tokens::new(config.http.token_ttl_seconds, clock),

@@ -25,7 +25,9 @@ use tokio::sync::mpsc;
 use super::auth::{ApiError, Principal};
 use super::http::AppState;
 use super::openapi::{api_object, ApiSchema, Body, Components, Operation};
-use super::rest::{call, caller, read_json, sse_response, wait_terminal, Receipt, SessionSnapshot};
+use super::rest::{
+    call, caller, idempotency, read_json, sse_response, wait_terminal, Receipt, SessionSnapshot,
+};
 use super::rpc::session_id_for;
 use crate::agent::tokens;
 use crate::error::GatewayError;
@@ -273,13 +275,6 @@ fn session_request_id(req: &HttpRequest, messages: &[ChatMessage]) -> Result<Str
     ))
 }
 
-fn unix_now() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
-}
-
 /// What the finished turn gives the client.
 struct Reply {
     id: String,
@@ -315,7 +310,7 @@ fn reply_of(
             Ok(Reply {
                 id: format!("chatcmpl-{}", receipt.admission_id),
                 model: model.to_string(),
-                created: unix_now(),
+                created: crate::store::now() as i64,
                 usage: Usage {
                     prompt_tokens,
                     completion_tokens,
@@ -479,14 +474,8 @@ pub async fn chat_completions(
         Err(e) => return Err(e.into()),
     };
     let root = snap.session_id.clone();
-    let input_id = match req.headers().get("idempotency-key") {
-        Some(v) => v
-            .to_str()
-            .map_err(|_| invalid("Idempotency-Key must be visible ASCII"))?
-            .trim()
-            .to_string(),
-        None => format!("chat-{}", &digest_of(&body.messages)[..32]),
-    };
+    let input_id = idempotency(&req, None, "input_id")?
+        .unwrap_or_else(|| format!("chat-{}", &digest_of(&body.messages)[..32]));
     let c = caller(&principal, Some(&root));
     let receipt: Receipt = call(
         authority,

@@ -295,7 +295,7 @@ fn to_params<T: serde::Serialize>(value: &T) -> Map<String, Value> {
 }
 
 /// An id from the body or the `Idempotency-Key` header (both: they must agree).
-fn idempotency(
+pub fn idempotency(
     req: &HttpRequest,
     body: Option<String>,
     name: &str,
@@ -647,13 +647,14 @@ async fn events(
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
     let q: EventsQuery = query(&req)?;
-    let after = match (q.after, req.headers().get("last-event-id")) {
-        (Some(a), _) => a,
-        (None, Some(h)) => h
+    // A reconnecting EventSource sends Last-Event-ID to the same URL: it wins over `?after=`.
+    let after = match (req.headers().get("last-event-id"), q.after) {
+        (Some(h), _) => h
             .to_str()
             .ok()
             .and_then(|s| s.trim().parse::<i64>().ok())
             .ok_or_else(|| ApiError::invalid("Last-Event-ID must be an event seq"))?,
+        (None, Some(a)) => a,
         (None, None) => 0,
     };
     if after < 0 {
