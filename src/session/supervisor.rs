@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use actix::prelude::*;
+use diesel::sqlite::SqliteConnection;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
@@ -214,25 +215,32 @@ impl SessionSupervisor {
         self.flush(ctx);
     }
 
-    /// A durable event that reports no other state change (tool activity), in its own write.
-    fn record(&mut self, kind: &str, payload: Value, ctx: &mut Context<Self>) {
+    /// Run a write whose answer is the events it committed, and deliver them.
+    fn write_events<F>(&mut self, what: &'static str, f: F, ctx: &mut Context<Self>)
+    where
+        F: FnOnce(&mut SqliteConnection) -> Result<Vec<EventRow>, StoreError> + Send + 'static,
+    {
         self.write_started();
-        let (shared, root) = (self.shared.clone(), self.root_id.clone());
-        let event = NewEvent::new(kind, payload);
-        let fut = async move {
-            let now = shared.now();
-            shared
-                .db
-                .write(move |c| events::append_tx(c, &root, &[event], now))
-                .await
-        };
-        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+        let db = self.shared.db.clone();
+        let fut = async move { db.write(f).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             let rows = res.unwrap_or_else(|e| {
-                tracing::error!(session = %act.root_id, error = %e, "event write failed");
+                tracing::error!(session = %act.root_id, error = %e, "{what} failed");
                 Vec::new()
             });
             act.write_answered(rows, ctx);
         }));
+    }
+
+    /// A durable event that reports no other state change (tool activity), in its own write.
+    fn record(&mut self, kind: &str, payload: Value, ctx: &mut Context<Self>) {
+        let (root, now) = (self.root_id.clone(), self.shared.now());
+        let event = NewEvent::new(kind, payload);
+        self.write_events(
+            "event write",
+            move |c| events::append_tx(c, &root, &[event], now),
+            ctx,
+        );
     }
 
     fn pump(&mut self, ctx: &mut Context<Self>) {
@@ -394,24 +402,12 @@ impl SessionSupervisor {
         by: String,
         ctx: &mut Context<Self>,
     ) {
-        self.write_started();
-        let shared = self.shared.clone();
-        let fut = async move {
-            let now = shared.now();
-            shared
-                .db
-                .write(move |c| {
-                    prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now)
-                })
-                .await
-        };
-        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
-            let rows = res.unwrap_or_else(|e| {
-                tracing::error!(error = %e, "prompt audit write failed");
-                Vec::new()
-            });
-            act.write_answered(rows, ctx);
-        }));
+        let now = self.shared.now();
+        self.write_events(
+            "prompt audit write",
+            move |c| prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now),
+            ctx,
+        );
     }
 
     /// Open prompts of the running attempt, as listed in snapshots.
@@ -712,33 +708,23 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         self.prompts.insert(p.prompt_id.clone(), p);
         self.shared.metrics.prompt_opened();
         // The `<kind>.request` event is committed with the prompt's audit row.
-        self.write_started();
-        let shared = self.shared.clone();
-        let fut = async move {
-            let now = shared.now();
-            shared
-                .db
-                .write(move |c| {
-                    prompt_store::record_open(
-                        c,
-                        &prompt_id,
-                        &session,
-                        &admission_id,
-                        generation,
-                        kind,
-                        &payload,
-                        now,
-                    )
-                })
-                .await
-        };
-        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
-            let rows = res.unwrap_or_else(|e| {
-                tracing::error!(error = %e, "prompt audit write failed");
-                Vec::new()
-            });
-            act.write_answered(rows, ctx);
-        }));
+        let now = self.shared.now();
+        self.write_events(
+            "prompt audit write",
+            move |c| {
+                prompt_store::record_open(
+                    c,
+                    &prompt_id,
+                    &session,
+                    &admission_id,
+                    generation,
+                    kind,
+                    &payload,
+                    now,
+                )
+            },
+            ctx,
+        );
         Ok(())
     }
 }
