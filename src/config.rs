@@ -558,7 +558,10 @@ impl Config {
                 "events.prune_interval_seconds",
                 self.events.prune_interval_seconds,
             ),
-            ("http.sse_keepalive_seconds", self.http.sse_keepalive_seconds),
+            (
+                "http.sse_keepalive_seconds",
+                self.http.sse_keepalive_seconds,
+            ),
             (
                 "http.completion_timeout_seconds",
                 self.http.completion_timeout_seconds,

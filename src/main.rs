@@ -326,7 +326,10 @@ fn key(args: Args) -> ExitCode {
             let name = words.get(1).map(|s| s.to_string()).unwrap_or(default);
             auth::create_key(&args.home, &name).map(|(key, entry)| {
                 if args.json {
-                    println!("{}", json!({"key": key, "name": entry.name, "sha256": entry.digest}));
+                    println!(
+                        "{}",
+                        json!({"key": key, "name": entry.name, "sha256": entry.digest})
+                    );
                 } else {
                     println!("{key}");
                     eprintln!(
@@ -342,7 +345,9 @@ fn key(args: Args) -> ExitCode {
             if args.json {
                 let list: Vec<Value> = keys
                     .iter()
-                    .map(|k| json!({"name": k.name, "sha256": k.digest, "created_at": k.created_at}))
+                    .map(
+                        |k| json!({"name": k.name, "sha256": k.digest, "created_at": k.created_at}),
+                    )
                     .collect();
                 println!("{}", json!({"keys": list}));
             } else {
@@ -364,7 +369,9 @@ fn key(args: Args) -> ExitCode {
             Err(e) => Err(e),
         },
         _ => {
-            eprintln!("usage: gatehouse key create [NAME] | key list | key revoke NAME|SHA256-PREFIX");
+            eprintln!(
+                "usage: gatehouse key create [NAME] | key list | key revoke NAME|SHA256-PREFIX"
+            );
             return ExitCode::from(2);
         }
     };

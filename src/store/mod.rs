@@ -7,11 +7,11 @@
 
 pub mod admissions;
 pub mod epoch;
+pub mod events;
 pub mod leases;
 pub mod messages;
 pub mod prompts;
 pub mod room_tasks;
-pub mod events;
 pub mod rooms;
 pub mod rooms_schema;
 pub mod schema;
