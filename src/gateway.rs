@@ -189,6 +189,7 @@ impl Gateway {
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), 2).with_metrics(metrics.clone());
+        store::spawn_checkpointer(pool.clone(), Duration::from_millis(500));
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
             connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),
@@ -255,6 +256,7 @@ impl Gateway {
         });
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .workers(2)
+            .tcp_nodelay(true)
             .disable_signals()
             .shutdown_timeout(5)
             .max_connections(config.gateway.max_connections)

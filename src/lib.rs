@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod bench;
 pub mod chat;
 pub mod clock;
 pub mod config;

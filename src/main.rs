@@ -14,6 +14,8 @@ const USAGE: &str = "usage: gatehouse <command> [--home DIR] [options]
 commands:
   serve [--log-format human|json]     run the daemon in the foreground
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
+  bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
+                                      measure the daemon against a loopback fake model
   status [--json]                     identify the running daemon and count admissions
   key create [NAME] | list | revoke NAME
                                       HTTP API keys (HOME/api_keys holds their SHA-256 only)
@@ -32,6 +34,10 @@ struct Args {
     json: bool,
     log_json: bool,
     session: String,
+    quick: bool,
+    parked: Option<usize>,
+    model_latency_ms: u64,
+    dir: Option<PathBuf>,
     rest: Vec<String>,
 }
 
@@ -59,12 +65,31 @@ fn parse_args() -> Result<Args, String> {
         json: false,
         log_json: false,
         session: "default".into(),
+        quick: false,
+        parked: None,
+        model_latency_ms: 0,
+        dir: None,
         rest: Vec::new(),
     };
     while let Some(a) = it.next() {
         match a.as_str() {
             "--home" => args.home = PathBuf::from(it.next().ok_or("--home needs a directory")?),
             "--json" => args.json = true,
+            "--quick" => args.quick = true,
+            "--parked" => {
+                args.parked = Some(
+                    it.next()
+                        .and_then(|v| v.parse().ok())
+                        .ok_or("--parked needs a number")?,
+                )
+            }
+            "--model-latency-ms" => {
+                args.model_latency_ms = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("--model-latency-ms needs a number")?
+            }
+            "--dir" => args.dir = Some(PathBuf::from(it.next().ok_or("--dir needs a directory")?)),
             "--session" => args.session = it.next().ok_or("--session needs a name")?,
             "--log-format" => match it.next().as_deref() {
                 Some("json") => args.log_json = true,
@@ -95,6 +120,7 @@ fn main() -> ExitCode {
         | "room-cancel" => operator(args),
         "chat" => chat(args),
         "key" => key(args),
+        "bench" => bench(args),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -165,6 +191,32 @@ fn chat(args: Args) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gatehouse: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn bench(args: Args) -> ExitCode {
+    let mut opts = gatehouse::bench::BenchOptions::new(args.quick);
+    if let Some(n) = args.parked {
+        opts.parked = n;
+    }
+    if let Some(d) = args.dir {
+        opts.dir = d;
+    }
+    opts.model_latency_ms = args.model_latency_ms;
+    let system = actix_rt::System::new();
+    match system.block_on(gatehouse::bench::run(opts)) {
+        Ok(report) => {
+            if args.json {
+                println!("{report}");
+            } else {
+                print!("{}", gatehouse::bench::table(&report));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gatehouse bench: {e}");
             ExitCode::from(1)
         }
     }

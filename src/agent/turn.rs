@@ -44,6 +44,8 @@ pub struct TurnCtx {
     pub text: String,
     pub cancel: watch::Receiver<bool>,
     pub sup: Addr<SessionSupervisor>,
+    /// Token usage of this attempt's model calls (prompt, completion), settled with the turn.
+    pub usage: Arc<std::sync::Mutex<(i64, i64)>>,
 }
 
 enum Stop {
@@ -112,13 +114,16 @@ impl Turn {
                 s
             }
         };
-        let mut transcript: Vec<NewMessage> = rows.iter().map(NewMessage::from_row).collect();
-        let user = NewMessage {
-            role: "user".into(),
-            content: Some(ctx.text.clone()),
-            admission_id: Some(ctx.admission_id.clone()),
-            ..Default::default()
-        };
+        // The claim wrote this input's user message: it is the transcript's last row.
+        let transcript: Vec<NewMessage> = rows.iter().map(NewMessage::from_row).collect();
+        if transcript.last().and_then(|m| m.admission_id.as_deref())
+            != Some(ctx.admission_id.as_str())
+        {
+            return Err(Stop::Outcome(TurnOutcome::Failed {
+                error: "the input's user message is missing from the transcript".into(),
+                reason: "storage_unavailable",
+            }));
+        }
         let mut turn = Turn {
             tip: tip_row.id.clone(),
             root,
@@ -128,8 +133,6 @@ impl Turn {
             ctx,
             compressions: 0,
         };
-        turn.persist(vec![user.clone()]).await?;
-        transcript.push(user);
         turn.transcript = transcript;
         Ok(turn)
     }
@@ -257,14 +260,11 @@ impl Turn {
                 }
             };
             if let Some(u) = response.usage {
-                let (db, root) = (self.ctx.shared.db.clone(), self.ctx.root_id.clone());
-                actix::spawn(async move {
-                    let _ = db
-                        .write(move |c| {
-                            sessions::add_usage(c, &root, u.prompt_tokens, u.completion_tokens)
-                        })
-                        .await;
-                });
+                // Written with the settlement (one commit fewer per call).
+                if let Ok(mut total) = self.ctx.usage.lock() {
+                    total.0 += u.prompt_tokens;
+                    total.1 += u.completion_tokens;
+                }
             }
             if response.tool_calls.is_empty() || iterations >= max_iterations {
                 let content = strip_think(response.content.as_deref().unwrap_or(""));

@@ -266,12 +266,19 @@ impl Authority {
                         "text is over {max} bytes"
                     )));
                 }
-                let root = self.root(&p.session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                // A session this connection created or resumed is a known root: no lookup needed
+                // on the hot path (the ledger still checks that the session exists).
+                let root_id = if caller.subscribed.contains(&p.session_id) {
+                    p.session_id.clone()
+                } else {
+                    let root = self.root(&p.session_id).await?;
+                    Self::require_subscribed(caller, &root.id)?;
+                    root.id
+                };
                 if self.shared.runtime.draining() {
                     return Err(GatewayError::RuntimeDraining);
                 }
-                let sup = self.supervisor(&root.id).await?;
+                let sup = self.supervisor(&root_id).await?;
                 let row = sup
                     .send(Submit {
                         principal: caller.principal.clone(),

@@ -142,6 +142,7 @@ pub struct ModelClient {
 impl ModelClient {
     pub fn new(config: ModelClientConfig) -> Self {
         let client = awc::Client::builder()
+            .connector(super::nodelay::connector())
             .timeout(config.connect_timeout.max(Duration::from_secs(1)) * 20)
             .disable_redirects()
             .finish();

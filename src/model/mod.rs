@@ -1,6 +1,7 @@
 //! The model side: chat-completions wire types, SSE parsing and the `ModelClient` actor.
 
 pub mod client;
+pub mod nodelay;
 pub mod sse;
 pub mod wire;
 

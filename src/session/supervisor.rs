@@ -312,6 +312,7 @@ impl SessionSupervisor {
         });
         self.shared.metrics.turn_started();
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
+        let usage = Arc::new(std::sync::Mutex::new((0i64, 0i64)));
         let turn = TurnCtx {
             shared: self.shared.clone(),
             root_id: self.root_id.clone(),
@@ -320,6 +321,7 @@ impl SessionSupervisor {
             text: row.text(),
             cancel: cancel_rx,
             sup: ctx.address(),
+            usage: usage.clone(),
         };
         let shared = self.shared.clone();
         let root = self.root_id.clone();
@@ -330,7 +332,8 @@ impl SessionSupervisor {
             // with nothing running it: keep the FIFO held and retry until the store is back.
             let mut backoff = std::time::Duration::from_millis(100);
             loop {
-                match settle(&shared, &root, &admission_id, generation, &outcome).await {
+                let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
+                match settle(&shared, &root, &admission_id, generation, &outcome, spent).await {
                     Err(
                         e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
                     ) => {
@@ -429,6 +432,7 @@ async fn settle(
     admission_id: &str,
     generation: i64,
     outcome: &TurnOutcome,
+    usage: (i64, i64),
 ) -> Result<Logged<AdmissionRow>, StoreError> {
     let (status, closing, result) = match outcome {
         TurnOutcome::Stale => {
@@ -504,7 +508,7 @@ async fn settle(
     shared
         .db
         .write(move |c| {
-            admissions::settle(
+            let settled = admissions::settle(
                 c,
                 epoch,
                 &root,
@@ -515,7 +519,11 @@ async fn settle(
                 &closing,
                 &report,
                 now,
-            )
+            )?;
+            if usage != (0, 0) {
+                sessions::add_usage(c, &root, usage.0, usage.1)?;
+            }
+            Ok(settled)
         })
         .await
 }

@@ -74,7 +74,7 @@ pub fn admit(
 ) -> Result<Logged<(AdmissionRow, bool)>, StoreError> {
     let payload = serde_json::json!({ "text": text }).to_string();
     let fingerprint = digest(target, &payload);
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let existing: Option<AdmissionRow> = sa::table
             .filter(sa::principal_id.eq(principal))
@@ -251,7 +251,7 @@ pub fn claim_next(
     session: &str,
     now: f64,
 ) -> Result<Logged<Claim>, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let rows = pending(conn, session)?;
         if let Some(u) = rows.iter().find(|r| r.status == "unknown") {
@@ -290,6 +290,19 @@ pub fn claim_next(
                 "the head moved during the claim".into(),
             ));
         }
+        // The input's user message is written when its turn starts, in the claim itself.
+        let tip: String = sessions::table
+            .filter(sessions::id.eq(session))
+            .select(sessions::tip_session_id)
+            .first(conn)?;
+        let user = NewMessage {
+            session_id: tip,
+            role: "user".into(),
+            content: Some(head.text()),
+            admission_id: Some(head.admission_id.clone()),
+            ..Default::default()
+        };
+        insert_messages(conn, std::slice::from_ref(&user), now)?;
         let ids = serde_json::json!({"admission_id": head.admission_id, "execution_generation": generation});
         let logged = events::append(
             conn,
@@ -326,7 +339,7 @@ pub fn settle(
     report: &[NewEvent],
     now: f64,
 ) -> Result<Logged<AdmissionRow>, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let (tip, current): (String, i64) = sessions::table
             .filter(sessions::id.eq(session))
@@ -384,7 +397,7 @@ pub fn cancel(
     admission_id: &str,
     now: f64,
 ) -> Result<Logged<AdmissionRow>, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let row = of_session(conn, session, admission_id)?;
         match row.status.as_str() {
@@ -433,7 +446,7 @@ pub fn resolve_unknown(
     generation: i64,
     now: f64,
 ) -> Result<Logged<AdmissionRow>, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let row = of_session(conn, session, admission_id)?;
         if row.status != "unknown" || row.execution_generation != Some(generation) {

@@ -13,7 +13,7 @@ pub fn begin_epoch(
     instance_id: &str,
     now: f64,
 ) -> Result<i64, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         let current: Option<i64> = runtime_epoch::table
             .select(runtime_epoch::epoch)
             .filter(runtime_epoch::singleton.eq(1))
@@ -52,7 +52,7 @@ pub fn recover_started(
     epoch: i64,
     now: f64,
 ) -> Result<usize, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let n = diesel::update(
             session_admissions::table
@@ -74,7 +74,7 @@ pub fn meta_get_or_create(
     key: &str,
     make: impl FnOnce() -> String,
 ) -> Result<String, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         let existing: Option<String> = state_meta::table
             .select(state_meta::value)
             .filter(state_meta::key.eq(key))

@@ -181,7 +181,7 @@ pub fn append_tx(
     events: &[NewEvent],
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
-    conn.immediate_transaction(|conn| append(conn, session, events, now))
+    super::write_tx(conn, |conn| append(conn, session, events, now))
 }
 
 /// What a reader gets: the events after its position, and where to continue.
@@ -246,7 +246,7 @@ pub fn prune(
     now: f64,
 ) -> Result<usize, StoreError> {
     let keep = retention.max_per_session.max(1);
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         diesel::sql_query(
             "UPDATE session_event_heads SET pruned_through = last_seq - ? \
              WHERE last_seq - ? > pruned_through",

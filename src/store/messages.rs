@@ -97,7 +97,7 @@ pub fn append_for_attempt(
     rows: &[NewMessage],
     now: f64,
 ) -> Result<String, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let (tip, current): (String, i64) = sessions::table
             .filter(sessions::id.eq(root_id))

@@ -35,7 +35,7 @@ pub fn record_open(
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
     let payload_json = payload.to_string();
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         diesel::insert_into(prompts::table)
             .values((
                 prompts::prompt_id.eq(prompt_id),
@@ -72,7 +72,7 @@ pub fn record_resolution(
     by: &str,
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         let Some(row) = prompts::table
             .filter(prompts::prompt_id.eq(prompt_id))
             .filter(prompts::resolved_at.is_null())
@@ -105,7 +105,7 @@ pub fn record_resolution(
 /// At boot: prompts left open by a previous process ended with it (each with its
 /// `<kind>.settled {resolution: "abandoned"}` event).
 pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         let open: Vec<PromptRow> = prompts::table
             .filter(prompts::resolved_at.is_null())
             .order(prompts::opened_at.asc())
@@ -170,7 +170,7 @@ pub fn remember(
     by: &str,
     now: f64,
 ) -> Result<(), StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         diesel::insert_or_ignore_into(session_approvals::table)
             .values((
                 session_approvals::session_id.eq(session_id),

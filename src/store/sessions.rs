@@ -69,7 +69,7 @@ pub fn create_or_get(
     new: &NewSession,
     now: f64,
 ) -> Result<(SessionRow, bool), StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         if let Some(existing) = find(conn, &new.id)? {
             if existing.request_digest != new.request_digest {
@@ -152,7 +152,7 @@ pub fn commit_compaction(
     c: &Compaction,
     now: f64,
 ) -> Result<String, StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let root =
             find(conn, &c.root_id)?.ok_or_else(|| StoreError::NotFound(c.root_id.clone()))?;
@@ -238,7 +238,7 @@ pub fn add_usage(
     prompt: i64,
     completion: i64,
 ) -> Result<(), StoreError> {
-    conn.immediate_transaction(|conn| {
+    super::write_tx(conn, |conn| {
         diesel::update(sessions::table.filter(sessions::id.eq(root_id)))
             .set((
                 sessions::prompt_tokens.eq(sessions::prompt_tokens + prompt),

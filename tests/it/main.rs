@@ -12,3 +12,4 @@ mod rest;
 mod rooms;
 mod tools;
 mod torture;
+mod bench;

@@ -1,0 +1,851 @@
+//! `gatehouse bench`: starts the real daemon binary on temp homes against a loopback fake model
+//! that the bench runs itself, drives it over the WebSocket like a client, and reports admission,
+//! turn, isolation, memory and recovery figures, each beside a baseline measured in the same run
+//! (the raw SQLite commit rate on the same disk; direct calls to the fake model).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use actix_web::{web, App, HttpResponse, HttpServer};
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+
+type Framed = actix_codec::Framed<awc::BoxedSocket, awc::ws::Codec>;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub quick: bool,
+    pub dir: PathBuf,
+    pub parked: usize,
+    pub model_latency_ms: u64,
+    pub recovery_admissions: usize,
+    pub recovery_sessions: usize,
+}
+
+impl BenchOptions {
+    pub fn new(quick: bool) -> Self {
+        Self {
+            quick,
+            dir: std::env::temp_dir(),
+            parked: if quick { 300 } else { 10_000 },
+            model_latency_ms: 0,
+            recovery_admissions: if quick { 20_000 } else { 1_000_000 },
+            recovery_sessions: if quick { 200 } else { 10_000 },
+        }
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake model
+
+#[derive(Clone)]
+struct ModelState {
+    latency: Duration,
+}
+
+fn last_user(body: &Value) -> (String, bool) {
+    let msgs = body["messages"].as_array().cloned().unwrap_or_default();
+    let last_is_user = msgs.last().is_some_and(|m| m["role"] == "user");
+    let text = msgs
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "user")
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("")
+        .to_string();
+    (text, last_is_user)
+}
+
+async fn fake_completion(state: web::Data<ModelState>, body: web::Json<Value>) -> HttpResponse {
+    let (text, last_is_user) = last_user(&body);
+    if text.starts_with("HANG") {
+        // A model that never answers.
+        std::future::pending::<()>().await;
+    }
+    if !state.latency.is_zero() {
+        actix_web::rt::time::sleep(state.latency).await;
+    }
+    let message = if text.starts_with("PARK") && last_is_user {
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_park", "type": "function",
+            "function": {"name": "terminal", "arguments": "{\"command\":\"rm -rf -- /nonexistent-gatehouse-bench/x\"}"}}]})
+    } else {
+        json!({"role": "assistant", "content": "ok"})
+    };
+    HttpResponse::Ok().json(json!({
+        "id": "bench", "object": "chat.completion", "model": body["model"],
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    }))
+}
+
+fn start_model(latency: Duration) -> Result<(String, actix_web::dev::ServerHandle), String> {
+    let state = web::Data::new(ModelState { latency });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .route("/v1/chat/completions", web::post().to(fake_completion))
+    })
+    .workers(2)
+    .disable_signals()
+    .bind(("127.0.0.1", 0))
+    .map_err(err)?;
+    let port = server.addrs().first().map(|a| a.port()).ok_or("no port")?;
+    let server = server.run();
+    let handle = server.handle();
+    actix_rt::spawn(server);
+    Ok((format!("http://127.0.0.1:{port}/v1"), handle))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemon
+
+struct Daemon {
+    child: Child,
+    home: PathBuf,
+    origin: String,
+}
+
+fn make_home(base: &Path, name: &str) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let home = base.join(format!(
+        "gatehouse-bench-{name}-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&home).map_err(err)?;
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
+    Ok(home)
+}
+
+fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
+    let config = json!({
+        "model": {"provider": "custom", "default": "bench-model", "base_url": model_url, "stream": false,
+                  "max_retries": 0, "max_concurrent_requests": 512},
+        "approvals": {"mode": "manual", "timeout": 3600},
+        "platform_toolsets": {"cli": ["terminal"]},
+        "session": {"max_queued_admissions": 1_000_000},
+        "gateway": {"max_connections": 20000},
+        "profiles": {"hang": {"toolsets": []}},
+        "rooms": {"poll_interval_seconds": 0.5, "turn_timeout_seconds": 3600},
+    });
+    std::fs::write(home.join("config.yaml"), config.to_string()).map_err(err)
+}
+
+fn control(home: &Path, method: &str, params: Value) -> Result<Value, String> {
+    let mut s = std::os::unix::net::UnixStream::connect(home.join("gateway.sock")).map_err(err)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(err)?;
+    s.write_all(format!("{}\n", json!({"method": method, "params": params})).as_bytes())
+        .map_err(err)?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).map_err(err)?;
+    serde_json::from_str(&line).map_err(err)
+}
+
+impl Daemon {
+    /// Start the daemon binary; returns it and the seconds from spawn to `ready`.
+    fn start(home: &Path) -> Result<(Daemon, f64), String> {
+        let exe = std::env::current_exe().map_err(err)?;
+        let log = std::fs::File::create(home.join("daemon.log")).map_err(err)?;
+        let started = Instant::now();
+        let mut child = Command::new(exe)
+            .arg("serve")
+            .arg("--home")
+            .arg(home)
+            .env("RUST_LOG", "warn")
+            .env_remove("OPENAI_BASE_URL")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(err)?)
+            .stderr(log)
+            .spawn()
+            .map_err(err)?;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "daemon exited with {status}; see {}",
+                    home.join("daemon.log").display()
+                ));
+            }
+            if let Ok(v) = control(home, "identify", json!({})) {
+                if v["state"] == "ready" {
+                    let origin = v["api_origin"].as_str().unwrap_or_default().to_string();
+                    return Ok((
+                        Daemon {
+                            child,
+                            home: home.to_path_buf(),
+                            origin,
+                        },
+                        started.elapsed().as_secs_f64(),
+                    ));
+                }
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                let _ = child.kill();
+                return Err("daemon not ready after 600 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn rss_kib(&self) -> (u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    fn stop(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                let _ = std::fs::remove_dir_all(&self.home);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.home);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A WebSocket client
+
+struct Client {
+    framed: Framed,
+    next: u64,
+    events: Vec<Value>,
+}
+
+impl Client {
+    async fn connect(home: &Path, origin: &str) -> Result<Client, String> {
+        let t = control(home, "session-ticket", json!({"purpose": "interactive"}))?;
+        let ticket = t["ticket"].as_str().ok_or("no ticket")?.to_string();
+        let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
+        let client = awc::Client::builder()
+            .max_http_version(awc::http::Version::HTTP_11)
+            .finish();
+        let (_, framed) = client
+            .ws(url)
+            .protocols([
+                "gatehouse.v1".to_string(),
+                format!("gatehouse-ticket.{ticket}"),
+            ])
+            .max_frame_size(64 << 20)
+            .connect()
+            .await
+            .map_err(err)?;
+        Ok(Client {
+            framed,
+            next: 1,
+            events: Vec::new(),
+        })
+    }
+
+    async fn recv(&mut self) -> Result<Value, String> {
+        loop {
+            match self.framed.next().await {
+                Some(Ok(awc::ws::Frame::Text(b))) => {
+                    return serde_json::from_slice(&b).map_err(err)
+                }
+                Some(Ok(awc::ws::Frame::Ping(p))) => {
+                    let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(err(e)),
+                None => return Err("connection closed".into()),
+            }
+        }
+    }
+
+    async fn call(&mut self, method: &str, params: Value) -> Result<Value, String> {
+        let id = self.next;
+        self.next += 1;
+        let frame =
+            json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string();
+        self.framed
+            .send(awc::ws::Message::Text(frame.into()))
+            .await
+            .map_err(err)?;
+        loop {
+            let v = self.recv().await?;
+            if v["id"] == json!(id) {
+                if let Some(e) = v.get("error") {
+                    return Err(format!("{method}: {e}"));
+                }
+                return Ok(v["result"].clone());
+            }
+            if v.get("method").is_some() {
+                self.events.push(v);
+            }
+        }
+    }
+
+    async fn session(&mut self, request_id: &str, cwd: &Path) -> Result<String, String> {
+        let r = self
+            .call(
+                "session.create",
+                json!({"request_id": request_id, "cwd": cwd.to_string_lossy()}),
+            )
+            .await?;
+        r["session_id"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| "no session id".into())
+    }
+
+    /// Wait for `message.complete` of `admission`.
+    async fn complete(&mut self, admission: &str) -> Result<(), String> {
+        let matches = |e: &Value| {
+            e["params"]["type"] == "message.complete"
+                && e["params"]["payload"]["admission_id"] == admission
+        };
+        if let Some(pos) = self.events.iter().position(matches) {
+            self.events.remove(pos);
+            return Ok(());
+        }
+        loop {
+            let v = self.recv().await?;
+            if matches(&v) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Turns per session before the bench moves to a fresh one.
+const TURNS_PER_SESSION: usize = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Statistics
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn summary(mut ms: Vec<f64>, wall: f64) -> Value {
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    json!({
+        "count": ms.len(),
+        "p50_ms": round(percentile(&ms, 0.5)),
+        "p99_ms": round(percentile(&ms, 0.99)),
+        "per_second": round(ms.len() as f64 / wall.max(1e-9)),
+    })
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sections
+
+/// Single-row insert transactions with the daemon's PRAGMAs on the same disk.
+fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
+    let path = dir.join("raw.db");
+    let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
+    conn.batch_execute(
+        "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; \
+         CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL);",
+    )
+    .map_err(err)?;
+    let started = Instant::now();
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        conn.immediate_transaction(|c| {
+            c.batch_execute(&format!("INSERT INTO t (v) VALUES ('row {i}')"))
+        })
+        .map_err(err)?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    let wall = started.elapsed().as_secs_f64();
+    drop(conn);
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(dir.join(format!("raw.db{suffix}")));
+    }
+    Ok(summary(lat, wall))
+}
+
+async fn admissions(
+    opts: &BenchOptions,
+    model_url: &str,
+    concurrency: usize,
+    total: usize,
+) -> Result<Value, String> {
+    let home = make_home(&opts.dir, "admit")?;
+    write_config(&home, model_url)?;
+    let (daemon, _) = Daemon::start(&home)?;
+    let per = (total / concurrency).max(1);
+    let mut clients = Vec::new();
+    for i in 0..concurrency {
+        let mut c = Client::connect(&home, &daemon.origin).await?;
+        let sid = c.session(&format!("admit-{i}"), &home).await?;
+        // The head hangs at the model, so every following input only queues: pure admission.
+        c.call(
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "head", "text": "HANG head"}),
+        )
+        .await?;
+        clients.push((c, sid));
+    }
+    let started = Instant::now();
+    let tasks = clients.into_iter().map(|(mut c, sid)| async move {
+        let mut lat = Vec::with_capacity(per);
+        for k in 0..per {
+            let t = Instant::now();
+            c.call(
+                "prompt.submit",
+                json!({"session_id": sid, "input_id": format!("in-{k}"), "text": "HANG queued"}),
+            )
+            .await?;
+            lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        Ok::<Vec<f64>, String>(lat)
+    });
+    let results = futures_util::future::join_all(tasks).await;
+    let wall = started.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    daemon.stop();
+    Ok(summary(all, wall))
+}
+
+async fn turns(
+    opts: &BenchOptions,
+    model_url: &str,
+    concurrency: usize,
+    total: usize,
+) -> Result<Value, String> {
+    let home = make_home(&opts.dir, "turn")?;
+    write_config(&home, model_url)?;
+    let (daemon, _) = Daemon::start(&home)?;
+    let per = (total / concurrency).max(1);
+    let mut clients = Vec::new();
+    for i in 0..concurrency {
+        let mut c = Client::connect(&home, &daemon.origin).await?;
+        let sid = c.session(&format!("turn-{i}"), &home).await?;
+        clients.push((c, sid));
+    }
+    let started = Instant::now();
+    let results = futures_util::future::join_all(
+        clients
+            .into_iter()
+            .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
+    )
+    .await;
+    let wall = started.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    daemon.stop();
+    Ok(summary(all, wall))
+}
+
+/// Trivial turns: a fresh session every few turns keeps the transcript (and so each request) small.
+async fn run_turns(
+    mut c: Client,
+    first: String,
+    n: usize,
+    tag: &str,
+    cwd: &Path,
+) -> Result<Vec<f64>, String> {
+    let mut lat = Vec::with_capacity(n);
+    let mut sid = first;
+    for k in 0..n {
+        if k > 0 && k % TURNS_PER_SESSION == 0 {
+            sid = c.session(&format!("{tag}-{sid}-{k}"), cwd).await?;
+        }
+        let t = Instant::now();
+        let r = c
+            .call(
+                "prompt.submit",
+                json!({"session_id": sid, "input_id": format!("{tag}-{k}"), "text": "hello"}),
+            )
+            .await?;
+        let admission = r["admission_id"]
+            .as_str()
+            .ok_or("no admission")?
+            .to_string();
+        c.complete(&admission).await?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(lat)
+}
+
+/// The same number of direct calls to the fake model, at the same concurrency (the floor).
+async fn floor(model_url: &str, concurrency: usize, total: usize) -> Result<Value, String> {
+    let per = (total / concurrency).max(1);
+    let url = format!("{model_url}/chat/completions");
+    let started = Instant::now();
+    let tasks = (0..concurrency).map(|_| {
+        let url = url.clone();
+        async move {
+            let client = awc::Client::builder().timeout(Duration::from_secs(30)).finish();
+            let mut lat = Vec::with_capacity(per);
+            for _ in 0..per {
+                let t = Instant::now();
+                let body = json!({"model": "bench-model", "messages": [{"role": "user", "content": "hello"}]});
+                let mut resp = client.post(&url).send_json(&body).await.map_err(err)?;
+                let _ = resp.body().await.map_err(err)?;
+                lat.push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+            Ok::<Vec<f64>, String>(lat)
+        }
+    });
+    let results = futures_util::future::join_all(tasks).await;
+    let wall = started.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    Ok(summary(all, wall))
+}
+
+async fn healthy_p99(
+    home: &Path,
+    origin: &str,
+    round_no: usize,
+    per: usize,
+) -> Result<Value, String> {
+    let mut clients = Vec::new();
+    for i in 0..16 {
+        let mut c = Client::connect(home, origin).await?;
+        let sid = c.session(&format!("healthy-{round_no}-{i}"), home).await?;
+        clients.push((c, sid));
+    }
+    let started = Instant::now();
+    let results = futures_util::future::join_all(
+        clients
+            .into_iter()
+            .map(|(c, sid)| run_turns(c, sid, per, "h", home)),
+    )
+    .await;
+    let wall = started.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    Ok(summary(all, wall))
+}
+
+/// Isolation and memory: 16 healthy sessions alone, then beside N parked sessions and a hung room.
+async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value), String> {
+    let home = make_home(&opts.dir, "iso")?;
+    write_config(&home, model_url)?;
+    let (daemon, _) = Daemon::start(&home)?;
+    let idle = daemon.rss_kib();
+    let per = if opts.quick { 20 } else { 50 };
+    let alone = healthy_p99(&home, &daemon.origin, 0, per).await?;
+    let before_park = daemon.rss_kib();
+    // Park N sessions on approval prompts, spread over a few connections.
+    let conns = (opts.parked / 200).clamp(1, 64);
+    let mut parkers = Vec::new();
+    for _ in 0..conns {
+        parkers.push(Client::connect(&home, &daemon.origin).await?);
+    }
+    let mut parked = 0usize;
+    for i in 0..opts.parked {
+        let c = &mut parkers[i % conns];
+        let sid = c.session(&format!("park-{i}"), &home).await?;
+        c.call(
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "park", "text": "PARK here"}),
+        )
+        .await?;
+        parked += 1;
+    }
+    // Wait until every parked turn shows its prompt.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let m = metrics(&daemon.origin).await?;
+        if m.get("gatehouse_prompts_open").copied().unwrap_or(0.0) as usize >= parked {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("parked sessions never all showed their prompts".into());
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    // One room whose member hangs on a model that never answers.
+    let mut rc = Client::connect(&home, &daemon.origin).await?;
+    rc.call(
+        "room.create",
+        json!({"room_id": "hung", "name": "hung", "members": [{"profile": "hang", "handle": "h"}]}),
+    )
+    .await?;
+    rc.call(
+        "room.admit",
+        json!({"room_id": "hung", "task_id": "t1", "thread_id": "th", "turn_id": "tu", "target_profile": "hang",
+               "prompt": "HANG forever", "source_event_seq": 1}),
+    )
+    .await?;
+    let parked_rss = daemon.rss_kib();
+    let loaded = healthy_p99(&home, &daemon.origin, 1, per).await?;
+    let ratio = loaded["p99_ms"].as_f64().unwrap_or(0.0)
+        / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9);
+    let per_parked = (parked_rss.0.saturating_sub(before_park.0)) as f64 / parked.max(1) as f64;
+    let (_, peak) = daemon.rss_kib();
+    drop(parkers);
+    drop(rc);
+    daemon.stop();
+    Ok((
+        json!({"parked_sessions": parked, "alone": alone, "loaded": loaded, "p99_ratio": round(ratio)}),
+        json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0, "rss_parked_kib": parked_rss.0,
+               "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
+    ))
+}
+
+async fn metrics(origin: &str) -> Result<std::collections::HashMap<String, f64>, String> {
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish();
+    let mut resp = client
+        .get(format!("{origin}/metrics"))
+        .send()
+        .await
+        .map_err(err)?;
+    let body = resp.body().limit(16 << 20).await.map_err(err)?;
+    Ok(String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            l.rsplit_once(' ')
+                .and_then(|(k, v)| v.parse().ok().map(|v| (k.to_string(), v)))
+        })
+        .collect())
+}
+
+/// Time from process start to `ready` over a large ledger, and after a crash with started rows.
+fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
+    let home = make_home(&opts.dir, "recovery")?;
+    write_config(&home, model_url)?;
+    let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
+    let mut conn = pool.get().map_err(err)?;
+    let sessions = opts.recovery_sessions.max(1);
+    let per = (opts.recovery_admissions / sessions).max(1);
+    let now = crate::store::now();
+    conn.batch_execute(&format!(
+        "INSERT INTO runtime_epoch (singleton, epoch, instance_id, started_at) VALUES (1, 1, 'bench', {now});"
+    ))
+    .map_err(err)?;
+    let mut batch = String::from("BEGIN;");
+    for s in 0..sessions {
+        batch.push_str(&format!(
+            "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
+             provider, cwd, toolsets_json, profile, started_at) VALUES ('s{s}', 's{s}', 's{s}', 'p', 'r{s}', 'd', 'cli', \
+             'bench-model', 'custom', '/', '[]', 'default', {now});"
+        ));
+    }
+    batch.push_str("COMMIT;");
+    conn.batch_execute(&batch).map_err(err)?;
+    let mut n = 0usize;
+    for s in 0..sessions {
+        let mut batch = String::from("BEGIN;");
+        for k in 0..per {
+            n += 1;
+            batch.push_str(&format!(
+                "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, payload_json, \
+                 payload_digest, status, outcome, owner_epoch, execution_generation, created_at, updated_at) VALUES \
+                 ('a{n}', 'in{k}', 'p', 's{s}', '{{\"text\":\"x\"}}', 'd{n}', 'terminal', 'completed', 1, {k}, {now}, {now});"
+            ));
+        }
+        batch.push_str("COMMIT;");
+        conn.batch_execute(&batch).map_err(err)?;
+    }
+    drop(conn);
+    drop(pool);
+    let (daemon, ready_large) = Daemon::start(&home)?;
+    daemon.stop_keep_home();
+    // A crash with 1,000 started rows (one per session, so each is the head of its FIFO).
+    let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
+    let mut conn = pool.get().map_err(err)?;
+    let started_rows = 1000.min(sessions * 10);
+    let mut batch = String::from("BEGIN;");
+    for i in 0..started_rows {
+        let s = i % sessions;
+        batch.push_str(&format!(
+            "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, payload_json, \
+             payload_digest, status, owner_epoch, execution_generation, created_at, updated_at) VALUES \
+             ('crash{i}', 'crash{i}', 'p', 's{s}', '{{\"text\":\"x\"}}', 'c{i}', 'started', 1, 999999, {now}, {now});"
+        ));
+    }
+    batch.push_str("COMMIT;");
+    conn.batch_execute(&batch).map_err(err)?;
+    drop(conn);
+    drop(pool);
+    let (daemon, ready_crash) = Daemon::start(&home)?;
+    let unknown = control(&home, "status", json!({}))?["admissions"]["unknown"]
+        .as_i64()
+        .unwrap_or(0);
+    daemon.stop();
+    Ok(json!({
+        "admissions": n, "sessions": sessions, "ready_seconds": round(ready_large),
+        "crash_started_rows": started_rows, "crash_ready_seconds": round(ready_crash), "unknown_after_crash": unknown,
+    }))
+}
+
+impl Daemon {
+    fn stop_keep_home(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+        self.home = PathBuf::new();
+    }
+}
+
+/// Run the whole benchmark; the report as JSON.
+pub async fn run(opts: BenchOptions) -> Result<Value, String> {
+    let (model_url, model) = start_model(Duration::from_millis(opts.model_latency_ms))?;
+    let levels = [1usize, 16, 256];
+    let (admit_total, turn_total) = if opts.quick { (512, 512) } else { (4096, 4096) };
+    let raw = raw_commit_rate(&opts.dir, if opts.quick { 200 } else { 1000 })?;
+    let raw_rate = raw["per_second"].as_f64().unwrap_or(1.0).max(1e-9);
+    let mut admission = Vec::new();
+    for c in levels {
+        let a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
+        let ratio = a["per_second"].as_f64().unwrap_or(0.0) / raw_rate;
+        admission.push(json!({"sessions": c, "ack": a, "ratio_to_raw_commit": round(ratio)}));
+    }
+    let mut turn = Vec::new();
+    for c in levels {
+        let total = if c == 1 {
+            turn_total / 4
+        } else {
+            turn_total.max(c)
+        };
+        let t = turns(&opts, &model_url, c, total).await?;
+        let f = floor(&model_url, c, total).await?;
+        let overhead = t["p50_ms"].as_f64().unwrap_or(0.0) - f["p50_ms"].as_f64().unwrap_or(0.0);
+        turn.push(
+            json!({"sessions": c, "turn": t, "floor": f, "overhead_p50_ms": round(overhead)}),
+        );
+    }
+    let (iso, memory) = isolation(&opts, &model_url).await?;
+    let rec = recovery(&opts, &model_url)?;
+    model.stop(false).await;
+    Ok(json!({
+        "quick": opts.quick,
+        "machine": machine(),
+        "raw_commit": raw,
+        "admission": admission,
+        "turn": turn,
+        "isolation": iso,
+        "memory": memory,
+        "recovery": rec,
+    }))
+}
+
+fn machine() -> Value {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
+        })
+        .unwrap_or_default();
+    json!({"cpus": cpus, "cpu": model, "mem_kib": mem})
+}
+
+/// The human table.
+pub fn table(r: &Value) -> String {
+    let mut out = String::new();
+    let m = &r["machine"];
+    out.push_str(&format!(
+        "machine: {} CPUs ({}), {} KiB RAM{}\n\n",
+        m["cpus"],
+        m["cpu"].as_str().unwrap_or(""),
+        m["mem_kib"].as_str().unwrap_or(""),
+        if r["quick"] == true {
+            " — quick run"
+        } else {
+            ""
+        }
+    ));
+    let raw = &r["raw_commit"];
+    out.push_str(&format!(
+        "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms\n\n",
+        raw["per_second"], raw["p50_ms"], raw["p99_ms"]
+    ));
+    out.push_str("admission (prompt.submit ack)\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit\n");
+    for a in r["admission"].as_array().cloned().unwrap_or_default() {
+        out.push_str(&format!(
+            "  {:>8} {:>8} {:>8} {:>14} {:>14}\n",
+            a["sessions"],
+            a["ack"]["p50_ms"],
+            a["ack"]["p99_ms"],
+            a["ack"]["per_second"],
+            a["ratio_to_raw_commit"]
+        ));
+    }
+    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms\n");
+    for t in r["turn"].as_array().cloned().unwrap_or_default() {
+        out.push_str(&format!(
+            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17}\n",
+            t["sessions"],
+            t["turn"]["p50_ms"],
+            t["turn"]["p99_ms"],
+            t["turn"]["per_second"],
+            t["floor"]["p50_ms"],
+            t["floor"]["p99_ms"],
+            t["overhead_p50_ms"]
+        ));
+    }
+    let i = &r["isolation"];
+    out.push_str(&format!(
+        "\nisolation: 16 healthy sessions p99 {} ms alone, {} ms beside {} parked sessions and a hung room → ratio {}\n",
+        i["alone"]["p99_ms"], i["loaded"]["p99_ms"], i["parked_sessions"], i["p99_ratio"]
+    ));
+    let mm = &r["memory"];
+    out.push_str(&format!(
+        "memory: idle {} KiB, {} KiB per parked session, peak {} KiB\n",
+        mm["idle_rss_kib"], mm["kib_per_parked_session"], mm["peak_rss_kib"]
+    ));
+    let rc = &r["recovery"];
+    out.push_str(&format!(
+        "recovery: ready in {} s over {} admissions / {} sessions; after a crash with {} started rows: {} s ({} unknown)\n",
+        rc["ready_seconds"], rc["admissions"], rc["sessions"], rc["crash_started_rows"], rc["crash_ready_seconds"], rc["unknown_after_crash"]
+    ));
+    out
+}

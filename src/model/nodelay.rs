@@ -1,0 +1,50 @@
+//! A TCP connector for awc that sets `TCP_NODELAY`: a request head and body written separately
+//! must not wait on Nagle's algorithm for the peer's delayed ACK (tens of milliseconds per call).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use actix_rt::net::TcpStream;
+use actix_service::Service;
+use actix_tls::connect::{ConnectError, ConnectInfo, Connection};
+use awc::http::Uri;
+
+#[derive(Clone)]
+pub struct NoDelay<S>(pub S);
+
+impl<S> Service<ConnectInfo<Uri>> for NoDelay<S>
+where
+    S: Service<ConnectInfo<Uri>, Response = Connection<Uri, TcpStream>, Error = ConnectError>,
+    S::Future: 'static,
+{
+    type Response = Connection<Uri, TcpStream>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>>>>;
+
+    fn poll_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&self, req: ConnectInfo<Uri>) -> Self::Future {
+        let fut = self.0.call(req);
+        Box::pin(async move {
+            let conn = fut.await?;
+            if let Err(e) = conn.io_ref().set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+            }
+            Ok(conn)
+        })
+    }
+}
+
+/// An awc connector whose TCP connections have `TCP_NODELAY` set.
+pub fn connector() -> awc::Connector<
+    impl Service<ConnectInfo<Uri>, Response = Connection<Uri, TcpStream>, Error = ConnectError> + Clone,
+> {
+    let base = awc::Connector::new();
+    let tcp = actix_tls::connect::ConnectorService::default();
+    base.connector(NoDelay(tcp))
+}

@@ -1,0 +1,58 @@
+//! `gatehouse bench --quick` runs end to end (figures are not asserted: this machine is noisy).
+
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::helpers::bin;
+
+#[test]
+fn the_quick_benchmark_runs_and_reports_every_section() {
+    let out = Command::new(bin())
+        .args(["bench", "--quick", "--json", "--parked", "100"])
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    assert!(
+        report["raw_commit"]["per_second"]
+            .as_f64()
+            .is_some_and(|r| r > 0.0),
+        "{report}"
+    );
+    let admission = report["admission"].as_array().expect("admission");
+    assert_eq!(
+        admission
+            .iter()
+            .map(|a| a["sessions"].as_u64())
+            .collect::<Vec<_>>(),
+        [Some(1), Some(16), Some(256)]
+    );
+    assert!(admission
+        .iter()
+        .all(|a| a["ack"]["count"].as_u64().is_some_and(|c| c > 0)));
+    let turn = report["turn"].as_array().expect("turn");
+    assert_eq!(turn.len(), 3);
+    assert!(turn.iter().all(
+        |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
+            && t["floor"]["count"] == t["turn"]["count"]
+    ));
+    assert_eq!(report["isolation"]["parked_sessions"], 100);
+    assert!(report["isolation"]["p99_ratio"]
+        .as_f64()
+        .is_some_and(|r| r > 0.0));
+    assert!(report["memory"]["idle_rss_kib"]
+        .as_u64()
+        .is_some_and(|k| k > 0));
+    assert_eq!(
+        report["recovery"]["unknown_after_crash"],
+        report["recovery"]["crash_started_rows"]
+    );
+    assert!(report["recovery"]["ready_seconds"]
+        .as_f64()
+        .is_some_and(|s| s > 0.0));
+}
