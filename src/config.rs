@@ -391,6 +391,8 @@ impl Default for HttpConfig {
 pub struct SessionLimits {
     pub max_queued_admissions: i64,
     pub max_text_bytes: usize,
+    /// Session supervisors kept in memory; idle ones past this are let go (revived on use).
+    pub max_in_memory: usize,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -400,6 +402,7 @@ impl Default for SessionLimits {
         Self {
             max_queued_admissions: 1000,
             max_text_bytes: 256 * 1024,
+            max_in_memory: 10_000,
             extra: Extra::new(),
         }
     }

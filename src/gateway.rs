@@ -255,6 +255,7 @@ impl Gateway {
             )),
         });
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
+            .on_connect(crate::api::ws::on_connect)
             .workers(2)
             .tcp_nodelay(true)
             .disable_signals()

@@ -1,8 +1,10 @@
 //! `GET /api/ws`: the WebSocket (JSON-RPC 2.0 text frames). All WebSocket code lives here.
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -13,18 +15,64 @@ use serde_json::{json, Value};
 use super::http::AppState;
 use super::rpc::{Authority, Caller};
 use crate::error::GatewayError;
-use crate::session::registry::GetSupervisor;
-use crate::session::supervisor::{PushEvent, Unsubscribe};
+use crate::session::registry::UnsubscribeFrom;
+use crate::session::supervisor::PushEvent;
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
 /// Open connections, so that a graceful stop can close them (1001) instead of waiting them out.
 static OPEN: Mutex<BTreeMap<u64, Recipient<CloseNow>>> = Mutex::new(BTreeMap::new());
 
-/// Close the connection with 1001 "going away".
+/// Close the connection (1001 "going away" unless another code is given).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct CloseNow(pub &'static str);
+
+/// Open WebSocket connections, counted against `gateway.max_connections`.
+static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// One connection's place under `gateway.max_connections`, given back when it is dropped.
+struct Slot;
+
+impl Slot {
+    fn take(max: usize) -> Option<Slot> {
+        let before = CONNECTIONS.fetch_add(1, Ordering::SeqCst);
+        if before >= max {
+            CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Slot)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A duplicate of the connection's socket, so a consumer too slow to read its frames can be cut
+/// off even while its writer is blocked (the connection's actor does not run then).
+#[derive(Clone)]
+pub struct ConnSocket(Arc<OwnedFd>);
+
+impl ConnSocket {
+    fn shutdown(&self) {
+        // SAFETY: shutdown(2) on a descriptor we own; it only ends the connection.
+        unsafe {
+            libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR);
+        }
+    }
+}
+
+/// `HttpServer::on_connect` hook: remember a duplicate of every TCP connection's socket.
+pub fn on_connect(conn: &dyn Any, ext: &mut actix_web::dev::Extensions) {
+    if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+        if let Ok(fd) = tcp.as_fd().try_clone_to_owned() {
+            ext.insert(ConnSocket(Arc::new(fd)));
+        }
+    }
+}
 
 /// Ask every open WebSocket connection to close; returns how many were asked.
 pub fn close_all(reason: &'static str) -> usize {
@@ -53,6 +101,16 @@ pub async fn ws_route(
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(',').map(|s| s.trim().to_string()))
         .collect();
+    let cfg = &state.authority.shared.config.gateway;
+    // Checked before the ticket is spent, so a refused client may retry with it.
+    let Some(slot) = Slot::take(cfg.max_connections) else {
+        return Ok(HttpResponse::ServiceUnavailable()
+            .insert_header(("Retry-After", "1"))
+            .json(
+                json!({"error": {"reason": "rate_limited", "message": format!(
+                "too many open connections (gateway.max_connections = {})", cfg.max_connections)}}),
+            ));
+    };
     let ticket = offered
         .iter()
         .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
@@ -77,7 +135,6 @@ pub async fn ws_route(
         return Ok(HttpResponse::BadRequest()
             .json(json!({"error": {"reason": "invalid_request", "message": "offer the gatehouse.v1 subprotocol"}})));
     }
-    let cfg = &state.authority.shared.config.gateway;
     let conn = WsConnection {
         authority: state.authority.clone(),
         principal,
@@ -88,6 +145,10 @@ pub async fn ws_route(
         heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
         client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
         partial: None,
+        outbox: None,
+        pending: Arc::new(AtomicUsize::new(0)),
+        socket: req.conn_data::<ConnSocket>().cloned(),
+        _slot: slot,
     };
     ws::WsResponseBuilder::new(conn, &req, stream)
         .protocols(&[SUBPROTOCOL])
@@ -105,6 +166,86 @@ pub struct WsConnection {
     heartbeat: Duration,
     client_timeout: Duration,
     partial: Option<Vec<u8>>,
+    /// Where sessions push this connection's events (see [`Outbox`]).
+    outbox: Option<Recipient<PushEvent>>,
+    /// Event frames handed over by the outbox and not yet written.
+    pending: Arc<AtomicUsize>,
+    socket: Option<ConnSocket>,
+    _slot: Slot,
+}
+
+/// Stands between the sessions and one connection and counts the event frames handed to the
+/// connection but not yet written (`pending`). While its client reads, the connection writes
+/// them as they come; when the client stops reading, the connection's writer blocks (its actor
+/// is not even polled then) and `pending` grows. Past `gateway.outbound_queue_frames` the client
+/// is told why (1008) and disconnected, so a slow consumer never grows memory without bound and
+/// never silently misses events.
+struct Outbox {
+    conn: Addr<WsConnection>,
+    conn_id: u64,
+    socket: Option<ConnSocket>,
+    limit: usize,
+    pending: Arc<AtomicUsize>,
+    cut: bool,
+}
+
+impl Actor for Outbox {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Its own mailbox only buffers a burst until it forwards (it never blocks).
+        ctx.set_mailbox_capacity(self.limit.max(1024));
+    }
+}
+
+impl Handler<PushEvent> for Outbox {
+    type Result = ();
+    fn handle(&mut self, m: PushEvent, ctx: &mut Context<Self>) {
+        if self.cut {
+            return;
+        }
+        if !self.conn.connected() {
+            ctx.stop();
+            return;
+        }
+        if self.pending.load(Ordering::SeqCst) < self.limit {
+            self.pending.fetch_add(1, Ordering::SeqCst);
+            self.conn.do_send(m);
+            return;
+        }
+        self.cut = true;
+        tracing::warn!(
+            conn = self.conn_id,
+            queued = self.limit,
+            "slow consumer: outbound queue full; disconnecting"
+        );
+        self.conn.do_send(CloseSlow);
+        // If its writer is blocked the connection cannot even send the close frame.
+        ctx.run_later(Duration::from_millis(500), |act, ctx| {
+            if act.conn.connected() {
+                if let Some(s) = &act.socket {
+                    s.shutdown();
+                }
+            }
+            ctx.stop();
+        });
+    }
+}
+
+/// Close with 1008 because the client does not read its frames.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct CloseSlow;
+
+impl Handler<CloseSlow> for WsConnection {
+    type Result = ();
+    fn handle(&mut self, _: CloseSlow, ctx: &mut Self::Context) {
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Policy,
+            description: Some("slow consumer: outbound queue full".into()),
+        }));
+        ctx.stop();
+    }
 }
 
 fn error_frame(id: Value, err: &GatewayError) -> String {
@@ -185,7 +326,7 @@ impl WsConnection {
         let caller = Caller {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
-            recipient: Some(ctx.address().recipient()),
+            recipient: self.outbox.clone(),
             subscribed: self.subscribed.clone(),
         };
         let authority = self.authority.clone();
@@ -220,14 +361,23 @@ impl Actor for WsConnection {
         if let Ok(mut open) = OPEN.lock() {
             open.insert(self.conn_id, ctx.address().recipient());
         }
-        ctx.set_mailbox_capacity(
-            self.authority
-                .shared
-                .config
-                .gateway
-                .outbound_queue_frames
-                .max(16),
-        );
+        let limit = self
+            .authority
+            .shared
+            .config
+            .gateway
+            .outbound_queue_frames
+            .max(16);
+        let outbox = Outbox {
+            conn: ctx.address(),
+            conn_id: self.conn_id,
+            socket: self.socket.clone(),
+            limit,
+            pending: self.pending.clone(),
+            cut: false,
+        }
+        .start();
+        self.outbox = Some(outbox.recipient());
         ctx.run_interval(self.heartbeat, |act, ctx| {
             if act.last_seen.elapsed() > act.client_timeout {
                 tracing::info!(
@@ -250,16 +400,14 @@ impl Actor for WsConnection {
         if let Ok(mut open) = OPEN.lock() {
             open.remove(&self.conn_id);
         }
-        let registry = self.authority.registry.clone();
-        let conn_id = self.conn_id;
-        for root in self.subscribed.drain() {
-            let registry = registry.clone();
-            actix::spawn(async move {
-                if let Ok(sup) = registry.send(GetSupervisor(root)).await {
-                    sup.do_send(Unsubscribe { conn_id });
-                }
+        // Only sessions still in memory need to hear it (none is revived for this).
+        for root_id in self.subscribed.drain() {
+            self.authority.registry.do_send(UnsubscribeFrom {
+                root_id,
+                conn_id: self.conn_id,
             });
         }
+        self.outbox = None;
     }
 }
 
@@ -278,6 +426,7 @@ impl Handler<PushEvent> for WsConnection {
     type Result = ();
     fn handle(&mut self, m: PushEvent, ctx: &mut Self::Context) {
         ctx.text(m.0.to_string());
+        self.pending.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

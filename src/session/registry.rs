@@ -1,41 +1,153 @@
-//! `SessionRegistry`: finds or starts the supervisor of a session, and drains them all on stop.
+//! `SessionRegistry`: finds or starts the supervisor of a session, keeps at most
+//! `session.max_in_memory` of them loaded, and drains them all on stop.
+//!
+//! Eviction: when more supervisors are loaded than allowed, the least recently used ones that
+//! are idle (nothing running or claiming, no prompt, no subscriber, no write in flight) are let
+//! go; everything they hold is in the store, so the next request revives the session from it.
+//! An evicted supervisor that is still alive (it got busy again after saying it was idle) is
+//! kept as a weak address and revived rather than duplicated: there is never more than one
+//! supervisor per session.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
+use actix::WeakAddr;
 
 use super::shared::Shared;
-use super::supervisor::{Drain, Pump, SessionSupervisor};
+use super::supervisor::{Drain, IsIdle, Pump, SessionSupervisor, Unsubscribe};
 
 pub struct SessionRegistry {
     shared: Arc<Shared>,
     sessions: HashMap<String, Addr<SessionSupervisor>>,
+    /// Evicted supervisors, alive only while something else still holds them.
+    evicted: HashMap<String, WeakAddr<SessionSupervisor>>,
+    /// Last use of each loaded session (a tick), for least-recently-used eviction.
+    used: HashMap<String, u64>,
+    tick: u64,
+    sweeping: bool,
 }
+
+/// How often an over-full registry looks again for idle supervisors.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 impl SessionRegistry {
     pub fn new(shared: Arc<Shared>) -> Self {
         Self {
             shared,
             sessions: HashMap::new(),
+            evicted: HashMap::new(),
+            used: HashMap::new(),
+            tick: 0,
+            sweeping: false,
         }
     }
 
-    fn get(&mut self, root_id: &str) -> Addr<SessionSupervisor> {
+    fn max_loaded(&self) -> usize {
+        self.shared.config.session.max_in_memory.max(1)
+    }
+
+    fn touch(&mut self, root_id: &str) {
+        self.tick += 1;
+        self.used.insert(root_id.to_string(), self.tick);
+    }
+
+    fn get(&mut self, root_id: &str, ctx: &mut Context<Self>) -> Addr<SessionSupervisor> {
+        self.touch(root_id);
         if let Some(a) = self.sessions.get(root_id).filter(|a| a.connected()) {
             return a.clone();
         }
-        let shared = self.shared.clone();
-        let id = root_id.to_string();
-        let addr = actix::Supervisor::start(move |_| SessionSupervisor::new(shared, id));
+        let revived = self
+            .evicted
+            .remove(root_id)
+            .and_then(|w| w.upgrade())
+            .filter(|a| a.connected());
+        let addr = match revived {
+            Some(a) => a,
+            None => {
+                let shared = self.shared.clone();
+                let id = root_id.to_string();
+                actix::Supervisor::start(move |_| SessionSupervisor::new(shared, id))
+            }
+        };
         self.sessions.insert(root_id.to_string(), addr.clone());
-        self.shared.metrics.set_active_sessions(self.sessions.len());
+        self.report();
+        if self.sessions.len() > self.max_loaded() {
+            self.sweep(ctx);
+        }
         addr
+    }
+
+    /// The live supervisor of a session, without starting one.
+    fn existing(&mut self, root_id: &str) -> Option<Addr<SessionSupervisor>> {
+        if let Some(a) = self.sessions.get(root_id).filter(|a| a.connected()) {
+            return Some(a.clone());
+        }
+        self.evicted.get(root_id).and_then(|w| w.upgrade())
+    }
+
+    fn report(&mut self) {
+        self.evicted.retain(|_, w| w.upgrade().is_some());
+        self.shared
+            .metrics
+            .set_active_sessions(self.sessions.len() + self.evicted.len());
+    }
+
+    /// Let go of idle supervisors, least recently used first, down to the limit.
+    fn sweep(&mut self, ctx: &mut Context<Self>) {
+        let max = self.max_loaded();
+        if self.sweeping || self.sessions.len() <= max {
+            return;
+        }
+        self.sweeping = true;
+        let mut order: Vec<(u64, String)> = self
+            .sessions
+            .keys()
+            .map(|k| (self.used.get(k).copied().unwrap_or(0), k.clone()))
+            .collect();
+        order.sort();
+        // Ask a few more than needed: some will be busy.
+        let excess = self.sessions.len() - max;
+        let candidates: Vec<(String, Addr<SessionSupervisor>)> = order
+            .into_iter()
+            .take(excess * 2 + 1)
+            .filter_map(|(_, k)| self.sessions.get(&k).map(|a| (k, a.clone())))
+            .collect();
+        let asks = candidates.into_iter().map(|(k, a)| async move {
+            let idle = a.send(IsIdle).await.unwrap_or(false);
+            (k, idle)
+        });
+        let fut = futures_util::future::join_all(asks);
+        ctx.spawn(fut.into_actor(self).map(move |answers, act, _| {
+            act.sweeping = false;
+            let mut left = act.sessions.len().saturating_sub(act.max_loaded());
+            for (k, idle) in answers {
+                if left == 0 {
+                    break;
+                }
+                if idle {
+                    if let Some(a) = act.sessions.remove(&k) {
+                        act.used.remove(&k);
+                        act.evicted.insert(k, a.downgrade());
+                        left -= 1;
+                    }
+                }
+            }
+            act.report();
+        }));
     }
 }
 
 impl Actor for SessionRegistry {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(SWEEP_EVERY, |act, ctx| {
+            act.report();
+            act.sweep(ctx);
+        });
+    }
 }
 
 /// The supervisor of an existing session (the caller has checked it exists).
@@ -45,8 +157,25 @@ pub struct GetSupervisor(pub String);
 
 impl Handler<GetSupervisor> for SessionRegistry {
     type Result = MessageResult<GetSupervisor>;
-    fn handle(&mut self, m: GetSupervisor, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.get(&m.0))
+    fn handle(&mut self, m: GetSupervisor, ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.get(&m.0, ctx))
+    }
+}
+
+/// A connection no longer follows a session (nothing is started for it).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct UnsubscribeFrom {
+    pub root_id: String,
+    pub conn_id: u64,
+}
+
+impl Handler<UnsubscribeFrom> for SessionRegistry {
+    type Result = ();
+    fn handle(&mut self, m: UnsubscribeFrom, _: &mut Context<Self>) {
+        if let Some(a) = self.existing(&m.root_id) {
+            a.do_send(Unsubscribe { conn_id: m.conn_id });
+        }
     }
 }
 
@@ -57,9 +186,9 @@ pub struct PumpSessions(pub Vec<String>);
 
 impl Handler<PumpSessions> for SessionRegistry {
     type Result = ();
-    fn handle(&mut self, m: PumpSessions, _: &mut Context<Self>) {
+    fn handle(&mut self, m: PumpSessions, ctx: &mut Context<Self>) {
         for id in m.0 {
-            self.get(&id).do_send(Pump);
+            self.get(&id, ctx).do_send(Pump);
         }
     }
 }
@@ -72,7 +201,13 @@ pub struct DrainAll;
 impl Handler<DrainAll> for SessionRegistry {
     type Result = ResponseFuture<()>;
     fn handle(&mut self, _: DrainAll, _: &mut Context<Self>) -> Self::Result {
-        let addrs: Vec<Addr<SessionSupervisor>> = self.sessions.values().cloned().collect();
+        // Evicted supervisors still alive may be running a turn: they drain too.
+        let addrs: Vec<Addr<SessionSupervisor>> = self
+            .sessions
+            .values()
+            .cloned()
+            .chain(self.evicted.values().filter_map(|w| w.upgrade()))
+            .collect();
         Box::pin(async move {
             let waits = addrs.iter().map(|a| a.send(Drain));
             futures_util::future::join_all(waits).await;
@@ -80,7 +215,7 @@ impl Handler<DrainAll> for SessionRegistry {
     }
 }
 
-/// How many supervisors are loaded.
+/// How many supervisors are loaded (including evicted ones still alive).
 #[derive(Message)]
 #[rtype(result = "usize")]
 pub struct CountLoaded;
@@ -88,6 +223,7 @@ pub struct CountLoaded;
 impl Handler<CountLoaded> for SessionRegistry {
     type Result = usize;
     fn handle(&mut self, _: CountLoaded, _: &mut Context<Self>) -> usize {
-        self.sessions.len()
+        self.report();
+        self.sessions.len() + self.evicted.len()
     }
 }

@@ -68,6 +68,8 @@ pub struct SessionSupervisor {
     pump_again: bool,
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
+    /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
+    pin: Option<Addr<SessionSupervisor>>,
 }
 
 impl SessionSupervisor {
@@ -83,6 +85,7 @@ impl SessionSupervisor {
             pump_again: false,
             draining: false,
             drain_waiters: Vec::new(),
+            pin: None,
         }
     }
 
@@ -92,6 +95,9 @@ impl SessionSupervisor {
         let text: Arc<str> = Arc::from(frame.to_string());
         self.subscribers
             .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+        if self.subscribers.is_empty() {
+            self.pin = None;
+        }
     }
 
     /// An event-bearing write starts: live events wait until it answers.
@@ -599,8 +605,10 @@ pub struct Subscribe {
 
 impl Handler<Subscribe> for SessionSupervisor {
     type Result = ();
-    fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) {
+    fn handle(&mut self, m: Subscribe, ctx: &mut Context<Self>) {
         self.subscribers.insert(m.conn_id, m.recipient);
+        // Followed sessions stay in memory even if the registry lets go of them.
+        self.pin = Some(ctx.address());
     }
 }
 
@@ -614,6 +622,9 @@ impl Handler<Unsubscribe> for SessionSupervisor {
     type Result = ();
     fn handle(&mut self, m: Unsubscribe, _: &mut Context<Self>) {
         self.subscribers.remove(&m.conn_id);
+        if self.subscribers.is_empty() {
+            self.pin = None;
+        }
     }
 }
 

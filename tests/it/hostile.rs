@@ -974,3 +974,314 @@ async fn hostile_control_socket_lines_get_typed_errors() {
     let sid = ws.session("ctl", &home.path).await;
     normal_request(&mut ws, &sid).await;
 }
+
+// ---------- resource bounds ----------
+
+async fn metric(origin: &str, name: &str) -> f64 {
+    let mut resp = awc::Client::new()
+        .get(format!("{origin}/metrics"))
+        .send()
+        .await
+        .expect("metrics");
+    let body = resp.body().await.expect("metrics body");
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .filter(|rest| rest.starts_with(' '))
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no metric {name}"))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[actix_rt::test]
+async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
+    const CHUNKS: usize = 4000;
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "FLOOD" {
+            let piece = "w".repeat(8 * 1024);
+            Reply::Sse(
+                (0..CHUNKS)
+                    .map(|_| {
+                        json!({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": null}]})
+                            .to_string()
+                    })
+                    .chain(std::iter::once(
+                        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}).to_string(),
+                    ))
+                    .collect(),
+            )
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"outbound_queue_frames": 512}, "model": {"max_response_bytes": 256 << 20}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("flood", &home.path).await;
+    let resume = json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}})
+        .to_string();
+    // A watcher that reads everything, on its own thread.
+    let mut watcher = RawWs::connect(&home.path, &origin);
+    watcher.text(resume.as_bytes());
+    assert!(watcher.reply()["result"].is_object());
+    let watching = std::thread::spawn(move || {
+        let mut deltas = 0usize;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while let Some((op, payload)) = watcher.read() {
+            if std::time::Instant::now() > deadline {
+                break;
+            }
+            if op != 0x1 {
+                continue;
+            }
+            let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+            match v["params"]["type"].as_str() {
+                Some("message.delta") => deltas += 1,
+                Some("message.complete") => return deltas,
+                _ => {}
+            }
+        }
+        deltas
+    });
+    // A consumer that subscribes and then never reads again.
+    let mut slow = RawWs::connect(&home.path, &origin);
+    slow.text(resume.as_bytes());
+    assert!(slow.reply()["result"].is_object());
+    let base_rss = rss_kib(d.child.id());
+    // The submitting connection leaves right away.
+    ws.submit(&sid, "FLOOD", "FLOOD").await;
+    drop(ws);
+    let seen = watching.join().expect("watcher");
+    assert_eq!(seen, CHUNKS, "the reading watcher got every delta");
+    wait_until("FLOOD settles", Duration::from_secs(60), || {
+        home.admission("FLOOD").status == "terminal"
+    })
+    .await;
+    let grown = rss_kib(d.child.id()).saturating_sub(base_rss);
+    assert!(
+        grown < 200 * 1024,
+        "the daemon grew {grown} KiB for one slow consumer"
+    );
+    // The slow consumer finds what was in flight, then the end of its connection (promptly: a
+    // connection left open would only end at the 20 s read timeout).
+    let reading = std::time::Instant::now();
+    let (mut deltas, mut ending) = (0usize, None);
+    while let Some((op, payload)) = slow.read() {
+        if reading.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        match op {
+            0x1 => {
+                let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+                if v["params"]["type"] == "message.delta" {
+                    deltas += 1;
+                }
+            }
+            0x8 => {
+                ending = Some(u16::from_be_bytes([payload[0], payload[1]]));
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        reading.elapsed() < Duration::from_secs(10),
+        "the slow consumer's connection stayed open"
+    );
+    assert!(
+        deltas < CHUNKS,
+        "the slow consumer was cut off ({deltas} deltas)"
+    );
+    assert!(
+        matches!(ending, None | Some(1008)),
+        "closed as a policy violation or cut: {ending:?}"
+    );
+    assert!(home.log().contains("slow consumer"), "the reason is logged");
+    // The daemon keeps serving.
+    let mut ws = Ws::connect(&home.path, &origin).await;
+    normal_request(&mut ws, &sid).await;
+}
+
+#[actix_rt::test]
+async fn connections_past_the_limit_are_refused_and_the_ticket_kept() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"max_connections": 3}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(RawWs::connect(&home.path, &origin));
+    }
+    let t = ticket(&home.path);
+    let offer = vec!["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")];
+    let up = raw_upgrade(&origin, &offer, &[]);
+    assert_eq!(up.status, 503, "{}", up.body);
+    let body: Value = serde_json::from_str(&up.body).expect("json");
+    assert_eq!(body["error"]["reason"], "rate_limited");
+    // Plain HTTP still answers while the WebSocket slots are full.
+    assert!(metric(&origin, "gatehouse_ws_connections").await >= 3.0);
+    // One leaves: the refused client gets in with the same (unspent) ticket.
+    drop(held.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let up = raw_upgrade(&origin, &offer, &[]);
+        if up.status == 101 {
+            break;
+        }
+        assert_eq!(up.status, 503, "{}", up.body);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    let mut ws = Ws::connect(&home.path, &origin).await;
+    let sid = ws.session("after", &home.path).await;
+    normal_request(&mut ws, &sid).await;
+}
+
+#[actix_rt::test]
+async fn idle_sessions_are_evicted_and_revived_from_the_store() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    // A followed session is never evicted: its watcher keeps getting events.
+    let mut watcher = d.ws().await;
+    let followed = watcher.session("followed", &home.path).await;
+    let mut sids = Vec::new();
+    for i in 0..6 {
+        // Each session is used by a short-lived connection, then left idle.
+        let mut ws = d.ws().await;
+        let sid = ws.session(&format!("s{i}"), &home.path).await;
+        let text = format!("first-{i}");
+        ws.submit(&sid, &text, &text).await;
+        wait_until(&text, Duration::from_secs(20), || {
+            home.admission(&text).status == "terminal"
+        })
+        .await;
+        sids.push(sid);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
+        if loaded <= 2.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{loaded} supervisors still loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // An evicted session comes back from the store with its history.
+    let mut ws = d.ws().await;
+    let snap = ws
+        .ok("session.resume", json!({"session_id": sids[0]}))
+        .await;
+    assert_eq!(snap["messages"].as_array().map(Vec::len), Some(2));
+    ws.submit(&sids[0], "second-0", "second-0").await;
+    wait_until("second-0", Duration::from_secs(20), || {
+        home.admission("second-0").status == "terminal"
+    })
+    .await;
+    let reqs = model.requests();
+    let req = reqs
+        .iter()
+        .find(|b| last_user(b) == "second-0")
+        .expect("request");
+    assert_eq!(
+        user_texts(req),
+        vec!["first-0".to_string(), "second-0".to_string()]
+    );
+    // The followed session was kept: its watcher sees a turn submitted elsewhere.
+    let mut other = d.ws().await;
+    other
+        .ok("session.resume", json!({"session_id": followed}))
+        .await;
+    other.submit(&followed, "F", "F").await;
+    let done = watcher
+        .event(Duration::from_secs(20), |e| e["type"] == "message.complete")
+        .await;
+    assert_eq!(done["session_id"], followed);
+    normal_request(&mut watcher, &followed).await;
+}
+
+#[actix_rt::test]
+async fn a_full_session_queue_is_refused_with_session_busy() {
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "HEAD" {
+            Reply::Hang
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_queued_admissions": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("busy", &home.path).await;
+    ws.submit(&sid, "HEAD", "HEAD").await;
+    wait_until("HEAD at the model", Duration::from_secs(20), || {
+        model.reached("HEAD") == 1
+    })
+    .await;
+    ws.submit(&sid, "Q1", "Q1").await;
+    ws.submit(&sid, "Q2", "Q2").await;
+    let v = ws
+        .refused(
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "Q3", "text": "Q3"}),
+            "session_busy",
+        )
+        .await;
+    assert_eq!(v["error"]["code"], 4001);
+    // The same input again is still an idempotent hit, not a refusal.
+    assert_eq!(ws.submit(&sid, "Q1", "Q1").await["status"], "queued");
+    // Other sessions are not affected.
+    let other = ws.session("other", &home.path).await;
+    ws.submit(&other, "O", "O").await;
+    normal_request(&mut ws, &sid).await;
+    // When the queue drains, the refused input is accepted.
+    ws.ok(
+        "session.interrupt",
+        json!({"session_id": sid, "execution_generation": home.admission("HEAD").execution_generation}),
+    )
+    .await;
+    wait_until("the queue drains", Duration::from_secs(20), || {
+        ["Q1", "Q2"]
+            .iter()
+            .all(|t| home.admission(t).status == "terminal")
+    })
+    .await;
+    ws.submit(&sid, "Q3", "Q3").await;
+    wait_until("Q3", Duration::from_secs(20), || all_terminal(&home)).await;
+    assert_eq!(home.admission("Q3").outcome.as_deref(), Some("completed"));
+}
