@@ -136,10 +136,11 @@ fn start_rooms(
         .process_generation(process_generation.to_string())
         .build()
         .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
-    runtime.start();
+    let scheduler = crate::rooms::actors::RoomScheduler::new(runtime.clone()).start();
     tracing::info!(gateway = %gateway_id, "hosted rooms running");
     Ok(Arc::new(RoomsService {
         runtime,
+        scheduler,
         db: rooms_db,
         hub,
         gateway_id: gateway_id.to_string(),

@@ -99,6 +99,8 @@ pub fn task_view(t: &TaskView) -> Value {
 /// The rooms side of the authority.
 pub struct RoomsService {
     pub runtime: RoomRuntime,
+    /// The actor that schedules room passes (one `RoomSupervisor` actor per room).
+    pub scheduler: actix::Addr<crate::rooms::actors::RoomScheduler>,
     pub db: RoomsDb,
     pub hub: Arc<RoomEventHub>,
     pub gateway_id: String,
@@ -298,6 +300,9 @@ impl RoomsService {
     }
 
     pub async fn stop(&self, timeout: Duration) -> bool {
-        self.runtime.stop(timeout).await
+        self.scheduler
+            .send(crate::rooms::actors::StopRooms(timeout))
+            .await
+            .unwrap_or(false)
     }
 }

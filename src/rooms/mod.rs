@@ -6,6 +6,7 @@
 //! [`port::TurnLocks`], [`runtime::RoomHooks`] and the injected clock; then `start()` it and
 //! `stop(timeout)` it on shutdown.
 
+pub mod actors;
 pub mod bound;
 pub mod config;
 pub mod db;

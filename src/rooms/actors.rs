@@ -1,0 +1,205 @@
+//! The room runtime as actors, as the daemon runs it: one `RoomScheduler` owns the
+//! `max_concurrent_rooms` bound (a rotating start, so a later room is always reached) and hands
+//! passes to one `RoomSupervisor` actor per room, which runs that room's pass (lease, recovery,
+//! queued tasks, observation, deadlines, cancellation) as its own actor future and reports back. A
+//! room blocked on a slow member holds one scheduler slot until its deadline stops the attempt; it
+//! never blocks another room's actor.
+//!
+//! The pass logic itself lives in [`RoomRuntime`] (tested directly by the seed scenarios); these
+//! actors only decide when and where it runs.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use actix::prelude::*;
+
+use super::runtime::{RoomBinding, RoomRuntime};
+
+/// Drives the rooms whose authority is this gateway.
+pub struct RoomScheduler {
+    runtime: RoomRuntime,
+    supervisors: HashMap<String, Addr<RoomSupervisor>>,
+    busy: HashSet<String>,
+    cursor: usize,
+    stopping: bool,
+    idle_waiters: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl RoomScheduler {
+    pub fn new(runtime: RoomRuntime) -> Self {
+        Self {
+            runtime,
+            supervisors: HashMap::new(),
+            busy: HashSet::new(),
+            cursor: 0,
+            stopping: false,
+            idle_waiters: Vec::new(),
+        }
+    }
+
+    fn cycle(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        self.runtime.state().cycles += 1;
+        let bindings = (self.runtime.inner.bindings)();
+        let known: HashSet<&str> = bindings.iter().map(|b| b.room_id.as_str()).collect();
+        // Rooms that left this gateway (disbanded, authority moved) lose their actor when idle.
+        let gone: Vec<String> = self
+            .supervisors
+            .keys()
+            .filter(|r| !known.contains(r.as_str()) && !self.busy.contains(*r))
+            .cloned()
+            .collect();
+        for room in gone {
+            self.supervisors.remove(&room);
+        }
+        let max = self.runtime.config().max_concurrent_rooms;
+        let mut available = max.saturating_sub(self.busy.len());
+        if available == 0 || bindings.is_empty() {
+            return;
+        }
+        let start = self.cursor % bindings.len();
+        self.cursor = self.cursor.wrapping_add(1);
+        for offset in 0..bindings.len() {
+            if available == 0 {
+                break;
+            }
+            let binding = bindings[(start + offset) % bindings.len()].clone();
+            if self.busy.contains(&binding.room_id) {
+                continue;
+            }
+            let supervisor = self
+                .supervisors
+                .entry(binding.room_id.clone())
+                .or_insert_with(|| {
+                    RoomSupervisor {
+                        runtime: self.runtime.clone(),
+                        scheduler: ctx.address(),
+                    }
+                    .start()
+                })
+                .clone();
+            self.busy.insert(binding.room_id.clone());
+            supervisor.do_send(RunPass(binding));
+            available -= 1;
+        }
+    }
+}
+
+impl Actor for RoomScheduler {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        {
+            let mut state = self.runtime.state();
+            state.running = true;
+            state.stopping = false;
+        }
+        let poll = Duration::from_secs_f64(self.runtime.config().poll_interval_seconds);
+        ctx.run_interval(poll, |act, ctx| act.cycle(ctx));
+        // `wakeup()` (a new room or task) starts a cycle at once.
+        let mut wake = self.runtime.inner.wake.subscribe();
+        let addr = ctx.address();
+        ctx.spawn(
+            async move {
+                while wake.changed().await.is_ok() {
+                    addr.do_send(Cycle);
+                }
+            }
+            .into_actor(self),
+        );
+        ctx.notify(Cycle);
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Cycle;
+
+impl Handler<Cycle> for RoomScheduler {
+    type Result = ();
+    fn handle(&mut self, _: Cycle, ctx: &mut Context<Self>) {
+        self.cycle(ctx);
+    }
+}
+
+/// A room's pass ended; its slot is free.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct PassDone(String);
+
+impl Handler<PassDone> for RoomScheduler {
+    type Result = ();
+    fn handle(&mut self, m: PassDone, ctx: &mut Context<Self>) {
+        self.busy.remove(&m.0);
+        if self.busy.is_empty() {
+            for w in self.idle_waiters.drain(..) {
+                let _ = w.send(());
+            }
+        }
+        self.cycle(ctx);
+    }
+}
+
+/// Stop scheduling, wait (bounded) for the passes in flight, then release the leases. Never
+/// interrupts an accepted member turn. Answers whether everything stopped in time.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct StopRooms(pub Duration);
+
+impl Handler<StopRooms> for RoomScheduler {
+    type Result = ResponseFuture<bool>;
+    fn handle(&mut self, m: StopRooms, _: &mut Context<Self>) -> Self::Result {
+        self.stopping = true;
+        self.runtime.inner.stop.send_replace(true);
+        self.runtime.wakeup();
+        let idle = if self.busy.is_empty() {
+            None
+        } else {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.idle_waiters.push(tx);
+            Some(rx)
+        };
+        let runtime = self.runtime.clone();
+        Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + m.0;
+            let mut stopped = true;
+            if let Some(rx) = idle {
+                stopped &= tokio::time::timeout_at(deadline, rx).await.is_ok();
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            stopped &= runtime.stop(left).await;
+            stopped
+        })
+    }
+}
+
+/// One room's driver.
+pub struct RoomSupervisor {
+    runtime: RoomRuntime,
+    scheduler: Addr<RoomScheduler>,
+}
+
+impl Actor for RoomSupervisor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct RunPass(RoomBinding);
+
+impl Handler<RunPass> for RoomSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: RunPass, ctx: &mut Context<Self>) {
+        let runtime = self.runtime.clone();
+        let room = m.0.room_id.clone();
+        let span = tracing::debug_span!("room_pass", room = %room);
+        let fut = async move {
+            tracing::Instrument::instrument(runtime.process_room(&m.0), span).await;
+        };
+        ctx.spawn(fut.into_actor(self).map(move |_, act, _| {
+            act.scheduler.do_send(PassDone(room));
+        }));
+    }
+}
