@@ -21,6 +21,8 @@ use crate::helpers::last_user;
 pub enum Fault {
     /// A normal streamed answer with this content.
     Ok(String),
+    /// A whole assistant message (content or tool calls) with this finish reason.
+    Message(Value, &'static str),
     /// An HTTP error status with this body.
     Status(u16, String),
     /// Read the request, then close without answering.
@@ -41,7 +43,7 @@ pub enum Fault {
     HugeJson(usize),
 }
 
-type Plan = dyn Fn(&str, usize) -> Fault + Send + Sync;
+type Plan = dyn Fn(&Value, usize) -> Fault + Send + Sync;
 
 pub struct ChaosModel {
     pub url: String,
@@ -52,6 +54,12 @@ pub struct ChaosModel {
 impl ChaosModel {
     /// `plan(last user text, attempt number from 1)` decides each answer.
     pub fn start(plan: impl Fn(&str, usize) -> Fault + Send + Sync + 'static) -> ChaosModel {
+        Self::inspecting(move |body, n| plan(&last_user(body), n))
+    }
+
+    /// Like `start`, but the plan sees the whole request body. Bodies are not kept (a long run
+    /// would hold every transcript many times over).
+    pub fn inspecting(plan: impl Fn(&Value, usize) -> Fault + Send + Sync + 'static) -> ChaosModel {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind chaos model");
         let port = listener.local_addr().expect("addr").port();
         let attempts = Arc::new(Mutex::new(HashMap::new()));
@@ -178,7 +186,7 @@ fn serve(
         *n += 1;
         *n
     };
-    let fault = plan(&text, n);
+    let fault = plan(&body, n);
     let rst = matches!(fault, Fault::ResetBeforeBody | Fault::ResetMidStream);
     let _ = answer(&mut stream, fault, stop, &body);
     if rst {
@@ -209,6 +217,24 @@ fn answer(
             chunk(stream, &delta(&content))?;
             chunk(stream, &finish())?;
             stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::Message(message, finish) => {
+            let mut frame = json!({"id": "chaos", "choices": [{"index": 0, "finish_reason": finish}],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
+            if streaming {
+                frame["choices"][0]["delta"] = message;
+                stream.write_all(SSE_HEAD.as_bytes())?;
+                chunk(stream, &format!("data: {frame}\n\ndata: [DONE]\n\n"))?;
+                stream.write_all(b"0\r\n\r\n")
+            } else {
+                frame["choices"][0]["message"] = message;
+                let v = frame.to_string();
+                write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{v}",
+                    v.len()
+                )
+            }
         }
         Fault::Status(code, text) => write!(
             stream,

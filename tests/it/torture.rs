@@ -24,8 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gatehouse::store::admissions::AdmissionRow;
-use serde_json::{json, Value};
+use serde_json::json;
 
+use crate::chaos::{ChaosModel, Fault};
 use crate::helpers::*;
 
 /// xorshift64*: small, seeded, deterministic.
@@ -110,21 +111,37 @@ fn small_hash(s: &str) -> u64 {
     })
 }
 
-fn torture_model(victims: PathBuf, seen: Arc<Mutex<Vec<Seen>>>) -> FakeModel {
-    FakeModel::start(move |body| {
+/// What the model saw, kept small: one entry per request, and the user turns it carried.
+#[derive(Default)]
+struct ModelLog {
+    seen: Vec<Seen>,
+    /// Every distinct user turn text in any request (each must be exactly one input).
+    user_turns: HashSet<String>,
+    /// Requests that carried the same user turn twice.
+    repeated: Vec<Vec<String>>,
+}
+
+fn torture_model(victims: PathBuf, log: Arc<Mutex<ModelLog>>) -> ChaosModel {
+    ChaosModel::inspecting(move |body, _| {
         let text = last_user(body);
         let tool = after_tool(body);
-        if let Ok(mut s) = seen.lock() {
-            s.push(Seen {
+        let users = user_texts(body);
+        if let Ok(mut l) = log.lock() {
+            l.seen.push(Seen {
                 text: text.clone(),
                 after_tool: tool,
                 at: Instant::now(),
             });
+            let distinct: HashSet<&String> = users.iter().collect();
+            if distinct.len() != users.len() {
+                l.repeated.push(users.clone());
+            }
+            l.user_turns.extend(users);
         }
         let h = small_hash(&text);
         if tool {
             std::thread::sleep(Duration::from_millis(h % 15));
-            return Reply::Message(
+            return Fault::Message(
                 json!({"role": "assistant", "content": format!("DONE_{text}")}),
                 "stop",
             );
@@ -132,21 +149,21 @@ fn torture_model(victims: PathBuf, seen: Arc<Mutex<Vec<Seen>>>) -> FakeModel {
         match Kind::of(&text) {
             Kind::Plain => {
                 std::thread::sleep(Duration::from_millis(h % 20));
-                Reply::Message(
+                Fault::Message(
                     json!({"role": "assistant", "content": format!("ACK_{text}")}),
                     "stop",
                 )
             }
             Kind::Slow => {
                 std::thread::sleep(Duration::from_millis(100 + h % 400));
-                Reply::Message(
+                Fault::Message(
                     json!({"role": "assistant", "content": format!("SLOW_{text}")}),
                     "stop",
                 )
             }
             Kind::Approve => {
                 let command = format!("rm -rf -- {}", victims.join(&text).display());
-                Reply::Message(
+                Fault::Message(
                     tool_call(
                         &format!("call_{h}"),
                         "terminal",
@@ -155,7 +172,7 @@ fn torture_model(victims: PathBuf, seen: Arc<Mutex<Vec<Seen>>>) -> FakeModel {
                     "tool_calls",
                 )
             }
-            Kind::Clarify => Reply::Message(
+            Kind::Clarify => Fault::Message(
                 tool_call(
                     &format!("call_{h}"),
                     "clarify",
@@ -174,8 +191,9 @@ struct Acked {
 
 struct Torture {
     home: Home,
-    model: FakeModel,
-    seen: Arc<Mutex<Vec<Seen>>>,
+    /// The model server (kept alive for the whole run).
+    _model: ChaosModel,
+    log: Arc<Mutex<ModelLog>>,
     victims: PathBuf,
     rng: Rng,
     sids: Vec<String>,
@@ -188,8 +206,6 @@ struct Torture {
     denied: HashSet<String>,
     resolved_unknown: usize,
     answered: usize,
-    /// Model request bodies already checked (they never change).
-    bodies_checked: usize,
 }
 
 impl Torture {
@@ -351,7 +367,7 @@ impl Torture {
     }
 
     fn seen(&self) -> Vec<Seen> {
-        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+        self.log.lock().map(|l| l.seen.clone()).unwrap_or_default()
     }
 
     /// The invariants that hold at every point we look. `live`: the daemon is running, so the
@@ -413,24 +429,17 @@ impl Torture {
             assert_eq!(*n, 1, "{when}: {text} reached the model {n} times");
         }
         let known: HashSet<&str> = self.sent.iter().map(String::as_str).collect();
-        let bodies: Vec<Value> = {
-            let all = self.model.requests.lock().expect("request log");
-            all[self.bodies_checked.min(all.len())..].to_vec()
-        };
-        let checked_now = bodies.len();
-        for body in bodies {
-            let users = user_texts(&body);
-            let distinct: HashSet<&String> = users.iter().collect();
-            assert_eq!(
-                distinct.len(),
-                users.len(),
-                "{when}: a repeated user turn in {users:?}"
+        {
+            let log = self.log.lock().expect("model log");
+            assert!(
+                log.repeated.is_empty(),
+                "{when}: a repeated user turn in {:?}",
+                log.repeated
             );
-            for u in &users {
+            for u in &log.user_turns {
                 assert!(known.contains(u.as_str()), "{when}: merged user turn {u:?}");
             }
         }
-        self.bodies_checked += checked_now;
         // No gated command ran without the harness's approval.
         for text in self.sent.iter().filter(|t| Kind::of(t) == Kind::Approve) {
             let gone = !self.victims.join(text).exists();
@@ -571,16 +580,16 @@ async fn kill_anywhere_torture_keeps_every_promise() {
     let home = Home::new();
     let victims = home.path.join("victims");
     std::fs::create_dir_all(&victims).expect("victims");
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let model = torture_model(victims.clone(), seen.clone());
+    let log = Arc::new(Mutex::new(ModelLog::default()));
+    let model = torture_model(victims.clone(), log.clone());
     home.write_config(&config(
         &model.url,
         json!({"compression": {"enabled": false}, "gateway": {"drain_timeout_seconds": 30}}),
     ));
     let mut t = Torture {
         home,
-        model,
-        seen,
+        _model: model,
+        log,
         victims,
         rng: Rng::new(seed),
         sids: Vec::new(),
@@ -591,7 +600,6 @@ async fn kill_anywhere_torture_keeps_every_promise() {
         denied: HashSet::new(),
         resolved_unknown: 0,
         answered: 0,
-        bodies_checked: 0,
     };
     let mut plan: Vec<bool> = (0..kills)
         .map(|_| true)
@@ -678,16 +686,18 @@ async fn kill_anywhere_torture_keeps_every_promise() {
     }
     t.check("the end", Some(d.epoch()), false);
     let rows = t.rows();
-    for (text, ack) in &t.acked {
-        let row = rows
-            .iter()
-            .find(|r| r.admission_id == ack.admission_id)
-            .expect("acked row");
-        if row.outcome.as_deref() == Some("completed") {
+    let seen = t.seen();
+    let mut opened: HashMap<&str, usize> = HashMap::new();
+    for s in seen.iter().filter(|s| !s.after_tool) {
+        *opened.entry(s.text.as_str()).or_default() += 1;
+    }
+    for r in &rows {
+        if r.outcome.as_deref() == Some("completed") {
             assert_eq!(
-                t.model.reached(text),
-                1,
-                "{text} completed without one model turn"
+                opened.get(r.request_id.as_str()).copied(),
+                Some(1),
+                "{} completed without exactly one model turn",
+                r.request_id
             );
         }
     }
@@ -708,7 +718,7 @@ async fn kill_anywhere_torture_keeps_every_promise() {
         t.resolved_unknown,
         t.answered,
         t.approved.len(),
-        t.model.requests().len(),
+        seen.len(),
         began.elapsed().as_secs_f64()
     );
 }
