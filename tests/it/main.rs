@@ -1,6 +1,7 @@
 //! One integration-test binary: the real daemon over real sockets against a loopback fake model.
 
 mod authority;
+mod bench;
 mod chaos;
 mod compression;
 mod faults;
@@ -12,4 +13,3 @@ mod rest;
 mod rooms;
 mod tools;
 mod torture;
-mod bench;
