@@ -40,10 +40,21 @@ where
     }
 }
 
-/// An awc connector whose TCP connections have `TCP_NODELAY` set.
+/// Install the process-wide TLS crypto provider (ring) once; HTTPS model endpoints need it.
+pub fn install_tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // An error means another provider is installed already, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// An awc connector (TLS with the webpki roots for `https://` endpoints) whose TCP connections
+/// have `TCP_NODELAY` set.
 pub fn connector() -> awc::Connector<
     impl Service<ConnectInfo<Uri>, Response = Connection<Uri, TcpStream>, Error = ConnectError> + Clone,
 > {
+    install_tls_provider();
     let base = awc::Connector::new();
     let tcp = actix_tls::connect::ConnectorService::default();
     base.connector(NoDelay(tcp))
