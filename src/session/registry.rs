@@ -27,6 +27,9 @@ pub struct SessionRegistry {
     used: HashMap<String, u64>,
     tick: u64,
     sweeping: bool,
+    /// When the last sweep started: a sweep sorts every loaded session, so over the limit (with
+    /// nothing idle to evict) a sweep per request would cost every request that sort.
+    last_sweep: Option<std::time::Instant>,
 }
 
 /// How often an over-full registry looks again for idle supervisors.
@@ -41,6 +44,7 @@ impl SessionRegistry {
             used: HashMap::new(),
             tick: 0,
             sweeping: false,
+            last_sweep: None,
         }
     }
 
@@ -100,6 +104,13 @@ impl SessionRegistry {
         if self.sweeping || self.sessions.len() <= max {
             return;
         }
+        if self
+            .last_sweep
+            .is_some_and(|t| t.elapsed() < SWEEP_EVERY / 4)
+        {
+            return;
+        }
+        self.last_sweep = Some(std::time::Instant::now());
         self.sweeping = true;
         let mut order: Vec<(u64, String)> = self
             .sessions
