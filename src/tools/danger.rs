@@ -320,71 +320,11 @@ pub fn is_hardline(command: &str) -> Option<DangerMatch> {
 
 /// Strips ANSI escape sequences and NUL characters and lowercases the text.
 pub fn normalize(command: &str) -> String {
-    strip_ansi(command)
+    super::terminal::strip_ansi(command)
         .chars()
         .filter(|c| *c != '\0')
         .flat_map(char::to_lowercase)
         .collect()
-}
-
-/// Removes ANSI escape sequences (CSI, OSC, DCS-like strings, two and three
-/// character escapes, and 8-bit CSI).
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '\u{1b}' => match chars.peek().copied() {
-                Some('[') => {
-                    chars.next();
-                    skip_csi(&mut chars);
-                }
-                Some(']' | 'P' | 'X' | '^' | '_') => {
-                    chars.next();
-                    skip_string(&mut chars);
-                }
-                Some(next) if ('\u{20}'..='\u{2f}').contains(&next) => {
-                    // ESC, intermediates, final byte
-                    while let Some(&i) = chars.peek() {
-                        chars.next();
-                        if !('\u{20}'..='\u{2f}').contains(&i) {
-                            break;
-                        }
-                    }
-                }
-                Some(_) => {
-                    chars.next();
-                }
-                None => {}
-            },
-            '\u{9b}' => skip_csi(&mut chars),
-            _ => out.push(c),
-        }
-    }
-    out
-}
-
-fn skip_csi(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) {
-    for c in chars.by_ref() {
-        if ('\u{40}'..='\u{7e}').contains(&c) {
-            break;
-        }
-    }
-}
-
-fn skip_string(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) {
-    while let Some(c) = chars.next() {
-        match c {
-            '\u{7}' | '\u{9c}' => break,
-            '\u{1b}' => {
-                if chars.peek() == Some(&'\\') {
-                    chars.next();
-                }
-                break;
-            }
-            _ => {}
-        }
-    }
 }
 
 #[cfg(test)]
