@@ -305,10 +305,49 @@ impl SessionSupervisor {
             tracing::error!(admission = %row.admission_id, "claimed row has no generation");
             return;
         };
-        if self.draining {
-            // Claimed just as the drain began: the attempt must still end, as interrupted.
-            tracing::info!(admission = %row.admission_id, "claimed during drain");
+        if self.draining || self.shared.runtime.draining() {
+            // Claimed just as the drain began, before anything of it ran: queued again, so it runs
+            // after the restart in its place.
+            self.requeue(row, generation, ctx);
+            return;
         }
+        self.begin_turn(row, generation, ctx);
+    }
+
+    fn requeue(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
+        tracing::info!(admission = %row.admission_id, "claimed as the drain began; queued again");
+        self.write_started();
+        self.claiming = true;
+        let (shared, root, admission) = (
+            self.shared.clone(),
+            self.root_id.clone(),
+            row.admission_id.clone(),
+        );
+        let fut = async move {
+            let (epoch, now) = (shared.epoch, shared.now());
+            shared
+                .db
+                .write(move |c| admissions::unclaim(c, epoch, &root, &admission, generation, now))
+                .await
+        };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.claiming = false;
+            match act.answered(res, ctx) {
+                Ok(_) => {
+                    for w in act.drain_waiters.drain(..) {
+                        let _ = w.send(());
+                    }
+                }
+                Err(e) => {
+                    // Not put back: end the attempt the old way, interrupted before it ran.
+                    tracing::error!(error = %e, "could not queue the claimed input again");
+                    act.begin_turn(row, generation, ctx);
+                }
+            }
+        }));
+    }
+
+    fn begin_turn(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
         let (cancel_tx, cancel_rx) = watch::channel(self.draining);
         self.running = Some(Running {
             admission_id: row.admission_id.clone(),

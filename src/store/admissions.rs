@@ -435,6 +435,58 @@ pub fn cancel(
     })
 }
 
+/// Put back a row claimed just as a graceful stop began, before anything of its turn ran: `queued`
+/// again (so it runs after the restart, in its place), its claim's user message removed, in one
+/// transaction. Fenced: started, this epoch, this generation. Reported by `session.info`.
+pub fn unclaim(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    admission_id: &str,
+    generation: i64,
+    now: f64,
+) -> Result<Logged<AdmissionRow>, StoreError> {
+    use super::schema::messages;
+    super::write_tx(conn, |conn| {
+        check_epoch(conn, epoch)?;
+        let n = diesel::update(
+            sa::table
+                .filter(sa::admission_id.eq(admission_id))
+                .filter(sa::target_session_id.eq(session))
+                .filter(sa::status.eq("started"))
+                .filter(sa::owner_epoch.eq(epoch))
+                .filter(sa::execution_generation.eq(generation)),
+        )
+        .set((
+            sa::status.eq("queued"),
+            sa::execution_generation.eq(None::<i64>),
+            sa::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        if n != 1 {
+            return Err(StoreError::StaleGeneration(format!(
+                "admission {admission_id} is not the claimed attempt {generation}"
+            )));
+        }
+        diesel::delete(
+            messages::table
+                .filter(messages::admission_id.eq(admission_id))
+                .filter(messages::role.eq("user")),
+        )
+        .execute(conn)?;
+        let logged = events::append(
+            conn,
+            session,
+            &[NewEvent::new(
+                "session.info",
+                serde_json::json!({"running": false, "requeued": admission_id}),
+            )],
+            now,
+        )?;
+        Ok(Logged::new(by_id(conn, admission_id)?, logged))
+    })
+}
+
 /// Settle an `unknown` row `terminal/interrupted` (the operator's decision), closing the transcript
 /// in the same transaction. The generation must match; the input is never replayed. Reported by a
 /// `session.info {resolved}` event.
@@ -658,6 +710,48 @@ mod tests {
             claim_next(&mut c, e2, "s1", 5.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
+    }
+
+    #[test]
+    fn an_unclaimed_row_is_queued_again_without_its_user_message() {
+        use crate::store::messages::live;
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
+        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim").value else {
+            panic!("no claim")
+        };
+        assert_eq!(
+            live(&mut c, "s1").expect("live").len(),
+            1,
+            "the claim wrote the user message"
+        );
+        assert!(matches!(
+            unclaim(&mut c, e, "s1", &a.admission_id, 9, 3.0),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        let back = unclaim(
+            &mut c,
+            e,
+            "s1",
+            &a.admission_id,
+            first.execution_generation.unwrap_or(0),
+            3.0,
+        )
+        .expect("unclaim")
+        .value;
+        assert_eq!(
+            (back.status.as_str(), back.execution_generation),
+            ("queued", None)
+        );
+        assert!(live(&mut c, "s1").expect("live").is_empty());
+        let Claim::Started(again) = claim_next(&mut c, e, "s1", 4.0).expect("claim").value else {
+            panic!("no second claim")
+        };
+        assert_eq!(again.admission_id, a.admission_id);
+        assert_eq!(again.execution_generation, Some(2));
+        assert_eq!(live(&mut c, "s1").expect("live").len(), 1);
     }
 
     #[test]
