@@ -46,7 +46,8 @@ pub fn check_epoch(conn: &mut SqliteConnection, epoch: i64) -> Result<(), StoreE
     }
 }
 
-/// Boot recovery: every `started` row of an older epoch becomes `unknown` (generation kept).
+/// Boot recovery: every `started` row of an older epoch becomes `unknown` (generation kept),
+/// each reported by a `session.info {unknown}` event in the same transaction.
 pub fn recover_started(
     conn: &mut SqliteConnection,
     epoch: i64,
@@ -54,6 +55,27 @@ pub fn recover_started(
 ) -> Result<usize, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
+        let lost: Vec<(String, String, Option<i64>)> = session_admissions::table
+            .filter(session_admissions::status.eq("started"))
+            .filter(session_admissions::owner_epoch.ne(epoch))
+            .select((
+                session_admissions::target_session_id,
+                session_admissions::admission_id,
+                session_admissions::execution_generation,
+            ))
+            .load(conn)?;
+        for (session, admission, generation) in &lost {
+            super::events::append(
+                conn,
+                session,
+                &[super::events::NewEvent::new(
+                    "session.info",
+                    serde_json::json!({"unknown": admission, "execution_generation": generation,
+                                       "running": false}),
+                )],
+                now,
+            )?;
+        }
         let n = diesel::update(
             session_admissions::table
                 .filter(session_admissions::status.eq("started"))

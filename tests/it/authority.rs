@@ -342,6 +342,22 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     let d3 = Daemon::start(&home);
     let mut ws = d3.ws().await;
     ws.ok("session.resume", json!({"session_id": sid})).await;
+    // The boot that found the lost turn reported it in the durable event log, once.
+    let log = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": sid, "last_sequence": 0}),
+        )
+        .await;
+    let reported = log["events"]
+        .as_array()
+        .map(|evs| {
+            evs.iter()
+                .filter(|e| e["payload"]["unknown"] == lost["admission_id"])
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(reported, 1, "{log}");
     let gen = home
         .admission("LOST")
         .execution_generation
