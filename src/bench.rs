@@ -3,7 +3,6 @@
 //! turn, isolation, memory and recovery figures, each beside a baseline measured in the same run
 //! (the raw SQLite commit rate on the same disk; direct calls to the fake model).
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +13,7 @@ use diesel::prelude::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 
-type Framed = actix_codec::Framed<awc::BoxedSocket, awc::ws::Codec>;
+use crate::chat::Framed;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -140,14 +139,7 @@ fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
 }
 
 fn control(home: &Path, method: &str, params: Value) -> Result<Value, String> {
-    let mut s = std::os::unix::net::UnixStream::connect(home.join("gateway.sock")).map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(err)?;
-    s.write_all(format!("{}\n", json!({"method": method, "params": params})).as_bytes())
-        .map_err(err)?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).map_err(err)?;
-    serde_json::from_str(&line).map_err(err)
+    crate::api::control::request(home, method, params)
 }
 
 impl Daemon {
@@ -239,24 +231,8 @@ struct Client {
 
 impl Client {
     async fn connect(home: &Path, origin: &str) -> Result<Client, String> {
-        let t = control(home, "session-ticket", json!({"purpose": "interactive"}))?;
-        let ticket = t["ticket"].as_str().ok_or("no ticket")?.to_string();
-        let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
-        let client = awc::Client::builder()
-            .max_http_version(awc::http::Version::HTTP_11)
-            .finish();
-        let (_, framed) = client
-            .ws(url)
-            .protocols([
-                "gatehouse.v1".to_string(),
-                format!("gatehouse-ticket.{ticket}"),
-            ])
-            .max_frame_size(64 << 20)
-            .connect()
-            .await
-            .map_err(err)?;
         Ok(Client {
-            framed,
+            framed: crate::chat::connect_ws(home, origin).await?,
             next: 1,
             events: Vec::new(),
         })

@@ -10,7 +10,7 @@ use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-type Framed = actix_codec::Framed<awc::BoxedSocket, awc::ws::Codec>;
+pub type Framed = actix_codec::Framed<awc::BoxedSocket, awc::ws::Codec>;
 
 pub struct ChatOptions {
     pub home: PathBuf,
@@ -18,26 +18,37 @@ pub struct ChatOptions {
     pub text: Option<String>,
 }
 
+/// A control-socket request whose `{"error":…}` reply is an error.
 fn control(home: &Path, method: &str, params: Value) -> Result<Value, String> {
-    use std::io::{BufReader, Write as _};
-    let path = home.join("gateway.sock");
-    let mut s = std::os::unix::net::UnixStream::connect(&path).map_err(|e| {
-        format!(
-            "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
-            path.display()
-        )
-    })?;
-    s.write_all(format!("{}\n", json!({"method": method, "params": params})).as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(s)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let v: Value = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+    let v = crate::api::control::request(home, method, params)?;
     if let Some(err) = v.get("error") {
         return Err(format!("control socket: {err}"));
     }
     Ok(v)
+}
+
+/// A WebSocket on the daemon at `origin`, authenticated by a fresh control-socket ticket.
+pub async fn connect_ws(home: &Path, origin: &str) -> Result<Framed, String> {
+    let ticket = control(home, "session-ticket", json!({"purpose": "interactive"}))?;
+    let ticket = ticket["ticket"]
+        .as_str()
+        .ok_or("no ticket in the reply")?
+        .to_string();
+    let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
+    let client = awc::Client::builder()
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish();
+    let (_, framed) = client
+        .ws(url)
+        .protocols([
+            "gatehouse.v1".to_string(),
+            format!("gatehouse-ticket.{ticket}"),
+        ])
+        .max_frame_size(64 << 20)
+        .connect()
+        .await
+        .map_err(|e| format!("cannot open the WebSocket: {e}"))?;
+    Ok(framed)
 }
 
 struct Conn {
@@ -51,29 +62,9 @@ impl Conn {
         let identify = control(home, "identify", json!({}))?;
         let origin = identify["api_origin"]
             .as_str()
-            .ok_or("the daemon reported no api_origin")?
-            .to_string();
-        let ticket = control(home, "session-ticket", json!({"purpose": "interactive"}))?;
-        let ticket = ticket["ticket"]
-            .as_str()
-            .ok_or("no ticket in the reply")?
-            .to_string();
-        let url = format!("{}/api/ws", origin.replacen("http", "ws", 1));
-        let client = awc::Client::builder()
-            .max_http_version(awc::http::Version::HTTP_11)
-            .finish();
-        let (_, framed) = client
-            .ws(url)
-            .protocols([
-                "gatehouse.v1".to_string(),
-                format!("gatehouse-ticket.{ticket}"),
-            ])
-            .max_frame_size(64 << 20)
-            .connect()
-            .await
-            .map_err(|e| format!("cannot open the WebSocket: {e}"))?;
+            .ok_or("the daemon reported no api_origin")?;
         Ok(Conn {
-            framed,
+            framed: connect_ws(home, origin).await?,
             next_id: 1,
             backlog: Vec::new(),
         })

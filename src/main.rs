@@ -1,7 +1,5 @@
 //! `gatehouse`: the daemon and its operator commands.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -222,25 +220,6 @@ fn bench(args: Args) -> ExitCode {
     }
 }
 
-fn control_call(home: &std::path::Path, method: &str, params: Value) -> Result<Value, String> {
-    let path = home.join("gateway.sock");
-    let mut stream = UnixStream::connect(&path).map_err(|e| {
-        format!(
-            "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
-            path.display()
-        )
-    })?;
-    let line = json!({"method": method, "params": params}).to_string() + "\n";
-    stream
-        .write_all(line.as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut reply = String::new();
-    BufReader::new(stream)
-        .read_line(&mut reply)
-        .map_err(|e| e.to_string())?;
-    serde_json::from_str(&reply).map_err(|e| format!("bad reply from the daemon: {e}"))
-}
-
 fn operator(args: Args) -> ExitCode {
     let (method, params) = match args.command.as_str() {
         "resolve-unknown" => {
@@ -255,7 +234,7 @@ fn operator(args: Args) -> ExitCode {
         }
         other => (other, json!({})),
     };
-    let reply = match control_call(&args.home, method, params) {
+    let reply = match gatehouse::api::control::request(&args.home, method, params) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("gatehouse: {e}");

@@ -263,3 +263,28 @@ impl Control {
 pub fn socket_path(home: &Path) -> PathBuf {
     home.join("gateway.sock")
 }
+
+/// The client side: one request line to the daemon running on `home`, its decoded reply line
+/// (an `{"error":…}` reply is returned as is, for the caller to show).
+pub fn request(home: &Path, method: &str, params: Value) -> Result<Value, String> {
+    use std::io::{BufRead, Write};
+    let path = socket_path(home);
+    let mut stream = std::os::unix::net::UnixStream::connect(&path).map_err(|e| {
+        format!(
+            "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
+            path.display()
+        )
+    })?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    let line = json!({"method": method, "params": params}).to_string() + "\n";
+    stream
+        .write_all(line.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut reply = String::new();
+    std::io::BufReader::new(stream)
+        .read_line(&mut reply)
+        .map_err(|e| e.to_string())?;
+    serde_json::from_str(&reply).map_err(|e| format!("bad reply from the daemon: {e}"))
+}

@@ -15,9 +15,10 @@ use super::port::{
 };
 use crate::api::rpc::{session_id_for, Authority, Caller};
 use crate::error::GatewayError;
-use crate::session::supervisor::{GetLive, Interrupt, Submit};
+use crate::session::supervisor::{GetLive, Interrupt, LiveView, SessionSupervisor, Submit};
 use crate::store::admissions::{self, AdmissionRow};
 use crate::store::sessions;
+use actix::Addr;
 
 /// The principal that owns room sessions.
 pub const ROOMS_PRINCIPAL: &str = "gateway:rooms";
@@ -34,6 +35,33 @@ impl LocalSessionPort {
 
     fn request_id(address: &SessionAddress) -> String {
         format!("room-session/{}/{}", address.profile, address.title)
+    }
+
+    /// The session's supervisor, what it holds in memory, and the row of its running attempt.
+    async fn running_attempt(
+        &self,
+        session_id: &str,
+    ) -> Result<(Addr<SessionSupervisor>, LiveView, Option<AdmissionRow>), PortError> {
+        let sup = self
+            .authority
+            .supervisor(session_id)
+            .await
+            .map_err(port_err)?;
+        let live = sup
+            .send(GetLive)
+            .await
+            .map_err(|e| PortError::new(e.to_string()))?;
+        let Some((admission_id, _)) = live.running.clone() else {
+            return Ok((sup, live, None));
+        };
+        let row = self
+            .authority
+            .shared
+            .db
+            .read(move |c| admissions::by_id(c, &admission_id))
+            .await
+            .map_err(|e| port_err(e.into()))?;
+        Ok((sup, live, Some(row)))
     }
 
     fn caller() -> Caller {
@@ -229,26 +257,10 @@ impl SessionPort for LocalSessionPort {
 
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo> {
         Box::pin(async move {
-            let sup = self
-                .authority
-                .supervisor(&session.session_id)
-                .await
-                .map_err(port_err)?;
-            let live = sup
-                .send(GetLive)
-                .await
-                .map_err(|e| PortError::new(e.to_string()))?;
-            let Some((admission_id, _)) = live.running.clone() else {
+            let (_, live, row) = self.running_attempt(&session.session_id).await?;
+            let Some(row) = row else {
                 return Ok(SessionInfo::default());
             };
-            let id = admission_id.clone();
-            let row = self
-                .authority
-                .shared
-                .db
-                .read(move |c| admissions::by_id(c, &id))
-                .await
-                .map_err(|e| port_err(e.into()))?;
             let (task_id, generation) = match parse_input_id(&row.request_id) {
                 Some((t, g)) => (Some(t), Some(g)),
                 None => (None, None),
@@ -271,36 +283,20 @@ impl SessionPort for LocalSessionPort {
                 ),
                 execution_generation: generation,
                 pending_approval: approval,
-                run_id: Some(admission_id),
+                run_id: Some(row.admission_id),
             })
         })
     }
 
     fn interrupt(&self, request: InterruptRequest) -> PortFuture<'_, Option<InterruptReply>> {
         Box::pin(async move {
-            let sup = self
-                .authority
-                .supervisor(&request.session_id)
-                .await
-                .map_err(port_err)?;
-            let live = sup
-                .send(GetLive)
-                .await
-                .map_err(|e| PortError::new(e.to_string()))?;
-            let Some((admission_id, generation)) = live.running else {
+            let (sup, live, row) = self.running_attempt(&request.session_id).await?;
+            let (Some((_, generation)), Some(row)) = (live.running, row) else {
                 return Ok(Some(InterruptReply {
                     interrupted: Some(false),
                     status: Some("idle".into()),
                 }));
             };
-            let id = admission_id.clone();
-            let row = self
-                .authority
-                .shared
-                .db
-                .read(move |c| admissions::by_id(c, &id))
-                .await
-                .map_err(|e| port_err(e.into()))?;
             if parse_input_id(&row.request_id).map(|(t, _)| t)
                 != Some(request.expected_task_id.clone())
             {
