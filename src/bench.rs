@@ -24,6 +24,8 @@ pub struct BenchOptions {
     pub model_latency_ms: u64,
     pub recovery_admissions: usize,
     pub recovery_sessions: usize,
+    /// Sections to run (`admission`, `turn`, `isolation`, `recovery`); empty runs them all.
+    pub only: Vec<String>,
 }
 
 impl BenchOptions {
@@ -35,9 +37,17 @@ impl BenchOptions {
             model_latency_ms: 0,
             recovery_admissions: if quick { 20_000 } else { 1_000_000 },
             recovery_sessions: if quick { 200 } else { 10_000 },
+            only: Vec::new(),
         }
     }
+
+    fn wants(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| s == section)
+    }
 }
+
+/// The sections `--only` accepts.
+pub const SECTIONS: [&str; 4] = ["admission", "turn", "isolation", "recovery"];
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -708,13 +718,13 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let raw = raw_commit_rate(&opts.dir, raw_n)?;
     let raw_rate = raw["per_second"].as_f64().unwrap_or(1.0).max(1e-9);
     let mut admission = Vec::new();
-    for c in levels {
+    for c in levels.into_iter().filter(|_| opts.wants("admission")) {
         let a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
         let ratio = a["per_second"].as_f64().unwrap_or(0.0) / raw_rate;
         admission.push(json!({"sessions": c, "ack": a, "ratio_to_raw_commit": round(ratio)}));
     }
     let mut turn = Vec::new();
-    for c in levels {
+    for c in levels.into_iter().filter(|_| opts.wants("turn")) {
         let total = if c == 1 {
             turn_total / 4
         } else {
@@ -727,8 +737,16 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
             json!({"sessions": c, "turn": t, "floor": f, "overhead_p50_ms": round(overhead)}),
         );
     }
-    let (iso, memory) = isolation(&opts, &model_url).await?;
-    let rec = recovery(&opts, &model_url)?;
+    let (iso, memory) = if opts.wants("isolation") {
+        isolation(&opts, &model_url).await?
+    } else {
+        (Value::Null, Value::Null)
+    };
+    let rec = if opts.wants("recovery") {
+        recovery(&opts, &model_url)?
+    } else {
+        Value::Null
+    };
     model.stop(false).await;
     // The disk is shared: measure the reference again at the end and report both, so a ratio is
     // never flattered by a slow moment.
@@ -814,19 +832,23 @@ pub fn table(r: &Value) -> String {
         ));
     }
     let i = &r["isolation"];
-    out.push_str(&format!(
+    if !i.is_null() {
+        out.push_str(&format!(
         "\nisolation: 16 healthy sessions p99 {} ms alone, {} ms beside {} parked sessions and a hung room → ratio {}\n",
         i["alone"]["p99_ms"], i["loaded"]["p99_ms"], i["parked_sessions"], i["p99_ratio"]
     ));
-    let mm = &r["memory"];
-    out.push_str(&format!(
-        "memory: idle {} KiB, {} KiB per parked session, peak {} KiB\n",
-        mm["idle_rss_kib"], mm["kib_per_parked_session"], mm["peak_rss_kib"]
-    ));
+        let mm = &r["memory"];
+        out.push_str(&format!(
+            "memory: idle {} KiB, {} KiB per parked session, peak {} KiB\n",
+            mm["idle_rss_kib"], mm["kib_per_parked_session"], mm["peak_rss_kib"]
+        ));
+    }
     let rc = &r["recovery"];
-    out.push_str(&format!(
+    if !rc.is_null() {
+        out.push_str(&format!(
         "recovery: ready in {} s over {} admissions / {} sessions; after a crash with {} started rows: {} s ({} unknown)\n",
         rc["ready_seconds"], rc["admissions"], rc["sessions"], rc["crash_started_rows"], rc["crash_ready_seconds"], rc["unknown_after_crash"]
     ));
+    }
     out
 }

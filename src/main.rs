@@ -13,6 +13,7 @@ commands:
   serve [--log-format human|json]     run the daemon in the foreground
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
+         [--only admission,turn,isolation,recovery]
                                       measure the daemon against a loopback fake model
   status [--json]                     identify the running daemon and count admissions
   key create [NAME] | list | revoke NAME
@@ -36,6 +37,7 @@ struct Args {
     parked: Option<usize>,
     model_latency_ms: u64,
     dir: Option<PathBuf>,
+    only: Vec<String>,
     rest: Vec<String>,
 }
 
@@ -67,6 +69,7 @@ fn parse_args() -> Result<Args, String> {
         parked: None,
         model_latency_ms: 0,
         dir: None,
+        only: Vec::new(),
         rest: Vec::new(),
     };
     while let Some(a) = it.next() {
@@ -86,6 +89,18 @@ fn parse_args() -> Result<Args, String> {
                     .next()
                     .and_then(|v| v.parse().ok())
                     .ok_or("--model-latency-ms needs a number")?
+            }
+            "--only" => {
+                let list = it.next().ok_or("--only needs a list of sections")?;
+                for s in list.split(',').filter(|s| !s.is_empty()) {
+                    if !gatehouse::bench::SECTIONS.contains(&s) {
+                        return Err(format!(
+                            "--only: unknown section {s} (one of {})",
+                            gatehouse::bench::SECTIONS.join(", ")
+                        ));
+                    }
+                    args.only.push(s.to_string());
+                }
             }
             "--dir" => args.dir = Some(PathBuf::from(it.next().ok_or("--dir needs a directory")?)),
             "--session" => args.session = it.next().ok_or("--session needs a name")?,
@@ -203,6 +218,7 @@ fn bench(args: Args) -> ExitCode {
         opts.dir = d;
     }
     opts.model_latency_ms = args.model_latency_ms;
+    opts.only = args.only;
     let system = actix_rt::System::new();
     match system.block_on(gatehouse::bench::run(opts)) {
         Ok(report) => {

@@ -21,7 +21,7 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqlitePragma
     fn on_acquire(&self, conn: &mut SqliteConnection) -> Result<(), diesel::r2d2::Error> {
         conn.batch_execute(
             "PRAGMA busy_timeout = 10000; PRAGMA journal_mode = WAL; \
-             PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;",
+             PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;",
         )
         .map_err(diesel::r2d2::Error::QueryError)
     }
@@ -29,6 +29,7 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqlitePragma
 
 /// Open a pool on `path` with the house PRAGMAs and a bounded wait for a connection.
 pub fn open_pool(path: &Path, max_size: u32) -> StoreResult<SqlitePool> {
+    crate::store::install_planner_stability();
     let manager = ConnectionManager::<SqliteConnection>::new(path.to_string_lossy());
     Pool::builder()
         .max_size(max_size)

@@ -98,11 +98,7 @@ pub fn admit(
         if exists == 0 {
             return Err(StoreError::NotFound(format!("no session {target}")));
         }
-        let waiting: i64 = sa::table
-            .filter(sa::target_session_id.eq(target))
-            .filter(sa::status.eq("queued"))
-            .count()
-            .get_result(conn)?;
+        let waiting = queued_at_least(conn, target, max_queued)?;
         if waiting >= max_queued {
             return Err(StoreError::SessionBusy(format!(
                 "{waiting} inputs are already queued"
@@ -135,6 +131,32 @@ pub fn admit(
         )?;
         Ok(Logged::new((row, true), logged))
     })
+}
+
+/// How many inputs of `session` are queued, exactly when that could reach `limit`; otherwise a
+/// number below `limit`. Counting a deep queue walks every queued row, so the first and last
+/// queued sequence numbers (two index seeks) bound the count from above and the walk runs only
+/// when the bound reaches `limit`.
+fn queued_at_least(
+    conn: &mut SqliteConnection,
+    session: &str,
+    limit: i64,
+) -> Result<i64, StoreError> {
+    use diesel::dsl::{max, min};
+    let queued = || {
+        sa::table
+            .filter(sa::target_session_id.eq(session))
+            .filter(sa::status.eq("queued"))
+    };
+    let first: Option<i64> = queued().select(min(sa::seq)).get_result(conn)?;
+    let last: Option<i64> = queued().select(max(sa::seq)).get_result(conn)?;
+    let (Some(first), Some(last)) = (first, last) else {
+        return Ok(0);
+    };
+    if last - first + 1 < limit {
+        return Ok(last - first + 1);
+    }
+    Ok(queued().count().get_result(conn)?)
 }
 
 pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<AdmissionRow, StoreError> {

@@ -135,10 +135,22 @@ pub fn append(
     if events.is_empty() {
         return Ok(Vec::new());
     }
-    diesel::insert_or_ignore_into(heads::table)
-        .values(heads::session_id.eq(session))
-        .execute(conn)?;
-    let last = head(conn, session)?.last_seq;
+    let n = events.len() as i64;
+    // Advance the head first (the first append of a session creates its head row), then read
+    // where it ended. Two prepared statements that stay cached (diesel does not cache an
+    // `UPDATE … RETURNING`).
+    let advance = |conn: &mut SqliteConnection| {
+        diesel::update(heads::table.filter(heads::session_id.eq(session)))
+            .set(heads::last_seq.eq(heads::last_seq + n))
+            .execute(conn)
+    };
+    if advance(conn)? == 0 {
+        diesel::insert_into(heads::table)
+            .values(heads::session_id.eq(session))
+            .execute(conn)?;
+        advance(conn)?;
+    }
+    let last = head(conn, session)?.last_seq - n;
     let mut rows = Vec::with_capacity(events.len());
     for (i, e) in events.iter().enumerate() {
         let row = EventRow {
@@ -158,18 +170,6 @@ pub fn append(
             ))
             .execute(conn)?;
         rows.push(row);
-    }
-    let n = diesel::update(
-        heads::table
-            .filter(heads::session_id.eq(session))
-            .filter(heads::last_seq.eq(last)),
-    )
-    .set(heads::last_seq.eq(last + events.len() as i64))
-    .execute(conn)?;
-    if n != 1 {
-        return Err(StoreError::Other(
-            "the event head moved during an append".into(),
-        ));
     }
     Ok(rows)
 }
