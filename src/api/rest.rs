@@ -263,7 +263,7 @@ pub fn caller(principal: &str, root: Option<&str>) -> Caller {
         principal: principal.to_string(),
         conn_id: 0,
         recipient: None,
-        subscribed: root.into_iter().map(str::to_string).collect(),
+        subscribed: std::sync::Arc::new(root.into_iter().map(|r| (r.to_string(), None)).collect()),
     }
 }
 

@@ -2,7 +2,7 @@
 //! parses its params into a typed struct (unknown fields refused), then goes through the
 //! registry → supervisor; there is no second path that writes admissions.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -32,13 +32,19 @@ pub struct Caller {
     pub principal: String,
     pub conn_id: u64,
     pub recipient: Option<Recipient<PushEvent>>,
-    pub subscribed: HashSet<String>,
+    pub subscribed: Subscriptions,
 }
+
+/// The sessions (roots) a caller follows, each with its supervisor when the caller holds it, so
+/// that the hot path (`prompt.submit`) goes straight to the supervisor without asking the
+/// registry. Shared, so a request's copy is a reference count.
+pub type Subscriptions = Arc<HashMap<String, Option<Addr<SessionSupervisor>>>>;
 
 /// What a successful call changes on the connection.
 pub struct CallResult {
     pub result: Value,
-    pub subscribe: Option<String>,
+    /// Follow this root from now on (with its supervisor, when known).
+    pub subscribe: Option<(String, Option<Addr<SessionSupervisor>>)>,
 }
 
 #[derive(Clone)]
@@ -228,7 +234,7 @@ impl Authority {
     }
 
     fn require_subscribed(caller: &Caller, root: &str) -> GatewayResult<()> {
-        if caller.subscribed.contains(root) {
+        if caller.subscribed.contains_key(root) {
             Ok(())
         } else {
             Err(GatewayError::PermissionDenied(
@@ -250,11 +256,11 @@ impl Authority {
             "session.resume" => {
                 let p: SessionParams = params(p)?;
                 let root = self.owned_root(&p.session_id, &caller.principal).await?;
-                self.subscribe(&root.id, caller).await?;
+                let sup = self.subscribe(&root.id, caller).await?;
                 let snap = self.snapshot(&root.id).await?;
                 Ok(CallResult {
                     result: snap,
-                    subscribe: Some(root.id),
+                    subscribe: Some((root.id, sup)),
                 })
             }
             "prompt.submit" => {
@@ -268,17 +274,22 @@ impl Authority {
                 }
                 // A session this connection created or resumed is a known root: no lookup needed
                 // on the hot path (the ledger still checks that the session exists).
-                let root_id = if caller.subscribed.contains(&p.session_id) {
-                    p.session_id.clone()
-                } else {
-                    let root = self.root(&p.session_id).await?;
-                    Self::require_subscribed(caller, &root.id)?;
-                    root.id
+                let (root_id, known) = match caller.subscribed.get(&p.session_id) {
+                    Some(sup) => (p.session_id.clone(), sup.clone()),
+                    None => {
+                        let root = self.root(&p.session_id).await?;
+                        Self::require_subscribed(caller, &root.id)?;
+                        let sup = caller.subscribed.get(&root.id).cloned().flatten();
+                        (root.id, sup)
+                    }
                 };
                 if self.shared.runtime.draining() {
                     return Err(GatewayError::RuntimeDraining);
                 }
-                let sup = self.supervisor(&root_id).await?;
+                let sup = match known.filter(|a| a.connected()) {
+                    Some(a) => a,
+                    None => self.supervisor(&root_id).await?,
+                };
                 let row = sup
                     .send(Submit {
                         principal: caller.principal.clone(),
@@ -482,15 +493,22 @@ impl Authority {
         .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
     }
 
-    async fn subscribe(&self, root: &str, caller: &Caller) -> GatewayResult<()> {
-        if let Some(r) = &caller.recipient {
-            let sup = self.supervisor(root).await?;
-            sup.do_send(Subscribe {
-                conn_id: caller.conn_id,
-                recipient: r.clone(),
-            });
-        }
-        Ok(())
+    /// Subscribe the caller's connection to `root`'s events; its supervisor (none for a caller
+    /// without a connection).
+    async fn subscribe(
+        &self,
+        root: &str,
+        caller: &Caller,
+    ) -> GatewayResult<Option<Addr<SessionSupervisor>>> {
+        let Some(r) = &caller.recipient else {
+            return Ok(None);
+        };
+        let sup = self.supervisor(root).await?;
+        sup.do_send(Subscribe {
+            conn_id: caller.conn_id,
+            recipient: r.clone(),
+        });
+        Ok(Some(sup))
     }
 
     async fn create(&self, p: CreateParams, caller: &Caller) -> GatewayResult<CallResult> {
@@ -610,11 +628,11 @@ impl Authority {
             .db
             .write(move |c| sessions::create_or_get(c, epoch, &new, now))
             .await?;
-        self.subscribe(&row.id, caller).await?;
+        let sup = self.subscribe(&row.id, caller).await?;
         let snap = self.snapshot(&row.id).await?;
         Ok(CallResult {
             result: snap,
-            subscribe: Some(row.id),
+            subscribe: Some((row.id, sup)),
         })
     }
 

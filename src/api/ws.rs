@@ -1,7 +1,7 @@
 //! `GET /api/ws`: the WebSocket (JSON-RPC 2.0 text frames). All WebSocket code lives here.
 
 use std::any::Any;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,7 +13,7 @@ use actix_web_actors::ws;
 use serde_json::{json, Value};
 
 use super::http::AppState;
-use super::rpc::{Authority, Caller};
+use super::rpc::{Authority, Caller, Subscriptions};
 use crate::error::GatewayError;
 use crate::session::registry::UnsubscribeFrom;
 use crate::session::supervisor::PushEvent;
@@ -139,7 +139,7 @@ pub async fn ws_route(
         authority: state.authority.clone(),
         principal,
         conn_id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
-        subscribed: HashSet::new(),
+        subscribed: Subscriptions::default(),
         last_seen: Instant::now(),
         max_frame: cfg.max_frame_bytes,
         heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
@@ -160,7 +160,7 @@ pub struct WsConnection {
     authority: Authority,
     principal: String,
     conn_id: u64,
-    subscribed: HashSet<String>,
+    subscribed: Subscriptions,
     last_seen: Instant,
     max_frame: usize,
     heartbeat: Duration,
@@ -339,8 +339,8 @@ impl WsConnection {
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             let frame = match res {
                 Ok(r) => {
-                    if let Some(s) = r.subscribe {
-                        act.subscribed.insert(s);
+                    if let Some((root, sup)) = r.subscribe {
+                        Arc::make_mut(&mut act.subscribed).insert(root, sup);
                     }
                     json!({"jsonrpc": "2.0", "id": reply_id, "result": r.result}).to_string()
                 }
@@ -401,7 +401,7 @@ impl Actor for WsConnection {
             open.remove(&self.conn_id);
         }
         // Only sessions still in memory need to hear it (none is revived for this).
-        for root_id in self.subscribed.drain() {
+        for root_id in std::mem::take(&mut self.subscribed).keys().cloned() {
             self.authority.registry.do_send(UnsubscribeFrom {
                 root_id,
                 conn_id: self.conn_id,

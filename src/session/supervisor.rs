@@ -271,7 +271,16 @@ impl SessionSupervisor {
         };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
             act.claiming = false;
-            match act.answered(res, ctx) {
+            let claim = act.answered(res, ctx);
+            act.claimed(claim, ctx);
+        }));
+    }
+
+    /// What a claim found (its events are delivered): start the turn, or wait.
+    fn claimed(&mut self, claim: Result<Claim, StoreError>, ctx: &mut Context<Self>) {
+        {
+            let act = self;
+            match claim {
                 Ok(Claim::Started(row)) => act.start_turn(*row, ctx),
                 Ok(Claim::Idle) | Ok(Claim::Busy) => {
                     if std::mem::take(&mut act.pump_again) {
@@ -297,7 +306,7 @@ impl SessionSupervisor {
                     let _ = w.send(());
                 }
             }
-        }));
+        }
     }
 
     fn start_turn(&mut self, row: AdmissionRow, ctx: &mut Context<Self>) {
@@ -667,6 +676,12 @@ impl Handler<Unsubscribe> for SessionSupervisor {
     }
 }
 
+/// An admission and, when the session was idle, the claim that committed with it.
+type AdmitAndClaim = (
+    Logged<(AdmissionRow, bool)>,
+    Option<Result<Logged<Claim>, StoreError>>,
+);
+
 /// Admit an input (durably, before the reply), then pump.
 #[derive(Message)]
 #[rtype(result = "Result<AdmissionRow, GatewayError>")]
@@ -682,6 +697,17 @@ impl Handler<Submit> for SessionSupervisor {
     fn handle(&mut self, m: Submit, _: &mut Context<Self>) -> Self::Result {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
+        // Nothing running or being claimed: the claim of the FIFO head commits with the admission
+        // (one commit and one writer round trip fewer per turn; the input runs no earlier than
+        // it would have, and a crash after that commit finds it `started`, as with a separate
+        // claim).
+        let claim = self.running.is_none()
+            && !self.claiming
+            && !self.draining
+            && !shared.runtime.draining();
+        if claim {
+            self.claiming = true;
+        }
         self.write_started();
         let fut = async move {
             if shared.runtime.draining() {
@@ -693,7 +719,7 @@ impl Handler<Submit> for SessionSupervisor {
             Ok(shared
                 .db
                 .write(move |c| {
-                    admissions::admit(
+                    let admitted = admissions::admit(
                         c,
                         epoch,
                         &m.principal,
@@ -702,16 +728,47 @@ impl Handler<Submit> for SessionSupervisor {
                         &m.text,
                         max,
                         now,
-                    )
+                    )?;
+                    // A refused claim (an unknown row holds the FIFO) leaves the admission be.
+                    let claimed = claim.then(|| admissions::claim_next(c, epoch, &root, now));
+                    Ok((admitted, claimed))
                 })
                 .await?)
         };
         Box::pin(fut.into_actor(self).map(
-            |res: Result<Logged<(AdmissionRow, bool)>, GatewayError>, act, ctx| {
-                let (row, created) = act.answered(res, ctx)?;
+            move |res: Result<AdmitAndClaim, GatewayError>, act, ctx| {
+                if claim {
+                    act.claiming = false;
+                }
+                let (admitted, claimed) = match res {
+                    Ok(v) => v,
+                    Err(e) => {
+                        act.write_answered(Vec::new(), ctx);
+                        if claim {
+                            // Nothing was claimed (a drain waiting on the claim is released).
+                            act.claimed(Ok(Claim::Idle), ctx);
+                        }
+                        return Err(e);
+                    }
+                };
+                let Logged {
+                    value: (row, created),
+                    events: mut rows,
+                } = admitted;
+                let claimed = claimed.map(|c| {
+                    c.map(|Logged { value, events }| {
+                        rows.extend(events);
+                        value
+                    })
+                });
+                act.write_answered(rows, ctx);
                 if created {
                     act.shared.metrics.admitted();
-                    act.pump(ctx);
+                }
+                match claimed {
+                    Some(c) => act.claimed(c, ctx),
+                    None if created => act.pump(ctx),
+                    None => {}
                 }
                 Ok(row)
             },

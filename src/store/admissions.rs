@@ -275,25 +275,43 @@ pub fn claim_next(
 ) -> Result<Logged<Claim>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
-        let rows = pending(conn, session)?;
-        if let Some(u) = rows.iter().find(|r| r.status == "unknown") {
+        // Three seeks on the FIFO index (session, status, seq), however deep the queue.
+        let in_status = |status: &'static str| {
+            sa::table
+                .filter(sa::target_session_id.eq(session))
+                .filter(sa::status.eq(status))
+        };
+        let unknown: Option<String> = in_status("unknown")
+            .order(sa::seq.asc())
+            .select(sa::admission_id)
+            .first(conn)
+            .optional()?;
+        if let Some(u) = unknown {
             return Err(StoreError::UnknownExecution(format!(
-                "admission {} is unknown; resolve it first",
-                u.admission_id
+                "admission {u} is unknown; resolve it first"
             )));
         }
-        if rows.iter().any(|r| r.status == "started") {
+        let started: Option<i64> = in_status("started")
+            .select(sa::seq)
+            .first(conn)
+            .optional()?;
+        if started.is_some() {
             return Ok(Logged::quiet(Claim::Busy));
         }
-        let Some(head) = rows.into_iter().find(|r| r.status == "queued") else {
+        let head: Option<AdmissionRow> = in_status("queued")
+            .order(sa::seq.asc())
+            .select(AdmissionRow::as_select())
+            .first(conn)
+            .optional()?;
+        let Some(head) = head else {
             return Ok(Logged::quiet(Claim::Idle));
         };
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_generation.eq(sessions::runtime_generation + 1))
             .execute(conn)?;
-        let generation: i64 = sessions::table
+        let (generation, tip): (i64, String) = sessions::table
             .filter(sessions::id.eq(session))
-            .select(sessions::runtime_generation)
+            .select((sessions::runtime_generation, sessions::tip_session_id))
             .first(conn)?;
         let n = diesel::update(
             sa::table
@@ -313,10 +331,6 @@ pub fn claim_next(
             ));
         }
         // The input's user message is written when its turn starts, in the claim itself.
-        let tip: String = sessions::table
-            .filter(sessions::id.eq(session))
-            .select(sessions::tip_session_id)
-            .first(conn)?;
         let user = NewMessage {
             session_id: tip,
             role: "user".into(),
