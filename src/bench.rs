@@ -548,8 +548,12 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = daemon.rss_kib();
-    let per = if opts.quick { 20 } else { 50 };
-    let alone = healthy_p99(&home, &daemon.origin, 0, per).await?;
+    let per = if opts.quick { 20 } else { 100 };
+    // Both measured rounds run warm: the first turns of a daemon prepare its statements and open
+    // its model connections.
+    healthy_p99(&home, &daemon.origin, 0, per / 4).await?;
+    progress("isolation: 16 healthy sessions alone");
+    let alone = healthy_p99(&home, &daemon.origin, 1, per).await?;
     let before_park = daemon.rss_kib();
     // Park N sessions on approval prompts, spread over a few connections.
     let conns = (opts.parked / 200).clamp(1, 64);
@@ -580,7 +584,11 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         }
         actix_rt::time::sleep(Duration::from_millis(100)).await;
     }
+    // Parking is over when its last writes (prompt records, events) are: measuring while they
+    // drain would charge the parking itself to the loaded round.
+    quiesce(&daemon.origin).await?;
     // One room whose member hangs on a model that never answers.
+    let turns_before = metric(&daemon.origin, "gatehouse_turns_started_total").await?;
     let mut rc = Client::connect(&home, &daemon.origin).await?;
     rc.call(
         "room.create",
@@ -593,8 +601,18 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
                "prompt": "HANG forever", "source_event_seq": 1}),
     )
     .await?;
+    // Measured once the member's turn hangs at the model.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(&daemon.origin, "gatehouse_turns_started_total").await? < turns_before + 1.0 {
+        if Instant::now() > deadline {
+            return Err("the hung room's member turn never started".into());
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
     let parked_rss = daemon.rss_kib();
-    let loaded = healthy_p99(&home, &daemon.origin, 1, per).await?;
+    progress("isolation: 16 healthy sessions beside the parked sessions and the hung room");
+    let loaded = healthy_p99(&home, &daemon.origin, 2, per).await?;
+    progress("isolation: done");
     let ratio = loaded["p99_ms"].as_f64().unwrap_or(0.0)
         / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9);
     let per_parked = (parked_rss.0.saturating_sub(before_park.0)) as f64 / parked.max(1) as f64;
@@ -607,6 +625,36 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0, "rss_parked_kib": parked_rss.0,
                "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
     ))
+}
+
+/// Where a long run is, on stderr (the report goes to stdout).
+fn progress(what: &str) {
+    eprintln!("bench: {what}");
+}
+
+async fn metric(origin: &str, name: &str) -> Result<f64, String> {
+    Ok(metrics(origin).await?.get(name).copied().unwrap_or(0.0))
+}
+
+/// Wait until the daemon writes nothing for a few polls in a row.
+async fn quiesce(origin: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut last = -1.0;
+    let mut still = 0;
+    while still < 3 {
+        let n = metric(origin, "gatehouse_db_writes_total").await?;
+        if n == last {
+            still += 1;
+        } else {
+            still = 0;
+            last = n;
+        }
+        if Instant::now() > deadline {
+            return Err("the daemon never went quiet after parking".into());
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
 }
 
 async fn metrics(origin: &str) -> Result<std::collections::HashMap<String, f64>, String> {

@@ -78,6 +78,8 @@ pub struct Metrics {
     pub model_hist: Histogram,
     /// Database job latency (queue wait plus transaction).
     pub db_hist: Histogram,
+    /// Write transitions committed (or refused) by the writer.
+    db_writes: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -94,11 +96,15 @@ impl Default for Metrics {
             turn_hist: Histogram::new(&TURN_BUCKETS),
             model_hist: Histogram::new(&TURN_BUCKETS),
             db_hist: Histogram::new(&DB_BUCKETS),
+            db_writes: AtomicU64::new(0),
         }
     }
 }
 
 impl Metrics {
+    pub fn db_write(&self) {
+        self.db_writes.fetch_add(1, Ordering::Relaxed);
+    }
     pub fn admitted(&self) {
         self.admissions.fetch_add(1, Ordering::Relaxed);
     }
@@ -166,6 +172,13 @@ impl Metrics {
             "Inputs admitted by this process.",
             "counter",
             self.admissions.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_db_writes_total",
+            "Write transitions the database writer answered.",
+            "counter",
+            self.db_writes.load(Ordering::Relaxed),
         );
         g(
             &mut out,

@@ -1,6 +1,9 @@
 //! Rough token estimates (chars / 4) and the context limit of a model.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use serde_json::Value;
 
@@ -25,17 +28,81 @@ pub fn context_limit(configured: Option<u64>, home: &Path, provider: &str, model
     lookup_cache(home, provider, model).unwrap_or(DEFAULT_CONTEXT)
 }
 
+/// Context limits by provider, then model id, as `models_dev_cache.json` lists them.
+type Limits = HashMap<String, HashMap<String, u64>>;
+
+/// The parsed file, with what identifies the version it was read from.
+struct CachedLimits {
+    stamp: Option<(SystemTime, u64)>,
+    limits: Arc<Limits>,
+}
+
+/// Parsed once per change of the file (a turn only `stat`s it): the file can be megabytes, and
+/// reading it per turn on the supervisors' thread would stall every session.
+static LIMITS: Mutex<Option<HashMap<PathBuf, CachedLimits>>> = Mutex::new(None);
+
+fn limits(home: &Path) -> Arc<Limits> {
+    let path = home.join("models_dev_cache.json");
+    let stamp = std::fs::metadata(&path)
+        .ok()
+        .and_then(|m| Some((m.modified().ok()?, m.len())));
+    let Ok(mut guard) = LIMITS.lock() else {
+        return Arc::new(parse_limits(&path));
+    };
+    let cache = guard.get_or_insert_with(HashMap::new);
+    if let Some(c) = cache.get(&path).filter(|c| c.stamp == stamp) {
+        return c.limits.clone();
+    }
+    let limits = Arc::new(if stamp.is_some() {
+        parse_limits(&path)
+    } else {
+        Limits::new()
+    });
+    cache.insert(
+        path,
+        CachedLimits {
+            stamp,
+            limits: limits.clone(),
+        },
+    );
+    limits
+}
+
+fn parse_limits(path: &Path) -> Limits {
+    let Some(v) = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+    else {
+        return Limits::new();
+    };
+    let Some(providers) = v.as_object() else {
+        return Limits::new();
+    };
+    providers
+        .iter()
+        .filter_map(|(provider, p)| {
+            let models = p.get("models")?.as_object()?;
+            let limits = models
+                .iter()
+                .filter_map(|(id, m)| {
+                    let c = m.pointer("/limit/context")?.as_u64().filter(|c| *c > 0)?;
+                    Some((id.clone(), c))
+                })
+                .collect();
+            Some((provider.clone(), limits))
+        })
+        .collect()
+}
+
 fn lookup_cache(home: &Path, provider: &str, model: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(home.join("models_dev_cache.json")).ok()?;
-    let v: Value = serde_json::from_str(&text).ok()?;
-    let models = v.get(provider)?.get("models")?.as_object()?;
-    let entry = models.get(model).or_else(|| {
+    let limits = limits(home);
+    let models = limits.get(provider)?;
+    models.get(model).copied().or_else(|| {
         models
             .iter()
             .find(|(k, _)| k.eq_ignore_ascii_case(model))
-            .map(|(_, v)| v)
-    })?;
-    entry.pointer("/limit/context")?.as_u64().filter(|c| *c > 0)
+            .map(|(_, c)| *c)
+    })
 }
 
 /// The compression threshold: `threshold × context`, capped by `threshold_tokens`.
@@ -73,6 +140,19 @@ mod tests {
         assert_eq!(context_limit(None, &dir, "custom", "original"), 64_000);
         assert_eq!(
             context_limit(None, &dir, "custom", "other"),
+            DEFAULT_CONTEXT
+        );
+        // A new version of the file (another length) is read again.
+        std::fs::write(
+            dir.join("models_dev_cache.json"),
+            r#"{"custom":{"id":"custom","models":{"Original":{"limit":{"context":32000}},"other":{"limit":{"context":8000}}}}}"#,
+        )
+        .expect("rewrite");
+        assert_eq!(context_limit(None, &dir, "custom", "original"), 32_000);
+        assert_eq!(context_limit(None, &dir, "custom", "other"), 8_000);
+        std::fs::remove_file(dir.join("models_dev_cache.json")).expect("remove");
+        assert_eq!(
+            context_limit(None, &dir, "custom", "original"),
             DEFAULT_CONTEXT
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -112,18 +112,23 @@ impl SessionRegistry {
         }
         self.last_sweep = Some(std::time::Instant::now());
         self.sweeping = true;
-        let mut order: Vec<(u64, String)> = self
+        // The least recently used few, found in linear time without copying every key: this runs
+        // on the thread of every supervisor, so a sort of ten thousand keys here stalls them all.
+        let mut order: Vec<(u64, &String)> = self
             .sessions
             .keys()
-            .map(|k| (self.used.get(k).copied().unwrap_or(0), k.clone()))
+            .map(|k| (self.used.get(k).copied().unwrap_or(0), k))
             .collect();
-        order.sort();
         // Ask a few more than needed: some will be busy.
         let excess = self.sessions.len() - max;
+        let want = (excess * 2 + 1).min(order.len());
+        if want < order.len() {
+            order.select_nth_unstable(want);
+            order.truncate(want);
+        }
         let candidates: Vec<(String, Addr<SessionSupervisor>)> = order
             .into_iter()
-            .take(excess * 2 + 1)
-            .filter_map(|(_, k)| self.sessions.get(&k).map(|a| (k, a.clone())))
+            .filter_map(|(_, k)| self.sessions.get(k).map(|a| (k.clone(), a.clone())))
             .collect();
         let asks = candidates.into_iter().map(|(k, a)| async move {
             let idle = a.send(IsIdle).await.unwrap_or(false);

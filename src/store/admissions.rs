@@ -9,6 +9,7 @@ use super::epoch::check_epoch;
 use super::events::{self, Logged, NewEvent};
 use super::messages::{closing_messages, insert_messages, live, NewMessage};
 use super::schema::{session_admissions as sa, sessions};
+use super::{Bind, HotSql};
 use crate::error::StoreError;
 
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
@@ -306,24 +307,25 @@ pub fn claim_next(
         let Some(head) = head else {
             return Ok(Logged::quiet(Claim::Idle));
         };
-        diesel::update(sessions::table.filter(sessions::id.eq(session)))
-            .set(sessions::runtime_generation.eq(sessions::runtime_generation + 1))
-            .execute(conn)?;
+        HotSql::new(
+            "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ?",
+            &[Bind::Text(session)],
+        )
+        .execute(conn)?;
         let (generation, tip): (i64, String) = sessions::table
             .filter(sessions::id.eq(session))
             .select((sessions::runtime_generation, sessions::tip_session_id))
             .first(conn)?;
-        let n = diesel::update(
-            sa::table
-                .filter(sa::admission_id.eq(&head.admission_id))
-                .filter(sa::status.eq("queued")),
+        let n = HotSql::new(
+            "UPDATE session_admissions SET status = 'started', owner_epoch = ?, \
+             execution_generation = ?, updated_at = ? WHERE admission_id = ? AND status = 'queued'",
+            &[
+                Bind::Int(epoch),
+                Bind::Int(generation),
+                Bind::Real(now),
+                Bind::Text(&head.admission_id),
+            ],
         )
-        .set((
-            sa::status.eq("started"),
-            sa::owner_epoch.eq(epoch),
-            sa::execution_generation.eq(generation),
-            sa::updated_at.eq(now),
-        ))
         .execute(conn)?;
         if n != 1 {
             return Err(StoreError::StaleGeneration(
@@ -386,20 +388,20 @@ pub fn settle(
                 "generation {generation} is not running"
             )));
         }
-        let n = diesel::update(
-            sa::table
-                .filter(sa::admission_id.eq(admission_id))
-                .filter(sa::target_session_id.eq(session))
-                .filter(sa::status.eq("started"))
-                .filter(sa::owner_epoch.eq(epoch))
-                .filter(sa::execution_generation.eq(generation)),
+        let n = HotSql::new(
+            "UPDATE session_admissions SET status = 'terminal', outcome = ?, result_json = ?, \
+             updated_at = ? WHERE admission_id = ? AND target_session_id = ? \
+             AND status = 'started' AND owner_epoch = ? AND execution_generation = ?",
+            &[
+                Bind::Text(outcome),
+                Bind::Text(result_json),
+                Bind::Real(now),
+                Bind::Text(admission_id),
+                Bind::Text(session),
+                Bind::Int(epoch),
+                Bind::Int(generation),
+            ],
         )
-        .set((
-            sa::status.eq("terminal"),
-            sa::outcome.eq(outcome),
-            sa::result_json.eq(result_json),
-            sa::updated_at.eq(now),
-        ))
         .execute(conn)?;
         if n != 1 {
             return Err(StoreError::StaleGeneration(format!(
@@ -415,9 +417,11 @@ pub fn settle(
             })
             .collect();
         insert_messages(conn, &rows, now)?;
-        diesel::update(sessions::table.filter(sessions::id.eq(session)))
-            .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
-            .execute(conn)?;
+        HotSql::new(
+            "UPDATE sessions SET runtime_revision = runtime_revision + 1 WHERE id = ?",
+            &[Bind::Text(session)],
+        )
+        .execute(conn)?;
         let logged = events::append(conn, session, report, now)?;
         Ok(Logged::new(by_id(conn, admission_id)?, logged))
     })
@@ -611,6 +615,65 @@ mod tests {
         };
         sess::create_or_get(&mut conn, e, &new, 1.0).expect("session");
         (d, conn, e)
+    }
+
+    /// One turn's transitions: admit, claim, settle with a closing message and an event.
+    fn one_turn(c: &mut SqliteConnection, e: i64, input: &str) {
+        admit(c, e, "p", "s1", input, "hi", 10, 1.0).expect("admit");
+        let Claim::Started(row) = claim_next(c, e, "s1", 2.0).expect("claim").value else {
+            panic!("no claim")
+        };
+        let reply = NewMessage {
+            role: "assistant".into(),
+            content: Some("hello".into()),
+            ..Default::default()
+        };
+        let report = [NewEvent::new("message.complete", serde_json::json!({}))];
+        let generation = row.execution_generation.expect("generation");
+        settle(
+            c,
+            e,
+            "s1",
+            &row.admission_id,
+            generation,
+            "completed",
+            "{}",
+            std::slice::from_ref(&reply),
+            &report,
+            3.0,
+        )
+        .expect("settle");
+        crate::store::sessions::add_usage(c, "s1", 1, 1).expect("usage");
+    }
+
+    /// The statements of a turn are prepared once per connection and kept: the first turn caches
+    /// its updates too (diesel keeps no `UPDATE` unless told), the second prepares nothing new.
+    #[test]
+    fn a_turn_keeps_its_statements_prepared() {
+        use std::sync::{Arc, Mutex};
+        let (_d, mut c, e) = setup();
+        let cached: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = cached.clone();
+        c.set_instrumentation(move |ev: diesel::connection::InstrumentationEvent<'_>| {
+            if let diesel::connection::InstrumentationEvent::CacheQuery { sql, .. } = ev {
+                if let Ok(mut v) = sink.lock() {
+                    v.push(sql.to_string());
+                }
+            }
+        });
+        one_turn(&mut c, e, "first");
+        let first = std::mem::take(&mut *cached.lock().expect("lock"));
+        let updates = first.iter().filter(|s| s.starts_with("UPDATE")).count();
+        assert!(
+            updates >= 4,
+            "the turn's updates should be kept prepared: {first:#?}"
+        );
+        one_turn(&mut c, e, "second");
+        let second = cached.lock().expect("lock").clone();
+        assert!(
+            second.is_empty(),
+            "the second turn prepared new statements: {second:#?}"
+        );
     }
 
     #[test]

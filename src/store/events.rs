@@ -11,6 +11,7 @@ use diesel::sql_types::{BigInt, Double};
 use diesel::sqlite::SqliteConnection;
 use serde_json::{json, Value};
 
+use super::{Bind, HotSql};
 use crate::error::StoreError;
 
 /// Hand-written table definitions (see `migrations/2026-11-29-000003_session_events/up.sql`).
@@ -137,12 +138,13 @@ pub fn append(
     }
     let n = events.len() as i64;
     // Advance the head first (the first append of a session creates its head row), then read
-    // where it ended. Two prepared statements that stay cached (diesel does not cache an
-    // `UPDATE … RETURNING`).
+    // where it ended: two statements that stay prepared.
     let advance = |conn: &mut SqliteConnection| {
-        diesel::update(heads::table.filter(heads::session_id.eq(session)))
-            .set(heads::last_seq.eq(heads::last_seq + n))
-            .execute(conn)
+        HotSql::new(
+            "UPDATE session_event_heads SET last_seq = last_seq + ? WHERE session_id = ?",
+            &[Bind::Int(n), Bind::Text(session)],
+        )
+        .execute(conn)
     };
     if advance(conn)? == 0 {
         diesel::insert_into(heads::table)

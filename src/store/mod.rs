@@ -133,6 +133,68 @@ where
     }
 }
 
+/// A value bound to a [`HotSql`] placeholder.
+#[derive(Debug, Clone, Copy)]
+pub enum Bind<'a> {
+    Text(&'a str),
+    Int(i64),
+    Real(f64),
+}
+
+/// A hot-path statement written out in SQL, kept prepared by the connection (keyed by its text).
+///
+/// Diesel never keeps an `UPDATE` prepared (a changeset with optional fields changes its SQL
+/// while its type stays the same), so every turn parsed and planned its updates again on the
+/// writer thread, the one thread every commit waits for. The few updates each turn runs are
+/// written here instead; `?` marks each bound value, in order (the text has no other `?`).
+#[derive(Debug, Clone, Copy)]
+pub struct HotSql<'a> {
+    text: &'static str,
+    binds: &'a [Bind<'a>],
+}
+
+impl<'a> HotSql<'a> {
+    pub fn new(text: &'static str, binds: &'a [Bind<'a>]) -> Self {
+        Self { text, binds }
+    }
+}
+
+impl diesel::query_builder::QueryId for HotSql<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_> {
+    fn walk_ast<'b>(
+        &'b self,
+        mut out: diesel::query_builder::AstPass<'_, 'b, diesel::sqlite::Sqlite>,
+    ) -> diesel::QueryResult<()> {
+        use diesel::sql_types::{BigInt, Double, Text};
+        let mismatch = || {
+            diesel::result::Error::QueryBuilderError(
+                "placeholders and bound values differ in number".into(),
+            )
+        };
+        let mut parts = self.text.split('?');
+        out.push_sql(parts.next().unwrap_or_default());
+        let mut binds = self.binds.iter();
+        for part in parts {
+            match binds.next().ok_or_else(mismatch)? {
+                Bind::Text(s) => out.push_bind_param::<Text, _>(s)?,
+                Bind::Int(i) => out.push_bind_param::<BigInt, _>(i)?,
+                Bind::Real(f) => out.push_bind_param::<Double, _>(f)?,
+            }
+            out.push_sql(part);
+        }
+        match binds.next() {
+            Some(_) => Err(mismatch()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<Conn> diesel::RunQueryDsl<Conn> for HotSql<'_> {}
+
 type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
@@ -299,6 +361,7 @@ impl Db {
             .map_err(|_| StoreError::Pool("the database writer gave no answer".into()))?;
         if let Some(m) = &self.metrics {
             m.db_hist.observe(started.elapsed().as_secs_f64());
+            m.db_write();
         }
         result
     }

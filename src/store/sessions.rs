@@ -6,6 +6,7 @@ use diesel::sqlite::SqliteConnection;
 use super::epoch::check_epoch;
 use super::messages::{insert_messages, NewMessage};
 use super::schema::{messages, sessions};
+use super::{Bind, HotSql};
 use crate::error::StoreError;
 
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
@@ -239,12 +240,16 @@ pub fn add_usage(
     completion: i64,
 ) -> Result<(), StoreError> {
     super::write_tx(conn, |conn| {
-        diesel::update(sessions::table.filter(sessions::id.eq(root_id)))
-            .set((
-                sessions::prompt_tokens.eq(sessions::prompt_tokens + prompt),
-                sessions::completion_tokens.eq(sessions::completion_tokens + completion),
-            ))
-            .execute(conn)?;
+        HotSql::new(
+            "UPDATE sessions SET prompt_tokens = prompt_tokens + ?, \
+             completion_tokens = completion_tokens + ? WHERE id = ?",
+            &[
+                Bind::Int(prompt),
+                Bind::Int(completion),
+                Bind::Text(root_id),
+            ],
+        )
+        .execute(conn)?;
         Ok(())
     })
 }
