@@ -105,7 +105,8 @@ impl Turn {
         let system = match tip_row.system_prompt.clone() {
             Some(s) => s,
             None => {
-                let s = build_system_prompt(&ctx.shared, &root);
+                // Sessions made before the prompt was built at creation.
+                let s = system_prompt_for(&ctx.shared, &root.cwd, &root.profile);
                 let (id, text) = (tip_row.id.clone(), s.clone());
                 ctx.shared
                     .db
@@ -845,12 +846,14 @@ fn enabled_tools(_shared: &Shared, root: &SessionRow) -> Vec<String> {
         .collect()
 }
 
-fn build_system_prompt(shared: &Shared, root: &SessionRow) -> String {
+/// The system prompt of a session working in `cwd` under `profile`: built once per session and
+/// stored with it, then reused byte for byte (rebuilt only by a compression).
+pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
     let mut s = String::from(
         "You are an assistant running inside Gatehouse, a gateway for agent sessions. Answer the latest user \
          message. Use tools only when they help.",
     );
-    s.push_str(&format!("\nWorking directory: {}", root.cwd));
+    s.push_str(&format!("\nWorking directory: {cwd}"));
     if let Some(extra) = &shared.config.agent.system_prompt {
         s.push_str("\n\n");
         s.push_str(extra);
@@ -858,7 +861,7 @@ fn build_system_prompt(shared: &Shared, root: &SessionRow) -> String {
     if let Some(p) = shared
         .config
         .profiles
-        .get(&root.profile)
+        .get(profile)
         .and_then(|p| p.system_prompt.clone())
     {
         s.push_str("\n\n");

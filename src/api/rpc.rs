@@ -607,6 +607,8 @@ impl Authority {
         });
         let mut h = Sha256::new();
         h.update(request.to_string().as_bytes());
+        // Built once, with the session (its first turn then writes nothing more).
+        let system_prompt = crate::agent::turn::system_prompt_for(&self.shared, &cwd, &profile);
         let new = NewSession {
             id: session_id_for(&caller.principal, &request_id),
             principal_id: caller.principal.clone(),
@@ -620,7 +622,7 @@ impl Authority {
             toolsets_json: serde_json::to_string(&toolsets).unwrap_or_else(|_| "[]".into()),
             profile,
             title: p.title.clone(),
-            system_prompt: None,
+            system_prompt: Some(system_prompt),
         };
         let (epoch, now) = (self.shared.epoch, self.shared.now());
         let (row, _created) = self

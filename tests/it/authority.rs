@@ -508,3 +508,60 @@ async fn a_queued_admission_committed_before_a_kill_runs_exactly_once() {
     assert_eq!(model.reached("QUEUED"), 1, "ran exactly once");
     assert_eq!(model.reached("HEAD"), 1, "the lost head never ran again");
 }
+
+/// The system prompt is built with the session, stored in its row, and sent byte for byte on
+/// every turn, even after the configuration that built it changes.
+#[actix_rt::test]
+async fn the_system_prompt_is_built_once_with_the_session() {
+    use diesel::prelude::*;
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"agent": {"system_prompt": "Be brief."}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("sp", &home.path).await;
+    let stored: Option<String> = gatehouse::store::schema::sessions::table
+        .filter(gatehouse::store::schema::sessions::id.eq(&sid))
+        .select(gatehouse::store::schema::sessions::system_prompt)
+        .first(&mut home.db())
+        .expect("session row");
+    let stored = stored.expect("the system prompt is stored at creation");
+    assert!(stored.contains("Be brief."), "{stored}");
+    assert!(
+        stored.contains(&format!("Working directory: {}", home.path.display())),
+        "{stored}"
+    );
+    ws.submit(&sid, "in-1", "hello").await;
+    wait_until("the first turn", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    drop(ws);
+    d.kill();
+    home.write_config(&config(
+        &model.url,
+        json!({"agent": {"system_prompt": "Be verbose."}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let again = ws.session("sp", &home.path).await;
+    assert_eq!(again, sid);
+    ws.submit(&sid, "in-2", "again").await;
+    wait_until("the second turn", Duration::from_secs(20), || {
+        all_terminal(&home) && home.admissions().len() == 2
+    })
+    .await;
+    let sent: Vec<serde_json::Value> = model
+        .requests()
+        .iter()
+        .map(|r| r["messages"][0].clone())
+        .collect();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    for m in &sent {
+        assert_eq!(m["role"], "system");
+        assert_eq!(m["content"].as_str(), Some(stored.as_str()));
+    }
+}
