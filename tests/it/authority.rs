@@ -342,6 +342,11 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     let d3 = Daemon::start(&home);
     let mut ws = d3.ws().await;
     ws.ok("session.resume", json!({"session_id": sid})).await;
+    // A new input to the idle session is admitted (its claim, tried in the same transaction, is
+    // refused by the unknown row) and waits its turn.
+    let f3 = ws.submit(&sid, "F3", "F3").await;
+    assert_eq!(f3["status"], "queued", "{f3}");
+    assert_eq!(home.admission("F3").status, "queued");
     // The boot that found the lost turn reported it in the durable event log, once.
     let log = ws
         .ok(
@@ -381,7 +386,14 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
         1,
         "the lost input is never sent again"
     );
-    assert_eq!((model.reached("F1"), model.reached("F2")), (1, 1));
+    assert_eq!(
+        (
+            model.reached("F1"),
+            model.reached("F2"),
+            model.reached("F3")
+        ),
+        (1, 1, 1)
+    );
     let reqs = model.requests();
     let f1 = reqs
         .iter()
@@ -397,7 +409,10 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
         .into_iter()
         .filter(|t| t.starts_with('F'))
         .collect();
-    assert_eq!(order, vec!["F1".to_string(), "F2".to_string()]);
+    assert_eq!(
+        order,
+        vec!["F1".to_string(), "F2".to_string(), "F3".to_string()]
+    );
     ws.refused(
         "prompt.resolve_unknown",
         json!({"session_id": sid, "admission_id": lost["admission_id"], "execution_generation": gen}),
