@@ -278,33 +278,32 @@ impl SessionSupervisor {
 
     /// What a claim found (its events are delivered): start the turn, or wait.
     fn claimed(&mut self, claim: Result<Claim, StoreError>, ctx: &mut Context<Self>) {
-        {
-            let act = self;
-            match claim {
-                Ok(Claim::Started(row)) => act.start_turn(*row, ctx),
-                Ok(Claim::Idle) | Ok(Claim::Busy) => {
-                    if std::mem::take(&mut act.pump_again) {
-                        act.pump(ctx);
-                    }
+        match claim {
+            Ok(Claim::Started(row)) => self.start_turn(*row, ctx),
+            Ok(Claim::Idle) | Ok(Claim::Busy) => {
+                if std::mem::take(&mut self.pump_again) {
+                    self.pump(ctx);
                 }
-                Err(StoreError::UnknownExecution(m)) => {
-                    tracing::info!(session = %act.root_id, "FIFO held: {m}");
-                }
-                Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
-                    // The store failed (disk full, locked): try again, or queued work would wait
-                    // for the next submit or boot.
-                    tracing::error!(session = %act.root_id, error = %e, "claim failed; retrying");
-                    ctx.run_later(std::time::Duration::from_millis(500), |act, ctx| {
-                        act.pump(ctx)
-                    });
-                }
-                Err(e) => tracing::error!(session = %act.root_id, error = %e, "claim failed"),
             }
-            // A drain that arrived during the claim waits for it; with nothing started it is done.
-            if act.running.is_none() {
-                for w in act.drain_waiters.drain(..) {
-                    let _ = w.send(());
-                }
+            Err(StoreError::UnknownExecution(m)) => {
+                tracing::info!(session = %self.root_id, "FIFO held: {m}");
+            }
+            Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
+                // The store failed (disk full, locked): try again, or queued work would wait
+                // for the next submit or boot.
+                tracing::error!(session = %self.root_id, error = %e, "claim failed; retrying");
+                ctx.run_later(std::time::Duration::from_millis(500), |act, ctx| {
+                    act.pump(ctx)
+                });
+            }
+            Err(e) => tracing::error!(session = %self.root_id, error = %e, "claim failed"),
+        }
+        // A drain that arrived during the claim waits for it; with nothing started it is done.
+        // Not while a claimed row is being put back (`requeue`): that write answers the drain,
+        // so the process cannot stop before the row is queued again.
+        if self.running.is_none() && !self.claiming {
+            for w in self.drain_waiters.drain(..) {
+                let _ = w.send(());
             }
         }
     }
