@@ -343,6 +343,21 @@ fn summary(mut ms: Vec<f64>, wall: f64) -> Value {
     })
 }
 
+/// Run the clients together and summarise every latency they recorded over the wall time.
+async fn measure<F>(clients: impl IntoIterator<Item = F>) -> Result<Value, String>
+where
+    F: std::future::Future<Output = Result<Vec<f64>, String>>,
+{
+    let started = Instant::now();
+    let results = futures_util::future::join_all(clients).await;
+    let wall = started.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    Ok(summary(all, wall))
+}
+
 fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
@@ -399,7 +414,6 @@ async fn admissions(
         .await?;
         clients.push((c, sid));
     }
-    let started = Instant::now();
     let tasks = clients.into_iter().map(|(mut c, sid)| async move {
         let mut lat = Vec::with_capacity(per);
         for k in 0..per {
@@ -413,14 +427,9 @@ async fn admissions(
         }
         Ok::<Vec<f64>, String>(lat)
     });
-    let results = futures_util::future::join_all(tasks).await;
-    let wall = started.elapsed().as_secs_f64();
-    let mut all = Vec::new();
-    for r in results {
-        all.extend(r?);
-    }
+    let report = measure(tasks).await;
     daemon.stop();
-    Ok(summary(all, wall))
+    report
 }
 
 async fn turns(
@@ -439,20 +448,14 @@ async fn turns(
         let sid = c.session(&format!("turn-{i}"), &home).await?;
         clients.push((c, sid));
     }
-    let started = Instant::now();
-    let results = futures_util::future::join_all(
+    let report = measure(
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
     .await;
-    let wall = started.elapsed().as_secs_f64();
-    let mut all = Vec::new();
-    for r in results {
-        all.extend(r?);
-    }
     daemon.stop();
-    Ok(summary(all, wall))
+    report
 }
 
 /// Trivial turns: a fresh session every few turns keeps the transcript (and so each request) small.
@@ -490,7 +493,6 @@ async fn run_turns(
 async fn floor(model_url: &str, concurrency: usize, total: usize) -> Result<Value, String> {
     let per = (total / concurrency).max(1);
     let url = format!("{model_url}/chat/completions");
-    let started = Instant::now();
     let tasks = (0..concurrency).map(|_| {
         let url = url.clone();
         async move {
@@ -506,13 +508,7 @@ async fn floor(model_url: &str, concurrency: usize, total: usize) -> Result<Valu
             Ok::<Vec<f64>, String>(lat)
         }
     });
-    let results = futures_util::future::join_all(tasks).await;
-    let wall = started.elapsed().as_secs_f64();
-    let mut all = Vec::new();
-    for r in results {
-        all.extend(r?);
-    }
-    Ok(summary(all, wall))
+    measure(tasks).await
 }
 
 async fn healthy_p99(
@@ -527,19 +523,12 @@ async fn healthy_p99(
         let sid = c.session(&format!("healthy-{round_no}-{i}"), home).await?;
         clients.push((c, sid));
     }
-    let started = Instant::now();
-    let results = futures_util::future::join_all(
+    measure(
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "h", home)),
     )
-    .await;
-    let wall = started.elapsed().as_secs_f64();
-    let mut all = Vec::new();
-    for r in results {
-        all.extend(r?);
-    }
-    Ok(summary(all, wall))
+    .await
 }
 
 /// Isolation and memory: 16 healthy sessions alone, then beside N parked sessions and a hung room.
