@@ -11,7 +11,6 @@
 //!
 //! Tickets and tokens carry the principal of the control socket's user (`uid:N`).
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -24,6 +23,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::http::AppState;
+use super::tickets::Expiring;
 use crate::clock::SharedClock;
 use crate::error::GatewayError;
 use crate::store::admissions::hex;
@@ -322,48 +322,21 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 // ---------- tokens (a ticket exchanged for a short session) ----------
 
-/// Bearer tokens minted for a redeemed ticket; kept in memory only (a restart ends them).
-pub struct Tokens {
-    ttl: f64,
-    clock: SharedClock,
-    /// By the token's SHA-256: `(expires_at, principal)`.
-    map: Mutex<HashMap<String, (f64, String)>>,
-}
+/// Bearer tokens minted for a redeemed ticket; kept in memory only (a restart ends them), by
+/// their SHA-256.
+pub struct Tokens(Expiring);
 
 impl Tokens {
     pub fn new(ttl: f64, clock: SharedClock) -> Tokens {
-        Tokens {
-            ttl,
-            clock,
-            map: Mutex::new(HashMap::new()),
-        }
+        Tokens(Expiring::new(ttl, clock, key_digest))
     }
 
     pub fn mint(&self, principal: &str) -> (String, f64) {
-        let token = format!(
-            "gt_{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
-        let now = self.clock.now();
-        let expires = now + self.ttl;
-        if let Ok(mut m) = self.map.lock() {
-            m.retain(|_, (exp, _)| *exp > now);
-            m.insert(key_digest(&token), (expires, principal.to_string()));
-        }
-        (token, expires)
+        self.0.mint("gt_", principal)
     }
 
     pub fn principal(&self, token: &str) -> Option<String> {
-        let m = self.map.lock().ok()?;
-        let (expires, principal) = m.get(&key_digest(token))?;
-        (*expires > self.clock.now()).then(|| principal.clone())
-    }
-
-    pub fn revoke_all(&self) {
-        if let Ok(mut m) = self.map.lock() {
-            m.clear();
-        }
+        self.0.principal(token)
     }
 }
 

@@ -5,9 +5,13 @@ use std::sync::Mutex;
 
 use crate::clock::SharedClock;
 
-pub struct Tickets {
+/// Random secrets, each naming a principal until it expires; kept in memory only (a restart ends
+/// them). Each is stored under `key(secret)`, so a store may keep digests instead of secrets.
+pub struct Expiring {
     ttl: f64,
     clock: SharedClock,
+    key: fn(&str) -> String,
+    /// `key(secret)` → `(expires_at, principal)`.
     map: Mutex<HashMap<String, (f64, String)>>,
 }
 
@@ -18,19 +22,21 @@ pub enum TicketRefusal {
     Expired,
 }
 
-impl Tickets {
-    pub fn new(ttl: f64, clock: SharedClock) -> Self {
+impl Expiring {
+    pub fn new(ttl: f64, clock: SharedClock, key: fn(&str) -> String) -> Self {
         Self {
             ttl,
             clock,
+            key,
             map: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Mint a ticket for `principal`: `(ticket, expires_at)`.
-    pub fn mint(&self, principal: &str) -> (String, f64) {
-        let ticket = format!(
-            "{}{}",
+    /// A fresh secret (`prefix` and 64 hex digits) for `principal`: `(secret, expires_at)`.
+    /// Expired secrets are dropped on the way.
+    pub fn mint(&self, prefix: &str, principal: &str) -> (String, f64) {
+        let secret = format!(
+            "{prefix}{}{}",
             uuid::Uuid::new_v4().simple(),
             uuid::Uuid::new_v4().simple()
         );
@@ -38,26 +44,60 @@ impl Tickets {
         let expires = now + self.ttl;
         if let Ok(mut m) = self.map.lock() {
             m.retain(|_, (exp, _)| *exp > now);
-            m.insert(ticket.clone(), (expires, principal.to_string()));
+            m.insert((self.key)(&secret), (expires, principal.to_string()));
         }
-        (ticket, expires)
+        (secret, expires)
     }
 
-    /// Redeem (and so consume) a ticket, returning its principal.
-    pub fn redeem(&self, ticket: &str) -> Result<String, TicketRefusal> {
+    /// The principal of an unexpired secret, which stays valid.
+    pub fn principal(&self, secret: &str) -> Option<String> {
+        let m = self.map.lock().ok()?;
+        let (expires, principal) = m.get(&(self.key)(secret))?;
+        (*expires > self.clock.now()).then(|| principal.clone())
+    }
+
+    /// Take a secret out (it is spent whether or not it had expired): its principal.
+    pub fn take(&self, secret: &str) -> Result<String, TicketRefusal> {
         let mut m = self.map.lock().map_err(|_| TicketRefusal::Unknown)?;
-        let (expires, principal) = m.remove(ticket).ok_or(TicketRefusal::Unknown)?;
+        let (expires, principal) = m
+            .remove(&(self.key)(secret))
+            .ok_or(TicketRefusal::Unknown)?;
         if expires <= self.clock.now() {
             return Err(TicketRefusal::Expired);
         }
         Ok(principal)
     }
 
-    /// Revoke every ticket (shutdown).
+    /// Forget every secret.
     pub fn revoke_all(&self) {
         if let Ok(mut m) = self.map.lock() {
             m.clear();
         }
+    }
+}
+
+/// WebSocket tickets: single use, kept as they are (they live a minute and never leave the
+/// control socket's user).
+pub struct Tickets(Expiring);
+
+impl Tickets {
+    pub fn new(ttl: f64, clock: SharedClock) -> Self {
+        Self(Expiring::new(ttl, clock, str::to_string))
+    }
+
+    /// Mint a ticket for `principal`: `(ticket, expires_at)`.
+    pub fn mint(&self, principal: &str) -> (String, f64) {
+        self.0.mint("", principal)
+    }
+
+    /// Redeem (and so consume) a ticket, returning its principal.
+    pub fn redeem(&self, ticket: &str) -> Result<String, TicketRefusal> {
+        self.0.take(ticket)
+    }
+
+    /// Revoke every ticket (shutdown).
+    pub fn revoke_all(&self) {
+        self.0.revoke_all()
     }
 }
 
