@@ -595,27 +595,12 @@ pub fn resolve_unknown(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{epoch, sessions as sess, testing};
+    use crate::store::{epoch, testing};
 
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection, i64) {
         let (d, mut conn) = testing::conn();
         let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
-        let new = sess::NewSession {
-            id: "s1".into(),
-            principal_id: "p".into(),
-            request_id: "r".into(),
-            request_digest: "d".into(),
-            source: "cli".into(),
-            model: "m".into(),
-            provider: "custom".into(),
-            base_url: None,
-            cwd: "/".into(),
-            toolsets_json: "[]".into(),
-            profile: "default".into(),
-            title: None,
-            system_prompt: None,
-        };
-        sess::create_or_get(&mut conn, e, &new, 1.0).expect("session");
+        testing::session(&mut conn, e, "s1");
         (d, conn, e)
     }
 

@@ -304,28 +304,13 @@ pub fn spawn_pruner(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{epoch, sessions as sess, testing};
+    use crate::store::{epoch, testing};
 
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection) {
         let (d, mut conn) = testing::conn();
         let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
         for id in ["s1", "s2"] {
-            let new = sess::NewSession {
-                id: id.into(),
-                principal_id: "p".into(),
-                request_id: id.into(),
-                request_digest: "d".into(),
-                source: "cli".into(),
-                model: "m".into(),
-                provider: "custom".into(),
-                base_url: None,
-                cwd: "/".into(),
-                toolsets_json: "[]".into(),
-                profile: "default".into(),
-                title: None,
-                system_prompt: None,
-            };
-            sess::create_or_get(&mut conn, e, &new, 1.0).expect("session");
+            testing::session(&mut conn, e, id);
         }
         (d, conn)
     }

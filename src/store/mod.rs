@@ -426,6 +426,26 @@ pub mod testing {
         (dir, conn)
     }
 
+    /// Create session `id` (principal `p`, request id `id`) under authority `epoch`.
+    pub fn session(conn: &mut SqliteConnection, epoch: i64, id: &str) {
+        let new = super::sessions::NewSession {
+            id: id.into(),
+            principal_id: "p".into(),
+            request_id: id.into(),
+            request_digest: "d".into(),
+            source: "cli".into(),
+            model: "m".into(),
+            provider: "custom".into(),
+            base_url: None,
+            cwd: "/".into(),
+            toolsets_json: "[]".into(),
+            profile: "default".into(),
+            title: None,
+            system_prompt: None,
+        };
+        super::sessions::create_or_get(conn, epoch, &new, 1.0).expect("session");
+    }
+
     /// A tiny self-cleaning temp dir (keeps the dependency list short).
     pub mod tempfile_dir {
         use std::path::{Path, PathBuf};
