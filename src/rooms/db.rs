@@ -1,43 +1,12 @@
 //! The room runtime's handle on SQLite: an r2d2 pool of diesel connections. Async callers run
 //! store functions on the blocking pool and never hold a connection across an await.
 
-use std::path::Path;
-use std::time::Duration;
-
-use diesel::connection::SimpleConnection;
-use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, PooledConnection};
+use diesel::r2d2::{ConnectionManager, PooledConnection};
 use diesel::sqlite::SqliteConnection;
 
 use crate::store::rooms::{RoomStoreError, StoreResult};
-
-/// A pool of SQLite connections.
-pub type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
-
-/// The PRAGMAs every pooled connection runs on acquire.
-#[derive(Debug, Clone, Copy)]
-pub struct SqlitePragmas;
-
-impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqlitePragmas {
-    fn on_acquire(&self, conn: &mut SqliteConnection) -> Result<(), diesel::r2d2::Error> {
-        conn.batch_execute(
-            "PRAGMA busy_timeout = 10000; PRAGMA journal_mode = WAL; \
-             PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;",
-        )
-        .map_err(diesel::r2d2::Error::QueryError)
-    }
-}
-
-/// Open a pool on `path` with the house PRAGMAs and a bounded wait for a connection.
-pub fn open_pool(path: &Path, max_size: u32) -> StoreResult<SqlitePool> {
-    crate::store::install_planner_stability();
-    let manager = ConnectionManager::<SqliteConnection>::new(path.to_string_lossy());
-    Pool::builder()
-        .max_size(max_size)
-        .connection_timeout(Duration::from_secs(10))
-        .connection_customizer(Box::new(SqlitePragmas))
-        .build(manager)
-        .map_err(|e| RoomStoreError::Pool(e.to_string()))
-}
+/// The rooms share the authority's pool (`store::open_pool`: its PRAGMAs and migrations).
+pub use crate::store::SqlitePool;
 
 /// The rooms' database handle.
 #[derive(Clone)]

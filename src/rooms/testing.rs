@@ -1,13 +1,12 @@
-//! Test support: a fresh SQLite file with the rooms migration applied.
+//! Test support: a fresh SQLite file with the gateway's schema (the rooms migration included).
 
 use std::path::PathBuf;
 
-use diesel::connection::SimpleConnection;
 use diesel::r2d2::{ConnectionManager, PooledConnection};
 use diesel::sqlite::SqliteConnection;
 
 use crate::clock::SystemClock;
-use crate::rooms::db::{open_pool, RoomsDb};
+use crate::rooms::db::RoomsDb;
 use crate::store::rooms::{create_room, RoomMember};
 
 pub(crate) const UP_SQL: &str = include_str!("../../migrations/2026-11-29-000002_rooms/up.sql");
@@ -24,12 +23,8 @@ impl TestDb {
         let dir =
             std::env::temp_dir().join(format!("gatehouse-rooms-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let pool = open_pool(&dir.join("state.db"), 8).expect("pool");
+        let pool = crate::store::open_pool(&dir.join("state.db"), 8).expect("pool");
         let db = RoomsDb::new(pool);
-        db.conn()
-            .expect("conn")
-            .batch_execute(UP_SQL)
-            .expect("migration");
         Self { dir, db }
     }
 
