@@ -20,13 +20,11 @@ use std::time::SystemTime;
 use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse, ResponseError};
 use serde_json::json;
-use sha2::{Digest, Sha256};
 
 use super::http::AppState;
 use super::tickets::Expiring;
 use crate::clock::SharedClock;
 use crate::error::GatewayError;
-use crate::store::admissions::hex;
 
 /// The keys file in the home.
 pub const KEYS_FILE: &str = "api_keys";
@@ -130,7 +128,7 @@ pub struct KeyEntry {
 
 /// The SHA-256 of a key, as stored.
 pub fn key_digest(key: &str) -> String {
-    hex(&Sha256::digest(key.as_bytes()))
+    crate::store::rooms::sha256_hex(key)
 }
 
 fn normalise(stored: &str) -> String {

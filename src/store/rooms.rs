@@ -87,12 +87,7 @@ pub fn canonical_json(value: &serde_json::Value) -> String {
 
 /// Lowercase hex SHA-256.
 pub fn sha256_hex(text: &str) -> String {
-    let digest = Sha256::digest(text.as_bytes());
-    let mut out = String::with_capacity(64);
-    for byte in digest {
-        out.push_str(&format!("{byte:02x}"));
-    }
-    out
+    super::admissions::hex(&Sha256::digest(text.as_bytes()))
 }
 
 /// Read a clock and reject non-finite values.
