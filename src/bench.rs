@@ -370,7 +370,7 @@ fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
     let path = dir.join("raw.db");
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
     conn.batch_execute(
-        "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; \
+        "PRAGMA page_size=1024; PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; \
          CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL);",
     )
     .map_err(err)?;

@@ -39,6 +39,9 @@ pub enum StartError {
     Refused(String),
 }
 
+/// Reader workers (snapshots, transcripts).
+const READERS: u32 = 2;
+
 /// A running gateway.
 pub struct RunningGateway {
     pub home: PathBuf,
@@ -168,7 +171,8 @@ impl Gateway {
         }
         check_stop_budget(&config);
         let clock: SharedClock = Arc::new(SystemClock::default());
-        let pool = store::open_pool(&home.join("state.db"), 4)?;
+        // The writer's connection (held), one per reader, the checkpointer's and one spare.
+        let pool = store::open_pool(&home.join("state.db"), 3 + READERS)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
         let (epoch, recovered, to_pump, gateway_id) = {
             let mut conn = pool
@@ -189,7 +193,7 @@ impl Gateway {
         };
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
         let metrics = Arc::new(Metrics::default());
-        let db = Db::start(pool.clone(), 2).with_metrics(metrics.clone());
+        let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());
         store::spawn_checkpointer(pool.clone(), Duration::from_millis(500));
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {

@@ -108,7 +108,7 @@ pub fn admit(
         // Time-ordered: a new admission lands at the right edge of the id index instead of on
         // a random page of it (one page written per commit however large the ledger grows).
         let admission_id = uuid::Uuid::now_v7().simple().to_string();
-        diesel::insert_into(sa::table)
+        let row: AdmissionRow = diesel::insert_into(sa::table)
             .values((
                 sa::admission_id.eq(&admission_id),
                 sa::request_id.eq(request_id),
@@ -121,8 +121,8 @@ pub fn admit(
                 sa::created_at.eq(now),
                 sa::updated_at.eq(now),
             ))
-            .execute(conn)?;
-        let row = by_id(conn, &admission_id)?;
+            .returning(AdmissionRow::as_returning())
+            .get_result(conn)?;
         let logged = events::append(
             conn,
             target,
@@ -309,15 +309,13 @@ pub fn claim_next(
         let Some(head) = head else {
             return Ok(Logged::quiet(Claim::Idle));
         };
-        HotSql::new(
-            "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ?",
+        let (generation, tip): (i64, String) = HotSql::new(
+            "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ? \
+             RETURNING runtime_generation, tip_session_id",
             &[Bind::Text(session)],
         )
-        .execute(conn)?;
-        let (generation, tip): (i64, String) = sessions::table
-            .filter(sessions::id.eq(session))
-            .select((sessions::runtime_generation, sessions::tip_session_id))
-            .first(conn)?;
+        .returning::<(diesel::sql_types::BigInt, diesel::sql_types::Text)>()
+        .get_result(conn)?;
         let n = HotSql::new(
             "UPDATE session_admissions SET status = 'started', owner_epoch = ?, \
              execution_generation = ?, updated_at = ? WHERE admission_id = ? AND status = 'queued'",
@@ -356,10 +354,15 @@ pub fn claim_next(
             ],
             now,
         )?;
-        Ok(Logged::new(
-            Claim::Started(Box::new(by_id(conn, &head.admission_id)?)),
-            logged,
-        ))
+        // The row as the update left it (no second read).
+        let started = AdmissionRow {
+            status: "started".into(),
+            owner_epoch: Some(epoch),
+            execution_generation: Some(generation),
+            updated_at: now,
+            ..head
+        };
+        Ok(Logged::new(Claim::Started(Box::new(started)), logged))
     })
 }
 

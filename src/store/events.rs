@@ -137,22 +137,29 @@ pub fn append(
         return Ok(Vec::new());
     }
     let n = events.len() as i64;
-    // Advance the head first (the first append of a session creates its head row), then read
-    // where it ended: two statements that stay prepared.
+    // Advance the head and read where it ended in one statement that stays prepared (the
+    // first append of a session creates its head row).
     let advance = |conn: &mut SqliteConnection| {
         HotSql::new(
-            "UPDATE session_event_heads SET last_seq = last_seq + ? WHERE session_id = ?",
+            "UPDATE session_event_heads SET last_seq = last_seq + ? WHERE session_id = ? \
+             RETURNING last_seq",
             &[Bind::Int(n), Bind::Text(session)],
         )
-        .execute(conn)
+        .returning::<BigInt>()
+        .get_result::<i64>(conn)
+        .optional()
     };
-    if advance(conn)? == 0 {
-        diesel::insert_into(heads::table)
-            .values(heads::session_id.eq(session))
-            .execute(conn)?;
-        advance(conn)?;
-    }
-    let last = head(conn, session)?.last_seq - n;
+    let end = match advance(conn)? {
+        Some(end) => end,
+        None => {
+            diesel::insert_into(heads::table)
+                .values(heads::session_id.eq(session))
+                .execute(conn)?;
+            advance(conn)?
+                .ok_or_else(|| StoreError::Other(format!("no event head for session {session}")))?
+        }
+    };
+    let last = end - n;
     let mut rows = Vec::with_capacity(events.len());
     for (i, e) in events.iter().enumerate() {
         let row = EventRow {

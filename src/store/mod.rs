@@ -89,7 +89,7 @@ struct Pragmas;
 impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Pragmas {
     fn on_acquire(&self, conn: &mut SqliteConnection) -> Result<(), diesel::r2d2::Error> {
         conn.batch_execute(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; \
+            "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; \
              PRAGMA busy_timeout = 5000; PRAGMA wal_autocheckpoint = 10000; \
              PRAGMA temp_store = MEMORY;",
         )
@@ -104,6 +104,8 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
     let manager = ConnectionManager::<SqliteConnection>::new(url);
     let pool = Pool::builder()
         .max_size(size)
+        // A local SQLite file does not go stale: no `SELECT 1` before every checkout.
+        .test_on_check_out(false)
         .connection_timeout(Duration::from_secs(10))
         .connection_customizer(Box::new(Pragmas))
         .build(manager)
@@ -195,6 +197,44 @@ impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_>
 
 impl<Conn> diesel::RunQueryDsl<Conn> for HotSql<'_> {}
 
+impl<'a> HotSql<'a> {
+    /// The statement returns one row of SQL type `ST` (`… RETURNING …`), read with
+    /// `get_result`: the write and the read of what it wrote are one statement.
+    pub fn returning<ST>(self) -> HotQuery<'a, ST> {
+        HotQuery {
+            sql: self,
+            row: std::marker::PhantomData,
+        }
+    }
+}
+
+/// A [`HotSql`] statement that returns rows of SQL type `ST`; kept prepared the same way.
+#[derive(Debug, Clone, Copy)]
+pub struct HotQuery<'a, ST> {
+    sql: HotSql<'a>,
+    row: std::marker::PhantomData<ST>,
+}
+
+impl<ST> diesel::query_builder::QueryId for HotQuery<'_, ST> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<ST> diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotQuery<'_, ST> {
+    fn walk_ast<'b>(
+        &'b self,
+        out: diesel::query_builder::AstPass<'_, 'b, diesel::sqlite::Sqlite>,
+    ) -> diesel::QueryResult<()> {
+        self.sql.walk_ast(out)
+    }
+}
+
+impl<ST> diesel::query_builder::Query for HotQuery<'_, ST> {
+    type SqlType = ST;
+}
+
+impl<Conn, ST> diesel::RunQueryDsl<Conn> for HotQuery<'_, ST> {}
+
 type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
@@ -205,6 +245,8 @@ type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 const MAX_BATCH: usize = 512;
 
 fn writer_loop(pool: SqlitePool, mut rx: tokio::sync::mpsc::Receiver<WriteJob>) {
+    // The writer keeps one connection (and so one warm statement cache) for as long as it works.
+    let mut held: Option<Conn> = None;
     while let Some(first) = rx.blocking_recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -213,15 +255,16 @@ fn writer_loop(pool: SqlitePool, mut rx: tokio::sync::mpsc::Receiver<WriteJob>) 
                 Err(_) => break,
             }
         }
-        let mut conn = match pool.get() {
-            Ok(c) => c,
+        let conn = match held.take().map(Ok).unwrap_or_else(|| pool.get()) {
+            Ok(c) => held.insert(c),
             Err(e) => {
                 tracing::error!(error = %e, "no database connection for writes");
                 // Dropping the batch drops its reply channels: the callers see a storage error.
                 continue;
             }
         };
-        let mut deliveries: Vec<Deliver> = Vec::with_capacity(batch.len());
+        let writes = batch.len();
+        let mut deliveries: Vec<Deliver> = Vec::with_capacity(writes);
         let committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                 for job in batch.drain(..) {
@@ -230,8 +273,12 @@ fn writer_loop(pool: SqlitePool, mut rx: tokio::sync::mpsc::Receiver<WriteJob>) 
                 Ok(())
             })
             .map_err(|e| e.to_string());
+        // Jobs the transaction never ran (it could not begin) are dropped with `batch`, which
+        // drops their reply channels: their callers see a storage error.
         if let Err(e) = &committed {
-            tracing::error!(error = %e, writes = deliveries.len(), "group commit failed");
+            tracing::error!(error = %e, writes, "group commit failed");
+            // Start the next batch on a fresh connection.
+            held = None;
         }
         for d in deliveries {
             d(committed.clone());
