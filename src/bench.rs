@@ -537,7 +537,7 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = daemon.rss_kib();
-    let per = if opts.quick { 20 } else { 100 };
+    let per = if opts.quick { 20 } else { 400 };
     // Both measured rounds run warm: the first turns of a daemon prepare its statements and open
     // its model connections.
     healthy_p99(&home, &daemon.origin, 0, per / 4).await?;

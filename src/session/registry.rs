@@ -8,7 +8,7 @@
 //! kept as a weak address and revived rather than duplicated: there is never more than one
 //! supervisor per session.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,10 +25,13 @@ pub struct SessionRegistry {
     evicted: HashMap<String, WeakAddr<SessionSupervisor>>,
     /// Last use of each loaded session (a tick), for least-recently-used eviction.
     used: HashMap<String, u64>,
+    /// The same, oldest first: a sweep takes its candidates from the front instead of looking
+    /// at every loaded session (this runs on the thread of every supervisor).
+    by_use: BTreeMap<u64, String>,
     tick: u64,
     sweeping: bool,
-    /// When the last sweep started: a sweep sorts every loaded session, so over the limit (with
-    /// nothing idle to evict) a sweep per request would cost every request that sort.
+    /// When the last sweep started: over the limit with nothing idle to evict, a sweep per
+    /// request would ask the same busy supervisors again and again.
     last_sweep: Option<std::time::Instant>,
 }
 
@@ -42,6 +45,7 @@ impl SessionRegistry {
             sessions: HashMap::new(),
             evicted: HashMap::new(),
             used: HashMap::new(),
+            by_use: BTreeMap::new(),
             tick: 0,
             sweeping: false,
             last_sweep: None,
@@ -54,7 +58,16 @@ impl SessionRegistry {
 
     fn touch(&mut self, root_id: &str) {
         self.tick += 1;
-        self.used.insert(root_id.to_string(), self.tick);
+        if let Some(before) = self.used.insert(root_id.to_string(), self.tick) {
+            self.by_use.remove(&before);
+        }
+        self.by_use.insert(self.tick, root_id.to_string());
+    }
+
+    fn forget(&mut self, root_id: &str) {
+        if let Some(before) = self.used.remove(root_id) {
+            self.by_use.remove(&before);
+        }
     }
 
     fn get(&mut self, root_id: &str, ctx: &mut Context<Self>) -> Addr<SessionSupervisor> {
@@ -112,23 +125,13 @@ impl SessionRegistry {
         }
         self.last_sweep = Some(std::time::Instant::now());
         self.sweeping = true;
-        // The least recently used few, found in linear time without copying every key: this runs
-        // on the thread of every supervisor, so a sort of ten thousand keys here stalls them all.
-        let mut order: Vec<(u64, &String)> = self
-            .sessions
-            .keys()
-            .map(|k| (self.used.get(k).copied().unwrap_or(0), k))
-            .collect();
-        // Ask a few more than needed: some will be busy.
+        // The least recently used few (a few more than needed: some will be busy).
         let excess = self.sessions.len() - max;
-        let want = (excess * 2 + 1).min(order.len());
-        if want < order.len() {
-            order.select_nth_unstable(want);
-            order.truncate(want);
-        }
-        let candidates: Vec<(String, Addr<SessionSupervisor>)> = order
-            .into_iter()
-            .filter_map(|(_, k)| self.sessions.get(k).map(|a| (k.clone(), a.clone())))
+        let candidates: Vec<(String, Addr<SessionSupervisor>)> = self
+            .by_use
+            .values()
+            .filter_map(|k| self.sessions.get(k).map(|a| (k.clone(), a.clone())))
+            .take(excess * 2 + 1)
             .collect();
         let asks = candidates.into_iter().map(|(k, a)| async move {
             let idle = a.send(IsIdle).await.unwrap_or(false);
@@ -139,15 +142,15 @@ impl SessionRegistry {
             act.sweeping = false;
             let mut left = act.sessions.len().saturating_sub(act.max_loaded());
             for (k, idle) in answers {
-                if left == 0 {
-                    break;
-                }
-                if idle {
+                if idle && left > 0 {
                     if let Some(a) = act.sessions.remove(&k) {
-                        act.used.remove(&k);
+                        act.forget(&k);
                         act.evicted.insert(k, a.downgrade());
                         left -= 1;
                     }
+                } else if !idle && act.used.contains_key(&k) {
+                    // Busy (a parked prompt, a running turn): the next sweep asks others first.
+                    act.touch(&k);
                 }
             }
             act.report();

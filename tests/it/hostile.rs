@@ -1232,6 +1232,44 @@ async fn idle_sessions_are_evicted_and_revived_from_the_store() {
 }
 
 #[actix_rt::test]
+async fn eviction_reaches_idle_sessions_behind_many_busy_ones() {
+    // Twelve followed (busy) sessions are the least recently used; five idle ones come after.
+    // Each sweep asks a few more than the excess, oldest first: the busy ones must not stand in
+    // front of the idle ones for ever.
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": 10}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut watcher = d.ws().await;
+    for i in 0..12 {
+        watcher.session(&format!("busy-{i}"), &home.path).await;
+    }
+    for i in 0..5 {
+        let mut ws = d.ws().await;
+        ws.session(&format!("idle-{i}"), &home.path).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
+        if loaded <= 12.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{loaded} supervisors still loaded: idle sessions were never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The followed sessions are all still served by their supervisors.
+    let first = watcher.session("busy-0", &home.path).await;
+    normal_request(&mut watcher, &first).await;
+}
+
+#[actix_rt::test]
 async fn a_full_session_queue_is_refused_with_session_busy() {
     let model = FakeModel::start(|body| {
         if last_user(body) == "HEAD" {
