@@ -249,40 +249,64 @@ pub struct Retention {
 
 /// Prune every session's log by age and count, in one transaction; the number of events deleted.
 /// `pruned_through` only moves forward, so `truncated` answers stay true once given.
+///
+/// It runs on the writer, so it reads only what it prunes: the heads (one row per session), the
+/// events past the age cutoff (through the age index) and the ranges it deletes (through the
+/// key), never the whole log.
 pub fn prune(
     conn: &mut SqliteConnection,
     retention: Retention,
     now: f64,
 ) -> Result<usize, StoreError> {
+    use diesel::sql_types::Text;
+    #[derive(diesel::QueryableByName)]
+    struct Through {
+        #[diesel(sql_type = Text)]
+        session_id: String,
+        #[diesel(sql_type = BigInt)]
+        pruned_through: i64,
+    }
     let keep = retention.max_per_session.max(1);
     super::write_tx(conn, |conn| {
-        diesel::sql_query(
+        let mut moved: Vec<Through> = diesel::sql_query(
             "UPDATE session_event_heads SET pruned_through = last_seq - ? \
-             WHERE last_seq - ? > pruned_through",
+             WHERE last_seq - ? > pruned_through RETURNING session_id, pruned_through",
         )
         .bind::<BigInt, _>(keep)
         .bind::<BigInt, _>(keep)
-        .execute(conn)?;
+        .load(conn)?;
         if retention.max_age_seconds > 0.0 {
             let cutoff = now - retention.max_age_seconds;
-            diesel::sql_query(
-                "UPDATE session_event_heads SET pruned_through = \
-                   (SELECT MAX(e.seq) FROM session_events e \
-                    WHERE e.session_id = session_event_heads.session_id AND e.created_at < ?) \
-                 WHERE (SELECT MAX(e.seq) FROM session_events e \
-                        WHERE e.session_id = session_event_heads.session_id AND e.created_at < ?) \
-                       > pruned_through",
+            let old: Vec<Through> = diesel::sql_query(
+                "SELECT session_id, MAX(seq) AS pruned_through \
+                 FROM session_events INDEXED BY session_events_age \
+                 WHERE created_at < ? GROUP BY session_id",
             )
             .bind::<Double, _>(cutoff)
-            .bind::<Double, _>(cutoff)
-            .execute(conn)?;
+            .load(conn)?;
+            for o in old {
+                let n = diesel::sql_query(
+                    "UPDATE session_event_heads SET pruned_through = ? \
+                     WHERE session_id = ? AND pruned_through < ?",
+                )
+                .bind::<BigInt, _>(o.pruned_through)
+                .bind::<Text, _>(&o.session_id)
+                .bind::<BigInt, _>(o.pruned_through)
+                .execute(conn)?;
+                if n > 0 {
+                    moved.push(o);
+                }
+            }
         }
-        Ok(diesel::sql_query(
-            "DELETE FROM session_events WHERE seq <= \
-               (SELECT h.pruned_through FROM session_event_heads h \
-                WHERE h.session_id = session_events.session_id)",
-        )
-        .execute(conn)?)
+        let mut deleted = 0;
+        for m in moved {
+            deleted +=
+                diesel::sql_query("DELETE FROM session_events WHERE session_id = ? AND seq <= ?")
+                    .bind::<Text, _>(&m.session_id)
+                    .bind::<BigInt, _>(m.pruned_through)
+                    .execute(conn)?;
+        }
+        Ok(deleted)
     })
 }
 
@@ -355,6 +379,34 @@ mod tests {
             (s.events.len(), s.last_sequence, s.truncated),
             (0, 0, false)
         );
+    }
+
+    /// The pruner runs on the writer every minute: none of its statements may walk the whole log.
+    #[test]
+    fn pruning_reads_only_what_it_prunes() {
+        #[derive(diesel::QueryableByName)]
+        struct Step {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            detail: String,
+        }
+        let (_d, mut c) = setup();
+        for sql in [
+            "SELECT session_id, MAX(seq) AS pruned_through \
+             FROM session_events INDEXED BY session_events_age \
+             WHERE created_at < 1.0 GROUP BY session_id",
+            "DELETE FROM session_events WHERE session_id = 's1' AND seq <= 3",
+        ] {
+            let plan: Vec<Step> = diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
+                .load(&mut c)
+                .expect("plan");
+            let plan: Vec<String> = plan.into_iter().map(|s| s.detail).collect();
+            assert!(
+                plan.iter()
+                    .any(|d| d.starts_with("SEARCH session_events USING"))
+                    && !plan.iter().any(|d| d.starts_with("SCAN session_events")),
+                "{sql}: {plan:?}"
+            );
+        }
     }
 
     #[test]
