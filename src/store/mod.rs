@@ -167,6 +167,15 @@ impl<'a> HotSql<'a> {
     pub fn new(text: &'static str, binds: &'a [Bind<'a>]) -> Self {
         Self { text, binds }
     }
+
+    /// The statement returns one row of SQL type `ST` (`… RETURNING …`), read with
+    /// `get_result`: the write and the read of what it wrote are one statement.
+    pub fn returning<ST>(self) -> HotQuery<'a, ST> {
+        HotQuery {
+            sql: self,
+            row: std::marker::PhantomData,
+        }
+    }
 }
 
 impl diesel::query_builder::QueryId for HotSql<'_> {
@@ -204,17 +213,6 @@ impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_>
 }
 
 impl<Conn> diesel::RunQueryDsl<Conn> for HotSql<'_> {}
-
-impl<'a> HotSql<'a> {
-    /// The statement returns one row of SQL type `ST` (`… RETURNING …`), read with
-    /// `get_result`: the write and the read of what it wrote are one statement.
-    pub fn returning<ST>(self) -> HotQuery<'a, ST> {
-        HotQuery {
-            sql: self,
-            row: std::marker::PhantomData,
-        }
-    }
-}
 
 /// A [`HotSql`] statement that returns rows of SQL type `ST`; kept prepared the same way.
 #[derive(Debug, Clone, Copy)]
