@@ -977,6 +977,22 @@ async fn hostile_control_socket_lines_get_typed_errors() {
 
 // ---------- resource bounds ----------
 
+/// Wait until at most `max` session supervisors are loaded; fails with the count after `timeout`.
+async fn wait_loaded_at_most(origin: &str, max: f64, timeout: Duration, why: &str) {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let loaded = metric(origin, "gatehouse_sessions_loaded").await;
+        if loaded <= max {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{loaded} supervisors still loaded{why}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn metric(origin: &str, name: &str) -> f64 {
     let mut resp = awc::Client::new()
         .get(format!("{origin}/metrics"))
@@ -1186,18 +1202,7 @@ async fn idle_sessions_are_evicted_and_revived_from_the_store() {
         .await;
         sids.push(sid);
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
-        if loaded <= 2.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{loaded} supervisors still loaded"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_loaded_at_most(&origin, 2.0, Duration::from_secs(15), "").await;
     // An evicted session comes back from the store with its history.
     let mut ws = d.ws().await;
     let snap = ws
@@ -1252,18 +1257,13 @@ async fn eviction_reaches_idle_sessions_behind_many_busy_ones() {
         let mut ws = d.ws().await;
         ws.session(&format!("idle-{i}"), &home.path).await;
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
-        if loaded <= 12.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{loaded} supervisors still loaded: idle sessions were never asked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_loaded_at_most(
+        &origin,
+        12.0,
+        Duration::from_secs(20),
+        ": idle sessions were never asked",
+    )
+    .await;
     // The followed sessions are all still served by their supervisors.
     let first = watcher.session("busy-0", &home.path).await;
     normal_request(&mut watcher, &first).await;
