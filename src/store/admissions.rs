@@ -12,6 +12,12 @@ use super::schema::{session_admissions as sa, sessions};
 use super::{Bind, HotSql};
 use crate::error::StoreError;
 
+/// `status != 'terminal'`, written out so that queries across sessions by status can use the
+/// partial index `session_admissions_live` (a bound parameter would not match its condition).
+pub fn is_live() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
+    diesel::dsl::sql("session_admissions.status != 'terminal'")
+}
+
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
 #[diesel(table_name = sa)]
 pub struct AdmissionRow {
@@ -219,6 +225,7 @@ pub fn all_with_status(
     limit: i64,
 ) -> Result<Vec<AdmissionRow>, StoreError> {
     Ok(sa::table
+        .filter(is_live())
         .filter(sa::status.eq(status))
         .order(sa::seq.asc())
         .limit(limit)
@@ -239,11 +246,13 @@ pub fn counts(
 /// Sessions that have queued work and nothing unknown: the pumps to start at boot.
 pub fn sessions_ready_to_pump(conn: &mut SqliteConnection) -> Result<Vec<String>, StoreError> {
     let queued: Vec<String> = sa::table
+        .filter(is_live())
         .filter(sa::status.eq("queued"))
         .select(sa::target_session_id)
         .distinct()
         .load(conn)?;
     let blocked: std::collections::HashSet<String> = sa::table
+        .filter(is_live())
         .filter(sa::status.eq_any(["unknown", "started"]))
         .select(sa::target_session_id)
         .distinct()
@@ -605,6 +614,33 @@ mod tests {
         let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
         testing::session(&mut conn, e, "s1");
         (d, conn, e)
+    }
+
+    /// Live rows across sessions are found through the partial index (settled rows, almost the
+    /// whole ledger, are not in it); with a bound `status != ?` SQLite could not use it.
+    #[test]
+    fn live_rows_by_status_use_the_partial_index() {
+        #[derive(diesel::QueryableByName)]
+        struct Step {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            detail: String,
+        }
+        let (_d, mut c, _) = setup();
+        let query = sa::table
+            .filter(is_live())
+            .filter(sa::status.eq_any(["unknown", "started"]))
+            .select(sa::target_session_id);
+        let sql = diesel::debug_query::<diesel::sqlite::Sqlite, _>(&query).to_string();
+        let sql = sql.split(" -- binds").next().unwrap_or_default();
+        let plan: Vec<Step> = diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
+            .load(&mut c)
+            .expect("plan");
+        assert!(
+            plan.iter()
+                .any(|s| s.detail.contains("USING INDEX session_admissions_live")),
+            "{sql}: {:?}",
+            plan.iter().map(|s| &s.detail).collect::<Vec<_>>()
+        );
     }
 
     /// One turn's transitions: admit, claim, settle with a closing message and an event.

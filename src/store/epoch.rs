@@ -56,6 +56,7 @@ pub fn recover_started(
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let lost: Vec<(String, String, Option<i64>)> = session_admissions::table
+            .filter(super::admissions::is_live())
             .filter(session_admissions::status.eq("started"))
             .filter(session_admissions::owner_epoch.ne(epoch))
             .select((
@@ -78,6 +79,7 @@ pub fn recover_started(
         }
         let n = diesel::update(
             session_admissions::table
+                .filter(super::admissions::is_live())
                 .filter(session_admissions::status.eq("started"))
                 .filter(session_admissions::owner_epoch.ne(epoch)),
         )

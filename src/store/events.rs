@@ -3,7 +3,8 @@
 //! Every notification that reports a committed state change (an admission, a claim, a settlement,
 //! a prompt opened or settled, tool activity) is appended here by the transition that makes the
 //! change, in the same transaction, with the session's next sequence number (`+1`, never reused).
-//! Streaming deltas are not stored. Old events are pruned by age and count
+//! The events of one transaction are stored as one row (a batch), so a commit adds one row and
+//! one key entry however many events it reports. Streaming deltas are not stored. Old events are pruned by age and count
 //! ([`prune`]); a reader asking for events that were pruned is told `truncated`.
 
 use diesel::prelude::*;
@@ -14,15 +15,17 @@ use serde_json::{json, Value};
 use super::{Bind, HotSql};
 use crate::error::StoreError;
 
-/// Hand-written table definitions (see `migrations/2026-11-29-000003_session_events/up.sql`).
+/// Hand-written table definitions (see `migrations/2026-11-29-000003_session_events/up.sql` and
+/// `migrations/2026-11-30-000004_lean_event_log/up.sql`).
 pub mod schema {
     diesel::table! {
-        session_events (session_id, seq) {
+        /// One row per transaction that appended events: `events_json` is
+        /// `[[type, payload], ...]` for `first_seq..=last_seq`.
+        session_event_batches (session_id, last_seq) {
             session_id -> Text,
-            seq -> BigInt,
-            #[sql_name = "type"]
-            kind -> Text,
-            payload_json -> Text,
+            last_seq -> BigInt,
+            first_seq -> BigInt,
+            events_json -> Text,
             created_at -> Double,
         }
     }
@@ -36,7 +39,7 @@ pub mod schema {
     }
 }
 
-use schema::{session_event_heads as heads, session_events as ev};
+use schema::{session_event_batches as batches, session_event_heads as heads};
 
 /// An event to append: its type (`message.complete`, `approval.request`, …) and payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,8 +58,7 @@ impl NewEvent {
 }
 
 /// One stored event.
-#[derive(Debug, Clone, PartialEq, Queryable, Selectable)]
-#[diesel(table_name = ev)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EventRow {
     pub session_id: String,
     pub seq: i64,
@@ -159,27 +161,38 @@ pub fn append(
                 .ok_or_else(|| StoreError::Other(format!("no event head for session {session}")))?
         }
     };
-    let last = end - n;
+    let first = end - n + 1;
     let mut rows = Vec::with_capacity(events.len());
+    let mut batch = String::with_capacity(64 * events.len());
+    batch.push('[');
     for (i, e) in events.iter().enumerate() {
         let row = EventRow {
             session_id: session.to_string(),
-            seq: last + 1 + i as i64,
+            seq: first + i as i64,
             kind: e.kind.clone(),
             payload_json: e.payload.to_string(),
             created_at: now,
         };
-        diesel::insert_into(ev::table)
-            .values((
-                ev::session_id.eq(&row.session_id),
-                ev::seq.eq(row.seq),
-                ev::kind.eq(&row.kind),
-                ev::payload_json.eq(&row.payload_json),
-                ev::created_at.eq(row.created_at),
-            ))
-            .execute(conn)?;
+        if i > 0 {
+            batch.push(',');
+        }
+        batch.push('[');
+        batch.push_str(&Value::from(row.kind.as_str()).to_string());
+        batch.push(',');
+        batch.push_str(&row.payload_json);
+        batch.push(']');
         rows.push(row);
     }
+    batch.push(']');
+    diesel::insert_into(batches::table)
+        .values((
+            batches::session_id.eq(session),
+            batches::last_seq.eq(end),
+            batches::first_seq.eq(first),
+            batches::events_json.eq(&batch),
+            batches::created_at.eq(now),
+        ))
+        .execute(conn)?;
     Ok(rows)
 }
 
@@ -216,13 +229,41 @@ pub fn since(
     let after = after.max(0);
     conn.transaction(|conn| {
         let h = head(conn, session)?;
-        let mut events: Vec<EventRow> = ev::table
-            .filter(ev::session_id.eq(session))
-            .filter(ev::seq.gt(after))
-            .order(ev::seq.asc())
-            .limit(limit + 1)
-            .select(EventRow::as_select())
+        // Events at or below `pruned_through` may still sit in a batch that straddles it.
+        let start = after.max(h.pruned_through);
+        // Only the first batch can hold events at or below `start`, and every batch holds at
+        // least one event: `limit + 2` batches hold `limit + 1` events when there are that many.
+        let stored: Vec<(i64, String, f64)> = batches::table
+            .filter(batches::session_id.eq(session))
+            .filter(batches::last_seq.gt(start))
+            .order(batches::last_seq.asc())
+            .limit(limit + 2)
+            .select((
+                batches::first_seq,
+                batches::events_json,
+                batches::created_at,
+            ))
             .load(conn)?;
+        let mut events = Vec::new();
+        for (first_seq, json, created_at) in stored {
+            let parsed: Vec<(String, Value)> = serde_json::from_str(&json).map_err(|e| {
+                StoreError::Other(format!(
+                    "event batch of session {session} at {first_seq} is not readable: {e}"
+                ))
+            })?;
+            for (i, (kind, payload)) in parsed.into_iter().enumerate() {
+                let seq = first_seq + i as i64;
+                if seq > start && events.len() as i64 <= limit {
+                    events.push(EventRow {
+                        session_id: session.to_string(),
+                        seq,
+                        kind,
+                        payload_json: payload.to_string(),
+                        created_at,
+                    });
+                }
+            }
+        }
         let has_more = events.len() as i64 > limit;
         events.truncate(limit as usize);
         let last_sequence = events
@@ -247,17 +288,31 @@ pub struct Retention {
     pub max_per_session: i64,
 }
 
-/// Prune every session's log by age and count, in one transaction; the number of events deleted.
-/// `pruned_through` only moves forward, so `truncated` answers stay true once given.
+/// How many of the oldest batches one pruning transaction walks for the age rule, at most.
+const AGE_WALK: usize = 4096;
+
+/// What one pruning transaction did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pruned {
+    /// Stored batches deleted.
+    pub batches: usize,
+    /// The age rule stopped at [`AGE_WALK`] batches: run again for the rest.
+    pub more: bool,
+}
+
+/// Prune every session's log by age and count, in one transaction. `pruned_through` only moves
+/// forward, so `truncated` answers stay true once given; a batch that straddles it stays until
+/// all its events are pruned (readers skip the pruned ones).
 ///
 /// It runs on the writer, so it reads only what it prunes: the heads (one row per session), the
-/// events past the age cutoff (through the age index) and the ranges it deletes (through the
-/// key), never the whole log.
+/// oldest batches up to the first that is not past the cutoff (in rowid order, which is the
+/// order they were written; at most [`AGE_WALK`] per transaction) and the ranges it deletes
+/// (through the key), never the whole log.
 pub fn prune(
     conn: &mut SqliteConnection,
     retention: Retention,
     now: f64,
-) -> Result<usize, StoreError> {
+) -> Result<Pruned, StoreError> {
     use diesel::sql_types::Text;
     #[derive(diesel::QueryableByName)]
     struct Through {
@@ -265,6 +320,15 @@ pub fn prune(
         session_id: String,
         #[diesel(sql_type = BigInt)]
         pruned_through: i64,
+    }
+    #[derive(diesel::QueryableByName)]
+    struct Stored {
+        #[diesel(sql_type = Text)]
+        session_id: String,
+        #[diesel(sql_type = BigInt)]
+        last_seq: i64,
+        #[diesel(sql_type = Double)]
+        created_at: f64,
     }
     let keep = retention.max_per_session.max(1);
     super::write_tx(conn, |conn| {
@@ -275,42 +339,62 @@ pub fn prune(
         .bind::<BigInt, _>(keep)
         .bind::<BigInt, _>(keep)
         .load(conn)?;
+        let mut more = false;
         if retention.max_age_seconds > 0.0 {
             let cutoff = now - retention.max_age_seconds;
-            let old: Vec<Through> = diesel::sql_query(
-                "SELECT session_id, MAX(seq) AS pruned_through \
-                 FROM session_events INDEXED BY session_events_age \
-                 WHERE created_at < ? GROUP BY session_id",
+            let oldest: Vec<Stored> = diesel::sql_query(
+                "SELECT session_id, last_seq, created_at FROM session_event_batches \
+                 ORDER BY rowid LIMIT ?",
             )
-            .bind::<Double, _>(cutoff)
+            .bind::<BigInt, _>(AGE_WALK as i64 + 1)
             .load(conn)?;
-            for o in old {
+            let mut old: std::collections::HashMap<String, i64> = Default::default();
+            for (i, b) in oldest.into_iter().enumerate() {
+                if b.created_at >= cutoff {
+                    break;
+                }
+                if i == AGE_WALK {
+                    more = true;
+                    break;
+                }
+                let through = old.entry(b.session_id).or_insert(b.last_seq);
+                *through = (*through).max(b.last_seq);
+            }
+            for (session_id, through) in old {
                 let n = diesel::sql_query(
                     "UPDATE session_event_heads SET pruned_through = ? \
                      WHERE session_id = ? AND pruned_through < ?",
                 )
-                .bind::<BigInt, _>(o.pruned_through)
-                .bind::<Text, _>(&o.session_id)
-                .bind::<BigInt, _>(o.pruned_through)
+                .bind::<BigInt, _>(through)
+                .bind::<Text, _>(&session_id)
+                .bind::<BigInt, _>(through)
                 .execute(conn)?;
                 if n > 0 {
-                    moved.push(o);
+                    moved.push(Through {
+                        session_id,
+                        pruned_through: through,
+                    });
                 }
             }
         }
         let mut deleted = 0;
         for m in moved {
-            deleted +=
-                diesel::sql_query("DELETE FROM session_events WHERE session_id = ? AND seq <= ?")
-                    .bind::<Text, _>(&m.session_id)
-                    .bind::<BigInt, _>(m.pruned_through)
-                    .execute(conn)?;
+            deleted += diesel::sql_query(
+                "DELETE FROM session_event_batches WHERE session_id = ? AND last_seq <= ?",
+            )
+            .bind::<Text, _>(&m.session_id)
+            .bind::<BigInt, _>(m.pruned_through)
+            .execute(conn)?;
         }
-        Ok(deleted)
+        Ok(Pruned {
+            batches: deleted,
+            more,
+        })
     })
 }
 
 /// Prune every `every` (first right away) on the current arbiter, for the life of the process.
+/// A backlog of old events is pruned in several transactions, so other commits run between them.
 pub fn spawn_pruner(
     db: super::Db,
     clock: crate::clock::SharedClock,
@@ -322,11 +406,24 @@ pub fn spawn_pruner(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let now = clock.now();
-            match db.write(move |c| prune(c, retention, now)).await {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(pruned = n, "pruned session events"),
-                Err(e) => tracing::warn!(error = %e, "cannot prune session events"),
+            let mut batches = 0;
+            loop {
+                let now = clock.now();
+                match db.write(move |c| prune(c, retention, now)).await {
+                    Ok(p) => {
+                        batches += p.batches;
+                        if !p.more {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot prune session events");
+                        break;
+                    }
+                }
+            }
+            if batches > 0 {
+                tracing::debug!(batches, "pruned session events");
             }
         }
     });
@@ -391,19 +488,21 @@ mod tests {
         }
         let (_d, mut c) = setup();
         for sql in [
-            "SELECT session_id, MAX(seq) AS pruned_through \
-             FROM session_events INDEXED BY session_events_age \
-             WHERE created_at < 1.0 GROUP BY session_id",
-            "DELETE FROM session_events WHERE session_id = 's1' AND seq <= 3",
+            "SELECT session_id, last_seq, created_at FROM session_event_batches \
+             ORDER BY rowid LIMIT 4097",
+            "DELETE FROM session_event_batches WHERE session_id = 's1' AND last_seq <= 3",
+            "SELECT first_seq, events_json FROM session_event_batches \
+             WHERE session_id = 's1' AND last_seq > 3 ORDER BY last_seq LIMIT 10",
         ] {
             let plan: Vec<Step> = diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
                 .load(&mut c)
                 .expect("plan");
             let plan: Vec<String> = plan.into_iter().map(|s| s.detail).collect();
             assert!(
-                plan.iter()
-                    .any(|d| d.starts_with("SEARCH session_events USING"))
-                    && !plan.iter().any(|d| d.starts_with("SCAN session_events")),
+                plan.iter().any(|d| {
+                    d.starts_with("SEARCH session_event_batches USING")
+                        || d == "SCAN session_event_batches"
+                }) && !plan.iter().any(|d| d.starts_with("USE TEMP B-TREE")),
                 "{sql}: {plan:?}"
             );
         }
@@ -412,15 +511,16 @@ mod tests {
     #[test]
     fn pruning_by_count_and_age_reports_truncated_and_keeps_the_head() {
         let (_d, mut c) = setup();
+        // Written in time order (the age rule walks the log in the order it was written).
+        append_tx(&mut c, "s2", &[ev(0)], 10.0).expect("append");
         for i in 0..6 {
             append_tx(&mut c, "s1", &[ev(i)], 10.0 + i as f64).expect("append");
         }
-        append_tx(&mut c, "s2", &[ev(0)], 10.0).expect("append");
         let keep_four = Retention {
             max_age_seconds: 0.0,
             max_per_session: 4,
         };
-        assert_eq!(prune(&mut c, keep_four, 100.0).expect("prune"), 2);
+        assert_eq!(prune(&mut c, keep_four, 100.0).expect("prune").batches, 2);
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(s.events.first().map(|e| e.seq), Some(3));
@@ -430,7 +530,7 @@ mod tests {
             max_age_seconds: 86.5,
             max_per_session: 100,
         };
-        assert_eq!(prune(&mut c, by_age, 100.0).expect("prune"), 3);
+        assert_eq!(prune(&mut c, by_age, 100.0).expect("prune").batches, 3);
         let s = since(&mut c, "s1", 2, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(
@@ -448,5 +548,158 @@ mod tests {
         assert_eq!((s.events.len(), s.last_sequence, s.truncated), (0, 6, true));
         let next = append_tx(&mut c, "s1", &[ev(7)], 1000.0).expect("append");
         assert_eq!(next[0].seq, 7);
+    }
+
+    /// The events of one transaction are one stored batch; pruning that reaches into the middle
+    /// of a batch hides the pruned events from readers and keeps the rest.
+    #[test]
+    fn a_batch_straddling_the_pruned_mark_is_read_in_part() {
+        let (_d, mut c) = setup();
+        let rows = append_tx(&mut c, "s1", &[ev(1), ev(2), ev(3)], 10.0).expect("append");
+        assert_eq!(
+            rows.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        append_tx(&mut c, "s1", &[ev(4), ev(5)], 11.0).expect("append");
+        let keep_three = Retention {
+            max_age_seconds: 0.0,
+            max_per_session: 3,
+        };
+        // Through 2: the first batch (1..=3) still holds 3.
+        assert_eq!(prune(&mut c, keep_three, 100.0).expect("prune").batches, 0);
+        let s = since(&mut c, "s1", 0, 10).expect("since");
+        assert!(s.truncated);
+        assert_eq!(
+            s.events
+                .iter()
+                .map(|e| (e.seq, e.payload()["n"].as_i64()))
+                .collect::<Vec<_>>(),
+            vec![(3, Some(3)), (4, Some(4)), (5, Some(5))]
+        );
+        assert_eq!(s.events[0].kind, "tool.start");
+        assert_eq!(s.events[0].created_at, 10.0);
+        // A limit inside a batch: has_more, and the next page starts where this one ended.
+        let s = since(&mut c, "s1", 0, 2).expect("since");
+        assert_eq!(
+            (
+                s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+                s.has_more
+            ),
+            (vec![3, 4], true)
+        );
+        let s = since(&mut c, "s1", s.last_sequence, 2).expect("since");
+        assert_eq!(
+            (
+                s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+                s.has_more
+            ),
+            (vec![5], false)
+        );
+    }
+
+    /// A backlog past the age cutoff larger than one walk is pruned over several transactions,
+    /// and the walk stops at the first batch that is not old enough.
+    #[test]
+    fn an_age_backlog_is_pruned_in_bounded_steps() {
+        let (_d, mut c) = setup();
+        for i in 0..(AGE_WALK + 10) {
+            let session = if i % 2 == 0 { "s1" } else { "s2" };
+            append_tx(&mut c, session, &[ev(i as i64)], 1.0).expect("append");
+        }
+        append_tx(&mut c, "s1", &[ev(-1)], 50.0).expect("append");
+        let by_age = Retention {
+            max_age_seconds: 10.0,
+            max_per_session: 1_000_000,
+        };
+        let first = prune(&mut c, by_age, 20.0).expect("prune");
+        assert_eq!(
+            first,
+            Pruned {
+                batches: AGE_WALK,
+                more: true
+            }
+        );
+        let second = prune(&mut c, by_age, 20.0).expect("prune");
+        assert_eq!(
+            second,
+            Pruned {
+                batches: 10,
+                more: false
+            }
+        );
+        let s = since(&mut c, "s1", 0, 10).expect("since");
+        assert!(s.truncated);
+        assert_eq!(
+            s.events
+                .iter()
+                .map(|e| e.payload()["n"].as_i64())
+                .collect::<Vec<_>>(),
+            vec![Some(-1)]
+        );
+        assert!(since(&mut c, "s2", 0, 10).expect("since").events.is_empty());
+        assert_eq!(
+            prune(&mut c, by_age, 20.0).expect("prune"),
+            Pruned::default()
+        );
+    }
+
+    /// A log written one row per event (before batches) reads back the same after the migration
+    /// that turns each stored event into a batch of one.
+    #[test]
+    fn events_stored_before_batches_read_back_after_the_migration() {
+        use diesel::connection::SimpleConnection;
+        use diesel::migration::MigrationSource;
+        use diesel::Connection;
+        use diesel_migrations::MigrationHarness;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        let all = crate::store::MIGRATIONS.migrations().expect("migrations");
+        let mut names: Vec<String> = all.iter().map(|m| m.name().to_string()).collect();
+        names.sort();
+        let before = names
+            .iter()
+            .position(|n| n.ends_with("_lean_event_log"))
+            .expect("the batch migration");
+        diesel::migration::MigrationConnection::setup(&mut c).expect("migration table");
+        for name in &names[..before] {
+            let m = all
+                .iter()
+                .find(|m| m.name().to_string() == *name)
+                .expect("migration");
+            c.run_migration(m).expect("older migration");
+        }
+        c.batch_execute(
+            r#"PRAGMA foreign_keys = OFF;
+               INSERT INTO session_events (session_id, seq, type, payload_json, created_at) VALUES
+                 ('s1', 1, 'session.info', '{"admitted":"a1","sequence":1}', 10.0),
+                 ('s1', 2, 'message.complete', '{"text":"h\u00e9 \"q\""}', 11.0),
+                 ('s2', 1, 'session.info', '{}', 12.0);
+               INSERT INTO session_event_heads (session_id, last_seq, pruned_through)
+                 VALUES ('s1', 2, 0), ('s2', 1, 0);"#,
+        )
+        .expect("old events");
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let s = since(&mut c, "s1", 0, 10).expect("since");
+        assert_eq!(
+            s.events
+                .iter()
+                .map(|e| (e.seq, e.kind.as_str(), e.payload(), e.created_at))
+                .collect::<Vec<_>>(),
+            vec![
+                (
+                    1,
+                    "session.info",
+                    json!({"admitted": "a1", "sequence": 1}),
+                    10.0
+                ),
+                (2, "message.complete", json!({"text": "hé \"q\""}), 11.0),
+            ]
+        );
+        // The next event continues the sequence in a batch of its own.
+        let next = append_tx(&mut c, "s2", &[ev(1), ev(2)], 13.0).expect("append");
+        assert_eq!(next.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![2, 3]);
+        assert_eq!(since(&mut c, "s2", 0, 10).expect("since").events.len(), 3);
     }
 }

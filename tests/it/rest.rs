@@ -246,14 +246,10 @@ fn completes(admission: &Value) -> impl Fn(&Ev) -> bool + '_ {
 
 /// `(seq, type)` of every stored event of `session`.
 fn stored_events(home: &Home, session: &str) -> Vec<(i64, String)> {
-    use diesel::prelude::*;
-    use gatehouse::store::events::schema::session_events as ev;
-    ev::table
-        .filter(ev::session_id.eq(session))
-        .order(ev::seq.asc())
-        .select((ev::seq, ev::kind))
-        .load(&mut home.db())
-        .expect("events")
+    let stored =
+        gatehouse::store::events::since(&mut home.db(), session, 0, 100_000).expect("events");
+    assert!(!stored.has_more);
+    stored.events.into_iter().map(|e| (e.seq, e.kind)).collect()
 }
 
 fn durable(events: &[Ev]) -> Vec<(i64, String)> {
