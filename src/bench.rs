@@ -211,6 +211,24 @@ impl Daemon {
         (field("VmRSS:"), field("VmHWM:"))
     }
 
+    /// CPU time (user and system) the daemon has used so far.
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // Fields after the command name (which is in parentheses and may hold spaces):
+        // utime and stime are the 12th and 13th, in clock ticks.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+        let ticks: u64 = rest
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .filter_map(|v| v.parse::<u64>().ok())
+            .sum();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+        ticks as f64 / hz as f64
+    }
+
     fn stop(mut self) {
         // SAFETY: signalling our own child.
         unsafe {
@@ -348,6 +366,15 @@ async fn measure<F>(clients: impl IntoIterator<Item = F>) -> Result<Value, Strin
 where
     F: std::future::Future<Output = Result<Vec<f64>, String>>,
 {
+    let (all, wall) = measure_raw(clients).await?;
+    Ok(summary(all, wall))
+}
+
+/// Run the clients together: every latency they recorded (ms) and the wall time (s).
+async fn measure_raw<F>(clients: impl IntoIterator<Item = F>) -> Result<(Vec<f64>, f64), String>
+where
+    F: std::future::Future<Output = Result<Vec<f64>, String>>,
+{
     let started = Instant::now();
     let results = futures_util::future::join_all(clients).await;
     let wall = started.elapsed().as_secs_f64();
@@ -355,7 +382,7 @@ where
     for r in results {
         all.extend(r?);
     }
-    Ok(summary(all, wall))
+    Ok((all, wall))
 }
 
 fn round(x: f64) -> f64 {
@@ -511,19 +538,20 @@ async fn floor(model_url: &str, concurrency: usize, total: usize) -> Result<Valu
     measure(tasks).await
 }
 
-async fn healthy_p99(
+/// One round of 16 healthy sessions on fresh sessions: every turn's latency and the wall time.
+async fn healthy_round(
     home: &Path,
     origin: &str,
     round_no: usize,
     per: usize,
-) -> Result<Value, String> {
+) -> Result<(Vec<f64>, f64), String> {
     let mut clients = Vec::new();
     for i in 0..16 {
         let mut c = Client::connect(home, origin).await?;
         let sid = c.session(&format!("healthy-{round_no}-{i}"), home).await?;
         clients.push((c, sid));
     }
-    measure(
+    measure_raw(
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "h", home)),
@@ -531,18 +559,25 @@ async fn healthy_p99(
     .await
 }
 
-/// Isolation and memory: 16 healthy sessions alone, then beside N parked sessions and a hung room.
+/// Isolation and memory: 16 healthy sessions on a daemon alone, and on a daemon beside N parked
+/// sessions and a hung room. The two daemons run side by side and their rounds alternate
+/// (alone, loaded, alone, …), so a slow minute of a shared machine falls on both; the p99s are
+/// taken over all rounds of each. The loaded daemon's CPU time while the alone rounds run is
+/// reported: it is what its parked sessions and hung room cost the machine.
 async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value), String> {
+    let alone_home = make_home(&opts.dir, "iso-alone")?;
+    write_config(&alone_home, model_url)?;
+    let (alone_daemon, _) = Daemon::start(&alone_home)?;
     let home = make_home(&opts.dir, "iso")?;
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = daemon.rss_kib();
     let per = if opts.quick { 20 } else { 400 };
-    // Both measured rounds run warm: the first turns of a daemon prepare its statements and open
-    // its model connections.
-    healthy_p99(&home, &daemon.origin, 0, per / 4).await?;
-    progress("isolation: 16 healthy sessions alone");
-    let alone = healthy_p99(&home, &daemon.origin, 1, per).await?;
+    let rounds = if opts.quick { 1 } else { 3 };
+    // Every measured round runs warm: the first turns of a daemon prepare its statements and
+    // open its model connections.
+    healthy_round(&alone_home, &alone_daemon.origin, 0, per / 4).await?;
+    healthy_round(&home, &daemon.origin, 0, per / 4).await?;
     let before_park = daemon.rss_kib();
     // Park N sessions on approval prompts, spread over a few connections.
     let conns = (opts.parked / 200).clamp(1, 64);
@@ -574,7 +609,7 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         actix_rt::time::sleep(Duration::from_millis(100)).await;
     }
     // Parking is over when its last writes (prompt records, events) are: measuring while they
-    // drain would charge the parking itself to the loaded round.
+    // drain would charge the parking itself to the loaded rounds.
     quiesce(&daemon.origin).await?;
     // One room whose member hangs on a model that never answers.
     let turns_before = metric(&daemon.origin, "gatehouse_turns_started_total").await?;
@@ -599,9 +634,31 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         actix_rt::time::sleep(Duration::from_millis(20)).await;
     }
     let parked_rss = daemon.rss_kib();
-    progress("isolation: 16 healthy sessions beside the parked sessions and the hung room");
-    let loaded = healthy_p99(&home, &daemon.origin, 2, per).await?;
+    let (mut alone_ms, mut loaded_ms) = (Vec::new(), Vec::new());
+    let (mut alone_wall, mut loaded_wall) = (0.0, 0.0);
+    let (mut alone_rounds, mut loaded_rounds) = (Vec::new(), Vec::new());
+    let mut background_cpu = 0.0;
+    for r in 1..=rounds {
+        progress(&format!(
+            "isolation round {r}/{rounds}: 16 healthy sessions alone"
+        ));
+        let cpu = daemon.cpu_seconds();
+        let (ms, wall) = healthy_round(&alone_home, &alone_daemon.origin, r, per).await?;
+        background_cpu += daemon.cpu_seconds() - cpu;
+        alone_rounds.push(summary(ms.clone(), wall)["p99_ms"].clone());
+        alone_ms.extend(ms);
+        alone_wall += wall;
+        progress(&format!(
+            "isolation round {r}/{rounds}: 16 healthy sessions beside the parked sessions and the hung room"
+        ));
+        let (ms, wall) = healthy_round(&home, &daemon.origin, r, per).await?;
+        loaded_rounds.push(summary(ms.clone(), wall)["p99_ms"].clone());
+        loaded_ms.extend(ms);
+        loaded_wall += wall;
+    }
     progress("isolation: done");
+    let alone = summary(alone_ms, alone_wall);
+    let loaded = summary(loaded_ms, loaded_wall);
     let ratio = loaded["p99_ms"].as_f64().unwrap_or(0.0)
         / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9);
     let per_parked = (parked_rss.0.saturating_sub(before_park.0)) as f64 / parked.max(1) as f64;
@@ -609,8 +666,12 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     drop(parkers);
     drop(rc);
     daemon.stop();
+    alone_daemon.stop();
     Ok((
-        json!({"parked_sessions": parked, "alone": alone, "loaded": loaded, "p99_ratio": round(ratio)}),
+        json!({"parked_sessions": parked, "rounds": rounds, "alone": alone, "loaded": loaded,
+               "alone_rounds_p99_ms": alone_rounds, "loaded_rounds_p99_ms": loaded_rounds,
+               "loaded_daemon_cpu_seconds_during_alone_rounds": round(background_cpu),
+               "p99_ratio": round(ratio)}),
         json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0, "rss_parked_kib": parked_rss.0,
                "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
     ))
@@ -871,8 +932,11 @@ pub fn table(r: &Value) -> String {
     let i = &r["isolation"];
     if !i.is_null() {
         out.push_str(&format!(
-        "\nisolation: 16 healthy sessions p99 {} ms alone, {} ms beside {} parked sessions and a hung room → ratio {}\n",
-        i["alone"]["p99_ms"], i["loaded"]["p99_ms"], i["parked_sessions"], i["p99_ratio"]
+        "\nisolation: 16 healthy sessions p99 {} ms alone, {} ms beside {} parked sessions and a hung room → ratio {}\n  \
+         {} alternating rounds each; p99 by round: alone {}, loaded {}; the loaded daemon used {} s of CPU during the alone rounds\n",
+        i["alone"]["p99_ms"], i["loaded"]["p99_ms"], i["parked_sessions"], i["p99_ratio"],
+        i["rounds"], i["alone_rounds_p99_ms"], i["loaded_rounds_p99_ms"],
+        i["loaded_daemon_cpu_seconds_during_alone_rounds"]
     ));
         let mm = &r["memory"];
         out.push_str(&format!(

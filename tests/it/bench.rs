@@ -42,6 +42,15 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             && t["floor"]["count"] == t["turn"]["count"]
     ));
     assert_eq!(report["isolation"]["parked_sessions"], 100);
+    assert_eq!(report["isolation"]["rounds"], 1);
+    assert!(report["isolation"]["loaded_rounds_p99_ms"][0]
+        .as_f64()
+        .is_some_and(|p| p > 0.0));
+    assert!(
+        report["isolation"]["loaded_daemon_cpu_seconds_during_alone_rounds"]
+            .as_f64()
+            .is_some_and(|s| s >= 0.0)
+    );
     assert!(report["isolation"]["p99_ratio"]
         .as_f64()
         .is_some_and(|r| r > 0.0));
