@@ -221,6 +221,7 @@ impl Gateway {
             runtime: runtime.clone(),
             clock: clock.clone(),
             metrics,
+            ledger: Default::default(),
         });
         let registry = SessionRegistry::new(shared.clone()).start();
         let authority = Authority {

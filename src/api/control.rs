@@ -147,7 +147,7 @@ impl Control {
                 json!({"ticket": ticket, "expires_at": expires_at as i64, "instance_id": shared.runtime.instance_id})
             }
             "status" => {
-                let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
+                let counts = shared.ledger_counts().await.unwrap_or_default();
                 let mut by_status = serde_json::Map::new();
                 for (status, _, n) in counts {
                     let e = by_status.entry(status).or_insert(json!(0));

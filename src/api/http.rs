@@ -10,7 +10,6 @@ use super::auth::{self, HttpAuth};
 use super::rpc::Authority;
 use super::tickets::Tickets;
 use crate::session::RuntimePhase;
-use crate::store::admissions;
 
 pub struct AppState {
     pub authority: Authority,
@@ -48,7 +47,7 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         }
     }
     let shared = state.authority.shared.clone();
-    let counts = shared.db.read(admissions::counts).await.unwrap_or_default();
+    let counts = shared.ledger_counts().await.unwrap_or_default();
     let mut body = shared.metrics.render(&counts);
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms

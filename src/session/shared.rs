@@ -86,10 +86,28 @@ pub struct Shared {
     pub runtime: Arc<RuntimeState>,
     pub clock: SharedClock,
     pub metrics: Arc<Metrics>,
+    /// The admission ledger's counts, kept between reads (metrics and status).
+    pub ledger: Arc<std::sync::Mutex<crate::store::admissions::LedgerTally>>,
 }
 
 impl Shared {
     pub fn now(&self) -> f64 {
         self.clock.now()
+    }
+
+    /// The admission ledger's `(status, outcome, count)`, reading only rows not yet settled
+    /// when last counted (see [`crate::store::admissions::LedgerTally`]).
+    pub async fn ledger_counts(
+        &self,
+    ) -> Result<Vec<(String, Option<String>, i64)>, crate::error::StoreError> {
+        let tally = self.ledger.clone();
+        self.db
+            .read(move |c| {
+                let mut tally = tally.lock().map_err(|_| {
+                    crate::error::StoreError::Other("the ledger tally was poisoned".into())
+                })?;
+                tally.counts(c)
+            })
+            .await
     }
 }

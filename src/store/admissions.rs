@@ -233,14 +233,65 @@ pub fn all_with_status(
         .load(conn)?)
 }
 
-/// Counts by status (and outcome for terminal rows), for metrics and status.
-pub fn counts(
-    conn: &mut SqliteConnection,
-) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
-    Ok(sa::table
-        .group_by((sa::status, sa::outcome))
-        .select((sa::status, sa::outcome, diesel::dsl::count_star()))
-        .load(conn)?)
+/// The ledger's counts by status (and outcome for settled rows), for metrics and status,
+/// without reading settled history again on every call. Every row up to the oldest live row is
+/// settled and stays settled (nothing changes a terminal row), so those rows are counted once
+/// and kept here; each call reads only the rows after that mark, normally the last few, since
+/// live rows are recent. (A row left `unknown` for long holds the mark back until resolved.)
+#[derive(Debug, Default)]
+pub struct LedgerTally {
+    /// Rows with `seq <= through` are settled and counted in `settled`.
+    through: i64,
+    settled: std::collections::BTreeMap<Option<String>, i64>,
+}
+
+impl LedgerTally {
+    /// `(status, outcome, count)` for every pair present, in one snapshot.
+    pub fn counts(
+        &mut self,
+        conn: &mut SqliteConnection,
+    ) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
+        use diesel::dsl::{count_star, max, min};
+        conn.transaction(|conn| {
+            let oldest_live: Option<i64> = sa::table
+                .filter(is_live())
+                .select(min(sa::seq))
+                .get_result(conn)?;
+            let mark = match oldest_live {
+                Some(seq) => seq - 1,
+                None => sa::table
+                    .select(max(sa::seq))
+                    .get_result::<Option<i64>>(conn)?
+                    .unwrap_or(0),
+            };
+            if mark > self.through {
+                let newly: Vec<(Option<String>, i64)> = sa::table
+                    .filter(sa::seq.gt(self.through))
+                    .filter(sa::seq.le(mark))
+                    .group_by(sa::outcome)
+                    .select((sa::outcome, count_star()))
+                    .load(conn)?;
+                for (outcome, n) in newly {
+                    *self.settled.entry(outcome).or_insert(0) += n;
+                }
+                self.through = mark;
+            }
+            let mut all: std::collections::BTreeMap<(String, Option<String>), i64> = self
+                .settled
+                .iter()
+                .map(|(o, n)| (("terminal".to_string(), o.clone()), *n))
+                .collect();
+            let tail: Vec<(String, Option<String>, i64)> = sa::table
+                .filter(sa::seq.gt(self.through))
+                .group_by((sa::status, sa::outcome))
+                .select((sa::status, sa::outcome, count_star()))
+                .load(conn)?;
+            for (status, outcome, n) in tail {
+                *all.entry((status, outcome)).or_insert(0) += n;
+            }
+            Ok(all.into_iter().map(|((s, o), n)| (s, o, n)).collect())
+        })
+    }
 }
 
 /// Sessions that have queued work and nothing unknown: the pumps to start at boot.
@@ -641,6 +692,76 @@ mod tests {
             "{sql}: {:?}",
             plan.iter().map(|s| &s.detail).collect::<Vec<_>>()
         );
+    }
+
+    /// The kept tally matches a full count of the ledger at every step: rows settling out of
+    /// order, a live row holding the mark back, and the mark moving past rows counted before.
+    #[test]
+    fn the_ledger_tally_matches_a_full_count_without_rereading_settled_rows() {
+        let (_d, mut c, e) = setup();
+        testing::session(&mut c, e, "s2");
+        let full = |c: &mut SqliteConnection| -> Vec<(String, Option<String>, i64)> {
+            let mut v: Vec<(String, Option<String>, i64)> = sa::table
+                .group_by((sa::status, sa::outcome))
+                .select((sa::status, sa::outcome, diesel::dsl::count_star()))
+                .load(c)
+                .expect("full count");
+            v.sort();
+            v
+        };
+        let mut tally = LedgerTally::default();
+        let check = |c: &mut SqliteConnection, tally: &mut LedgerTally| {
+            assert_eq!(tally.counts(c).expect("tally"), full(c));
+        };
+        check(&mut c, &mut tally);
+        // s2's input stays queued behind a started one: it holds the mark at its sequence.
+        let started = admit(&mut c, e, "p", "s2", "hold-1", "x", 10, 1.0)
+            .expect("admit")
+            .value
+            .0
+            .admission_id;
+        claim_next(&mut c, e, "s2", 1.0).expect("claim");
+        let queued = admit(&mut c, e, "p", "s2", "hold-2", "x", 10, 1.0)
+            .expect("admit")
+            .value
+            .0
+            .admission_id;
+        for i in 0..3 {
+            one_turn(&mut c, e, &format!("in-{i}"));
+            check(&mut c, &mut tally);
+        }
+        assert_eq!(
+            tally.through, 0,
+            "the started row of s2 is the oldest live row"
+        );
+        cancel(&mut c, e, "s2", &queued, 2.0).expect("cancel queued");
+        check(&mut c, &mut tally);
+        let generation = by_id(&mut c, &started).expect("row").execution_generation;
+        settle(
+            &mut c,
+            e,
+            "s2",
+            &started,
+            generation.unwrap_or(0),
+            "failed",
+            "{}",
+            &[],
+            &[],
+            3.0,
+        )
+        .expect("settle");
+        check(&mut c, &mut tally);
+        let newest: i64 = sa::table
+            .select(diesel::dsl::max(sa::seq))
+            .get_result::<Option<i64>>(&mut c)
+            .expect("max")
+            .unwrap_or(0);
+        assert_eq!(
+            tally.through, newest,
+            "everything is settled and counted once"
+        );
+        one_turn(&mut c, e, "after");
+        check(&mut c, &mut tally);
     }
 
     /// One turn's transitions: admit, claim, settle with a closing message and an event.
