@@ -412,7 +412,8 @@ pub fn spawn_pruner(
                 match db.write(move |c| prune(c, retention, now)).await {
                     Ok(p) => {
                         batches += p.batches;
-                        if !p.more {
+                        // Stop when the walk is done, or made no progress (which would loop).
+                        if !p.more || p.batches == 0 {
                             break;
                         }
                     }
