@@ -819,37 +819,70 @@ async fn unknown_route(_: Principal) -> Result<HttpResponse, ApiError> {
     Err(GatewayError::NotFound("no such route".into()).into())
 }
 
+/// A path that exists, asked with a method it does not answer: 405 with `Allow` (after
+/// authentication, like every other answer under `/v1`).
+async fn method_not_allowed(_: Principal, allow: &'static str) -> HttpResponse {
+    let refusal = ApiError::new(
+        actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("this route answers {allow} only"),
+    );
+    HttpResponse::MethodNotAllowed()
+        .insert_header(("allow", allow))
+        .json(refusal.body())
+}
+
+/// The resource at `path`, answering `method` with `route` and any other method with 405.
+fn only(path: &str, method: &'static str, route: actix_web::Route) -> actix_web::Resource {
+    web::resource(path)
+        .route(route)
+        .default_service(web::to(move |p: Principal| method_not_allowed(p, method)))
+}
+
 /// The `/v1` routes.
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::scope("/v1")
-            .route("/sessions", web::post().to(create_session))
-            .route("/sessions/{id}", web::get().to(get_session))
-            .route("/sessions/{id}/inputs", web::post().to(submit_input))
-            .route(
+            .service(only("/sessions", "POST", web::post().to(create_session)))
+            .service(only("/sessions/{id}", "GET", web::get().to(get_session)))
+            .service(only(
+                "/sessions/{id}/inputs",
+                "POST",
+                web::post().to(submit_input),
+            ))
+            .service(only(
                 "/sessions/{id}/inputs/{admission}",
+                "GET",
                 web::get().to(get_receipt),
-            )
-            .route(
+            ))
+            .service(only(
                 "/sessions/{id}/inputs/{admission}/cancel",
+                "POST",
                 web::post().to(cancel_input),
-            )
-            .route(
+            ))
+            .service(only(
                 "/sessions/{id}/prompts/{prompt_id}",
+                "POST",
                 web::post().to(answer_prompt),
-            )
-            .route(
+            ))
+            .service(only(
                 "/sessions/{id}/resolve-unknown",
+                "POST",
                 web::post().to(resolve_unknown),
-            )
-            .route("/sessions/{id}/interrupt", web::post().to(interrupt))
-            .route("/sessions/{id}/events", web::get().to(events))
-            .route("/auth/token", web::post().to(token))
-            .route("/openapi.json", web::get().to(openapi_json))
-            .route(
+            ))
+            .service(only(
+                "/sessions/{id}/interrupt",
+                "POST",
+                web::post().to(interrupt),
+            ))
+            .service(only("/sessions/{id}/events", "GET", web::get().to(events)))
+            .service(only("/auth/token", "POST", web::post().to(token)))
+            .service(only("/openapi.json", "GET", web::get().to(openapi_json)))
+            .service(only(
                 "/chat/completions",
+                "POST",
                 web::post().to(super::openai::chat_completions),
-            )
+            ))
             .default_service(web::to(unknown_route)),
     );
 }

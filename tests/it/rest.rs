@@ -511,11 +511,28 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
     assert_eq!(r["outcome"], "interrupted");
     model.release();
 
-    // Unknown routes and methods are refused too.
+    // Unknown routes are refused; a known route asked with another method says which it takes.
     let b = api.expect("GET", "/v1/nothing-here", None, 404).await;
     assert_refusal(&b, "not_found");
-    let b = api.expect("GET", "/v1/sessions", None, 404).await;
-    assert_refusal(&b, "not_found");
+    let r = api.get("/v1/sessions").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_refusal(&r.body, "method_not_allowed");
+    assert_eq!(
+        r.headers.get("allow").and_then(|v| v.to_str().ok()),
+        Some("POST")
+    );
+    let r = api
+        .raw("DELETE", &format!("/v1/sessions/{sid}/inputs"), None)
+        .await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(
+        r.headers.get("allow").and_then(|v| v.to_str().ok()),
+        Some("POST")
+    );
+    // Authentication comes first: without credentials a wrong method is a 401.
+    let anonymous = Api::anonymous(&d);
+    let r = anonymous.get("/v1/sessions").await;
+    assert_eq!(r.status, 401, "{}", r.body);
 }
 
 #[actix_rt::test]
