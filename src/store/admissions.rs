@@ -671,11 +671,6 @@ mod tests {
     /// whole ledger, are not in it); with a bound `status != ?` SQLite could not use it.
     #[test]
     fn live_rows_by_status_use_the_partial_index() {
-        #[derive(diesel::QueryableByName)]
-        struct Step {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            detail: String,
-        }
         let (_d, mut c, _) = setup();
         let query = sa::table
             .filter(is_live())
@@ -683,14 +678,11 @@ mod tests {
             .select(sa::target_session_id);
         let sql = diesel::debug_query::<diesel::sqlite::Sqlite, _>(&query).to_string();
         let sql = sql.split(" -- binds").next().unwrap_or_default();
-        let plan: Vec<Step> = diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
-            .load(&mut c)
-            .expect("plan");
+        let plan = testing::query_plan(&mut c, sql);
         assert!(
             plan.iter()
-                .any(|s| s.detail.contains("USING INDEX session_admissions_live")),
-            "{sql}: {:?}",
-            plan.iter().map(|s| &s.detail).collect::<Vec<_>>()
+                .any(|d| d.contains("USING INDEX session_admissions_live")),
+            "{sql}: {plan:?}"
         );
     }
 

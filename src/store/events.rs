@@ -4,8 +4,9 @@
 //! a prompt opened or settled, tool activity) is appended here by the transition that makes the
 //! change, in the same transaction, with the session's next sequence number (`+1`, never reused).
 //! The events of one transaction are stored as one row (a batch), so a commit adds one row and
-//! one key entry however many events it reports. Streaming deltas are not stored. Old events are pruned by age and count
-//! ([`prune`]); a reader asking for events that were pruned is told `truncated`.
+//! one key entry however many events it reports. Streaming deltas are not stored. Old events
+//! are pruned by age and count ([`prune`]); a reader asking for events that were pruned is told
+//! `truncated`.
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Double};
@@ -482,11 +483,6 @@ mod tests {
     /// The pruner runs on the writer every minute: none of its statements may walk the whole log.
     #[test]
     fn pruning_reads_only_what_it_prunes() {
-        #[derive(diesel::QueryableByName)]
-        struct Step {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            detail: String,
-        }
         let (_d, mut c) = setup();
         for sql in [
             "SELECT session_id, last_seq, created_at FROM session_event_batches \
@@ -495,10 +491,7 @@ mod tests {
             "SELECT first_seq, events_json FROM session_event_batches \
              WHERE session_id = 's1' AND last_seq > 3 ORDER BY last_seq LIMIT 10",
         ] {
-            let plan: Vec<Step> = diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
-                .load(&mut c)
-                .expect("plan");
-            let plan: Vec<String> = plan.into_iter().map(|s| s.detail).collect();
+            let plan = testing::query_plan(&mut c, sql);
             assert!(
                 plan.iter().any(|d| {
                     d.starts_with("SEARCH session_event_batches USING")

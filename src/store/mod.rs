@@ -83,7 +83,7 @@ unsafe extern "C" fn enable_qpsg(
 /// sub-journals in memory (each write of a group commit runs in its own savepoint, and a
 /// sub-journal spilled to a temp file cost a `pwrite` per page touched).
 ///
-/// New databases get 1 KiB pages: a turn's commit touches ~19 pages scattered over the indexes,
+/// New databases get 1 KiB pages: a turn's commit touches ~15 pages scattered over the indexes,
 /// and the writer's CPU per WAL frame (copy, checksum, `pwrite`) grows with the page size.
 ///
 /// Checkpoints belong to the background checkpointer ([`spawn_checkpointer`]). SQLite's own
@@ -478,6 +478,22 @@ pub mod testing {
             .expect("pragma");
         conn.run_pending_migrations(MIGRATIONS).expect("migrate");
         (dir, conn)
+    }
+
+    /// The details of SQLite's plan for `sql` (`SEARCH … USING INDEX …`, `SCAN …`), one per step.
+    pub fn query_plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
+        #[derive(diesel::QueryableByName)]
+        struct Step {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            detail: String,
+        }
+        use diesel::RunQueryDsl;
+        diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
+            .load::<Step>(conn)
+            .expect("plan")
+            .into_iter()
+            .map(|s| s.detail)
+            .collect()
     }
 
     /// Create session `id` (principal `p`, request id `id`) under authority `epoch`.
