@@ -559,6 +559,27 @@ async fn healthy_round(
     .await
 }
 
+/// Measured rounds of one daemon: every latency, the summed wall time, each round's p99.
+#[derive(Default)]
+struct Rounds {
+    ms: Vec<f64>,
+    wall: f64,
+    p99s: Vec<Value>,
+}
+
+impl Rounds {
+    fn add(&mut self, (ms, wall): (Vec<f64>, f64)) {
+        self.p99s.push(summary(ms.clone(), wall)["p99_ms"].clone());
+        self.ms.extend(ms);
+        self.wall += wall;
+    }
+
+    /// The summary over all rounds, and each round's p99.
+    fn finish(self) -> (Value, Vec<Value>) {
+        (summary(self.ms, self.wall), self.p99s)
+    }
+}
+
 /// Isolation and memory: 16 healthy sessions on a daemon alone, and on a daemon beside N parked
 /// sessions and a hung room. The two daemons run side by side and their rounds alternate
 /// (alone, loaded, alone, …), so a slow minute of a shared machine falls on both; the p99s are
@@ -634,31 +655,23 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         actix_rt::time::sleep(Duration::from_millis(20)).await;
     }
     let parked_rss = daemon.rss_kib();
-    let (mut alone_ms, mut loaded_ms) = (Vec::new(), Vec::new());
-    let (mut alone_wall, mut loaded_wall) = (0.0, 0.0);
-    let (mut alone_rounds, mut loaded_rounds) = (Vec::new(), Vec::new());
+    let (mut alone, mut loaded) = (Rounds::default(), Rounds::default());
     let mut background_cpu = 0.0;
     for r in 1..=rounds {
         progress(&format!(
             "isolation round {r}/{rounds}: 16 healthy sessions alone"
         ));
         let cpu = daemon.cpu_seconds();
-        let (ms, wall) = healthy_round(&alone_home, &alone_daemon.origin, r, per).await?;
+        alone.add(healthy_round(&alone_home, &alone_daemon.origin, r, per).await?);
         background_cpu += daemon.cpu_seconds() - cpu;
-        alone_rounds.push(summary(ms.clone(), wall)["p99_ms"].clone());
-        alone_ms.extend(ms);
-        alone_wall += wall;
         progress(&format!(
             "isolation round {r}/{rounds}: 16 healthy sessions beside the parked sessions and the hung room"
         ));
-        let (ms, wall) = healthy_round(&home, &daemon.origin, r, per).await?;
-        loaded_rounds.push(summary(ms.clone(), wall)["p99_ms"].clone());
-        loaded_ms.extend(ms);
-        loaded_wall += wall;
+        loaded.add(healthy_round(&home, &daemon.origin, r, per).await?);
     }
     progress("isolation: done");
-    let alone = summary(alone_ms, alone_wall);
-    let loaded = summary(loaded_ms, loaded_wall);
+    let (alone, alone_rounds) = alone.finish();
+    let (loaded, loaded_rounds) = loaded.finish();
     let ratio = loaded["p99_ms"].as_f64().unwrap_or(0.0)
         / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9);
     let per_parked = (parked_rss.0.saturating_sub(before_park.0)) as f64 / parked.max(1) as f64;
