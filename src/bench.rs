@@ -395,6 +395,8 @@ fn round(x: f64) -> f64 {
 /// Single-row insert transactions with the daemon's PRAGMAs on the same disk.
 fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
     let path = dir.join("raw.db");
+    // The daemon's VFS too: the baseline is the best commit this process can make on this disk.
+    crate::store::vfs::install();
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
     conn.batch_execute(
         "PRAGMA page_size=1024; PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; \

@@ -20,6 +20,7 @@ pub mod rooms;
 pub mod rooms_schema;
 pub mod schema;
 pub mod sessions;
+pub mod vfs;
 
 use std::path::Path;
 use std::time::Duration;
@@ -108,6 +109,7 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Pragmas {
 /// Open the pool on `path` and bring the schema up to date.
 pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
     install_planner_stability();
+    vfs::install();
     let url = path.to_string_lossy().to_string();
     let manager = ConnectionManager::<SqliteConnection>::new(url);
     let pool = Pool::builder()
