@@ -305,6 +305,28 @@ impl Client {
         }
     }
 
+    /// A WebSocket ping, answered by the connection's actor with a pong.
+    async fn ping(&mut self) -> Result<(), String> {
+        self.framed
+            .send(awc::ws::Message::Ping(bytes::Bytes::from_static(b"bench")))
+            .await
+            .map_err(err)?;
+        loop {
+            match self.framed.next().await {
+                Some(Ok(awc::ws::Frame::Pong(_))) => return Ok(()),
+                Some(Ok(awc::ws::Frame::Text(b))) => {
+                    let v: Value = serde_json::from_slice(&b).map_err(err)?;
+                    if v.get("method").is_some() {
+                        self.events.push(v);
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(err(e)),
+                None => return Err("connection closed".into()),
+            }
+        }
+    }
+
     async fn session(&mut self, request_id: &str, cwd: &Path) -> Result<String, String> {
         let r = self
             .call(
@@ -443,22 +465,67 @@ async fn admissions(
         .await?;
         clients.push((c, sid));
     }
-    let tasks = clients.into_iter().map(|(mut c, sid)| async move {
+    let submit = |k: usize| format!("in-{k}");
+    let mut admitted: Vec<Vec<Value>> = vec![Vec::with_capacity(per); clients.len()];
+    let tasks = clients
+        .iter_mut()
+        .zip(admitted.iter_mut())
+        .map(|((c, sid), ids)| async move {
+            let mut lat = Vec::with_capacity(per);
+            for k in 0..per {
+                let t = Instant::now();
+                let r = c
+                    .call(
+                        "prompt.submit",
+                        json!({"session_id": sid, "input_id": submit(k), "text": "HANG queued"}),
+                    )
+                    .await?;
+                lat.push(t.elapsed().as_secs_f64() * 1000.0);
+                ids.push(r["admission_id"].clone());
+            }
+            Ok::<Vec<f64>, String>(lat)
+        });
+    let ack = measure(tasks).await;
+    // The floors beside it, on the same connections and daemon: the same submits again
+    // (idempotent replays: the same path through the supervisor and the writer, whose
+    // transaction then writes nothing, so no commit reaches the disk), and WebSocket pings
+    // (the transport alone: the client, loopback TCP and the connection's actor).
+    let replays = clients
+        .iter_mut()
+        .zip(admitted.iter())
+        .map(|((c, sid), ids)| async move {
+            let mut lat = Vec::with_capacity(per);
+            for (k, id) in ids.iter().enumerate() {
+                let t = Instant::now();
+                let r = c
+                    .call(
+                        "prompt.submit",
+                        json!({"session_id": sid, "input_id": submit(k), "text": "HANG queued"}),
+                    )
+                    .await?;
+                lat.push(t.elapsed().as_secs_f64() * 1000.0);
+                if r["admission_id"] != *id {
+                    return Err(format!(
+                        "the replay of {} was admitted anew: {r}",
+                        submit(k)
+                    ));
+                }
+            }
+            Ok::<Vec<f64>, String>(lat)
+        });
+    let replay = measure(replays).await;
+    let pings = clients.iter_mut().map(|(c, _)| async move {
         let mut lat = Vec::with_capacity(per);
-        for k in 0..per {
+        for _ in 0..per {
             let t = Instant::now();
-            c.call(
-                "prompt.submit",
-                json!({"session_id": sid, "input_id": format!("in-{k}"), "text": "HANG queued"}),
-            )
-            .await?;
+            c.ping().await?;
             lat.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         Ok::<Vec<f64>, String>(lat)
     });
-    let report = measure(tasks).await;
+    let ping = measure(pings).await;
     daemon.stop();
-    report
+    Ok(json!({"ack": ack?, "replay": replay?, "ping": ping?}))
 }
 
 async fn turns(
@@ -832,9 +899,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let raw_rate = raw["per_second"].as_f64().unwrap_or(1.0).max(1e-9);
     let mut admission = Vec::new();
     for c in levels.into_iter().filter(|_| opts.wants("admission")) {
-        let a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
-        let ratio = a["per_second"].as_f64().unwrap_or(0.0) / raw_rate;
-        admission.push(json!({"sessions": c, "ack": a, "ratio_to_raw_commit": round(ratio)}));
+        let mut a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
+        let ratio = a["ack"]["per_second"].as_f64().unwrap_or(0.0) / raw_rate;
+        a["sessions"] = json!(c);
+        a["ratio_to_raw_commit"] = json!(round(ratio));
+        admission.push(a);
     }
     let mut turn = Vec::new();
     for c in levels.into_iter().filter(|_| opts.wants("turn")) {
@@ -920,15 +989,17 @@ pub fn table(r: &Value) -> String {
         "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms (at the end: {}/s, p50 {} ms)\n\n",
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"]
     ));
-    out.push_str("admission (prompt.submit ack)\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit\n");
+    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>14} {:>14}\n",
+            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10}\n",
             a["sessions"],
             a["ack"]["p50_ms"],
             a["ack"]["p99_ms"],
             a["ack"]["per_second"],
-            a["ratio_to_raw_commit"]
+            a["ratio_to_raw_commit"],
+            a["replay"]["p50_ms"],
+            a["ping"]["p50_ms"]
         ));
     }
     out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms\n");

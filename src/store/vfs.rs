@@ -22,7 +22,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::{align_of, size_of};
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Once;
+use std::sync::{Mutex, Once};
 
 use libsqlite3_sys as ffi;
 
@@ -42,6 +42,8 @@ thread_local! {
     /// `write` calls this thread made to WAL files (SQLite runs a connection's I/O on the thread
     /// that calls it), for tests.
     static WAL_WRITES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Bytes this thread's WAL files dropped unwritten (a rolled-back spill), for tests.
+    static WAL_DROPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Register the VFS as the process's default (once; before the first connection opens). If the
@@ -73,26 +75,59 @@ pub fn install() {
     });
 }
 
+/// How many bytes this thread's WAL files dropped unwritten.
+pub fn wal_dropped() -> u64 {
+    WAL_DROPPED.with(|n| n.get())
+}
+
 /// How many `write` calls this thread has made to WAL files.
 pub fn wal_writes() -> u64 {
     WAL_WRITES.with(|n| n.get())
 }
 
-/// A WAL file: our header, then the base VFS's file at [`real_offset`] in the same allocation.
+/// Which of a connection's files a [`File`] is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The main database: forwarded as is, except that releasing the WAL write lock through it
+    /// drops whatever its WAL still holds (see [`shm_lock`]).
+    Db,
+    /// Its WAL: writes gathered.
+    Wal,
+}
+
+/// One of a connection's files: our header, then the base VFS's file at [`real_offset`] in the
+/// same allocation.
 #[repr(C)]
-struct WalFile {
+struct File {
     base: ffi::sqlite3_file,
     real: *mut ffi::sqlite3_file,
+    kind: Kind,
+    /// A database's open WAL, a WAL's database (null when there is none).
+    peer: *mut File,
+    /// A database's name pointer (how its WAL finds it: see [`open`]).
+    name: usize,
     /// Offset of `data[0]` in the file.
     start: i64,
+    /// A WAL's gathered writes (empty for a database, and for a WAL whose database is unknown,
+    /// which writes through).
     data: Vec<u8>,
+    gather: bool,
     /// The last write was the header of a commit frame: its page completes the commit.
     commit_page_next: bool,
 }
 
 const fn real_offset() -> usize {
     let a = align_of::<u64>();
-    size_of::<WalFile>().div_ceil(a) * a
+    size_of::<File>().div_ceil(a) * a
+}
+
+/// Open database files of this process, by the address of the name SQLite opened them with: a
+/// WAL's name lives in the same allocation, and `sqlite3_filename_database` on it returns that
+/// very address, so each WAL finds the database of its own connection.
+static DATABASES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn databases() -> std::sync::MutexGuard<'static, Vec<(usize, usize)>> {
+    DATABASES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 unsafe extern "C" fn open(
@@ -102,6 +137,7 @@ unsafe extern "C" fn open(
     flags: c_int,
     out_flags: *mut c_int,
 ) -> c_int {
+    let _ = vfs;
     let base = BASE.load(Ordering::Acquire);
     // SAFETY: SQLite calls this with an allocation of our `szOsFile` bytes (aligned for any
     // type SQLite uses, 8 bytes), which holds our header and then the base's file; `base` is the
@@ -111,10 +147,13 @@ unsafe extern "C" fn open(
             (*file).pMethods = std::ptr::null();
             return ffi::SQLITE_ERROR;
         };
-        let _ = vfs;
-        if flags & ffi::SQLITE_OPEN_WAL == 0 {
+        let kind = if flags & ffi::SQLITE_OPEN_WAL != 0 {
+            Kind::Wal
+        } else if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 && !name.is_null() {
+            Kind::Db
+        } else {
             return base_open(base, name, file, flags, out_flags);
-        }
+        };
         let real = (file as *mut u8).add(real_offset()) as *mut ffi::sqlite3_file;
         (*real).pMethods = std::ptr::null();
         let rc = base_open(base, name, real, flags, out_flags);
@@ -125,18 +164,34 @@ unsafe extern "C" fn open(
             (*file).pMethods = std::ptr::null();
             return rc;
         }
+        let this = file as *mut File;
         std::ptr::write(
-            file as *mut WalFile,
-            WalFile {
-                base: ffi::sqlite3_file {
-                    pMethods: &WAL_METHODS,
-                },
+            this,
+            File {
+                base: ffi::sqlite3_file { pMethods: &METHODS },
                 real,
+                kind,
+                peer: std::ptr::null_mut(),
+                name: name as usize,
                 start: 0,
                 data: Vec::new(),
+                gather: false,
                 commit_page_next: false,
             },
         );
+        let mut dbs = databases();
+        match kind {
+            Kind::Db => dbs.push((name as usize, this as usize)),
+            Kind::Wal => {
+                let db_name = ffi::sqlite3_filename_database(name) as usize;
+                if let Some(&(_, db)) = dbs.iter().find(|(n, _)| *n == db_name) {
+                    let db = db as *mut File;
+                    (*db).peer = this;
+                    (*this).peer = db;
+                    (*this).gather = true;
+                }
+            }
+        }
         ffi::SQLITE_OK
     }
 }
@@ -144,36 +199,46 @@ unsafe extern "C" fn open(
 /// The base file's methods.
 ///
 /// # Safety
-/// `w.real` is an open file of the base VFS.
-unsafe fn real(w: &WalFile) -> &ffi::sqlite3_io_methods {
+/// `f.real` is an open file of the base VFS.
+unsafe fn real(f: &File) -> &ffi::sqlite3_io_methods {
     // SAFETY: per the contract; an open file's `pMethods` is valid until it is closed.
-    unsafe { &*(*w.real).pMethods }
+    unsafe { &*(*f.real).pMethods }
 }
 
 /// # Safety
-/// `file` was opened by [`open`] as a WAL file and is not closed.
-unsafe fn wal<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WalFile {
-    // SAFETY: per the contract; SQLite never calls a file's methods concurrently.
-    unsafe { &mut *(file as *mut WalFile) }
+/// `file` was opened by [`open`] and is not closed.
+unsafe fn ours<'a>(file: *mut ffi::sqlite3_file) -> &'a mut File {
+    // SAFETY: per the contract; SQLite never calls a connection's files concurrently.
+    unsafe { &mut *(file as *mut File) }
 }
 
-/// Write out the pending run (if any), in pieces the base VFS takes.
-fn flush(w: &mut WalFile) -> c_int {
-    w.commit_page_next = false;
-    if w.data.is_empty() {
+/// Forget the gathered writes (they belong to no commit; see [`shm_lock`]).
+fn discard(f: &mut File) {
+    WAL_DROPPED.with(|n| n.set(n.get() + f.data.len() as u64));
+    f.commit_page_next = false;
+    f.data.clear();
+    if f.data.capacity() > KEEP_CAPACITY {
+        f.data.shrink_to(KEEP_CAPACITY / 4);
+    }
+}
+
+/// Write out the gathered run (if any), in pieces the base VFS takes.
+fn flush(f: &mut File) -> c_int {
+    if f.data.is_empty() {
+        f.commit_page_next = false;
         return ffi::SQLITE_OK;
     }
-    // SAFETY: `w` is an open WAL file (every caller holds one from `wal`).
-    let rc = match unsafe { real(w) }.xWrite {
+    // SAFETY: `f` is open (every caller holds one from `ours`).
+    let rc = match unsafe { real(f) }.xWrite {
         Some(write) => {
             let mut rc = ffi::SQLITE_OK;
-            let mut at = w.start;
-            for piece in w.data.chunks(MAX_WRITE) {
+            let mut at = f.start;
+            for piece in f.data.chunks(MAX_WRITE) {
                 WAL_WRITES.with(|n| n.set(n.get() + 1));
                 // SAFETY: `piece` holds `piece.len()` (≤ MAX_WRITE) initialised bytes.
                 rc = unsafe {
                     write(
-                        w.real,
+                        f.real,
                         piece.as_ptr() as *const c_void,
                         piece.len() as c_int,
                         at,
@@ -188,10 +253,8 @@ fn flush(w: &mut WalFile) -> c_int {
         }
         None => ffi::SQLITE_IOERR_WRITE,
     };
-    w.data.clear();
-    if w.data.capacity() > KEEP_CAPACITY {
-        w.data.shrink_to(KEEP_CAPACITY / 4);
-    }
+    f.data.clear();
+    discard(f);
     rc
 }
 
@@ -202,63 +265,88 @@ unsafe extern "C" fn write(
     offset: i64,
 ) -> c_int {
     // SAFETY: SQLite passes an open file of ours and `amount` readable bytes at `buf`.
-    let (w, bytes) = unsafe {
-        (
-            wal(file),
-            std::slice::from_raw_parts(buf as *const u8, amount.max(0) as usize),
-        )
-    };
-    if !w.data.is_empty() && offset != w.start + w.data.len() as i64 {
-        let rc = flush(w);
+    let f = unsafe { ours(file) };
+    if !f.gather {
+        // SAFETY: forwarded as given.
+        return unsafe { real(f) }
+            .xWrite
+            .map(|w| unsafe { w(f.real, buf, amount, offset) })
+            .unwrap_or(ffi::SQLITE_IOERR_WRITE);
+    }
+    // SAFETY: as above.
+    let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, amount.max(0) as usize) };
+    if !f.data.is_empty() && offset != f.start + f.data.len() as i64 {
+        let rc = flush(f);
         if rc != ffi::SQLITE_OK {
             return rc;
         }
     }
-    if w.data.is_empty() {
-        w.start = offset;
+    if f.data.is_empty() {
+        f.start = offset;
     }
-    w.data.extend_from_slice(bytes);
+    f.data.extend_from_slice(bytes);
     if bytes.len() == FRAME_HEADER {
         // Bytes 4..8 of a frame header: the database size after a commit, zero otherwise.
-        w.commit_page_next = bytes[4..8] != [0, 0, 0, 0];
-    } else if w.commit_page_next || w.data.len() >= MAX_PENDING {
-        return flush(w);
+        f.commit_page_next = bytes[4..8] != [0, 0, 0, 0];
+    } else if f.commit_page_next || f.data.len() >= MAX_PENDING {
+        return flush(f);
     }
     ffi::SQLITE_OK
 }
 
-/// Flush, then run `f` on the base file.
+/// Flush, then run `op` on the base file.
 ///
 /// # Safety
-/// `file` was opened by [`open`] as a WAL file and is not closed.
-unsafe fn then<F>(file: *mut ffi::sqlite3_file, f: F) -> c_int
+/// `file` was opened by [`open`] and is not closed.
+unsafe fn then<F>(file: *mut ffi::sqlite3_file, op: F) -> c_int
 where
     F: FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> Option<c_int>,
 {
     // SAFETY: per the contract.
-    let w = unsafe { wal(file) };
-    let rc = flush(w);
+    let f = unsafe { ours(file) };
+    let rc = flush(f);
     if rc != ffi::SQLITE_OK {
         return rc;
     }
-    // SAFETY: `w` is open.
-    f(unsafe { real(w) }, w.real).unwrap_or(ffi::SQLITE_IOERR)
+    // SAFETY: `f` is open.
+    op(unsafe { real(f) }, f.real).unwrap_or(ffi::SQLITE_IOERR)
+}
+
+/// Run `op` on the base file, without flushing (calls that do not touch the file's bytes).
+///
+/// # Safety
+/// `file` was opened by [`open`] and is not closed.
+unsafe fn plain<T>(
+    file: *mut ffi::sqlite3_file,
+    op: impl FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> T,
+) -> T {
+    // SAFETY: per the contract.
+    let f = unsafe { ours(file) };
+    // SAFETY: `f` is open.
+    op(unsafe { real(f) }, f.real)
 }
 
 unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: SQLite closes each file once; after this call it never uses `file` again, so the
-    // header is dropped in place.
+    // SAFETY: SQLite closes each file once and never uses it again, so the header is dropped in
+    // place. Whatever a WAL still holds at its close belongs to no commit (a commit writes its
+    // frames out before it returns): it is dropped, not written.
     unsafe {
-        let w = wal(file);
-        let flushed = flush(w);
-        let closed = real(w).xClose.map(|c| c(w.real)).unwrap_or(ffi::SQLITE_OK);
-        std::ptr::drop_in_place(&mut w.data);
-        (*file).pMethods = std::ptr::null();
-        if flushed != ffi::SQLITE_OK {
-            flushed
-        } else {
-            closed
+        let f = ours(file);
+        {
+            let mut dbs = databases();
+            if !f.peer.is_null() {
+                (*f.peer).peer = std::ptr::null_mut();
+                (*f.peer).gather = false;
+                discard(&mut *f.peer);
+            }
+            if f.kind == Kind::Db {
+                dbs.retain(|&(_, db)| db != file as usize);
+            }
         }
+        let closed = real(f).xClose.map(|c| c(f.real)).unwrap_or(ffi::SQLITE_OK);
+        std::ptr::drop_in_place(&mut f.data);
+        (*file).pMethods = std::ptr::null();
+        closed
     }
 }
 
@@ -268,7 +356,7 @@ unsafe extern "C" fn read(
     amount: c_int,
     offset: i64,
 ) -> c_int {
-    // SAFETY: forwarded as given, after the pending run is written.
+    // SAFETY: forwarded as given, after the gathered run is written.
     unsafe { then(file, |m, r| m.xRead.map(|f| f(r, buf, amount, offset))) }
 }
 
@@ -292,7 +380,7 @@ unsafe extern "C" fn file_control(
     op: c_int,
     arg: *mut c_void,
 ) -> c_int {
-    // SAFETY: as `read`. An unknown op must answer SQLITE_NOTFOUND, as the base does.
+    // SAFETY: as `read`. An unknown op answers SQLITE_NOTFOUND, as the base does.
     unsafe {
         then(file, |m, r| {
             Some(
@@ -305,62 +393,50 @@ unsafe extern "C" fn file_control(
 }
 
 unsafe extern "C" fn lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
-    // SAFETY: forwarded as given; locks do not touch the file's bytes.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        real(w)
-            .xLock
-            .map(|f| f(w.real, level))
-            .unwrap_or(ffi::SQLITE_OK)
+        plain(file, |m, r| {
+            m.xLock.map(|f| f(r, level)).unwrap_or(ffi::SQLITE_OK)
+        })
     }
 }
 
 unsafe extern "C" fn unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        real(w)
-            .xUnlock
-            .map(|f| f(w.real, level))
-            .unwrap_or(ffi::SQLITE_OK)
+        plain(file, |m, r| {
+            m.xUnlock.map(|f| f(r, level)).unwrap_or(ffi::SQLITE_OK)
+        })
     }
 }
 
 unsafe extern "C" fn check_reserved_lock(file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        match real(w).xCheckReservedLock {
-            Some(f) => f(w.real, out),
+        plain(file, |m, r| match m.xCheckReservedLock {
+            Some(f) => f(r, out),
             None => {
                 *out = 0;
                 ffi::SQLITE_OK
             }
-        }
+        })
     }
 }
 
 unsafe extern "C" fn sector_size(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: as `lock`.
-    unsafe {
-        let w = wal(file);
-        real(w).xSectorSize.map(|f| f(w.real)).unwrap_or(4096)
-    }
+    // SAFETY: forwarded as given.
+    unsafe { plain(file, |m, r| m.xSectorSize.map(|f| f(r)).unwrap_or(4096)) }
 }
 
 unsafe extern "C" fn device_characteristics(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        real(w)
-            .xDeviceCharacteristics
-            .map(|f| f(w.real))
-            .unwrap_or(0)
+        plain(file, |m, r| {
+            m.xDeviceCharacteristics.map(|f| f(r)).unwrap_or(0)
+        })
     }
 }
 
-/// SQLite maps shared memory and pages through the database file, never through its WAL; these
-/// are forwarded only for completeness of the version-3 method table.
 unsafe extern "C" fn shm_map(
     file: *mut ffi::sqlite3_file,
     region: c_int,
@@ -368,50 +444,66 @@ unsafe extern "C" fn shm_map(
     extend: c_int,
     out: *mut *mut c_void,
 ) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        match (real(w).iVersion >= 2, real(w).xShmMap) {
-            (true, Some(f)) => f(w.real, region, size, extend, out),
+        plain(file, |m, r| match (m.iVersion >= 2, m.xShmMap) {
+            (true, Some(f)) => f(r, region, size, extend, out),
             _ => ffi::SQLITE_IOERR_SHMMAP,
-        }
+        })
     }
 }
 
+/// SQLite's WAL write lock: the first of the shared-memory lock slots.
+const WAL_WRITE_LOCK: c_int = 0;
+
+/// Forwarded; and when a database's connection releases (or takes) the WAL write lock, its WAL
+/// drops whatever it still holds. A commit writes its frames out before its connection lets the
+/// lock go, so what is left is only ever pages a transaction spilled and then rolled back:
+/// garbage past the WAL's end, which must not be written later, when another connection may
+/// have committed frames at those offsets.
 unsafe extern "C" fn shm_lock(
     file: *mut ffi::sqlite3_file,
     offset: c_int,
     n: c_int,
     flags: c_int,
 ) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given; `peer` is this connection's open WAL (unlinked at its close).
     unsafe {
-        let w = wal(file);
-        match (real(w).iVersion >= 2, real(w).xShmLock) {
-            (true, Some(f)) => f(w.real, offset, n, flags),
+        let f = ours(file);
+        let rc = match (real(f).iVersion >= 2, real(f).xShmLock) {
+            (true, Some(lock)) => lock(f.real, offset, n, flags),
             _ => ffi::SQLITE_IOERR_SHMLOCK,
+        };
+        let write_lock = offset <= WAL_WRITE_LOCK && WAL_WRITE_LOCK < offset + n;
+        if f.kind == Kind::Db
+            && write_lock
+            && flags & ffi::SQLITE_SHM_EXCLUSIVE != 0
+            && !f.peer.is_null()
+        {
+            discard(&mut *f.peer);
         }
+        rc
     }
 }
 
 unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        if let (true, Some(f)) = (real(w).iVersion >= 2, real(w).xShmBarrier) {
-            f(w.real)
-        }
+        plain(file, |m, r| {
+            if let (true, Some(f)) = (m.iVersion >= 2, m.xShmBarrier) {
+                f(r)
+            }
+        })
     }
 }
 
 unsafe extern "C" fn shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        match (real(w).iVersion >= 2, real(w).xShmUnmap) {
-            (true, Some(f)) => f(w.real, delete),
+        plain(file, |m, r| match (m.iVersion >= 2, m.xShmUnmap) {
+            (true, Some(f)) => f(r, delete),
             _ => ffi::SQLITE_OK,
-        }
+        })
     }
 }
 
@@ -438,17 +530,16 @@ unsafe extern "C" fn unfetch(
     offset: i64,
     page: *mut c_void,
 ) -> c_int {
-    // SAFETY: as `lock`.
+    // SAFETY: forwarded as given.
     unsafe {
-        let w = wal(file);
-        match (real(w).iVersion >= 3, real(w).xUnfetch) {
-            (true, Some(f)) => f(w.real, offset, page),
+        plain(file, |m, r| match (m.iVersion >= 3, m.xUnfetch) {
+            (true, Some(f)) => f(r, offset, page),
             _ => ffi::SQLITE_OK,
-        }
+        })
     }
 }
 
-static WAL_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
+static METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
     iVersion: 3,
     xClose: Some(close),
     xRead: Some(read),
@@ -581,5 +672,59 @@ mod tests {
             .expect("count")
             .n;
         assert_eq!(z, 1000);
+    }
+
+    #[test]
+    fn pages_a_rolled_back_transaction_spilled_are_never_written_over_another_connections_commit() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("rollback.db");
+        let mut a = connect(&path, "FULL");
+        let mut b = connect(&path, "FULL");
+        a.batch_execute("PRAGMA cache_size = 10;").expect("cache");
+        let mut dropped = wal_dropped();
+        for round in 0..5 {
+            // An empty WAL, so that A's rollback reloads its pages from the database file and
+            // never reads the WAL (a read would write A's spill out while A still holds the
+            // write lock, which is harmless): only the lock's release can drop the spill.
+            b.batch_execute("PRAGMA wal_checkpoint(TRUNCATE);")
+                .expect("checkpoint");
+            // A spills pages to the WAL (no commit frame among them), then rolls back.
+            let spilled = a.immediate_transaction::<(), diesel::result::Error, _>(|c| {
+                // Appended rows with no index: the leaves spilled are never read back.
+                c.batch_execute("CREATE TABLE IF NOT EXISTS u (id INTEGER PRIMARY KEY, v TEXT)")?;
+                for _ in 0..200 {
+                    c.batch_execute(&format!("INSERT INTO u (v) VALUES ('{}')", "a".repeat(300)))?;
+                }
+                Err(diesel::result::Error::RollbackTransaction)
+            });
+            assert!(spilled.is_err());
+            assert!(
+                wal_dropped() > dropped,
+                "round {round}: the spill was not left pending"
+            );
+            dropped = wal_dropped();
+
+            // B commits frames at the offsets A's spill had used.
+            b.immediate_transaction::<_, diesel::result::Error, _>(|c| {
+                c.batch_execute(&format!("INSERT INTO t (v) VALUES ('b{round}')"))
+            })
+            .expect("b commits");
+            // A writes again: nothing of its spill may land on B's frames.
+            a.immediate_transaction::<_, diesel::result::Error, _>(|c| {
+                c.batch_execute(&format!("INSERT INTO t (v) VALUES ('a{round}')"))
+            })
+            .expect("a commits");
+        }
+        drop(a);
+        drop(b);
+        let mut again = connect(&path, "FULL");
+        assert_eq!(count(&mut again), 10);
+        let ok: Vec<String> = diesel::sql_query("PRAGMA integrity_check")
+            .load::<Check>(&mut again)
+            .expect("integrity")
+            .into_iter()
+            .map(|c| c.integrity_check)
+            .collect();
+        assert_eq!(ok, vec!["ok".to_string()]);
     }
 }

@@ -34,7 +34,9 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
     );
     assert!(admission
         .iter()
-        .all(|a| a["ack"]["count"].as_u64().is_some_and(|c| c > 0)));
+        .all(|a| a["ack"]["count"].as_u64().is_some_and(|c| c > 0)
+            && a["replay"]["count"] == a["ack"]["count"]
+            && a["ping"]["count"] == a["ack"]["count"]));
     let turn = report["turn"].as_array().expect("turn");
     assert_eq!(turn.len(), 3);
     assert!(turn.iter().all(
