@@ -212,6 +212,15 @@ async fn follow(
                     json!({"session_id": session_id, "admission_id": admission}),
                 )
                 .await?;
+            if r["status"] == "unknown" {
+                // The daemon stopped (crashed) while this input ran: it is never run again and
+                // no completion will come. Only an operator can settle it.
+                return Err(format!(
+                    "input {admission} was running when the daemon stopped; its outcome is unknown and it \
+                     will not run again. Check what it did, then settle it with: \
+                     gatehouse resolve-unknown {session_id} {admission}"
+                ));
+            }
             if r["status"] == "terminal" {
                 let text = r["result"]["final_response"].as_str().unwrap_or("");
                 out(&format!(

@@ -330,3 +330,72 @@ async fn with_no_model_configured_the_echo_provider_answers() {
     );
     assert!(home.log().contains("echo provider"), "the log says so too");
 }
+
+/// A chat whose input was running when the daemon crashed reconnects, finds the input `unknown`
+/// (it never runs again, so no completion comes) and exits 1 with the operator's command,
+/// instead of waiting for good.
+#[test]
+fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let mut chat = Command::new(bin())
+        .args(["chat", "--session", "crash", "HANG"])
+        .arg("--home")
+        .arg(&home.path)
+        .current_dir(&home.path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn chat");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while model.reached("HANG") == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the turn never reached the model"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.kill();
+    let _d = Daemon::start(&home);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = chat.try_wait().expect("chat status") {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = chat.kill();
+            panic!("chat still waiting after the restart");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = chat.wait_with_output().expect("chat output");
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let row = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("an unknown admission");
+    let command = format!(
+        "gatehouse resolve-unknown {} {}",
+        row.target_session_id, row.admission_id
+    );
+    assert!(err.contains(&command), "{err}");
+    // The command it names settles the input.
+    let o = cli(
+        &home,
+        &["resolve-unknown", &row.target_session_id, &row.admission_id],
+        "",
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(home.admission_by_id(&row.admission_id).status, "terminal");
+}
