@@ -116,6 +116,11 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         .max_size(size)
         // A local SQLite file does not go stale: no `SELECT 1` before every checkout.
         .test_on_check_out(false)
+        // One connection at start, the rest on first use, and none closed for being idle: with
+        // the default, every connection opens at start, side by side with the first one, which
+        // may be rebuilding the WAL index after a stop (the others wait on its locks).
+        .min_idle(Some(1))
+        .idle_timeout(None)
         .connection_timeout(Duration::from_secs(10))
         .connection_customizer(Box::new(Pragmas))
         .build(manager)
