@@ -87,6 +87,82 @@ pub fn plan(
     })
 }
 
+/// Tool results longer than this, outside the protected tail, become one line before compaction.
+pub const OLD_TOOL_OUTPUT_CHARS: usize = 200;
+
+/// The cheap pre-pass of a compaction: every tool result older than the protected tail (the
+/// last `3 × protect_last_n` messages) and longer than [`OLD_TOOL_OUTPUT_CHARS`] becomes one line
+/// saying what ran and how it ended, e.g. ``[terminal] ran `ls -la /srv` -> exit 0, 40 lines
+/// output``. Roles, ids and the pairing of calls and results are kept, and a line is short, so a
+/// second pass changes nothing. Applies to what the summary model is sent and to what is kept.
+pub fn clear_old_tool_output(t: &[NewMessage], protect_last_n: usize) -> Vec<NewMessage> {
+    let old = t.len().saturating_sub(protect_last_n.saturating_mul(3));
+    // Each call's tool name and arguments, by call id.
+    let mut calls: std::collections::HashMap<String, (String, Value)> = Default::default();
+    for m in &t[..old] {
+        let Some(list) = m.tool_calls.as_deref() else {
+            continue;
+        };
+        for c in serde_json::from_str::<Vec<Value>>(list).unwrap_or_default() {
+            let (Some(id), Some(name)) = (
+                c.get("id").and_then(Value::as_str),
+                c.pointer("/function/name").and_then(Value::as_str),
+            ) else {
+                continue;
+            };
+            let args = c
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+                .unwrap_or(Value::Null);
+            calls.insert(id.to_string(), (name.to_string(), args));
+        }
+    }
+    let mut out = t.to_vec();
+    for m in out[..old].iter_mut() {
+        if m.role != "tool" {
+            continue;
+        }
+        let Some(content) = m.content.as_deref() else {
+            continue;
+        };
+        let chars = content.chars().count();
+        if chars <= OLD_TOOL_OUTPUT_CHARS {
+            continue;
+        }
+        let call = m.tool_call_id.as_deref().and_then(|id| calls.get(id));
+        let name = call
+            .map(|(n, _)| n.as_str())
+            .or(m.tool_name.as_deref())
+            .unwrap_or("tool");
+        let line = match (name, call) {
+            ("terminal", Some((_, args))) => {
+                let command: String = args
+                    .get("command")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .chars()
+                    .take(120)
+                    .collect();
+                let result: Value = serde_json::from_str(content).unwrap_or(Value::Null);
+                match (
+                    result.get("exit_code").and_then(Value::as_i64),
+                    result.get("output").and_then(Value::as_str),
+                ) {
+                    (Some(code), Some(output)) => format!(
+                        "[terminal] ran `{command}` -> exit {code}, {} lines output",
+                        output.lines().count()
+                    ),
+                    _ => format!("[terminal] ran `{command}` -> {chars} chars of output cleared"),
+                }
+            }
+            _ => format!("[{name}] {chars} chars of output cleared to save context space"),
+        };
+        m.content = Some(line);
+    }
+    out
+}
+
 fn clip(text: &str) -> String {
     if text.chars().count() <= 3000 {
         return text.to_string();
@@ -340,6 +416,73 @@ mod tests {
             .iter()
             .any(|m| m.display_kind.as_deref() == Some(SUMMARY_KIND)));
         assert!(plan(&once, 1, 2, 30).is_none(), "{once:?}");
+    }
+
+    fn terminal_call(id: &str, command: &str) -> NewMessage {
+        let args = json!({ "command": command }).to_string();
+        NewMessage {
+            role: "assistant".into(),
+            tool_calls: Some(
+                json!([{"id": id, "type": "function", "function": {"name": "terminal", "arguments": args}}])
+                    .to_string(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    fn tool_output(id: &str, name: &str, content: String) -> NewMessage {
+        NewMessage {
+            role: "tool".into(),
+            content: Some(content),
+            tool_call_id: Some(id.into()),
+            tool_name: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn old_long_tool_output_becomes_one_line_and_the_tail_is_kept() {
+        let listing: String = (0..40).map(|i| format!("file-{i}\n")).collect();
+        let big = json!({"output": listing, "exit_code": 0, "error": null}).to_string();
+        let mut t = vec![
+            m("user", "P0"),
+            terminal_call("a", "ls -la /srv"),
+            tool_output("a", "terminal", big.clone()),
+            NewMessage {
+                role: "assistant".into(),
+                tool_calls: Some(
+                    json!([{"id": "b", "type": "function", "function": {"name": "fetch", "arguments": "{}"}}])
+                        .to_string(),
+                ),
+                ..Default::default()
+            },
+            tool_output("b", "fetch", "w".repeat(500)),
+            tool_output("s", "terminal", "short".into()),
+        ];
+        // The protected tail: 3 × protect_last_n = 3 messages, one of them a long result.
+        t.push(terminal_call("c", "cat big"));
+        t.push(tool_output("c", "terminal", big.clone()));
+        t.push(m("user", "P1"));
+        let out = clear_old_tool_output(&t, 1);
+        assert_eq!(
+            out[2].content.as_deref(),
+            Some("[terminal] ran `ls -la /srv` -> exit 0, 40 lines output")
+        );
+        assert_eq!(
+            out[4].content.as_deref(),
+            Some("[fetch] 500 chars of output cleared to save context space")
+        );
+        assert_eq!(out[5].content.as_deref(), Some("short"));
+        assert_eq!(
+            out[7].content.as_deref(),
+            Some(big.as_str()),
+            "the tail is untouched"
+        );
+        // Roles, ids and pairing are kept; a second pass changes nothing.
+        assert!(out.iter().zip(&t).all(|(a, b)| a.role == b.role
+            && a.tool_call_id == b.tool_call_id
+            && a.tool_calls == b.tool_calls));
+        assert_eq!(clear_old_tool_output(&out, 1), out);
     }
 
     #[test]

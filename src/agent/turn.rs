@@ -685,12 +685,9 @@ impl Turn {
         let cfg = &self.ctx.shared.config;
         let c = &cfg.compression;
         let tail_budget = (threshold as f64 * 0.2) as usize;
-        let Some(plan) = compress::plan(
-            &self.transcript,
-            c.protect_first_n,
-            c.protect_last_n,
-            tail_budget,
-        ) else {
+        let pruned = compress::clear_old_tool_output(&self.transcript, c.protect_last_n);
+        let Some(plan) = compress::plan(&pruned, c.protect_first_n, c.protect_last_n, tail_budget)
+        else {
             return Err(CompactError::Failed("nothing to compact".into()));
         };
         let aux = &cfg.auxiliary.compression;

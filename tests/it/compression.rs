@@ -745,6 +745,16 @@ async fn compaction_never_splits_a_tool_call_from_its_result() {
     assert!(sums
         .iter()
         .any(|s| mentions(s, "[Tool calls: terminal(") && mentions(s, "[TOOL RESULT call_T")));
+    // Old long results reach the summary model as one line each (the pre-pass), not verbatim.
+    // (`mentions` reads the messages as JSON text, where the command's backslash is escaped.)
+    let line = Value::from(
+        r"[terminal] ran `head -c 2000 /dev/zero | tr '\0' x` -> exit 0, 1 lines output",
+    )
+    .to_string();
+    assert!(
+        sums.iter().any(|s| mentions(s, line.trim_matches('"'))),
+        "{sums:?}"
+    );
     for b in main_requests(&model) {
         if let Err(e) = well_formed(&b) {
             panic!("{e}: {}", b["messages"]);
