@@ -11,6 +11,9 @@ use crate::store::rooms::{create_room, RoomMember};
 
 pub(crate) const UP_SQL: &str = include_str!("../../migrations/2026-11-29-000002_rooms/up.sql");
 pub(crate) const DOWN_SQL: &str = include_str!("../../migrations/2026-11-29-000002_rooms/down.sql");
+/// The task counts kept on top of the room tables (a later migration).
+pub(crate) const COUNTS_DOWN_SQL: &str =
+    include_str!("../../migrations/2026-12-01-000005_room_task_counts/down.sql");
 
 /// A temporary database, removed on drop.
 pub(crate) struct TestDb {

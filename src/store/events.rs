@@ -642,27 +642,12 @@ mod tests {
     #[test]
     fn events_stored_before_batches_read_back_after_the_migration() {
         use diesel::connection::SimpleConnection;
-        use diesel::migration::MigrationSource;
         use diesel::Connection;
         use diesel_migrations::MigrationHarness;
         let dir = testing::tempfile_dir::TempDir::new();
         let path = dir.path().join("state.db");
         let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        let all = crate::store::MIGRATIONS.migrations().expect("migrations");
-        let mut names: Vec<String> = all.iter().map(|m| m.name().to_string()).collect();
-        names.sort();
-        let before = names
-            .iter()
-            .position(|n| n.ends_with("_lean_event_log"))
-            .expect("the batch migration");
-        diesel::migration::MigrationConnection::setup(&mut c).expect("migration table");
-        for name in &names[..before] {
-            let m = all
-                .iter()
-                .find(|m| m.name().to_string() == *name)
-                .expect("migration");
-            c.run_migration(m).expect("older migration");
-        }
+        testing::migrate_to_just_before(&mut c, "_lean_event_log");
         c.batch_execute(
             r#"PRAGMA foreign_keys = OFF;
                INSERT INTO session_events (session_id, seq, type, payload_json, created_at) VALUES

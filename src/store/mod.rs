@@ -487,6 +487,27 @@ pub mod testing {
         (dir, conn)
     }
 
+    /// Bring a fresh connection's schema up to, not including, the migration whose name ends
+    /// with `suffix` (to test that migration on data of the schema before it).
+    pub fn migrate_to_just_before(c: &mut SqliteConnection, suffix: &str) {
+        use diesel::migration::MigrationSource;
+        let all = MIGRATIONS.migrations().expect("migrations");
+        let mut names: Vec<String> = all.iter().map(|m| m.name().to_string()).collect();
+        names.sort();
+        let before = names
+            .iter()
+            .position(|n| n.ends_with(suffix))
+            .expect("the migration");
+        diesel::migration::MigrationConnection::setup(c).expect("migration table");
+        for name in &names[..before] {
+            let m = all
+                .iter()
+                .find(|m| m.name().to_string() == *name)
+                .expect("migration");
+            c.run_migration(m).expect("older migration");
+        }
+    }
+
     /// The details of SQLite's plan for `sql` (`SEARCH … USING INDEX …`, `SCAN …`), one per step.
     pub fn query_plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
         #[derive(diesel::QueryableByName)]

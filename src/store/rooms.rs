@@ -720,6 +720,8 @@ mod tests {
         let db = TestDb::new();
         let mut conn = db.conn();
         use diesel::connection::SimpleConnection;
+        conn.batch_execute(crate::rooms::testing::COUNTS_DOWN_SQL)
+            .unwrap();
         conn.batch_execute(crate::rooms::testing::DOWN_SQL).unwrap();
         conn.batch_execute(crate::rooms::testing::UP_SQL).unwrap();
         conn.batch_execute(crate::rooms::testing::DOWN_SQL).unwrap();

@@ -78,3 +78,12 @@ diesel::table! {
         indeterminate_at -> Nullable<Double>,
     }
 }
+
+diesel::table! {
+    /// Kept by triggers on `room_tasks` (`migrations/2026-12-01-000005_room_task_counts`).
+    room_task_counts (room_id, status) {
+        room_id -> Text,
+        status -> Text,
+        n -> BigInt,
+    }
+}

@@ -78,6 +78,115 @@ impl Fixture {
     }
 }
 
+/// Every test ends with the counts the triggers keep equal to a count of the tasks.
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            assert_kept_counts_are_true(&mut self.db.conn());
+        }
+    }
+}
+
+fn assert_kept_counts_are_true(c: &mut SqliteConnection) {
+    use crate::store::rooms_schema::room_tasks;
+    let real: Vec<(String, String, i64)> = room_tasks::table
+        .group_by((room_tasks::room_id, room_tasks::status))
+        .select((
+            room_tasks::room_id,
+            room_tasks::status,
+            diesel::dsl::count_star(),
+        ))
+        .load(c)
+        .unwrap();
+    let mut all = std::collections::BTreeMap::<String, i64>::new();
+    let rooms: std::collections::BTreeSet<String> =
+        real.iter().map(|(r, _, _)| r.clone()).collect();
+    for room in rooms {
+        let counted: std::collections::BTreeMap<String, i64> = real
+            .iter()
+            .filter(|(r, _, _)| *r == room)
+            .map(|(_, s, n)| (s.clone(), *n))
+            .collect();
+        assert_eq!(
+            count_tasks_by_status(c, &room).unwrap(),
+            counted,
+            "room {room}"
+        );
+    }
+    for (_, status, n) in real {
+        *all.entry(status).or_insert(0) += n;
+    }
+    assert_eq!(count_all_tasks_by_status(c).unwrap(), all);
+}
+
+#[test]
+fn kept_counts_follow_inserts_status_changes_and_a_rooms_cascade() {
+    let f = Fixture::new();
+    f.db.add_room("room-2", "ops", GW);
+    f.admit("a", 1);
+    let b = f.admit("b", 2);
+    let other = TaskIdentity::new("room-2", "x", "thread-1", "turn-x").unwrap();
+    admit_task(&mut f.db.conn(), &other, &payload(1), &f.clock).unwrap();
+    let lease = f.lease("p", 30.0);
+    let first = f.start(&identity("a"), &lease);
+    settle_task(
+        &mut f.db.conn(),
+        &first,
+        &settlement("s-a", "done"),
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(
+        count_tasks_by_status(&mut f.db.conn(), ROOM).unwrap(),
+        [("queued".to_string(), 1), ("settled".to_string(), 1)].into()
+    );
+    assert_eq!(
+        count_all_tasks_by_status(&mut f.db.conn()).unwrap(),
+        [("queued".to_string(), 2), ("settled".to_string(), 1)].into()
+    );
+    cancel_task(&mut f.db.conn(), &b, "c-b", 0, &f.clock).unwrap();
+    assert_kept_counts_are_true(&mut f.db.conn());
+    // Deleting a room deletes its tasks, and their counts with them.
+    use crate::store::rooms_schema::rooms;
+    diesel::delete(rooms::table.find("room-2"))
+        .execute(&mut f.db.conn())
+        .unwrap();
+    assert_eq!(
+        count_all_tasks_by_status(&mut f.db.conn()).unwrap(),
+        [("cancelled".to_string(), 1), ("settled".to_string(), 1)].into()
+    );
+}
+
+#[test]
+fn the_count_migration_counts_the_tasks_already_there() {
+    use diesel::connection::SimpleConnection;
+    use diesel_migrations::MigrationHarness;
+    let dir = crate::store::testing::tempfile_dir::TempDir::new();
+    let mut c =
+        SqliteConnection::establish(&dir.path().join("state.db").to_string_lossy()).unwrap();
+    c.batch_execute("PRAGMA foreign_keys = ON;").unwrap();
+    crate::store::testing::migrate_to_just_before(&mut c, "_room_task_counts");
+    let clock = ManualClock::new(100.0);
+    let members = vec![crate::store::rooms::RoomMember {
+        profile: "ops".into(),
+        handle: "ops".into(),
+    }];
+    crate::store::rooms::create_room(&mut c, ROOM, ROOM, &members, GW, &clock).unwrap();
+    for (i, task) in ["a", "b", "c"].iter().enumerate() {
+        admit_task(&mut c, &identity(task), &payload(i as i64 + 1), &clock).unwrap();
+    }
+    cancel_task(&mut c, &identity("c"), "c-c", 0, &clock).unwrap();
+    c.run_pending_migrations(crate::store::MIGRATIONS).unwrap();
+    assert_eq!(
+        count_tasks_by_status(&mut c, ROOM).unwrap(),
+        [("cancelled".to_string(), 1), ("queued".to_string(), 2)].into()
+    );
+    assert_kept_counts_are_true(&mut c);
+    // And the down migration takes the table and its triggers away again.
+    c.revert_last_migration(crate::store::MIGRATIONS).unwrap();
+    admit_task(&mut c, &identity("d"), &payload(4), &clock).unwrap();
+}
+
 fn is_stale_task(result: Result<TaskView, RoomStoreError>) -> bool {
     matches!(result, Err(RoomStoreError::StaleTask(_)))
 }
