@@ -26,6 +26,8 @@ pub struct BenchOptions {
     pub recovery_sessions: usize,
     /// Sections to run (`admission`, `turn`, `isolation`, `recovery`); empty runs them all.
     pub only: Vec<String>,
+    /// Concurrent sessions of the admission and turn sections.
+    pub levels: Vec<usize>,
 }
 
 impl BenchOptions {
@@ -38,12 +40,39 @@ impl BenchOptions {
             recovery_admissions: if quick { 20_000 } else { 1_000_000 },
             recovery_sessions: if quick { 200 } else { 10_000 },
             only: Vec::new(),
+            levels: LEVELS.to_vec(),
         }
     }
 
     fn wants(&self, section: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|s| s == section)
     }
+}
+
+/// The admission and turn sections' concurrency levels unless `--levels` says otherwise.
+pub const LEVELS: [usize; 3] = [1, 16, 256];
+/// The most sessions a level may ask for (each is a WebSocket and a session of its own).
+pub const MAX_LEVEL: usize = 1024;
+
+/// `--levels 1,16`: distinct session counts between 1 and [`MAX_LEVEL`], in the order given.
+pub fn parse_levels(list: &str) -> Result<Vec<usize>, String> {
+    let mut levels = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let n: usize = part
+            .parse()
+            .map_err(|_| format!("--levels: {part:?} is not a number of sessions"))?;
+        if n == 0 || n > MAX_LEVEL {
+            return Err(format!("--levels: {n} is not between 1 and {MAX_LEVEL}"));
+        }
+        if levels.contains(&n) {
+            return Err(format!("--levels: {n} is given twice"));
+        }
+        levels.push(n);
+    }
+    if levels.is_empty() {
+        return Err("--levels needs at least one session count".into());
+    }
+    Ok(levels)
 }
 
 /// The sections `--only` accepts.
@@ -414,9 +443,16 @@ fn round(x: f64) -> f64 {
 // ---------------------------------------------------------------------------------------------
 // Sections
 
-/// Single-row insert transactions with the daemon's PRAGMAs on the same disk.
+/// Single-row insert transactions with the daemon's PRAGMAs on the same disk, in a directory of
+/// its own (removed again, also on error), so that runs side by side never share the file.
 fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
-    let path = dir.join("raw.db");
+    let own = make_home(dir, "raw")?;
+    let result = raw_commits(&own.join("raw.db"), n);
+    let _ = std::fs::remove_dir_all(&own);
+    result
+}
+
+fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
     // The daemon's VFS too: the baseline is the best commit this process can make on this disk.
     crate::store::vfs::install();
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
@@ -436,10 +472,6 @@ fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     let wall = started.elapsed().as_secs_f64();
-    drop(conn);
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(dir.join(format!("raw.db{suffix}")));
-    }
     Ok(summary(lat, wall))
 }
 
@@ -892,13 +924,13 @@ impl Daemon {
 /// Run the whole benchmark; the report as JSON.
 pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let (model_url, model) = start_model(Duration::from_millis(opts.model_latency_ms))?;
-    let levels = [1usize, 16, 256];
+    let levels = opts.levels.clone();
     let (admit_total, turn_total) = if opts.quick { (512, 512) } else { (4096, 4096) };
     let raw_n = if opts.quick { 200 } else { 1000 };
     let raw = raw_commit_rate(&opts.dir, raw_n)?;
     let raw_rate = raw["per_second"].as_f64().unwrap_or(1.0).max(1e-9);
     let mut admission = Vec::new();
-    for c in levels.into_iter().filter(|_| opts.wants("admission")) {
+    for c in levels.iter().copied().filter(|_| opts.wants("admission")) {
         let mut a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
         let ratio = a["ack"]["per_second"].as_f64().unwrap_or(0.0) / raw_rate;
         a["sessions"] = json!(c);
@@ -906,7 +938,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         admission.push(a);
     }
     let mut turn = Vec::new();
-    for c in levels.into_iter().filter(|_| opts.wants("turn")) {
+    for c in levels.iter().copied().filter(|_| opts.wants("turn")) {
         let total = if c == 1 {
             turn_total / 4
         } else {

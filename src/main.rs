@@ -57,7 +57,7 @@ commands:
   serve [--log-format human|json]     run the daemon in the foreground
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
-         [--only admission,turn,isolation,recovery]
+         [--only admission,turn,isolation,recovery] [--levels 1,16,256]
                                       measure the daemon against a loopback fake model
   status [--json]                     identify the running daemon and count admissions
   key create [NAME] | list | revoke NAME
@@ -82,6 +82,7 @@ struct Args {
     model_latency_ms: u64,
     dir: Option<PathBuf>,
     only: Vec<String>,
+    levels: Option<Vec<usize>>,
     rest: Vec<String>,
 }
 
@@ -114,6 +115,7 @@ fn parse_args() -> Result<Args, String> {
         model_latency_ms: 0,
         dir: None,
         only: Vec::new(),
+        levels: None,
         rest: Vec::new(),
     };
     while let Some(a) = it.next() {
@@ -145,6 +147,11 @@ fn parse_args() -> Result<Args, String> {
                     }
                     args.only.push(s.to_string());
                 }
+            }
+            "--levels" => {
+                let list = it.next().ok_or("--levels needs a list of session counts")?;
+                let levels = gatehouse::bench::parse_levels(&list)?;
+                args.levels = Some(levels);
             }
             "--dir" => args.dir = Some(PathBuf::from(it.next().ok_or("--dir needs a directory")?)),
             "--session" => args.session = it.next().ok_or("--session needs a name")?,
@@ -264,6 +271,9 @@ fn bench(args: Args) -> ExitCode {
     }
     opts.model_latency_ms = args.model_latency_ms;
     opts.only = args.only;
+    if let Some(levels) = args.levels {
+        opts.levels = levels;
+    }
     let system = actix_rt::System::new();
     match system.block_on(gatehouse::bench::run(opts)) {
         Ok(report) => {

@@ -67,3 +67,47 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         .as_f64()
         .is_some_and(|s| s > 0.0));
 }
+
+/// `--levels` picks the admission and turn sections' session counts; a bad list is refused.
+#[test]
+fn bench_levels_pick_the_session_counts_and_bad_lists_are_refused() {
+    let out = Command::new(bin())
+        .args([
+            "bench",
+            "--quick",
+            "--json",
+            "--only",
+            "admission",
+            "--levels",
+            "2",
+        ])
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    let admission = report["admission"].as_array().expect("admission");
+    assert_eq!(
+        admission
+            .iter()
+            .map(|a| a["sessions"].clone())
+            .collect::<Vec<_>>(),
+        [Value::from(2)]
+    );
+    assert_eq!(report["turn"], Value::Array(Vec::new()));
+    for bad in ["0", "1,1", "x", "", "5000"] {
+        let out = Command::new(bin())
+            .args(["bench", "--levels", bad])
+            .output()
+            .expect("run bench");
+        assert_eq!(out.status.code(), Some(2), "--levels {bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--levels"),
+            "--levels {bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
