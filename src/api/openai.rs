@@ -577,6 +577,7 @@ pub fn operations(c: &mut Components) -> Vec<Operation> {
         ],
         request: Body::json::<ChatCompletionRequest>(c),
         status: 200,
+        also: vec![],
         response: Body::Alternatives(vec![
             ("application/json", ChatCompletion::schema(c)),
             (

@@ -212,6 +212,9 @@ pub struct Operation {
     pub params: Vec<(&'static str, &'static str, &'static str)>,
     pub request: Body,
     pub status: u16,
+    /// Other success statuses answered with the same body (e.g. 200 beside 201 for a create
+    /// that found what an earlier request had created).
+    pub also: Vec<u16>,
     pub response: Body,
     /// Refusal statuses this operation may answer with (beyond 401).
     pub errors: Vec<u16>,
@@ -242,6 +245,11 @@ pub fn document(
         let mut ok = json!({"description": http_reason(op.status)});
         if let Some(content) = op.response.content() {
             ok["content"] = content;
+        }
+        for status in &op.also {
+            let mut same = ok.clone();
+            same["description"] = json!(http_reason(*status));
+            responses.insert(status.to_string(), same);
         }
         responses.insert(op.status.to_string(), ok);
         for status in std::iter::once(401).chain(op.errors.iter().copied()) {
@@ -286,6 +294,7 @@ pub fn document(
 fn http_reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
+        201 => "Created",
         202 => "Accepted",
         400 => "Bad request (invalid_params)",
         401 => "Missing, unknown or revoked credentials",

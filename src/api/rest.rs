@@ -280,7 +280,12 @@ pub async fn call<T: DeserializeOwned>(
     caller: &Caller,
 ) -> Result<T, ApiError> {
     let r = authority.call(method, params, caller).await?;
-    serde_json::from_value(r.result).map_err(|e| {
+    shaped(method, r.result)
+}
+
+/// A method's result as the documented type.
+fn shaped<T: DeserializeOwned>(method: &str, result: Value) -> Result<T, ApiError> {
+    serde_json::from_value(result).map_err(|e| {
         ApiError::from(GatewayError::Internal(format!(
             "{method} answered an unexpected shape: {e}"
         )))
@@ -457,14 +462,21 @@ async fn create_session(
     body.request_id = idempotency(&req, body.request_id.take(), "request_id")?;
     let mut params = to_params(&body);
     params.retain(|_, v| !v.is_null());
-    let snap: SessionSnapshot = call(
-        &state.authority,
-        "session.create",
-        Value::Object(params),
-        &caller(&principal.0, None),
-    )
-    .await?;
-    Ok(HttpResponse::Ok().json(snap))
+    let r = state
+        .authority
+        .call(
+            "session.create",
+            Value::Object(params),
+            &caller(&principal.0, None),
+        )
+        .await?;
+    let created = r.created;
+    let snap: SessionSnapshot = shaped("session.create", r.result)?;
+    Ok(if created {
+        HttpResponse::Created().json(snap)
+    } else {
+        HttpResponse::Ok().json(snap)
+    })
 }
 
 async fn get_session(
@@ -901,10 +913,12 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             method: "post",
             path: "/v1/sessions",
             id: "createSession",
-            summary: "Create a session (idempotent by request_id / Idempotency-Key)",
+            summary: "Create a session (idempotent by request_id / Idempotency-Key): 201 when \
+                      created, 200 with the same session when the id had created it before",
             params: vec![idem],
             request: Body::json::<CreateSession>(c),
-            status: 200,
+            status: 201,
+            also: vec![200],
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[400, 403, 503]),
         },
@@ -916,6 +930,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[403, 404]),
         },
@@ -927,6 +942,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![idem],
             request: Body::json::<SubmitInput>(c),
             status: 202,
+            also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409, 413, 429, 503]),
         },
@@ -942,6 +958,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             )],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404]),
         },
@@ -953,6 +970,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[403, 404, 409]),
         },
@@ -964,6 +982,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::json::<PromptAnswerBody>(c),
             status: 200,
+            also: vec![],
             response: Body::json::<PromptAnswerResult>(c),
             errors: errs(&[400, 403, 404, 409]),
         },
@@ -975,6 +994,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::json::<ResolveUnknownBody>(c),
             status: 200,
+            also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409]),
         },
@@ -986,6 +1006,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::json::<InterruptBody>(c),
             status: 200,
+            also: vec![],
             response: Body::json::<InterruptResult>(c),
             errors: errs(&[400, 403, 404, 409]),
         },
@@ -1000,6 +1021,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             ],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::Other(
                 "text/event-stream",
                 json!({"type": "string", "description":
@@ -1022,6 +1044,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             )],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::json::<TokenResult>(c),
             errors: vec![],
         },
@@ -1033,6 +1056,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             params: vec![],
             request: Body::None,
             status: 200,
+            also: vec![],
             response: Body::Json(json!({"type": "object"})),
             errors: vec![],
         },
@@ -1105,6 +1129,10 @@ mod tests {
         );
         assert!(submit["responses"]["202"].is_object());
         assert!(submit["responses"]["409"].is_object());
+        // A create answers 201, or 200 with the same body when the session existed.
+        let create = &paths["/v1/sessions"]["post"]["responses"];
+        assert_eq!(create["201"]["description"], "Created");
+        assert_eq!(create["200"]["content"], create["201"]["content"]);
         // Every $ref resolves.
         let text = doc.to_string();
         for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use super::rest::CreateSession;
 use super::rooms::RoomsService;
 use crate::error::{GatewayError, GatewayResult};
 use crate::session::prompts::{PromptAnswer, PromptKind};
@@ -43,8 +44,22 @@ pub type Subscriptions = Arc<HashMap<String, Option<Addr<SessionSupervisor>>>>;
 /// What a successful call changes on the connection.
 pub struct CallResult {
     pub result: Value,
+    /// `session.create` made a new session (rather than finding the one its request id made);
+    /// REST answers 201 for it. The RPC result does not carry it.
+    pub created: bool,
     /// Follow this root from now on (with its supervisor, when known).
     pub subscribe: Option<(String, Option<Addr<SessionSupervisor>>)>,
+}
+
+impl CallResult {
+    /// A result that changes no subscription.
+    pub fn plain(result: Value) -> CallResult {
+        CallResult {
+            result,
+            subscribe: None,
+            created: false,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -57,20 +72,6 @@ pub struct Authority {
 
 fn params<T: for<'de> Deserialize<'de>>(p: Value) -> GatewayResult<T> {
     serde_json::from_value(p).map_err(|e| GatewayError::InvalidParams(e.to_string()))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CreateParams {
-    request_id: Option<String>,
-    source: Option<String>,
-    cwd: Option<String>,
-    model: Option<String>,
-    provider: Option<String>,
-    base_url: Option<String>,
-    toolsets: Option<Vec<String>>,
-    profile: Option<String>,
-    title: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -245,12 +246,7 @@ impl Authority {
 
     /// Dispatch one method.
     pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
-        let plain = |result: Value| {
-            Ok(CallResult {
-                result,
-                subscribe: None,
-            })
-        };
+        let plain = |result: Value| Ok(CallResult::plain(result));
         match method {
             "session.create" => self.create(params(p)?, caller).await,
             "session.resume" => {
@@ -261,6 +257,7 @@ impl Authority {
                 Ok(CallResult {
                     result: snap,
                     subscribe: Some((root.id, sup)),
+                    created: false,
                 })
             }
             "prompt.submit" => {
@@ -350,10 +347,7 @@ impl Authority {
                     caller,
                 )
                 .await
-                .map(|result| CallResult {
-                    result,
-                    subscribe: None,
-                })
+                .map(CallResult::plain)
             }
             "clarify.respond" => {
                 let p: ClarifyParams = params(p)?;
@@ -367,10 +361,7 @@ impl Authority {
                     caller,
                 )
                 .await
-                .map(|result| CallResult {
-                    result,
-                    subscribe: None,
-                })
+                .map(CallResult::plain)
             }
             "session.interrupt" => {
                 let p: InterruptParams = params(p)?;
@@ -511,7 +502,7 @@ impl Authority {
         Ok(Some(sup))
     }
 
-    async fn create(&self, p: CreateParams, caller: &Caller) -> GatewayResult<CallResult> {
+    async fn create(&self, p: CreateSession, caller: &Caller) -> GatewayResult<CallResult> {
         if self.shared.runtime.draining() {
             return Err(GatewayError::RuntimeDraining);
         }
@@ -625,7 +616,7 @@ impl Authority {
             system_prompt: Some(system_prompt),
         };
         let (epoch, now) = (self.shared.epoch, self.shared.now());
-        let (row, _created) = self
+        let (row, created) = self
             .shared
             .db
             .write(move |c| sessions::create_or_get(c, epoch, &new, now))
@@ -635,6 +626,7 @@ impl Authority {
         Ok(CallResult {
             result: snap,
             subscribe: Some((row.id, sup)),
+            created,
         })
     }
 

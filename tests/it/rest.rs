@@ -109,17 +109,21 @@ impl Api {
         r.body
     }
 
+    /// Create (201) or find again (200) the session of `request_id`.
     async fn session(&self, request_id: &str, cwd: &Path) -> String {
-        let snap = self
+        let r = self
             .with("idempotency-key", request_id)
-            .expect(
+            .raw(
                 "POST",
                 "/v1/sessions",
-                Some(json!({"cwd": cwd.to_string_lossy()})),
-                200,
+                Some(json!({"cwd": cwd.to_string_lossy()}).to_string()),
             )
             .await;
-        snap["session_id"].as_str().expect("session id").to_string()
+        assert!(matches!(r.status, 200 | 201), "{}", r.body);
+        r.body["session_id"]
+            .as_str()
+            .expect("session id")
+            .to_string()
     }
 
     async fn submit(&self, sid: &str, input_id: &str, text: &str) -> Value {
@@ -280,14 +284,15 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
     let api = Api::new(&d, KEY);
     let cwd = home.path.to_string_lossy().to_string();
 
-    // Create: idempotent by Idempotency-Key (or request_id); other params with it are refused.
+    // Create: idempotent by Idempotency-Key (or request_id), 201 when new and 200 with the same
+    // session after; other params with the same id are refused.
     let first = api
         .with("idempotency-key", "s1")
         .expect(
             "POST",
             "/v1/sessions",
             Some(json!({"cwd": cwd, "title": "t"})),
-            200,
+            201,
         )
         .await;
     let sid = first["session_id"].as_str().expect("sid").to_string();
