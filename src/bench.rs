@@ -497,24 +497,13 @@ async fn admissions(
         .await?;
         clients.push((c, sid));
     }
-    let submit = |k: usize| format!("in-{k}");
-    let mut admitted: Vec<Vec<Value>> = vec![Vec::with_capacity(per); clients.len()];
+    let mut admitted: Vec<Vec<Value>> = vec![Vec::new(); clients.len()];
     let tasks = clients
         .iter_mut()
         .zip(admitted.iter_mut())
         .map(|((c, sid), ids)| async move {
-            let mut lat = Vec::with_capacity(per);
-            for k in 0..per {
-                let t = Instant::now();
-                let r = c
-                    .call(
-                        "prompt.submit",
-                        json!({"session_id": sid, "input_id": submit(k), "text": "HANG queued"}),
-                    )
-                    .await?;
-                lat.push(t.elapsed().as_secs_f64() * 1000.0);
-                ids.push(r["admission_id"].clone());
-            }
+            let (lat, got) = submit_queued(c, sid, per, None).await?;
+            *ids = got;
             Ok::<Vec<f64>, String>(lat)
         });
     let ack = measure(tasks).await;
@@ -526,24 +515,7 @@ async fn admissions(
         .iter_mut()
         .zip(admitted.iter())
         .map(|((c, sid), ids)| async move {
-            let mut lat = Vec::with_capacity(per);
-            for (k, id) in ids.iter().enumerate() {
-                let t = Instant::now();
-                let r = c
-                    .call(
-                        "prompt.submit",
-                        json!({"session_id": sid, "input_id": submit(k), "text": "HANG queued"}),
-                    )
-                    .await?;
-                lat.push(t.elapsed().as_secs_f64() * 1000.0);
-                if r["admission_id"] != *id {
-                    return Err(format!(
-                        "the replay of {} was admitted anew: {r}",
-                        submit(k)
-                    ));
-                }
-            }
-            Ok::<Vec<f64>, String>(lat)
+            Ok::<Vec<f64>, String>(submit_queued(c, sid, per, Some(ids)).await?.0)
         });
     let replay = measure(replays).await;
     let pings = clients.iter_mut().map(|(c, _)| async move {
@@ -558,6 +530,35 @@ async fn admissions(
     let ping = measure(pings).await;
     daemon.stop();
     Ok(json!({"ack": ack?, "replay": replay?, "ping": ping?}))
+}
+
+/// Submit inputs `in-0` .. `in-{n-1}` (queued behind a hanging head) one after the other: each
+/// acknowledgement's latency (ms) and admission id. With `replay_of`, they were submitted before
+/// and each must come back as that same admission.
+async fn submit_queued(
+    c: &mut Client,
+    sid: &str,
+    n: usize,
+    replay_of: Option<&[Value]>,
+) -> Result<(Vec<f64>, Vec<Value>), String> {
+    let (mut lat, mut ids) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for k in 0..n {
+        let t = Instant::now();
+        let r = c
+            .call(
+                "prompt.submit",
+                json!({"session_id": sid, "input_id": format!("in-{k}"), "text": "HANG queued"}),
+            )
+            .await?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        if let Some(before) = replay_of {
+            if before.get(k) != Some(&r["admission_id"]) {
+                return Err(format!("the replay of in-{k} was admitted anew: {r}"));
+            }
+        }
+        ids.push(r["admission_id"].clone());
+    }
+    Ok((lat, ids))
 }
 
 async fn turns(

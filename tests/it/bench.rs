@@ -6,10 +6,11 @@ use serde_json::Value;
 
 use crate::helpers::bin;
 
-#[test]
-fn the_quick_benchmark_runs_and_reports_every_section() {
+/// `gatehouse bench --quick --json ARGS`, which must succeed: its report.
+fn bench_json(args: &[&str]) -> Value {
     let out = Command::new(bin())
-        .args(["bench", "--quick", "--json", "--parked", "100"])
+        .args(["bench", "--quick", "--json"])
+        .args(args)
         .output()
         .expect("run bench");
     assert!(
@@ -17,7 +18,12 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         "bench failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    serde_json::from_slice(&out.stdout).expect("bench JSON")
+}
+
+#[test]
+fn the_quick_benchmark_runs_and_reports_every_section() {
+    let report = bench_json(&["--parked", "100"]);
     assert!(
         report["raw_commit"]["per_second"]
             .as_f64()
@@ -71,24 +77,7 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
 /// `--levels` picks the admission and turn sections' session counts; a bad list is refused.
 #[test]
 fn bench_levels_pick_the_session_counts_and_bad_lists_are_refused() {
-    let out = Command::new(bin())
-        .args([
-            "bench",
-            "--quick",
-            "--json",
-            "--only",
-            "admission",
-            "--levels",
-            "2",
-        ])
-        .output()
-        .expect("run bench");
-    assert!(
-        out.status.success(),
-        "bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    let report = bench_json(&["--only", "admission", "--levels", "2"]);
     let admission = report["admission"].as_array().expect("admission");
     assert_eq!(
         admission

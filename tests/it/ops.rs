@@ -9,8 +9,9 @@ use serde_json::{json, Value};
 
 use crate::helpers::*;
 
-fn cli(home: &Home, args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(bin())
+/// `gatehouse ARGS --home HOME` started in HOME, with its output piped.
+fn spawn_cli(home: &Home, args: &[&str]) -> std::process::Child {
+    Command::new(bin())
         .args(args)
         .arg("--home")
         .arg(&home.path)
@@ -19,7 +20,11 @@ fn cli(home: &Home, args: &[&str], stdin: &str) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn gatehouse");
+        .expect("spawn gatehouse")
+}
+
+fn cli(home: &Home, args: &[&str], stdin: &str) -> Output {
+    let mut child = spawn_cli(home, args);
     if let Some(mut s) = child.stdin.take() {
         let _ = s.write_all(stdin.as_bytes());
     }
@@ -346,16 +351,7 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
     let home = Home::new();
     home.write_config(&config(&model.url, json!({})));
     let mut d = Daemon::start(&home);
-    let mut chat = Command::new(bin())
-        .args(["chat", "--session", "crash", "HANG"])
-        .arg("--home")
-        .arg(&home.path)
-        .current_dir(&home.path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn chat");
+    let mut chat = spawn_cli(&home, &["chat", "--session", "crash", "HANG"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while model.reached("HANG") == 0 {
         assert!(
