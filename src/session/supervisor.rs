@@ -715,16 +715,17 @@ impl Handler<Submit> for SessionSupervisor {
             let epoch = shared.epoch;
             let now = shared.now();
             let max = shared.config.session.max_queued_admissions;
+            let input = admissions::Input::new(&root, &m.text);
             Ok(shared
                 .db
                 .write(move |c| {
-                    let admitted = admissions::admit(
+                    let admitted = admissions::admit_input(
                         c,
                         epoch,
                         &m.principal,
                         &root,
                         &m.input_id,
-                        &m.text,
+                        &input,
                         max,
                         now,
                     )?;

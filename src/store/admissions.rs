@@ -61,8 +61,34 @@ pub fn digest(target: &str, payload_json: &str) -> String {
     hex(&h.finalize())
 }
 
+/// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 0xf) as usize] as char);
+    }
+    out
+}
+
+/// An input's stored payload and the digest of its content, made before the write (off the
+/// writer thread, which every commit waits for).
+#[derive(Debug, Clone)]
+pub struct Input {
+    payload_json: String,
+    digest: String,
+}
+
+impl Input {
+    pub fn new(target: &str, text: &str) -> Input {
+        let payload_json = serde_json::json!({ "text": text }).to_string();
+        let digest = digest(target, &payload_json);
+        Input {
+            payload_json,
+            digest,
+        }
+    }
 }
 
 /// Admit an input. Same `(principal, target, request_id)` and digest → the existing row whatever
@@ -79,8 +105,24 @@ pub fn admit(
     max_queued: i64,
     now: f64,
 ) -> Result<Logged<(AdmissionRow, bool)>, StoreError> {
-    let payload = serde_json::json!({ "text": text }).to_string();
-    let fingerprint = digest(target, &payload);
+    let input = Input::new(target, text);
+    admit_input(
+        conn, epoch, principal, target, request_id, &input, max_queued, now,
+    )
+}
+
+/// [`admit`] with the payload made beforehand.
+#[allow(clippy::too_many_arguments)]
+pub fn admit_input(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    principal: &str,
+    target: &str,
+    request_id: &str,
+    input: &Input,
+    max_queued: i64,
+    now: f64,
+) -> Result<Logged<(AdmissionRow, bool)>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let existing: Option<AdmissionRow> = sa::table
@@ -91,7 +133,7 @@ pub fn admit(
             .first(conn)
             .optional()?;
         if let Some(row) = existing {
-            if row.payload_digest == fingerprint {
+            if row.payload_digest == input.digest {
                 return Ok(Logged::quiet((row, false)));
             }
             return Err(StoreError::AdmissionConflict(format!(
@@ -114,21 +156,42 @@ pub fn admit(
         // Time-ordered: a new admission lands at the right edge of the id index instead of on
         // a random page of it (one page written per commit however large the ledger grows).
         let admission_id = uuid::Uuid::now_v7().simple().to_string();
-        let row: AdmissionRow = diesel::insert_into(sa::table)
+        diesel::insert_into(sa::table)
             .values((
                 sa::admission_id.eq(&admission_id),
                 sa::request_id.eq(request_id),
                 sa::principal_id.eq(principal),
                 sa::target_session_id.eq(target),
-                sa::payload_json.eq(&payload),
-                sa::payload_digest.eq(&fingerprint),
+                sa::payload_json.eq(&input.payload_json),
+                sa::payload_digest.eq(&input.digest),
                 sa::status.eq("queued"),
                 sa::owner_epoch.eq(epoch),
                 sa::created_at.eq(now),
                 sa::updated_at.eq(now),
             ))
-            .returning(AdmissionRow::as_returning())
+            .execute(conn)?;
+        // The row is what was just written (no `RETURNING`: SQLite buffers returned rows in a
+        // temporary table, measured at a quarter of the insert's cost); only `seq` is SQLite's.
+        let seq: i64 = HotSql::new("SELECT last_insert_rowid()", &[])
+            .returning::<diesel::sql_types::BigInt>()
             .get_result(conn)?;
+        let row = AdmissionRow {
+            seq,
+            admission_id,
+            request_id: request_id.to_string(),
+            principal_id: principal.to_string(),
+            target_session_id: target.to_string(),
+            payload_json: input.payload_json.clone(),
+            payload_digest: input.digest.clone(),
+            intent: "queue".into(),
+            status: "queued".into(),
+            outcome: None,
+            owner_epoch: Some(epoch),
+            execution_generation: None,
+            result_json: None,
+            created_at: now,
+            updated_at: now,
+        };
         let logged = events::append(
             conn,
             target,
@@ -816,12 +879,24 @@ mod tests {
     }
 
     #[test]
+    fn hex_is_lower_case_two_digits_a_byte() {
+        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
+        assert_eq!(hex(&[]), "");
+    }
+
+    #[test]
     fn admit_is_idempotent_and_conflicts_on_other_text() {
         let (_d, mut c, e) = setup();
         let (a, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 1.0)
             .expect("admit")
             .value;
         assert!(created);
+        // The row returned is the row stored, field for field.
+        let stored = by_id(&mut c, &a.admission_id).expect("stored");
+        assert_eq!(
+            serde_json::to_value(&a).expect("json"),
+            serde_json::to_value(&stored).expect("json")
+        );
         let (b, created) = admit(&mut c, e, "p", "s1", "in-1", "hello", 10, 2.0)
             .expect("again")
             .value;
