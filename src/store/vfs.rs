@@ -253,6 +253,7 @@ fn flush(f: &mut File) -> c_int {
         }
         None => ffi::SQLITE_IOERR_WRITE,
     };
+    // Cleared first: what was handed to the base (or failed to be) is not counted as dropped.
     f.data.clear();
     discard(f);
     rc
