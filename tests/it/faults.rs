@@ -557,3 +557,63 @@ async fn storage_locked_database_refuses_writes_then_recovers() {
     assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
     assert_eq!(model.attempts("B"), 1);
 }
+
+/// Set or clear the immutable attribute (`chattr +i`): even root cannot write such a file, so it
+/// stands for a read-only database. `false` when this file system or machine cannot do it.
+fn set_immutable(path: &std::path::Path, on: bool) -> bool {
+    std::process::Command::new("chattr")
+        .arg(if on { "+i" } else { "-i" })
+        .arg(path)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[actix_rt::test]
+async fn storage_read_only_database_refuses_writes_then_recovers() {
+    let (model, go) = gated_model();
+    go.store(true, std::sync::atomic::Ordering::SeqCst);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("read-only", &home.path).await;
+    ws.submit(&sid, "A", "A").await;
+    wait_until("A", T, || home.admission("A").status == "terminal").await;
+    let wal = home.path.join("state.db-wal");
+    if !set_immutable(&wal, true) {
+        eprintln!(
+            "skipped: chattr +i is not available here, so no file can be made read-only for root"
+        );
+        return;
+    }
+    // Writable again however this test ends (an immutable file cannot be removed either).
+    struct Writable<'a>(&'a std::path::Path);
+    impl Drop for Writable<'_> {
+        fn drop(&mut self) {
+            set_immutable(self.0, false);
+        }
+    }
+    let _writable = Writable(&wal);
+    let before = home.admissions().len();
+    let refused = ws
+        .call(
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "B", "text": "B"}),
+        )
+        .await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let cleared = set_immutable(&wal, false);
+    assert!(cleared, "chattr -i {}", wal.display());
+    assert_eq!(refused["error"]["code"], 5001, "{refused}");
+    assert_eq!(
+        refused["error"]["data"]["reason"], "storage_unavailable",
+        "{refused}"
+    );
+    assert_eq!(snap["session_id"], sid, "reads work while writes cannot");
+    assert_eq!(home.admissions().len(), before, "nothing half-written");
+    // Writable again: the same input is admitted and runs once.
+    ws.submit(&sid, "B", "B").await;
+    wait_until("B", T, || home.admission("B").status == "terminal").await;
+    assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
+    assert_eq!(model.attempts("B"), 1);
+}
