@@ -523,39 +523,78 @@ async fn storage_disk_full_refuses_writes_then_recovers() {
     ws.create("new", &home.path, json!({})).await;
 }
 
-#[actix_rt::test]
-async fn storage_locked_database_refuses_writes_then_recovers() {
-    use diesel::connection::SimpleConnection;
-    use diesel::{Connection, SqliteConnection};
+/// A daemon whose session `name` has run its first input, `A`: where the storage faults start.
+struct Stored {
+    model: ChaosModel,
+    home: Home,
+    _daemon: Daemon,
+    ws: Ws,
+    sid: String,
+}
+
+async fn stored(name: &str) -> Stored {
     let (model, go) = gated_model();
     go.store(true, std::sync::atomic::Ordering::SeqCst);
     let home = Home::new();
     home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("locked", &home.path).await;
+    let daemon = Daemon::start(&home);
+    let mut ws = daemon.ws().await;
+    let sid = ws.session(name, &home.path).await;
     ws.submit(&sid, "A", "A").await;
     wait_until("A", T, || home.admission("A").status == "terminal").await;
+    Stored {
+        model,
+        home,
+        _daemon: daemon,
+        ws,
+        sid,
+    }
+}
+
+impl Stored {
+    /// While the fault lasts a submit is refused (`storage_unavailable`) and writes nothing, and
+    /// a read still works; once `clear` ends it, the same input is admitted and runs once.
+    async fn refused_then_recovered(&mut self, what: &str, clear: impl FnOnce()) {
+        let (sid, home) = (self.sid.clone(), &self.home);
+        let before = home.admissions().len();
+        expect_storage_unavailable(
+            &mut self.ws,
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": "B", "text": "B"}),
+            what,
+        )
+        .await;
+        let snap = self
+            .ws
+            .ok("session.resume", json!({"session_id": sid}))
+            .await;
+        assert_eq!(snap["session_id"], sid, "{what}: reads work");
+        assert_eq!(
+            home.admissions().len(),
+            before,
+            "{what}: nothing half-written"
+        );
+        clear();
+        self.ws.submit(&sid, "B", "B").await;
+        wait_until("B", T, || home.admission("B").status == "terminal").await;
+        assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
+        assert_eq!(self.model.attempts("B"), 1);
+    }
+}
+
+#[actix_rt::test]
+async fn storage_locked_database_refuses_writes_then_recovers() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let mut s = stored("locked").await;
     // Another process holds the write lock.
     let mut holder =
-        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
+        SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy()).expect("open");
     holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
-    let before = home.admissions().len();
-    expect_storage_unavailable(
-        &mut ws,
-        "prompt.submit",
-        json!({"session_id": sid, "input_id": "B", "text": "B"}),
-        "submit under a lock",
-    )
+    s.refused_then_recovered("submit under a lock", || {
+        holder.batch_execute("ROLLBACK").expect("release")
+    })
     .await;
-    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
-    assert_eq!(snap["session_id"], sid, "reads work under the lock");
-    assert_eq!(home.admissions().len(), before, "nothing half-written");
-    holder.batch_execute("ROLLBACK").expect("release");
-    ws.submit(&sid, "B", "B").await;
-    wait_until("B", T, || home.admission("B").status == "terminal").await;
-    assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
-    assert_eq!(model.attempts("B"), 1);
 }
 
 /// Set or clear the immutable attribute (`chattr +i`): even root cannot write such a file, so it
@@ -570,16 +609,8 @@ fn set_immutable(path: &std::path::Path, on: bool) -> bool {
 
 #[actix_rt::test]
 async fn storage_read_only_database_refuses_writes_then_recovers() {
-    let (model, go) = gated_model();
-    go.store(true, std::sync::atomic::Ordering::SeqCst);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("read-only", &home.path).await;
-    ws.submit(&sid, "A", "A").await;
-    wait_until("A", T, || home.admission("A").status == "terminal").await;
-    let wal = home.path.join("state.db-wal");
+    let mut s = stored("read-only").await;
+    let wal = s.home.path.join("state.db-wal");
     if !set_immutable(&wal, true) {
         eprintln!(
             "skipped: chattr +i is not available here, so no file can be made read-only for root"
@@ -594,26 +625,8 @@ async fn storage_read_only_database_refuses_writes_then_recovers() {
         }
     }
     let _writable = Writable(&wal);
-    let before = home.admissions().len();
-    let refused = ws
-        .call(
-            "prompt.submit",
-            json!({"session_id": sid, "input_id": "B", "text": "B"}),
-        )
-        .await;
-    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
-    let cleared = set_immutable(&wal, false);
-    assert!(cleared, "chattr -i {}", wal.display());
-    assert_eq!(refused["error"]["code"], 5001, "{refused}");
-    assert_eq!(
-        refused["error"]["data"]["reason"], "storage_unavailable",
-        "{refused}"
-    );
-    assert_eq!(snap["session_id"], sid, "reads work while writes cannot");
-    assert_eq!(home.admissions().len(), before, "nothing half-written");
-    // Writable again: the same input is admitted and runs once.
-    ws.submit(&sid, "B", "B").await;
-    wait_until("B", T, || home.admission("B").status == "terminal").await;
-    assert_eq!(home.admission("B").outcome.as_deref(), Some("completed"));
-    assert_eq!(model.attempts("B"), 1);
+    s.refused_then_recovered("submit to a read-only database", || {
+        assert!(set_immutable(&wal, false), "chattr -i {}", wal.display())
+    })
+    .await;
 }
