@@ -17,7 +17,9 @@
 //! The fsync is SQLite's own and unchanged: an acknowledged commit is on disk exactly as before. A
 //! failed write (a full disk, a file-size limit) is reported by the call that flushed, which is
 //! always one of the same transaction's writes or its sync, so the transaction fails as it would
-//! have. Other files (the database, its shared memory) are opened by the default VFS itself.
+//! have. A connection's main database file is wrapped too, only to learn when the connection lets
+//! go of the WAL write lock (see [`shm_lock`]); every other file (journals, temporary files) is
+//! opened by the default VFS itself.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::{align_of, size_of};
@@ -104,8 +106,6 @@ struct File {
     kind: Kind,
     /// A database's open WAL, a WAL's database (null when there is none).
     peer: *mut File,
-    /// A database's name pointer (how its WAL finds it: see [`open`]).
-    name: usize,
     /// Offset of `data[0]` in the file.
     start: i64,
     /// A WAL's gathered writes (empty for a database, and for a WAL whose database is unknown,
@@ -172,7 +172,6 @@ unsafe extern "C" fn open(
                 real,
                 kind,
                 peer: std::ptr::null_mut(),
-                name: name as usize,
                 start: 0,
                 data: Vec::new(),
                 gather: false,
@@ -212,14 +211,19 @@ unsafe fn ours<'a>(file: *mut ffi::sqlite3_file) -> &'a mut File {
     unsafe { &mut *(file as *mut File) }
 }
 
-/// Forget the gathered writes (they belong to no commit; see [`shm_lock`]).
-fn discard(f: &mut File) {
-    WAL_DROPPED.with(|n| n.set(n.get() + f.data.len() as u64));
+/// Empty the run (keeping a moderate buffer for the next one).
+fn reset(f: &mut File) {
     f.commit_page_next = false;
     f.data.clear();
     if f.data.capacity() > KEEP_CAPACITY {
         f.data.shrink_to(KEEP_CAPACITY / 4);
     }
+}
+
+/// Forget the gathered writes unwritten (they belong to no commit; see [`shm_lock`]).
+fn discard(f: &mut File) {
+    WAL_DROPPED.with(|n| n.set(n.get() + f.data.len() as u64));
+    reset(f);
 }
 
 /// Write out the gathered run (if any), in pieces the base VFS takes.
@@ -253,9 +257,7 @@ fn flush(f: &mut File) -> c_int {
         }
         None => ffi::SQLITE_IOERR_WRITE,
     };
-    // Cleared first: what was handed to the base (or failed to be) is not counted as dropped.
-    f.data.clear();
-    discard(f);
+    reset(f);
     rc
 }
 
