@@ -295,18 +295,29 @@ impl Client {
         })
     }
 
-    async fn recv(&mut self) -> Result<Value, String> {
+    /// The next text message (parsed), or `None` for a pong; the daemon's pings are answered
+    /// on the way and other frames skipped.
+    async fn next_message(&mut self) -> Result<Option<Value>, String> {
         loop {
             match self.framed.next().await {
                 Some(Ok(awc::ws::Frame::Text(b))) => {
-                    return serde_json::from_slice(&b).map_err(err)
+                    return serde_json::from_slice(&b).map(Some).map_err(err)
                 }
+                Some(Ok(awc::ws::Frame::Pong(_))) => return Ok(None),
                 Some(Ok(awc::ws::Frame::Ping(p))) => {
                     let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
                 }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(err(e)),
                 None => return Err("connection closed".into()),
+            }
+        }
+    }
+
+    async fn recv(&mut self) -> Result<Value, String> {
+        loop {
+            if let Some(v) = self.next_message().await? {
+                return Ok(v);
             }
         }
     }
@@ -340,20 +351,12 @@ impl Client {
             .send(awc::ws::Message::Ping(bytes::Bytes::from_static(b"bench")))
             .await
             .map_err(err)?;
-        loop {
-            match self.framed.next().await {
-                Some(Ok(awc::ws::Frame::Pong(_))) => return Ok(()),
-                Some(Ok(awc::ws::Frame::Text(b))) => {
-                    let v: Value = serde_json::from_slice(&b).map_err(err)?;
-                    if v.get("method").is_some() {
-                        self.events.push(v);
-                    }
-                }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Err(err(e)),
-                None => return Err("connection closed".into()),
+        while let Some(v) = self.next_message().await? {
+            if v.get("method").is_some() {
+                self.events.push(v);
             }
         }
+        Ok(())
     }
 
     async fn session(&mut self, request_id: &str, cwd: &Path) -> Result<String, String> {
