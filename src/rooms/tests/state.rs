@@ -89,6 +89,7 @@ impl Drop for Fixture {
 
 fn assert_kept_counts_are_true(c: &mut SqliteConnection) {
     use crate::store::rooms_schema::room_tasks;
+    use std::collections::BTreeMap;
     let real: Vec<(String, String, i64)> = room_tasks::table
         .group_by((room_tasks::room_id, room_tasks::status))
         .select((
@@ -98,23 +99,18 @@ fn assert_kept_counts_are_true(c: &mut SqliteConnection) {
         ))
         .load(c)
         .unwrap();
-    let mut all = std::collections::BTreeMap::<String, i64>::new();
-    let rooms: std::collections::BTreeSet<String> =
-        real.iter().map(|(r, _, _)| r.clone()).collect();
-    for room in rooms {
-        let counted: std::collections::BTreeMap<String, i64> = real
-            .iter()
-            .filter(|(r, _, _)| *r == room)
-            .map(|(_, s, n)| (s.clone(), *n))
-            .collect();
+    let mut by_room = BTreeMap::<String, BTreeMap<String, i64>>::new();
+    let mut all = BTreeMap::<String, i64>::new();
+    for (room, status, n) in real {
+        *all.entry(status.clone()).or_insert(0) += n;
+        by_room.entry(room).or_default().insert(status, n);
+    }
+    for (room, counted) in by_room {
         assert_eq!(
             count_tasks_by_status(c, &room).unwrap(),
             counted,
             "room {room}"
         );
-    }
-    for (_, status, n) in real {
-        *all.entry(status).or_insert(0) += n;
     }
     assert_eq!(count_all_tasks_by_status(c).unwrap(), all);
 }
