@@ -487,6 +487,7 @@ async fn admissions(
     let home = make_home(&opts.dir, "admit")?;
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
+    let warm = warm_up(opts, &home, &daemon.origin).await?;
     let per = (total / concurrency).max(1);
     let mut clients = Vec::new();
     for i in 0..concurrency {
@@ -531,8 +532,12 @@ async fn admissions(
         Ok::<Vec<f64>, String>(lat)
     });
     let ping = measure(pings).await;
+    let restarts = metric(&daemon.origin, "gatehouse_wal_restarts_total").await?;
     daemon.stop();
-    Ok(json!({"ack": ack?, "replay": replay?, "ping": ping?}))
+    Ok(
+        json!({"ack": ack?, "replay": replay?, "ping": ping?, "warm_up_turns": warm,
+              "wal_restarts": restarts}),
+    )
 }
 
 /// Submit inputs `in-0` .. `in-{n-1}` (queued behind a hanging head) one after the other: each
@@ -573,6 +578,7 @@ async fn turns(
     let home = make_home(&opts.dir, "turn")?;
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
+    let warm = warm_up(opts, &home, &daemon.origin).await?;
     let per = (total / concurrency).max(1);
     let mut clients = Vec::new();
     for i in 0..concurrency {
@@ -586,8 +592,42 @@ async fn turns(
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
     .await;
+    let restarts = metric(&daemon.origin, "gatehouse_wal_restarts_total").await;
     daemon.stop();
-    report
+    let mut report = report?;
+    report["warm_up_turns"] = json!(warm);
+    report["wal_restarts"] = json!(restarts?);
+    Ok(report)
+}
+
+/// Before a section measures: turns on a session of its own until the daemon has restarted its
+/// WAL once, so that commits overwrite the WAL in place as they do in a daemon that has run a
+/// while (see `store::restart_wal`), not append to a WAL still growing from empty, which costs
+/// each fsync the file system's allocation of new blocks. The raw baseline's WAL, checkpointed
+/// by its own connection, is overwritten in place after its first 1,000 frames. Bounded by a
+/// minute; the quick run skips it. How many turns it took.
+async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize, String> {
+    if opts.quick {
+        return Ok(0);
+    }
+    let mut c = Client::connect(home, origin).await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut done = 0;
+    while metric(origin, "gatehouse_wal_restarts_total").await? < 1.0 && Instant::now() < deadline {
+        let sid = c.session(&format!("warm-{done}"), home).await?;
+        for k in 0..TURNS_PER_SESSION {
+            let r = c
+                .call(
+                    "prompt.submit",
+                    json!({"session_id": sid, "input_id": format!("w-{k}"), "text": "hello"}),
+                )
+                .await?;
+            c.complete(r["admission_id"].as_str().ok_or("no admission")?)
+                .await?;
+        }
+        done += TURNS_PER_SESSION;
+    }
+    Ok(done)
 }
 
 /// Trivial turns: a fresh session every few turns keeps the transcript (and so each request) small.

@@ -195,7 +195,7 @@ impl Gateway {
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());
         // Short rounds: each copies little, and the WAL stays small.
-        store::spawn_checkpointer(pool.clone(), Duration::from_millis(100));
+        store::spawn_checkpointer(&db, Duration::from_millis(100));
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
             connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),

@@ -49,6 +49,11 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
     let shared = state.authority.shared.clone();
     let counts = shared.ledger_counts().await.unwrap_or_default();
     let mut body = shared.metrics.render(&counts);
+    body.push_str(&format!(
+        "# HELP gatehouse_wal_restarts_total Times the database writer restarted the WAL from its beginning.\n\
+         # TYPE gatehouse_wal_restarts_total counter\ngatehouse_wal_restarts_total {}\n",
+        shared.db.wal_restarts()
+    ));
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms
             .db
