@@ -726,9 +726,10 @@ impl Rounds {
 }
 
 /// Isolation and memory: 16 healthy sessions on a daemon alone, and on a daemon beside N parked
-/// sessions and a hung room. The two daemons run side by side and their rounds alternate
-/// (alone, loaded, alone, …), so a slow minute of a shared machine falls on both; the p99s are
-/// taken over all rounds of each. The loaded daemon's CPU time while the alone rounds run is
+/// sessions and a hung room. The two daemons run side by side and their rounds alternate in
+/// pairs whose order also alternates (alone, loaded, loaded, alone, …), each round about a
+/// second, so a slow stretch of a shared machine falls on both and neither always goes first;
+/// the p99s are taken over all rounds of each. The loaded daemon's CPU time while the alone rounds run is
 /// reported: it is what its parked sessions and hung room cost the machine.
 async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value), String> {
     let alone_home = make_home(&opts.dir, "iso-alone")?;
@@ -738,12 +739,13 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     write_config(&home, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = daemon.rss_kib();
-    let per = if opts.quick { 20 } else { 400 };
-    let rounds = if opts.quick { 1 } else { 3 };
+    let per = if opts.quick { 20 } else { 100 };
+    let rounds = if opts.quick { 1 } else { 12 };
     // Every measured round runs warm: the first turns of a daemon prepare its statements and
     // open its model connections.
-    healthy_round(&alone_home, &alone_daemon.origin, 0, per / 4).await?;
-    healthy_round(&home, &daemon.origin, 0, per / 4).await?;
+    let warm = if opts.quick { 5 } else { 100 };
+    healthy_round(&alone_home, &alone_daemon.origin, 0, warm).await?;
+    healthy_round(&home, &daemon.origin, 0, warm).await?;
     let before_park = daemon.rss_kib();
     // Park N sessions on approval prompts, spread over a few connections.
     let conns = (opts.parked / 200).clamp(1, 64);
@@ -803,16 +805,21 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let (mut alone, mut loaded) = (Rounds::default(), Rounds::default());
     let mut background_cpu = 0.0;
     for r in 1..=rounds {
-        progress(&format!(
-            "isolation round {r}/{rounds}: 16 healthy sessions alone"
-        ));
-        let cpu = daemon.cpu_seconds();
-        alone.add(healthy_round(&alone_home, &alone_daemon.origin, r, per).await?);
-        background_cpu += daemon.cpu_seconds() - cpu;
-        progress(&format!(
-            "isolation round {r}/{rounds}: 16 healthy sessions beside the parked sessions and the hung room"
-        ));
-        loaded.add(healthy_round(&home, &daemon.origin, r, per).await?);
+        for alone_now in [r % 2 == 1, r % 2 == 0] {
+            if alone_now {
+                progress(&format!(
+                    "isolation round {r}/{rounds}: 16 healthy sessions alone"
+                ));
+                let cpu = daemon.cpu_seconds();
+                alone.add(healthy_round(&alone_home, &alone_daemon.origin, r, per).await?);
+                background_cpu += daemon.cpu_seconds() - cpu;
+            } else {
+                progress(&format!(
+                    "isolation round {r}/{rounds}: 16 healthy sessions beside the parked sessions and the hung room"
+                ));
+                loaded.add(healthy_round(&home, &daemon.origin, r, per).await?);
+            }
+        }
     }
     progress("isolation: done");
     let (alone, alone_rounds) = alone.finish();

@@ -782,5 +782,17 @@ mod wal_restart_tests {
             "the WAL grew to {wal} bytes"
         );
         assert!(restarts >= 1, "the restarts were not counted");
+        // And every committed row is there, read by a connection of its own.
+        #[derive(diesel::QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        use diesel::{Connection, RunQueryDsl};
+        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        let rows: Count = diesel::sql_query("SELECT count(*) AS n FROM w")
+            .get_result(&mut c)
+            .expect("count");
+        assert_eq!(rows.n, 4000);
     }
 }
