@@ -340,7 +340,7 @@ fn restart_wal(conn: &mut SqliteConnection) -> bool {
     let restarted = conn
         .batch_execute("PRAGMA busy_timeout = 2;")
         .and_then(|()| diesel::sql_query("PRAGMA wal_checkpoint(RESTART)").get_result(conn));
-    // Whatever happened, the connection must wait for locks as long as it did before.
+    // Whatever happened, the connection waits for locks as long as before (see [`Pragmas`]).
     let reset = conn.batch_execute("PRAGMA busy_timeout = 5000;");
     match (restarted, reset) {
         (Ok(Checkpointed { busy: 0, .. }), Ok(())) => true,
@@ -535,12 +535,9 @@ pub fn spawn_checkpointer(db: &Db, every: Duration) {
         .spawn(move || loop {
             std::thread::sleep(every);
             match pool.get() {
+                // A WAL that restarted on its own in a lull takes back an earlier request.
                 Ok(mut conn) => match checkpoint_round(&mut conn) {
-                    Ok(want) => {
-                        if want != WAL_RESTART_NO {
-                            wal.wanted.store(want, Ordering::Relaxed)
-                        }
-                    }
+                    Ok(want) => wal.wanted.store(want, Ordering::Relaxed),
                     Err(e) => tracing::debug!(error = %e, "background checkpoint skipped"),
                 },
                 Err(e) => {
