@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 
@@ -12,45 +12,85 @@ pub const DEFAULT_CONTEXT: u64 = 128_000;
 
 /// `(len(system) + Σ len(json(msg)) + len(json(tools))) / 4`.
 pub fn estimate_request(messages: &[Value], tools: Option<&Value>) -> u64 {
-    let mut chars: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    let mut chars: usize = messages.iter().map(json_len).sum();
     if let Some(t) = tools {
-        chars += t.to_string().len();
+        chars += json_len(t);
     }
     (chars / 4) as u64
+}
+
+/// The length of `v.to_string()`, counted as it is written instead of built: a turn estimates
+/// every request before sending it, and the whole transcript was copied into strings each time.
+fn json_len(v: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // A `Value` always serializes, and the counter never fails.
+    let _ = serde_json::to_writer(&mut count, v);
+    count.0
 }
 
 /// The context limit: config, else `models_dev_cache.json` (exact then case-insensitive id),
 /// else [`DEFAULT_CONTEXT`].
 pub fn context_limit(configured: Option<u64>, home: &Path, provider: &str, model: &str) -> u64 {
+    context_limit_within(configured, home, provider, model, RECHECK)
+}
+
+/// [`context_limit`], trusting a read of the file for `recheck`.
+fn context_limit_within(
+    configured: Option<u64>,
+    home: &Path,
+    provider: &str,
+    model: &str,
+    recheck: Duration,
+) -> u64 {
     if let Some(c) = configured.filter(|c| *c > 0) {
         return c;
     }
-    lookup_cache(home, provider, model).unwrap_or(DEFAULT_CONTEXT)
+    lookup_cache(home, provider, model, recheck).unwrap_or(DEFAULT_CONTEXT)
 }
+
+/// How long a read of the limits file is trusted before the file is `stat`ed again: every model
+/// call of a turn asks, and the `stat` per call was 2-3 % of the supervisors' thread's CPU.
+const RECHECK: Duration = Duration::from_secs(1);
 
 /// Context limits by provider, then model id, as `models_dev_cache.json` lists them.
 type Limits = HashMap<String, HashMap<String, u64>>;
 
-/// The parsed file, with what identifies the version it was read from.
+/// The parsed file, with what identifies the version it was read from and when that was checked.
 struct CachedLimits {
     stamp: Option<(SystemTime, u64)>,
+    checked: Instant,
     limits: Arc<Limits>,
 }
 
-/// Parsed once per change of the file (a turn only `stat`s it): the file can be megabytes, and
-/// reading it per turn on the supervisors' thread would stall every session.
+/// Parsed once per change of the file (a turn only `stat`s it, at most once per [`RECHECK`]):
+/// the file can be megabytes, and reading it per turn on the supervisors' thread would stall
+/// every session. Keyed by the home directory.
 static LIMITS: Mutex<Option<HashMap<PathBuf, CachedLimits>>> = Mutex::new(None);
 
-fn limits(home: &Path) -> Arc<Limits> {
-    let path = home.join("models_dev_cache.json");
+fn limits(home: &Path, recheck: Duration) -> Arc<Limits> {
+    let Ok(mut guard) = LIMITS.lock() else {
+        return Arc::new(parse_limits(&home.join(LIMITS_FILE)));
+    };
+    let cache = guard.get_or_insert_with(HashMap::new);
+    if let Some(c) = cache.get(home).filter(|c| c.checked.elapsed() < recheck) {
+        return c.limits.clone();
+    }
+    let path = home.join(LIMITS_FILE);
     let stamp = std::fs::metadata(&path)
         .ok()
         .and_then(|m| Some((m.modified().ok()?, m.len())));
-    let Ok(mut guard) = LIMITS.lock() else {
-        return Arc::new(parse_limits(&path));
-    };
-    let cache = guard.get_or_insert_with(HashMap::new);
-    if let Some(c) = cache.get(&path).filter(|c| c.stamp == stamp) {
+    if let Some(c) = cache.get_mut(home).filter(|c| c.stamp == stamp) {
+        c.checked = Instant::now();
         return c.limits.clone();
     }
     let limits = Arc::new(if stamp.is_some() {
@@ -59,14 +99,17 @@ fn limits(home: &Path) -> Arc<Limits> {
         Limits::new()
     });
     cache.insert(
-        path,
+        home.to_path_buf(),
         CachedLimits {
             stamp,
+            checked: Instant::now(),
             limits: limits.clone(),
         },
     );
     limits
 }
+
+const LIMITS_FILE: &str = "models_dev_cache.json";
 
 fn parse_limits(path: &Path) -> Limits {
     let Some(v) = std::fs::read_to_string(path)
@@ -94,8 +137,8 @@ fn parse_limits(path: &Path) -> Limits {
         .collect()
 }
 
-fn lookup_cache(home: &Path, provider: &str, model: &str) -> Option<u64> {
-    let limits = limits(home);
+fn lookup_cache(home: &Path, provider: &str, model: &str, recheck: Duration) -> Option<u64> {
+    let limits = limits(home, recheck);
     let models = limits.get(provider)?;
     models.get(model).copied().or_else(|| {
         models
@@ -142,20 +185,44 @@ mod tests {
             context_limit(None, &dir, "custom", "other"),
             DEFAULT_CONTEXT
         );
-        // A new version of the file (another length) is read again.
+        // A new version of the file (another length) is read again once the last read is older
+        // than the recheck interval; within it, the last read stands.
         std::fs::write(
             dir.join("models_dev_cache.json"),
             r#"{"custom":{"id":"custom","models":{"Original":{"limit":{"context":32000}},"other":{"limit":{"context":8000}}}}}"#,
         )
         .expect("rewrite");
-        assert_eq!(context_limit(None, &dir, "custom", "original"), 32_000);
-        assert_eq!(context_limit(None, &dir, "custom", "other"), 8_000);
+        let hour = Duration::from_secs(3600);
+        assert_eq!(
+            context_limit_within(None, &dir, "custom", "original", hour),
+            64_000
+        );
+        let now = Duration::ZERO;
+        assert_eq!(
+            context_limit_within(None, &dir, "custom", "original", now),
+            32_000
+        );
+        assert_eq!(
+            context_limit_within(None, &dir, "custom", "other", now),
+            8_000
+        );
         std::fs::remove_file(dir.join("models_dev_cache.json")).expect("remove");
         assert_eq!(
-            context_limit(None, &dir, "custom", "original"),
+            context_limit_within(None, &dir, "custom", "original", now),
             DEFAULT_CONTEXT
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn json_len_is_the_length_of_the_json_text() {
+        for v in [
+            serde_json::json!(null),
+            serde_json::json!({"role": "user", "content": "tab\t, quote \", é, 🦀, \u{1}"}),
+            serde_json::json!([1, 2.5, -3, {"a": [true, false]}, "x".repeat(5000)]),
+        ] {
+            assert_eq!(json_len(&v), v.to_string().len(), "{v}");
+        }
     }
 
     #[test]
