@@ -372,6 +372,18 @@ impl Client {
             .ok_or_else(|| "no session id".into())
     }
 
+    /// One trivial turn: submit `hello` as `input_id` and wait for its `message.complete`.
+    async fn turn(&mut self, sid: &str, input_id: &str) -> Result<(), String> {
+        let r = self
+            .call(
+                "prompt.submit",
+                json!({"session_id": sid, "input_id": input_id, "text": "hello"}),
+            )
+            .await?;
+        let admission = r["admission_id"].as_str().ok_or("no admission")?;
+        self.complete(admission).await
+    }
+
     /// Wait for `message.complete` of `admission`.
     async fn complete(&mut self, admission: &str) -> Result<(), String> {
         let matches = |e: &Value| {
@@ -390,6 +402,9 @@ impl Client {
         }
     }
 }
+
+/// The daemon's count of WAL restarts (see [`warm_up`]).
+const WAL_RESTARTS: &str = "gatehouse_wal_restarts_total";
 
 /// Turns per session before the bench moves to a fresh one.
 const TURNS_PER_SESSION: usize = 8;
@@ -532,7 +547,7 @@ async fn admissions(
         Ok::<Vec<f64>, String>(lat)
     });
     let ping = measure(pings).await;
-    let restarts = metric(&daemon.origin, "gatehouse_wal_restarts_total").await?;
+    let restarts = metric(&daemon.origin, WAL_RESTARTS).await?;
     daemon.stop();
     Ok(
         json!({"ack": ack?, "replay": replay?, "ping": ping?, "warm_up_turns": warm,
@@ -592,7 +607,7 @@ async fn turns(
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
     .await;
-    let restarts = metric(&daemon.origin, "gatehouse_wal_restarts_total").await;
+    let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
     let mut report = report?;
     report["warm_up_turns"] = json!(warm);
@@ -613,17 +628,10 @@ async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize
     let mut c = Client::connect(home, origin).await?;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut done = 0;
-    while metric(origin, "gatehouse_wal_restarts_total").await? < 1.0 && Instant::now() < deadline {
+    while metric(origin, WAL_RESTARTS).await? < 1.0 && Instant::now() < deadline {
         let sid = c.session(&format!("warm-{done}"), home).await?;
         for k in 0..TURNS_PER_SESSION {
-            let r = c
-                .call(
-                    "prompt.submit",
-                    json!({"session_id": sid, "input_id": format!("w-{k}"), "text": "hello"}),
-                )
-                .await?;
-            c.complete(r["admission_id"].as_str().ok_or("no admission")?)
-                .await?;
+            c.turn(&sid, &format!("w-{k}")).await?;
         }
         done += TURNS_PER_SESSION;
     }
@@ -645,17 +653,7 @@ async fn run_turns(
             sid = c.session(&format!("{tag}-{sid}-{k}"), cwd).await?;
         }
         let t = Instant::now();
-        let r = c
-            .call(
-                "prompt.submit",
-                json!({"session_id": sid, "input_id": format!("{tag}-{k}"), "text": "hello"}),
-            )
-            .await?;
-        let admission = r["admission_id"]
-            .as_str()
-            .ok_or("no admission")?
-            .to_string();
-        c.complete(&admission).await?;
+        c.turn(&sid, &format!("{tag}-{k}")).await?;
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     Ok(lat)
@@ -729,8 +727,8 @@ impl Rounds {
 /// sessions and a hung room. The two daemons run side by side and their rounds alternate in
 /// pairs whose order also alternates (alone, loaded, loaded, alone, …), each round about a
 /// second, so a slow stretch of a shared machine falls on both and neither always goes first;
-/// the p99s are taken over all rounds of each. The loaded daemon's CPU time while the alone rounds run is
-/// reported: it is what its parked sessions and hung room cost the machine.
+/// the p99s are taken over all rounds of each. The loaded daemon's CPU time while the alone
+/// rounds run is reported: it is what its parked sessions and hung room cost the machine.
 async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value), String> {
     let alone_home = make_home(&opts.dir, "iso-alone")?;
     write_config(&alone_home, model_url)?;
