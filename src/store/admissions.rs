@@ -12,10 +12,46 @@ use super::schema::{session_admissions as sa, sessions};
 use super::{Bind, HotSql};
 use crate::error::StoreError;
 
-/// `status != 'terminal'`, written out so that queries across sessions by status can use the
-/// partial index `session_admissions_live` (a bound parameter would not match its condition).
-pub fn is_live() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
-    diesel::dsl::sql("session_admissions.status != 'terminal'")
+/// `status != 'terminal'`, written out so that queries of live rows can use the partial index
+/// `session_admissions_open` (a bound parameter would not match its condition). Every query by
+/// a live status needs it: settled rows are in no status index.
+pub fn is_live() -> IsLive {
+    IsLive
+}
+
+/// The condition of [`is_live`]. Its own type, not `diesel::dsl::sql`: diesel never keeps a
+/// statement with an SQL literal prepared, and a claim and an admission run five such queries,
+/// which the writer then parsed and planned again on every run. This fragment binds nothing
+/// and its text never changes, so its statements are cached like any other.
+#[derive(Debug, Clone, Copy, diesel::query_builder::QueryId)]
+pub struct IsLive;
+
+impl diesel::expression::Expression for IsLive {
+    type SqlType = diesel::sql_types::Bool;
+}
+
+impl<QS> diesel::expression::AppearsOnTable<QS> for IsLive where
+    QS: diesel::query_source::AppearsInFromClause<sa::table, Count = diesel::query_source::Once>
+{
+}
+
+impl<QS> diesel::expression::SelectableExpression<QS> for IsLive where
+    QS: diesel::query_source::AppearsInFromClause<sa::table, Count = diesel::query_source::Once>
+{
+}
+
+impl<G> diesel::expression::ValidGrouping<G> for IsLive {
+    type IsAggregate = diesel::expression::is_aggregate::Never;
+}
+
+impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for IsLive {
+    fn walk_ast<'b>(
+        &'b self,
+        mut out: diesel::query_builder::AstPass<'_, 'b, diesel::sqlite::Sqlite>,
+    ) -> QueryResult<()> {
+        out.push_sql("session_admissions.status != 'terminal'");
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
@@ -217,6 +253,7 @@ fn queued_at_least(
     use diesel::dsl::{max, min};
     let queued = || {
         sa::table
+            .filter(is_live())
             .filter(sa::target_session_id.eq(session))
             .filter(sa::status.eq("queued"))
     };
@@ -261,8 +298,8 @@ pub fn pending(
     session: &str,
 ) -> Result<Vec<AdmissionRow>, StoreError> {
     Ok(sa::table
+        .filter(is_live())
         .filter(sa::target_session_id.eq(session))
-        .filter(sa::status.ne("terminal"))
         .order(sa::seq.asc())
         .select(AdmissionRow::as_select())
         .load(conn)?)
@@ -401,9 +438,10 @@ pub fn claim_next(
 ) -> Result<Logged<Claim>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
-        // Three seeks on the FIFO index (session, status, seq), however deep the queue.
+        // Three seeks on the live rows' index (session, status, seq), however deep the queue.
         let in_status = |status: &'static str| {
             sa::table
+                .filter(is_live())
                 .filter(sa::target_session_id.eq(session))
                 .filter(sa::status.eq(status))
         };
@@ -730,22 +768,189 @@ mod tests {
         (d, conn, e)
     }
 
-    /// Live rows across sessions are found through the partial index (settled rows, almost the
-    /// whole ledger, are not in it); with a bound `status != ?` SQLite could not use it.
+    /// Every query of the ledger seeks an index, none scans the table, and those of the hot
+    /// paths (admission, claim, settlement) stay prepared. Live rows, by
+    /// session or across sessions, are found through the partial index (settled rows, almost
+    /// the whole ledger, are not in it; with a bound `status != ?` SQLite could not use it);
+    /// a replay and a session's settled rows through the idempotency key; a row by its id.
     #[test]
-    fn live_rows_by_status_use_the_partial_index() {
+    fn ledger_queries_seek_an_index() {
         let (_d, mut c, _) = setup();
-        let query = sa::table
-            .filter(is_live())
-            .filter(sa::status.eq_any(["unknown", "started"]))
-            .select(sa::target_session_id);
-        let sql = diesel::debug_query::<diesel::sqlite::Sqlite, _>(&query).to_string();
-        let sql = sql.split(" -- binds").next().unwrap_or_default();
-        let plan = testing::query_plan(&mut c, sql);
-        assert!(
-            plan.iter()
-                .any(|d| d.contains("USING INDEX session_admissions_live")),
-            "{sql}: {plan:?}"
+        // The SQL, and whether diesel keeps the statement prepared.
+        fn sql<Q>(q: &Q) -> (String, bool)
+        where
+            Q: diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite>,
+        {
+            let s = diesel::debug_query::<diesel::sqlite::Sqlite, _>(q).to_string();
+            let cached = q
+                .is_safe_to_cache_prepared(&diesel::sqlite::Sqlite)
+                .expect("cache");
+            (
+                s.split(" -- binds").next().unwrap_or_default().to_string(),
+                cached,
+            )
+        }
+        // `USING INDEX` or `USING COVERING INDEX`.
+        let open = "INDEX session_admissions_open";
+        let key = "INDEX sqlite_autoindex_session_admissions_2";
+        let id = "INDEX sqlite_autoindex_session_admissions_1";
+        let cases = [
+            (
+                "live rows across sessions",
+                sql(&sa::table
+                    .filter(is_live())
+                    .filter(sa::status.eq_any(["unknown", "started"]))
+                    .select(sa::target_session_id)),
+                open,
+                false,
+            ),
+            (
+                "a session's head",
+                sql(&sa::table
+                    .filter(is_live())
+                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::status.eq("queued"))
+                    .order(sa::seq.asc())
+                    .select(sa::seq)
+                    .limit(1)),
+                open,
+                true,
+            ),
+            (
+                "a session's pending rows",
+                sql(&sa::table
+                    .filter(is_live())
+                    .filter(sa::target_session_id.eq("s1"))
+                    .order(sa::seq.asc())
+                    .select(sa::seq)),
+                open,
+                true,
+            ),
+            (
+                "a replayed input",
+                sql(&sa::table
+                    .filter(sa::principal_id.eq("p"))
+                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::request_id.eq("r"))
+                    .select(sa::seq)),
+                key,
+                true,
+            ),
+            (
+                "a session's settled rows",
+                sql(&sa::table
+                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::status.eq("terminal"))
+                    .order(sa::seq.asc())
+                    .select(sa::seq)),
+                key,
+                true,
+            ),
+            (
+                "a row by id",
+                sql(&sa::table.filter(sa::admission_id.eq("a")).select(sa::seq)),
+                id,
+                true,
+            ),
+        ];
+        for (what, (sql, cached), index, hot) in cases {
+            assert!(cached || !hot, "{what} is parsed again on every run: {sql}");
+            let plan = testing::query_plan(&mut c, &sql);
+            assert!(
+                plan.iter().any(|d| d.contains(index)),
+                "{what}: {sql}: {plan:?}"
+            );
+            assert!(
+                !plan
+                    .iter()
+                    .any(|d| d.starts_with("SCAN session_admissions") && !d.contains("USING")),
+                "{what} scans the ledger: {sql}: {plan:?}"
+            );
+        }
+    }
+
+    /// The ledger as the lean-ledger migration leaves it: every row and its FIFO order kept,
+    /// `seq` going on from the largest, idempotent replays still found, no `sqlite_sequence`
+    /// entry left, and the old indexes gone.
+    #[test]
+    fn the_lean_ledger_migration_keeps_every_row() {
+        use diesel::connection::SimpleConnection;
+        use diesel::Connection;
+        use diesel_migrations::MigrationHarness;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        c.batch_execute("PRAGMA foreign_keys = ON;")
+            .expect("pragma");
+        testing::migrate_to_just_before(&mut c, "_lean_ledger");
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
+        // Old rows with a gap in `seq` (as AUTOINCREMENT leaves after a failed insert).
+        let row = |seq: i64, text: &str, status: &str, outcome: &str, generation: &str| {
+            let payload = serde_json::json!({ "text": text }).to_string();
+            format!(
+                "({seq}, 'a{seq}', 'r{seq}', 'p', 's1', '{payload}', '{}', '{status}', {outcome}, \
+                 1, {generation}, {seq}.0, {seq}.0)",
+                digest("s1", &payload)
+            )
+        };
+        c.batch_execute(&format!(
+            "INSERT INTO session_admissions (seq, admission_id, request_id, principal_id, \
+               target_session_id, payload_json, payload_digest, status, outcome, owner_epoch, \
+               execution_generation, created_at, updated_at) VALUES {}, {};",
+            row(3, "one", "terminal", "'completed'", "1"),
+            row(7, "two", "queued", "NULL", "NULL"),
+        ))
+        .expect("old rows");
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let indexes: Vec<String> = diesel::sql_query(
+            "SELECT name AS detail FROM sqlite_schema WHERE type = 'index' \
+             AND tbl_name = 'session_admissions' ORDER BY name",
+        )
+        .load::<testing::Detail>(&mut c)
+        .expect("indexes")
+        .into_iter()
+        .map(|d| d.detail)
+        .collect();
+        assert_eq!(
+            indexes,
+            [
+                "session_admissions_open",
+                "sqlite_autoindex_session_admissions_1",
+                "sqlite_autoindex_session_admissions_2"
+            ]
+        );
+        let sequence: i64 = diesel::sql_query(
+            "SELECT count(*) AS n FROM sqlite_sequence WHERE name = 'session_admissions'",
+        )
+        .get_result::<testing::Count>(&mut c)
+        .expect("sequence")
+        .n;
+        assert_eq!(sequence, 0);
+        assert_eq!(
+            by_id(&mut c, "a3").expect("a3").outcome.as_deref(),
+            Some("completed")
+        );
+        assert_eq!(
+            pending(&mut c, "s1")
+                .expect("pending")
+                .iter()
+                .map(|r| (r.seq, r.text()))
+                .collect::<Vec<_>>(),
+            vec![(7, "two".to_string())]
+        );
+        let replay = admit(&mut c, e, "p", "s1", "r7", "two", 100, 3.0).expect("replay");
+        assert_eq!((replay.value.0.seq, replay.value.1), (7, false));
+        let next = admit(&mut c, e, "p", "s1", "r8", "three", 100, 3.0).expect("admit");
+        assert_eq!((next.value.0.seq, next.value.1), (8, true));
+        assert_eq!(
+            terminal_of_session(&mut c, "s1")
+                .expect("terminal")
+                .iter()
+                .map(|r| r.seq)
+                .collect::<Vec<_>>(),
+            vec![3]
         );
     }
 

@@ -646,16 +646,25 @@ pub mod testing {
         }
     }
 
+    /// A text column named `detail`, for `sql_query`.
+    #[derive(diesel::QueryableByName)]
+    pub struct Detail {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        pub detail: String,
+    }
+
+    /// An integer column named `n`, for `sql_query`.
+    #[derive(diesel::QueryableByName)]
+    pub struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        pub n: i64,
+    }
+
     /// The details of SQLite's plan for `sql` (`SEARCH … USING INDEX …`, `SCAN …`), one per step.
     pub fn query_plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
-        #[derive(diesel::QueryableByName)]
-        struct Step {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            detail: String,
-        }
         use diesel::RunQueryDsl;
         diesel::sql_query(format!("EXPLAIN QUERY PLAN {sql}"))
-            .load::<Step>(conn)
+            .load::<Detail>(conn)
             .expect("plan")
             .into_iter()
             .map(|s| s.detail)
@@ -780,14 +789,9 @@ mod wal_restart_tests {
         );
         assert!(restarts >= 1, "the restarts were not counted");
         // And every committed row is there, read by a connection of its own.
-        #[derive(diesel::QueryableByName)]
-        struct Count {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
-        }
         use diesel::{Connection, RunQueryDsl};
         let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        let rows: Count = diesel::sql_query("SELECT count(*) AS n FROM w")
+        let rows: testing::Count = diesel::sql_query("SELECT count(*) AS n FROM w")
             .get_result(&mut c)
             .expect("count");
         assert_eq!(rows.n, 4000);
