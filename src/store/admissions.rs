@@ -641,6 +641,44 @@ pub fn cancel(
     })
 }
 
+/// The user message the claim of `admission_id` wrote, found among the messages of the sessions
+/// of `root`'s lineage (through their key), not by a walk of every session's messages.
+#[allow(clippy::type_complexity)]
+fn unclaimed_user_message<'a>(
+    root: &'a str,
+    admission_id: &'a str,
+) -> diesel::dsl::Filter<
+    diesel::dsl::Filter<
+        diesel::dsl::Filter<
+            super::schema::messages::table,
+            diesel::dsl::EqAny<
+                super::schema::messages::session_id,
+                diesel::dsl::Select<
+                    diesel::dsl::Filter<
+                        sessions::table,
+                        diesel::dsl::Eq<sessions::root_id, &'a str>,
+                    >,
+                    sessions::id,
+                >,
+            >,
+        >,
+        diesel::dsl::Eq<super::schema::messages::admission_id, &'a str>,
+    >,
+    diesel::dsl::Eq<super::schema::messages::role, &'static str>,
+> {
+    use super::schema::messages;
+    messages::table
+        .filter(
+            messages::session_id.eq_any(
+                sessions::table
+                    .filter(sessions::root_id.eq(root))
+                    .select(sessions::id),
+            ),
+        )
+        .filter(messages::admission_id.eq(admission_id))
+        .filter(messages::role.eq("user"))
+}
+
 /// Put back a row claimed just as a graceful stop began, before anything of its turn ran: `queued`
 /// again (so it runs after the restart, in its place), its claim's user message removed, in one
 /// transaction. Fenced: started, this epoch, this generation. Reported by `session.info`.
@@ -652,7 +690,6 @@ pub fn unclaim(
     generation: i64,
     now: f64,
 ) -> Result<Logged<AdmissionRow>, StoreError> {
-    use super::schema::messages;
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         let n = diesel::update(
@@ -674,12 +711,7 @@ pub fn unclaim(
                 "admission {admission_id} is not the claimed attempt {generation}"
             )));
         }
-        diesel::delete(
-            messages::table
-                .filter(messages::admission_id.eq(admission_id))
-                .filter(messages::role.eq("user")),
-        )
-        .execute(conn)?;
+        diesel::delete(unclaimed_user_message(session, admission_id)).execute(conn)?;
         let logged = events::append(
             conn,
             session,
@@ -867,6 +899,29 @@ mod tests {
                 "{what} scans the ledger: {sql}: {plan:?}"
             );
         }
+    }
+
+    /// Putting a claim back finds its user message through the lineage's sessions and the
+    /// messages' key, without scanning the messages of every session.
+    #[test]
+    fn an_unclaim_finds_its_user_message_by_key() {
+        let (_d, mut c, _) = setup();
+        let q = diesel::delete(unclaimed_user_message("s1", "a1"));
+        let sql = diesel::debug_query::<diesel::sqlite::Sqlite, _>(&q).to_string();
+        let sql = sql
+            .split(" -- binds")
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let plan = testing::query_plan(&mut c, &sql);
+        assert!(
+            plan.iter().any(|d| d.contains("INDEX messages_live")),
+            "{sql}: {plan:?}"
+        );
+        assert!(
+            !plan.iter().any(|d| d == "SCAN messages"),
+            "{sql}: {plan:?}"
+        );
     }
 
     /// The ledger as the lean-ledger migration leaves it: every row and its FIFO order kept,
