@@ -243,4 +243,56 @@ mod tests {
         let live = [row(1, "user", None, None), row(2, "assistant", None, None)];
         assert!(closing_messages(&live, "interrupted", None).is_empty());
     }
+
+    /// The messages as the lean-messages migration leaves them: every row with its id, a
+    /// session's transcript in the same order, new ids going on from the largest, and no
+    /// `sqlite_sequence` entry left.
+    #[test]
+    fn the_lean_messages_migration_keeps_every_message() {
+        use crate::store::{epoch, testing};
+        use diesel::connection::SimpleConnection;
+        use diesel::Connection;
+        use diesel_migrations::MigrationHarness;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        c.batch_execute("PRAGMA foreign_keys = ON;")
+            .expect("pragma");
+        testing::migrate_to_just_before(&mut c, "_lean_messages");
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
+        c.batch_execute(
+            "INSERT INTO messages (id, session_id, role, content, active, timestamp) VALUES \
+             (4, 's1', 'user', 'one', 1, 1.0), (9, 's1', 'assistant', 'two', 1, 2.0), \
+             (11, 's1', 'user', 'old', 0, 0.5);",
+        )
+        .expect("old messages");
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let sequence: i64 =
+            diesel::sql_query("SELECT count(*) AS n FROM sqlite_sequence WHERE name = 'messages'")
+                .get_result::<testing::Count>(&mut c)
+                .expect("sequence")
+                .n;
+        assert_eq!(sequence, 0);
+        let next = NewMessage {
+            session_id: "s1".into(),
+            role: "user".into(),
+            content: Some("three".into()),
+            ..Default::default()
+        };
+        insert_messages(&mut c, &[next], 3.0).expect("insert");
+        assert_eq!(
+            live(&mut c, "s1")
+                .expect("live")
+                .iter()
+                .map(|m| (m.id, m.content.clone().unwrap_or_default()))
+                .collect::<Vec<_>>(),
+            vec![
+                (4, "one".to_string()),
+                (9, "two".to_string()),
+                (12, "three".to_string())
+            ]
+        );
+    }
 }
