@@ -545,15 +545,20 @@ pub fn settle(
 ) -> Result<Logged<AdmissionRow>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
-        let (tip, current): (String, i64) = sessions::table
-            .filter(sessions::id.eq(session))
-            .select((sessions::tip_session_id, sessions::runtime_generation))
-            .first(conn)?;
-        if current != generation {
+        // The generation fence and the revision bump in one statement.
+        let tip: Option<String> = HotSql::new(
+            "UPDATE sessions SET runtime_revision = runtime_revision + 1 \
+             WHERE id = ? AND runtime_generation = ? RETURNING tip_session_id",
+            &[Bind::Text(session), Bind::Int(generation)],
+        )
+        .returning::<diesel::sql_types::Text>()
+        .get_result(conn)
+        .optional()?;
+        let Some(tip) = tip else {
             return Err(StoreError::StaleGeneration(format!(
                 "generation {generation} is not running"
             )));
-        }
+        };
         let n = HotSql::new(
             "UPDATE session_admissions SET status = 'terminal', outcome = ?, result_json = ?, \
              updated_at = ? WHERE admission_id = ? AND target_session_id = ? \
@@ -583,11 +588,6 @@ pub fn settle(
             })
             .collect();
         insert_messages(conn, &rows, now)?;
-        HotSql::new(
-            "UPDATE sessions SET runtime_revision = runtime_revision + 1 WHERE id = ?",
-            &[Bind::Text(session)],
-        )
-        .execute(conn)?;
         let logged = events::append(conn, session, report, now)?;
         Ok(Logged::new(by_id(conn, admission_id)?, logged))
     })
