@@ -930,16 +930,8 @@ mod tests {
     #[test]
     fn the_lean_ledger_migration_keeps_every_row() {
         use diesel::connection::SimpleConnection;
-        use diesel::Connection;
         use diesel_migrations::MigrationHarness;
-        let dir = testing::tempfile_dir::TempDir::new();
-        let path = dir.path().join("state.db");
-        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        c.batch_execute("PRAGMA foreign_keys = ON;")
-            .expect("pragma");
-        testing::migrate_to_just_before(&mut c, "_lean_ledger");
-        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
-        testing::session(&mut c, e, "s1");
+        let (_dir, mut c, e) = testing::conn_just_before("_lean_ledger");
         // Old rows with a gap in `seq` (as AUTOINCREMENT leaves after a failed insert).
         let row = |seq: i64, text: &str, status: &str, outcome: &str, generation: &str| {
             let payload = serde_json::json!({ "text": text }).to_string();

@@ -249,18 +249,10 @@ mod tests {
     /// `sqlite_sequence` entry left.
     #[test]
     fn the_lean_messages_migration_keeps_every_message() {
-        use crate::store::{epoch, testing};
+        use crate::store::testing;
         use diesel::connection::SimpleConnection;
-        use diesel::Connection;
         use diesel_migrations::MigrationHarness;
-        let dir = testing::tempfile_dir::TempDir::new();
-        let path = dir.path().join("state.db");
-        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        c.batch_execute("PRAGMA foreign_keys = ON;")
-            .expect("pragma");
-        testing::migrate_to_just_before(&mut c, "_lean_messages");
-        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
-        testing::session(&mut c, e, "s1");
+        let (_dir, mut c, _) = testing::conn_just_before("_lean_messages");
         c.batch_execute(
             "INSERT INTO messages (id, session_id, role, content, active, timestamp) VALUES \
              (4, 's1', 'user', 'one', 1, 1.0), (9, 's1', 'assistant', 'two', 1, 2.0), \

@@ -625,6 +625,21 @@ pub mod testing {
         (dir, conn)
     }
 
+    /// A connection on a fresh temp file whose schema is that before the migration ending with
+    /// `suffix`, under a new epoch, with session `s1`: old rows go in, then the migration runs.
+    pub fn conn_just_before(suffix: &str) -> (tempfile_dir::TempDir, SqliteConnection, i64) {
+        use diesel::Connection;
+        let dir = tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        c.batch_execute("PRAGMA foreign_keys = ON;")
+            .expect("pragma");
+        migrate_to_just_before(&mut c, suffix);
+        let e = super::epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        session(&mut c, e, "s1");
+        (dir, c, e)
+    }
+
     /// Bring a fresh connection's schema up to, not including, the migration whose name ends
     /// with `suffix` (to test that migration on data of the schema before it).
     pub fn migrate_to_just_before(c: &mut SqliteConnection, suffix: &str) {
