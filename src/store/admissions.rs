@@ -643,40 +643,19 @@ pub fn cancel(
 
 /// The user message the claim of `admission_id` wrote, found among the messages of the sessions
 /// of `root`'s lineage (through their key), not by a walk of every session's messages.
-#[allow(clippy::type_complexity)]
-fn unclaimed_user_message<'a>(
-    root: &'a str,
-    admission_id: &'a str,
-) -> diesel::dsl::Filter<
-    diesel::dsl::Filter<
-        diesel::dsl::Filter<
-            super::schema::messages::table,
-            diesel::dsl::EqAny<
-                super::schema::messages::session_id,
-                diesel::dsl::Select<
-                    diesel::dsl::Filter<
-                        sessions::table,
-                        diesel::dsl::Eq<sessions::root_id, &'a str>,
-                    >,
-                    sessions::id,
-                >,
-            >,
-        >,
-        diesel::dsl::Eq<super::schema::messages::admission_id, &'a str>,
-    >,
-    diesel::dsl::Eq<super::schema::messages::role, &'static str>,
-> {
-    use super::schema::messages;
-    messages::table
+#[diesel::dsl::auto_type(no_type_alias)]
+fn unclaimed_user_message<'a>(root: &'a str, admission_id: &'a str) -> _ {
+    let user: &'static str = "user";
+    super::schema::messages::table
         .filter(
-            messages::session_id.eq_any(
+            super::schema::messages::session_id.eq_any(
                 sessions::table
                     .filter(sessions::root_id.eq(root))
                     .select(sessions::id),
             ),
         )
-        .filter(messages::admission_id.eq(admission_id))
-        .filter(messages::role.eq("user"))
+        .filter(super::schema::messages::admission_id.eq(admission_id))
+        .filter(super::schema::messages::role.eq(user))
 }
 
 /// Put back a row claimed just as a graceful stop began, before anything of its turn ran: `queued`
@@ -813,14 +792,10 @@ mod tests {
         where
             Q: diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite>,
         {
-            let s = diesel::debug_query::<diesel::sqlite::Sqlite, _>(q).to_string();
             let cached = q
                 .is_safe_to_cache_prepared(&diesel::sqlite::Sqlite)
                 .expect("cache");
-            (
-                s.split(" -- binds").next().unwrap_or_default().to_string(),
-                cached,
-            )
+            (testing::sql_of(q), cached)
         }
         // `USING INDEX` or `USING COVERING INDEX`.
         let open = "INDEX session_admissions_open";
@@ -906,13 +881,7 @@ mod tests {
     #[test]
     fn an_unclaim_finds_its_user_message_by_key() {
         let (_d, mut c, _) = setup();
-        let q = diesel::delete(unclaimed_user_message("s1", "a1"));
-        let sql = diesel::debug_query::<diesel::sqlite::Sqlite, _>(&q).to_string();
-        let sql = sql
-            .split(" -- binds")
-            .next()
-            .unwrap_or_default()
-            .to_string();
+        let sql = testing::sql_of(&diesel::delete(unclaimed_user_message("s1", "a1")));
         let plan = testing::query_plan(&mut c, &sql);
         assert!(
             plan.iter().any(|d| d.contains("INDEX messages_live")),
@@ -931,7 +900,9 @@ mod tests {
     fn the_lean_ledger_migration_keeps_every_row() {
         use diesel::connection::SimpleConnection;
         use diesel_migrations::MigrationHarness;
-        let (_dir, mut c, e) = testing::conn_just_before("_lean_ledger");
+        let (_dir, mut c) = testing::conn_just_before("_lean_ledger");
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
         // Old rows with a gap in `seq` (as AUTOINCREMENT leaves after a failed insert).
         let row = |seq: i64, text: &str, status: &str, outcome: &str, generation: &str| {
             let payload = serde_json::json!({ "text": text }).to_string();
@@ -968,13 +939,7 @@ mod tests {
                 "sqlite_autoindex_session_admissions_2"
             ]
         );
-        let sequence: i64 = diesel::sql_query(
-            "SELECT count(*) AS n FROM sqlite_sequence WHERE name = 'session_admissions'",
-        )
-        .get_result::<testing::Count>(&mut c)
-        .expect("sequence")
-        .n;
-        assert_eq!(sequence, 0);
+        assert_eq!(testing::sequence_entries(&mut c, "session_admissions"), 0);
         assert_eq!(
             by_id(&mut c, "a3").expect("a3").outcome.as_deref(),
             Some("completed")

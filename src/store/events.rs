@@ -642,12 +642,8 @@ mod tests {
     #[test]
     fn events_stored_before_batches_read_back_after_the_migration() {
         use diesel::connection::SimpleConnection;
-        use diesel::Connection;
         use diesel_migrations::MigrationHarness;
-        let dir = testing::tempfile_dir::TempDir::new();
-        let path = dir.path().join("state.db");
-        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        testing::migrate_to_just_before(&mut c, "_lean_event_log");
+        let (_dir, mut c) = testing::conn_just_before("_lean_event_log");
         c.batch_execute(
             r#"PRAGMA foreign_keys = OFF;
                INSERT INTO session_events (session_id, seq, type, payload_json, created_at) VALUES

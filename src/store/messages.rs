@@ -249,10 +249,12 @@ mod tests {
     /// `sqlite_sequence` entry left.
     #[test]
     fn the_lean_messages_migration_keeps_every_message() {
-        use crate::store::testing;
+        use crate::store::{epoch, testing};
         use diesel::connection::SimpleConnection;
         use diesel_migrations::MigrationHarness;
-        let (_dir, mut c, _) = testing::conn_just_before("_lean_messages");
+        let (_dir, mut c) = testing::conn_just_before("_lean_messages");
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
         c.batch_execute(
             "INSERT INTO messages (id, session_id, role, content, active, timestamp) VALUES \
              (4, 's1', 'user', 'one', 1, 1.0), (9, 's1', 'assistant', 'two', 1, 2.0), \
@@ -261,12 +263,7 @@ mod tests {
         .expect("old messages");
         c.run_pending_migrations(crate::store::MIGRATIONS)
             .expect("migrate");
-        let sequence: i64 =
-            diesel::sql_query("SELECT count(*) AS n FROM sqlite_sequence WHERE name = 'messages'")
-                .get_result::<testing::Count>(&mut c)
-                .expect("sequence")
-                .n;
-        assert_eq!(sequence, 0);
+        assert_eq!(testing::sequence_entries(&mut c, "messages"), 0);
         let next = NewMessage {
             session_id: "s1".into(),
             role: "user".into(),

@@ -613,31 +613,50 @@ pub fn now() -> f64 {
 pub mod testing {
     use super::*;
 
-    /// A migrated connection on a fresh temp file.
-    pub fn conn() -> (tempfile_dir::TempDir, SqliteConnection) {
+    /// A connection on a fresh temp file with foreign keys on, and no schema yet.
+    fn fresh() -> (tempfile_dir::TempDir, SqliteConnection) {
         use diesel::Connection;
         let dir = tempfile_dir::TempDir::new();
         let path = dir.path().join("state.db");
         let mut conn = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
         conn.batch_execute("PRAGMA foreign_keys = ON;")
             .expect("pragma");
+        (dir, conn)
+    }
+
+    /// A migrated connection on a fresh temp file.
+    pub fn conn() -> (tempfile_dir::TempDir, SqliteConnection) {
+        let (dir, mut conn) = fresh();
         conn.run_pending_migrations(MIGRATIONS).expect("migrate");
         (dir, conn)
     }
 
     /// A connection on a fresh temp file whose schema is that before the migration ending with
-    /// `suffix`, under a new epoch, with session `s1`: old rows go in, then the migration runs.
-    pub fn conn_just_before(suffix: &str) -> (tempfile_dir::TempDir, SqliteConnection, i64) {
-        use diesel::Connection;
-        let dir = tempfile_dir::TempDir::new();
-        let path = dir.path().join("state.db");
-        let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
-        c.batch_execute("PRAGMA foreign_keys = ON;")
-            .expect("pragma");
-        migrate_to_just_before(&mut c, suffix);
-        let e = super::epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
-        session(&mut c, e, "s1");
-        (dir, c, e)
+    /// `suffix`: old rows go in, then the migration runs.
+    pub fn conn_just_before(suffix: &str) -> (tempfile_dir::TempDir, SqliteConnection) {
+        let (dir, mut conn) = fresh();
+        migrate_to_just_before(&mut conn, suffix);
+        (dir, conn)
+    }
+
+    /// `q`'s SQL as SQLite gets it, without diesel's list of bound values.
+    pub fn sql_of<Q>(q: &Q) -> String
+    where
+        Q: diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite>,
+    {
+        let s = diesel::debug_query::<diesel::sqlite::Sqlite, _>(q).to_string();
+        s.split(" -- binds").next().unwrap_or_default().to_string()
+    }
+
+    /// How many `sqlite_sequence` entries `table` has (1 while it is an AUTOINCREMENT table that
+    /// was written, else 0).
+    pub fn sequence_entries(conn: &mut SqliteConnection, table: &str) -> i64 {
+        use diesel::RunQueryDsl;
+        diesel::sql_query("SELECT count(*) AS n FROM sqlite_sequence WHERE name = ?")
+            .bind::<diesel::sql_types::Text, _>(table)
+            .get_result::<Count>(conn)
+            .expect("sequence")
+            .n
     }
 
     /// Bring a fresh connection's schema up to, not including, the migration whose name ends

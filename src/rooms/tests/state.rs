@@ -155,13 +155,8 @@ fn kept_counts_follow_inserts_status_changes_and_a_rooms_cascade() {
 
 #[test]
 fn the_count_migration_counts_the_tasks_already_there() {
-    use diesel::connection::SimpleConnection;
     use diesel_migrations::MigrationHarness;
-    let dir = crate::store::testing::tempfile_dir::TempDir::new();
-    let mut c =
-        SqliteConnection::establish(&dir.path().join("state.db").to_string_lossy()).unwrap();
-    c.batch_execute("PRAGMA foreign_keys = ON;").unwrap();
-    crate::store::testing::migrate_to_just_before(&mut c, "_room_task_counts");
+    let (_dir, mut c) = crate::store::testing::conn_just_before("_room_task_counts");
     let clock = ManualClock::new(100.0);
     let members = vec![crate::store::rooms::RoomMember {
         profile: "ops".into(),
