@@ -163,6 +163,13 @@ fn make_home(base: &Path, name: &str) -> Result<PathBuf, String> {
     Ok(home)
 }
 
+/// A fresh home for a daemon of the bench, configured for `model_url`.
+fn daemon_home(base: &Path, name: &str, model_url: &str) -> Result<PathBuf, String> {
+    let home = make_home(base, name)?;
+    write_config(&home, model_url)?;
+    Ok(home)
+}
+
 fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
     let config = json!({
         "model": {"provider": "custom", "default": "bench-model", "base_url": model_url, "stream": false,
@@ -513,10 +520,7 @@ async fn admissions(
     concurrency: usize,
     total: usize,
 ) -> Result<Value, String> {
-    let home = make_home(&opts.dir, "admit")?;
-    write_config(&home, model_url)?;
-    let (daemon, _) = Daemon::start(&home)?;
-    let warm = warm_up(opts, &home, &daemon.origin).await?;
+    let (home, daemon, warm) = warmed_daemon(opts, model_url, "admit").await?;
     let per = (total / concurrency).max(1);
     let mut clients = Vec::new();
     for i in 0..concurrency {
@@ -604,10 +608,7 @@ async fn turns(
     concurrency: usize,
     total: usize,
 ) -> Result<Value, String> {
-    let home = make_home(&opts.dir, "turn")?;
-    write_config(&home, model_url)?;
-    let (daemon, _) = Daemon::start(&home)?;
-    let warm = warm_up(opts, &home, &daemon.origin).await?;
+    let (home, daemon, warm) = warmed_daemon(opts, model_url, "turn").await?;
     let per = (total / concurrency).max(1);
     let mut clients = Vec::new();
     for i in 0..concurrency {
@@ -627,6 +628,18 @@ async fn turns(
     report["warm_up_turns"] = json!(warm);
     report["wal_restarts"] = json!(restarts?);
     Ok(report)
+}
+
+/// A daemon on a fresh home, [`warm_up`] done; how many turns that took.
+async fn warmed_daemon(
+    opts: &BenchOptions,
+    model_url: &str,
+    name: &str,
+) -> Result<(PathBuf, Daemon, usize), String> {
+    let home = daemon_home(&opts.dir, name, model_url)?;
+    let (daemon, _) = Daemon::start(&home)?;
+    let warm = warm_up(opts, &home, &daemon.origin).await?;
+    Ok((home, daemon, warm))
 }
 
 /// Before a section measures: turns on a session of its own until the daemon has restarted its
@@ -744,11 +757,9 @@ impl Rounds {
 /// the p99s are taken over all rounds of each. The loaded daemon's CPU time while the alone
 /// rounds run is reported: it is what its parked sessions and hung room cost the machine.
 async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value), String> {
-    let alone_home = make_home(&opts.dir, "iso-alone")?;
-    write_config(&alone_home, model_url)?;
+    let alone_home = daemon_home(&opts.dir, "iso-alone", model_url)?;
     let (alone_daemon, _) = Daemon::start(&alone_home)?;
-    let home = make_home(&opts.dir, "iso")?;
-    write_config(&home, model_url)?;
+    let home = daemon_home(&opts.dir, "iso", model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = daemon.rss_kib();
     let per = if opts.quick { 20 } else { 100 };
@@ -906,8 +917,7 @@ async fn metrics(origin: &str) -> Result<std::collections::HashMap<String, f64>,
 
 /// Time from process start to `ready` over a large ledger, and after a crash with started rows.
 fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
-    let home = make_home(&opts.dir, "recovery")?;
-    write_config(&home, model_url)?;
+    let home = daemon_home(&opts.dir, "recovery", model_url)?;
     let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
     let mut conn = pool.get().map_err(err)?;
     let sessions = opts.recovery_sessions.max(1);
