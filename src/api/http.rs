@@ -49,11 +49,13 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
     let shared = state.authority.shared.clone();
     let counts = shared.ledger_counts().await.unwrap_or_default();
     let mut body = shared.metrics.render(&counts);
-    body.push_str(&format!(
-        "# HELP gatehouse_wal_restarts_total Times the database writer restarted the WAL from its beginning.\n\
-         # TYPE gatehouse_wal_restarts_total counter\ngatehouse_wal_restarts_total {}\n",
-        shared.db.wal_restarts()
-    ));
+    push_metric(
+        &mut body,
+        "gatehouse_wal_restarts_total",
+        "Times the database writer restarted the WAL from its beginning.",
+        "counter",
+        shared.db.wal_restarts(),
+    );
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms
             .db
@@ -99,14 +101,19 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
                 st.cycles,
             ),
         ] {
-            body.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
-            ));
+            push_metric(&mut body, name, help, kind, v);
         }
     }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(body)
+}
+
+/// One unlabelled metric in the Prometheus text format.
+fn push_metric(body: &mut String, name: &str, help: &str, kind: &str, value: u64) {
+    body.push_str(&format!(
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+    ));
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
