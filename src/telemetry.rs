@@ -80,6 +80,9 @@ pub struct Metrics {
     pub db_hist: Histogram,
     /// Write transitions committed (or refused) by the writer.
     db_writes: AtomicU64,
+    /// Eviction sweeps of the session registry, and the supervisors they asked whether idle.
+    eviction_sweeps: AtomicU64,
+    eviction_asks: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -97,6 +100,8 @@ impl Default for Metrics {
             model_hist: Histogram::new(&TURN_BUCKETS),
             db_hist: Histogram::new(&DB_BUCKETS),
             db_writes: AtomicU64::new(0),
+            eviction_sweeps: AtomicU64::new(0),
+            eviction_asks: AtomicU64::new(0),
         }
     }
 }
@@ -124,6 +129,12 @@ impl Metrics {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
                 Some(v.saturating_sub(1))
             });
+    }
+    /// A sweep that asked `asked` supervisors whether they are idle.
+    pub fn eviction_swept(&self, asked: usize) {
+        self.eviction_sweeps.fetch_add(1, Ordering::Relaxed);
+        self.eviction_asks
+            .fetch_add(asked as u64, Ordering::Relaxed);
     }
     pub fn set_active_sessions(&self, n: usize) {
         self.active_sessions.store(n as u64, Ordering::Relaxed);
@@ -207,6 +218,20 @@ impl Metrics {
             "Session supervisors in memory.",
             "gauge",
             self.active_sessions.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_eviction_sweeps_total",
+            "Sweeps for idle session supervisors to let go of.",
+            "counter",
+            self.eviction_sweeps.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_eviction_asks_total",
+            "Session supervisors those sweeps asked whether they were idle.",
+            "counter",
+            self.eviction_asks.load(Ordering::Relaxed),
         );
         g(
             &mut out,

@@ -7,6 +7,10 @@
 //! An evicted supervisor that is still alive (it got busy again after saying it was idle) is
 //! kept as a weak address and revived rather than duplicated: there is never more than one
 //! supervisor per session.
+//!
+//! A supervisor a sweep found busy (a turn parked on a prompt, say) leaves the eviction order
+//! until it is used again or tells the registry it is idle ([`BecameIdle`]): thousands of parked
+//! sessions are not asked again on every sweep, on the thread that runs every other session.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -16,19 +20,22 @@ use actix::prelude::*;
 use actix::WeakAddr;
 
 use super::shared::Shared;
-use super::supervisor::{Drain, IsIdle, Pump, SessionSupervisor, Unsubscribe};
+use super::supervisor::{BecameIdle, Drain, IsIdle, Pump, SessionSupervisor, Unsubscribe};
 
 pub struct SessionRegistry {
     shared: Arc<Shared>,
     sessions: HashMap<String, Addr<SessionSupervisor>>,
     /// Evicted supervisors, alive only while something else still holds them.
     evicted: HashMap<String, WeakAddr<SessionSupervisor>>,
-    /// Last use of each loaded session (a tick), for least-recently-used eviction.
+    /// Last use of each loaded session (a tick), for least-recently-used eviction; not of those
+    /// a sweep found busy, until they are used again or become idle.
     used: HashMap<String, u64>,
     /// The same, oldest first: a sweep takes its candidates from the front instead of looking
     /// at every loaded session (this runs on the thread of every supervisor).
     by_use: BTreeMap<u64, String>,
     tick: u64,
+    /// Where supervisors say they became idle: one for all of them.
+    idle_to: Option<Arc<Recipient<BecameIdle>>>,
     sweeping: bool,
     /// When the last sweep started: over the limit with nothing idle to evict, a sweep per
     /// request would ask the same busy supervisors again and again.
@@ -47,6 +54,7 @@ impl SessionRegistry {
             used: HashMap::new(),
             by_use: BTreeMap::new(),
             tick: 0,
+            idle_to: None,
             sweeping: false,
             last_sweep: None,
         }
@@ -85,7 +93,13 @@ impl SessionRegistry {
             None => {
                 let shared = self.shared.clone();
                 let id = root_id.to_string();
-                actix::Supervisor::start(move |_| SessionSupervisor::new(shared, id))
+                let registry = self
+                    .idle_to
+                    .get_or_insert_with(|| Arc::new(ctx.address().recipient()))
+                    .clone();
+                actix::Supervisor::start(move |_| {
+                    SessionSupervisor::new(shared, id, Some(registry))
+                })
             }
         };
         self.sessions.insert(root_id.to_string(), addr.clone());
@@ -133,11 +147,13 @@ impl SessionRegistry {
             .filter_map(|k| self.sessions.get(k).map(|a| (k.clone(), a.clone())))
             .take(excess * 2 + 1)
             .collect();
+        self.shared.metrics.eviction_swept(candidates.len());
         let asks = candidates.into_iter().map(|(k, a)| async move {
             let idle = a.send(IsIdle).await.unwrap_or(false);
             (k, idle)
         });
         let fut = futures_util::future::join_all(asks);
+        let asked = self.tick;
         ctx.spawn(fut.into_actor(self).map(move |answers, act, _| {
             act.sweeping = false;
             let mut left = act.sessions.len().saturating_sub(act.max_loaded());
@@ -148,13 +164,24 @@ impl SessionRegistry {
                         act.evicted.insert(k, a.downgrade());
                         left -= 1;
                     }
-                } else if !idle && act.used.contains_key(&k) {
-                    // Busy (a parked prompt, a running turn): the next sweep asks others first.
-                    act.touch(&k);
+                } else if !idle && act.used.get(&k).is_some_and(|&t| t <= asked) {
+                    // Busy (a parked prompt, a running turn), and not used or idle since it was
+                    // asked: asked again once it says it is idle, or is used again.
+                    act.forget(&k);
                 }
             }
             act.report();
         }));
+    }
+}
+
+impl Handler<BecameIdle> for SessionRegistry {
+    type Result = ();
+    fn handle(&mut self, m: BecameIdle, ctx: &mut Context<Self>) {
+        if self.sessions.contains_key(&m.0) {
+            self.touch(&m.0);
+            self.sweep(ctx);
+        }
     }
 }
 

@@ -70,10 +70,23 @@ pub struct SessionSupervisor {
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
     pin: Option<Addr<SessionSupervisor>>,
+    /// Where to say that it is idle again, once an eviction sweep found it busy (the sweep
+    /// then stops asking it: registry.rs).
+    registry: Option<Arc<Recipient<BecameIdle>>>,
+    found_busy: bool,
 }
 
+/// A supervisor an eviction sweep found busy is idle now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct BecameIdle(pub String);
+
 impl SessionSupervisor {
-    pub fn new(shared: Arc<Shared>, root_id: String) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        root_id: String,
+        registry: Option<Arc<Recipient<BecameIdle>>>,
+    ) -> Self {
         Self {
             shared,
             root_id,
@@ -86,6 +99,27 @@ impl SessionSupervisor {
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
+            registry,
+            found_busy: false,
+        }
+    }
+
+    /// Nothing running or being claimed, no prompt, no subscriber, no write in flight.
+    fn idle(&self) -> bool {
+        self.running.is_none()
+            && self.subscribers.is_empty()
+            && !self.claiming
+            && self.prompts.is_empty()
+            && self.outbox.in_flight == 0
+    }
+
+    /// After anything that can leave it idle: tell the registry, if a sweep found it busy.
+    fn report_idle(&mut self) {
+        if self.found_busy && self.idle() {
+            self.found_busy = false;
+            if let Some(r) = &self.registry {
+                r.do_send(BecameIdle(self.root_id.clone()));
+            }
         }
     }
 
@@ -97,6 +131,7 @@ impl SessionSupervisor {
             .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
         if self.subscribers.is_empty() {
             self.pin = None;
+            self.report_idle();
         }
     }
 
@@ -109,6 +144,7 @@ impl SessionSupervisor {
     fn write_answered(&mut self, rows: Vec<EventRow>, ctx: &mut Context<Self>) {
         self.outbox.in_flight = self.outbox.in_flight.saturating_sub(1);
         self.deliver(rows, ctx);
+        self.report_idle();
     }
 
     /// A transition's answer: deliver its events, pass its value on.
@@ -306,6 +342,7 @@ impl SessionSupervisor {
                 let _ = w.send(());
             }
         }
+        self.report_idle();
     }
 
     fn start_turn(&mut self, row: AdmissionRow, ctx: &mut Context<Self>) {
@@ -437,6 +474,7 @@ impl SessionSupervisor {
         if !self.draining {
             self.pump(ctx);
         }
+        self.report_idle();
     }
 
     fn retire_prompt(&mut self, prompt_id: &str, resolution: &str, ctx: &mut Context<Self>) {
@@ -671,6 +709,7 @@ impl Handler<Unsubscribe> for SessionSupervisor {
         self.subscribers.remove(&m.conn_id);
         if self.subscribers.is_empty() {
             self.pin = None;
+            self.report_idle();
         }
     }
 }
@@ -1086,10 +1125,8 @@ pub struct IsIdle;
 impl Handler<IsIdle> for SessionSupervisor {
     type Result = bool;
     fn handle(&mut self, _: IsIdle, _: &mut Context<Self>) -> bool {
-        self.running.is_none()
-            && self.subscribers.is_empty()
-            && !self.claiming
-            && self.prompts.is_empty()
-            && self.outbox.in_flight == 0
+        let idle = self.idle();
+        self.found_busy |= !idle;
+        idle
     }
 }

@@ -993,6 +993,21 @@ async fn wait_loaded_at_most(origin: &str, max: f64, timeout: Duration, why: &st
     }
 }
 
+async fn wait_metric_at_least(origin: &str, name: &str, min: f64, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let v = metric(origin, name).await;
+        if v >= min {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} is {v}, not yet {min}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn metric(origin: &str, name: &str) -> f64 {
     let mut resp = awc::Client::new()
         .get(format!("{origin}/metrics"))
@@ -1275,6 +1290,44 @@ async fn eviction_reaches_idle_sessions_behind_many_busy_ones() {
     // The followed sessions are all still served by their supervisors.
     let first = watcher.session("busy-0", &home.path).await;
     normal_request(&mut watcher, &first).await;
+}
+
+#[actix_rt::test]
+async fn a_sweep_asks_a_busy_session_again_only_once_it_is_idle() {
+    // Six followed (busy) sessions over a limit of two. A sweep that found one busy does not ask
+    // it again on the next sweeps (with thousands of parked sessions, every sweep asked thousands
+    // of supervisors, on the thread that runs every session); once its watcher leaves, it tells
+    // the registry it is idle and is let go.
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut watcher = d.ws().await;
+    for i in 0..6 {
+        watcher.session(&format!("busy-{i}"), &home.path).await;
+    }
+    let (asks, sweeps) = (
+        "gatehouse_eviction_asks_total",
+        "gatehouse_eviction_sweeps_total",
+    );
+    let timeout = Duration::from_secs(20);
+    wait_metric_at_least(&origin, asks, 6.0, timeout).await;
+    let after = metric(&origin, sweeps).await + 2.0;
+    wait_metric_at_least(&origin, sweeps, after, timeout).await;
+    let asked = metric(&origin, asks).await;
+    let after = metric(&origin, sweeps).await + 3.0;
+    wait_metric_at_least(&origin, sweeps, after, timeout).await;
+    assert_eq!(
+        metric(&origin, asks).await,
+        asked,
+        "sweeps asked the busy sessions again"
+    );
+    drop(watcher);
+    wait_loaded_at_most(&origin, 2.0, timeout, ": idle sessions were not let go").await;
 }
 
 #[actix_rt::test]
