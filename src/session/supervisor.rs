@@ -20,7 +20,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use super::shared::Shared;
-use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome};
+use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome, TurnStart};
 use crate::error::{GatewayError, StoreError};
 use crate::store::admissions::{self, AdmissionRow, Claim};
 use crate::store::events::{self, EventRow, Logged, NewEvent};
@@ -66,6 +66,10 @@ pub struct SessionSupervisor {
     outbox: Outbox,
     claiming: bool,
     pump_again: bool,
+    /// Whether the FIFO may hold queued inputs: false once a claim found it empty, until an
+    /// input is admitted again. A settled turn with nothing queued then starts no claim (a
+    /// writer round trip that would commit nothing).
+    maybe_queued: bool,
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
@@ -96,6 +100,7 @@ impl SessionSupervisor {
             outbox: Outbox::default(),
             claiming: false,
             pump_again: false,
+            maybe_queued: true,
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
@@ -302,20 +307,37 @@ impl SessionSupervisor {
             let epoch = shared.epoch;
             shared
                 .db
-                .write(move |c| admissions::claim_next(c, epoch, &root, now))
+                .write(move |c| claim_with_start(c, epoch, &root, now))
                 .await
         };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
             act.claiming = false;
-            let claim = act.answered(res, ctx);
-            act.claimed(claim, ctx);
+            let (claim, start) = match res {
+                Ok((logged, start)) => (act.answered(Ok::<_, StoreError>(logged), ctx), start),
+                Err(e) => (act.answered(Err(e), ctx), None),
+            };
+            act.found_empty(&claim);
+            act.claimed(claim, start, ctx);
         }));
     }
 
+    /// A claim that found nothing queued, with no other claim asked for meanwhile: the FIFO is
+    /// empty until an input is admitted.
+    fn found_empty(&mut self, claim: &Result<Claim, StoreError>) {
+        if matches!(claim, Ok(Claim::Idle)) && !self.pump_again {
+            self.maybe_queued = false;
+        }
+    }
+
     /// What a claim found (its events are delivered): start the turn, or wait.
-    fn claimed(&mut self, claim: Result<Claim, StoreError>, ctx: &mut Context<Self>) {
+    fn claimed(
+        &mut self,
+        claim: Result<Claim, StoreError>,
+        start: Option<Box<TurnStart>>,
+        ctx: &mut Context<Self>,
+    ) {
         match claim {
-            Ok(Claim::Started(row)) => self.start_turn(*row, ctx),
+            Ok(Claim::Started(row)) => self.start_turn(*row, start, ctx),
             Ok(Claim::Idle) | Ok(Claim::Busy) => {
                 if std::mem::take(&mut self.pump_again) {
                     self.pump(ctx);
@@ -345,7 +367,12 @@ impl SessionSupervisor {
         self.report_idle();
     }
 
-    fn start_turn(&mut self, row: AdmissionRow, ctx: &mut Context<Self>) {
+    fn start_turn(
+        &mut self,
+        row: AdmissionRow,
+        start: Option<Box<TurnStart>>,
+        ctx: &mut Context<Self>,
+    ) {
         let Some(generation) = row.execution_generation else {
             tracing::error!(admission = %row.admission_id, "claimed row has no generation");
             return;
@@ -356,11 +383,12 @@ impl SessionSupervisor {
             self.requeue(row, generation, ctx);
             return;
         }
-        self.begin_turn(row, generation, ctx);
+        self.begin_turn(row, generation, start, ctx);
     }
 
     fn requeue(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
         tracing::info!(admission = %row.admission_id, "claimed as the drain began; queued again");
+        self.maybe_queued = true;
         self.write_started();
         self.claiming = true;
         let (shared, root, admission) = (
@@ -386,13 +414,19 @@ impl SessionSupervisor {
                 Err(e) => {
                     // Not put back: end the attempt the old way, interrupted before it ran.
                     tracing::error!(error = %e, "could not queue the claimed input again");
-                    act.begin_turn(row, generation, ctx);
+                    act.begin_turn(row, generation, None, ctx);
                 }
             }
         }));
     }
 
-    fn begin_turn(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
+    fn begin_turn(
+        &mut self,
+        row: AdmissionRow,
+        generation: i64,
+        start: Option<Box<TurnStart>>,
+        ctx: &mut Context<Self>,
+    ) {
         let (cancel_tx, cancel_rx) = watch::channel(self.draining);
         self.running = Some(Running {
             admission_id: row.admission_id.clone(),
@@ -412,6 +446,7 @@ impl SessionSupervisor {
             cancel: cancel_rx,
             sup: ctx.address(),
             usage: usage.clone(),
+            start,
         };
         let shared = self.shared.clone();
         let root = self.root_id.clone();
@@ -471,7 +506,7 @@ impl SessionSupervisor {
         for w in self.drain_waiters.drain(..) {
             let _ = w.send(());
         }
-        if !self.draining {
+        if !self.draining && self.maybe_queued {
             self.pump(ctx);
         }
         self.report_idle();
@@ -717,8 +752,28 @@ impl Handler<Unsubscribe> for SessionSupervisor {
 /// An admission and, when the session was idle, the claim that committed with it.
 type AdmitAndClaim = (
     Logged<(AdmissionRow, bool)>,
-    Option<Result<Logged<Claim>, StoreError>>,
+    Option<Result<(Logged<Claim>, Option<Box<TurnStart>>), StoreError>>,
 );
+
+/// Claim the FIFO head; when that starts a turn, also read what the turn starts from, in the
+/// same transaction (a failed read only leaves the turn to read it itself).
+fn claim_with_start(
+    c: &mut SqliteConnection,
+    epoch: i64,
+    root: &str,
+    now: f64,
+) -> Result<(Logged<Claim>, Option<Box<TurnStart>>), StoreError> {
+    let claim = admissions::claim_next(c, epoch, root, now)?;
+    let start = match &claim.value {
+        Claim::Started(_) => TurnStart::read(c, root)
+            .map_err(
+                |e| tracing::warn!(session = %root, error = %e, "cannot read the turn's start"),
+            )
+            .ok(),
+        Claim::Idle | Claim::Busy => None,
+    };
+    Ok((claim, start))
+}
 
 /// Admit an input (durably, before the reply), then pump.
 #[derive(Message)]
@@ -769,7 +824,7 @@ impl Handler<Submit> for SessionSupervisor {
                         now,
                     )?;
                     // A refused claim (an unknown row holds the FIFO) leaves the admission be.
-                    let claimed = claim.then(|| admissions::claim_next(c, epoch, &root, now));
+                    let claimed = claim.then(|| claim_with_start(c, epoch, &root, now));
                     Ok((admitted, claimed))
                 })
                 .await?)
@@ -785,7 +840,7 @@ impl Handler<Submit> for SessionSupervisor {
                         act.write_answered(Vec::new(), ctx);
                         if claim {
                             // Nothing was claimed (a drain waiting on the claim is released).
-                            act.claimed(Ok(Claim::Idle), ctx);
+                            act.claimed(Ok(Claim::Idle), None, ctx);
                         }
                         return Err(e);
                     }
@@ -794,18 +849,31 @@ impl Handler<Submit> for SessionSupervisor {
                     value: (row, created),
                     events: mut rows,
                 } = admitted;
-                let claimed = claimed.map(|c| {
-                    c.map(|Logged { value, events }| {
+                let claimed = claimed.map(|c| match c {
+                    Ok((Logged { value, events }, start)) => {
                         rows.extend(events);
-                        value
-                    })
+                        (Ok(value), start)
+                    }
+                    Err(e) => (Err(e), None),
                 });
                 act.write_answered(rows, ctx);
+                let was_queued = act.maybe_queued;
                 if created {
                     act.shared.metrics.admitted();
+                    act.maybe_queued = true;
                 }
                 match claimed {
-                    Some(c) => act.claimed(c, ctx),
+                    Some((c, start)) => {
+                        // Its claim started this very input, the oldest queued one, and nothing
+                        // was queued before: the FIFO is empty again (an input admitted since is
+                        // one whose own answer is still to come, and sets the flag).
+                        let this = matches!(&c, Ok(Claim::Started(r)) if r.admission_id == row.admission_id);
+                        if created && this && !was_queued {
+                            act.maybe_queued = false;
+                        }
+                        act.found_empty(&c);
+                        act.claimed(c, start, ctx)
+                    }
                     None if created => act.pump(ctx),
                     None => {}
                 }
