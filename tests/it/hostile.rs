@@ -1331,6 +1331,37 @@ async fn a_sweep_asks_a_busy_session_again_only_once_it_is_idle() {
 }
 
 #[actix_rt::test]
+async fn a_turn_on_an_idle_session_is_two_writer_transitions() {
+    // The admission commits with its claim, the settlement with the reply; with nothing queued
+    // the supervisor does not claim again after the turn (a round trip that commits nothing).
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("two", &home.path).await;
+    let turns = 6;
+    let before = metric(&origin, "gatehouse_db_writes_total").await;
+    for k in 0..turns {
+        let text = format!("t{k}");
+        ws.submit(&sid, &text, &text).await;
+        wait_until(&text, Duration::from_secs(20), || {
+            home.admission(&text).status == "terminal"
+        })
+        .await;
+    }
+    let writes = metric(&origin, "gatehouse_db_writes_total").await - before;
+    // The bound leaves room for a background write (the event pruner); three per turn would
+    // be 18.
+    assert!(
+        writes <= f64::from(2 * turns + 2),
+        "{writes} writer transitions for {turns} turns"
+    );
+    assert_eq!(model.requests().len(), turns as usize);
+}
+
+#[actix_rt::test]
 async fn a_full_session_queue_is_refused_with_session_busy() {
     let model = FakeModel::start(|body| {
         if last_user(body) == "HEAD" {
