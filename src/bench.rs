@@ -475,6 +475,15 @@ where
     Ok((all, wall))
 }
 
+/// A section's summary with the daemon's CPU time (user and system, all threads) per operation
+/// beside it, in microseconds: steadier than latency on a machine whose speed drifts.
+fn with_cpu_per_op(mut summary: Value, cpu_seconds: f64) -> Value {
+    if let Some(n) = summary["count"].as_f64().filter(|n| *n > 0.0) {
+        summary["daemon_cpu_us_per_op"] = json!((cpu_seconds * 1e6 / n).round());
+    }
+    summary
+}
+
 fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
@@ -543,7 +552,10 @@ async fn admissions(
             *ids = got;
             Ok::<Vec<f64>, String>(lat)
         });
-    let ack = measure(tasks).await;
+    let cpu = daemon.cpu_seconds();
+    let ack = measure(tasks)
+        .await
+        .map(|a| with_cpu_per_op(a, daemon.cpu_seconds() - cpu));
     // The floors beside it, on the same connections and daemon: the same submits again
     // (idempotent replays: the same path through the supervisor and the writer, whose
     // transaction then writes nothing, so no commit reaches the disk), and WebSocket pings
@@ -616,12 +628,14 @@ async fn turns(
         let sid = c.session(&format!("turn-{i}"), &home).await?;
         clients.push((c, sid));
     }
+    let cpu = daemon.cpu_seconds();
     let report = measure(
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
-    .await;
+    .await
+    .map(|t| with_cpu_per_op(t, daemon.cpu_seconds() - cpu));
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
     let mut report = report?;
@@ -1094,30 +1108,32 @@ pub fn table(r: &Value) -> String {
         "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms (at the end: {}/s, p50 {} ms)\n\n",
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"]
     ));
-    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50\n");
+    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   daemon CPU µs each\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10}\n",
+            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>20}\n",
             a["sessions"],
             a["ack"]["p50_ms"],
             a["ack"]["p99_ms"],
             a["ack"]["per_second"],
             a["ratio_to_raw_commit"],
             a["replay"]["p50_ms"],
-            a["ping"]["p50_ms"]
+            a["ping"]["p50_ms"],
+            a["ack"]["daemon_cpu_us_per_op"]
         ));
     }
-    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms\n");
+    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   daemon CPU µs each\n");
     for t in r["turn"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17}\n",
+            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>20}\n",
             t["sessions"],
             t["turn"]["p50_ms"],
             t["turn"]["p99_ms"],
             t["turn"]["per_second"],
             t["floor"]["p50_ms"],
             t["floor"]["p99_ms"],
-            t["overhead_p50_ms"]
+            t["overhead_p50_ms"],
+            t["turn"]["daemon_cpu_us_per_op"]
         ));
     }
     let i = &r["isolation"];
