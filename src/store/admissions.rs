@@ -176,13 +176,8 @@ pub fn admit_input(
                 "input_id {request_id} was admitted with other content"
             )));
         }
-        let exists: i64 = sessions::table
-            .filter(sessions::id.eq(target))
-            .count()
-            .get_result(conn)?;
-        if exists == 0 {
-            return Err(StoreError::NotFound(format!("no session {target}")));
-        }
+        // An unknown session is refused by the ledger's foreign key, at the insert below (no
+        // statement of its own; nothing is queued for it meanwhile).
         let waiting = queued_at_least(conn, target, max_queued)?;
         if waiting >= max_queued {
             return Err(StoreError::SessionBusy(format!(
@@ -192,7 +187,7 @@ pub fn admit_input(
         // Time-ordered: a new admission lands at the right edge of the id index instead of on
         // a random page of it (one page written per commit however large the ledger grows).
         let admission_id = uuid::Uuid::now_v7().simple().to_string();
-        diesel::insert_into(sa::table)
+        let inserted = diesel::insert_into(sa::table)
             .values((
                 sa::admission_id.eq(&admission_id),
                 sa::request_id.eq(request_id),
@@ -205,7 +200,14 @@ pub fn admit_input(
                 sa::created_at.eq(now),
                 sa::updated_at.eq(now),
             ))
-            .execute(conn)?;
+            .execute(conn);
+        match inserted {
+            Err(diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::ForeignKeyViolation,
+                _,
+            )) => return Err(StoreError::NotFound(format!("no session {target}"))),
+            other => other?,
+        };
         // The row is what was just written (no `RETURNING`: SQLite buffers returned rows in a
         // temporary table, measured at a quarter of the insert's cost); only `seq` is SQLite's.
         let seq: i64 = HotSql::new("SELECT last_insert_rowid()", &[])
@@ -250,23 +252,32 @@ fn queued_at_least(
     session: &str,
     limit: i64,
 ) -> Result<i64, StoreError> {
-    use diesel::dsl::{max, min};
-    let queued = || {
-        sa::table
-            .filter(is_live())
-            .filter(sa::target_session_id.eq(session))
-            .filter(sa::status.eq("queued"))
-    };
-    let first: Option<i64> = queued().select(min(sa::seq)).get_result(conn)?;
-    let last: Option<i64> = queued().select(max(sa::seq)).get_result(conn)?;
+    use diesel::sql_types::{BigInt, Nullable};
+    let (first, last): (Option<i64>, Option<i64>) =
+        HotSql::new(QUEUED_BOUNDS, &[Bind::Text(session), Bind::Text(session)])
+            .returning::<(Nullable<BigInt>, Nullable<BigInt>)>()
+            .get_result(conn)?;
     let (Some(first), Some(last)) = (first, last) else {
         return Ok(0);
     };
     if last - first + 1 < limit {
         return Ok(last - first + 1);
     }
-    Ok(queued().count().get_result(conn)?)
+    Ok(sa::table
+        .filter(is_live())
+        .filter(sa::target_session_id.eq(session))
+        .filter(sa::status.eq("queued"))
+        .count()
+        .get_result(conn)?)
 }
+
+/// A session's first and last queued `seq`, in one statement: each a seek on the live rows'
+/// index (a single `min` or `max` is; both in one select would walk the queue).
+const QUEUED_BOUNDS: &str = "SELECT \
+     (SELECT min(seq) FROM session_admissions WHERE session_admissions.status != 'terminal' \
+      AND target_session_id = ? AND status = 'queued'), \
+     (SELECT max(seq) FROM session_admissions WHERE session_admissions.status != 'terminal' \
+      AND target_session_id = ? AND status = 'queued')";
 
 pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<AdmissionRow, StoreError> {
     sa::table
@@ -857,6 +868,12 @@ mod tests {
                 "a row by id",
                 sql(&sa::table.filter(sa::admission_id.eq("a")).select(sa::seq)),
                 id,
+                true,
+            ),
+            (
+                "a session's queued bounds",
+                (QUEUED_BOUNDS.replace('?', "'s1'"), true),
+                open,
                 true,
             ),
         ];
