@@ -69,8 +69,13 @@ impl TurnStart {
         root_id: &str,
     ) -> Result<Box<TurnStart>, StoreError> {
         let root = sessions::root_of(c, root_id)?;
-        let tip = sessions::find(c, &root.tip_session_id)?
-            .ok_or_else(|| StoreError::NotFound(root.tip_session_id.clone()))?;
+        // Until its first compression a session is its own tip.
+        let tip = if root.tip_session_id == root.id {
+            root.clone()
+        } else {
+            sessions::find(c, &root.tip_session_id)?
+                .ok_or_else(|| StoreError::NotFound(root.tip_session_id.clone()))?
+        };
         let rows = messages::live(c, &tip.id)?;
         Ok(Box::new(TurnStart { root, tip, rows }))
     }

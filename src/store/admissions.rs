@@ -456,21 +456,21 @@ pub fn claim_next(
                 .filter(sa::target_session_id.eq(session))
                 .filter(sa::status.eq(status))
         };
-        let unknown: Option<String> = in_status("unknown")
-            .order(sa::seq.asc())
-            .select(sa::admission_id)
-            .first(conn)
-            .optional()?;
-        if let Some(u) = unknown {
+        // The rows that hold the FIFO (unknown ones, or the one started), in one statement: two
+        // seeks on the live rows' index, no sort. At most one is ever started, and none is
+        // claimed while an unknown one holds the FIFO, so these are few.
+        let holding: Vec<(String, String)> = sa::table
+            .filter(is_live())
+            .filter(sa::target_session_id.eq(session))
+            .filter(sa::status.eq("unknown").or(sa::status.eq("started")))
+            .select((sa::status, sa::admission_id))
+            .load(conn)?;
+        if let Some((_, u)) = holding.iter().find(|(status, _)| status == "unknown") {
             return Err(StoreError::UnknownExecution(format!(
                 "admission {u} is unknown; resolve it first"
             )));
         }
-        let started: Option<i64> = in_status("started")
-            .select(sa::seq)
-            .first(conn)
-            .optional()?;
-        if started.is_some() {
+        if !holding.is_empty() {
             return Ok(Logged::quiet(Claim::Busy));
         }
         let head: Option<AdmissionRow> = in_status("queued")
@@ -868,6 +868,16 @@ mod tests {
                 "a row by id",
                 sql(&sa::table.filter(sa::admission_id.eq("a")).select(sa::seq)),
                 id,
+                true,
+            ),
+            (
+                "the rows holding a session's FIFO",
+                sql(&sa::table
+                    .filter(is_live())
+                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::status.eq("unknown").or(sa::status.eq("started")))
+                    .select((sa::status, sa::admission_id))),
+                open,
                 true,
             ),
             (
