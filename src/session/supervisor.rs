@@ -478,7 +478,7 @@ impl SessionSupervisor {
     fn turn_finished(
         &mut self,
         generation: i64,
-        settled: Result<Logged<AdmissionRow>, StoreError>,
+        settled: Result<Logged<()>, StoreError>,
         ctx: &mut Context<Self>,
     ) {
         if let Some(r) = self.running.take() {
@@ -559,7 +559,7 @@ async fn settle(
     generation: i64,
     outcome: &TurnOutcome,
     usage: (i64, i64),
-) -> Result<Logged<AdmissionRow>, StoreError> {
+) -> Result<Logged<()>, StoreError> {
     let (status, closing, result) = match outcome {
         TurnOutcome::Stale => {
             return Err(StoreError::StaleGeneration(

@@ -541,6 +541,8 @@ pub fn claim_next(
 /// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip and
 /// `report` (the settlement's events) to the log in the same transaction. Fenced: started, this
 /// epoch, this generation, the session's running one.
+/// Only its events come back: the row would be one more read, and nothing needs it (its
+/// `message.complete` event carries the outcome).
 #[allow(clippy::too_many_arguments)]
 pub fn settle(
     conn: &mut SqliteConnection,
@@ -553,7 +555,7 @@ pub fn settle(
     closing: &[NewMessage],
     report: &[NewEvent],
     now: f64,
-) -> Result<Logged<AdmissionRow>, StoreError> {
+) -> Result<Logged<()>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         // The generation fence and the revision bump in one statement.
@@ -600,7 +602,7 @@ pub fn settle(
             .collect();
         insert_messages(conn, &rows, now)?;
         let logged = events::append(conn, session, report, now)?;
-        Ok(Logged::new(by_id(conn, admission_id)?, logged))
+        Ok(Logged::new((), logged))
     })
 }
 
