@@ -699,6 +699,7 @@ impl actix::Supervised for SessionSupervisor {
         self.running = None;
         self.prompts.clear();
         self.claiming = false;
+        self.maybe_queued = true;
         ctx.notify(Pump);
     }
 }
