@@ -475,6 +475,14 @@ where
     Ok((all, wall))
 }
 
+/// A figure of the table: JSON's `Display` ignores widths, a string keeps them.
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
 /// A section's summary with the daemon's CPU time (user and system, all threads) per operation
 /// beside it, in microseconds: steadier than latency on a machine whose speed drifts.
 fn with_cpu_per_op(mut summary: Value, cpu_seconds: f64) -> Value {
@@ -1112,28 +1120,28 @@ pub fn table(r: &Value) -> String {
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
             "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>20}\n",
-            a["sessions"],
-            a["ack"]["p50_ms"],
-            a["ack"]["p99_ms"],
-            a["ack"]["per_second"],
-            a["ratio_to_raw_commit"],
-            a["replay"]["p50_ms"],
-            a["ping"]["p50_ms"],
-            a["ack"]["daemon_cpu_us_per_op"]
+            cell(&a["sessions"]),
+            cell(&a["ack"]["p50_ms"]),
+            cell(&a["ack"]["p99_ms"]),
+            cell(&a["ack"]["per_second"]),
+            cell(&a["ratio_to_raw_commit"]),
+            cell(&a["replay"]["p50_ms"]),
+            cell(&a["ping"]["p50_ms"]),
+            cell(&a["ack"]["daemon_cpu_us_per_op"])
         ));
     }
     out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   daemon CPU µs each\n");
     for t in r["turn"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
             "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>20}\n",
-            t["sessions"],
-            t["turn"]["p50_ms"],
-            t["turn"]["p99_ms"],
-            t["turn"]["per_second"],
-            t["floor"]["p50_ms"],
-            t["floor"]["p99_ms"],
-            t["overhead_p50_ms"],
-            t["turn"]["daemon_cpu_us_per_op"]
+            cell(&t["sessions"]),
+            cell(&t["turn"]["p50_ms"]),
+            cell(&t["turn"]["p99_ms"]),
+            cell(&t["turn"]["per_second"]),
+            cell(&t["floor"]["p50_ms"]),
+            cell(&t["floor"]["p99_ms"]),
+            cell(&t["overhead_p50_ms"]),
+            cell(&t["turn"]["daemon_cpu_us_per_op"])
         ));
     }
     let i = &r["isolation"];
