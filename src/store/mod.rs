@@ -140,15 +140,37 @@ where
     F: FnOnce(&mut SqliteConnection) -> Result<T, E>,
     E: From<diesel::result::Error>,
 {
-    use diesel::connection::{AnsiTransactionManager, Connection, TransactionManager};
+    use diesel::connection::{AnsiTransactionManager, TransactionManager};
     let nested = matches!(
         AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth(),
         Ok(Some(_))
     );
-    if nested {
-        conn.transaction(f)
-    } else {
-        conn.immediate_transaction(f)
+    if !nested {
+        return conn.immediate_transaction(f);
+    }
+    // A savepoint of statements kept prepared: diesel's own (`conn.transaction`) sends its
+    // `SAVEPOINT` and `RELEASE` as text that SQLite parses again on every write of a batch.
+    // Nested calls reuse the name: `RELEASE` and `ROLLBACK TO` act on the innermost.
+    use diesel::RunQueryDsl;
+    HotSql::new("SAVEPOINT write_tx", &[]).execute(conn)?;
+    match f(conn) {
+        Ok(v) => {
+            HotSql::new("RELEASE write_tx", &[]).execute(conn)?;
+            Ok(v)
+        }
+        Err(e) => {
+            // Undo this write's statements; the batch's transaction goes on with the others.
+            let undone = HotSql::new("ROLLBACK TO write_tx", &[])
+                .execute(conn)
+                .and_then(|_| HotSql::new("RELEASE write_tx", &[]).execute(conn));
+            if let Err(r) = undone {
+                // Then none of the batch may commit: end its transaction here, and its COMMIT
+                // fails, so every write of the batch is answered with an error.
+                tracing::error!(error = %r, "cannot roll a write back to its savepoint");
+                let _ = conn.batch_execute("ROLLBACK");
+            }
+            Err(e)
+        }
     }
 }
 
@@ -794,6 +816,72 @@ mod wal_restart_tests {
 
     /// Writes that never pause never let SQLite restart the WAL on its own: without the writer's
     /// restart this WAL grows past 36 MiB; with it, it stays near its restart length.
+    /// The writes of one group commit are each all or nothing: a failed write's statements are
+    /// undone and the others of its batch commit, nested writes included.
+    #[test]
+    fn a_failed_write_of_a_batch_leaves_the_others_committed() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let rows = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE t (v INTEGER NOT NULL)")?))
+                .await
+                .expect("table");
+            // The first write holds the writer until every other one is queued behind it, so
+            // they are taken as one batch.
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let held = db.write(move |_| gate.recv().map_err(|e| StoreError::Other(e.to_string())));
+            let insert = |c: &mut SqliteConnection, v: i64| -> Result<(), StoreError> {
+                diesel::sql_query(format!("INSERT INTO t (v) VALUES ({v})")).execute(c)?;
+                Ok(())
+            };
+            type Answer<'a> =
+                std::pin::Pin<Box<dyn std::future::Future<Output = Result<i64, StoreError>> + 'a>>;
+            let mut writes: Vec<Answer<'_>> = (0..20i64)
+                .map(|v| {
+                    Box::pin(db.write(move |c| {
+                        write_tx(c, |c| {
+                            insert(c, v)?;
+                            // A nested write that fails is undone alone.
+                            let inner: Result<(), StoreError> = write_tx(c, |c| {
+                                insert(c, 1000 + v)?;
+                                Err(StoreError::Other("inner".into()))
+                            });
+                            if inner.is_ok() {
+                                return Err(StoreError::Other("the inner write passed".into()));
+                            }
+                            if v % 2 == 1 {
+                                return Err(StoreError::Other(format!("odd {v}")));
+                            }
+                            Ok(v)
+                        })
+                    })) as Answer<'_>
+                })
+                .collect();
+            // Polled after every write above has been sent.
+            writes.push(Box::pin(async move {
+                open.send(())
+                    .map_err(|e| StoreError::Other(e.to_string()))?;
+                Ok(-1)
+            }));
+            let (first, answers) =
+                futures_util::future::join(held, futures_util::future::join_all(writes)).await;
+            first.expect("held");
+            for (v, a) in answers.iter().enumerate().take(20) {
+                assert_eq!(a.is_ok(), v % 2 == 0, "write {v}: {a:?}");
+            }
+            db.read(|c| {
+                let rows: Vec<testing::Count> =
+                    diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
+                Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
+            })
+            .await
+            .expect("rows")
+        });
+        assert_eq!(rows, (0..20).step_by(2).collect::<Vec<i64>>());
+    }
+
     #[test]
     fn steady_writes_keep_the_wal_near_its_restart_length() {
         let dir = testing::tempfile_dir::TempDir::new();
