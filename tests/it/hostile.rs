@@ -1259,23 +1259,30 @@ async fn idle_sessions_are_evicted_and_revived_from_the_store() {
     normal_request(&mut watcher, &followed).await;
 }
 
+/// A daemon that keeps at most `limit` supervisors loaded, and a connection following `busy`
+/// sessions `busy-0` … (followed sessions are never idle).
+async fn busy_sessions_over(limit: usize, busy: usize) -> (FakeModel, Home, Daemon, Ws) {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": limit}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut watcher = d.ws().await;
+    for i in 0..busy {
+        watcher.session(&format!("busy-{i}"), &home.path).await;
+    }
+    (model, home, d, watcher)
+}
+
 #[actix_rt::test]
 async fn eviction_reaches_idle_sessions_behind_many_busy_ones() {
     // Twelve followed (busy) sessions are the least recently used; five idle ones come after.
     // Each sweep asks a few more than the excess, oldest first: the busy ones must not stand in
     // front of the idle ones for ever.
-    let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"session": {"max_in_memory": 10}}),
-    ));
-    let d = Daemon::start(&home);
+    let (_model, home, d, mut watcher) = busy_sessions_over(10, 12).await;
     let origin = d.origin();
-    let mut watcher = d.ws().await;
-    for i in 0..12 {
-        watcher.session(&format!("busy-{i}"), &home.path).await;
-    }
     for i in 0..5 {
         let mut ws = d.ws().await;
         ws.session(&format!("idle-{i}"), &home.path).await;
@@ -1298,18 +1305,8 @@ async fn a_sweep_asks_a_busy_session_again_only_once_it_is_idle() {
     // it again on the next sweeps (with thousands of parked sessions, every sweep asked thousands
     // of supervisors, on the thread that runs every session); once its watcher leaves, it tells
     // the registry it is idle and is let go.
-    let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"session": {"max_in_memory": 2}}),
-    ));
-    let d = Daemon::start(&home);
+    let (_model, _home, d, watcher) = busy_sessions_over(2, 6).await;
     let origin = d.origin();
-    let mut watcher = d.ws().await;
-    for i in 0..6 {
-        watcher.session(&format!("busy-{i}"), &home.path).await;
-    }
     let (asks, sweeps) = (
         "gatehouse_eviction_asks_total",
         "gatehouse_eviction_sweeps_total",
