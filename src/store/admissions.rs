@@ -541,6 +541,7 @@ pub fn claim_next(
 /// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip and
 /// `report` (the settlement's events) to the log in the same transaction. Fenced: started, this
 /// epoch, this generation, the session's running one.
+///
 /// Only its events come back: the row would be one more read, and nothing needs it (its
 /// `message.complete` event carries the outcome).
 #[allow(clippy::too_many_arguments)]

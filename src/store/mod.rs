@@ -814,8 +814,6 @@ mod planner_tests {
 mod wal_restart_tests {
     use super::*;
 
-    /// Writes that never pause never let SQLite restart the WAL on its own: without the writer's
-    /// restart this WAL grows past 36 MiB; with it, it stays near its restart length.
     /// The writes of one group commit are each all or nothing: a failed write's statements are
     /// undone and the others of its batch commit, nested writes included.
     #[test]
@@ -882,6 +880,8 @@ mod wal_restart_tests {
         assert_eq!(rows, (0..20).step_by(2).collect::<Vec<i64>>());
     }
 
+    /// Writes that never pause never let SQLite restart the WAL on its own: without the writer's
+    /// restart this WAL grows past 36 MiB; with it, it stays near its restart length.
     #[test]
     fn steady_writes_keep_the_wal_near_its_restart_length() {
         let dir = testing::tempfile_dir::TempDir::new();
