@@ -97,9 +97,7 @@ impl SessionRegistry {
                     .idle_to
                     .get_or_insert_with(|| Arc::new(ctx.address().recipient()))
                     .clone();
-                actix::Supervisor::start(move |_| {
-                    SessionSupervisor::new(shared, id, Some(registry))
-                })
+                actix::Supervisor::start(move |_| SessionSupervisor::new(shared, id, registry))
             }
         };
         self.sessions.insert(root_id.to_string(), addr.clone());

@@ -76,7 +76,7 @@ pub struct SessionSupervisor {
     pin: Option<Addr<SessionSupervisor>>,
     /// Where to say that it is idle again, once an eviction sweep found it busy (the sweep
     /// then stops asking it: registry.rs).
-    registry: Option<Arc<Recipient<BecameIdle>>>,
+    registry: Arc<Recipient<BecameIdle>>,
     found_busy: bool,
 }
 
@@ -86,11 +86,7 @@ pub struct SessionSupervisor {
 pub struct BecameIdle(pub String);
 
 impl SessionSupervisor {
-    pub fn new(
-        shared: Arc<Shared>,
-        root_id: String,
-        registry: Option<Arc<Recipient<BecameIdle>>>,
-    ) -> Self {
+    pub fn new(shared: Arc<Shared>, root_id: String, registry: Arc<Recipient<BecameIdle>>) -> Self {
         Self {
             shared,
             root_id,
@@ -122,9 +118,7 @@ impl SessionSupervisor {
     fn report_idle(&mut self) {
         if self.found_busy && self.idle() {
             self.found_busy = false;
-            if let Some(r) = &self.registry {
-                r.do_send(BecameIdle(self.root_id.clone()));
-            }
+            self.registry.do_send(BecameIdle(self.root_id.clone()));
         }
     }
 
