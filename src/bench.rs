@@ -483,13 +483,22 @@ fn cell(v: &Value) -> String {
     }
 }
 
-/// A section's summary with the daemon's CPU time (user and system, all threads) per operation
-/// beside it, in microseconds: steadier than latency on a machine whose speed drifts.
-fn with_cpu_per_op(mut summary: Value, cpu_seconds: f64) -> Value {
+/// [`measure`], with `daemon`'s CPU time (user and system, all threads) per operation beside
+/// it, in microseconds: steadier than latency on a machine whose speed drifts.
+async fn measure_on<F>(
+    daemon: &Daemon,
+    clients: impl IntoIterator<Item = F>,
+) -> Result<Value, String>
+where
+    F: std::future::Future<Output = Result<Vec<f64>, String>>,
+{
+    let cpu = daemon.cpu_seconds();
+    let mut summary = measure(clients).await?;
+    let spent = daemon.cpu_seconds() - cpu;
     if let Some(n) = summary["count"].as_f64().filter(|n| *n > 0.0) {
-        summary["daemon_cpu_us_per_op"] = json!((cpu_seconds * 1e6 / n).round());
+        summary["daemon_cpu_us_per_op"] = json!((spent * 1e6 / n).round());
     }
-    summary
+    Ok(summary)
 }
 
 fn round(x: f64) -> f64 {
@@ -560,10 +569,7 @@ async fn admissions(
             *ids = got;
             Ok::<Vec<f64>, String>(lat)
         });
-    let cpu = daemon.cpu_seconds();
-    let ack = measure(tasks)
-        .await
-        .map(|a| with_cpu_per_op(a, daemon.cpu_seconds() - cpu));
+    let ack = measure_on(&daemon, tasks).await;
     // The floors beside it, on the same connections and daemon: the same submits again
     // (idempotent replays: the same path through the supervisor and the writer, whose
     // transaction then writes nothing, so no commit reaches the disk), and WebSocket pings
@@ -636,14 +642,13 @@ async fn turns(
         let sid = c.session(&format!("turn-{i}"), &home).await?;
         clients.push((c, sid));
     }
-    let cpu = daemon.cpu_seconds();
-    let report = measure(
+    let report = measure_on(
+        &daemon,
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
-    .await
-    .map(|t| with_cpu_per_op(t, daemon.cpu_seconds() - cpu));
+    .await;
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
     let mut report = report?;
