@@ -249,20 +249,7 @@ impl Daemon {
 
     /// CPU time (user and system) the daemon has used so far.
     fn cpu_seconds(&self) -> f64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        // Fields after the command name (which is in parentheses and may hold spaces):
-        // utime and stime are the 12th and 13th, in clock ticks.
-        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-        let ticks: u64 = rest
-            .split_whitespace()
-            .skip(11)
-            .take(2)
-            .filter_map(|v| v.parse::<u64>().ok())
-            .sum();
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
-        ticks as f64 / hz as f64
+        cpu_seconds_of(&self.child.id().to_string())
     }
 
     fn stop(mut self) {
@@ -426,6 +413,7 @@ fn completed_admission(v: &Value) -> Option<&str> {
 
 /// The daemon's count of WAL restarts (see [`warm_up`]).
 const WAL_RESTARTS: &str = "gatehouse_wal_restarts_total";
+const DB_COMMITS: &str = "gatehouse_db_commits_total";
 
 /// Turns per session before the bench moves to a fresh one.
 const TURNS_PER_SESSION: usize = 8;
@@ -483,8 +471,18 @@ fn cell(v: &Value) -> String {
     }
 }
 
+/// A section's CPU per operation, the daemon's and the bench's.
+fn cpu_cell(summary: &Value) -> String {
+    format!(
+        "{} / {}",
+        cell(&summary["daemon_cpu_us_per_op"]),
+        cell(&summary["bench_cpu_us_per_op"])
+    )
+}
+
 /// [`measure`], with `daemon`'s CPU time (user and system, all threads) per operation beside
-/// it, in microseconds: steadier than latency on a machine whose speed drifts.
+/// it, in microseconds: steadier than latency on a machine whose speed drifts. Beside that the
+/// bench's own (its clients and the fake model), which shares the same cores.
 async fn measure_on<F>(
     daemon: &Daemon,
     clients: impl IntoIterator<Item = F>,
@@ -492,13 +490,32 @@ async fn measure_on<F>(
 where
     F: std::future::Future<Output = Result<Vec<f64>, String>>,
 {
-    let cpu = daemon.cpu_seconds();
+    let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self"));
     let mut summary = measure(clients).await?;
     let spent = daemon.cpu_seconds() - cpu;
+    let own = cpu_seconds_of("self") - own;
     if let Some(n) = summary["count"].as_f64().filter(|n| *n > 0.0) {
         summary["daemon_cpu_us_per_op"] = json!((spent * 1e6 / n).round());
+        summary["bench_cpu_us_per_op"] = json!((own * 1e6 / n).round());
     }
     Ok(summary)
+}
+
+/// CPU time (user and system, all threads) process `pid` (or `self`) has used so far.
+fn cpu_seconds_of(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which is in parentheses and may hold spaces):
+    // utime and stime are the 12th and 13th, in clock ticks.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let ticks: u64 = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+    ticks as f64 / hz as f64
 }
 
 fn round(x: f64) -> f64 {
@@ -569,7 +586,15 @@ async fn admissions(
             *ids = got;
             Ok::<Vec<f64>, String>(lat)
         });
-    let ack = measure_on(&daemon, tasks).await;
+    let commits = metric(&daemon.origin, DB_COMMITS).await?;
+    let mut ack = measure_on(&daemon, tasks).await;
+    let commits = metric(&daemon.origin, DB_COMMITS).await? - commits;
+    if let Ok(a) = ack.as_mut() {
+        // The group commit's batch: admissions acknowledged per transaction committed.
+        if let Some(n) = a["count"].as_f64().filter(|_| commits > 0.0) {
+            a["admissions_per_commit"] = json!(round(n / commits));
+        }
+    }
     // The floors beside it, on the same connections and daemon: the same submits again
     // (idempotent replays: the same path through the supervisor and the writer, whose
     // transaction then writes nothing, so no commit reaches the disk), and WebSocket pings
@@ -1121,10 +1146,10 @@ pub fn table(r: &Value) -> String {
         "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms (at the end: {}/s, p50 {} ms)\n\n",
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"]
     ));
-    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   daemon CPU µs each\n");
+    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>20}\n",
+            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>29} {:>12}\n",
             cell(&a["sessions"]),
             cell(&a["ack"]["p50_ms"]),
             cell(&a["ack"]["p99_ms"]),
@@ -1132,13 +1157,14 @@ pub fn table(r: &Value) -> String {
             cell(&a["ratio_to_raw_commit"]),
             cell(&a["replay"]["p50_ms"]),
             cell(&a["ping"]["p50_ms"]),
-            cell(&a["ack"]["daemon_cpu_us_per_op"])
+            cpu_cell(&a["ack"]),
+            cell(&a["ack"]["admissions_per_commit"])
         ));
     }
-    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   daemon CPU µs each\n");
+    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench\n");
     for t in r["turn"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>20}\n",
+            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29}\n",
             cell(&t["sessions"]),
             cell(&t["turn"]["p50_ms"]),
             cell(&t["turn"]["p99_ms"]),
@@ -1146,7 +1172,7 @@ pub fn table(r: &Value) -> String {
             cell(&t["floor"]["p50_ms"]),
             cell(&t["floor"]["p99_ms"]),
             cell(&t["overhead_p50_ms"]),
-            cell(&t["turn"]["daemon_cpu_us_per_op"])
+            cpu_cell(&t["turn"])
         ));
     }
     let i = &r["isolation"];

@@ -56,6 +56,13 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         "counter",
         shared.db.wal_restarts(),
     );
+    push_metric(
+        &mut body,
+        "gatehouse_db_commits_total",
+        "Transactions the database writer committed (each holds one or more writes).",
+        "counter",
+        shared.db.commits(),
+    );
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms
             .db

@@ -319,6 +319,9 @@ fn writer_loop(
             .map_err(|e| e.to_string());
         // Jobs the transaction never ran (it could not begin) are dropped with `batch`, which
         // drops their reply channels: their callers see a storage error.
+        if committed.is_ok() {
+            wal.commits.fetch_add(1, Ordering::Relaxed);
+        }
         if let Err(e) = &committed {
             tracing::error!(error = %e, writes, "group commit failed");
             // Start the next batch on a fresh connection.
@@ -374,12 +377,13 @@ fn restart_wal(conn: &mut SqliteConnection) -> bool {
     }
 }
 
-/// The checkpointer's request to restart the WAL (`WAL_RESTART_*`), and the restarts the writer
-/// made.
+/// The checkpointer's request to restart the WAL (`WAL_RESTART_*`), the restarts the writer
+/// made, and the transactions it committed.
 #[derive(Debug, Default)]
 struct WalRestarts {
     wanted: AtomicU8,
     done: AtomicU64,
+    commits: AtomicU64,
 }
 
 const WAL_RESTART_NO: u8 = 0;
@@ -455,6 +459,11 @@ impl Db {
     /// How many times the writer restarted the WAL.
     pub fn wal_restarts(&self) -> u64 {
         self.wal.done.load(Ordering::Relaxed)
+    }
+
+    /// How many group-commit transactions the writer committed.
+    pub fn commits(&self) -> u64 {
+        self.wal.commits.load(Ordering::Relaxed)
     }
 
     /// Record job latencies in `metrics`.
