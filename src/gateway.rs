@@ -172,7 +172,8 @@ impl Gateway {
         check_stop_budget(&config);
         let clock: SharedClock = Arc::new(SystemClock::default());
         // The writer's connection (held), one per reader, the checkpointer's and one spare.
-        let pool = store::open_pool(&home.join("state.db"), 3 + READERS)?;
+        let db_path = home.join("state.db");
+        let pool = store::open_pool(&db_path, 3 + READERS)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
         let (epoch, recovered, to_pump, gateway_id) = {
             let mut conn = pool
@@ -195,7 +196,7 @@ impl Gateway {
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());
         // Short rounds: each copies little, and the WAL stays small.
-        store::spawn_checkpointer(&db, Duration::from_millis(100));
+        store::spawn_checkpointer(&db, &db_path, Duration::from_millis(100));
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
             connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),

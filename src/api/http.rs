@@ -63,6 +63,13 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         "counter",
         shared.db.commits(),
     );
+    push_metric(
+        &mut body,
+        "gatehouse_checkpoint_syncs_total",
+        "Times the background checkpointer synced the database file after copying WAL frames.",
+        "counter",
+        shared.db.checkpoint_syncs(),
+    );
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms
             .db
