@@ -667,13 +667,21 @@ async fn turns(
         let sid = c.session(&format!("turn-{i}"), &home).await?;
         clients.push((c, sid));
     }
-    let report = measure_on(
+    let commits = metric(&daemon.origin, DB_COMMITS).await?;
+    let mut report = measure_on(
         &daemon,
         clients
             .into_iter()
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
     .await;
+    let commits = metric(&daemon.origin, DB_COMMITS).await? - commits;
+    if let Ok(r) = report.as_mut() {
+        // Writer transactions per turn (fewer than the turn's writes when they group).
+        if let Some(n) = r["count"].as_f64().filter(|n| *n > 0.0) {
+            r["commits_per_turn"] = json!(round(commits / n));
+        }
+    }
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
     let mut report = report?;
@@ -1161,10 +1169,10 @@ pub fn table(r: &Value) -> String {
             cell(&a["ack"]["admissions_per_commit"])
         ));
     }
-    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench\n");
+    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each\n");
     for t in r["turn"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29}\n",
+            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14}\n",
             cell(&t["sessions"]),
             cell(&t["turn"]["p50_ms"]),
             cell(&t["turn"]["p99_ms"]),
@@ -1172,7 +1180,8 @@ pub fn table(r: &Value) -> String {
             cell(&t["floor"]["p50_ms"]),
             cell(&t["floor"]["p99_ms"]),
             cell(&t["overhead_p50_ms"]),
-            cpu_cell(&t["turn"])
+            cpu_cell(&t["turn"]),
+            cell(&t["turn"]["commits_per_turn"])
         ));
     }
     let i = &r["isolation"];
