@@ -66,10 +66,15 @@ pub struct SessionSupervisor {
     outbox: Outbox,
     claiming: bool,
     pump_again: bool,
-    /// Whether the FIFO may hold queued inputs: false once a claim found it empty, until an
-    /// input is admitted again. A settled turn with nothing queued then starts no claim (a
-    /// writer round trip that would commit nothing).
+    /// Whether the FIFO may hold queued inputs: false once a claim found nothing queued (behind
+    /// the input it started, if any), until an input is admitted again. A settled turn with
+    /// nothing queued then starts no claim, which would commit nothing, and the next submit's
+    /// claim commits with its admission.
     maybe_queued: bool,
+    /// Inputs this supervisor admitted so far. A claim's view of the FIFO is the one its
+    /// transaction had; an input admitted after it answers after the claim was sent, so a
+    /// claim that finds the FIFO empty says so only if this did not move meanwhile.
+    admitted: u64,
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
@@ -97,6 +102,7 @@ impl SessionSupervisor {
             claiming: false,
             pump_again: false,
             maybe_queued: true,
+            admitted: 0,
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
@@ -296,6 +302,7 @@ impl SessionSupervisor {
         self.write_started();
         let shared = self.shared.clone();
         let root = self.root_id.clone();
+        let seen = self.admitted;
         let fut = async move {
             let now = shared.now();
             let epoch = shared.epoch;
@@ -304,21 +311,29 @@ impl SessionSupervisor {
                 .write(move |c| claim_with_start(c, epoch, &root, now))
                 .await
         };
-        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.claiming = false;
-            let (claim, start) = match res {
-                Ok((logged, start)) => (act.answered(Ok::<_, StoreError>(logged), ctx), start),
-                Err(e) => (act.answered(Err(e), ctx), None),
+            let (claim, start, more) = match res {
+                Ok((logged, start, more)) => {
+                    (act.answered(Ok::<_, StoreError>(logged), ctx), start, more)
+                }
+                Err(e) => (act.answered(Err(e), ctx), None, true),
             };
-            act.found_empty(&claim);
+            act.claim_saw(&claim, more, seen);
             act.claimed(claim, start, ctx);
         }));
     }
 
-    /// A claim that found nothing queued, with no other claim asked for meanwhile: the FIFO is
-    /// empty until an input is admitted.
-    fn found_empty(&mut self, claim: &Result<Claim, StoreError>) {
-        if matches!(claim, Ok(Claim::Idle)) && !self.pump_again {
+    /// A claim sent when `seen` inputs were admitted found nothing queued (`more == false`
+    /// behind the input it started): unless an input was admitted or another claim asked for
+    /// since, the FIFO is empty until the next admission.
+    fn claim_saw(&mut self, claim: &Result<Claim, StoreError>, more: bool, seen: u64) {
+        let empty = match claim {
+            Ok(Claim::Idle) => true,
+            Ok(Claim::Started(_)) => !more,
+            _ => false,
+        };
+        if empty && self.admitted == seen && !self.pump_again {
             self.maybe_queued = false;
         }
     }
@@ -747,8 +762,11 @@ impl Handler<Unsubscribe> for SessionSupervisor {
 /// An admission and, when the session was idle, the claim that committed with it.
 type AdmitAndClaim = (
     Logged<(AdmissionRow, bool)>,
-    Option<Result<(Logged<Claim>, Option<Box<TurnStart>>), StoreError>>,
+    Option<Result<ClaimAndStart, StoreError>>,
 );
+
+/// A claim, what its turn starts from, and whether more inputs stay queued.
+type ClaimAndStart = (Logged<Claim>, Option<Box<TurnStart>>, bool);
 
 /// Claim the FIFO head; when that starts a turn, also read what the turn starts from, in the
 /// same transaction (a failed read only leaves the turn to read it itself).
@@ -757,8 +775,8 @@ fn claim_with_start(
     epoch: i64,
     root: &str,
     now: f64,
-) -> Result<(Logged<Claim>, Option<Box<TurnStart>>), StoreError> {
-    let claim = admissions::claim_next(c, epoch, root, now)?;
+) -> Result<ClaimAndStart, StoreError> {
+    let (claim, more) = admissions::claim_next_more(c, epoch, root, now)?;
     let start = match &claim.value {
         Claim::Started(_) => TurnStart::read(c, root)
             .map_err(
@@ -767,7 +785,7 @@ fn claim_with_start(
             .ok(),
         Claim::Idle | Claim::Busy => None,
     };
-    Ok((claim, start))
+    Ok((claim, start, more))
 }
 
 /// Admit an input (durably, before the reply), then pump.
@@ -797,6 +815,7 @@ impl Handler<Submit> for SessionSupervisor {
             self.claiming = true;
         }
         self.write_started();
+        let seen = self.admitted;
         let fut = async move {
             if shared.runtime.draining() {
                 return Err(GatewayError::RuntimeDraining);
@@ -845,31 +864,31 @@ impl Handler<Submit> for SessionSupervisor {
                     events: mut rows,
                 } = admitted;
                 let claimed = claimed.map(|c| match c {
-                    Ok((Logged { value, events }, start)) => {
+                    Ok((Logged { value, events }, start, more)) => {
                         rows.extend(events);
-                        (Ok(value), start)
+                        (Ok(value), start, more)
                     }
-                    Err(e) => (Err(e), None),
+                    Err(e) => (Err(e), None, true),
                 });
                 act.write_answered(rows, ctx);
-                let was_queued = act.maybe_queued;
                 if created {
                     act.shared.metrics.admitted();
                     act.maybe_queued = true;
                 }
                 match claimed {
-                    Some((c, start)) => {
-                        // Its claim started this very input, the oldest queued one, and nothing
-                        // was queued before: the FIFO is empty again (an input admitted since is
-                        // one whose own answer is still to come, and sets the flag).
-                        let this = matches!(&c, Ok(Claim::Started(r)) if r.admission_id == row.admission_id);
-                        if created && this && !was_queued {
-                            act.maybe_queued = false;
+                    Some((c, start, more)) => {
+                        // The claim saw this input (same transaction): only inputs admitted by
+                        // other submits since this one was sent can be missing from its view.
+                        act.claim_saw(&c, more, seen);
+                        if created {
+                            act.admitted += 1;
                         }
-                        act.found_empty(&c);
                         act.claimed(c, start, ctx)
                     }
-                    None if created => act.pump(ctx),
+                    None if created => {
+                        act.admitted += 1;
+                        act.pump(ctx)
+                    }
                     None => {}
                 }
                 Ok(row)

@@ -447,6 +447,17 @@ pub fn claim_next(
     session: &str,
     now: f64,
 ) -> Result<Logged<Claim>, StoreError> {
+    Ok(claim_next_more(conn, epoch, session, now)?.0)
+}
+
+/// [`claim_next`], and whether another input stays queued behind the one it started (read in
+/// the same seek as the head: the FIFO's next row).
+pub fn claim_next_more(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    now: f64,
+) -> Result<(Logged<Claim>, bool), StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         // Three seeks on the live rows' index (session, status, seq), however deep the queue.
@@ -471,15 +482,17 @@ pub fn claim_next(
             )));
         }
         if !holding.is_empty() {
-            return Ok(Logged::quiet(Claim::Busy));
+            return Ok((Logged::quiet(Claim::Busy), true));
         }
-        let head: Option<AdmissionRow> = in_status("queued")
+        let mut first_two: Vec<AdmissionRow> = in_status("queued")
             .order(sa::seq.asc())
             .select(AdmissionRow::as_select())
-            .first(conn)
-            .optional()?;
-        let Some(head) = head else {
-            return Ok(Logged::quiet(Claim::Idle));
+            .limit(2)
+            .load(conn)?;
+        let more = first_two.len() > 1;
+        first_two.truncate(1);
+        let Some(head) = first_two.pop() else {
+            return Ok((Logged::quiet(Claim::Idle), false));
         };
         let (generation, tip): (i64, String) = HotSql::new(
             "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ? \
@@ -534,7 +547,7 @@ pub fn claim_next(
             updated_at: now,
             ..head
         };
-        Ok(Logged::new(Claim::Started(Box::new(started)), logged))
+        Ok((Logged::new(Claim::Started(Box::new(started)), logged), more))
     })
 }
 

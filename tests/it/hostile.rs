@@ -1358,6 +1358,70 @@ async fn a_turn_on_an_idle_session_is_two_writer_transitions() {
     assert_eq!(model.requests().len(), turns as usize);
 }
 
+/// A claim that started the last queued input knows the FIFO is empty behind it: the turn's end
+/// starts no claim. Each round holds an input at the model while a second one is queued; the
+/// second is claimed after the first settles, and nothing is claimed after it.
+#[actix_rt::test]
+async fn a_claim_that_empties_the_queue_needs_no_claim_after_its_turn() {
+    let opened = std::sync::Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
+    let gate = opened.clone();
+    let model = FakeModel::start(move |body| {
+        let text = last_user(body);
+        if let Some(k) = text
+            .strip_prefix("held-")
+            .and_then(|k| k.parse::<usize>().ok())
+        {
+            let (lock, cv) = &*gate;
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            let mut open = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while *open <= k && std::time::Instant::now() < deadline {
+                open = cv
+                    .wait_timeout(open, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("emptied", &home.path).await;
+    let rounds: u32 = 4;
+    let before = metric(&origin, "gatehouse_db_writes_total").await;
+    for k in 0..rounds {
+        let held = format!("held-{k}");
+        let k = k as usize;
+        ws.submit(&sid, &held, &held).await;
+        wait_until(&held, Duration::from_secs(20), || model.reached(&held) == 1).await;
+        let next = format!("next-{k}");
+        let admission = ws.submit(&sid, &next, &next).await["admission_id"].clone();
+        {
+            let (lock, cv) = &*opened;
+            *lock.lock().unwrap_or_else(|e| e.into_inner()) = k + 1;
+            cv.notify_all();
+        }
+        ws.event(Duration::from_secs(20), |e| {
+            e["type"] == "message.complete" && e["payload"]["admission_id"] == admission
+        })
+        .await;
+    }
+    let writes = metric(&origin, "gatehouse_db_writes_total").await - before;
+    // Per round: the held input's admission with its claim, the next one's admission, the held
+    // one's settlement, the next one's claim and its settlement. A claim after the round's last
+    // turn would make 24; the bound leaves room for a background write (the event pruner).
+    assert!(
+        writes <= f64::from(5 * rounds + 2),
+        "{writes} writer transitions for {rounds} rounds"
+    );
+    assert_eq!(model.requests().len(), 2 * rounds as usize);
+}
+
 #[actix_rt::test]
 async fn a_full_session_queue_is_refused_with_session_busy() {
     let model = FakeModel::start(|body| {
