@@ -574,8 +574,14 @@ impl Db {
 /// last restarted (timed in the bench's isolation section: 40-80 ms, with every session's
 /// commits waiting behind it). Synced round by round, the restart's own sync covers only the few
 /// frames the restart copies.
-pub fn spawn_checkpointer(db: &Db, path: &Path, every: Duration) {
-    let (pool, wal) = (db.pool.clone(), db.wal.clone());
+///
+/// It stops once the store is let go: every [`Db`] handle dropped and the writer ended.
+pub fn spawn_checkpointer(
+    db: &Db,
+    path: &Path,
+    every: Duration,
+) -> Option<std::thread::JoinHandle<()>> {
+    let (pool, state) = (db.pool.clone(), Arc::downgrade(&db.wal));
     let path = path.to_path_buf();
     let spawned = std::thread::Builder::new()
         .name("gatehouse-checkpoint".into())
@@ -590,6 +596,9 @@ pub fn spawn_checkpointer(db: &Db, path: &Path, every: Duration) {
             let mut synced = 0;
             loop {
                 std::thread::sleep(every);
+                let Some(wal) = state.upgrade() else {
+                    return;
+                };
                 match pool.get() {
                     // A WAL that restarted on its own in a lull takes back an earlier request.
                     Ok(mut conn) => match checkpoint_round(&mut conn) {
@@ -618,9 +627,9 @@ pub fn spawn_checkpointer(db: &Db, path: &Path, every: Duration) {
                 }
             }
         });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "cannot start the background checkpointer");
-    }
+    spawned
+        .map_err(|e| tracing::warn!(error = %e, "cannot start the background checkpointer"))
+        .ok()
 }
 
 /// Past this many frames the WAL is restarted even if the writer must copy many frames first.
@@ -986,6 +995,35 @@ mod wal_restart_tests {
                 assert_eq!(db.checkpoint_syncs(), syncs, "an idle round synced");
             }
         });
+    }
+
+    /// The checkpointer ends with the store: once every handle is dropped (and so the writer
+    /// ended), its thread returns instead of checkpointing a database nobody uses.
+    #[test]
+    fn the_checkpointer_stops_once_the_store_is_dropped() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let pool = open_pool(&path, 4).expect("pool");
+        let thread = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            let thread = spawn_checkpointer(&db, &path, Duration::from_millis(5)).expect("thread");
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE w (v INTEGER)")?))
+                .await
+                .expect("table");
+            assert!(
+                !thread.is_finished(),
+                "it stopped while the store was in use"
+            );
+            thread
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !thread.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the checkpointer outlived its store"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Writes that never pause never let SQLite restart the WAL on its own: without the writer's
