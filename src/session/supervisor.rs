@@ -776,7 +776,7 @@ fn claim_with_start(
     root: &str,
     now: f64,
 ) -> Result<ClaimAndStart, StoreError> {
-    let (claim, more) = admissions::claim_next_more(c, epoch, root, now)?;
+    let (claim, more) = admissions::claim_next(c, epoch, root, now)?;
     let start = match &claim.value {
         Claim::Started(_) => TurnStart::read(c, root)
             .map_err(
@@ -874,21 +874,16 @@ impl Handler<Submit> for SessionSupervisor {
                 if created {
                     act.shared.metrics.admitted();
                     act.maybe_queued = true;
+                    act.admitted += 1;
                 }
                 match claimed {
                     Some((c, start, more)) => {
                         // The claim saw this input (same transaction): only inputs admitted by
                         // other submits since this one was sent can be missing from its view.
-                        act.claim_saw(&c, more, seen);
-                        if created {
-                            act.admitted += 1;
-                        }
+                        act.claim_saw(&c, more, seen + u64::from(created));
                         act.claimed(c, start, ctx)
                     }
-                    None if created => {
-                        act.admitted += 1;
-                        act.pump(ctx)
-                    }
+                    None if created => act.pump(ctx),
                     None => {}
                 }
                 Ok(row)

@@ -441,18 +441,10 @@ pub enum Claim {
 /// Claim the lowest-seq queued row of `session`: bump the session's generation and stamp it.
 /// An `unknown` row holds the FIFO (`unknown_execution`). A claim is reported by
 /// `session.info {running}` and `message.start` events in the same transaction.
+///
+/// Beside the claim: whether another input stays queued behind the one it started (read in the
+/// same seek as the head, as the FIFO's next row; `true` when it found another one started).
 pub fn claim_next(
-    conn: &mut SqliteConnection,
-    epoch: i64,
-    session: &str,
-    now: f64,
-) -> Result<Logged<Claim>, StoreError> {
-    Ok(claim_next_more(conn, epoch, session, now)?.0)
-}
-
-/// [`claim_next`], and whether another input stays queued behind the one it started (read in
-/// the same seek as the head: the FIFO's next row).
-pub fn claim_next_more(
     conn: &mut SqliteConnection,
     epoch: i64,
     session: &str,
@@ -484,14 +476,13 @@ pub fn claim_next_more(
         if !holding.is_empty() {
             return Ok((Logged::quiet(Claim::Busy), true));
         }
-        let mut first_two: Vec<AdmissionRow> = in_status("queued")
+        let first_two: Vec<AdmissionRow> = in_status("queued")
             .order(sa::seq.asc())
             .select(AdmissionRow::as_select())
             .limit(2)
             .load(conn)?;
         let more = first_two.len() > 1;
-        first_two.truncate(1);
-        let Some(head) = first_two.pop() else {
+        let Some(head) = first_two.into_iter().next() else {
             return Ok((Logged::quiet(Claim::Idle), false));
         };
         let (generation, tip): (i64, String) = HotSql::new(
@@ -799,6 +790,16 @@ mod tests {
     use super::*;
     use crate::store::{epoch, testing};
 
+    /// [`claim_next`]'s claim alone.
+    fn claim(
+        c: &mut SqliteConnection,
+        epoch: i64,
+        session: &str,
+        now: f64,
+    ) -> Result<Logged<Claim>, StoreError> {
+        Ok(claim_next(c, epoch, session, now)?.0)
+    }
+
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection, i64) {
         let (d, mut conn) = testing::conn();
         let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
@@ -1035,7 +1036,7 @@ mod tests {
             .value
             .0
             .admission_id;
-        claim_next(&mut c, e, "s2", 1.0).expect("claim");
+        claim(&mut c, e, "s2", 1.0).expect("claim");
         let queued = admit(&mut c, e, "p", "s2", "hold-2", "x", 10, 1.0)
             .expect("admit")
             .value
@@ -1082,7 +1083,7 @@ mod tests {
     /// One turn's transitions: admit, claim, settle with a closing message and an event.
     fn one_turn(c: &mut SqliteConnection, e: i64, input: &str) {
         admit(c, e, "p", "s1", input, "hi", 10, 1.0).expect("admit");
-        let Claim::Started(row) = claim_next(c, e, "s1", 2.0).expect("claim").value else {
+        let Claim::Started(row) = claim(c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
         let reply = NewMessage {
@@ -1186,13 +1187,13 @@ mod tests {
         let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
             .expect("b")
             .value;
-        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim").value else {
+        let Claim::Started(first) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
         assert_eq!(first.admission_id, a.admission_id);
         assert_eq!(first.execution_generation, Some(1));
         assert!(matches!(
-            claim_next(&mut c, e, "s1", 2.0).expect("busy").value,
+            claim(&mut c, e, "s1", 2.0).expect("busy").value,
             Claim::Busy
         ));
         assert!(matches!(
@@ -1223,7 +1224,7 @@ mod tests {
             3.0,
         )
         .expect("settle");
-        let Claim::Started(second) = claim_next(&mut c, e, "s1", 4.0).expect("claim").value else {
+        let Claim::Started(second) = claim(&mut c, e, "s1", 4.0).expect("claim").value else {
             panic!("no claim")
         };
         assert_eq!(second.admission_id, b.admission_id);
@@ -1238,13 +1239,13 @@ mod tests {
             .value;
         admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
         assert!(matches!(
-            claim_next(&mut c, e, "s1", 2.0).map(|l| l.value),
+            claim(&mut c, e, "s1", 2.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
         let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
         assert_eq!(epoch::recover_started(&mut c, e2, 3.0).expect("sweep"), 1);
         assert!(matches!(
-            claim_next(&mut c, e2, "s1", 3.0),
+            claim(&mut c, e2, "s1", 3.0),
             Err(StoreError::UnknownExecution(_))
         ));
         assert!(sessions_ready_to_pump(&mut c).expect("ready").is_empty());
@@ -1280,7 +1281,7 @@ mod tests {
             Err(StoreError::StaleGeneration(_))
         ));
         assert!(matches!(
-            claim_next(&mut c, e2, "s1", 5.0).map(|l| l.value),
+            claim(&mut c, e2, "s1", 5.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
     }
@@ -1292,7 +1293,7 @@ mod tests {
         let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
             .expect("a")
             .value;
-        let Claim::Started(first) = claim_next(&mut c, e, "s1", 2.0).expect("claim").value else {
+        let Claim::Started(first) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
         assert_eq!(
@@ -1319,7 +1320,7 @@ mod tests {
             ("queued", None)
         );
         assert!(live(&mut c, "s1").expect("live").is_empty());
-        let Claim::Started(again) = claim_next(&mut c, e, "s1", 4.0).expect("claim").value else {
+        let Claim::Started(again) = claim(&mut c, e, "s1", 4.0).expect("claim").value else {
             panic!("no second claim")
         };
         assert_eq!(again.admission_id, a.admission_id);
@@ -1336,7 +1337,7 @@ mod tests {
         let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
             .expect("b")
             .value;
-        claim_next(&mut c, e, "s1", 2.0).expect("claim");
+        claim(&mut c, e, "s1", 2.0).expect("claim");
         assert!(matches!(
             cancel(&mut c, e, "s1", &a.admission_id, 2.0),
             Err(StoreError::StaleGeneration(_))
@@ -1352,6 +1353,28 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_says_whether_another_input_stays_queued() {
+        let (_d, mut c, e) = setup();
+        testing::session(&mut c, e, "s2");
+        testing::session(&mut c, e, "s3");
+        admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
+        admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0).expect("b");
+        admit(&mut c, e, "p", "s2", "c", "C", 10, 1.0).expect("c");
+        let (first, more) = claim_next(&mut c, e, "s1", 2.0).expect("claim s1");
+        assert!(matches!(first.value, Claim::Started(r) if r.request_id == "a"));
+        assert!(more, "b stays queued behind a");
+        let (only, more) = claim_next(&mut c, e, "s2", 2.0).expect("claim s2");
+        assert!(matches!(only.value, Claim::Started(r) if r.request_id == "c"));
+        assert!(!more, "nothing is queued behind c");
+        let (busy, more) = claim_next(&mut c, e, "s2", 2.0).expect("busy s2");
+        assert!(matches!(busy.value, Claim::Busy));
+        assert!(more, "a busy claim does not say the FIFO is empty");
+        let (idle, more) = claim_next(&mut c, e, "s3", 2.0).expect("idle s3");
+        assert!(matches!(idle.value, Claim::Idle));
+        assert!(!more);
+    }
+
+    #[test]
     fn transitions_log_their_events_and_refusals_log_nothing() {
         let (_d, mut c, e) = setup();
         let a = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("a");
@@ -1359,7 +1382,7 @@ mod tests {
         assert_eq!(a.events[0].payload()["admitted"], a.value.0.admission_id);
         let again = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0).expect("again");
         assert!(again.events.is_empty());
-        let claim = claim_next(&mut c, e, "s1", 2.0).expect("claim");
+        let claim = claim(&mut c, e, "s1", 2.0).expect("claim");
         assert_eq!(
             kinds(&claim.events),
             vec![(2, "session.info"), (3, "message.start")]
