@@ -287,7 +287,7 @@ const WAL_RESTART_FRAMES: i64 = 16_384;
 fn writer_loop(
     pool: SqlitePool,
     mut rx: tokio::sync::mpsc::Receiver<WriteJob>,
-    wal: Arc<WalRestarts>,
+    wal: Arc<WalState>,
 ) {
     // The writer keeps one connection (and so one warm statement cache) for as long as it works.
     let mut held: Option<Conn> = None;
@@ -377,10 +377,11 @@ fn restart_wal(conn: &mut SqliteConnection) -> bool {
     }
 }
 
-/// The checkpointer's request to restart the WAL (`WAL_RESTART_*`), the restarts the writer
-/// made, the transactions it committed, and the checkpointer's syncs of the database file.
+/// What the writer, the checkpointer and the store's handles share: the checkpointer's request
+/// to restart the WAL (`WAL_RESTART_*`), the restarts the writer made, the transactions it
+/// committed, and the checkpointer's rounds and syncs of the database file.
 #[derive(Debug, Default)]
-struct WalRestarts {
+struct WalState {
     wanted: AtomicU8,
     done: AtomicU64,
     commits: AtomicU64,
@@ -429,7 +430,7 @@ impl Handler<DbJob> for DbWorker {
 #[derive(Clone)]
 pub struct Db {
     writer: tokio::sync::mpsc::Sender<WriteJob>,
-    wal: Arc<WalRestarts>,
+    wal: Arc<WalState>,
     readers: Addr<DbWorker>,
     pool: SqlitePool,
     metrics: Option<std::sync::Arc<crate::telemetry::Metrics>>,
@@ -440,7 +441,7 @@ impl Db {
     pub fn start(pool: SqlitePool, readers: usize) -> Db {
         let (writer, rx) = tokio::sync::mpsc::channel::<WriteJob>(4096);
         let p = pool.clone();
-        let wal = Arc::new(WalRestarts::default());
+        let wal = Arc::new(WalState::default());
         let flag = wal.clone();
         let spawned = std::thread::Builder::new()
             .name("gatehouse-db-writer".into())
@@ -599,32 +600,34 @@ pub fn spawn_checkpointer(
                 let Some(wal) = state.upgrade() else {
                     return;
                 };
-                match pool.get() {
-                    // A WAL that restarted on its own in a lull takes back an earlier request.
-                    Ok(mut conn) => match checkpoint_round(&mut conn) {
-                        Ok(round) => {
-                            wal.rounds.fetch_add(1, Ordering::Relaxed);
-                            if round.checkpointed != synced {
-                                synced = round.checkpointed;
-                                if let Some(f) = &file {
-                                    match f.sync_data() {
-                                        Ok(()) => {
-                                            wal.syncs.fetch_add(1, Ordering::Relaxed);
-                                        }
-                                        Err(e) => {
-                                            tracing::warn!(error = %e, "database file sync failed")
-                                        }
-                                    }
-                                }
-                            }
-                            wal.wanted.store(round.want, Ordering::Relaxed);
-                        }
-                        Err(e) => tracing::debug!(error = %e, "background checkpoint skipped"),
-                    },
+                let mut conn = match pool.get() {
+                    Ok(c) => c,
                     Err(e) => {
-                        tracing::debug!(error = %e, "no connection for the background checkpoint")
+                        tracing::debug!(error = %e, "no connection for the background checkpoint");
+                        continue;
+                    }
+                };
+                let round = match checkpoint_round(&mut conn) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "background checkpoint skipped");
+                        continue;
+                    }
+                };
+                wal.rounds.fetch_add(1, Ordering::Relaxed);
+                if round.checkpointed != synced {
+                    synced = round.checkpointed;
+                    if let Some(f) = &file {
+                        match f.sync_data() {
+                            Ok(()) => {
+                                wal.syncs.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => tracing::warn!(error = %e, "database file sync failed"),
+                        }
                     }
                 }
+                // A WAL that restarted on its own in a lull takes back an earlier request.
+                wal.wanted.store(round.want, Ordering::Relaxed);
             }
         });
     spawned
