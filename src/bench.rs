@@ -482,7 +482,8 @@ fn cpu_cell(summary: &Value) -> String {
 
 /// [`measure`], with `daemon`'s CPU time (user and system, all threads) per operation beside
 /// it, in microseconds: steadier than latency on a machine whose speed drifts. Beside that the
-/// bench's own (its clients and the fake model), which shares the same cores.
+/// bench's own (its clients and the fake model), which shares the same cores, and the
+/// transactions the daemon's writer committed meanwhile (`commits`).
 async fn measure_on<F>(
     daemon: &Daemon,
     clients: impl IntoIterator<Item = F>,
@@ -490,10 +491,12 @@ async fn measure_on<F>(
 where
     F: std::future::Future<Output = Result<Vec<f64>, String>>,
 {
+    let commits = metric(&daemon.origin, DB_COMMITS).await?;
     let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self"));
     let mut summary = measure(clients).await?;
     let spent = daemon.cpu_seconds() - cpu;
     let own = cpu_seconds_of("self") - own;
+    summary["commits"] = json!(metric(&daemon.origin, DB_COMMITS).await? - commits);
     if let Some(n) = summary["count"].as_f64().filter(|n| *n > 0.0) {
         summary["daemon_cpu_us_per_op"] = json!((spent * 1e6 / n).round());
         summary["bench_cpu_us_per_op"] = json!((own * 1e6 / n).round());
@@ -586,13 +589,13 @@ async fn admissions(
             *ids = got;
             Ok::<Vec<f64>, String>(lat)
         });
-    let commits = metric(&daemon.origin, DB_COMMITS).await?;
     let mut ack = measure_on(&daemon, tasks).await;
-    let commits = metric(&daemon.origin, DB_COMMITS).await? - commits;
     if let Ok(a) = ack.as_mut() {
         // The group commit's batch: admissions acknowledged per transaction committed.
-        if let Some(n) = a["count"].as_f64().filter(|_| commits > 0.0) {
-            a["admissions_per_commit"] = json!(round(n / commits));
+        if let (Some(n), Some(commits)) = (a["count"].as_f64(), a["commits"].as_f64()) {
+            if commits > 0.0 {
+                a["admissions_per_commit"] = json!(round(n / commits));
+            }
         }
     }
     // The floors beside it, on the same connections and daemon: the same submits again
@@ -667,7 +670,6 @@ async fn turns(
         let sid = c.session(&format!("turn-{i}"), &home).await?;
         clients.push((c, sid));
     }
-    let commits = metric(&daemon.origin, DB_COMMITS).await?;
     let mut report = measure_on(
         &daemon,
         clients
@@ -675,11 +677,12 @@ async fn turns(
             .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
     )
     .await;
-    let commits = metric(&daemon.origin, DB_COMMITS).await? - commits;
     if let Ok(r) = report.as_mut() {
         // Writer transactions per turn (fewer than the turn's writes when they group).
-        if let Some(n) = r["count"].as_f64().filter(|n| *n > 0.0) {
-            r["commits_per_turn"] = json!(round(commits / n));
+        if let (Some(n), Some(commits)) = (r["count"].as_f64(), r["commits"].as_f64()) {
+            if n > 0.0 {
+                r["commits_per_turn"] = json!(round(commits / n));
+            }
         }
     }
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
