@@ -614,7 +614,6 @@ pub fn spawn_checkpointer(
                         continue;
                     }
                 };
-                wal.rounds.fetch_add(1, Ordering::Relaxed);
                 if round.checkpointed != synced {
                     synced = round.checkpointed;
                     if let Some(f) = &file {
@@ -628,6 +627,8 @@ pub fn spawn_checkpointer(
                 }
                 // A WAL that restarted on its own in a lull takes back an earlier request.
                 wal.wanted.store(round.want, Ordering::Relaxed);
+                // Counted last, so a round seen counted has synced what it copied.
+                wal.rounds.fetch_add(1, Ordering::Release);
             }
         });
     spawned
@@ -973,7 +974,7 @@ mod wal_restart_tests {
                 let from = wal.rounds.load(Ordering::Relaxed);
                 async move {
                     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-                    while wal.rounds.load(Ordering::Relaxed) < from + n {
+                    while wal.rounds.load(Ordering::Acquire) < from + n {
                         assert!(std::time::Instant::now() < deadline, "the rounds stopped");
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
