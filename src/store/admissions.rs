@@ -485,9 +485,14 @@ pub fn claim_next(
         let Some(head) = first_two.into_iter().next() else {
             return Ok((Logged::quiet(Claim::Idle), false));
         };
+        // A plain UPDATE and a SELECT: `RETURNING` buffers its row in a temporary table.
+        HotSql::new(
+            "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ?",
+            &[Bind::Text(session)],
+        )
+        .execute(conn)?;
         let (generation, tip): (i64, String) = HotSql::new(
-            "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ? \
-             RETURNING runtime_generation, tip_session_id",
+            "SELECT runtime_generation, tip_session_id FROM sessions WHERE id = ?",
             &[Bind::Text(session)],
         )
         .returning::<(diesel::sql_types::BigInt, diesel::sql_types::Text)>()
@@ -564,19 +569,23 @@ pub fn settle(
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         // The generation fence and the revision bump in one statement.
-        let tip: Option<String> = HotSql::new(
+        let fenced = HotSql::new(
             "UPDATE sessions SET runtime_revision = runtime_revision + 1 \
-             WHERE id = ? AND runtime_generation = ? RETURNING tip_session_id",
+             WHERE id = ? AND runtime_generation = ?",
             &[Bind::Text(session), Bind::Int(generation)],
         )
-        .returning::<diesel::sql_types::Text>()
-        .get_result(conn)
-        .optional()?;
-        let Some(tip) = tip else {
+        .execute(conn)?;
+        if fenced != 1 {
             return Err(StoreError::StaleGeneration(format!(
                 "generation {generation} is not running"
             )));
-        };
+        }
+        let tip: String = HotSql::new(
+            "SELECT tip_session_id FROM sessions WHERE id = ?",
+            &[Bind::Text(session)],
+        )
+        .returning::<diesel::sql_types::Text>()
+        .get_result(conn)?;
         let n = HotSql::new(
             "UPDATE session_admissions SET status = 'terminal', outcome = ?, result_json = ?, \
              updated_at = ? WHERE admission_id = ? AND target_session_id = ? \
