@@ -858,6 +858,163 @@ pub mod testing {
 }
 
 #[cfg(test)]
+mod schema_tests {
+    use diesel::RunQueryDsl;
+
+    #[derive(diesel::QueryableByName)]
+    struct Name {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+
+    #[derive(diesel::QueryableByName)]
+    struct Opcode {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        opcode: String,
+    }
+
+    /// No write to any table builds a temporary B-tree to check a constraint (SQLite does so
+    /// for every `IN` list of three or more constants, on every statement that checks it): an
+    /// `INSERT` and an `UPDATE` of every column of every table compile to programs that open
+    /// no ephemeral table.
+    #[test]
+    fn no_write_checks_its_constraints_through_a_temporary_table() {
+        let (_dir, mut c) = super::testing::conn();
+        let tables: Vec<Name> = diesel::sql_query(
+            "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
+             AND name != '__diesel_schema_migrations' ORDER BY name",
+        )
+        .load(&mut c)
+        .expect("tables");
+        assert!(tables.len() > 10, "the schema has its tables");
+        let mut offending = Vec::new();
+        for t in tables.iter().map(|t| &t.name) {
+            let mut names = |filter: &str| -> Vec<String> {
+                diesel::sql_query(format!(
+                    "SELECT name FROM pragma_table_info('{t}') WHERE {filter} ORDER BY cid"
+                ))
+                .load::<Name>(&mut c)
+                .expect("columns")
+                .into_iter()
+                .map(|c| c.name)
+                .collect()
+            };
+            let (columns, values, keys) = (names("1"), names("pk = 0"), names("pk > 0"));
+            let key = if keys.is_empty() {
+                "rowid = ?".to_string()
+            } else {
+                keys.iter()
+                    .map(|k| format!("{k} = ?"))
+                    .collect::<Vec<_>>()
+                    .join(" AND ")
+            };
+            let marks = vec!["?"; columns.len()].join(", ");
+            let sets: Vec<String> = values.iter().map(|c| format!("{c} = ?")).collect();
+            // An update of one row, as every write of the gateway is (an update of many rows
+            // gathers their ids in a temporary table first, whatever the constraints).
+            for sql in [
+                format!("INSERT INTO {t} ({}) VALUES ({marks})", columns.join(", ")),
+                format!("UPDATE {t} SET {} WHERE {key}", sets.join(", ")),
+            ] {
+                let program: Vec<Opcode> = diesel::sql_query(format!("EXPLAIN {sql}"))
+                    .load(&mut c)
+                    .expect("explain");
+                if program.iter().any(|o| o.opcode == "OpenEphemeral") {
+                    offending.push(sql);
+                }
+            }
+        }
+        assert!(offending.is_empty(), "temporary tables in: {offending:#?}");
+    }
+
+    /// The migration that spells the checks out keeps every row, index and trigger of the
+    /// tables it copies, and the checks refuse what they refused.
+    #[test]
+    fn the_checks_migration_keeps_the_tables_and_what_they_refuse() {
+        use diesel::connection::SimpleConnection;
+        use diesel_migrations::MigrationHarness;
+        let (_dir, mut c) = super::testing::conn_just_before("_checks_without_lists");
+        let e = super::epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        super::testing::session(&mut c, e, "s1");
+        c.batch_execute(
+            "INSERT INTO session_admissions (seq, admission_id, request_id, principal_id, \
+               target_session_id, payload_json, payload_digest, intent, status, outcome, \
+               owner_epoch, execution_generation, created_at, updated_at) VALUES \
+             (3, 'a3', 'r3', 'p', 's1', '{}', 'd', 'queue', 'terminal', 'completed', 1, 1, 1.0, 1.0), \
+             (5, 'a5', 'r5', 'p', 's1', '{}', 'd', 'steer', 'queued', NULL, 1, NULL, 2.0, 2.0);
+             INSERT INTO messages (id, session_id, role, content, active, timestamp) VALUES \
+             (4, 's1', 'user', 'one', 1, 1.0), (9, 's1', 'tool', 'two', 0, 2.0);
+             INSERT INTO rooms (room_id, name, authority_gateway_id, created_at, updated_at) \
+             VALUES ('r1', 'room', 'g', 1.0, 1.0);
+             INSERT INTO room_tasks (room_id, task_id, thread_id, turn_id, source_event_seq, \
+               payload_json, payload_digest, status, created_at, updated_at) VALUES \
+             ('r1', 't1', 'th', 'tu1', 1, '{}', 'd', 'queued', 1.0, 1.0), \
+             ('r1', 't2', 'th', 'tu2', 2, '{}', 'd', 'deferred', 1.0, 1.0);",
+        )
+        .expect("old rows");
+        let text = |c: &mut diesel::sqlite::SqliteConnection, sql: &str| -> String {
+            diesel::sql_query(sql)
+                .load::<Name>(c)
+                .expect(sql)
+                .into_iter()
+                .map(|n| n.name)
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let snapshot = |c: &mut diesel::sqlite::SqliteConnection| {
+            [
+                "SELECT type || ' ' || name AS name FROM sqlite_schema WHERE tbl_name IN \
+                 ('session_admissions', 'messages', 'room_tasks') ORDER BY type, name",
+                "SELECT seq || admission_id || intent || status || ifnull(outcome, '-') AS name \
+                 FROM session_admissions ORDER BY seq",
+                "SELECT id || role || content || active AS name FROM messages ORDER BY id",
+                "SELECT task_id || status AS name FROM room_tasks ORDER BY task_id",
+                "SELECT status || n AS name FROM room_task_counts ORDER BY status",
+            ]
+            .map(|q| text(c, q))
+        };
+        let before = snapshot(&mut c);
+        c.run_pending_migrations(super::MIGRATIONS)
+            .expect("migrate");
+        assert_eq!(snapshot(&mut c), before);
+        assert!(
+            before[0].contains("trigger room_task_counts_update"),
+            "{}",
+            before[0]
+        );
+        // The triggers count on.
+        c.batch_execute("UPDATE room_tasks SET status = 'running' WHERE task_id = 't1'")
+            .expect("update");
+        assert_eq!(
+            text(
+                &mut c,
+                "SELECT status || n AS name FROM room_task_counts ORDER BY status"
+            ),
+            "deferred1; queued0; running1"
+        );
+        for refused in [
+            "UPDATE session_admissions SET intent = 'shove' WHERE seq = 5",
+            "UPDATE session_admissions SET status = 'lost' WHERE seq = 5",
+            "UPDATE session_admissions SET outcome = 'maybe' WHERE seq = 3",
+            "UPDATE messages SET role = 'narrator' WHERE id = 4",
+            "UPDATE room_tasks SET status = 'paused' WHERE task_id = 't2'",
+            "UPDATE room_tasks SET settlement_status = 'queued' WHERE task_id = 't2'",
+        ] {
+            let e = c.batch_execute(refused).expect_err(refused).to_string();
+            assert!(e.contains("CHECK constraint failed"), "{refused}: {e}");
+        }
+        for accepted in [
+            "UPDATE session_admissions SET intent = 'redirect' WHERE seq = 5",
+            "UPDATE session_admissions SET outcome = 'rejected' WHERE seq = 3",
+            "UPDATE messages SET role = 'system' WHERE id = 4",
+            "UPDATE room_tasks SET status = 'indeterminate' WHERE task_id = 't2'",
+        ] {
+            c.batch_execute(accepted).expect(accepted);
+        }
+    }
+}
+
+#[cfg(test)]
 mod planner_tests {
     /// Every connection opened after installation has the planner stability guarantee on.
     #[test]

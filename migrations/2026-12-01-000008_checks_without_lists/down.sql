@@ -1,0 +1,130 @@
+CREATE TABLE session_admissions_next (
+    seq INTEGER PRIMARY KEY NOT NULL,
+    admission_id TEXT NOT NULL UNIQUE,
+    request_id TEXT NOT NULL,
+    principal_id TEXT NOT NULL,
+    target_session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE RESTRICT,
+    payload_json TEXT NOT NULL,
+    payload_digest TEXT NOT NULL,
+    intent TEXT NOT NULL DEFAULT 'queue' CHECK (intent IN ('queue', 'steer', 'redirect')),
+    status TEXT NOT NULL CHECK (status IN ('queued', 'started', 'unknown', 'terminal')),
+    outcome TEXT CHECK (
+        outcome IS NULL
+        OR outcome IN ('completed', 'interrupted', 'failed', 'cancelled', 'rejected')
+    ),
+    owner_epoch BIGINT,
+    execution_generation BIGINT,
+    result_json TEXT,
+    created_at DOUBLE NOT NULL,
+    updated_at DOUBLE NOT NULL,
+    CHECK (status != 'started' OR (owner_epoch IS NOT NULL AND execution_generation IS NOT NULL)),
+    UNIQUE (target_session_id, principal_id, request_id)
+);
+
+INSERT INTO session_admissions_next (seq, admission_id, request_id, principal_id,
+    target_session_id, payload_json, payload_digest, intent, status, outcome, owner_epoch,
+    execution_generation, result_json, created_at, updated_at)
+SELECT seq, admission_id, request_id, principal_id, target_session_id, payload_json,
+    payload_digest, intent, status, outcome, owner_epoch, execution_generation, result_json,
+    created_at, updated_at
+FROM session_admissions
+ORDER BY seq;
+
+DROP TABLE session_admissions;
+ALTER TABLE session_admissions_next RENAME TO session_admissions;
+CREATE INDEX session_admissions_open ON session_admissions(target_session_id, status, seq)
+    WHERE status != 'terminal';
+
+CREATE TABLE messages_next (
+    id INTEGER PRIMARY KEY NOT NULL,
+    session_id TEXT NOT NULL REFERENCES sessions(id),
+    role TEXT NOT NULL CHECK (role IN ('user', 'assistant', 'tool', 'system')),
+    content TEXT,
+    tool_call_id TEXT,
+    tool_calls TEXT,
+    tool_name TEXT,
+    finish_reason TEXT,
+    display_kind TEXT,
+    admission_id TEXT,
+    active INTEGER NOT NULL DEFAULT 1,
+    compacted INTEGER NOT NULL DEFAULT 0,
+    timestamp DOUBLE NOT NULL
+);
+
+INSERT INTO messages_next (id, session_id, role, content, tool_call_id, tool_calls, tool_name,
+    finish_reason, display_kind, admission_id, active, compacted, timestamp)
+SELECT id, session_id, role, content, tool_call_id, tool_calls, tool_name, finish_reason,
+    display_kind, admission_id, active, compacted, timestamp
+FROM messages
+ORDER BY id;
+
+DROP TABLE messages;
+ALTER TABLE messages_next RENAME TO messages;
+CREATE INDEX messages_live ON messages(session_id, active, id);
+
+CREATE TABLE room_tasks_next (
+    room_id TEXT NOT NULL REFERENCES rooms(room_id) ON DELETE CASCADE,
+    task_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    turn_id TEXT NOT NULL,
+    source_event_seq INTEGER NOT NULL CHECK (source_event_seq >= 1),
+    payload_json TEXT NOT NULL,
+    payload_digest TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN (
+        'queued', 'running', 'stopping', 'settled', 'failed', 'cancelled', 'indeterminate', 'deferred'
+    )),
+    execution_generation INTEGER NOT NULL DEFAULT 0 CHECK (execution_generation >= 0),
+    cancel_generation INTEGER NOT NULL DEFAULT 0 CHECK (cancel_generation >= 0),
+    run_gateway_id TEXT,
+    run_process_generation TEXT,
+    run_lease_generation INTEGER,
+    cancel_id TEXT,
+    settlement_id TEXT,
+    settlement_status TEXT CHECK (
+        settlement_status IS NULL
+        OR settlement_status IN ('settled', 'failed')
+    ),
+    result_json TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    started_at REAL,
+    terminal_at REAL,
+    indeterminate_at REAL,
+    PRIMARY KEY (room_id, task_id),
+    UNIQUE (room_id, thread_id, turn_id)
+);
+
+INSERT INTO room_tasks_next (room_id, task_id, thread_id, turn_id, source_event_seq, payload_json,
+    payload_digest, status, execution_generation, cancel_generation, run_gateway_id,
+    run_process_generation, run_lease_generation, cancel_id, settlement_id, settlement_status,
+    result_json, created_at, updated_at, started_at, terminal_at, indeterminate_at)
+SELECT room_id, task_id, thread_id, turn_id, source_event_seq, payload_json, payload_digest,
+    status, execution_generation, cancel_generation, run_gateway_id, run_process_generation,
+    run_lease_generation, cancel_id, settlement_id, settlement_status, result_json, created_at,
+    updated_at, started_at, terminal_at, indeterminate_at
+FROM room_tasks;
+
+-- Dropping the table drops its triggers; the counts they keep are already right.
+DROP TABLE room_tasks;
+ALTER TABLE room_tasks_next RENAME TO room_tasks;
+CREATE INDEX room_tasks_room_order
+    ON room_tasks (room_id, status, source_event_seq, created_at, task_id);
+
+CREATE TRIGGER room_task_counts_insert AFTER INSERT ON room_tasks
+BEGIN
+    INSERT INTO room_task_counts (room_id, status, n) VALUES (NEW.room_id, NEW.status, 1)
+    ON CONFLICT (room_id, status) DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER room_task_counts_update AFTER UPDATE OF status ON room_tasks
+WHEN OLD.status IS NOT NEW.status
+BEGIN
+    UPDATE room_task_counts SET n = n - 1 WHERE room_id = OLD.room_id AND status = OLD.status;
+    INSERT INTO room_task_counts (room_id, status, n) VALUES (NEW.room_id, NEW.status, 1)
+    ON CONFLICT (room_id, status) DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER room_task_counts_delete AFTER DELETE ON room_tasks
+BEGIN
+    UPDATE room_task_counts SET n = n - 1 WHERE room_id = OLD.room_id AND status = OLD.status;
+END;
