@@ -108,8 +108,46 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Pragmas {
     }
 }
 
+/// Whether SQLite runs without its per-connection mutexes (see [`configure_threading`]).
+static UNLOCKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Before SQLite starts in this process (so before the first connection, and before
+/// [`install_planner_stability`] and [`vfs::install`], which start it): no mutex on connections
+/// and statements, and no global count of SQLite's memory. Each connection is only ever used by
+/// one thread at a time (diesel's connection is `Send` and not `Sync`; the pool lends it out
+/// whole), which is all SQLite's multi-thread mode asks; in its default serialized mode every
+/// call into SQLite (each bind, step and column read) took and released the connection's
+/// mutex, and every allocation the memory-statistics mutex. Once SQLite has started it
+/// refuses the change and keeps its defaults, which is only slower; the answer says which.
+pub fn configure_threading() -> bool {
+    *UNLOCKED.get_or_init(|| {
+        // SAFETY: `sqlite3_config` changes process-wide settings and must run before SQLite is
+        // initialised and while no other thread uses SQLite; once initialised it changes nothing
+        // and returns SQLITE_MISUSE. It runs once per process, from the first pool opened.
+        let (threading, memstatus) = unsafe {
+            (
+                libsqlite3_sys::sqlite3_config(libsqlite3_sys::SQLITE_CONFIG_MULTITHREAD),
+                libsqlite3_sys::sqlite3_config(
+                    libsqlite3_sys::SQLITE_CONFIG_MEMSTATUS,
+                    0 as std::ffi::c_int,
+                ),
+            )
+        };
+        let unlocked = threading == libsqlite3_sys::SQLITE_OK;
+        if !unlocked || memstatus != libsqlite3_sys::SQLITE_OK {
+            tracing::info!(
+                threading,
+                memstatus,
+                "SQLite had started before it was configured: it keeps its mutexes"
+            );
+        }
+        unlocked
+    })
+}
+
 /// Open the pool on `path` and bring the schema up to date.
 pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
+    configure_threading();
     install_planner_stability();
     vfs::install();
     let url = path.to_string_lossy().to_string();
@@ -1016,6 +1054,28 @@ mod schema_tests {
 
 #[cfg(test)]
 mod planner_tests {
+    /// Configured before SQLite started, a connection has no mutex of its own (multi-thread
+    /// mode); configured too late, it keeps one, and the answer says so.
+    #[test]
+    fn connections_opened_after_configuration_have_no_mutex() {
+        let unlocked = super::configure_threading();
+        let dir = super::testing::tempfile_dir::TempDir::new();
+        let path = std::ffi::CString::new(dir.path().join("m.db").to_string_lossy().as_bytes())
+            .expect("path");
+        let mut db: *mut libsqlite3_sys::sqlite3 = std::ptr::null_mut();
+        // SAFETY: plain C API use on a connection this test owns and closes.
+        let mutex = unsafe {
+            assert_eq!(
+                libsqlite3_sys::sqlite3_open(path.as_ptr(), &mut db),
+                libsqlite3_sys::SQLITE_OK
+            );
+            let m = libsqlite3_sys::sqlite3_db_mutex(db);
+            libsqlite3_sys::sqlite3_close(db);
+            m
+        };
+        assert_eq!(mutex.is_null(), unlocked, "configured: {unlocked}");
+    }
+
     /// Every connection opened after installation has the planner stability guarantee on.
     #[test]
     fn new_connections_get_the_planner_stability_guarantee() {
