@@ -129,15 +129,35 @@ impl SessionSupervisor {
     }
 
     fn push(&mut self, mut params: Value) {
+        if self.subscribers.is_empty() {
+            return self.unwatched();
+        }
         params["authority_epoch"] = json!(self.shared.epoch);
         let frame = json!({"jsonrpc": "2.0", "method": "event", "params": params});
-        let text: Arc<str> = Arc::from(frame.to_string());
+        self.push_frame(frame.to_string());
+    }
+
+    /// Send a stored event to the subscribers (its frame made only if someone listens).
+    fn push_row(&mut self, row: &EventRow) {
+        if self.subscribers.is_empty() {
+            return self.unwatched();
+        }
+        self.push_frame(row.wire_frame(self.shared.epoch));
+    }
+
+    fn push_frame(&mut self, frame: String) {
+        let text: Arc<str> = Arc::from(frame);
         self.subscribers
             .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
         if self.subscribers.is_empty() {
-            self.pin = None;
-            self.report_idle();
+            self.unwatched();
         }
+    }
+
+    /// Nobody listens (any more): nothing keeps the supervisor awake for them.
+    fn unwatched(&mut self) {
+        self.pin = None;
+        self.report_idle();
     }
 
     /// An event-bearing write starts: live events wait until it answers.
@@ -190,7 +210,7 @@ impl SessionSupervisor {
             while let Some(row) = self.outbox.waiting.remove(&(sent + 1)) {
                 sent = row.seq;
                 self.outbox.sent = Some(sent);
-                self.push(row.to_wire());
+                self.push_row(&row);
             }
         }
         if self.outbox.in_flight > 0 || self.outbox.catching_up {

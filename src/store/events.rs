@@ -73,6 +73,31 @@ impl EventRow {
         serde_json::from_str(&self.payload_json).unwrap_or(Value::Null)
     }
 
+    /// The WebSocket notification of this event under `authority_epoch`: the JSON-RPC frame
+    /// `{"jsonrpc": "2.0", "method": "event", "params": <wire form + authority_epoch>}`, keys in
+    /// the order `serde_json` writes them, written straight from the row. The stored payload is
+    /// JSON `serde_json` wrote (see [`append`]) and goes in as it is, instead of being parsed into
+    /// a value and written out again for every event sent.
+    pub fn wire_frame(&self, authority_epoch: i64) -> String {
+        use std::fmt::Write;
+        let text = |s: &str| Value::from(s).to_string();
+        let mut out = String::with_capacity(
+            144 + self.payload_json.len() + self.session_id.len() + self.kind.len(),
+        );
+        // Writing to a `String` cannot fail.
+        let _ = write!(
+            out,
+            "{{\"jsonrpc\":\"2.0\",\"method\":\"event\",\"params\":{{\"authority_epoch\":{authority_epoch},\
+             \"created_at\":{},\"payload\":{},\"seq\":{},\"session_id\":{},\"type\":{}}}}}",
+            Value::from(self.created_at),
+            self.payload_json,
+            self.seq,
+            text(&self.session_id),
+            text(&self.kind),
+        );
+        out
+    }
+
     /// The wire form shared by WebSocket notifications, `session.events.since` and SSE:
     /// `{type, session_id, seq, payload, created_at}`.
     pub fn to_wire(&self) -> Value {
@@ -438,6 +463,40 @@ pub fn spawn_pruner(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The frame written straight from a row is, byte for byte, the one made by building the
+    /// notification as a value and writing it out: for awkward strings, numbers and payloads.
+    #[test]
+    fn a_wire_frame_is_the_notification_written_from_its_value() {
+        let payloads = [
+            json!({"admitted": "01a2", "sequence": 95, "input_id": "t-94"}),
+            json!({"text": "quote \" backslash \\ newline \n tab \t nul \u{0} é 🐙 \u{2028}"}),
+            json!({"n": -3, "x": 1.5e-7, "big": 12345678901234567890u64, "list": [null, true, {}]}),
+            json!(null),
+            json!("a bare string"),
+            json!([1, 2, 3]),
+        ];
+        for (i, payload) in payloads.iter().enumerate() {
+            let row = EventRow {
+                session_id: format!("local-\"{i}\"-é"),
+                seq: 7 + i as i64,
+                kind: if i % 2 == 0 {
+                    "message.delta"
+                } else {
+                    "odd\\kind\u{1}"
+                }
+                .into(),
+                payload_json: payload.to_string(),
+                created_at: [1796154756.9615738, 0.0, 1e21, -2.5, 3.0, 0.1][i],
+            };
+            for epoch in [1, 42, i64::MAX] {
+                let mut params = row.to_wire();
+                params["authority_epoch"] = json!(epoch);
+                let frame = json!({"jsonrpc": "2.0", "method": "event", "params": params});
+                assert_eq!(row.wire_frame(epoch), frame.to_string(), "payload {i}");
+            }
+        }
+    }
     use crate::store::{epoch, testing};
 
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection) {
