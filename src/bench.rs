@@ -90,20 +90,43 @@ struct ModelState {
     latency: Duration,
 }
 
-fn last_user(body: &Value) -> (String, bool) {
-    let msgs = body["messages"].as_array().cloned().unwrap_or_default();
-    let last_is_user = msgs.last().is_some_and(|m| m["role"] == "user");
+/// What the fake model reads of a request: the model's name and each message's role and text.
+/// Every other field (tools, options, tool calls) is skipped as it is parsed, not built into a
+/// value: the fake model shares the machine's two cores with the daemon it serves, and building
+/// every request whole was half of the bench's own instructions in the turn section.
+#[derive(serde::Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    messages: Vec<ChatMessage>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    role: String,
+    /// A string, or parts, or null: only a string is read as the text.
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+fn last_user(body: &ChatRequest) -> (&str, bool) {
+    let msgs = &body.messages;
+    let last_is_user = msgs.last().is_some_and(|m| m.role == "user");
     let text = msgs
         .iter()
         .rev()
-        .find(|m| m["role"] == "user")
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("")
-        .to_string();
+        .find(|m| m.role == "user")
+        .and_then(|m| m.content.as_ref()?.as_str())
+        .unwrap_or("");
     (text, last_is_user)
 }
 
-async fn fake_completion(state: web::Data<ModelState>, body: web::Json<Value>) -> HttpResponse {
+async fn fake_completion(
+    state: web::Data<ModelState>,
+    body: web::Json<ChatRequest>,
+) -> HttpResponse {
     let (text, last_is_user) = last_user(&body);
     if text.starts_with("HANG") {
         // A model that never answers.
@@ -119,7 +142,7 @@ async fn fake_completion(state: web::Data<ModelState>, body: web::Json<Value>) -
         json!({"role": "assistant", "content": "ok"})
     };
     HttpResponse::Ok().json(json!({
-        "id": "bench", "object": "chat.completion", "model": body["model"],
+        "id": "bench", "object": "chat.completion", "model": body.model,
         "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     }))
