@@ -244,6 +244,44 @@ async fn call_with_retries(
     }
 }
 
+/// The request's bytes: the body as the turn built it, with the streaming options after its
+/// fields when the call streams. Written from the turn's value, so no call copies the
+/// transcript first (a body that already names the options, or is no object, is copied and
+/// given them).
+fn request_body(call: &ChatCall) -> serde_json::Result<Vec<u8>> {
+    #[derive(serde::Serialize)]
+    struct Streaming<'a> {
+        #[serde(flatten)]
+        body: &'a serde_json::Map<String, Value>,
+        stream: bool,
+        stream_options: StreamOptions,
+    }
+    #[derive(serde::Serialize)]
+    struct StreamOptions {
+        include_usage: bool,
+    }
+    if !call.stream {
+        return serde_json::to_vec(&call.body);
+    }
+    match call.body.as_object() {
+        Some(body) if !body.contains_key("stream") && !body.contains_key("stream_options") => {
+            serde_json::to_vec(&Streaming {
+                body,
+                stream: true,
+                stream_options: StreamOptions {
+                    include_usage: true,
+                },
+            })
+        }
+        _ => {
+            let mut body = call.body.clone();
+            body["stream"] = Value::Bool(true);
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+            serde_json::to_vec(&body)
+        }
+    }
+}
+
 async fn one_call(
     client: &awc::Client,
     config: &ModelClientConfig,
@@ -255,18 +293,13 @@ async fn one_call(
         .as_deref()
         .ok_or_else(|| ModelError::Client("no base_url configured".into()))?;
     let url = format!("{}/chat/completions", base.trim_end_matches('/'));
-    let mut body = call.body.clone();
-    if call.stream {
-        body["stream"] = Value::Bool(true);
-        body["stream_options"] = serde_json::json!({"include_usage": true});
-    }
     let mut req = client
         .post(&url)
         .insert_header(("Content-Type", "application/json"));
     if let Some(key) = call.api_key.as_deref().filter(|k| !k.is_empty()) {
         req = req.insert_header(("Authorization", format!("Bearer {key}")));
     }
-    let payload = serde_json::to_vec(&body).map_err(|e| ModelError::Client(e.to_string()))?;
+    let payload = request_body(call).map_err(|e| ModelError::Client(e.to_string()))?;
     let mut resp = req
         .send_body(payload)
         .await
@@ -394,5 +427,43 @@ mod tests {
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
+    }
+
+    /// The request's bytes are the turn's body, with the streaming options when the call
+    /// streams; a body that names them already has them replaced, as before.
+    #[test]
+    fn a_request_body_is_the_turns_body_with_the_streaming_options() {
+        let call = |body: Value, stream: bool| ChatCall {
+            provider: "custom".into(),
+            base_url: None,
+            api_key: None,
+            body,
+            stream,
+            deltas: None,
+            cancel: watch::channel(false).1,
+            timeout: Duration::from_secs(1),
+        };
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "é \" \\"}],
+            "tools": [{"type": "function"}], "temperature": 0.5});
+        let sent = |c: &ChatCall| -> Value {
+            serde_json::from_slice(&request_body(c).expect("bytes")).expect("json")
+        };
+        assert_eq!(sent(&call(body.clone(), false)), body);
+        let mut streamed = body.clone();
+        streamed["stream"] = Value::Bool(true);
+        streamed["stream_options"] = serde_json::json!({"include_usage": true});
+        assert_eq!(sent(&call(body.clone(), true)), streamed);
+        let mut named = body.clone();
+        named["stream"] = Value::Bool(false);
+        named["stream_options"] = serde_json::json!({"include_usage": false});
+        assert_eq!(sent(&call(named, true)), streamed);
+        // The options come once, after the body's own fields.
+        let text =
+            String::from_utf8(request_body(&call(body, true)).expect("bytes")).expect("utf8");
+        assert_eq!(text.matches("\"stream\"").count(), 1, "{text}");
+        assert!(
+            text.ends_with(r#""stream":true,"stream_options":{"include_usage":true}}"#),
+            "{text}"
+        );
     }
 }
