@@ -67,6 +67,8 @@ impl Histogram {
 pub struct Metrics {
     admissions: AtomicU64,
     turns_started: AtomicU64,
+    /// Turns whose start (session rows and transcript) was not read by their claim.
+    turn_starts_read_apart: AtomicU64,
     turns_finished: AtomicU64,
     prompts_open: AtomicU64,
     active_sessions: AtomicU64,
@@ -90,6 +92,7 @@ impl Default for Metrics {
         Self {
             admissions: AtomicU64::new(0),
             turns_started: AtomicU64::new(0),
+            turn_starts_read_apart: AtomicU64::new(0),
             turns_finished: AtomicU64::new(0),
             prompts_open: AtomicU64::new(0),
             active_sessions: AtomicU64::new(0),
@@ -115,6 +118,11 @@ impl Metrics {
     }
     pub fn turn_started(&self) {
         self.turns_started.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A turn read what it starts from through a reader (its transcript was too long for the
+    /// claim to read on the writer, or the claim's read failed).
+    pub fn turn_start_read_apart(&self) {
+        self.turn_starts_read_apart.fetch_add(1, Ordering::Relaxed);
     }
     pub fn turn_finished(&self, seconds: f64) {
         self.turns_finished.fetch_add(1, Ordering::Relaxed);
@@ -197,6 +205,13 @@ impl Metrics {
             "Turns started.",
             "counter",
             self.turns_started.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_turn_starts_read_apart_total",
+            "Turns that read their session and transcript through a reader, not in their claim.",
+            "counter",
+            self.turn_starts_read_apart.load(Ordering::Relaxed),
         );
         g(
             &mut out,

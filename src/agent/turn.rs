@@ -60,7 +60,32 @@ pub struct TurnStart {
     rows: Vec<messages::MessageRow>,
 }
 
+/// The longest transcript the claim reads for its turn on the writer, inside its transaction:
+/// every commit waits while the writer reads, and a transcript's rows cost it about 7,000
+/// instructions each, so a longer one is read by the turn itself, through a reader.
+pub const WRITER_READ_ROWS: i64 = 128;
+
 impl TurnStart {
+    /// [`TurnStart::read`], unless the transcript has more than `max_rows` live messages
+    /// (`None`: the turn reads it itself; with `max_rows` 0, nothing is read). A longer
+    /// transcript costs the reading of `max_rows + 1` rows, however long it is.
+    pub fn read_bounded(
+        c: &mut diesel::sqlite::SqliteConnection,
+        root_id: &str,
+        max_rows: i64,
+    ) -> Result<Option<Box<TurnStart>>, StoreError> {
+        if max_rows <= 0 {
+            return Ok(None);
+        }
+        let root = sessions::root_of(c, root_id)?;
+        let tip = Self::tip_of(c, &root)?;
+        let rows = messages::live_up_to(c, &tip.id, max_rows + 1)?;
+        if rows.len() as i64 > max_rows {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(TurnStart { root, tip, rows })))
+    }
+
     /// Read it. The writer does so inside the claim's own transaction, right after the claim,
     /// where the pages are the ones the claim just wrote: the attempt then skips a round trip
     /// through a reader, whose page cache every commit has reset.
@@ -69,6 +94,15 @@ impl TurnStart {
         root_id: &str,
     ) -> Result<Box<TurnStart>, StoreError> {
         let root = sessions::root_of(c, root_id)?;
+        let tip = Self::tip_of(c, &root)?;
+        let rows = messages::live(c, &tip.id)?;
+        Ok(Box::new(TurnStart { root, tip, rows }))
+    }
+
+    fn tip_of(
+        c: &mut diesel::sqlite::SqliteConnection,
+        root: &SessionRow,
+    ) -> Result<SessionRow, StoreError> {
         // Until its first compression a session is its own tip.
         let tip = if root.tip_session_id == root.id {
             root.clone()
@@ -76,8 +110,7 @@ impl TurnStart {
             sessions::find(c, &root.tip_session_id)?
                 .ok_or_else(|| StoreError::NotFound(root.tip_session_id.clone()))?
         };
-        let rows = messages::live(c, &tip.id)?;
-        Ok(Box::new(TurnStart { root, tip, rows }))
+        Ok(tip)
     }
 }
 
@@ -129,6 +162,7 @@ impl Turn {
         } = *match ctx.start.take() {
             Some(start) => start,
             None => {
+                ctx.shared.metrics.turn_start_read_apart();
                 let root_id = ctx.root_id.clone();
                 ctx.shared
                     .db
@@ -905,6 +939,57 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::strip_think;
+
+    /// The claim's bounded read gives up on a transcript with more live messages than its
+    /// bound (counting live ones only), and otherwise reads what the unbounded read does.
+    #[test]
+    fn a_bounded_start_read_stops_at_its_bound() {
+        use crate::store::messages::{insert_messages, NewMessage};
+        use crate::store::{epoch, testing};
+        use diesel::connection::SimpleConnection;
+        let (_dir, mut c) = testing::conn();
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
+        let message = |i: usize| NewMessage {
+            session_id: "s1".into(),
+            role: if i.is_multiple_of(2) {
+                "user"
+            } else {
+                "assistant"
+            }
+            .into(),
+            content: Some(format!("m{i}")),
+            ..Default::default()
+        };
+        let texts = |start: &super::TurnStart| -> Vec<String> {
+            start
+                .rows
+                .iter()
+                .filter_map(|r| r.content.clone())
+                .collect()
+        };
+        insert_messages(&mut c, &(0..5).map(message).collect::<Vec<_>>(), 1.0).expect("five");
+        let bounded = super::TurnStart::read_bounded(&mut c, "s1", 5)
+            .expect("read")
+            .expect("five fit");
+        let whole = super::TurnStart::read(&mut c, "s1").expect("read");
+        assert_eq!(texts(&bounded), texts(&whole));
+        assert_eq!(texts(&bounded).len(), 5);
+        insert_messages(&mut c, &[message(5)], 2.0).expect("sixth");
+        assert!(super::TurnStart::read_bounded(&mut c, "s1", 5)
+            .expect("read")
+            .is_none());
+        c.batch_execute("UPDATE messages SET active = 0 WHERE content IN ('m0', 'm1')")
+            .expect("compact");
+        let bounded = super::TurnStart::read_bounded(&mut c, "s1", 5)
+            .expect("read")
+            .expect("four live fit");
+        assert_eq!(texts(&bounded), ["m2", "m3", "m4", "m5"]);
+        // A bound of nothing reads nothing.
+        assert!(super::TurnStart::read_bounded(&mut c, "s1", 0)
+            .expect("read")
+            .is_none());
+    }
 
     #[test]
     fn think_blocks_are_removed() {

@@ -20,7 +20,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use super::shared::Shared;
-use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome, TurnStart};
+use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_ROWS};
 use crate::error::{GatewayError, StoreError};
 use crate::store::admissions::{self, AdmissionRow, Claim};
 use crate::store::events::{self, EventRow, Logged, NewEvent};
@@ -75,6 +75,9 @@ pub struct SessionSupervisor {
     /// transaction had; an input admitted after it answers after the claim was sent, so a
     /// claim that finds the FIFO empty says so only if this did not move meanwhile.
     admitted: u64,
+    /// Claims left that leave their turn's start to the turn: the transcript was too long for a
+    /// claim to read on the writer (see [`WRITER_READ_ROWS`]) a few claims ago.
+    long_transcript_claims: u8,
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
@@ -103,6 +106,7 @@ impl SessionSupervisor {
             pump_again: false,
             maybe_queued: true,
             admitted: 0,
+            long_transcript_claims: 0,
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
@@ -323,12 +327,13 @@ impl SessionSupervisor {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
         let seen = self.admitted;
+        let rows = self.start_read_rows();
         let fut = async move {
             let now = shared.now();
             let epoch = shared.epoch;
             shared
                 .db
-                .write(move |c| claim_with_start(c, epoch, &root, now))
+                .write(move |c| claim_with_start(c, epoch, &root, now, rows))
                 .await
         };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
@@ -340,8 +345,35 @@ impl SessionSupervisor {
                 Err(e) => (act.answered(Err(e), ctx), None, true),
             };
             act.claim_saw(&claim, more, seen);
+            act.start_read_saw(rows, &claim, &start);
             act.claimed(claim, start, ctx);
         }));
+    }
+
+    /// How many live messages the next claim may read for its turn on the writer: none for a
+    /// while after a claim found the transcript longer (then the turn reads it through a
+    /// reader), so a long session's claims do not each read and drop the bound's worth of rows.
+    fn start_read_rows(&mut self) -> i64 {
+        if self.long_transcript_claims > 0 {
+            self.long_transcript_claims -= 1;
+            0
+        } else {
+            WRITER_READ_ROWS
+        }
+    }
+
+    /// A claim that was to read its turn's start (`rows > 0`) started a turn without it: the
+    /// transcript outgrew the bound (or the read failed). The next claims leave it to the turn;
+    /// then one tries again, as a compression may have shortened the transcript.
+    fn start_read_saw(
+        &mut self,
+        rows: i64,
+        claim: &Result<Claim, StoreError>,
+        start: &Option<Box<TurnStart>>,
+    ) {
+        if rows > 0 && matches!(claim, Ok(Claim::Started(_))) && start.is_none() {
+            self.long_transcript_claims = LONG_TRANSCRIPT_CLAIMS;
+        }
     }
 
     /// A claim sent when `seen` inputs were admitted found nothing queued (`more == false`
@@ -788,21 +820,28 @@ type AdmitAndClaim = (
 /// A claim, what its turn starts from, and whether more inputs stay queued.
 type ClaimAndStart = (Logged<Claim>, Option<Box<TurnStart>>, bool);
 
+/// After a claim found a transcript too long to read on the writer, how many claims leave
+/// the read to their turns before one tries again.
+const LONG_TRANSCRIPT_CLAIMS: u8 = 16;
+
 /// Claim the FIFO head; when that starts a turn, also read what the turn starts from, in the
-/// same transaction (a failed read only leaves the turn to read it itself).
+/// same transaction, if its transcript has at most `rows` live messages (a longer one, or a
+/// failed read, leaves the turn to read it itself).
 fn claim_with_start(
     c: &mut SqliteConnection,
     epoch: i64,
     root: &str,
     now: f64,
+    rows: i64,
 ) -> Result<ClaimAndStart, StoreError> {
     let (claim, more) = admissions::claim_next(c, epoch, root, now)?;
     let start = match &claim.value {
-        Claim::Started(_) => TurnStart::read(c, root)
+        Claim::Started(_) => TurnStart::read_bounded(c, root, rows)
             .map_err(
                 |e| tracing::warn!(session = %root, error = %e, "cannot read the turn's start"),
             )
-            .ok(),
+            .ok()
+            .flatten(),
         Claim::Idle | Claim::Busy => None,
     };
     Ok((claim, start, more))
@@ -836,6 +875,7 @@ impl Handler<Submit> for SessionSupervisor {
         }
         self.write_started();
         let seen = self.admitted;
+        let start_rows = if claim { self.start_read_rows() } else { 0 };
         let fut = async move {
             if shared.runtime.draining() {
                 return Err(GatewayError::RuntimeDraining);
@@ -858,7 +898,7 @@ impl Handler<Submit> for SessionSupervisor {
                         now,
                     )?;
                     // A refused claim (an unknown row holds the FIFO) leaves the admission be.
-                    let claimed = claim.then(|| claim_with_start(c, epoch, &root, now));
+                    let claimed = claim.then(|| claim_with_start(c, epoch, &root, now, start_rows));
                     Ok((admitted, claimed))
                 })
                 .await?)
@@ -901,6 +941,7 @@ impl Handler<Submit> for SessionSupervisor {
                         // The claim saw this input (same transaction): only inputs admitted by
                         // other submits since this one was sent can be missing from its view.
                         act.claim_saw(&c, more, seen + u64::from(created));
+                        act.start_read_saw(start_rows, &c, &start);
                         act.claimed(c, start, ctx)
                     }
                     None if created => act.pump(ctx),

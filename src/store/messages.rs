@@ -131,6 +131,21 @@ pub fn live(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<Message
         .load(conn)?)
 }
 
+/// The first `limit` messages of [`live`].
+pub fn live_up_to(
+    conn: &mut SqliteConnection,
+    session_id: &str,
+    limit: i64,
+) -> Result<Vec<MessageRow>, StoreError> {
+    Ok(messages::table
+        .filter(messages::session_id.eq(session_id))
+        .filter(messages::active.eq(1))
+        .order(messages::id.asc())
+        .limit(limit)
+        .select(MessageRow::as_select())
+        .load(conn)?)
+}
+
 /// What closes a transcript whose turn ended without a reply, so the next input is its own user
 /// message: a stub result for every tool call that never got one, then an assistant note when the
 /// tail is a user or tool message.

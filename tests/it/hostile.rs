@@ -1358,6 +1358,49 @@ async fn a_turn_on_an_idle_session_is_two_writer_transitions() {
     assert_eq!(model.requests().len(), turns as usize);
 }
 
+/// A claim reads its turn's transcript on the writer only while it is short: past
+/// `WRITER_READ_ROWS` (128) live messages the turn reads it through a reader, so one long
+/// session does not hold every commit while its rows are read. Either way the model gets the
+/// whole transcript: each request carries the system prompt and every message before it.
+#[actix_rt::test]
+async fn a_long_transcript_is_read_off_the_writer_and_sent_whole() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("long", &home.path).await;
+    // Each turn adds two live messages: turn k starts from 2k of them plus its own input.
+    let turns = 70;
+    for k in 0..turns {
+        let text = format!("L{k:03}");
+        ws.submit(&sid, &text, &text).await;
+    }
+    wait_until("every turn", Duration::from_secs(120), || {
+        home.admissions().iter().all(|r| r.status == "terminal")
+    })
+    .await;
+    let requests = model.requests();
+    assert_eq!(requests.len(), turns);
+    for (k, body) in requests.iter().enumerate() {
+        let messages = body["messages"].as_array().map_or(0, Vec::len);
+        assert_eq!(
+            messages,
+            2 * k + 2,
+            "request {k}: system, 2 × {k} earlier, its input"
+        );
+        assert_eq!(last_user(body), format!("L{k:03}"));
+    }
+    // Turns 0 to 63 start from at most 127 live messages, read in their claims; turns 64 to
+    // 69 from 129 to 139, read apart: turn 64's claim found the transcript too long, and the
+    // claims after it do not try. (A claim whose read failed would count too: none here.)
+    assert_eq!(
+        metric(&origin, "gatehouse_turn_starts_read_apart_total").await,
+        6.0
+    );
+}
+
 /// A claim that started the last queued input knows the FIFO is empty behind it: the turn's end
 /// starts no claim. Each round holds an input at the model while a second one is queued; the
 /// second is claimed after the first settles, and nothing is claimed after it.
