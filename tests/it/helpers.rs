@@ -411,6 +411,14 @@ impl Daemon {
         Self::start_with_env(home, &[])
     }
 
+    /// A daemon on a fresh home whose config points at `model`, with `extra` merged in.
+    pub fn with_model(model: &FakeModel, extra: Value) -> (Home, Daemon) {
+        let home = Home::new();
+        home.write_config(&config(&model.url, extra));
+        let d = Daemon::start(&home);
+        (home, d)
+    }
+
     pub fn start_with_env(home: &Home, env: &[(&str, &str)]) -> Daemon {
         Self::start_with(home, |cmd| {
             for (k, v) in env {

@@ -1332,9 +1332,7 @@ async fn a_turn_on_an_idle_session_is_two_writer_transitions() {
     // The admission commits with its claim, the settlement with the reply; with nothing queued
     // the supervisor does not claim again after the turn (a round trip that commits nothing).
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let origin = d.origin();
     let mut ws = d.ws().await;
     let sid = ws.session("two", &home.path).await;
@@ -1365,9 +1363,7 @@ async fn a_turn_on_an_idle_session_is_two_writer_transitions() {
 #[actix_rt::test]
 async fn a_long_transcript_is_read_off_the_writer_and_sent_whole() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let origin = d.origin();
     let mut ws = d.ws().await;
     let sid = ws.session("long", &home.path).await;
@@ -1429,9 +1425,7 @@ async fn a_claim_that_empties_the_queue_needs_no_claim_after_its_turn() {
             "stop",
         )
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let origin = d.origin();
     let mut ws = d.ws().await;
     let sid = ws.session("emptied", &home.path).await;
