@@ -1247,14 +1247,14 @@ mod wal_restart_tests {
         }
     }
 
-    /// Writes that never pause never let SQLite restart the WAL on its own: without the writer's
-    /// restart this WAL grows past 36 MiB; with it, it stays near its restart length.
+    /// Steady writes rarely let SQLite restart the WAL on its own: without the writer's restart
+    /// this WAL grows past 36 MiB; with it, it stays near its restart length.
     #[test]
     fn steady_writes_keep_the_wal_near_its_restart_length() {
         let dir = testing::tempfile_dir::TempDir::new();
         let path = dir.path().join("state.db");
         let pool = open_pool(&path, 4).expect("pool");
-        let restarts = actix_rt::System::new().block_on(async {
+        let (restarts, wal) = actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
             spawn_checkpointer(&db, &path, Duration::from_millis(20));
             db.write(|c| Ok(c.batch_execute("CREATE TABLE w (v BLOB NOT NULL)")?))
@@ -1266,20 +1266,33 @@ mod wal_restart_tests {
                     .await
                     .expect("insert");
             }
-            db.wal_restarts()
+            // Measured while the store is open: once its last connection closes (the writer's
+            // and the checkpointer's threads end on their own), SQLite removes the WAL.
+            let wal = std::fs::metadata(dir.path().join("state.db-wal"))
+                .expect("wal")
+                .len();
+            (db.wal_restarts(), wal)
         });
         let frame = 1024 + 24;
-        let wal = std::fs::metadata(dir.path().join("state.db-wal"))
-            .expect("wal")
-            .len();
         assert!(
             wal <= (WAL_RESTART_FRAMES as u64 + 8 * 1024) * frame,
             "the WAL grew to {wal} bytes"
         );
-        assert!(restarts >= 1, "the restarts were not counted");
+        // A WAL that outgrew its restart length was restarted by the writer, and counted. (With
+        // pauses between writes, as on a loaded machine, SQLite may restart it on its own, and
+        // the writer need not; the file then never grows that far. The slack covers a WAL that
+        // crossed the length in the last commits, before a checkpoint round asked for a restart.)
+        assert!(
+            restarts >= 1 || wal <= (WAL_RESTART_FRAMES as u64 + 2048) * frame,
+            "a WAL of {wal} bytes and no restart counted"
+        );
         // And every committed row is there, read by a connection of its own.
         use diesel::{Connection, RunQueryDsl};
         let mut c = SqliteConnection::establish(&path.to_string_lossy()).expect("open");
+        // The store's last connection may be closing (checkpointing and removing the WAL) as
+        // this one reads: wait for its lock instead of failing on it.
+        c.batch_execute("PRAGMA busy_timeout = 10000")
+            .expect("busy timeout");
         let rows: testing::Count = diesel::sql_query("SELECT count(*) AS n FROM w")
             .get_result(&mut c)
             .expect("count");
