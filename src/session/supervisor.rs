@@ -344,10 +344,25 @@ impl SessionSupervisor {
                 }
                 Err(e) => (act.answered(Err(e), ctx), None, true),
             };
-            act.claim_saw(&claim, more, seen);
-            act.start_read_saw(rows, &claim, &start);
-            act.claimed(claim, start, ctx);
+            act.claim_answered(claim, start, more, seen, rows, ctx);
         }));
+    }
+
+    /// What a claim answered, sent when `seen` inputs were admitted and allowed to read up to
+    /// `rows` live messages for its turn: what it says of the FIFO and of the transcript's
+    /// length, then the turn it started, if any.
+    fn claim_answered(
+        &mut self,
+        claim: Result<Claim, StoreError>,
+        start: Option<Box<TurnStart>>,
+        more: bool,
+        seen: u64,
+        rows: i64,
+        ctx: &mut Context<Self>,
+    ) {
+        self.claim_saw(&claim, more, seen);
+        self.start_read_saw(rows, &claim, &start);
+        self.claimed(claim, start, ctx);
     }
 
     /// How many live messages the next claim may read for its turn on the writer: none for a
@@ -940,9 +955,14 @@ impl Handler<Submit> for SessionSupervisor {
                     Some((c, start, more)) => {
                         // The claim saw this input (same transaction): only inputs admitted by
                         // other submits since this one was sent can be missing from its view.
-                        act.claim_saw(&c, more, seen + u64::from(created));
-                        act.start_read_saw(start_rows, &c, &start);
-                        act.claimed(c, start, ctx)
+                        act.claim_answered(
+                            c,
+                            start,
+                            more,
+                            seen + u64::from(created),
+                            start_rows,
+                            ctx,
+                        )
                     }
                     None if created => act.pump(ctx),
                     None => {}
