@@ -123,10 +123,7 @@ pub fn append_for_attempt(
 
 /// The live transcript of one physical session.
 pub fn live(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<MessageRow>, StoreError> {
-    Ok(messages::table
-        .filter(messages::session_id.eq(session_id))
-        .filter(messages::active.eq(1))
-        .order(messages::id.asc())
+    Ok(live_in_order(session_id)
         .select(MessageRow::as_select())
         .load(conn)?)
 }
@@ -137,13 +134,19 @@ pub fn live_up_to(
     session_id: &str,
     limit: i64,
 ) -> Result<Vec<MessageRow>, StoreError> {
-    Ok(messages::table
-        .filter(messages::session_id.eq(session_id))
-        .filter(messages::active.eq(1))
-        .order(messages::id.asc())
+    Ok(live_in_order(session_id)
         .limit(limit)
         .select(MessageRow::as_select())
         .load(conn)?)
+}
+
+/// A session's live messages, oldest first.
+#[diesel::dsl::auto_type(no_type_alias)]
+fn live_in_order<'a>(session_id: &'a str) -> _ {
+    messages::table
+        .filter(messages::session_id.eq(session_id))
+        .filter(messages::active.eq(1_i32))
+        .order(messages::id.asc())
 }
 
 /// What closes a transcript whose turn ended without a reply, so the next input is its own user
