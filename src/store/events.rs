@@ -463,6 +463,7 @@ pub fn spawn_pruner(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{epoch, testing};
 
     /// The frame written straight from a row is, byte for byte, the one made by building the
     /// notification as a value and writing it out: for awkward strings, numbers and payloads.
@@ -497,7 +498,6 @@ mod tests {
             }
         }
     }
-    use crate::store::{epoch, testing};
 
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection) {
         let (d, mut conn) = testing::conn();

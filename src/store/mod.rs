@@ -897,13 +897,8 @@ pub mod testing {
 
 #[cfg(test)]
 mod schema_tests {
+    use super::testing::Detail;
     use diesel::RunQueryDsl;
-
-    #[derive(diesel::QueryableByName)]
-    struct Name {
-        #[diesel(sql_type = diesel::sql_types::Text)]
-        name: String,
-    }
 
     #[derive(diesel::QueryableByName)]
     struct Opcode {
@@ -918,23 +913,23 @@ mod schema_tests {
     #[test]
     fn no_write_checks_its_constraints_through_a_temporary_table() {
         let (_dir, mut c) = super::testing::conn();
-        let tables: Vec<Name> = diesel::sql_query(
-            "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
+        let tables: Vec<Detail> = diesel::sql_query(
+            "SELECT name AS detail FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
              AND name != '__diesel_schema_migrations' ORDER BY name",
         )
         .load(&mut c)
         .expect("tables");
         assert!(tables.len() > 10, "the schema has its tables");
         let mut offending = Vec::new();
-        for t in tables.iter().map(|t| &t.name) {
+        for t in tables.iter().map(|t| &t.detail) {
             let mut names = |filter: &str| -> Vec<String> {
                 diesel::sql_query(format!(
-                    "SELECT name FROM pragma_table_info('{t}') WHERE {filter} ORDER BY cid"
+                    "SELECT name AS detail FROM pragma_table_info('{t}') WHERE {filter} ORDER BY cid"
                 ))
-                .load::<Name>(&mut c)
+                .load::<Detail>(&mut c)
                 .expect("columns")
                 .into_iter()
-                .map(|c| c.name)
+                .map(|c| c.detail)
                 .collect()
             };
             let (columns, values, keys) = (names("1"), names("pk = 0"), names("pk > 0"));
@@ -992,22 +987,22 @@ mod schema_tests {
         .expect("old rows");
         let text = |c: &mut diesel::sqlite::SqliteConnection, sql: &str| -> String {
             diesel::sql_query(sql)
-                .load::<Name>(c)
+                .load::<Detail>(c)
                 .expect(sql)
                 .into_iter()
-                .map(|n| n.name)
+                .map(|n| n.detail)
                 .collect::<Vec<_>>()
                 .join("; ")
         };
         let snapshot = |c: &mut diesel::sqlite::SqliteConnection| {
             [
-                "SELECT type || ' ' || name AS name FROM sqlite_schema WHERE tbl_name IN \
+                "SELECT type || ' ' || name AS detail FROM sqlite_schema WHERE tbl_name IN \
                  ('session_admissions', 'messages', 'room_tasks') ORDER BY type, name",
-                "SELECT seq || admission_id || intent || status || ifnull(outcome, '-') AS name \
+                "SELECT seq || admission_id || intent || status || ifnull(outcome, '-') AS detail \
                  FROM session_admissions ORDER BY seq",
-                "SELECT id || role || content || active AS name FROM messages ORDER BY id",
-                "SELECT task_id || status AS name FROM room_tasks ORDER BY task_id",
-                "SELECT status || n AS name FROM room_task_counts ORDER BY status",
+                "SELECT id || role || content || active AS detail FROM messages ORDER BY id",
+                "SELECT task_id || status AS detail FROM room_tasks ORDER BY task_id",
+                "SELECT status || n AS detail FROM room_task_counts ORDER BY status",
             ]
             .map(|q| text(c, q))
         };
@@ -1026,7 +1021,7 @@ mod schema_tests {
         assert_eq!(
             text(
                 &mut c,
-                "SELECT status || n AS name FROM room_task_counts ORDER BY status"
+                "SELECT status || n AS detail FROM room_task_counts ORDER BY status"
             ),
             "deferred1; queued0; running1"
         );
