@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use actix::Addr;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 use super::{compress, tokens, transcript};
 use crate::config::ApprovalMode;
 use crate::error::StoreError;
-use crate::model::{ChatCall, ChatResponse, ModelError, StreamEvent};
+use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent};
 use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{Emit, RegisterPrompt, RetirePrompt, SessionSupervisor};
@@ -368,11 +368,12 @@ impl Turn {
         if let Some(m) = cfg.model.max_tokens {
             body["max_tokens"] = json!(m);
         }
-        let (tx, mut rx) = mpsc::unbounded_channel::<StreamEvent>();
-        let sup = self.ctx.sup.clone();
-        let admission = self.ctx.admission_id.clone();
-        actix::spawn(async move {
-            while let Some(ev) = rx.recv().await {
+        // A streamed call's deltas go straight from the model client to the supervisor; a plain
+        // call has none, and needs neither a channel nor a task waiting on it.
+        let deltas = cfg.model.stream.then(|| {
+            let sup = self.ctx.sup.clone();
+            let admission = self.ctx.admission_id.clone();
+            Box::new(move |ev: StreamEvent| {
                 let payload = match ev {
                     StreamEvent::Content(text) => json!({"admission_id": admission, "text": text}),
                     StreamEvent::ToolName(name) => json!({"admission_id": admission, "tool": name}),
@@ -381,7 +382,7 @@ impl Turn {
                     kind: "message.delta",
                     payload,
                 });
-            }
+            }) as DeltaSink
         });
         let call = ChatCall {
             provider: self.root.provider.clone(),
@@ -389,7 +390,7 @@ impl Turn {
             api_key: cfg.api_key(),
             body,
             stream: cfg.model.stream,
-            deltas: Some(tx),
+            deltas,
             cancel: self.ctx.cancel.clone(),
             timeout: Duration::from_secs_f64(cfg.model.timeout_seconds),
         };

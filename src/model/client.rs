@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures_util::StreamExt;
 use serde_json::Value;
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{watch, Semaphore};
 
 use super::sse::SseParser;
 use super::wire::{parse_response, ChatResponse, StreamAccumulator};
@@ -104,6 +104,9 @@ pub enum StreamEvent {
     ToolName(String),
 }
 
+/// Where a streamed call reports its output as it arrives, on the model client's thread.
+pub type DeltaSink = Box<dyn Fn(StreamEvent) + Send>;
+
 /// One chat-completions call.
 pub struct ChatCall {
     pub provider: String,
@@ -111,7 +114,8 @@ pub struct ChatCall {
     pub api_key: Option<String>,
     pub body: Value,
     pub stream: bool,
-    pub deltas: Option<mpsc::UnboundedSender<StreamEvent>>,
+    /// Only for a streamed call: a plain one has no live output.
+    pub deltas: Option<DeltaSink>,
     pub cancel: watch::Receiver<bool>,
     pub timeout: Duration,
 }
@@ -362,14 +366,14 @@ async fn one_call(
             let chunk: Value = serde_json::from_str(&data)
                 .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
             let delta = acc.apply(&chunk).map_err(|e| classify_stream_error(&e))?;
-            if let Some(tx) = &call.deltas {
+            if let Some(sink) = &call.deltas {
                 if let Some(text) = delta.content {
                     *delivered = true;
-                    let _ = tx.send(StreamEvent::Content(text));
+                    sink(StreamEvent::Content(text));
                 }
                 for name in delta.tool_names {
                     *delivered = true;
-                    let _ = tx.send(StreamEvent::ToolName(name));
+                    sink(StreamEvent::ToolName(name));
                 }
             }
         }

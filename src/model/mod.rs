@@ -5,5 +5,5 @@ pub mod nodelay;
 pub mod sse;
 pub mod wire;
 
-pub use client::{ChatCall, ModelClient, ModelError, StreamEvent};
+pub use client::{ChatCall, DeltaSink, ModelClient, ModelError, StreamEvent};
 pub use wire::{ChatResponse, ToolCall, Usage};
