@@ -347,10 +347,19 @@ impl Actor for Forwarder {
 impl Handler<PushEvent> for Forwarder {
     type Result = ();
     fn handle(&mut self, m: PushEvent, ctx: &mut Context<Self>) {
-        match self.tx.try_send(m.0) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => self.lagged.store(true, Ordering::SeqCst),
-            Err(mpsc::error::TrySendError::Closed(_)) => ctx.stop(),
+        for frame in m.0.iter() {
+            match self.tx.try_send(frame.clone()) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    // The reader reads the log to catch up: the rest of the batch would be a gap.
+                    self.lagged.store(true, Ordering::SeqCst);
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    ctx.stop();
+                    return;
+                }
+            }
         }
     }
 }

@@ -72,7 +72,7 @@ impl RoomEventHub {
         let text: Arc<str> = Arc::from(frame.to_string());
         if let Ok(mut s) = self.subscribers.lock() {
             if let Some(subs) = s.get_mut(room_id) {
-                subs.retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+                subs.retain(|_, r| r.try_send(PushEvent::one(text.clone())).is_ok());
             }
         }
     }

@@ -209,7 +209,7 @@ impl Handler<PushEvent> for Outbox {
             return;
         }
         if self.pending.load(Ordering::SeqCst) < self.limit {
-            self.pending.fetch_add(1, Ordering::SeqCst);
+            self.pending.fetch_add(m.0.len(), Ordering::SeqCst);
             self.conn.do_send(m);
             return;
         }
@@ -425,8 +425,10 @@ impl Handler<CloseNow> for WsConnection {
 impl Handler<PushEvent> for WsConnection {
     type Result = ();
     fn handle(&mut self, m: PushEvent, ctx: &mut Self::Context) {
-        ctx.text(m.0.to_string());
-        self.pending.fetch_sub(1, Ordering::SeqCst);
+        for frame in m.0.iter() {
+            ctx.text(frame.to_string());
+        }
+        self.pending.fetch_sub(m.0.len(), Ordering::SeqCst);
     }
 }
 

@@ -27,10 +27,18 @@ use crate::store::events::{self, EventRow, Logged, NewEvent};
 use crate::store::messages::{closing_messages, live, NewMessage};
 use crate::store::{prompts as prompt_store, sessions};
 
-/// A pre-serialised notification frame for one connection.
+/// Pre-serialised notification frames for one connection, in the order they are to be written:
+/// everything one flush of a session's outbox sends, so that the events of one commit reach a
+/// connection's thread in one hand-off and its socket in one write.
 #[derive(Message, Clone)]
 #[rtype(result = "()")]
-pub struct PushEvent(pub Arc<str>);
+pub struct PushEvent(pub Arc<[Arc<str>]>);
+
+impl PushEvent {
+    pub fn one(frame: Arc<str>) -> PushEvent {
+        PushEvent(Arc::from([frame]))
+    }
+}
 
 struct Running {
     admission_id: String,
@@ -132,27 +140,29 @@ impl SessionSupervisor {
         }
     }
 
-    fn push(&mut self, mut params: Value) {
+    fn push(&mut self, mut params: Value, frames: &mut Vec<Arc<str>>) {
         if self.subscribers.is_empty() {
-            return self.unwatched();
+            return;
         }
         params["authority_epoch"] = json!(self.shared.epoch);
         let frame = json!({"jsonrpc": "2.0", "method": "event", "params": params});
-        self.push_frame(frame.to_string());
+        frames.push(Arc::from(frame.to_string()));
     }
 
-    /// Send a stored event to the subscribers (its frame made only if someone listens).
-    fn push_row(&mut self, row: &EventRow) {
-        if self.subscribers.is_empty() {
-            return self.unwatched();
+    /// A stored event's frame, made only if someone listens.
+    fn push_row(&mut self, row: &EventRow, frames: &mut Vec<Arc<str>>) {
+        if !self.subscribers.is_empty() {
+            frames.push(Arc::from(row.wire_frame(self.shared.epoch)));
         }
-        self.push_frame(row.wire_frame(self.shared.epoch));
     }
 
-    fn push_frame(&mut self, frame: String) {
-        let text: Arc<str> = Arc::from(frame);
-        self.subscribers
-            .retain(|_, r| r.try_send(PushEvent(text.clone())).is_ok());
+    /// Send one flush's frames to every subscriber, as one message each.
+    fn send_frames(&mut self, frames: Vec<Arc<str>>) {
+        if !frames.is_empty() {
+            let batch = PushEvent(Arc::from(frames));
+            self.subscribers
+                .retain(|_, r| r.try_send(batch.clone()).is_ok());
+        }
         if self.subscribers.is_empty() {
             self.unwatched();
         }
@@ -204,7 +214,18 @@ impl SessionSupervisor {
         self.flush(ctx);
     }
 
+    /// Send whatever is due, in order, as one batch per subscriber.
     fn flush(&mut self, ctx: &mut Context<Self>) {
+        let mut frames = Vec::new();
+        if self.collect_due(&mut frames, ctx) > 0 {
+            self.send_frames(frames);
+        }
+    }
+
+    /// The frames of the events due now (made only if someone listens); returns how many
+    /// events were due.
+    fn collect_due(&mut self, frames: &mut Vec<Arc<str>>, ctx: &mut Context<Self>) -> usize {
+        let mut due = 0;
         let first = self.outbox.waiting.keys().next().copied();
         if let (None, Some(first)) = (self.outbox.sent, first) {
             // The head could not be read at start: begin with what arrives.
@@ -214,16 +235,17 @@ impl SessionSupervisor {
             while let Some(row) = self.outbox.waiting.remove(&(sent + 1)) {
                 sent = row.seq;
                 self.outbox.sent = Some(sent);
-                self.push_row(&row);
+                self.push_row(&row, frames);
+                due += 1;
             }
         }
         if self.outbox.in_flight > 0 || self.outbox.catching_up {
-            return;
+            return due;
         }
         if !self.outbox.waiting.is_empty() {
             // A gap no write of ours will fill (an answer that was lost): read it from the log.
             self.catch_up(ctx);
-            return;
+            return due;
         }
         for (kind, payload) in std::mem::take(&mut self.outbox.held) {
             self.outbox.live_seq += 1;
@@ -234,8 +256,10 @@ impl SessionSupervisor {
                 "live_seq": self.outbox.live_seq,
                 "payload": payload,
             });
-            self.push(params);
+            self.push(params, frames);
+            due += 1;
         }
+        due
     }
 
     fn catch_up(&mut self, ctx: &mut Context<Self>) {
