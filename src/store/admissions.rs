@@ -9,7 +9,7 @@ use super::epoch::check_epoch;
 use super::events::{self, Logged, NewEvent};
 use super::messages::{closing_messages, insert_messages, live, NewMessage};
 use super::schema::{session_admissions as sa, sessions};
-use super::{Bind, HotSql};
+use super::{hot_sql, Bind};
 use crate::error::StoreError;
 
 /// `status != 'terminal'`, written out so that queries of live rows can use the partial index
@@ -210,7 +210,7 @@ pub fn admit_input(
         };
         // The row is what was just written (no `RETURNING`: SQLite buffers returned rows in a
         // temporary table, measured at a quarter of the insert's cost); only `seq` is SQLite's.
-        let seq: i64 = HotSql::new("SELECT last_insert_rowid()", &[])
+        let seq: i64 = hot_sql!("SELECT last_insert_rowid()", &[])
             .returning::<diesel::sql_types::BigInt>()
             .get_result(conn)?;
         let row = AdmissionRow {
@@ -254,7 +254,7 @@ fn queued_at_least(
 ) -> Result<i64, StoreError> {
     use diesel::sql_types::{BigInt, Nullable};
     let (first, last): (Option<i64>, Option<i64>) =
-        HotSql::new(QUEUED_BOUNDS, &[Bind::Text(session), Bind::Text(session)])
+        hot_sql!(QUEUED_BOUNDS, &[Bind::Text(session), Bind::Text(session)])
             .returning::<(Nullable<BigInt>, Nullable<BigInt>)>()
             .get_result(conn)?;
     let (Some(first), Some(last)) = (first, last) else {
@@ -486,18 +486,18 @@ pub fn claim_next(
             return Ok((Logged::quiet(Claim::Idle), false));
         };
         // A plain UPDATE and a SELECT: `RETURNING` buffers its row in a temporary table.
-        HotSql::new(
+        hot_sql!(
             "UPDATE sessions SET runtime_generation = runtime_generation + 1 WHERE id = ?",
             &[Bind::Text(session)],
         )
         .execute(conn)?;
-        let (generation, tip): (i64, String) = HotSql::new(
+        let (generation, tip): (i64, String) = hot_sql!(
             "SELECT runtime_generation, tip_session_id FROM sessions WHERE id = ?",
             &[Bind::Text(session)],
         )
         .returning::<(diesel::sql_types::BigInt, diesel::sql_types::Text)>()
         .get_result(conn)?;
-        let n = HotSql::new(
+        let n = hot_sql!(
             "UPDATE session_admissions SET status = 'started', owner_epoch = ?, \
              execution_generation = ?, updated_at = ? WHERE admission_id = ? AND status = 'queued'",
             &[
@@ -569,7 +569,7 @@ pub fn settle(
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
         // The generation fence and the revision bump in one statement.
-        let fenced = HotSql::new(
+        let fenced = hot_sql!(
             "UPDATE sessions SET runtime_revision = runtime_revision + 1 \
              WHERE id = ? AND runtime_generation = ?",
             &[Bind::Text(session), Bind::Int(generation)],
@@ -580,13 +580,13 @@ pub fn settle(
                 "generation {generation} is not running"
             )));
         }
-        let tip: String = HotSql::new(
+        let tip: String = hot_sql!(
             "SELECT tip_session_id FROM sessions WHERE id = ?",
             &[Bind::Text(session)],
         )
         .returning::<diesel::sql_types::Text>()
         .get_result(conn)?;
-        let n = HotSql::new(
+        let n = hot_sql!(
             "UPDATE session_admissions SET status = 'terminal', outcome = ?, result_json = ?, \
              updated_at = ? WHERE admission_id = ? AND target_session_id = ? \
              AND status = 'started' AND owner_epoch = ? AND execution_generation = ?",

@@ -13,7 +13,7 @@ use diesel::sql_types::{BigInt, Double};
 use diesel::sqlite::SqliteConnection;
 use serde_json::{json, Value};
 
-use super::{Bind, HotSql};
+use super::{hot_sql, Bind};
 use crate::error::StoreError;
 
 /// Hand-written table definitions (see `migrations/2026-11-29-000003_session_events/up.sql` and
@@ -169,7 +169,7 @@ pub fn append(
     // `UPDATE … RETURNING`, which buffers its row in a temporary table opened for each run (the
     // first append of a session creates its head row).
     let advance = |conn: &mut SqliteConnection| {
-        HotSql::new(
+        hot_sql!(
             "UPDATE session_event_heads SET last_seq = last_seq + ? WHERE session_id = ?",
             &[Bind::Int(n), Bind::Text(session)],
         )
@@ -185,7 +185,7 @@ pub fn append(
             )));
         }
     }
-    let end: i64 = HotSql::new(
+    let end: i64 = hot_sql!(
         "SELECT last_seq FROM session_event_heads WHERE session_id = ?",
         &[Bind::Text(session)],
     )

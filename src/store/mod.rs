@@ -190,17 +190,17 @@ where
     // `SAVEPOINT` and `RELEASE` as text that SQLite parses again on every write of a batch.
     // Nested calls reuse the name: `RELEASE` and `ROLLBACK TO` act on the innermost.
     use diesel::RunQueryDsl;
-    HotSql::new("SAVEPOINT write_tx", &[]).execute(conn)?;
+    hot_sql!("SAVEPOINT write_tx", &[]).execute(conn)?;
     match f(conn) {
         Ok(v) => {
-            HotSql::new("RELEASE write_tx", &[]).execute(conn)?;
+            hot_sql!("RELEASE write_tx", &[]).execute(conn)?;
             Ok(v)
         }
         Err(e) => {
             // Undo this write's statements; the batch's transaction goes on with the others.
-            let undone = HotSql::new("ROLLBACK TO write_tx", &[])
+            let undone = hot_sql!("ROLLBACK TO write_tx", &[])
                 .execute(conn)
-                .and_then(|_| HotSql::new("RELEASE write_tx", &[]).execute(conn));
+                .and_then(|_| hot_sql!("RELEASE write_tx", &[]).execute(conn));
             if let Err(r) = undone {
                 // Then none of the batch may commit: end its transaction here, and its COMMIT
                 // fails, so every write of the batch is answered with an error.
@@ -220,26 +220,83 @@ pub enum Bind<'a> {
     Real(f64),
 }
 
-/// A hot-path statement written out in SQL, kept prepared by the connection (keyed by its text).
+/// A hot-path statement written out in SQL, kept prepared by the connection: written with
+/// [`hot_sql!`], which gives each statement a type of its own.
 ///
 /// Diesel never keeps an `UPDATE` prepared (a changeset with optional fields changes its SQL
 /// while its type stays the same), so every turn parsed and planned its updates again on the
 /// writer thread, the one thread every commit waits for. The few updates each turn runs are
 /// written here instead; `?` marks each bound value, in order (the text has no other `?`).
-#[derive(Debug, Clone, Copy)]
-pub struct HotSql<'a> {
+///
+/// Diesel's statement cache finds a statement whose query id is a type by that type alone; any
+/// other statement it finds by its SQL text, which it builds and hashes on every run (about a
+/// tenth of the writer's instructions per turn when these statements were keyed by text). The
+/// type, `Site`, is one declared by each use of [`hot_sql!`], so one type never stands for two
+/// texts.
+pub struct HotSql<'a, Site> {
     text: &'static str,
+    /// Where the text's `?` are, found when it compiles (see [`placeholders`]).
+    at: &'static [usize],
     binds: &'a [Bind<'a>],
+    site: std::marker::PhantomData<fn() -> Site>,
 }
 
-impl<'a> HotSql<'a> {
-    pub fn new(text: &'static str, binds: &'a [Bind<'a>]) -> Self {
-        Self { text, binds }
+/// How many `?` a statement's text has.
+pub const fn count_placeholders(text: &str) -> usize {
+    let bytes = text.as_bytes();
+    let (mut i, mut n) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i] == b'?' {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+}
+
+/// The byte offsets of a statement's `N` placeholders, computed when it compiles, so that no
+/// run of the statement looks for them in its text again.
+pub const fn placeholders<const N: usize>(text: &str) -> [usize; N] {
+    let bytes = text.as_bytes();
+    let mut out = [0usize; N];
+    let (mut i, mut n) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i] == b'?' {
+            out[n] = i;
+            n += 1;
+        }
+        i += 1;
+    }
+    out
+}
+
+/// `hot_sql!(text, &[binds…])`: a [`HotSql`] statement keyed in the statement cache by a type
+/// declared here, for this use only.
+macro_rules! hot_sql {
+    ($text:expr, $binds:expr $(,)?) => {{
+        struct Site;
+        const TEXT: &str = $text;
+        const AT: [usize; $crate::store::count_placeholders(TEXT)] =
+            $crate::store::placeholders(TEXT);
+        $crate::store::HotSql::<Site>::at(TEXT, &AT, $binds)
+    }};
+}
+pub(crate) use hot_sql;
+
+impl<'a, Site: 'static> HotSql<'a, Site> {
+    /// Use [`hot_sql!`], which names a `Site` of its own for each statement.
+    pub(crate) fn at(text: &'static str, at: &'static [usize], binds: &'a [Bind<'a>]) -> Self {
+        Self {
+            text,
+            at,
+            binds,
+            site: std::marker::PhantomData,
+        }
     }
 
-    /// The statement returns one row of SQL type `ST` (`… RETURNING …`), read with
-    /// `get_result`: the write and the read of what it wrote are one statement.
-    pub fn returning<ST>(self) -> HotQuery<'a, ST> {
+    /// The statement returns one row of SQL type `ST` (`… RETURNING …` or a `SELECT`), read
+    /// with `get_result`.
+    pub fn returning<ST>(self) -> HotQuery<'a, ST, Site> {
         HotQuery {
             sql: self,
             row: std::marker::PhantomData,
@@ -247,12 +304,12 @@ impl<'a> HotSql<'a> {
     }
 }
 
-impl diesel::query_builder::QueryId for HotSql<'_> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
+impl<Site: 'static> diesel::query_builder::QueryId for HotSql<'_, Site> {
+    type QueryId = Site;
+    const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_> {
+impl<Site> diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_, Site> {
     fn walk_ast<'b>(
         &'b self,
         mut out: diesel::query_builder::AstPass<'_, 'b, diesel::sqlite::Sqlite>,
@@ -263,39 +320,40 @@ impl diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotSql<'_>
                 "placeholders and bound values differ in number".into(),
             )
         };
-        let mut parts = self.text.split('?');
-        out.push_sql(parts.next().unwrap_or_default());
-        let mut binds = self.binds.iter();
-        for part in parts {
-            match binds.next().ok_or_else(mismatch)? {
+        if self.at.len() != self.binds.len() {
+            return Err(mismatch());
+        }
+        let mut start = 0;
+        for (&at, bind) in self.at.iter().zip(self.binds) {
+            out.push_sql(self.text.get(start..at).ok_or_else(mismatch)?);
+            match bind {
                 Bind::Text(s) => out.push_bind_param::<Text, _>(s)?,
                 Bind::Int(i) => out.push_bind_param::<BigInt, _>(i)?,
                 Bind::Real(f) => out.push_bind_param::<Double, _>(f)?,
             }
-            out.push_sql(part);
+            start = at + 1;
         }
-        match binds.next() {
-            Some(_) => Err(mismatch()),
-            None => Ok(()),
-        }
+        out.push_sql(self.text.get(start..).ok_or_else(mismatch)?);
+        Ok(())
     }
 }
 
-impl<Conn> diesel::RunQueryDsl<Conn> for HotSql<'_> {}
+impl<Conn, Site> diesel::RunQueryDsl<Conn> for HotSql<'_, Site> {}
 
 /// A [`HotSql`] statement that returns rows of SQL type `ST`; kept prepared the same way.
-#[derive(Debug, Clone, Copy)]
-pub struct HotQuery<'a, ST> {
-    sql: HotSql<'a>,
+pub struct HotQuery<'a, ST, Site> {
+    sql: HotSql<'a, Site>,
     row: std::marker::PhantomData<ST>,
 }
 
-impl<ST> diesel::query_builder::QueryId for HotQuery<'_, ST> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
+impl<ST, Site: 'static> diesel::query_builder::QueryId for HotQuery<'_, ST, Site> {
+    type QueryId = Site;
+    const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl<ST> diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotQuery<'_, ST> {
+impl<ST, Site> diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite>
+    for HotQuery<'_, ST, Site>
+{
     fn walk_ast<'b>(
         &'b self,
         out: diesel::query_builder::AstPass<'_, 'b, diesel::sqlite::Sqlite>,
@@ -304,11 +362,11 @@ impl<ST> diesel::query_builder::QueryFragment<diesel::sqlite::Sqlite> for HotQue
     }
 }
 
-impl<ST> diesel::query_builder::Query for HotQuery<'_, ST> {
+impl<ST, Site> diesel::query_builder::Query for HotQuery<'_, ST, Site> {
     type SqlType = ST;
 }
 
-impl<Conn, ST> diesel::RunQueryDsl<Conn> for HotQuery<'_, ST> {}
+impl<Conn, ST, Site> diesel::RunQueryDsl<Conn> for HotQuery<'_, ST, Site> {}
 
 type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 
@@ -1044,6 +1102,73 @@ mod schema_tests {
         ] {
             c.batch_execute(accepted).expect(accepted);
         }
+    }
+}
+
+#[cfg(test)]
+mod hot_sql_tests {
+    use diesel::query_builder::QueryId;
+    use diesel::sql_types::BigInt;
+    use diesel::RunQueryDsl;
+
+    use super::{Bind, HotQuery};
+
+    fn id_of<ST, Site: 'static>(_: &HotQuery<'_, ST, Site>) -> Option<std::any::TypeId> {
+        <HotQuery<'_, ST, Site> as QueryId>::query_id()
+    }
+
+    /// Each statement is keyed in the statement cache by a type of its own: two statements run
+    /// in turn on one connection each give their own answer, every time.
+    #[test]
+    fn each_hot_statement_is_cached_under_its_own_type() {
+        let dir = super::testing::tempfile_dir::TempDir::new();
+        let pool = super::open_pool(&dir.path().join("h.db"), 1).expect("pool");
+        let mut c = pool.get().expect("conn");
+        let plus_one = |c: &mut diesel::SqliteConnection, v: i64| -> i64 {
+            hot_sql!("SELECT ? + 1", &[Bind::Int(v)])
+                .returning::<BigInt>()
+                .get_result(c)
+                .expect("plus one")
+        };
+        let times_ten = |c: &mut diesel::SqliteConnection, v: i64| -> i64 {
+            hot_sql!("SELECT ? * 10", &[Bind::Int(v)])
+                .returning::<BigInt>()
+                .get_result(c)
+                .expect("times ten")
+        };
+        for v in 1..4 {
+            assert_eq!(plus_one(&mut c, v), v + 1);
+            assert_eq!(times_ten(&mut c, v), v * 10);
+        }
+        let a = hot_sql!("SELECT 1", &[]).returning::<BigInt>();
+        let b = hot_sql!("SELECT 1", &[]).returning::<BigInt>();
+        assert!(id_of(&a).is_some(), "a hot statement has a static query id");
+        assert_ne!(id_of(&a), id_of(&b), "two uses share a query id");
+    }
+
+    #[test]
+    fn placeholders_are_found_when_the_statement_compiles() {
+        const TEXT: &str = "UPDATE t SET a = ? WHERE b = ? AND c = 'x'";
+        const AT: [usize; super::count_placeholders(TEXT)] = super::placeholders(TEXT);
+        assert_eq!(AT, [17, 29]);
+        assert!(AT.iter().all(|&i| &TEXT[i..=i] == "?"));
+        assert_eq!(super::count_placeholders("SELECT 1"), 0);
+    }
+
+    /// A text whose placeholders and values differ in number is refused, not run.
+    #[test]
+    fn a_hot_statement_with_the_wrong_number_of_values_is_refused() {
+        let dir = super::testing::tempfile_dir::TempDir::new();
+        let pool = super::open_pool(&dir.path().join("h.db"), 1).expect("pool");
+        let mut c = pool.get().expect("conn");
+        let few = hot_sql!("SELECT ? + ?", &[Bind::Int(1)])
+            .returning::<BigInt>()
+            .get_result::<i64>(&mut c);
+        assert!(few.is_err(), "{few:?}");
+        let many = hot_sql!("SELECT ?", &[Bind::Int(1), Bind::Int(2)])
+            .returning::<BigInt>()
+            .get_result::<i64>(&mut c);
+        assert!(many.is_err(), "{many:?}");
     }
 }
 

@@ -6,7 +6,7 @@ use diesel::sqlite::SqliteConnection;
 use super::epoch::check_epoch;
 use super::messages::{insert_messages, NewMessage};
 use super::schema::{messages, sessions};
-use super::{Bind, HotSql};
+use super::{hot_sql, Bind};
 use crate::error::StoreError;
 
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
@@ -240,7 +240,7 @@ pub fn add_usage(
     completion: i64,
 ) -> Result<(), StoreError> {
     super::write_tx(conn, |conn| {
-        HotSql::new(
+        hot_sql!(
             "UPDATE sessions SET prompt_tokens = prompt_tokens + ?, \
              completion_tokens = completion_tokens + ? WHERE id = ?",
             &[
