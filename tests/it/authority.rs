@@ -10,9 +10,7 @@ use crate::helpers::*;
 #[actix_rt::test]
 async fn identify_reports_ready_and_epochs_strictly_increase() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let first = d.identify.clone();
     assert_eq!(first["state"], "ready");
     assert_eq!(first["instance_id"].as_str().map(str::len), Some(32));
@@ -130,9 +128,7 @@ async fn the_envelope_refuses_bad_requests_and_stays_up() {
 #[actix_rt::test]
 async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let a = ws
         .create("req-1", &home.path, json!({"toolsets": []}))
@@ -190,9 +186,7 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
 #[actix_rt::test]
 async fn submit_is_durable_idempotent_and_needs_a_subscription() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("s", &home.path).await;
     let first = ws.submit(&sid, "in-1", "hello").await;
@@ -243,9 +237,7 @@ async fn submit_is_durable_idempotent_and_needs_a_subscription() {
 #[actix_rt::test]
 async fn inputs_run_in_fifo_order_one_at_a_time() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("fifo", &home.path).await;
     let names: Vec<String> = (0..12).map(|i| format!("IN_{i:02}")).collect();
@@ -296,9 +288,7 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
             )
         }
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("crash", &home.path).await;
     let lost = ws.submit(&sid, "LOST", "LOST").await;
@@ -433,9 +423,7 @@ async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
             )
         }
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("term", &home.path).await;
     ws.submit(&sid, "SLOW", "SLOW").await;
@@ -485,9 +473,7 @@ async fn a_queued_admission_committed_before_a_kill_runs_exactly_once() {
             Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
         }
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("a", &home.path).await;
     let head = ws.submit(&sid, "HEAD", "HEAD").await;

@@ -885,9 +885,7 @@ fn control_raw(home: &Path, bytes: &[u8], close_write: bool) -> (Value, UnixStre
 #[actix_rt::test]
 async fn hostile_control_socket_lines_get_typed_errors() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let ok = |name: &str| {
         let v = control(&home.path, "identify", json!({})).expect("identify");
         assert_eq!(v["state"], "ready", "after {name}: {v}");

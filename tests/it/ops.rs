@@ -214,9 +214,7 @@ async fn chat_and_operator_commands_work_as_child_processes() {
 #[actix_rt::test]
 async fn metrics_parse_and_move_with_the_work() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let origin = d.origin();
     assert_eq!(http_get(&format!("{origin}/healthz")).await.0, 200);
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
@@ -348,9 +346,7 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
             "stop",
         ),
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut chat = spawn_cli(&home, &["chat", "--session", "crash", "HANG"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while model.reached("HANG") == 0 {

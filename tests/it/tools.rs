@@ -102,9 +102,7 @@ async fn two_tool_calls_in_one_response_run_in_order_before_the_next_request() {
         ("call_two", "terminal", json!({"command": "echo two"})),
     ]);
     let model = scripted(vec![("TWO", two)]);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("two", &home.path).await;
     ws.submit(&sid, "TWO", "TWO").await;
@@ -223,9 +221,7 @@ async fn streamed_tool_call_fragments_are_concatenated_by_index() {
         );
         Reply::Sse(events)
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("frag", &home.path).await;
     ws.submit(&sid, "FRAG", "FRAG").await;
@@ -444,9 +440,7 @@ async fn clarify_answers_reach_the_tool_result() {
         json!({"questions": [{"question": "Pick a color", "choices": ["BLUE", "GREEN"]}]}),
     );
     let model = scripted(vec![("ASK", single), ("BATCH", batch)]);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("clarify", &home.path).await;
     ws.submit(&sid, "ASK", "ASK").await;
@@ -482,9 +476,7 @@ async fn clarify_skip_is_an_empty_answer() {
         "ASK",
         tool_call("call_q", "clarify", json!({"question": "Anything else?"})),
     )]);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("skip", &home.path).await;
     ws.submit(&sid, "ASK", "ASK").await;
@@ -1044,9 +1036,7 @@ async fn tool_failures_become_results_and_the_loop_carries_on() {
         ),
         ("FAIL", terminal("call_fail", "echo oops >&2; exit 3")),
     ]);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("failures", &home.path).await;
     for t in ["SLOW", "GHOST", "BROKEN", "FAIL"] {
@@ -1098,9 +1088,7 @@ async fn the_iteration_limit_forces_a_final_answer_without_tools() {
             Reply::Message(json!({"role": "assistant", "content": "FINAL"}), "stop")
         }
     });
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({"agent": {"max_iterations": 2}})));
-    let d = Daemon::start(&home);
+    let (home, d) = Daemon::with_model(&model, json!({"agent": {"max_iterations": 2}}));
     let mut ws = d.ws().await;
     let sid = ws.session("limit", &home.path).await;
     let r = ws.submit(&sid, "LOOP", "LOOP").await;
