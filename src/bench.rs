@@ -317,14 +317,12 @@ impl Client {
         })
     }
 
-    /// The next text message (parsed), or `None` for a pong; the daemon's pings are answered
-    /// on the way and other frames skipped.
-    async fn next_message(&mut self) -> Result<Option<Value>, String> {
+    /// The next text message, or `None` for a pong; the daemon's pings are answered on the way
+    /// and other frames skipped.
+    async fn next_message(&mut self) -> Result<Option<Incoming>, String> {
         loop {
             match self.framed.next().await {
-                Some(Ok(awc::ws::Frame::Text(b))) => {
-                    return serde_json::from_slice(&b).map(Some).map_err(err)
-                }
+                Some(Ok(awc::ws::Frame::Text(b))) => return Incoming::parse(&b).map(Some),
                 Some(Ok(awc::ws::Frame::Pong(_))) => return Ok(None),
                 Some(Ok(awc::ws::Frame::Ping(p))) => {
                     let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
@@ -336,7 +334,7 @@ impl Client {
         }
     }
 
-    async fn recv(&mut self) -> Result<Value, String> {
+    async fn recv(&mut self) -> Result<Incoming, String> {
         loop {
             if let Some(v) = self.next_message().await? {
                 return Ok(v);
@@ -355,13 +353,13 @@ impl Client {
             .map_err(err)?;
         loop {
             let v = self.recv().await?;
-            if v["id"] == json!(id) {
-                if let Some(e) = v.get("error") {
+            if v.id == Some(id) {
+                if let Some(e) = v.error {
                     return Err(format!("{method}: {e}"));
                 }
-                return Ok(v["result"].clone());
+                return Ok(v.result.unwrap_or(Value::Null));
             }
-            self.note(&v);
+            self.note(v);
         }
     }
 
@@ -372,15 +370,15 @@ impl Client {
             .await
             .map_err(err)?;
         while let Some(v) = self.next_message().await? {
-            self.note(&v);
+            self.note(v);
         }
         Ok(())
     }
 
     /// Keep what [`Client::complete`] may wait for later.
-    fn note(&mut self, v: &Value) {
-        if let Some(admission) = completed_admission(v) {
-            self.completed.insert(admission.to_string());
+    fn note(&mut self, v: Incoming) {
+        if let Some(admission) = v.completed {
+            self.completed.insert(admission);
         }
     }
 
@@ -416,22 +414,62 @@ impl Client {
         }
         loop {
             let v = self.recv().await?;
-            match completed_admission(&v) {
+            match v.completed.as_deref() {
                 Some(a) if a == admission => return Ok(()),
-                Some(_) => self.note(&v),
+                Some(_) => self.note(v),
                 None => {}
             }
         }
     }
 }
 
-/// The admission a `message.complete` notification reports.
-fn completed_admission(v: &Value) -> Option<&str> {
-    let params = v.get("params")?;
-    if params.get("type")? != "message.complete" {
-        return None;
+/// What the bench reads of a frame: a reply's id, result and error, and the admission a
+/// `message.complete` notification reports. The rest of the frame (every other notification,
+/// every payload) is skipped as it is parsed, not built into values: the bench's clients share
+/// the two cores with the daemon they measure.
+#[derive(Debug, Default, PartialEq)]
+struct Incoming {
+    id: Option<u64>,
+    result: Option<Value>,
+    error: Option<Value>,
+    completed: Option<String>,
+}
+
+impl Incoming {
+    fn parse(frame: &[u8]) -> Result<Incoming, String> {
+        use std::borrow::Cow;
+        #[derive(serde::Deserialize)]
+        struct Frame<'a> {
+            id: Option<u64>,
+            result: Option<Value>,
+            error: Option<Value>,
+            #[serde(borrow)]
+            params: Option<Params<'a>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Params<'a> {
+            #[serde(rename = "type", borrow)]
+            kind: Option<Cow<'a, str>>,
+            #[serde(borrow)]
+            payload: Option<Payload<'a>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Payload<'a> {
+            #[serde(borrow)]
+            admission_id: Option<Cow<'a, str>>,
+        }
+        let f: Frame<'_> = serde_json::from_slice(frame).map_err(err)?;
+        let completed = f.params.and_then(|p| match p.kind.as_deref() {
+            Some("message.complete") => p.payload?.admission_id.map(Cow::into_owned),
+            _ => None,
+        });
+        Ok(Incoming {
+            id: f.id,
+            result: f.result,
+            error: f.error,
+            completed,
+        })
     }
-    params.get("payload")?.get("admission_id")?.as_str()
 }
 
 /// The daemon's count of WAL restarts (see [`warm_up`]).
@@ -1233,4 +1271,47 @@ pub fn table(r: &Value) -> String {
     ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Incoming;
+    use serde_json::json;
+
+    /// The lean parse reads what the full one did: a reply's id, result and error, and the
+    /// admission of a `message.complete`, whatever else the frame holds.
+    #[test]
+    fn a_frame_is_read_for_its_reply_and_its_completion() {
+        let reply =
+            json!({"jsonrpc": "2.0", "id": 7, "result": {"admission_id": "a-1", "n": [1, 2]}});
+        assert_eq!(
+            Incoming::parse(reply.to_string().as_bytes()).expect("reply"),
+            Incoming {
+                id: Some(7),
+                result: Some(json!({"admission_id": "a-1", "n": [1, 2]})),
+                ..Default::default()
+            }
+        );
+        let refused =
+            json!({"jsonrpc": "2.0", "id": 8, "error": {"code": -32602, "data": {"reason": "x"}}});
+        let r = Incoming::parse(refused.to_string().as_bytes()).expect("error");
+        assert_eq!(r.id, Some(8));
+        assert_eq!(
+            r.error,
+            Some(json!({"code": -32602, "data": {"reason": "x"}}))
+        );
+        let complete = json!({"jsonrpc": "2.0", "method": "event", "params": {
+            "type": "message.complete", "seq": 4, "session_id": "s",
+            "payload": {"text": "q\"uote\\d \u{e9}", "admission_id": "adm-\"2\"", "usage": {"a": 1}}}});
+        let c = Incoming::parse(complete.to_string().as_bytes()).expect("complete");
+        assert_eq!(c.completed.as_deref(), Some("adm-\"2\""));
+        assert_eq!(c.id, None);
+        let other = json!({"jsonrpc": "2.0", "method": "event", "params": {
+            "type": "message.start", "payload": {"admission_id": "adm-3"}}});
+        assert_eq!(
+            Incoming::parse(other.to_string().as_bytes()).expect("other"),
+            Incoming::default()
+        );
+        assert!(Incoming::parse(b"{not json").is_err());
+    }
 }
