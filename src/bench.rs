@@ -554,9 +554,13 @@ where
 {
     let commits = metric(&daemon.origin, DB_COMMITS).await?;
     let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self"));
+    let machine = MachineTicks::now();
     let mut summary = measure(clients).await?;
     let spent = daemon.cpu_seconds() - cpu;
     let own = cpu_seconds_of("self") - own;
+    if let Some(stolen) = MachineTicks::stolen_percent_since(machine) {
+        summary["stolen_percent"] = json!(round(stolen));
+    }
     summary["commits"] = json!(metric(&daemon.origin, DB_COMMITS).await? - commits);
     if let Some(n) = summary["count"].as_f64().filter(|n| *n > 0.0) {
         summary["daemon_cpu_us_per_op"] = json!((spent * 1e6 / n).round());
@@ -580,6 +584,49 @@ fn cpu_seconds_of(pid: &str) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
     ticks as f64 / hz as f64
+}
+
+/// The machine's CPU time so far, from `/proc/stat`: all of it, and the part the hypervisor gave
+/// to others while this machine wanted to run (`steal`). On a virtual machine that part makes
+/// every figure of a section slower; the bench prints its share beside each section.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct MachineTicks {
+    total: u64,
+    steal: u64,
+}
+
+impl MachineTicks {
+    fn now() -> Option<MachineTicks> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// The `cpu` line: user, nice, system, idle, iowait, irq, softirq, steal (guest time is
+    /// counted in user already).
+    fn parse(stat: &str) -> Option<MachineTicks> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let ticks: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(|v| v.parse::<u64>().ok())
+            .collect::<Option<_>>()?;
+        (ticks.len() == 8).then(|| MachineTicks {
+            total: ticks.iter().sum(),
+            steal: ticks[7],
+        })
+    }
+
+    /// The share of the machine's CPU time stolen from now back to `before`, in percent.
+    fn stolen_percent_since(before: Option<MachineTicks>) -> Option<f64> {
+        Self::stolen_percent(before?, Self::now()?)
+    }
+
+    /// The share of the machine's CPU time stolen between two readings, in percent.
+    fn stolen_percent(before: MachineTicks, after: MachineTicks) -> Option<f64> {
+        let total = after.total.checked_sub(before.total).filter(|t| *t > 0)?;
+        let steal = after.steal.checked_sub(before.steal)?;
+        Some(100.0 * steal as f64 / total as f64)
+    }
 }
 
 fn round(x: f64) -> f64 {
@@ -1218,10 +1265,10 @@ pub fn table(r: &Value) -> String {
         "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms (at the end: {}/s, p50 {} ms)\n\n",
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"]
     ));
-    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit\n");
+    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit   stolen %\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>29} {:>12}\n",
+            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>29} {:>12} {:>10}\n",
             cell(&a["sessions"]),
             cell(&a["ack"]["p50_ms"]),
             cell(&a["ack"]["p99_ms"]),
@@ -1230,13 +1277,14 @@ pub fn table(r: &Value) -> String {
             cell(&a["replay"]["p50_ms"]),
             cell(&a["ping"]["p50_ms"]),
             cpu_cell(&a["ack"]),
-            cell(&a["ack"]["admissions_per_commit"])
+            cell(&a["ack"]["admissions_per_commit"]),
+            cell(&a["ack"]["stolen_percent"])
         ));
     }
-    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each\n");
+    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %\n");
     for t in r["turn"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14}\n",
+            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>10}\n",
             cell(&t["sessions"]),
             cell(&t["turn"]["p50_ms"]),
             cell(&t["turn"]["p99_ms"]),
@@ -1245,7 +1293,8 @@ pub fn table(r: &Value) -> String {
             cell(&t["floor"]["p99_ms"]),
             cell(&t["overhead_p50_ms"]),
             cpu_cell(&t["turn"]),
-            cell(&t["turn"]["commits_per_turn"])
+            cell(&t["turn"]["commits_per_turn"]),
+            cell(&t["turn"]["stolen_percent"])
         ));
     }
     let i = &r["isolation"];
@@ -1277,6 +1326,29 @@ pub fn table(r: &Value) -> String {
 mod tests {
     use super::Incoming;
     use serde_json::json;
+
+    /// The stolen share is steal's part of all the machine's ticks between two readings.
+    #[test]
+    fn stolen_time_is_the_steal_share_of_the_machine_ticks() {
+        use super::MachineTicks;
+        let before = MachineTicks::parse(
+            "cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 50 0 25 400 5 0 2 18 0 0\nintr 1\n",
+        )
+        .expect("before");
+        assert_eq!(
+            before,
+            MachineTicks {
+                total: 1000,
+                steal: 35
+            }
+        );
+        let after = MachineTicks::parse("cpu  160 0 70 1500 10 0 5 85 0 0\n").expect("after");
+        let stolen = MachineTicks::stolen_percent(before, after).expect("share");
+        assert!((stolen - 100.0 * 50.0 / 830.0).abs() < 1e-9, "{stolen}");
+        assert_eq!(MachineTicks::stolen_percent(before, before), None);
+        assert_eq!(MachineTicks::parse("cpu  1 2 3\n"), None);
+        assert_eq!(MachineTicks::parse("intr 1\n"), None);
+    }
 
     /// The lean parse reads what the full one did: a reply's id, result and error, and the
     /// admission of a `message.complete`, whatever else the frame holds.
