@@ -140,7 +140,8 @@ impl SessionSupervisor {
         }
     }
 
-    fn push(&mut self, mut params: Value, frames: &mut Vec<Arc<str>>) {
+    /// A live event's frame, made only if someone listens.
+    fn live_frame(&self, mut params: Value, frames: &mut Vec<Arc<str>>) {
         if self.subscribers.is_empty() {
             return;
         }
@@ -150,7 +151,7 @@ impl SessionSupervisor {
     }
 
     /// A stored event's frame, made only if someone listens.
-    fn push_row(&mut self, row: &EventRow, frames: &mut Vec<Arc<str>>) {
+    fn row_frame(&self, row: &EventRow, frames: &mut Vec<Arc<str>>) {
         if !self.subscribers.is_empty() {
             frames.push(Arc::from(row.wire_frame(self.shared.epoch)));
         }
@@ -214,18 +215,17 @@ impl SessionSupervisor {
         self.flush(ctx);
     }
 
-    /// Send whatever is due, in order, as one batch per subscriber.
+    /// Send whatever is due, in order, as one batch per subscriber. (With nobody subscribed
+    /// nothing is made, and `send_frames` finds the supervisor unwatched, as it already is:
+    /// `pin` is set only while someone subscribes.)
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut frames = Vec::new();
-        if self.collect_due(&mut frames, ctx) > 0 {
-            self.send_frames(frames);
-        }
+        self.collect_due(&mut frames, ctx);
+        self.send_frames(frames);
     }
 
-    /// The frames of the events due now (made only if someone listens); returns how many
-    /// events were due.
-    fn collect_due(&mut self, frames: &mut Vec<Arc<str>>, ctx: &mut Context<Self>) -> usize {
-        let mut due = 0;
+    /// The frames of the events due now (made only if someone listens).
+    fn collect_due(&mut self, frames: &mut Vec<Arc<str>>, ctx: &mut Context<Self>) {
         let first = self.outbox.waiting.keys().next().copied();
         if let (None, Some(first)) = (self.outbox.sent, first) {
             // The head could not be read at start: begin with what arrives.
@@ -235,17 +235,16 @@ impl SessionSupervisor {
             while let Some(row) = self.outbox.waiting.remove(&(sent + 1)) {
                 sent = row.seq;
                 self.outbox.sent = Some(sent);
-                self.push_row(&row, frames);
-                due += 1;
+                self.row_frame(&row, frames);
             }
         }
         if self.outbox.in_flight > 0 || self.outbox.catching_up {
-            return due;
+            return;
         }
         if !self.outbox.waiting.is_empty() {
             // A gap no write of ours will fill (an answer that was lost): read it from the log.
             self.catch_up(ctx);
-            return due;
+            return;
         }
         for (kind, payload) in std::mem::take(&mut self.outbox.held) {
             self.outbox.live_seq += 1;
@@ -256,10 +255,8 @@ impl SessionSupervisor {
                 "live_seq": self.outbox.live_seq,
                 "payload": payload,
             });
-            self.push(params, frames);
-            due += 1;
+            self.live_frame(params, frames);
         }
-        due
     }
 
     fn catch_up(&mut self, ctx: &mut Context<Self>) {
