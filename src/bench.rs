@@ -28,6 +28,8 @@ pub struct BenchOptions {
     pub only: Vec<String>,
     /// Concurrent sessions of the admission and turn sections.
     pub levels: Vec<usize>,
+    /// Inputs each admission section submits (at least one per session).
+    pub admissions: usize,
 }
 
 impl BenchOptions {
@@ -41,6 +43,7 @@ impl BenchOptions {
             recovery_sessions: if quick { 200 } else { 10_000 },
             only: Vec::new(),
             levels: LEVELS.to_vec(),
+            admissions: if quick { 512 } else { 4096 },
         }
     }
 
@@ -1169,7 +1172,7 @@ impl Daemon {
 pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let (model_url, model) = start_model(Duration::from_millis(opts.model_latency_ms))?;
     let levels = opts.levels.clone();
-    let (admit_total, turn_total) = if opts.quick { (512, 512) } else { (4096, 4096) };
+    let (admit_total, turn_total) = (opts.admissions, if opts.quick { 512 } else { 4096 });
     let raw_n = if opts.quick { 200 } else { 1000 };
     let raw = raw_commit_rate(&opts.dir, raw_n)?;
     let raw_rate = raw["per_second"].as_f64().unwrap_or(1.0).max(1e-9);

@@ -58,6 +58,7 @@ commands:
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
          [--only admission,turn,isolation,recovery] [--levels 1,16,256]
+         [--admissions N]
                                       measure the daemon against a loopback fake model
   status [--json]                     identify the running daemon and count admissions
   key create [NAME] | list | revoke NAME
@@ -83,6 +84,7 @@ struct Args {
     dir: Option<PathBuf>,
     only: Vec<String>,
     levels: Option<Vec<usize>>,
+    admissions: Option<usize>,
     rest: Vec<String>,
 }
 
@@ -116,6 +118,7 @@ fn parse_args() -> Result<Args, String> {
         dir: None,
         only: Vec::new(),
         levels: None,
+        admissions: None,
         rest: Vec::new(),
     };
     while let Some(a) = it.next() {
@@ -152,6 +155,14 @@ fn parse_args() -> Result<Args, String> {
                 let list = it.next().ok_or("--levels needs a list of session counts")?;
                 let levels = gatehouse::bench::parse_levels(&list)?;
                 args.levels = Some(levels);
+            }
+            "--admissions" => {
+                args.admissions = Some(
+                    it.next()
+                        .and_then(|v| v.parse().ok())
+                        .filter(|n: &usize| *n > 0)
+                        .ok_or("--admissions needs a positive number of inputs")?,
+                )
             }
             "--dir" => args.dir = Some(PathBuf::from(it.next().ok_or("--dir needs a directory")?)),
             "--session" => args.session = it.next().ok_or("--session needs a name")?,
@@ -273,6 +284,9 @@ fn bench(args: Args) -> ExitCode {
     opts.only = args.only;
     if let Some(levels) = args.levels {
         opts.levels = levels;
+    }
+    if let Some(n) = args.admissions {
+        opts.admissions = n;
     }
     let system = actix_rt::System::new();
     match system.block_on(gatehouse::bench::run(opts)) {

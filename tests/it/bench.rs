@@ -74,28 +74,33 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         .is_some_and(|s| s > 0.0));
 }
 
-/// `--levels` picks the admission and turn sections' session counts; a bad list is refused.
+/// `--levels` picks the admission and turn sections' session counts and `--admissions` how many
+/// inputs each admission section submits; bad values are refused.
 #[test]
-fn bench_levels_pick_the_session_counts_and_bad_lists_are_refused() {
-    let report = bench_json(&["--only", "admission", "--levels", "2"]);
+fn bench_levels_and_admissions_size_the_sections_and_bad_values_are_refused() {
+    let report = bench_json(&["--only", "admission", "--levels", "2", "--admissions", "6"]);
     let admission = report["admission"].as_array().expect("admission");
     assert_eq!(
         admission
             .iter()
-            .map(|a| a["sessions"].clone())
+            .map(|a| (a["sessions"].clone(), a["ack"]["count"].clone()))
             .collect::<Vec<_>>(),
-        [Value::from(2)]
+        [(Value::from(2), Value::from(6))]
     );
     assert_eq!(report["turn"], Value::Array(Vec::new()));
-    for bad in ["0", "1,1", "x", "", "5000"] {
+    let bad_values = ["0", "1,1", "x", "", "5000"]
+        .map(|v| ("--levels", v))
+        .into_iter()
+        .chain(["0", "x", "-3", ""].map(|v| ("--admissions", v)));
+    for (option, bad) in bad_values {
         let out = Command::new(bin())
-            .args(["bench", "--levels", bad])
+            .args(["bench", option, bad])
             .output()
             .expect("run bench");
-        assert_eq!(out.status.code(), Some(2), "--levels {bad:?}");
+        assert_eq!(out.status.code(), Some(2), "{option} {bad:?}");
         assert!(
-            String::from_utf8_lossy(&out.stderr).contains("--levels"),
-            "--levels {bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr).contains(option),
+            "{option} {bad:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
