@@ -16,8 +16,8 @@ use serde_json::{json, Value};
 use super::{hot_sql, Bind};
 use crate::error::StoreError;
 
-/// Hand-written table definitions (see `migrations/2026-11-29-000003_session_events/up.sql` and
-/// `migrations/2026-11-30-000004_lean_event_log/up.sql`).
+/// Hand-written table definitions (see `migrations/2026-11-30-000004_lean_event_log/up.sql` and
+/// `migrations/2026-12-02-000009_event_heads_from_the_log/up.sql`).
 pub mod schema {
     diesel::table! {
         /// One row per transaction that appended events: `events_json` is
@@ -32,15 +32,16 @@ pub mod schema {
     }
 
     diesel::table! {
-        session_event_heads (session_id) {
+        /// How far pruning reached, for the sessions it reached: every event up to and
+        /// including `through` was pruned.
+        session_events_pruned (session_id) {
             session_id -> Text,
-            last_seq -> BigInt,
-            pruned_through -> BigInt,
+            through -> BigInt,
         }
     }
 }
 
-use schema::{session_event_batches as batches, session_event_heads as heads};
+use schema::{session_event_batches as batches, session_events_pruned as pruned};
 
 /// An event to append: its type (`message.complete`, `approval.request`, …) and payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,17 +142,36 @@ pub struct Head {
     pub pruned_through: i64,
 }
 
-pub fn head(conn: &mut SqliteConnection, session: &str) -> Result<Head, StoreError> {
-    Ok(heads::table
-        .filter(heads::session_id.eq(session))
-        .select((heads::last_seq, heads::pruned_through))
-        .first::<(i64, i64)>(conn)
+/// A session's last sequence number, read from its log: its newest batch's `last_seq`, or, when
+/// pruning left no batch, how far it pruned (pruning removes only batches at or below its mark,
+/// so a batch that is left ends past it). Never goes back. Two seeks, one of them on the key
+/// page an append then writes.
+const LAST_SEQ: &str = "SELECT max(\
+     coalesce((SELECT max(last_seq) FROM session_event_batches WHERE session_id = ?), 0), \
+     coalesce((SELECT through FROM session_events_pruned WHERE session_id = ?), 0))";
+
+fn last_seq(conn: &mut SqliteConnection, session: &str) -> Result<i64, StoreError> {
+    Ok(
+        hot_sql!(LAST_SEQ, &[Bind::Text(session), Bind::Text(session)])
+            .returning::<BigInt>()
+            .get_result(conn)?,
+    )
+}
+
+fn pruned_through(conn: &mut SqliteConnection, session: &str) -> Result<i64, StoreError> {
+    Ok(pruned::table
+        .filter(pruned::session_id.eq(session))
+        .select(pruned::through)
+        .first::<i64>(conn)
         .optional()?
-        .map(|(last_seq, pruned_through)| Head {
-            last_seq,
-            pruned_through,
-        })
-        .unwrap_or_default())
+        .unwrap_or(0))
+}
+
+pub fn head(conn: &mut SqliteConnection, session: &str) -> Result<Head, StoreError> {
+    Ok(Head {
+        last_seq: last_seq(conn, session)?,
+        pruned_through: pruned_through(conn, session)?,
+    })
 }
 
 /// Append `events` to `session`'s log. Call inside the transaction of the change they report.
@@ -165,33 +185,10 @@ pub fn append(
         return Ok(Vec::new());
     }
     let n = events.len() as i64;
-    // Advance the head, then read where it ended: two prepared statements, cheaper than one
-    // `UPDATE … RETURNING`, which buffers its row in a temporary table opened for each run (the
-    // first append of a session creates its head row).
-    let advance = |conn: &mut SqliteConnection| {
-        hot_sql!(
-            "UPDATE session_event_heads SET last_seq = last_seq + ? WHERE session_id = ?",
-            &[Bind::Int(n), Bind::Text(session)],
-        )
-        .execute(conn)
-    };
-    if advance(conn)? == 0 {
-        diesel::insert_into(heads::table)
-            .values(heads::session_id.eq(session))
-            .execute(conn)?;
-        if advance(conn)? == 0 {
-            return Err(StoreError::Other(format!(
-                "no event head for session {session}"
-            )));
-        }
-    }
-    let end: i64 = hot_sql!(
-        "SELECT last_seq FROM session_event_heads WHERE session_id = ?",
-        &[Bind::Text(session)],
-    )
-    .returning::<BigInt>()
-    .get_result(conn)?;
-    let first = end - n + 1;
+    // The batch's key `(session_id, last_seq)` is unique: were two appends ever to compute the
+    // same numbers, the second would fail here instead of reusing them.
+    let first = last_seq(conn, session)? + 1;
+    let end = first + n - 1;
     let mut rows = Vec::with_capacity(events.len());
     let mut batch = String::with_capacity(64 * events.len());
     batch.push('[');
@@ -320,36 +317,45 @@ pub struct Retention {
 
 /// How many of the oldest batches one pruning transaction walks for the age rule, at most.
 const AGE_WALK: usize = 4096;
+/// How many of the batches written since the last pruning one transaction walks for the count
+/// rule, at most.
+const COUNT_WALK: usize = 65_536;
 
 /// What one pruning transaction did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Pruned {
     /// Stored batches deleted.
     pub batches: usize,
-    /// The age rule stopped at [`AGE_WALK`] batches: run again for the rest.
+    /// A walk stopped at its bound ([`AGE_WALK`], [`COUNT_WALK`]): run again for the rest.
     pub more: bool,
+    /// The count rule has seen every batch up to this rowid: pass it to the next pruning.
+    pub seen: i64,
 }
 
 /// Prune every session's log by age and count, in one transaction. `pruned_through` only moves
 /// forward, so `truncated` answers stay true once given; a batch that straddles it stays until
 /// all its events are pruned (readers skip the pruned ones).
 ///
-/// It runs on the writer, so it reads only what it prunes: the heads (one row per session), the
-/// oldest batches up to the first that is not past the cutoff (in rowid order, which is the
-/// order they were written; at most [`AGE_WALK`] per transaction) and the ranges it deletes
-/// (through the key), never the whole log.
+/// It runs on the writer, so it reads only what it prunes, never the whole log:
+/// - the count rule, the sessions of the batches written after rowid `seen` (what the last
+///   pruning reported; 0 walks the whole log, at most [`COUNT_WALK`] batches per transaction):
+///   only a session that grew can have grown past its limit;
+/// - the age rule, the oldest batches up to the first that is not past the cutoff (in rowid
+///   order, which is the order they were written; at most [`AGE_WALK`] per transaction);
+/// - the ranges it deletes (through the key).
 pub fn prune(
     conn: &mut SqliteConnection,
     retention: Retention,
     now: f64,
+    seen: i64,
 ) -> Result<Pruned, StoreError> {
     use diesel::sql_types::Text;
     #[derive(diesel::QueryableByName)]
-    struct Through {
+    struct Grown {
+        #[diesel(sql_type = BigInt)]
+        rowid: i64,
         #[diesel(sql_type = Text)]
         session_id: String,
-        #[diesel(sql_type = BigInt)]
-        pruned_through: i64,
     }
     #[derive(diesel::QueryableByName)]
     struct Stored {
@@ -362,14 +368,42 @@ pub fn prune(
     }
     let keep = retention.max_per_session.max(1);
     super::write_tx(conn, |conn| {
-        let mut moved: Vec<Through> = diesel::sql_query(
-            "UPDATE session_event_heads SET pruned_through = last_seq - ? \
-             WHERE last_seq - ? > pruned_through RETURNING session_id, pruned_through",
+        // Move a session's mark forward (never back); whether it moved.
+        let mark = |conn: &mut SqliteConnection, session: &str, through: i64| {
+            diesel::sql_query(
+                "INSERT INTO session_events_pruned (session_id, through) VALUES (?, ?) \
+                 ON CONFLICT (session_id) DO UPDATE SET through = excluded.through \
+                 WHERE through < excluded.through",
+            )
+            .bind::<Text, _>(session)
+            .bind::<BigInt, _>(through)
+            .execute(conn)
+            .map(|n| n > 0)
+        };
+        let mut moved: std::collections::HashMap<String, i64> = Default::default();
+        let grown: Vec<Grown> = diesel::sql_query(
+            "SELECT rowid, session_id FROM session_event_batches WHERE rowid > ? \
+             ORDER BY rowid LIMIT ?",
         )
-        .bind::<BigInt, _>(keep)
-        .bind::<BigInt, _>(keep)
+        .bind::<BigInt, _>(seen)
+        .bind::<BigInt, _>(COUNT_WALK as i64 + 1)
         .load(conn)?;
-        let mut more = false;
+        let mut more = grown.len() > COUNT_WALK;
+        let mut seen = grown
+            .get(..grown.len().min(COUNT_WALK))
+            .and_then(<[Grown]>::last)
+            .map_or(seen, |g| g.rowid);
+        let sessions: std::collections::BTreeSet<String> = grown
+            .into_iter()
+            .take(COUNT_WALK)
+            .map(|g| g.session_id)
+            .collect();
+        for session in sessions {
+            let through = last_seq(conn, &session)? - keep;
+            if through > 0 && mark(conn, &session, through)? {
+                moved.insert(session, through);
+            }
+        }
         if retention.max_age_seconds > 0.0 {
             let cutoff = now - retention.max_age_seconds;
             let oldest: Vec<Stored> = diesel::sql_query(
@@ -390,41 +424,41 @@ pub fn prune(
                 let through = old.entry(b.session_id).or_insert(b.last_seq);
                 *through = (*through).max(b.last_seq);
             }
-            for (session_id, through) in old {
-                let n = diesel::sql_query(
-                    "UPDATE session_event_heads SET pruned_through = ? \
-                     WHERE session_id = ? AND pruned_through < ?",
-                )
-                .bind::<BigInt, _>(through)
-                .bind::<Text, _>(&session_id)
-                .bind::<BigInt, _>(through)
-                .execute(conn)?;
-                if n > 0 {
-                    moved.push(Through {
-                        session_id,
-                        pruned_through: through,
-                    });
+            for (session, through) in old {
+                if mark(conn, &session, through)? {
+                    let m = moved.entry(session).or_insert(through);
+                    *m = (*m).max(through);
                 }
             }
         }
         let mut deleted = 0;
-        for m in moved {
+        for (session, through) in moved {
             deleted += diesel::sql_query(
                 "DELETE FROM session_event_batches WHERE session_id = ? AND last_seq <= ?",
             )
-            .bind::<Text, _>(&m.session_id)
-            .bind::<BigInt, _>(m.pruned_through)
+            .bind::<Text, _>(&session)
+            .bind::<BigInt, _>(through)
             .execute(conn)?;
+        }
+        if deleted > 0 {
+            // Rowids are not AUTOINCREMENT: once the newest batches are deleted, new ones may
+            // take their rowids again, and must not hide below `seen`.
+            let newest: Option<i64> = hot_sql!("SELECT max(rowid) FROM session_event_batches", &[])
+                .returning::<diesel::sql_types::Nullable<BigInt>>()
+                .get_result(conn)?;
+            seen = seen.min(newest.unwrap_or(0));
         }
         Ok(Pruned {
             batches: deleted,
             more,
+            seen,
         })
     })
 }
 
 /// Prune every `every` (first right away) on the current arbiter, for the life of the process.
-/// A backlog of old events is pruned in several transactions, so other commits run between them.
+/// A backlog is pruned in several transactions, so other commits run between them. The first
+/// pruning's count rule walks the whole log (in steps); later ones only what was written since.
 pub fn spawn_pruner(
     db: super::Db,
     clock: crate::clock::SharedClock,
@@ -434,16 +468,19 @@ pub fn spawn_pruner(
     actix::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut seen = 0;
         loop {
             tick.tick().await;
             let mut batches = 0;
             loop {
                 let now = clock.now();
-                match db.write(move |c| prune(c, retention, now)).await {
+                match db.write(move |c| prune(c, retention, now, seen)).await {
                     Ok(p) => {
                         batches += p.batches;
-                        // Stop when the walk is done, or made no progress (which would loop).
-                        if !p.more || p.batches == 0 {
+                        let walked = p.seen != seen;
+                        seen = p.seen;
+                        // Stop when the walks are done, or made no progress (which would loop).
+                        if !p.more || (p.batches == 0 && !walked) {
                             break;
                         }
                     }
@@ -551,13 +588,17 @@ mod tests {
             "SELECT session_id, last_seq, created_at FROM session_event_batches \
              ORDER BY rowid LIMIT 4097",
             "DELETE FROM session_event_batches WHERE session_id = 's1' AND last_seq <= 3",
+            "SELECT rowid, session_id FROM session_event_batches WHERE rowid > 5 \
+             ORDER BY rowid LIMIT 65537",
+            &LAST_SEQ.replace('?', "'s1'"),
+            "SELECT max(rowid) FROM session_event_batches",
             "SELECT first_seq, events_json FROM session_event_batches \
              WHERE session_id = 's1' AND last_seq > 3 ORDER BY last_seq LIMIT 10",
         ] {
             let plan = testing::query_plan(&mut c, sql);
             assert!(
                 plan.iter().any(|d| {
-                    d.starts_with("SEARCH session_event_batches USING")
+                    d.starts_with("SEARCH session_event_batches")
                         || d == "SCAN session_event_batches"
                 }) && !plan.iter().any(|d| d.starts_with("USE TEMP B-TREE")),
                 "{sql}: {plan:?}"
@@ -577,7 +618,10 @@ mod tests {
             max_age_seconds: 0.0,
             max_per_session: 4,
         };
-        assert_eq!(prune(&mut c, keep_four, 100.0).expect("prune").batches, 2);
+        assert_eq!(
+            prune(&mut c, keep_four, 100.0, 0).expect("prune").batches,
+            2
+        );
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(s.events.first().map(|e| e.seq), Some(3));
@@ -587,7 +631,7 @@ mod tests {
             max_age_seconds: 86.5,
             max_per_session: 100,
         };
-        assert_eq!(prune(&mut c, by_age, 100.0).expect("prune").batches, 3);
+        assert_eq!(prune(&mut c, by_age, 100.0, 0).expect("prune").batches, 3);
         let s = since(&mut c, "s1", 2, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(
@@ -600,11 +644,124 @@ mod tests {
             max_age_seconds: 1.0,
             max_per_session: 100,
         };
-        prune(&mut c, all, 1000.0).expect("prune");
+        prune(&mut c, all, 1000.0, 0).expect("prune");
         let s = since(&mut c, "s1", 4, 10).expect("since");
         assert_eq!((s.events.len(), s.last_sequence, s.truncated), (0, 6, true));
         let next = append_tx(&mut c, "s1", &[ev(7)], 1000.0).expect("append");
         assert_eq!(next[0].seq, 7);
+    }
+
+    /// The count rule reads only the sessions that wrote since the last pruning, and a batch
+    /// that takes the rowid of a deleted one is not hidden from it.
+    #[test]
+    fn the_count_rule_walks_only_what_was_written_since_it_last_ran() {
+        let (_d, mut c) = setup();
+        let keep_two = Retention {
+            max_age_seconds: 0.0,
+            max_per_session: 2,
+        };
+        for i in 0..4 {
+            append_tx(&mut c, "s1", &[ev(i)], 10.0).expect("append");
+        }
+        let first = prune(&mut c, keep_two, 20.0, 0).expect("prune");
+        assert_eq!((first.batches, first.more, first.seen), (2, false, 4));
+        // Pruning by count after the walk: s1 is not read again until it writes.
+        append_tx(&mut c, "s2", &[ev(0), ev(1), ev(2)], 11.0).expect("append");
+        let second = prune(&mut c, keep_two, 20.0, first.seen).expect("prune");
+        assert_eq!((second.batches, second.seen), (0, 5));
+        // s2's one batch holds 3 events: the mark moves into it and the batch stays.
+        assert_eq!(head(&mut c, "s2").expect("head").pruned_through, 1);
+        append_tx(&mut c, "s1", &[ev(4)], 12.0).expect("append");
+        let third = prune(&mut c, keep_two, 20.0, second.seen).expect("prune");
+        assert_eq!((third.batches, third.seen), (1, 6));
+        let s = since(&mut c, "s1", 0, 10).expect("since");
+        assert_eq!(
+            s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![4, 5]
+        );
+        // Everything goes by age, the newest rowid too; the next batch takes rowid 1 again,
+        // and the count rule still sees it.
+        let by_age = Retention {
+            max_age_seconds: 1.0,
+            max_per_session: 2,
+        };
+        let fourth = prune(&mut c, by_age, 100.0, third.seen).expect("prune");
+        assert_eq!((fourth.batches, fourth.seen), (3, 0));
+        for i in 0..3 {
+            append_tx(&mut c, "s1", &[ev(i)], 200.0).expect("append");
+        }
+        let fifth = prune(&mut c, keep_two, 200.0, fourth.seen).expect("prune");
+        assert_eq!((fifth.batches, fifth.seen), (1, 3));
+        let s = since(&mut c, "s1", 0, 10).expect("since");
+        assert_eq!(
+            s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![7, 8]
+        );
+    }
+
+    /// The heads kept before the log was read for them: each session's sequence continues where
+    /// it stood and its pruning mark is kept; the down migration gives the heads back.
+    #[test]
+    fn the_heads_migration_keeps_every_sequence_and_mark() {
+        use diesel::connection::SimpleConnection;
+        use diesel_migrations::MigrationHarness;
+        let (_dir, mut c) = testing::conn_just_before("_event_heads_from_the_log");
+        c.batch_execute(
+            r#"PRAGMA foreign_keys = OFF;
+               INSERT INTO session_event_batches (session_id, last_seq, first_seq, events_json, created_at)
+                 VALUES ('s1', 1, 1, '[["a",1]]', 1.0), ('s1', 3, 2, '[["a",2],["a",3]]', 2.0),
+                        ('s3', 2, 1, '[["a",1],["a",2]]', 3.0);
+               INSERT INTO session_event_heads (session_id, last_seq, pruned_through)
+                 VALUES ('s1', 3, 1), ('s2', 5, 5), ('s3', 2, 0);"#,
+        )
+        .expect("old heads");
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let heads = |c: &mut SqliteConnection| {
+            ["s1", "s2", "s3", "s4"].map(|s| {
+                let h = head(c, s).expect("head");
+                (h.last_seq, h.pruned_through)
+            })
+        };
+        assert_eq!(heads(&mut c), [(3, 1), (5, 5), (2, 0), (0, 0)]);
+        let rows: Vec<(String, i64)> = pruned::table
+            .select((pruned::session_id, pruned::through))
+            .order(pruned::session_id)
+            .load(&mut c)
+            .expect("marks");
+        assert_eq!(rows, vec![("s1".into(), 1), ("s2".into(), 5)]);
+        let next = append(&mut c, "s2", &[ev(6)], 4.0).expect("append");
+        assert_eq!(next[0].seq, 6);
+        assert_eq!(heads(&mut c), [(3, 1), (6, 5), (2, 0), (0, 0)]);
+        #[derive(diesel::QueryableByName, Debug, PartialEq)]
+        struct OldHead {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            session_id: String,
+            #[diesel(sql_type = BigInt)]
+            last_seq: i64,
+            #[diesel(sql_type = BigInt)]
+            pruned_through: i64,
+        }
+        c.revert_last_migration(crate::store::MIGRATIONS)
+            .expect("revert");
+        let old: Vec<OldHead> = diesel::sql_query(
+            "SELECT session_id, last_seq, pruned_through FROM session_event_heads \
+             ORDER BY session_id",
+        )
+        .load(&mut c)
+        .expect("heads");
+        let old = old
+            .into_iter()
+            .map(|h| (h.session_id, h.last_seq, h.pruned_through))
+            .collect::<Vec<_>>();
+        assert_eq!(
+            old,
+            vec![
+                ("s1".to_string(), 3, 1),
+                ("s2".to_string(), 6, 5),
+                ("s3".to_string(), 2, 0)
+            ]
+        );
     }
 
     /// The events of one transaction are one stored batch; pruning that reaches into the middle
@@ -623,7 +780,10 @@ mod tests {
             max_per_session: 3,
         };
         // Through 2: the first batch (1..=3) still holds 3.
-        assert_eq!(prune(&mut c, keep_three, 100.0).expect("prune").batches, 0);
+        assert_eq!(
+            prune(&mut c, keep_three, 100.0, 0).expect("prune").batches,
+            0
+        );
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(
@@ -668,20 +828,24 @@ mod tests {
             max_age_seconds: 10.0,
             max_per_session: 1_000_000,
         };
-        let first = prune(&mut c, by_age, 20.0).expect("prune");
+        let first = prune(&mut c, by_age, 20.0, 0).expect("prune");
+        // The count rule walked the whole log (4,107 batches, rowids 1..=4107); the newest stays.
+        let newest = (AGE_WALK + 11) as i64;
         assert_eq!(
             first,
             Pruned {
                 batches: AGE_WALK,
-                more: true
+                more: true,
+                seen: newest,
             }
         );
-        let second = prune(&mut c, by_age, 20.0).expect("prune");
+        let second = prune(&mut c, by_age, 20.0, first.seen).expect("prune");
         assert_eq!(
             second,
             Pruned {
                 batches: 10,
-                more: false
+                more: false,
+                seen: newest,
             }
         );
         let s = since(&mut c, "s1", 0, 10).expect("since");
@@ -695,8 +859,11 @@ mod tests {
         );
         assert!(since(&mut c, "s2", 0, 10).expect("since").events.is_empty());
         assert_eq!(
-            prune(&mut c, by_age, 20.0).expect("prune"),
-            Pruned::default()
+            prune(&mut c, by_age, 20.0, second.seen).expect("prune"),
+            Pruned {
+                seen: newest,
+                ..Pruned::default()
+            }
         );
     }
 
