@@ -14,3 +14,6 @@ FROM (SELECT session_id AS id FROM session_events_pruned
       UNION SELECT session_id FROM session_event_batches);
 
 DROP TABLE session_events_pruned;
+
+-- How far the count rule had walked the log (kept by the code this migration came with).
+DELETE FROM state_meta WHERE key = 'session_events.count_rule_seen';

@@ -7,7 +7,9 @@
 -- far the log was pruned (pruning removes only batches at or below that mark, so whenever a
 -- batch is left the newest one is past it). The number therefore still never goes back.
 --
--- What is left of the head is the pruning mark, kept only for the sessions pruning reached.
+-- What is left of the head is the pruning mark, kept only for the sessions pruning reached. The
+-- count rule now reads the batches written since it last ran (how far it got is kept in
+-- `state_meta`), where it read every head.
 CREATE TABLE session_events_pruned (
     session_id TEXT PRIMARY KEY NOT NULL REFERENCES sessions(id),
     -- Every event up to and including this sequence number was pruned.

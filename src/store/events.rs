@@ -317,19 +317,35 @@ pub struct Retention {
 
 /// How many of the oldest batches one pruning transaction walks for the age rule, at most.
 const AGE_WALK: usize = 4096;
-/// How many of the batches written since the last pruning one transaction walks for the count
-/// rule, at most.
-const COUNT_WALK: usize = 65_536;
+/// How many of the batches written since the count rule last ran one pruning transaction walks
+/// for it, at most.
+const COUNT_WALK: usize = 4096;
+/// The batches after a rowid, in the order they were written (the pruning rules' walk).
+const WALK_SQL: &str = "SELECT rowid, session_id, last_seq, created_at FROM session_event_batches \
+                        WHERE rowid > ? ORDER BY rowid LIMIT ?";
+/// The `state_meta` key of the rowid up to which the count rule has seen every batch.
+const COUNT_SEEN: &str = "session_events.count_rule_seen";
 
 /// What one pruning transaction did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Pruned {
     /// Stored batches deleted.
     pub batches: usize,
+    /// Batches the count rule walked (written since it last ran).
+    pub walked: usize,
     /// A walk stopped at its bound ([`AGE_WALK`], [`COUNT_WALK`]): run again for the rest.
     pub more: bool,
-    /// The count rule has seen every batch up to this rowid: pass it to the next pruning.
-    pub seen: i64,
+}
+
+/// The rowid up to which the count rule has seen every batch (0: none yet).
+pub(crate) fn count_rule_seen(conn: &mut SqliteConnection) -> Result<i64, StoreError> {
+    use super::schema::state_meta;
+    let v: Option<String> = state_meta::table
+        .select(state_meta::value)
+        .filter(state_meta::key.eq(COUNT_SEEN))
+        .first(conn)
+        .optional()?;
+    Ok(v.and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// Prune every session's log by age and count, in one transaction. `pruned_through` only moves
@@ -337,9 +353,9 @@ pub struct Pruned {
 /// all its events are pruned (readers skip the pruned ones).
 ///
 /// It runs on the writer, so it reads only what it prunes, never the whole log:
-/// - the count rule, the sessions of the batches written after rowid `seen` (what the last
-///   pruning reported; 0 walks the whole log, at most [`COUNT_WALK`] batches per transaction):
-///   only a session that grew can have grown past its limit;
+/// - the count rule, the batches written since it last ran (it keeps how far it got in
+///   `state_meta`, in the same transaction; at most [`COUNT_WALK`] per transaction): only a
+///   session that wrote can have grown past its limit, and its newest batch says how far;
 /// - the age rule, the oldest batches up to the first that is not past the cutoff (in rowid
 ///   order, which is the order they were written; at most [`AGE_WALK`] per transaction);
 /// - the ranges it deletes (through the key).
@@ -347,18 +363,12 @@ pub fn prune(
     conn: &mut SqliteConnection,
     retention: Retention,
     now: f64,
-    seen: i64,
 ) -> Result<Pruned, StoreError> {
     use diesel::sql_types::Text;
     #[derive(diesel::QueryableByName)]
-    struct Grown {
+    struct Stored {
         #[diesel(sql_type = BigInt)]
         rowid: i64,
-        #[diesel(sql_type = Text)]
-        session_id: String,
-    }
-    #[derive(diesel::QueryableByName)]
-    struct Stored {
         #[diesel(sql_type = Text)]
         session_id: String,
         #[diesel(sql_type = BigInt)]
@@ -380,40 +390,35 @@ pub fn prune(
             .execute(conn)
             .map(|n| n > 0)
         };
+        let walk = |conn: &mut SqliteConnection, after: i64, n: usize| {
+            diesel::sql_query(WALK_SQL)
+                .bind::<BigInt, _>(after)
+                .bind::<BigInt, _>(n as i64 + 1)
+                .load::<Stored>(conn)
+        };
         let mut moved: std::collections::HashMap<String, i64> = Default::default();
-        let grown: Vec<Grown> = diesel::sql_query(
-            "SELECT rowid, session_id FROM session_event_batches WHERE rowid > ? \
-             ORDER BY rowid LIMIT ?",
-        )
-        .bind::<BigInt, _>(seen)
-        .bind::<BigInt, _>(COUNT_WALK as i64 + 1)
-        .load(conn)?;
+        let seen = count_rule_seen(conn)?;
+        let mut grown = walk(conn, seen, COUNT_WALK)?;
         let mut more = grown.len() > COUNT_WALK;
-        let mut seen = grown
-            .get(..grown.len().min(COUNT_WALK))
-            .and_then(<[Grown]>::last)
-            .map_or(seen, |g| g.rowid);
-        let sessions: std::collections::BTreeSet<String> = grown
-            .into_iter()
-            .take(COUNT_WALK)
-            .map(|g| g.session_id)
-            .collect();
-        for session in sessions {
-            let through = last_seq(conn, &session)? - keep;
+        grown.truncate(COUNT_WALK);
+        let walked = grown.len();
+        let mut seen = grown.last().map_or(seen, |b| b.rowid);
+        // Each session's newest batch in the walk (a batch's `last_seq` grows with its rowid).
+        let mut newest: std::collections::HashMap<String, i64> = Default::default();
+        for b in grown {
+            let last = newest.entry(b.session_id).or_insert(b.last_seq);
+            *last = (*last).max(b.last_seq);
+        }
+        for (session, last) in newest {
+            let through = last - keep;
             if through > 0 && mark(conn, &session, through)? {
                 moved.insert(session, through);
             }
         }
         if retention.max_age_seconds > 0.0 {
             let cutoff = now - retention.max_age_seconds;
-            let oldest: Vec<Stored> = diesel::sql_query(
-                "SELECT session_id, last_seq, created_at FROM session_event_batches \
-                 ORDER BY rowid LIMIT ?",
-            )
-            .bind::<BigInt, _>(AGE_WALK as i64 + 1)
-            .load(conn)?;
             let mut old: std::collections::HashMap<String, i64> = Default::default();
-            for (i, b) in oldest.into_iter().enumerate() {
+            for (i, b) in walk(conn, 0, AGE_WALK)?.into_iter().enumerate() {
                 if b.created_at >= cutoff {
                     break;
                 }
@@ -442,23 +447,29 @@ pub fn prune(
         }
         if deleted > 0 {
             // Rowids are not AUTOINCREMENT: once the newest batches are deleted, new ones may
-            // take their rowids again, and must not hide below `seen`.
+            // take their rowids again, and must not hide below the mark.
             let newest: Option<i64> = hot_sql!("SELECT max(rowid) FROM session_event_batches", &[])
                 .returning::<diesel::sql_types::Nullable<BigInt>>()
                 .get_result(conn)?;
             seen = seen.min(newest.unwrap_or(0));
         }
+        diesel::sql_query(
+            "INSERT INTO state_meta (key, value) VALUES (?, ?) \
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        )
+        .bind::<Text, _>(COUNT_SEEN)
+        .bind::<Text, _>(seen.to_string())
+        .execute(conn)?;
         Ok(Pruned {
             batches: deleted,
+            walked,
             more,
-            seen,
         })
     })
 }
 
 /// Prune every `every` (first right away) on the current arbiter, for the life of the process.
-/// A backlog is pruned in several transactions, so other commits run between them. The first
-/// pruning's count rule walks the whole log (in steps); later ones only what was written since.
+/// A backlog is pruned in several transactions, so other commits run between them.
 pub fn spawn_pruner(
     db: super::Db,
     clock: crate::clock::SharedClock,
@@ -468,19 +479,16 @@ pub fn spawn_pruner(
     actix::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut seen = 0;
         loop {
             tick.tick().await;
             let mut batches = 0;
             loop {
                 let now = clock.now();
-                match db.write(move |c| prune(c, retention, now, seen)).await {
+                match db.write(move |c| prune(c, retention, now)).await {
                     Ok(p) => {
                         batches += p.batches;
-                        let walked = p.seen != seen;
-                        seen = p.seen;
                         // Stop when the walks are done, or made no progress (which would loop).
-                        if !p.more || (p.batches == 0 && !walked) {
+                        if !p.more || (p.batches == 0 && p.walked == 0) {
                             break;
                         }
                     }
@@ -585,11 +593,10 @@ mod tests {
     fn pruning_reads_only_what_it_prunes() {
         let (_d, mut c) = setup();
         for sql in [
-            "SELECT session_id, last_seq, created_at FROM session_event_batches \
-             ORDER BY rowid LIMIT 4097",
+            &WALK_SQL
+                .replace("rowid > ?", "rowid > 5")
+                .replace('?', "4097"),
             "DELETE FROM session_event_batches WHERE session_id = 's1' AND last_seq <= 3",
-            "SELECT rowid, session_id FROM session_event_batches WHERE rowid > 5 \
-             ORDER BY rowid LIMIT 65537",
             &LAST_SEQ.replace('?', "'s1'"),
             "SELECT max(rowid) FROM session_event_batches",
             "SELECT first_seq, events_json FROM session_event_batches \
@@ -618,10 +625,7 @@ mod tests {
             max_age_seconds: 0.0,
             max_per_session: 4,
         };
-        assert_eq!(
-            prune(&mut c, keep_four, 100.0, 0).expect("prune").batches,
-            2
-        );
+        assert_eq!(prune(&mut c, keep_four, 100.0).expect("prune").batches, 2);
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(s.events.first().map(|e| e.seq), Some(3));
@@ -631,7 +635,7 @@ mod tests {
             max_age_seconds: 86.5,
             max_per_session: 100,
         };
-        assert_eq!(prune(&mut c, by_age, 100.0, 0).expect("prune").batches, 3);
+        assert_eq!(prune(&mut c, by_age, 100.0).expect("prune").batches, 3);
         let s = since(&mut c, "s1", 2, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(
@@ -644,7 +648,7 @@ mod tests {
             max_age_seconds: 1.0,
             max_per_session: 100,
         };
-        prune(&mut c, all, 1000.0, 0).expect("prune");
+        prune(&mut c, all, 1000.0).expect("prune");
         let s = since(&mut c, "s1", 4, 10).expect("since");
         assert_eq!((s.events.len(), s.last_sequence, s.truncated), (0, 6, true));
         let next = append_tx(&mut c, "s1", &[ev(7)], 1000.0).expect("append");
@@ -663,35 +667,38 @@ mod tests {
         for i in 0..4 {
             append_tx(&mut c, "s1", &[ev(i)], 10.0).expect("append");
         }
-        let first = prune(&mut c, keep_two, 20.0, 0).expect("prune");
-        assert_eq!((first.batches, first.more, first.seen), (2, false, 4));
+        let first = prune(&mut c, keep_two, 20.0).expect("prune");
+        assert_eq!((first.batches, first.walked, first.more), (2, 4, false));
+        assert_eq!(count_rule_seen(&mut c).expect("seen"), 4);
         // Pruning by count after the walk: s1 is not read again until it writes.
         append_tx(&mut c, "s2", &[ev(0), ev(1), ev(2)], 11.0).expect("append");
-        let second = prune(&mut c, keep_two, 20.0, first.seen).expect("prune");
-        assert_eq!((second.batches, second.seen), (0, 5));
+        let second = prune(&mut c, keep_two, 20.0).expect("prune");
+        assert_eq!((second.batches, second.walked), (0, 1));
         // s2's one batch holds 3 events: the mark moves into it and the batch stays.
         assert_eq!(head(&mut c, "s2").expect("head").pruned_through, 1);
         append_tx(&mut c, "s1", &[ev(4)], 12.0).expect("append");
-        let third = prune(&mut c, keep_two, 20.0, second.seen).expect("prune");
-        assert_eq!((third.batches, third.seen), (1, 6));
+        let third = prune(&mut c, keep_two, 20.0).expect("prune");
+        assert_eq!((third.batches, third.walked), (1, 1));
+        assert_eq!(count_rule_seen(&mut c).expect("seen"), 6);
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert_eq!(
             s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
             vec![4, 5]
         );
-        // Everything goes by age, the newest rowid too; the next batch takes rowid 1 again,
-        // and the count rule still sees it.
+        // Everything goes by age, the newest rowid too; the next batches take rowids 1..=3
+        // again, and the count rule still sees them.
         let by_age = Retention {
             max_age_seconds: 1.0,
             max_per_session: 2,
         };
-        let fourth = prune(&mut c, by_age, 100.0, third.seen).expect("prune");
-        assert_eq!((fourth.batches, fourth.seen), (3, 0));
+        let fourth = prune(&mut c, by_age, 100.0).expect("prune");
+        assert_eq!((fourth.batches, fourth.walked), (3, 0));
+        assert_eq!(count_rule_seen(&mut c).expect("seen"), 0);
         for i in 0..3 {
             append_tx(&mut c, "s1", &[ev(i)], 200.0).expect("append");
         }
-        let fifth = prune(&mut c, keep_two, 200.0, fourth.seen).expect("prune");
-        assert_eq!((fifth.batches, fifth.seen), (1, 3));
+        let fifth = prune(&mut c, keep_two, 200.0).expect("prune");
+        assert_eq!((fifth.batches, fifth.walked), (1, 3));
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert_eq!(
             s.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
@@ -780,10 +787,7 @@ mod tests {
             max_per_session: 3,
         };
         // Through 2: the first batch (1..=3) still holds 3.
-        assert_eq!(
-            prune(&mut c, keep_three, 100.0, 0).expect("prune").batches,
-            0
-        );
+        assert_eq!(prune(&mut c, keep_three, 100.0).expect("prune").batches, 0);
         let s = since(&mut c, "s1", 0, 10).expect("since");
         assert!(s.truncated);
         assert_eq!(
@@ -828,24 +832,23 @@ mod tests {
             max_age_seconds: 10.0,
             max_per_session: 1_000_000,
         };
-        let first = prune(&mut c, by_age, 20.0, 0).expect("prune");
-        // The count rule walked the whole log (4,107 batches, rowids 1..=4107); the newest stays.
-        let newest = (AGE_WALK + 11) as i64;
+        // Both walks stop at their bounds: the count rule's at the 4,096th of 4,107 batches.
+        let first = prune(&mut c, by_age, 20.0).expect("prune");
         assert_eq!(
             first,
             Pruned {
                 batches: AGE_WALK,
+                walked: COUNT_WALK,
                 more: true,
-                seen: newest,
             }
         );
-        let second = prune(&mut c, by_age, 20.0, first.seen).expect("prune");
+        let second = prune(&mut c, by_age, 20.0).expect("prune");
         assert_eq!(
             second,
             Pruned {
                 batches: 10,
+                walked: 11,
                 more: false,
-                seen: newest,
             }
         );
         let s = since(&mut c, "s1", 0, 10).expect("since");
@@ -859,11 +862,8 @@ mod tests {
         );
         assert!(since(&mut c, "s2", 0, 10).expect("since").events.is_empty());
         assert_eq!(
-            prune(&mut c, by_age, 20.0, second.seen).expect("prune"),
-            Pruned {
-                seen: newest,
-                ..Pruned::default()
-            }
+            prune(&mut c, by_age, 20.0).expect("prune"),
+            Pruned::default()
         );
     }
 
