@@ -415,8 +415,13 @@ pub fn prune(
                 moved.insert(session, through);
             }
         }
-        if retention.max_age_seconds > 0.0 {
-            let cutoff = now - retention.max_age_seconds;
+        let cutoff = now - retention.max_age_seconds;
+        // The oldest batch first (one seek): a log with nothing old is not walked.
+        let aged = retention.max_age_seconds > 0.0
+            && walk(conn, 0, 0)?
+                .first()
+                .is_some_and(|b| b.created_at < cutoff);
+        if aged {
             let mut old: std::collections::HashMap<String, i64> = Default::default();
             for (i, b) in walk(conn, 0, AGE_WALK)?.into_iter().enumerate() {
                 if b.created_at >= cutoff {
