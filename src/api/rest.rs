@@ -280,7 +280,7 @@ pub async fn call<T: DeserializeOwned>(
     caller: &Caller,
 ) -> Result<T, ApiError> {
     let r = authority.call(method, params, caller).await?;
-    shaped(method, r.result)
+    shaped(method, r.result.into_value())
 }
 
 /// A method's result as the documented type.
@@ -480,7 +480,7 @@ async fn create_session(
         )
         .await?;
     let created = r.created;
-    let snap: SessionSnapshot = shaped("session.create", r.result)?;
+    let snap: SessionSnapshot = shaped("session.create", r.result.into_value())?;
     Ok(if created {
         HttpResponse::Created().json(snap)
     } else {

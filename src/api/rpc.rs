@@ -41,9 +41,98 @@ pub struct Caller {
 /// registry. Shared, so a request's copy is a reference count.
 pub type Subscriptions = Arc<HashMap<String, Option<Addr<SessionSupervisor>>>>;
 
+/// A call's result: a JSON value, or an admission's receipt, which the WebSocket writes into its
+/// reply frame straight from the row it was made of (the hot path: no value is built).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    Value(Value),
+    Receipt(Box<Receipt>),
+}
+
+impl Reply {
+    /// The result as a JSON value.
+    pub fn into_value(self) -> Value {
+        match self {
+            Reply::Value(v) => v,
+            Reply::Receipt(r) => r.into_value(),
+        }
+    }
+}
+
+impl serde::Serialize for Reply {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Reply::Value(v) => v.serialize(s),
+            Reply::Receipt(r) => r.serialize(s),
+        }
+    }
+}
+
+impl From<Value> for Reply {
+    fn from(v: Value) -> Reply {
+        Reply::Value(v)
+    }
+}
+
+/// An admission's receipt (`prompt.submit`, `prompt.receipt`, …). Its fields are declared in the
+/// order serde_json writes an object's keys, so the text is the one the value would write.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Receipt {
+    admission_id: String,
+    authority_epoch: i64,
+    execution_generation: Option<i64>,
+    input_id: String,
+    outcome: Option<String>,
+    #[serde(rename = "ref")]
+    reference: ReceiptRef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<Value>,
+    sequence: i64,
+    session_id: String,
+    status: String,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+struct ReceiptRef {
+    session_id: String,
+}
+
+impl Receipt {
+    /// The receipt of `row` under `epoch` (the row's own owner epoch when it has one); a settled
+    /// row carries its result.
+    pub fn of(row: AdmissionRow, epoch: i64) -> Receipt {
+        let result = if row.is_terminal() {
+            row.result_json
+                .as_deref()
+                .and_then(|r| serde_json::from_str::<Value>(r).ok())
+        } else {
+            None
+        };
+        Receipt {
+            admission_id: row.admission_id,
+            authority_epoch: row.owner_epoch.unwrap_or(epoch),
+            execution_generation: row.execution_generation,
+            input_id: row.request_id,
+            outcome: row.outcome,
+            reference: ReceiptRef {
+                session_id: row.target_session_id.clone(),
+            },
+            result,
+            sequence: row.seq,
+            session_id: row.target_session_id,
+            status: row.status,
+        }
+    }
+
+    pub fn into_value(self) -> Value {
+        // A struct of strings, numbers and values always makes a value.
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+}
+
 /// What a successful call changes on the connection.
 pub struct CallResult {
-    pub result: Value,
+    pub result: Reply,
     /// `session.create` made a new session (rather than finding the one its request id made);
     /// REST answers 201 for it. The RPC result does not carry it.
     pub created: bool,
@@ -53,9 +142,9 @@ pub struct CallResult {
 
 impl CallResult {
     /// A result that changes no subscription.
-    pub fn plain(result: Value) -> CallResult {
+    pub fn plain(result: impl Into<Reply>) -> CallResult {
         CallResult {
-            result,
+            result: result.into(),
             subscribe: None,
             created: false,
         }
@@ -152,27 +241,7 @@ fn check_id(name: &str, v: &str) -> GatewayResult<()> {
 
 /// The receipt of an admission.
 pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
-    let mut v = json!({
-        "admission_id": row.admission_id,
-        "ref": {"session_id": row.target_session_id},
-        "session_id": row.target_session_id,
-        "input_id": row.request_id,
-        "sequence": row.seq,
-        "status": row.status,
-        "outcome": row.outcome,
-        "authority_epoch": row.owner_epoch.unwrap_or(epoch),
-        "execution_generation": row.execution_generation,
-    });
-    if row.is_terminal() {
-        if let Some(r) = row
-            .result_json
-            .as_deref()
-            .and_then(|r| serde_json::from_str::<Value>(r).ok())
-        {
-            v["result"] = r;
-        }
-    }
-    v
+    Receipt::of(row.clone(), epoch).into_value()
 }
 
 fn pending_view(row: &AdmissionRow, epoch: i64) -> Value {
@@ -247,6 +316,11 @@ impl Authority {
     /// Dispatch one method.
     pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
         let plain = |result: Value| Ok(CallResult::plain(result));
+        let receipt_of = |row, epoch| {
+            Ok(CallResult::plain(Reply::Receipt(Box::new(Receipt::of(
+                row, epoch,
+            )))))
+        };
         match method {
             "session.create" => self.create(params(p)?, caller).await,
             "session.resume" => {
@@ -255,7 +329,7 @@ impl Authority {
                 let sup = self.subscribe(&root.id, caller).await?;
                 let snap = self.snapshot(&root.id).await?;
                 Ok(CallResult {
-                    result: snap,
+                    result: snap.into(),
                     subscribe: Some((root.id, sup)),
                     created: false,
                 })
@@ -297,7 +371,7 @@ impl Authority {
                     .map_err(|_| {
                         GatewayError::Internal("session supervisor unavailable".into())
                     })??;
-                plain(receipt(&row, self.shared.epoch))
+                receipt_of(row, self.shared.epoch)
             }
             "prompt.receipt" => {
                 let p: AdmissionParams = params(p)?;
@@ -624,7 +698,7 @@ impl Authority {
         let sup = self.subscribe(&row.id, caller).await?;
         let snap = self.snapshot(&row.id).await?;
         Ok(CallResult {
-            result: snap,
+            result: snap.into(),
             subscribe: Some((row.id, sup)),
             created,
         })
@@ -672,5 +746,75 @@ impl Authority {
                 "title": root.title,
             },
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: &str, outcome: Option<&str>, result_json: Option<&str>) -> AdmissionRow {
+        AdmissionRow {
+            seq: 42,
+            admission_id: "0190aa".into(),
+            request_id: "in-\"7\"".into(),
+            principal_id: "local".into(),
+            target_session_id: "local-é1".into(),
+            payload_json: r#"{"text":"hi"}"#.into(),
+            payload_digest: "d".into(),
+            intent: "queue".into(),
+            status: status.into(),
+            outcome: outcome.map(str::to_string),
+            owner_epoch: (status != "queued").then_some(3),
+            execution_generation: (status != "queued").then_some(2),
+            result_json: result_json.map(str::to_string),
+            created_at: 1.0,
+            updated_at: 2.0,
+        }
+    }
+
+    /// A receipt written from its row is, byte for byte, the one built as a JSON value (the
+    /// receipt's definition before it had a type), for a queued, a settled and an unreadable row.
+    #[test]
+    fn a_receipt_is_written_as_the_value_it_stands_for() {
+        let rows = [
+            row("queued", None, None),
+            row(
+                "terminal",
+                Some("completed"),
+                Some(r#"{"text":"done \n","n":[1,2]}"#),
+            ),
+            row("terminal", Some("failed"), Some("not json")),
+            row("started", None, None),
+        ];
+        for r in rows {
+            let mut v = json!({
+                "admission_id": r.admission_id,
+                "ref": {"session_id": r.target_session_id},
+                "session_id": r.target_session_id,
+                "input_id": r.request_id,
+                "sequence": r.seq,
+                "status": r.status,
+                "outcome": r.outcome,
+                "authority_epoch": r.owner_epoch.unwrap_or(9),
+                "execution_generation": r.execution_generation,
+            });
+            if r.is_terminal() {
+                if let Some(res) = r
+                    .result_json
+                    .as_deref()
+                    .and_then(|j| serde_json::from_str(j).ok())
+                {
+                    v["result"] = res;
+                }
+            }
+            let reply = Reply::Receipt(Box::new(Receipt::of(r.clone(), 9)));
+            assert_eq!(
+                crate::api::ws::result_frame(&json!(1), &reply),
+                json!({"jsonrpc": "2.0", "id": 1, "result": v}).to_string()
+            );
+            assert_eq!(reply.into_value(), v);
+            assert_eq!(receipt(&r, 9), v);
+        }
     }
 }

@@ -249,7 +249,30 @@ impl Handler<CloseSlow> for WsConnection {
 }
 
 fn error_frame(id: Value, err: &GatewayError) -> String {
-    json!({"jsonrpc": "2.0", "id": id, "error": err.to_rpc_error()}).to_string()
+    text_of(&json!({"jsonrpc": "2.0", "id": id, "error": err.to_rpc_error()}))
+}
+
+/// `v` as JSON text, written into one buffer: `Value`'s `to_string` goes through the formatter,
+/// one small write per token, which cost a reply frame about twice as many instructions.
+pub fn text_of(v: &Value) -> String {
+    let mut out = Vec::with_capacity(128);
+    // Writing a value to memory cannot fail, and what serde_json writes is UTF-8.
+    let _ = serde_json::to_writer(&mut out, v);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// The reply frame `{"jsonrpc": "2.0", "id": id, "result": result}`, written straight from its
+/// parts (the keys in the order serde_json writes an object's) instead of being built as a value
+/// that moves the result in.
+pub fn result_frame(id: &Value, result: &impl serde::Serialize) -> String {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"{\"id\":");
+    // As in `text_of`: writing to memory cannot fail, and the output is UTF-8.
+    let _ = serde_json::to_writer(&mut out, id);
+    out.extend_from_slice(b",\"jsonrpc\":\"2.0\",\"result\":");
+    let _ = serde_json::to_writer(&mut out, result);
+    out.push(b'}');
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// One decoded JSON-RPC request: `id` is `None` for a notification (no reply is sent).
@@ -260,6 +283,98 @@ pub struct RpcRequest {
     pub params: Value,
 }
 
+/// The top level of a frame, as far as the envelope rules read it: an object's four members
+/// (each present or not; any other member is skipped as it is parsed, and a repeated one counts
+/// as its last value, as in a JSON value), an array, or anything else. Read this way the frame
+/// is not built into a JSON value whose map the decoder would only take apart again.
+enum Envelope {
+    Object(EnvelopeFields),
+    Array,
+    Other,
+}
+
+#[derive(Default)]
+struct EnvelopeFields {
+    id: Option<Value>,
+    jsonrpc: Option<Value>,
+    method: Option<Value>,
+    params: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "lowercase")]
+enum EnvelopeKey {
+    Id,
+    Jsonrpc,
+    Method,
+    Params,
+    #[serde(other)]
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Envelope {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Envelope, D::Error> {
+        d.deserialize_any(EnvelopeVisitor)
+    }
+}
+
+struct EnvelopeVisitor;
+
+impl<'de> serde::de::Visitor<'de> for EnvelopeVisitor {
+    type Value = Envelope;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON-RPC request")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Envelope, A::Error> {
+        let mut fields = EnvelopeFields::default();
+        while let Some(key) = map.next_key::<EnvelopeKey>()? {
+            let slot = match key {
+                EnvelopeKey::Id => &mut fields.id,
+                EnvelopeKey::Jsonrpc => &mut fields.jsonrpc,
+                EnvelopeKey::Method => &mut fields.method,
+                EnvelopeKey::Params => &mut fields.params,
+                EnvelopeKey::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
+            };
+            *slot = Some(map.next_value()?);
+        }
+        Ok(Envelope::Object(fields))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Envelope, A::Error> {
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(Envelope::Array)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+
+    fn visit_unit<E>(self) -> Result<Envelope, E> {
+        Ok(Envelope::Other)
+    }
+}
+
 /// Decode one text frame into a request (pure: no I/O). On refusal, the id to answer with (the
 /// request's own when it could be read, else `null`) and the typed error.
 pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value, GatewayError)> {
@@ -267,17 +382,24 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
         let err = GatewayError::PayloadTooLarge(format!("frame is over {max_bytes} bytes"));
         return Err((Value::Null, err));
     }
-    let msg: Value = serde_json::from_str(text)
+    let envelope: Envelope = serde_json::from_str(text)
         .map_err(|e| (Value::Null, GatewayError::Parse(e.to_string())))?;
-    let Value::Object(mut obj) = msg else {
-        let what = if msg.is_array() {
-            "batch requests are not supported"
-        } else {
-            "a request must be an object"
-        };
-        return Err((Value::Null, GatewayError::InvalidRequest(what.into())));
+    let mut obj = match envelope {
+        Envelope::Object(fields) => fields,
+        Envelope::Array => {
+            return Err((
+                Value::Null,
+                GatewayError::InvalidRequest("batch requests are not supported".into()),
+            ))
+        }
+        Envelope::Other => {
+            return Err((
+                Value::Null,
+                GatewayError::InvalidRequest("a request must be an object".into()),
+            ))
+        }
     };
-    let id = obj.remove("id");
+    let id = obj.id.take();
     let reply_id = match &id {
         Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
         Some(_) => {
@@ -288,19 +410,19 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
         }
         None => Value::Null,
     };
-    if obj.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
+    if obj.jsonrpc.as_ref().and_then(|v| v.as_str()) != Some("2.0") {
         return Err((
             reply_id,
             GatewayError::InvalidRequest("jsonrpc must be \"2.0\"".into()),
         ));
     }
-    let Some(Value::String(method)) = obj.remove("method") else {
+    let Some(Value::String(method)) = obj.method.take() else {
         return Err((
             reply_id,
             GatewayError::InvalidRequest("method must be a string".into()),
         ));
     };
-    let params = match obj.remove("params") {
+    let params = match obj.params.take() {
         None | Some(Value::Null) => json!({}),
         Some(p @ Value::Object(_)) => p,
         Some(_) => {
@@ -342,7 +464,7 @@ impl WsConnection {
                     if let Some((root, sup)) = r.subscribe {
                         Arc::make_mut(&mut act.subscribed).insert(root, sup);
                     }
-                    json!({"jsonrpc": "2.0", "id": reply_id, "result": r.result}).to_string()
+                    result_frame(&reply_id, &r.result)
                 }
                 Err(e) => error_frame(reply_id, &e),
             };
@@ -501,6 +623,96 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
                     description: Some(e.to_string()),
                 }));
                 ctx.stop();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame is read member by member: a repeated member counts as its last value (as in a
+    /// JSON value), other members are skipped but must still be valid JSON, and what is not an
+    /// object is refused as before.
+    #[test]
+    fn a_request_is_read_from_its_envelope_members() {
+        let r = parse_request(
+            r#"{"jsonrpc":"1.0","i\u0064":"x","extra":[1,{"y":[null]}],"jsonrpc":"2.0","method":"a","method":"b","id":7,"params":{"k":"v"}}"#,
+            1 << 20,
+        )
+        .expect("request");
+        assert_eq!(
+            r,
+            RpcRequest {
+                id: Some(json!(7)),
+                method: "b".into(),
+                params: json!({"k": "v"}),
+            }
+        );
+        let reason = |text: &str| parse_request(text, 1 << 20).map_err(|(id, e)| (id, e.reason()));
+        assert_eq!(
+            reason(r#"{"jsonrpc":"2.0","method":"m","extra":[1,}"#),
+            Err((Value::Null, "parse_error"))
+        );
+        assert_eq!(
+            reason(r#"[{"jsonrpc":"2.0"}]"#),
+            Err((Value::Null, "invalid_request"))
+        );
+        assert_eq!(
+            reason(r#""a string""#),
+            Err((Value::Null, "invalid_request"))
+        );
+        assert_eq!(
+            reason(r#"{"jsonrpc":"2.0","method":"m"} x"#),
+            Err((Value::Null, "parse_error"))
+        );
+        assert_eq!(
+            reason(r#"{"id":null,"jsonrpc":"2.0","method":"m","params":[]}"#),
+            Err((Value::Null, "invalid_params"))
+        );
+        assert_eq!(
+            reason(r#"{"id":"q","method":"m"}"#),
+            Err((json!("q"), "invalid_request"))
+        );
+        // Nesting past the parser's depth limit is refused where a value is built (the params),
+        // and skipped without recursion in a member nobody reads.
+        let nested = |member: &str| {
+            format!(
+                r#"{{"jsonrpc":"2.0","method":"m","{member}":{{"a":{}1{}}}}}"#,
+                "[".repeat(200),
+                "]".repeat(200)
+            )
+        };
+        assert_eq!(reason(&nested("params")), Err((Value::Null, "parse_error")));
+        assert!(reason(&nested("extra")).is_ok());
+    }
+
+    /// A reply frame written from its parts is, byte for byte, the one built as a value and
+    /// written out, for awkward ids and results; so is any value written into one buffer.
+    #[test]
+    fn a_result_frame_is_the_reply_written_from_its_value() {
+        let ids = [
+            json!(null),
+            json!(7),
+            json!(-12.5),
+            json!("a\"b\\c"),
+            json!("é 🐙"),
+        ];
+        let results = [
+            json!({"admission_id": "0190", "ref": {"session_id": "local-1"}, "sequence": 3,
+                   "outcome": null, "status": "queued", "execution_generation": null}),
+            json!({"text": "quote \" newline \n nul \u{0} \u{2028}", "list": [1, 2.5, true, {}]}),
+            json!([]),
+            json!("bare"),
+            json!(null),
+            json!(12345678901234567890u64),
+        ];
+        for id in &ids {
+            for result in &results {
+                let built = json!({"jsonrpc": "2.0", "id": id, "result": result});
+                assert_eq!(result_frame(id, result), built.to_string());
+                assert_eq!(text_of(&built), built.to_string());
             }
         }
     }

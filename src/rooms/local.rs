@@ -146,7 +146,8 @@ impl SessionPort for LocalSessionPort {
                 .call("session.create", params, &Self::caller())
                 .await
                 .map_err(port_err)?;
-            let id = r.result["session_id"]
+            let result = r.result.into_value();
+            let id = result["session_id"]
                 .as_str()
                 .ok_or_else(|| PortError::new("no session id"))?;
             Ok(SessionHandle {

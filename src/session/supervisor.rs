@@ -147,7 +147,7 @@ impl SessionSupervisor {
         }
         params["authority_epoch"] = json!(self.shared.epoch);
         let frame = json!({"jsonrpc": "2.0", "method": "event", "params": params});
-        frames.push(Arc::from(frame.to_string()));
+        frames.push(Arc::from(crate::api::ws::text_of(&frame)));
     }
 
     /// A stored event's frame, made only if someone listens.
