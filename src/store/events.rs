@@ -80,23 +80,28 @@ impl EventRow {
     /// JSON `serde_json` wrote (see [`append`]) and goes in as it is, instead of being parsed into
     /// a value and written out again for every event sent.
     pub fn wire_frame(&self, authority_epoch: i64) -> String {
-        use std::fmt::Write;
-        let text = |s: &str| Value::from(s).to_string();
-        let mut out = String::with_capacity(
+        let mut out = Vec::with_capacity(
             144 + self.payload_json.len() + self.session_id.len() + self.kind.len(),
         );
-        // Writing to a `String` cannot fail.
-        let _ = write!(
-            out,
-            "{{\"jsonrpc\":\"2.0\",\"method\":\"event\",\"params\":{{\"authority_epoch\":{authority_epoch},\
-             \"created_at\":{},\"payload\":{},\"seq\":{},\"session_id\":{},\"type\":{}}}}}",
-            Value::from(self.created_at),
-            self.payload_json,
-            self.seq,
-            text(&self.session_id),
-            text(&self.kind),
+        // Each part is written into the one buffer with serde_json's writer (a value's
+        // `to_string` goes through the formatter, one small write per token); writing to memory
+        // cannot fail, and everything written is UTF-8 (the payload is a `String`).
+        out.extend_from_slice(
+            b"{\"jsonrpc\":\"2.0\",\"method\":\"event\",\"params\":{\"authority_epoch\":",
         );
-        out
+        let _ = serde_json::to_writer(&mut out, &authority_epoch);
+        out.extend_from_slice(b",\"created_at\":");
+        let _ = serde_json::to_writer(&mut out, &Value::from(self.created_at));
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(self.payload_json.as_bytes());
+        out.extend_from_slice(b",\"seq\":");
+        let _ = serde_json::to_writer(&mut out, &self.seq);
+        out.extend_from_slice(b",\"session_id\":");
+        let _ = serde_json::to_writer(&mut out, self.session_id.as_str());
+        out.extend_from_slice(b",\"type\":");
+        let _ = serde_json::to_writer(&mut out, self.kind.as_str());
+        out.extend_from_slice(b"}}");
+        String::from_utf8(out).unwrap_or_default()
     }
 
     /// The wire form shared by WebSocket notifications, `session.events.since` and SSE:
