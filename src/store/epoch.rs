@@ -99,12 +99,7 @@ pub fn meta_get_or_create(
     make: impl FnOnce() -> String,
 ) -> Result<String, StoreError> {
     super::write_tx(conn, |conn| {
-        let existing: Option<String> = state_meta::table
-            .select(state_meta::value)
-            .filter(state_meta::key.eq(key))
-            .first(conn)
-            .optional()?;
-        if let Some(v) = existing {
+        if let Some(v) = meta_get(conn, key)? {
             return Ok(v);
         }
         let value = make();
@@ -113,6 +108,26 @@ pub fn meta_get_or_create(
             .execute(conn)?;
         Ok(value)
     })
+}
+
+/// The value of `key` in `state_meta`, if it has one.
+pub fn meta_get(conn: &mut SqliteConnection, key: &str) -> Result<Option<String>, StoreError> {
+    Ok(state_meta::table
+        .select(state_meta::value)
+        .filter(state_meta::key.eq(key))
+        .first(conn)
+        .optional()?)
+}
+
+/// Set `key` to `value` in `state_meta` (inside the caller's transaction).
+pub fn meta_set(conn: &mut SqliteConnection, key: &str, value: &str) -> Result<(), StoreError> {
+    diesel::insert_into(state_meta::table)
+        .values((state_meta::key.eq(key), state_meta::value.eq(value)))
+        .on_conflict(state_meta::key)
+        .do_update()
+        .set(state_meta::value.eq(value))
+        .execute(conn)?;
+    Ok(())
 }
 
 #[cfg(test)]

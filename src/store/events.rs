@@ -344,13 +344,9 @@ pub struct Pruned {
 
 /// The rowid up to which the count rule has seen every batch (0: none yet).
 pub(crate) fn count_rule_seen(conn: &mut SqliteConnection) -> Result<i64, StoreError> {
-    use super::schema::state_meta;
-    let v: Option<String> = state_meta::table
-        .select(state_meta::value)
-        .filter(state_meta::key.eq(COUNT_SEEN))
-        .first(conn)
-        .optional()?;
-    Ok(v.and_then(|v| v.parse().ok()).unwrap_or(0))
+    Ok(super::epoch::meta_get(conn, COUNT_SEEN)?
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0))
 }
 
 /// Prune every session's log by age and count, in one transaction. `pruned_through` only moves
@@ -463,13 +459,7 @@ pub fn prune(
                 .get_result(conn)?;
             seen = seen.min(newest.unwrap_or(0));
         }
-        diesel::sql_query(
-            "INSERT INTO state_meta (key, value) VALUES (?, ?) \
-             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        )
-        .bind::<Text, _>(COUNT_SEEN)
-        .bind::<Text, _>(seen.to_string())
-        .execute(conn)?;
+        super::epoch::meta_set(conn, COUNT_SEEN, &seen.to_string())?;
         Ok(Pruned {
             batches: deleted,
             walked,
