@@ -41,7 +41,7 @@ pub mod schema {
     }
 }
 
-use schema::{session_event_batches as batches, session_events_pruned as pruned};
+use schema::session_event_batches as batches;
 
 /// An event to append: its type (`message.complete`, `approval.request`, …) and payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,35 +147,23 @@ pub struct Head {
     pub pruned_through: i64,
 }
 
-/// A session's last sequence number, read from its log: its newest batch's `last_seq`, or, when
-/// pruning left no batch, how far it pruned (pruning removes only batches at or below its mark,
-/// so a batch that is left ends past it). Never goes back. Two seeks, one of them on the key
-/// page an append then writes.
-const LAST_SEQ: &str = "SELECT max(\
+/// A session's head, read from its log in one statement (two seeks, one of them on the key page
+/// an append then writes): its newest batch's `last_seq` and how far pruning reached. The last
+/// sequence number is the larger: pruning removes only batches at or below its mark, so a batch
+/// that is left ends past it, and when pruning removed every batch the mark is where the log
+/// stood. It never goes back.
+const HEAD: &str = "SELECT \
      coalesce((SELECT max(last_seq) FROM session_event_batches WHERE session_id = ?), 0), \
-     coalesce((SELECT through FROM session_events_pruned WHERE session_id = ?), 0))";
-
-fn last_seq(conn: &mut SqliteConnection, session: &str) -> Result<i64, StoreError> {
-    Ok(
-        hot_sql!(LAST_SEQ, &[Bind::Text(session), Bind::Text(session)])
-            .returning::<BigInt>()
-            .get_result(conn)?,
-    )
-}
-
-fn pruned_through(conn: &mut SqliteConnection, session: &str) -> Result<i64, StoreError> {
-    Ok(pruned::table
-        .filter(pruned::session_id.eq(session))
-        .select(pruned::through)
-        .first::<i64>(conn)
-        .optional()?
-        .unwrap_or(0))
-}
+     coalesce((SELECT through FROM session_events_pruned WHERE session_id = ?), 0)";
 
 pub fn head(conn: &mut SqliteConnection, session: &str) -> Result<Head, StoreError> {
+    let (newest, pruned_through): (i64, i64) =
+        hot_sql!(HEAD, &[Bind::Text(session), Bind::Text(session)])
+            .returning::<(BigInt, BigInt)>()
+            .get_result(conn)?;
     Ok(Head {
-        last_seq: last_seq(conn, session)?,
-        pruned_through: pruned_through(conn, session)?,
+        last_seq: newest.max(pruned_through),
+        pruned_through,
     })
 }
 
@@ -192,7 +180,7 @@ pub fn append(
     let n = events.len() as i64;
     // The batch's key `(session_id, last_seq)` is unique: were two appends ever to compute the
     // same numbers, the second would fail here instead of reusing them.
-    let first = last_seq(conn, session)? + 1;
+    let first = head(conn, session)?.last_seq + 1;
     let end = first + n - 1;
     let mut rows = Vec::with_capacity(events.len());
     let mut batch = String::with_capacity(64 * events.len());
@@ -349,6 +337,31 @@ pub(crate) fn count_rule_seen(conn: &mut SqliteConnection) -> Result<i64, StoreE
         .unwrap_or(0))
 }
 
+/// A stored batch as the pruning rules' walk reads it.
+#[derive(diesel::QueryableByName)]
+struct Walked {
+    #[diesel(sql_type = BigInt)]
+    rowid: i64,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    session_id: String,
+    #[diesel(sql_type = BigInt)]
+    last_seq: i64,
+    #[diesel(sql_type = Double)]
+    created_at: f64,
+}
+
+/// Each session's newest `last_seq` among `batches`.
+fn newest_per_session(
+    batches: impl IntoIterator<Item = Walked>,
+) -> std::collections::HashMap<String, i64> {
+    let mut newest = std::collections::HashMap::new();
+    for b in batches {
+        let last = newest.entry(b.session_id).or_insert(b.last_seq);
+        *last = (*last).max(b.last_seq);
+    }
+    newest
+}
+
 /// Prune every session's log by age and count, in one transaction. `pruned_through` only moves
 /// forward, so `truncated` answers stay true once given; a batch that straddles it stays until
 /// all its events are pruned (readers skip the pruned ones).
@@ -366,17 +379,6 @@ pub fn prune(
     now: f64,
 ) -> Result<Pruned, StoreError> {
     use diesel::sql_types::Text;
-    #[derive(diesel::QueryableByName)]
-    struct Stored {
-        #[diesel(sql_type = BigInt)]
-        rowid: i64,
-        #[diesel(sql_type = Text)]
-        session_id: String,
-        #[diesel(sql_type = BigInt)]
-        last_seq: i64,
-        #[diesel(sql_type = Double)]
-        created_at: f64,
-    }
     let keep = retention.max_per_session.max(1);
     super::write_tx(conn, |conn| {
         // Move a session's mark forward (never back); whether it moved.
@@ -395,7 +397,7 @@ pub fn prune(
             diesel::sql_query(WALK_SQL)
                 .bind::<BigInt, _>(after)
                 .bind::<BigInt, _>(n as i64 + 1)
-                .load::<Stored>(conn)
+                .load::<Walked>(conn)
         };
         let mut moved: std::collections::HashMap<String, i64> = Default::default();
         let seen = count_rule_seen(conn)?;
@@ -404,13 +406,7 @@ pub fn prune(
         grown.truncate(COUNT_WALK);
         let walked = grown.len();
         let mut seen = grown.last().map_or(seen, |b| b.rowid);
-        // Each session's newest batch in the walk (a batch's `last_seq` grows with its rowid).
-        let mut newest: std::collections::HashMap<String, i64> = Default::default();
-        for b in grown {
-            let last = newest.entry(b.session_id).or_insert(b.last_seq);
-            *last = (*last).max(b.last_seq);
-        }
-        for (session, last) in newest {
+        for (session, last) in newest_per_session(grown) {
             let through = last - keep;
             if through > 0 && mark(conn, &session, through)? {
                 moved.insert(session, through);
@@ -423,19 +419,15 @@ pub fn prune(
                 .first()
                 .is_some_and(|b| b.created_at < cutoff);
         if aged {
-            let mut old: std::collections::HashMap<String, i64> = Default::default();
-            for (i, b) in walk(conn, 0, AGE_WALK)?.into_iter().enumerate() {
-                if b.created_at >= cutoff {
-                    break;
-                }
-                if i == AGE_WALK {
-                    more = true;
-                    break;
-                }
-                let through = old.entry(b.session_id).or_insert(b.last_seq);
-                *through = (*through).max(b.last_seq);
-            }
-            for (session, through) in old {
+            // The oldest batches up to the first that is not old; past the bound, the rest is
+            // for the next pruning.
+            let mut old: Vec<Walked> = walk(conn, 0, AGE_WALK)?
+                .into_iter()
+                .take_while(|b| b.created_at < cutoff)
+                .collect();
+            more |= old.len() > AGE_WALK;
+            old.truncate(AGE_WALK);
+            for (session, through) in newest_per_session(old) {
                 if mark(conn, &session, through)? {
                     let m = moved.entry(session).or_insert(through);
                     *m = (*m).max(through);
@@ -507,6 +499,7 @@ pub fn spawn_pruner(
 
 #[cfg(test)]
 mod tests {
+    use super::schema::session_events_pruned as pruned;
     use super::*;
     use crate::store::{epoch, testing};
 
@@ -597,7 +590,7 @@ mod tests {
                 .replace("rowid > ?", "rowid > 5")
                 .replace('?', "4097"),
             "DELETE FROM session_event_batches WHERE session_id = 's1' AND last_seq <= 3",
-            &LAST_SEQ.replace('?', "'s1'"),
+            &HEAD.replace('?', "'s1'"),
             "SELECT max(rowid) FROM session_event_batches",
             "SELECT first_seq, events_json FROM session_event_batches \
              WHERE session_id = 's1' AND last_seq > 3 ORDER BY last_seq LIMIT 10",
