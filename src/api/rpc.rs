@@ -100,7 +100,7 @@ struct ReceiptRef {
 impl Receipt {
     /// The receipt of `row` under `epoch` (the row's own owner epoch when it has one); a settled
     /// row carries its result.
-    pub fn of(row: AdmissionRow, epoch: i64) -> Receipt {
+    pub fn of(row: &AdmissionRow, epoch: i64) -> Receipt {
         let result = if row.is_terminal() {
             row.result_json
                 .as_deref()
@@ -109,18 +109,18 @@ impl Receipt {
             None
         };
         Receipt {
-            admission_id: row.admission_id,
+            admission_id: row.admission_id.clone(),
             authority_epoch: row.owner_epoch.unwrap_or(epoch),
             execution_generation: row.execution_generation,
-            input_id: row.request_id,
-            outcome: row.outcome,
+            input_id: row.request_id.clone(),
+            outcome: row.outcome.clone(),
             reference: ReceiptRef {
                 session_id: row.target_session_id.clone(),
             },
             result,
             sequence: row.seq,
-            session_id: row.target_session_id,
-            status: row.status,
+            session_id: row.target_session_id.clone(),
+            status: row.status.clone(),
         }
     }
 
@@ -241,7 +241,7 @@ fn check_id(name: &str, v: &str) -> GatewayResult<()> {
 
 /// The receipt of an admission.
 pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
-    Receipt::of(row.clone(), epoch).into_value()
+    Receipt::of(row, epoch).into_value()
 }
 
 fn pending_view(row: &AdmissionRow, epoch: i64) -> Value {
@@ -316,7 +316,7 @@ impl Authority {
     /// Dispatch one method.
     pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
         let plain = |result: Value| Ok(CallResult::plain(result));
-        let receipt_of = |row, epoch| {
+        let receipt_of = |row: &AdmissionRow, epoch| {
             Ok(CallResult::plain(Reply::Receipt(Box::new(Receipt::of(
                 row, epoch,
             )))))
@@ -371,7 +371,7 @@ impl Authority {
                     .map_err(|_| {
                         GatewayError::Internal("session supervisor unavailable".into())
                     })??;
-                receipt_of(row, self.shared.epoch)
+                receipt_of(&row, self.shared.epoch)
             }
             "prompt.receipt" => {
                 let p: AdmissionParams = params(p)?;
@@ -808,7 +808,7 @@ mod tests {
                     v["result"] = res;
                 }
             }
-            let reply = Reply::Receipt(Box::new(Receipt::of(r.clone(), 9)));
+            let reply = Reply::Receipt(Box::new(Receipt::of(&r, 9)));
             assert_eq!(
                 crate::api::ws::result_frame(&json!(1), &reply),
                 json!({"jsonrpc": "2.0", "id": 1, "result": v}).to_string()
