@@ -25,7 +25,7 @@ use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -382,10 +382,51 @@ fn is_removed(name: &OsStr, spec: &CommandSpec) -> bool {
             .any(|p| !p.is_empty() && name.starts_with(p.as_bytes()))
 }
 
+/// `program` as a path to run: a name without a slash is looked up in `path` (the child's `PATH`;
+/// the daemon's own when the child has none), as the child's `exec` would find it.
+///
+/// Spawning a path lets the standard library start the child with `posix_spawn`, a `vfork` that
+/// shares the daemon's memory until the child execs. Given a bare name and a `PATH` of the child's
+/// own, it forks instead, to search that `PATH` in the child: a fork copies the daemon's page
+/// tables on every tool call (its CPU per tool turn was 2-3 ms in the bench, most of it the fork)
+/// and holds its address space meanwhile, so every other thread that faults a page waits.
+fn resolve_program(program: &str, path: Option<&OsStr>) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program));
+    }
+    let path = path
+        .map(OsStr::to_os_string)
+        .or_else(|| std::env::var_os("PATH"))?;
+    // A relative entry would name a directory relative to wherever the daemon runs: skipped.
+    std::env::split_paths(&path)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(program))
+        .find(|candidate| is_executable_file(candidate))
+}
+
+fn is_executable_file(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The shell a command runs in when the child's `PATH` is the daemon's: the first of [`SHELLS`]
+/// found.
+pub fn default_shell() -> Option<PathBuf> {
+    SHELLS.iter().find_map(|s| resolve_program(s, None))
+}
+
 fn spawn_shell(spec: &CommandSpec, env: &[(OsString, OsString)]) -> Result<Child, TerminalError> {
     let mut last_err = None;
+    let child_path = env
+        .iter()
+        .find(|(k, _)| k.as_bytes() == b"PATH")
+        .map(|(_, v)| v.as_os_str());
     for shell in SHELLS {
-        let mut cmd = Command::new(shell);
+        let Some(program) = resolve_program(shell, child_path) else {
+            last_err = Some(io::Error::from(io::ErrorKind::NotFound));
+            continue;
+        };
+        let mut cmd = Command::new(program);
         cmd.arg("-c")
             .arg(&spec.command)
             .current_dir(&spec.cwd)
@@ -954,5 +995,44 @@ mod tests {
         assert_eq!(strip_ansi("\u{1b}[1;32mok\u{1b}[0m"), "ok");
         assert_eq!(strip_ansi("\u{1b}]0;title\u{7}x\u{1b}(By"), "xy");
         assert_eq!(strip_ansi("plain"), "plain");
+    }
+
+    /// A shell is spawned by its path, found in the child's `PATH` (a bare name would make the
+    /// standard library fork the daemon to search that `PATH` in the child): an executable file
+    /// in the first absolute entry that has one; not a plain file, a directory, or a relative
+    /// entry; a name with a slash as it is.
+    #[test]
+    fn a_program_is_found_as_the_childs_exec_would_find_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new("resolve");
+        let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+        for d in [&first, &second] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let write = |path: &Path, mode: u32| {
+            std::fs::write(path, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        write(&first.join("plain"), 0o644);
+        write(&second.join("plain"), 0o755);
+        write(&first.join("tool"), 0o755);
+        write(&second.join("tool"), 0o755);
+        std::fs::create_dir_all(first.join("adir")).unwrap();
+        let path =
+            std::env::join_paths(["relative-bin".into(), first.clone(), second.clone()]).unwrap();
+        let path = Some(path.as_os_str());
+        assert_eq!(resolve_program("tool", path), Some(first.join("tool")));
+        assert_eq!(resolve_program("plain", path), Some(second.join("plain")));
+        assert_eq!(resolve_program("adir", path), None);
+        assert_eq!(resolve_program("missing", path), None);
+        assert_eq!(
+            resolve_program("./relative", path),
+            Some(PathBuf::from("./relative"))
+        );
+        std::fs::create_dir_all(dir.path().join("relative-bin")).unwrap();
+        write(&dir.path().join("relative-bin").join("only-here"), 0o755);
+        assert_eq!(resolve_program("only-here", path), None);
+        let shell = default_shell().expect("a shell on this machine");
+        assert!(shell.is_absolute(), "{}", shell.display());
     }
 }
