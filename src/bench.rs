@@ -1,7 +1,8 @@
 //! `gatehouse bench`: starts the real daemon binary on temp homes against a loopback fake model
 //! that the bench runs itself, drives it over the WebSocket like a client, and reports admission,
-//! turn, isolation, memory and recovery figures, each beside a baseline measured in the same run
-//! (the raw SQLite commit rate on the same disk; direct calls to the fake model).
+//! turn, tool turn, isolation, memory and recovery figures, each beside a baseline measured in the
+//! same run (the raw SQLite commit rate on the same disk; direct calls to the fake model, and for
+//! a tool turn the same command run by the bench itself).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -24,9 +25,10 @@ pub struct BenchOptions {
     pub model_latency_ms: u64,
     pub recovery_admissions: usize,
     pub recovery_sessions: usize,
-    /// Sections to run (`admission`, `turn`, `isolation`, `recovery`); empty runs them all.
+    /// Sections to run (`admission`, `turn`, `tool`, `isolation`, `recovery`); empty runs them
+    /// all.
     pub only: Vec<String>,
-    /// Concurrent sessions of the admission and turn sections.
+    /// Concurrent sessions of the admission, turn and tool sections.
     pub levels: Vec<usize>,
     /// Inputs each admission section submits (at least one per session).
     pub admissions: usize,
@@ -52,7 +54,7 @@ impl BenchOptions {
     }
 }
 
-/// The admission and turn sections' concurrency levels unless `--levels` says otherwise.
+/// The admission, turn and tool sections' concurrency levels unless `--levels` says otherwise.
 pub const LEVELS: [usize; 3] = [1, 16, 256];
 /// The most sessions a level may ask for (each is a WebSocket and a session of its own).
 pub const MAX_LEVEL: usize = 1024;
@@ -79,7 +81,7 @@ pub fn parse_levels(list: &str) -> Result<Vec<usize>, String> {
 }
 
 /// The sections `--only` accepts.
-pub const SECTIONS: [&str; 4] = ["admission", "turn", "isolation", "recovery"];
+pub const SECTIONS: [&str; 5] = ["admission", "turn", "tool", "isolation", "recovery"];
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -138,17 +140,30 @@ async fn fake_completion(
     if !state.latency.is_zero() {
         actix_web::rt::time::sleep(state.latency).await;
     }
-    let message = if text.starts_with("PARK") && last_is_user {
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_park", "type": "function",
-            "function": {"name": "terminal", "arguments": "{\"command\":\"rm -rf -- /nonexistent-gatehouse-bench/x\"}"}}]})
-    } else {
-        json!({"role": "assistant", "content": "ok"})
+    // A user's `PARK` asks for a command that waits for an approval, a user's `TOOL` for one that
+    // runs at once ([`TOOL_COMMAND`]); once the tool's result is in, the answer.
+    let message = match () {
+        _ if text.starts_with("PARK") && last_is_user => {
+            terminal_call("call_park", "rm -rf -- /nonexistent-gatehouse-bench/x")
+        }
+        _ if text.starts_with("TOOL") && last_is_user => terminal_call("call_tool", TOOL_COMMAND),
+        _ => json!({"role": "assistant", "content": "ok"}),
     };
     HttpResponse::Ok().json(json!({
         "id": "bench", "object": "chat.completion", "model": body.model,
         "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     }))
+}
+
+/// The command of a tool turn: a real child process that does nothing else.
+const TOOL_COMMAND: &str = "true";
+
+/// An assistant message asking for one `terminal` call.
+fn terminal_call(id: &str, command: &str) -> Value {
+    let arguments = json!({ "command": command }).to_string();
+    json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+        "function": {"name": "terminal", "arguments": arguments}}]})
 }
 
 fn start_model(latency: Duration) -> Result<(String, actix_web::dev::ServerHandle), String> {
@@ -398,12 +413,12 @@ impl Client {
             .ok_or_else(|| "no session id".into())
     }
 
-    /// One trivial turn: submit `hello` as `input_id` and wait for its `message.complete`.
-    async fn turn(&mut self, sid: &str, input_id: &str) -> Result<(), String> {
+    /// One turn: submit `text` as `input_id` and wait for its `message.complete`.
+    async fn turn(&mut self, sid: &str, input_id: &str, text: &str) -> Result<(), String> {
         let r = self
             .call(
                 "prompt.submit",
-                json!({"session_id": sid, "input_id": input_id, "text": "hello"}),
+                json!({"session_id": sid, "input_id": input_id, "text": text}),
             )
             .await?;
         let admission = r["admission_id"].as_str().ok_or("no admission")?;
@@ -772,6 +787,7 @@ async fn turns(
     model_url: &str,
     concurrency: usize,
     total: usize,
+    text: &'static str,
 ) -> Result<Value, String> {
     let (home, daemon, warm) = warmed_daemon(opts, model_url, "turn").await?;
     let per = (total / concurrency).max(1);
@@ -785,7 +801,7 @@ async fn turns(
         &daemon,
         clients
             .into_iter()
-            .map(|(c, sid)| run_turns(c, sid, per, "t", &home)),
+            .map(|(c, sid)| run_turns(c, sid, per, "t", text, &home)),
     )
     .await;
     if let Ok(r) = report.as_mut() {
@@ -832,19 +848,27 @@ async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize
     while metric(origin, WAL_RESTARTS).await? < 1.0 && Instant::now() < deadline {
         let sid = c.session(&format!("warm-{done}"), home).await?;
         for k in 0..TURNS_PER_SESSION {
-            c.turn(&sid, &format!("w-{k}")).await?;
+            c.turn(&sid, &format!("w-{k}"), PLAIN).await?;
         }
         done += TURNS_PER_SESSION;
     }
     Ok(done)
 }
 
-/// Trivial turns: a fresh session every few turns keeps the transcript (and so each request) small.
+/// What a trivial turn submits: the fake model answers it at once.
+const PLAIN: &str = "hello";
+/// What a tool turn submits: the fake model asks for one `terminal` call of [`TOOL_COMMAND`], then
+/// answers.
+const TOOL: &str = "TOOL turn";
+
+/// Turns submitting `text`: a fresh session every few turns keeps the transcript (and so each
+/// request) small.
 async fn run_turns(
     mut c: Client,
     first: String,
     n: usize,
     tag: &str,
+    text: &'static str,
     cwd: &Path,
 ) -> Result<Vec<f64>, String> {
     let mut lat = Vec::with_capacity(n);
@@ -854,32 +878,68 @@ async fn run_turns(
             sid = c.session(&format!("{tag}-{sid}-{k}"), cwd).await?;
         }
         let t = Instant::now();
-        c.turn(&sid, &format!("{tag}-{k}")).await?;
+        c.turn(&sid, &format!("{tag}-{k}"), text).await?;
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     Ok(lat)
 }
 
-/// The same number of direct calls to the fake model, at the same concurrency (the floor).
-async fn floor(model_url: &str, concurrency: usize, total: usize) -> Result<Value, String> {
+/// The same number of direct calls to the fake model, at the same concurrency (the floor of a
+/// turn). With `tool`, each is what a tool turn needs at the least: a call, [`TOOL_COMMAND`] run
+/// by the bench in a child process of its own (a shell, as the terminal tool runs it), and a
+/// second call.
+async fn floor(
+    model_url: &str,
+    concurrency: usize,
+    total: usize,
+    tool: bool,
+) -> Result<Value, String> {
     let per = (total / concurrency).max(1);
     let url = format!("{model_url}/chat/completions");
     let tasks = (0..concurrency).map(|_| {
         let url = url.clone();
         async move {
             let client = awc::Client::builder().timeout(Duration::from_secs(30)).finish();
+            let call = || async {
+                let body = json!({"model": "bench-model", "messages": [{"role": "user", "content": "hello"}]});
+                let mut resp = client.post(&url).send_json(&body).await.map_err(err)?;
+                resp.body().await.map_err(err).map(drop)
+            };
             let mut lat = Vec::with_capacity(per);
             for _ in 0..per {
                 let t = Instant::now();
-                let body = json!({"model": "bench-model", "messages": [{"role": "user", "content": "hello"}]});
-                let mut resp = client.post(&url).send_json(&body).await.map_err(err)?;
-                let _ = resp.body().await.map_err(err)?;
+                call().await?;
+                if tool {
+                    run_tool_command().await?;
+                    call().await?;
+                }
                 lat.push(t.elapsed().as_secs_f64() * 1000.0);
             }
             Ok::<Vec<f64>, String>(lat)
         }
     });
     measure(tasks).await
+}
+
+/// [`TOOL_COMMAND`] in the terminal tool's shell, in a process group of its own with its output
+/// piped, as the terminal tool runs a command; it must succeed.
+async fn run_tool_command() -> Result<(), String> {
+    let shell = crate::tools::terminal::default_shell().ok_or("no shell found")?;
+    let out = tokio::process::Command::new(shell)
+        .arg("-c")
+        .arg(TOOL_COMMAND)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .output()
+        .await
+        .map_err(err)?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{TOOL_COMMAND}` failed: {}", out.status))
+    }
 }
 
 /// One round of 16 healthy sessions on fresh sessions: every turn's latency and the wall time.
@@ -898,7 +958,7 @@ async fn healthy_round(
     measure_raw(
         clients
             .into_iter()
-            .map(|(c, sid)| run_turns(c, sid, per, "h", home)),
+            .map(|(c, sid)| run_turns(c, sid, per, "h", PLAIN, home)),
     )
     .await
 }
@@ -1185,18 +1245,22 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         admission.push(a);
     }
     let mut turn = Vec::new();
-    for c in levels.iter().copied().filter(|_| opts.wants("turn")) {
-        let total = if c == 1 {
-            turn_total / 4
-        } else {
-            turn_total.max(c)
-        };
-        let t = turns(&opts, &model_url, c, total).await?;
-        let f = floor(&model_url, c, total).await?;
-        let overhead = t["p50_ms"].as_f64().unwrap_or(0.0) - f["p50_ms"].as_f64().unwrap_or(0.0);
-        turn.push(
-            json!({"sessions": c, "turn": t, "floor": f, "overhead_p50_ms": round(overhead)}),
-        );
+    let mut tool = Vec::new();
+    for (section, text, out) in [("turn", PLAIN, &mut turn), ("tool", TOOL, &mut tool)] {
+        for c in levels.iter().copied().filter(|_| opts.wants(section)) {
+            let total = if c == 1 {
+                turn_total / 4
+            } else {
+                turn_total.max(c)
+            };
+            let t = turns(&opts, &model_url, c, total, text).await?;
+            let f = floor(&model_url, c, total, text == TOOL).await?;
+            let overhead =
+                t["p50_ms"].as_f64().unwrap_or(0.0) - f["p50_ms"].as_f64().unwrap_or(0.0);
+            out.push(
+                json!({"sessions": c, "turn": t, "floor": f, "overhead_p50_ms": round(overhead)}),
+            );
+        }
     }
     let (iso, memory) = if opts.wants("isolation") {
         isolation(&opts, &model_url).await?
@@ -1219,6 +1283,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         "raw_commit_end": raw_end,
         "admission": admission,
         "turn": turn,
+        "tool": tool,
         "isolation": iso,
         "memory": memory,
         "recovery": rec,
@@ -1284,8 +1349,12 @@ pub fn table(r: &Value) -> String {
             cell(&a["ack"]["stolen_percent"])
         ));
     }
-    out.push_str("\nturn (submit → message.complete) vs direct model calls\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %\n");
-    for t in r["turn"].as_array().cloned().unwrap_or_default() {
+    for (section, title) in [
+        ("turn", "turn (submit → message.complete) vs direct model calls"),
+        ("tool", "tool turn (one `terminal` call of `true`: two model calls and a child process) vs two direct model calls and the bench running `true` itself"),
+    ] {
+    out.push_str(&format!("\n{title}\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %\n"));
+    for t in r[section].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
             "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>10}\n",
             cell(&t["sessions"]),
@@ -1299,6 +1368,7 @@ pub fn table(r: &Value) -> String {
             cell(&t["turn"]["commits_per_turn"]),
             cell(&t["turn"]["stolen_percent"])
         ));
+    }
     }
     let i = &r["isolation"];
     if !i.is_null() {

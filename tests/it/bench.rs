@@ -49,6 +49,27 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
             && t["floor"]["count"] == t["turn"]["count"]
     ));
+    // A tool turn: two model calls around a real child process, against the same floor; alone on
+    // its session (no group commit), it commits more often than a plain turn: its tool call and
+    // result are durable before the next step.
+    let tool = report["tool"].as_array().expect("tool");
+    assert_eq!(
+        tool.iter()
+            .map(|t| t["sessions"].as_u64())
+            .collect::<Vec<_>>(),
+        [Some(1), Some(16), Some(256)]
+    );
+    assert!(
+        tool.iter().all(
+            |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
+                && t["floor"]["count"] == t["turn"]["count"]
+        ),
+        "{tool:?}"
+    );
+    assert!(
+        tool[0]["turn"]["commits_per_turn"].as_f64() > turn[0]["turn"]["commits_per_turn"].as_f64(),
+        "{tool:?}"
+    );
     assert_eq!(report["isolation"]["parked_sessions"], 100);
     assert_eq!(report["isolation"]["rounds"], 1);
     assert!(report["isolation"]["loaded_rounds_p99_ms"][0]
