@@ -142,12 +142,12 @@ async fn fake_completion(
     }
     // A user's `PARK` asks for a command that waits for an approval, a user's `TOOL` for one that
     // runs at once ([`TOOL_COMMAND`]); once the tool's result is in, the answer.
-    let message = match () {
-        _ if text.starts_with("PARK") && last_is_user => {
-            terminal_call("call_park", "rm -rf -- /nonexistent-gatehouse-bench/x")
-        }
-        _ if text.starts_with("TOOL") && last_is_user => terminal_call("call_tool", TOOL_COMMAND),
-        _ => json!({"role": "assistant", "content": "ok"}),
+    let message = if text.starts_with("PARK") && last_is_user {
+        terminal_call("call_park", "rm -rf -- /nonexistent-gatehouse-bench/x")
+    } else if text.starts_with("TOOL") && last_is_user {
+        terminal_call("call_tool", TOOL_COMMAND)
+    } else {
+        json!({"role": "assistant", "content": "ok"})
     };
     HttpResponse::Ok().json(json!({
         "id": "bench", "object": "chat.completion", "model": body.model,
@@ -1246,7 +1246,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     }
     let mut turn = Vec::new();
     let mut tool = Vec::new();
-    for (section, text, out) in [("turn", PLAIN, &mut turn), ("tool", TOOL, &mut tool)] {
+    let sections = [
+        ("turn", PLAIN, false, &mut turn),
+        ("tool", TOOL, true, &mut tool),
+    ];
+    for (section, text, tool_floor, out) in sections {
         for c in levels.iter().copied().filter(|_| opts.wants(section)) {
             let total = if c == 1 {
                 turn_total / 4
@@ -1254,7 +1258,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
                 turn_total.max(c)
             };
             let t = turns(&opts, &model_url, c, total, text).await?;
-            let f = floor(&model_url, c, total, text == TOOL).await?;
+            let f = floor(&model_url, c, total, tool_floor).await?;
             let overhead =
                 t["p50_ms"].as_f64().unwrap_or(0.0) - f["p50_ms"].as_f64().unwrap_or(0.0);
             out.push(
@@ -1314,6 +1318,20 @@ fn machine() -> Value {
 }
 
 /// The human table.
+/// The turn sections of the table: the report's key and the title.
+const TURN_TABLES: [(&str, &str); 2] = [
+    (
+        "turn",
+        "turn (submit → message.complete) vs direct model calls",
+    ),
+    (
+        "tool",
+        "tool turn (one `terminal` call of `true`: two model calls and a child process) \
+         vs two direct model calls and the bench running `true` itself",
+    ),
+];
+const TURN_COLUMNS: &str = "  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %";
+
 pub fn table(r: &Value) -> String {
     let mut out = String::new();
     let m = &r["machine"];
@@ -1349,26 +1367,23 @@ pub fn table(r: &Value) -> String {
             cell(&a["ack"]["stolen_percent"])
         ));
     }
-    for (section, title) in [
-        ("turn", "turn (submit → message.complete) vs direct model calls"),
-        ("tool", "tool turn (one `terminal` call of `true`: two model calls and a child process) vs two direct model calls and the bench running `true` itself"),
-    ] {
-    out.push_str(&format!("\n{title}\n  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %\n"));
-    for t in r[section].as_array().cloned().unwrap_or_default() {
-        out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>10}\n",
-            cell(&t["sessions"]),
-            cell(&t["turn"]["p50_ms"]),
-            cell(&t["turn"]["p99_ms"]),
-            cell(&t["turn"]["per_second"]),
-            cell(&t["floor"]["p50_ms"]),
-            cell(&t["floor"]["p99_ms"]),
-            cell(&t["overhead_p50_ms"]),
-            cpu_cell(&t["turn"]),
-            cell(&t["turn"]["commits_per_turn"]),
-            cell(&t["turn"]["stolen_percent"])
-        ));
-    }
+    for (section, title) in TURN_TABLES {
+        out.push_str(&format!("\n{title}\n{TURN_COLUMNS}\n"));
+        for t in r[section].as_array().cloned().unwrap_or_default() {
+            out.push_str(&format!(
+                "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>10}\n",
+                cell(&t["sessions"]),
+                cell(&t["turn"]["p50_ms"]),
+                cell(&t["turn"]["p99_ms"]),
+                cell(&t["turn"]["per_second"]),
+                cell(&t["floor"]["p50_ms"]),
+                cell(&t["floor"]["p99_ms"]),
+                cell(&t["overhead_p50_ms"]),
+                cpu_cell(&t["turn"]),
+                cell(&t["turn"]["commits_per_turn"]),
+                cell(&t["turn"]["stolen_percent"])
+            ));
+        }
     }
     let i = &r["isolation"];
     if !i.is_null() {
