@@ -896,8 +896,14 @@ async fn floor(
 ) -> Result<Value, String> {
     let per = (total / concurrency).max(1);
     let url = format!("{model_url}/chat/completions");
+    // Found once, outside the timed calls (the lookup reads the file system).
+    let shell = if tool {
+        Some(crate::tools::terminal::default_shell().ok_or("no shell found")?)
+    } else {
+        None
+    };
     let tasks = (0..concurrency).map(|_| {
-        let url = url.clone();
+        let (url, shell) = (url.clone(), shell.clone());
         async move {
             let client = awc::Client::builder().timeout(Duration::from_secs(30)).finish();
             let call = || async {
@@ -909,8 +915,8 @@ async fn floor(
             for _ in 0..per {
                 let t = Instant::now();
                 call().await?;
-                if tool {
-                    run_tool_command().await?;
+                if let Some(shell) = &shell {
+                    run_tool_command(shell).await?;
                     call().await?;
                 }
                 lat.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -921,10 +927,9 @@ async fn floor(
     measure(tasks).await
 }
 
-/// [`TOOL_COMMAND`] in the terminal tool's shell, in a process group of its own with its output
-/// piped, as the terminal tool runs a command; it must succeed.
-async fn run_tool_command() -> Result<(), String> {
-    let shell = crate::tools::terminal::default_shell().ok_or("no shell found")?;
+/// [`TOOL_COMMAND`] in `shell` (the terminal tool's), in a process group of its own with its
+/// output piped, as the terminal tool runs a command; it must succeed.
+async fn run_tool_command(shell: &Path) -> Result<(), String> {
     let out = tokio::process::Command::new(shell)
         .arg("-c")
         .arg(TOOL_COMMAND)
@@ -1317,7 +1322,6 @@ fn machine() -> Value {
     json!({"cpus": cpus, "cpu": model, "mem_kib": mem})
 }
 
-/// The human table.
 /// The turn sections of the table: the report's key and the title.
 const TURN_TABLES: [(&str, &str); 2] = [
     (
@@ -1332,6 +1336,7 @@ const TURN_TABLES: [(&str, &str); 2] = [
 ];
 const TURN_COLUMNS: &str = "  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %";
 
+/// The human table.
 pub fn table(r: &Value) -> String {
     let mut out = String::new();
     let m = &r["machine"];
