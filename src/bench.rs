@@ -1170,8 +1170,9 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     for s in 0..sessions {
         batch.push_str(&format!(
             "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
-             provider, cwd, toolsets_json, profile, started_at) VALUES ('s{s}', 's{s}', 's{s}', 'p', 'r{s}', 'd', 'cli', \
-             'bench-model', 'custom', '/', '[]', 'default', {now});"
+             provider, cwd, toolsets_json, profile, started_at, ordinal) VALUES ('s{s}', 's{s}', 's{s}', 'p', 'r{s}', 'd', \
+             'cli', 'bench-model', 'custom', '/', '[]', 'default', {now}, {});",
+            s + 1
         ));
     }
     batch.push_str("COMMIT;");
@@ -1182,9 +1183,11 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
         for k in 0..per {
             n += 1;
             batch.push_str(&format!(
-                "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, payload_json, \
-                 payload_digest, status, outcome, owner_epoch, execution_generation, created_at, updated_at) VALUES \
-                 ('a{n}', 'in{k}', 'p', 's{s}', '{{\"text\":\"x\"}}', 'd{n}', 'terminal', 'completed', 1, {k}, {now}, {now});"
+                "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, session_ordinal, \
+                 payload_json, payload_digest, status, outcome, owner_epoch, execution_generation, created_at, updated_at) \
+                 VALUES ('a{n}', 'in{k}', 'p', 's{s}', {}, '{{\"text\":\"x\"}}', 'd{n}', 'terminal', 'completed', 1, {k}, \
+                 {now}, {now});",
+                s + 1
             ));
         }
         batch.push_str("COMMIT;");
@@ -1202,9 +1205,10 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     for i in 0..started_rows {
         let s = i % sessions;
         batch.push_str(&format!(
-            "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, payload_json, \
-             payload_digest, status, owner_epoch, execution_generation, created_at, updated_at) VALUES \
-             ('crash{i}', 'crash{i}', 'p', 's{s}', '{{\"text\":\"x\"}}', 'c{i}', 'started', 1, 999999, {now}, {now});"
+            "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, session_ordinal, \
+             payload_json, payload_digest, status, owner_epoch, execution_generation, created_at, updated_at) VALUES \
+             ('crash{i}', 'crash{i}', 'p', 's{s}', {}, '{{\"text\":\"x\"}}', 'c{i}', 'started', 1, 999999, {now}, {now});",
+            s + 1
         ));
     }
     batch.push_str("COMMIT;");

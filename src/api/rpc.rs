@@ -760,6 +760,7 @@ mod tests {
             request_id: "in-\"7\"".into(),
             principal_id: "local".into(),
             target_session_id: "local-é1".into(),
+            session_ordinal: 1,
             payload_json: r#"{"text":"hi"}"#.into(),
             payload_digest: "d".into(),
             intent: "queue".into(),

@@ -62,6 +62,7 @@ pub struct AdmissionRow {
     pub request_id: String,
     pub principal_id: String,
     pub target_session_id: String,
+    pub session_ordinal: i64,
     pub payload_json: String,
     pub payload_digest: String,
     pub intent: String,
@@ -161,9 +162,11 @@ pub fn admit_input(
 ) -> Result<Logged<(AdmissionRow, bool)>, StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
+        // An unknown session is `not_found` here (nothing is queued for it meanwhile).
+        let ordinal = super::sessions::ordinal(conn, target)?;
         let existing: Option<AdmissionRow> = sa::table
+            .filter(sa::session_ordinal.eq(ordinal))
             .filter(sa::principal_id.eq(principal))
-            .filter(sa::target_session_id.eq(target))
             .filter(sa::request_id.eq(request_id))
             .select(AdmissionRow::as_select())
             .first(conn)
@@ -176,9 +179,7 @@ pub fn admit_input(
                 "input_id {request_id} was admitted with other content"
             )));
         }
-        // An unknown session is refused by the ledger's foreign key, at the insert below (no
-        // statement of its own; nothing is queued for it meanwhile).
-        let waiting = queued_at_least(conn, target, max_queued)?;
+        let waiting = queued_at_least(conn, ordinal, max_queued)?;
         if waiting >= max_queued {
             return Err(StoreError::SessionBusy(format!(
                 "{waiting} inputs are already queued"
@@ -187,12 +188,13 @@ pub fn admit_input(
         // Time-ordered: a new admission lands at the right edge of the id index instead of on
         // a random page of it (one page written per commit however large the ledger grows).
         let admission_id = uuid::Uuid::now_v7().simple().to_string();
-        let inserted = diesel::insert_into(sa::table)
+        diesel::insert_into(sa::table)
             .values((
                 sa::admission_id.eq(&admission_id),
                 sa::request_id.eq(request_id),
                 sa::principal_id.eq(principal),
                 sa::target_session_id.eq(target),
+                sa::session_ordinal.eq(ordinal),
                 sa::payload_json.eq(&input.payload_json),
                 sa::payload_digest.eq(&input.digest),
                 sa::status.eq("queued"),
@@ -200,14 +202,7 @@ pub fn admit_input(
                 sa::created_at.eq(now),
                 sa::updated_at.eq(now),
             ))
-            .execute(conn);
-        match inserted {
-            Err(diesel::result::Error::DatabaseError(
-                diesel::result::DatabaseErrorKind::ForeignKeyViolation,
-                _,
-            )) => return Err(StoreError::NotFound(format!("no session {target}"))),
-            other => other?,
-        };
+            .execute(conn)?;
         // The row is what was just written (no `RETURNING`: SQLite buffers returned rows in a
         // temporary table, measured at a quarter of the insert's cost); only `seq` is SQLite's.
         let seq: i64 = hot_sql!("SELECT last_insert_rowid()", &[])
@@ -219,6 +214,7 @@ pub fn admit_input(
             request_id: request_id.to_string(),
             principal_id: principal.to_string(),
             target_session_id: target.to_string(),
+            session_ordinal: ordinal,
             payload_json: input.payload_json.clone(),
             payload_digest: input.digest.clone(),
             intent: "queue".into(),
@@ -230,9 +226,10 @@ pub fn admit_input(
             created_at: now,
             updated_at: now,
         };
-        let logged = events::append(
+        let logged = events::append_at(
             conn,
             target,
+            ordinal,
             &[NewEvent::new(
                 "session.info",
                 serde_json::json!({"admitted": row.admission_id, "sequence": row.seq, "input_id": row.request_id}),
@@ -249,12 +246,12 @@ pub fn admit_input(
 /// when the bound reaches `limit`.
 fn queued_at_least(
     conn: &mut SqliteConnection,
-    session: &str,
+    ordinal: i64,
     limit: i64,
 ) -> Result<i64, StoreError> {
     use diesel::sql_types::{BigInt, Nullable};
     let (first, last): (Option<i64>, Option<i64>) =
-        hot_sql!(QUEUED_BOUNDS, &[Bind::Text(session), Bind::Text(session)])
+        hot_sql!(QUEUED_BOUNDS, &[Bind::Int(ordinal), Bind::Int(ordinal)])
             .returning::<(Nullable<BigInt>, Nullable<BigInt>)>()
             .get_result(conn)?;
     let (Some(first), Some(last)) = (first, last) else {
@@ -265,7 +262,7 @@ fn queued_at_least(
     }
     Ok(sa::table
         .filter(is_live())
-        .filter(sa::target_session_id.eq(session))
+        .filter(sa::session_ordinal.eq(ordinal))
         .filter(sa::status.eq("queued"))
         .count()
         .get_result(conn)?)
@@ -275,9 +272,9 @@ fn queued_at_least(
 /// index (a single `min` or `max` is; both in one select would walk the queue).
 const QUEUED_BOUNDS: &str = "SELECT \
      (SELECT min(seq) FROM session_admissions WHERE session_admissions.status != 'terminal' \
-      AND target_session_id = ? AND status = 'queued'), \
+      AND session_ordinal = ? AND status = 'queued'), \
      (SELECT max(seq) FROM session_admissions WHERE session_admissions.status != 'terminal' \
-      AND target_session_id = ? AND status = 'queued')";
+      AND session_ordinal = ? AND status = 'queued')";
 
 pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<AdmissionRow, StoreError> {
     sa::table
@@ -303,26 +300,32 @@ pub fn of_session(
     Ok(row)
 }
 
-/// Non-terminal rows of a session, in seq order.
+/// Non-terminal rows of a session, in seq order (none for a session that does not exist).
 pub fn pending(
     conn: &mut SqliteConnection,
     session: &str,
 ) -> Result<Vec<AdmissionRow>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(Vec::new());
+    };
     Ok(sa::table
         .filter(is_live())
-        .filter(sa::target_session_id.eq(session))
+        .filter(sa::session_ordinal.eq(ordinal))
         .order(sa::seq.asc())
         .select(AdmissionRow::as_select())
         .load(conn)?)
 }
 
-/// Terminal rows of a session, in seq order.
+/// Terminal rows of a session, in seq order (none for a session that does not exist).
 pub fn terminal_of_session(
     conn: &mut SqliteConnection,
     session: &str,
 ) -> Result<Vec<AdmissionRow>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(Vec::new());
+    };
     Ok(sa::table
-        .filter(sa::target_session_id.eq(session))
+        .filter(sa::session_ordinal.eq(ordinal))
         .filter(sa::status.eq("terminal"))
         .order(sa::seq.asc())
         .select(AdmissionRow::as_select())
@@ -452,11 +455,12 @@ pub fn claim_next(
 ) -> Result<(Logged<Claim>, bool), StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
+        let ordinal = super::sessions::ordinal(conn, session)?;
         // Three seeks on the live rows' index (session, status, seq), however deep the queue.
         let in_status = |status: &'static str| {
             sa::table
                 .filter(is_live())
-                .filter(sa::target_session_id.eq(session))
+                .filter(sa::session_ordinal.eq(ordinal))
                 .filter(sa::status.eq(status))
         };
         // The rows that hold the FIFO (unknown ones, or the one started), in one statement: two
@@ -464,7 +468,7 @@ pub fn claim_next(
         // claimed while an unknown one holds the FIFO, so these are few.
         let holding: Vec<(String, String)> = sa::table
             .filter(is_live())
-            .filter(sa::target_session_id.eq(session))
+            .filter(sa::session_ordinal.eq(ordinal))
             .filter(sa::status.eq("unknown").or(sa::status.eq("started")))
             .select((sa::status, sa::admission_id))
             .load(conn)?;
@@ -523,9 +527,10 @@ pub fn claim_next(
         };
         insert_messages(conn, std::slice::from_ref(&user), now)?;
         let ids = serde_json::json!({"admission_id": head.admission_id, "execution_generation": generation});
-        let logged = events::append(
+        let logged = events::append_at(
             conn,
             session,
+            ordinal,
             &[
                 NewEvent::new(
                     "session.info",
@@ -675,10 +680,10 @@ fn unclaimed_user_message<'a>(root: &'a str, admission_id: &'a str) -> _ {
     let user: &'static str = "user";
     super::schema::messages::table
         .filter(
-            super::schema::messages::session_id.eq_any(
+            super::schema::messages::session_ordinal.eq_any(
                 sessions::table
                     .filter(sessions::root_id.eq(root))
-                    .select(sessions::id),
+                    .select(sessions::ordinal),
             ),
         )
         .filter(super::schema::messages::admission_id.eq(admission_id))
@@ -852,7 +857,7 @@ mod tests {
                 "a session's head",
                 sql(&sa::table
                     .filter(is_live())
-                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::session_ordinal.eq(1))
                     .filter(sa::status.eq("queued"))
                     .order(sa::seq.asc())
                     .select(sa::seq)
@@ -864,7 +869,7 @@ mod tests {
                 "a session's pending rows",
                 sql(&sa::table
                     .filter(is_live())
-                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::session_ordinal.eq(1))
                     .order(sa::seq.asc())
                     .select(sa::seq)),
                 open,
@@ -874,7 +879,7 @@ mod tests {
                 "a replayed input",
                 sql(&sa::table
                     .filter(sa::principal_id.eq("p"))
-                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::session_ordinal.eq(1))
                     .filter(sa::request_id.eq("r"))
                     .select(sa::seq)),
                 key,
@@ -883,7 +888,7 @@ mod tests {
             (
                 "a session's settled rows",
                 sql(&sa::table
-                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::session_ordinal.eq(1))
                     .filter(sa::status.eq("terminal"))
                     .order(sa::seq.asc())
                     .select(sa::seq)),
@@ -900,7 +905,7 @@ mod tests {
                 "the rows holding a session's FIFO",
                 sql(&sa::table
                     .filter(is_live())
-                    .filter(sa::target_session_id.eq("s1"))
+                    .filter(sa::session_ordinal.eq(1))
                     .filter(sa::status.eq("unknown").or(sa::status.eq("started")))
                     .select((sa::status, sa::admission_id))),
                 open,
@@ -908,7 +913,7 @@ mod tests {
             ),
             (
                 "a session's queued bounds",
-                (QUEUED_BOUNDS.replace('?', "'s1'"), true),
+                (QUEUED_BOUNDS.replace('?', "1"), true),
                 open,
                 true,
             ),

@@ -22,8 +22,9 @@ pub mod schema {
     diesel::table! {
         /// One row per transaction that appended events: `events_json` is
         /// `[[type, payload], ...]` for `first_seq..=last_seq`.
-        session_event_batches (session_id, last_seq) {
+        session_event_batches (session_ordinal, last_seq) {
             session_id -> Text,
+            session_ordinal -> BigInt,
             last_seq -> BigInt,
             first_seq -> BigInt,
             events_json -> Text,
@@ -153,12 +154,21 @@ pub struct Head {
 /// that is left ends past it, and when pruning removed every batch the mark is where the log
 /// stood. It never goes back.
 const HEAD: &str = "SELECT \
-     coalesce((SELECT max(last_seq) FROM session_event_batches WHERE session_id = ?), 0), \
+     coalesce((SELECT max(last_seq) FROM session_event_batches WHERE session_ordinal = ?), 0), \
      coalesce((SELECT through FROM session_events_pruned WHERE session_id = ?), 0)";
 
 pub fn head(conn: &mut SqliteConnection, session: &str) -> Result<Head, StoreError> {
+    match super::sessions::find_ordinal(conn, session)? {
+        Some(ordinal) => head_at(conn, session, ordinal),
+        // A session that does not exist has logged nothing.
+        None => Ok(Head::default()),
+    }
+}
+
+/// [`head`] of `session`, whose ordinal is `ordinal`.
+fn head_at(conn: &mut SqliteConnection, session: &str, ordinal: i64) -> Result<Head, StoreError> {
     let (newest, pruned_through): (i64, i64) =
-        hot_sql!(HEAD, &[Bind::Text(session), Bind::Text(session)])
+        hot_sql!(HEAD, &[Bind::Int(ordinal), Bind::Text(session)])
             .returning::<(BigInt, BigInt)>()
             .get_result(conn)?;
     Ok(Head {
@@ -177,10 +187,25 @@ pub fn append(
     if events.is_empty() {
         return Ok(Vec::new());
     }
+    let ordinal = super::sessions::ordinal(conn, session)?;
+    append_at(conn, session, ordinal, events, now)
+}
+
+/// [`append`] for a caller that has read the session's ordinal already.
+pub(crate) fn append_at(
+    conn: &mut SqliteConnection,
+    session: &str,
+    ordinal: i64,
+    events: &[NewEvent],
+    now: f64,
+) -> Result<Vec<EventRow>, StoreError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
     let n = events.len() as i64;
-    // The batch's key `(session_id, last_seq)` is unique: were two appends ever to compute the
-    // same numbers, the second would fail here instead of reusing them.
-    let first = head(conn, session)?.last_seq + 1;
+    // The batch's key `(session_ordinal, last_seq)` is unique: were two appends ever to compute
+    // the same numbers, the second would fail here instead of reusing them.
+    let first = head_at(conn, session, ordinal)?.last_seq + 1;
     let end = first + n - 1;
     let mut rows = Vec::with_capacity(events.len());
     let mut batch = String::with_capacity(64 * events.len());
@@ -207,6 +232,7 @@ pub fn append(
     diesel::insert_into(batches::table)
         .values((
             batches::session_id.eq(session),
+            batches::session_ordinal.eq(ordinal),
             batches::last_seq.eq(end),
             batches::first_seq.eq(first),
             batches::events_json.eq(&batch),
@@ -248,13 +274,22 @@ pub fn since(
     let limit = limit.max(1);
     let after = after.max(0);
     conn.transaction(|conn| {
-        let h = head(conn, session)?;
+        let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+            // A session that does not exist has logged nothing.
+            return Ok(Since {
+                events: Vec::new(),
+                last_sequence: 0,
+                truncated: false,
+                has_more: false,
+            });
+        };
+        let h = head_at(conn, session, ordinal)?;
         // Events at or below `pruned_through` may still sit in a batch that straddles it.
         let start = after.max(h.pruned_through);
         // Only the first batch can hold events at or below `start`, and every batch holds at
         // least one event: `limit + 2` batches hold `limit + 1` events when there are that many.
         let stored: Vec<(i64, String, f64)> = batches::table
-            .filter(batches::session_id.eq(session))
+            .filter(batches::session_ordinal.eq(ordinal))
             .filter(batches::last_seq.gt(start))
             .order(batches::last_seq.asc())
             .limit(limit + 2)
@@ -314,7 +349,8 @@ const AGE_WALK: usize = 4096;
 /// for it, at most.
 const COUNT_WALK: usize = 4096;
 /// The batches after a rowid, in the order they were written (the pruning rules' walk).
-const WALK_SQL: &str = "SELECT rowid, session_id, last_seq, created_at FROM session_event_batches \
+const WALK_SQL: &str = "SELECT rowid, session_id, session_ordinal, last_seq, created_at \
+                        FROM session_event_batches \
                         WHERE rowid > ? ORDER BY rowid LIMIT ?";
 /// The `state_meta` key of the rowid up to which the count rule has seen every batch.
 const COUNT_SEEN: &str = "session_events.count_rule_seen";
@@ -345,18 +381,22 @@ struct Walked {
     #[diesel(sql_type = diesel::sql_types::Text)]
     session_id: String,
     #[diesel(sql_type = BigInt)]
+    session_ordinal: i64,
+    #[diesel(sql_type = BigInt)]
     last_seq: i64,
     #[diesel(sql_type = Double)]
     created_at: f64,
 }
 
-/// Each session's newest `last_seq` among `batches`.
+/// Each session's newest `last_seq` among `batches`, by session id and ordinal.
 fn newest_per_session(
     batches: impl IntoIterator<Item = Walked>,
-) -> std::collections::HashMap<String, i64> {
+) -> std::collections::HashMap<(String, i64), i64> {
     let mut newest = std::collections::HashMap::new();
     for b in batches {
-        let last = newest.entry(b.session_id).or_insert(b.last_seq);
+        let last = newest
+            .entry((b.session_id, b.session_ordinal))
+            .or_insert(b.last_seq);
         *last = (*last).max(b.last_seq);
     }
     newest
@@ -399,7 +439,7 @@ pub fn prune(
                 .bind::<BigInt, _>(n as i64 + 1)
                 .load::<Walked>(conn)
         };
-        let mut moved: std::collections::HashMap<String, i64> = Default::default();
+        let mut moved: std::collections::HashMap<(String, i64), i64> = Default::default();
         let seen = count_rule_seen(conn)?;
         let mut grown = walk(conn, seen, COUNT_WALK)?;
         let mut more = grown.len() > COUNT_WALK;
@@ -408,7 +448,7 @@ pub fn prune(
         let mut seen = grown.last().map_or(seen, |b| b.rowid);
         for (session, last) in newest_per_session(grown) {
             let through = last - keep;
-            if through > 0 && mark(conn, &session, through)? {
+            if through > 0 && mark(conn, &session.0, through)? {
                 moved.insert(session, through);
             }
         }
@@ -428,18 +468,18 @@ pub fn prune(
             more |= old.len() > AGE_WALK;
             old.truncate(AGE_WALK);
             for (session, through) in newest_per_session(old) {
-                if mark(conn, &session, through)? {
+                if mark(conn, &session.0, through)? {
                     let m = moved.entry(session).or_insert(through);
                     *m = (*m).max(through);
                 }
             }
         }
         let mut deleted = 0;
-        for (session, through) in moved {
+        for ((_, ordinal), through) in moved {
             deleted += diesel::sql_query(
-                "DELETE FROM session_event_batches WHERE session_id = ? AND last_seq <= ?",
+                "DELETE FROM session_event_batches WHERE session_ordinal = ? AND last_seq <= ?",
             )
-            .bind::<Text, _>(&session)
+            .bind::<BigInt, _>(ordinal)
             .bind::<BigInt, _>(through)
             .execute(conn)?;
         }
@@ -589,11 +629,11 @@ mod tests {
             &WALK_SQL
                 .replace("rowid > ?", "rowid > 5")
                 .replace('?', "4097"),
-            "DELETE FROM session_event_batches WHERE session_id = 's1' AND last_seq <= 3",
-            &HEAD.replace('?', "'s1'"),
+            "DELETE FROM session_event_batches WHERE session_ordinal = 1 AND last_seq <= 3",
+            &HEAD.replacen('?', "1", 1).replacen('?', "'s1'", 1),
             "SELECT max(rowid) FROM session_event_batches",
             "SELECT first_seq, events_json FROM session_event_batches \
-             WHERE session_id = 's1' AND last_seq > 3 ORDER BY last_seq LIMIT 10",
+             WHERE session_ordinal = 1 AND last_seq > 3 ORDER BY last_seq LIMIT 10",
         ] {
             let plan = testing::query_plan(&mut c, sql);
             assert!(
@@ -706,6 +746,9 @@ mod tests {
         use diesel::connection::SimpleConnection;
         use diesel_migrations::MigrationHarness;
         let (_dir, mut c) = testing::conn_just_before("_event_heads_from_the_log");
+        for id in ["s1", "s2", "s3"] {
+            testing::session(&mut c, 1, id);
+        }
         c.batch_execute(
             r#"PRAGMA foreign_keys = OFF;
                INSERT INTO session_event_batches (session_id, last_seq, first_seq, events_json, created_at)
@@ -742,8 +785,11 @@ mod tests {
             #[diesel(sql_type = BigInt)]
             pruned_through: i64,
         }
-        c.revert_last_migration(crate::store::MIGRATIONS)
-            .expect("revert");
+        // Back past the one migration after it (session ordinals), then its own.
+        for _ in 0..2 {
+            c.revert_last_migration(crate::store::MIGRATIONS)
+                .expect("revert");
+        }
         let old: Vec<OldHead> = diesel::sql_query(
             "SELECT session_id, last_seq, pruned_through FROM session_event_heads \
              ORDER BY session_id",
@@ -867,6 +913,9 @@ mod tests {
         use diesel::connection::SimpleConnection;
         use diesel_migrations::MigrationHarness;
         let (_dir, mut c) = testing::conn_just_before("_lean_event_log");
+        for id in ["s1", "s2"] {
+            testing::session(&mut c, 1, id);
+        }
         c.batch_execute(
             r#"PRAGMA foreign_keys = OFF;
                INSERT INTO session_events (session_id, seq, type, payload_json, created_at) VALUES

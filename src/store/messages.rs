@@ -1,4 +1,5 @@
-//! Transcripts. The live transcript of a session is `WHERE session_id=? AND active=1 ORDER BY id`.
+//! Transcripts. The live transcript of a session is `WHERE session_ordinal=? AND active=1 ORDER BY
+//! id`, through the key `messages_live`.
 
 use diesel::prelude::*;
 use diesel::sqlite::SqliteConnection;
@@ -12,6 +13,7 @@ use crate::error::StoreError;
 pub struct MessageRow {
     pub id: i64,
     pub session_id: String,
+    pub session_ordinal: i64,
     pub role: String,
     pub content: Option<String>,
     pub tool_call_id: Option<String>,
@@ -68,10 +70,21 @@ pub(crate) fn insert_messages(
     rows: &[NewMessage],
     now: f64,
 ) -> Result<(), StoreError> {
+    // The rows of one call are almost always one session's: its ordinal is looked up once.
+    let mut ordinal: Option<(&str, i64)> = None;
     for m in rows {
+        let session_ordinal = match ordinal {
+            Some((id, n)) if id == m.session_id => n,
+            _ => {
+                let n = super::sessions::ordinal(conn, &m.session_id)?;
+                ordinal = Some((&m.session_id, n));
+                n
+            }
+        };
         diesel::insert_into(messages::table)
             .values((
                 messages::session_id.eq(&m.session_id),
+                messages::session_ordinal.eq(session_ordinal),
                 messages::role.eq(&m.role),
                 messages::content.eq(&m.content),
                 messages::tool_call_id.eq(&m.tool_call_id),
@@ -121,9 +134,12 @@ pub fn append_for_attempt(
     })
 }
 
-/// The live transcript of one physical session.
+/// The live transcript of one physical session (none for a session that does not exist).
 pub fn live(conn: &mut SqliteConnection, session_id: &str) -> Result<Vec<MessageRow>, StoreError> {
-    Ok(live_in_order(session_id)
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session_id)? else {
+        return Ok(Vec::new());
+    };
+    Ok(live_in_order(ordinal)
         .select(MessageRow::as_select())
         .load(conn)?)
 }
@@ -134,17 +150,20 @@ pub fn live_up_to(
     session_id: &str,
     limit: i64,
 ) -> Result<Vec<MessageRow>, StoreError> {
-    Ok(live_in_order(session_id)
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session_id)? else {
+        return Ok(Vec::new());
+    };
+    Ok(live_in_order(ordinal)
         .limit(limit)
         .select(MessageRow::as_select())
         .load(conn)?)
 }
 
-/// A session's live messages, oldest first.
+/// A session's live messages, oldest first (through its key, led by the session's ordinal).
 #[diesel::dsl::auto_type(no_type_alias)]
-fn live_in_order<'a>(session_id: &'a str) -> _ {
+fn live_in_order(ordinal: i64) -> _ {
     messages::table
-        .filter(messages::session_id.eq(session_id))
+        .filter(messages::session_ordinal.eq(ordinal))
         .filter(messages::active.eq(1_i32))
         .order(messages::id.asc())
 }
@@ -221,6 +240,7 @@ mod tests {
         MessageRow {
             id,
             session_id: "s".into(),
+            session_ordinal: 1,
             role: role.into(),
             content: Some("x".into()),
             tool_call_id: call_id.map(str::to_string),

@@ -899,8 +899,26 @@ pub mod testing {
             .collect()
     }
 
-    /// Create session `id` (principal `p`, request id `id`) under authority `epoch`.
+    /// Create session `id` (principal `p`, request id `id`) under authority `epoch`; on a schema
+    /// from before session ordinals (a migration's test), as a row of that schema.
     pub fn session(conn: &mut SqliteConnection, epoch: i64, id: &str) {
+        use diesel::RunQueryDsl;
+        let ordinals: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "SELECT count(*) FROM pragma_table_info('sessions') WHERE name = 'ordinal'",
+        )
+        .get_result(conn)
+        .expect("sessions' columns");
+        if ordinals == 0 {
+            diesel::sql_query(
+                "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, \
+                 request_digest, source, model, provider, cwd, toolsets_json, profile, started_at) \
+                 VALUES (?1, ?1, ?1, 'p', ?1, 'd', 'cli', 'm', 'custom', '/', '[]', 'default', 1.0)",
+            )
+            .bind::<diesel::sql_types::Text, _>(id)
+            .execute(conn)
+            .expect("session of an older schema");
+            return;
+        }
         let new = super::sessions::NewSession {
             id: id.into(),
             principal_id: "p".into(),

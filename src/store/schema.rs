@@ -42,6 +42,7 @@ diesel::table! {
         started_at -> Double,
         ended_at -> Nullable<Double>,
         end_reason -> Nullable<Text>,
+        ordinal -> BigInt,
     }
 }
 
@@ -52,6 +53,7 @@ diesel::table! {
         request_id -> Text,
         principal_id -> Text,
         target_session_id -> Text,
+        session_ordinal -> BigInt,
         payload_json -> Text,
         payload_digest -> Text,
         intent -> Text,
@@ -69,6 +71,7 @@ diesel::table! {
     messages (id) {
         id -> BigInt,
         session_id -> Text,
+        session_ordinal -> BigInt,
         role -> Text,
         content -> Nullable<Text>,
         tool_call_id -> Nullable<Text>,

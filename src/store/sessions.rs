@@ -36,6 +36,10 @@ pub struct SessionRow {
     pub started_at: f64,
     pub ended_at: Option<f64>,
     pub end_reason: Option<String>,
+    /// The session's place in creation order (1, 2, 3, …): it leads the keys of the session's
+    /// rows in the ledger, the messages and the event log, so that sessions created together
+    /// share index leaves (see `migrations/2026-12-02-000010_sessions_in_creation_order`).
+    pub ordinal: i64,
 }
 
 impl SessionRow {
@@ -98,12 +102,41 @@ pub fn create_or_get(
                 sessions::title.eq(&new.title),
                 sessions::system_prompt.eq(&new.system_prompt),
                 sessions::started_at.eq(now),
+                sessions::ordinal.eq(next_ordinal(conn)?),
             ))
             .execute(conn)?;
         let row =
             find(conn, &new.id)?.ok_or_else(|| StoreError::Other("session vanished".into()))?;
         Ok((row, true))
     })
+}
+
+/// The ordinal a new session takes: one more than the largest (a seek on its unique index). Only
+/// the writer inserts sessions, one transaction at a time, so two never take the same one (and
+/// the unique index would refuse the second).
+fn next_ordinal(conn: &mut SqliteConnection) -> Result<i64, StoreError> {
+    Ok(
+        hot_sql!("SELECT coalesce(max(ordinal), 0) + 1 FROM sessions", &[])
+            .returning::<diesel::sql_types::BigInt>()
+            .get_result(conn)?,
+    )
+}
+
+/// The creation ordinal of session `id` ([`SessionRow::ordinal`]); `not_found` when there is no
+/// such session.
+pub fn ordinal(conn: &mut SqliteConnection, id: &str) -> Result<i64, StoreError> {
+    find_ordinal(conn, id)?.ok_or_else(|| StoreError::NotFound(format!("no session {id}")))
+}
+
+/// [`ordinal`], with `None` when there is no such session.
+pub fn find_ordinal(conn: &mut SqliteConnection, id: &str) -> Result<Option<i64>, StoreError> {
+    Ok(hot_sql!(
+        "SELECT ordinal FROM sessions WHERE id = ?",
+        &[Bind::Text(id)]
+    )
+    .returning::<diesel::sql_types::BigInt>()
+    .get_result(conn)
+    .optional()?)
 }
 
 pub fn find(conn: &mut SqliteConnection, id: &str) -> Result<Option<SessionRow>, StoreError> {
@@ -194,6 +227,7 @@ pub fn commit_compaction(
                         sessions::system_prompt.eq(&c.system_prompt),
                         sessions::compression_count.eq(lineage),
                         sessions::started_at.eq(now),
+                        sessions::ordinal.eq(next_ordinal(conn)?),
                     ))
                     .execute(conn)?;
                 diesel::update(sessions::table.filter(sessions::id.eq(&root.id)))
@@ -204,7 +238,7 @@ pub fn commit_compaction(
             None => {
                 diesel::update(
                     messages::table
-                        .filter(messages::session_id.eq(&c.old_tip))
+                        .filter(messages::session_ordinal.eq(ordinal(conn, &c.old_tip)?))
                         .filter(messages::active.eq(1)),
                 )
                 .set((messages::active.eq(0), messages::compacted.eq(1)))
@@ -268,4 +302,209 @@ pub fn set_system_prompt(
     .set(sessions::system_prompt.eq(prompt))
     .execute(conn)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing::{self, Count, Detail};
+    use crate::store::{admissions, epoch, events, messages};
+    use diesel::connection::SimpleConnection;
+    use diesel_migrations::MigrationHarness;
+
+    fn texts(c: &mut SqliteConnection, sql: &str) -> Vec<String> {
+        diesel::sql_query(sql)
+            .load::<Detail>(c)
+            .expect(sql)
+            .into_iter()
+            .map(|d| d.detail)
+            .collect()
+    }
+
+    fn count(c: &mut SqliteConnection, sql: &str) -> i64 {
+        diesel::sql_query(sql).get_result::<Count>(c).expect(sql).n
+    }
+
+    /// Rows of three sessions, created in an order their ids do not sort in, as the schema before
+    /// ordinals held them (with rowids and a pruning walk's mark to keep).
+    fn old_store() -> (testing::tempfile_dir::TempDir, SqliteConnection, i64) {
+        let (dir, mut c) = testing::conn_just_before("_sessions_in_creation_order");
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        for id in ["s-b", "s-a", "s-c"] {
+            testing::session(&mut c, e, id);
+        }
+        // The replayed input must match its digest.
+        let two = serde_json::json!({"text": "two"}).to_string();
+        c.batch_execute(&format!(
+            r#"INSERT INTO session_admissions (seq, admission_id, request_id, principal_id,
+                 target_session_id, payload_json, payload_digest, status, outcome, owner_epoch,
+                 execution_generation, created_at, updated_at) VALUES
+               (3, 'a3', 'r3', 'p', 's-a', '{{"text":"one"}}', 'd3', 'terminal', 'completed', 1, 1, 1.0, 1.0),
+               (7, 'a7', 'r7', 'p', 's-a', '{two}', '{two_digest}', 'queued', NULL, 1, NULL, 2.0, 2.0),
+               (8, 'a8', 'r8', 'p', 's-b', '{{"text":"three"}}', 'd8', 'queued', NULL, 1, NULL, 3.0, 3.0);
+               INSERT INTO messages (id, session_id, role, content, active, timestamp) VALUES
+               (4, 's-b', 'user', 'b one', 1, 1.0), (9, 's-a', 'user', 'a one', 1, 2.0),
+               (11, 's-b', 'assistant', 'b two', 1, 3.0), (12, 's-b', 'user', 'b old', 0, 0.5);
+               INSERT INTO session_event_batches (rowid, session_id, last_seq, first_seq,
+                 events_json, created_at) VALUES
+               (5, 's-a', 2, 1, '[["a",1],["a",2]]', 1.0), (6, 's-b', 1, 1, '[["b",1]]', 2.0),
+               (9, 's-a', 3, 3, '[["a",3]]', 3.0);
+               INSERT INTO state_meta (key, value) VALUES ('session_events.count_rule_seen', '6');"#,
+            two_digest = admissions::digest("s-a", &two),
+        ))
+        .expect("old rows");
+        (dir, c, e)
+    }
+
+    /// The migration to session ordinals numbers the sessions in the order they were created and
+    /// copies every row of the ledger, the messages and the event log with its session's ordinal
+    /// and its own rowid; everything reads back the same through the new keys, new sessions and
+    /// rows go on from there, and the down migration gives the old tables back.
+    #[test]
+    fn the_ordinals_migration_keeps_every_row_in_creation_order() {
+        let (_dir, mut c, e) = old_store();
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let ordinals = |c: &mut SqliteConnection| {
+            ["s-b", "s-a", "s-c"].map(|id| ordinal(c, id).expect("ordinal"))
+        };
+        assert_eq!(ordinals(&mut c), [1, 2, 3]);
+        assert_eq!(
+            texts(
+                &mut c,
+                "SELECT seq || ' ' || target_session_id || ' ' || session_ordinal AS detail \
+                 FROM session_admissions ORDER BY seq"
+            ),
+            ["3 s-a 2", "7 s-a 2", "8 s-b 1"]
+        );
+        assert_eq!(
+            texts(
+                &mut c,
+                "SELECT id || ' ' || session_id || ' ' || session_ordinal AS detail \
+                 FROM messages ORDER BY id"
+            ),
+            ["4 s-b 1", "9 s-a 2", "11 s-b 1", "12 s-b 1"]
+        );
+        assert_eq!(
+            texts(
+                &mut c,
+                "SELECT rowid || ' ' || session_id || ' ' || session_ordinal || ' ' || last_seq \
+                 AS detail FROM session_event_batches ORDER BY rowid"
+            ),
+            ["5 s-a 2 2", "6 s-b 1 1", "9 s-a 2 3"]
+        );
+        // Read back through the new keys.
+        let live = |c: &mut SqliteConnection, id: &str| -> Vec<String> {
+            messages::live(c, id)
+                .expect("live")
+                .into_iter()
+                .filter_map(|m| m.content)
+                .collect()
+        };
+        assert_eq!(live(&mut c, "s-b"), ["b one", "b two"]);
+        assert_eq!(live(&mut c, "s-a"), ["a one"]);
+        let pending = |c: &mut SqliteConnection, id: &str| -> Vec<i64> {
+            admissions::pending(c, id)
+                .expect("pending")
+                .iter()
+                .map(|r| r.seq)
+                .collect()
+        };
+        assert_eq!(pending(&mut c, "s-a"), [7]);
+        assert_eq!(pending(&mut c, "s-b"), [8]);
+        assert_eq!(events::head(&mut c, "s-a").expect("head").last_seq, 3);
+        assert_eq!(
+            events::since(&mut c, "s-a", 1, 10)
+                .expect("since")
+                .events
+                .iter()
+                .map(|e| e.seq)
+                .collect::<Vec<_>>(),
+            [2, 3]
+        );
+        // An input replayed is found again; a new one goes on from the largest seq.
+        let replay =
+            admissions::admit(&mut c, e, "p", "s-a", "r7", "two", 100, 4.0).expect("replay");
+        assert_eq!((replay.value.0.seq, replay.value.1), (7, false));
+        let next = admissions::admit(&mut c, e, "p", "s-c", "r9", "four", 100, 4.0).expect("admit");
+        assert_eq!((next.value.0.seq, next.value.0.session_ordinal), (9, 3));
+        assert_eq!(
+            next.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1],
+            "s-c's log starts at 1"
+        );
+        // A new session takes the next ordinal.
+        testing::session(&mut c, e, "s-0");
+        assert_eq!(ordinal(&mut c, "s-0").expect("ordinal"), 4);
+        assert!(matches!(
+            ordinal(&mut c, "nobody"),
+            Err(StoreError::NotFound(_))
+        ));
+        // Back to the old tables, every row still there.
+        c.revert_last_migration(crate::store::MIGRATIONS)
+            .expect("revert");
+        for (table, rows) in [
+            ("session_admissions", 4),
+            ("messages", 4),
+            ("session_event_batches", 4),
+        ] {
+            assert_eq!(
+                count(
+                    &mut c,
+                    &format!(
+                        "SELECT count(*) AS n FROM pragma_table_info('{table}') \
+                         WHERE name = 'session_ordinal'"
+                    )
+                ),
+                0,
+                "{table} has no ordinal"
+            );
+            assert_eq!(
+                count(&mut c, &format!("SELECT count(*) AS n FROM {table}")),
+                rows,
+                "{table}"
+            );
+        }
+    }
+
+    /// A row whose session is missing (possible only with foreign keys turned off) stops the
+    /// migration instead of being left behind.
+    #[test]
+    fn the_ordinals_migration_never_drops_a_row() {
+        let (_dir, mut c, _) = old_store();
+        c.batch_execute(
+            "PRAGMA foreign_keys = OFF; INSERT INTO messages (id, session_id, role, content, \
+             active, timestamp) VALUES (20, 'gone', 'user', 'orphan', 1, 4.0);",
+        )
+        .expect("orphan");
+        assert!(c.run_pending_migrations(crate::store::MIGRATIONS).is_err());
+        assert_eq!(
+            count(&mut c, "SELECT count(*) AS n FROM messages WHERE id = 20"),
+            1
+        );
+    }
+
+    /// The session-keyed statements of a turn seek the new keys.
+    #[test]
+    fn session_keyed_reads_seek_the_ordinal_keys() {
+        let (_dir, mut c) = testing::conn();
+        for (sql, index) in [
+            (
+                "SELECT id FROM messages WHERE session_ordinal = 1 AND active = 1 ORDER BY id",
+                "messages_live",
+            ),
+            (
+                "SELECT seq FROM session_admissions WHERE session_ordinal = 1 \
+                 AND principal_id = 'p' AND request_id = 'r'",
+                "sqlite_autoindex_session_admissions_2",
+            ),
+            (
+                "SELECT coalesce(max(ordinal), 0) + 1 FROM sessions",
+                "sessions_ordinal",
+            ),
+        ] {
+            let plan = testing::query_plan(&mut c, sql);
+            assert!(plan.iter().any(|d| d.contains(index)), "{sql}: {plan:?}");
+        }
+    }
 }
