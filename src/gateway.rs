@@ -223,6 +223,7 @@ impl Gateway {
             clock: clock.clone(),
             metrics,
             ledger: Default::default(),
+            settlements: Default::default(),
         });
         let registry = SessionRegistry::new(shared.clone()).start();
         let authority = Authority {

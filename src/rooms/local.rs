@@ -203,11 +203,15 @@ impl SessionPort for LocalSessionPort {
             let poll = self.poll;
             let callback = request.on_terminal.clone();
             let admission = row.admission_id.clone();
+            // Woken by the member's supervisor when it commits the settlement; the poll stays
+            // as the bound on a wait (a settlement by a path that does not signal is still read).
+            let mut settled = self.authority.shared.settlements.watch(&admission);
             tokio::spawn(async move {
                 loop {
                     let id = admission.clone();
                     match db.read(move |c| admissions::by_id(c, &id)).await {
                         Ok(row) if row.is_terminal() => {
+                            drop(settled);
                             callback(receipt_of(&row));
                             return;
                         }
@@ -216,7 +220,7 @@ impl SessionPort for LocalSessionPort {
                             tracing::warn!(error = %e, "room turn observation failed; retrying")
                         }
                     }
-                    tokio::time::sleep(poll).await;
+                    settled.wait(poll).await;
                 }
             });
             Ok(())

@@ -88,6 +88,97 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// The admission ledger's counts, kept between reads (metrics and status).
     pub ledger: Arc<std::sync::Mutex<crate::store::admissions::LedgerTally>>,
+    /// Who waits for which admission to settle (the rooms' local session port).
+    pub settlements: Arc<Settlements>,
+}
+
+/// Admissions someone waits on, by admission id, and a signal for each: a settlement committed
+/// by a session supervisor (a turn's, a cancellation's, an operator's resolution) sets it, so the
+/// waiter reads the settled row at once instead of on its next poll. Only watched admissions
+/// have an entry; the supervisors' lookup on every settlement finds none for the rest.
+#[derive(Debug, Default)]
+pub struct Settlements {
+    watched: Mutex<std::collections::HashMap<String, Watched>>,
+}
+
+#[derive(Debug)]
+struct Watched {
+    signal: tokio::sync::watch::Sender<bool>,
+    watchers: usize,
+}
+
+impl Settlements {
+    /// Watch `admission_id` until the returned guard is dropped.
+    pub fn watch(self: &Arc<Self>, admission_id: &str) -> SettlementWatch {
+        let mut watched = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = watched
+            .entry(admission_id.to_string())
+            .or_insert_with(|| Watched {
+                signal: tokio::sync::watch::channel(false).0,
+                watchers: 0,
+            });
+        entry.watchers += 1;
+        SettlementWatch {
+            settlements: self.clone(),
+            admission_id: admission_id.to_string(),
+            settled: entry.signal.subscribe(),
+        }
+    }
+
+    /// `admission_id` has settled (its transaction committed).
+    pub fn settled(&self, admission_id: &str) {
+        let watched = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = watched.get(admission_id) {
+            w.signal.send_replace(true);
+        }
+    }
+
+    /// How many admissions are watched.
+    pub fn len(&self) -> usize {
+        self.watched.lock().map(|w| w.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A watch on one admission ([`Settlements::watch`]).
+#[derive(Debug)]
+pub struct SettlementWatch {
+    settlements: Arc<Settlements>,
+    admission_id: String,
+    settled: tokio::sync::watch::Receiver<bool>,
+}
+
+impl SettlementWatch {
+    /// Wait until the admission is reported settled, or at most `limit`: at once when the report
+    /// came since the last wait, the full `limit` once it has been seen (the caller reads the row
+    /// either way; the signal only says when to look, and a reader that keeps failing is not
+    /// spun).
+    pub async fn wait(&mut self, limit: std::time::Duration) {
+        if self.settled.has_changed().unwrap_or(false) {
+            self.settled.borrow_and_update();
+            return;
+        }
+        let _ = tokio::time::timeout(limit, self.settled.changed()).await;
+    }
+}
+
+impl Drop for SettlementWatch {
+    fn drop(&mut self) {
+        let mut watched = self
+            .settlements
+            .watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = watched.get_mut(&self.admission_id) {
+            w.watchers -= 1;
+            if w.watchers == 0 {
+                watched.remove(&self.admission_id);
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -109,5 +200,43 @@ impl Shared {
                 tally.counts(c)
             })
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A settlement wakes its watchers, whether it comes before or during their wait; another
+    /// admission's settlement wakes nobody; the entry goes with the last watcher.
+    #[actix_rt::test]
+    async fn a_settlement_wakes_its_watchers_and_no_one_else() {
+        let s = Arc::new(Settlements::default());
+        let mut a = s.watch("a");
+        let mut a2 = s.watch("a");
+        let mut b = s.watch("b");
+        assert_eq!(s.len(), 2);
+        let waiting = tokio::spawn(async move {
+            a2.wait(Duration::from_secs(3600)).await;
+            a2
+        });
+        s.settled("a");
+        tokio::time::timeout(Duration::from_secs(5), a.wait(Duration::from_secs(3600)))
+            .await
+            .expect("a woken");
+        let a2 = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("a2 woken")
+            .expect("a2's task");
+        // B is not woken by a's settlement (nor by one nobody watches): its wait runs out.
+        s.settled("nobody");
+        let started = std::time::Instant::now();
+        b.wait(Duration::from_millis(50)).await;
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        drop((a, a2));
+        assert_eq!(s.len(), 1, "a's entry left with its last watcher");
+        drop(b);
+        assert!(s.is_empty());
     }
 }

@@ -726,9 +726,10 @@ async fn settle(
     let epoch = shared.epoch;
     let now = shared.now();
     let root = root.to_string();
+    let settled_id = admission_id.to_string();
     let admission_id = admission_id.to_string();
     let result = result.to_string();
-    shared
+    let settled = shared
         .db
         .write(move |c| {
             let settled = admissions::settle(
@@ -748,7 +749,11 @@ async fn settle(
             }
             Ok(settled)
         })
-        .await
+        .await;
+    if settled.is_ok() {
+        shared.settlements.settled(&settled_id);
+    }
+    settled
 }
 
 async fn closing_for(
@@ -1189,12 +1194,15 @@ impl Handler<ResolveUnknown> for SessionSupervisor {
         let fut = async move {
             let epoch = shared.epoch;
             let now = shared.now();
-            Ok(shared
+            let id = m.admission_id.clone();
+            let resolved = shared
                 .db
                 .write(move |c| {
                     admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now)
                 })
-                .await?)
+                .await?;
+            shared.settlements.settled(&id);
+            Ok(resolved)
         };
         Box::pin(fut.into_actor(self).map(
             |res: Result<Logged<AdmissionRow>, GatewayError>, act, ctx| {
@@ -1221,10 +1229,13 @@ impl Handler<CancelQueued> for SessionSupervisor {
         let fut = async move {
             let epoch = shared.epoch;
             let now = shared.now();
-            Ok(shared
+            let id = m.admission_id.clone();
+            let cancelled = shared
                 .db
                 .write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now))
-                .await?)
+                .await?;
+            shared.settlements.settled(&id);
+            Ok(cancelled)
         };
         Box::pin(fut.into_actor(self).map(
             |res: Result<Logged<AdmissionRow>, GatewayError>, act, ctx| act.answered(res, ctx),

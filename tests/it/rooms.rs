@@ -191,3 +191,56 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
     let ops = control(&home.path, "rooms", json!({})).expect("rooms");
     assert_eq!(ops["rooms"].as_array().map(Vec::len), Some(2), "{ops}");
 }
+
+/// A room task settles as soon as its member's turn does: the member's supervisor signals the
+/// settlement to the room's session port, and the room supervisor is woken by its report, so
+/// neither poll interval (a minute each here) stands between a turn and its task's settlement.
+#[actix_rt::test]
+async fn a_room_task_settles_with_its_turn_not_on_a_poll() {
+    let model = FakeModel::start(|body| {
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"dev": {"toolsets": []}},
+            "rooms": {"poll_interval_seconds": 60, "active_poll_interval_seconds": 60},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "quick", "name": "Q", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    for (i, task) in ["q1", "q2", "q3"].into_iter().enumerate() {
+        let admitted = std::time::Instant::now();
+        ws.ok(
+            "room.admit",
+            admit("quick", task, "dev", &format!("hello {task}"), i as i64 + 1),
+        )
+        .await;
+        let settled = ws
+            .event(Duration::from_secs(20), |e| {
+                e["type"] == "room.task" && e["payload"]["identity"]["task_id"] == task
+            })
+            .await;
+        assert_eq!(settled["payload"]["status"], "settled", "{settled}");
+        assert!(
+            settled["payload"]["result"]
+                .to_string()
+                .contains(&format!("ACK_hello {task}")),
+            "{settled}"
+        );
+        assert!(
+            admitted.elapsed() < Duration::from_secs(20),
+            "{task} took {:?}",
+            admitted.elapsed()
+        );
+    }
+}
