@@ -117,11 +117,11 @@ fn start_rooms(
     let bindings: BindingSource = {
         let (db, gid) = (rooms_db.clone(), gateway_id.to_string());
         Arc::new(move || {
-            db.run_sync(|c| store::rooms::list_rooms_for_gateway(c, &gid))
+            db.run_sync(|c| store::rooms::list_bindings_for_gateway(c, &gid))
                 .map(|rooms| {
                     rooms
                         .into_iter()
-                        .map(|r| RoomBinding::new(r.room_id, gid.clone(), r.authority_epoch))
+                        .map(|(room_id, epoch)| RoomBinding::new(room_id, gid.clone(), epoch))
                         .collect()
                 })
                 .unwrap_or_else(|e| {

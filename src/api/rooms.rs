@@ -229,7 +229,7 @@ impl RoomsService {
                     .await
                     .map_err(store_error)?;
                 subscribe(&view.identity.room_id);
-                self.runtime.wakeup();
+                self.runtime.wake_room(&view.identity.room_id);
                 Ok(task_view(&view))
             }
             "room.tasks" => {

@@ -20,6 +20,12 @@ pub struct RoomScheduler {
     runtime: RoomRuntime,
     supervisors: HashMap<String, Addr<RoomSupervisor>>,
     busy: HashSet<String>,
+    /// Rooms owed a pass in the current round. A round starts on each tick of the poll interval
+    /// and each wakeup, and gives every room one pass (a pass drains its room's queue); a room
+    /// busy when the round starts gets its pass when its current one ends.
+    owed: HashSet<String>,
+    /// The next cycle starts a round.
+    round: bool,
     cursor: usize,
     stopping: bool,
     idle_waiters: Vec<tokio::sync::oneshot::Sender<()>>,
@@ -31,10 +37,18 @@ impl RoomScheduler {
             runtime,
             supervisors: HashMap::new(),
             busy: HashSet::new(),
+            owed: HashSet::new(),
+            round: true,
             cursor: 0,
             stopping: false,
             idle_waiters: Vec::new(),
         }
+    }
+
+    /// Start a round: every room is owed a pass.
+    fn start_round(&mut self, ctx: &mut Context<Self>) {
+        self.round = true;
+        self.cycle(ctx);
     }
 
     fn cycle(&mut self, ctx: &mut Context<Self>) {
@@ -44,6 +58,11 @@ impl RoomScheduler {
         self.runtime.state().cycles += 1;
         let bindings = (self.runtime.inner.bindings)();
         let known: HashSet<&str> = bindings.iter().map(|b| b.room_id.as_str()).collect();
+        if std::mem::take(&mut self.round) {
+            self.owed = known.iter().map(|r| r.to_string()).collect();
+        } else {
+            self.owed.retain(|r| known.contains(r.as_str()));
+        }
         // Rooms that left this gateway (disbanded, authority moved) lose their actor when idle.
         let gone: Vec<String> = self
             .supervisors
@@ -66,7 +85,7 @@ impl RoomScheduler {
                 break;
             }
             let binding = bindings[(start + offset) % bindings.len()].clone();
-            if self.busy.contains(&binding.room_id) {
+            if self.busy.contains(&binding.room_id) || !self.owed.contains(&binding.room_id) {
                 continue;
             }
             let supervisor = self
@@ -80,6 +99,7 @@ impl RoomScheduler {
                     .start()
                 })
                 .clone();
+            self.owed.remove(&binding.room_id);
             self.busy.insert(binding.room_id.clone());
             supervisor.do_send(RunPass(binding));
             available -= 1;
@@ -97,8 +117,8 @@ impl Actor for RoomScheduler {
             state.stopping = false;
         }
         let poll = Duration::from_secs_f64(self.runtime.config().poll_interval_seconds);
-        ctx.run_interval(poll, |act, ctx| act.cycle(ctx));
-        // `wakeup()` (a new room or task) starts a cycle at once.
+        ctx.run_interval(poll, |act, ctx| act.start_round(ctx));
+        // `wakeup()` (a new room or task, a member's terminal report) starts a round at once.
         let mut wake = self.runtime.inner.wake.subscribe();
         let addr = ctx.address();
         ctx.spawn(
@@ -109,7 +129,34 @@ impl Actor for RoomScheduler {
             }
             .into_actor(self),
         );
+        // `wake_room()` (a task admitted, a member's terminal report) owes that room a pass.
+        let mut poke = self.runtime.inner.poke.subscribe();
+        let addr = ctx.address();
+        ctx.spawn(
+            async move {
+                while poke.changed().await.is_ok() {
+                    addr.do_send(Poke);
+                }
+            }
+            .into_actor(self),
+        );
         ctx.notify(Cycle);
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Poke;
+
+impl Handler<Poke> for RoomScheduler {
+    type Result = ();
+    fn handle(&mut self, _: Poke, ctx: &mut Context<Self>) {
+        let poked = self.runtime.take_poked();
+        if poked.is_empty() {
+            return;
+        }
+        self.owed.extend(poked);
+        self.cycle(ctx);
     }
 }
 
@@ -120,7 +167,7 @@ struct Cycle;
 impl Handler<Cycle> for RoomScheduler {
     type Result = ();
     fn handle(&mut self, _: Cycle, ctx: &mut Context<Self>) {
-        self.cycle(ctx);
+        self.start_round(ctx);
     }
 }
 
@@ -138,7 +185,12 @@ impl Handler<PassDone> for RoomScheduler {
                 let _ = w.send(());
             }
         }
-        self.cycle(ctx);
+        // The freed slot goes to a room still owed a pass this round; a room that has had its
+        // pass waits for the next round (it used to get another at once, so idle rooms' passes
+        // ran back to back without end).
+        if !self.owed.is_empty() {
+            self.cycle(ctx);
+        }
     }
 }
 

@@ -1110,6 +1110,9 @@ impl RoomRuntime {
         let generation = attempt.execution_generation;
         let poll = self.inner.config.active_poll_interval_seconds;
         let profile = task.payload.target_profile.clone();
+        // Subscribed before the first check: the member's terminal report wakes it, and a report
+        // that lands between a check and the pause must end that pause, not wait out the poll.
+        let mut wake = self.waker();
         loop {
             if self.is_stopping() {
                 return;
@@ -1120,7 +1123,7 @@ impl RoomRuntime {
                     self.set_error(format!(
                         "task {task_id} observation failed after submit: {error}"
                     ));
-                    self.pause(poll).await;
+                    self.pause_for(&mut wake, poll).await;
                     continue;
                 }
             };
@@ -1159,7 +1162,7 @@ impl RoomRuntime {
                             self.set_error(format!("task {task_id} stop remains pending: {error}"))
                         }
                     }
-                    self.pause(poll).await;
+                    self.pause_for(&mut wake, poll).await;
                     continue;
                 }
                 _ => return,
@@ -1190,7 +1193,7 @@ impl RoomRuntime {
                     | Err(RoomStoreError::StaleTask(_)) => {}
                     Err(error) => {
                         self.set_error(format!("task {task_id} deadline stop failed: {error}"));
-                        self.pause(poll).await;
+                        self.pause_for(&mut wake, poll).await;
                     }
                 }
                 continue;
@@ -1231,7 +1234,7 @@ impl RoomRuntime {
                     self.set_error(format!(
                         "task {task_id} observation failed after submit: {error}"
                     ));
-                    self.pause(poll).await;
+                    self.pause_for(&mut wake, poll).await;
                     continue;
                 }
             }
@@ -1242,7 +1245,7 @@ impl RoomRuntime {
                 )),
             }
             let left = deadline - self.inner.clock.monotonic();
-            self.pause(poll.min(left.max(0.0))).await;
+            self.pause_for(&mut wake, poll.min(left.max(0.0))).await;
         }
     }
 
@@ -1283,7 +1286,7 @@ impl RoomRuntime {
                 }
             }
         }
-        self.wakeup();
+        self.wake_room(&binding.room_id);
     }
 
     async fn commit_receipt(
