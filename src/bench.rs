@@ -81,7 +81,7 @@ pub fn parse_levels(list: &str) -> Result<Vec<usize>, String> {
 }
 
 /// The sections `--only` accepts.
-pub const SECTIONS: [&str; 5] = ["admission", "turn", "tool", "isolation", "recovery"];
+pub const SECTIONS: [&str; 6] = ["admission", "turn", "tool", "room", "isolation", "recovery"];
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -212,6 +212,13 @@ fn daemon_home(base: &Path, name: &str, model_url: &str) -> Result<PathBuf, Stri
 }
 
 fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
+    // A member profile per room of the room section: a member's turns run one at a time across
+    // rooms (the contract's turn lock is per profile), and the section measures rooms at once.
+    let mut profiles = serde_json::Map::new();
+    profiles.insert("hang".into(), json!({"toolsets": []}));
+    for i in 0..MAX_LEVEL {
+        profiles.insert(member_profile(i), json!({"toolsets": []}));
+    }
     let config = json!({
         "model": {"provider": "custom", "default": "bench-model", "base_url": model_url, "stream": false,
                   "max_retries": 0, "max_concurrent_requests": 512},
@@ -219,8 +226,9 @@ fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
         "platform_toolsets": {"cli": ["terminal"]},
         "session": {"max_queued_admissions": 1_000_000},
         "gateway": {"max_connections": 20000},
-        "profiles": {"hang": {"toolsets": []}},
-        "rooms": {"poll_interval_seconds": 0.5, "turn_timeout_seconds": 3600},
+        "profiles": profiles,
+        // As many rooms at once as the room section's largest level.
+        "rooms": {"poll_interval_seconds": 0.5, "turn_timeout_seconds": 3600, "max_concurrent_rooms": MAX_LEVEL},
     });
     std::fs::write(home.join("config.yaml"), config.to_string()).map_err(err)
 }
@@ -324,6 +332,9 @@ struct Client {
     /// turn section that scan was 6 % of the machine's samples, CPU taken from the daemon the
     /// bench measures.
     completed: std::collections::HashSet<String>,
+    /// Room tasks whose terminal `room.task` event arrived while the client waited for something
+    /// else: `room/task` → status.
+    tasks: std::collections::HashMap<String, String>,
 }
 
 impl Client {
@@ -332,6 +343,7 @@ impl Client {
             framed: crate::chat::connect_ws(home, origin).await?,
             next: 1,
             completed: Default::default(),
+            tasks: Default::default(),
         })
     }
 
@@ -398,6 +410,45 @@ impl Client {
         if let Some(admission) = v.completed {
             self.completed.insert(admission);
         }
+        if let Some((task, status)) = v.task {
+            self.tasks.insert(task, status);
+        }
+    }
+
+    /// One room task: admit it and wait for its terminal `room.task` event, which must say
+    /// `settled`.
+    async fn room_task(
+        &mut self,
+        room: &str,
+        task: &str,
+        profile: &str,
+        seq: i64,
+    ) -> Result<(), String> {
+        self.call(
+            "room.admit",
+            json!({"room_id": room, "task_id": task, "thread_id": "th", "turn_id": task,
+                   "target_profile": profile, "prompt": PLAIN, "source_event_seq": seq}),
+        )
+        .await?;
+        let key = format!("{room}/{task}");
+        let status = match self.tasks.remove(&key) {
+            Some(status) => status,
+            None => loop {
+                let mut v = self.recv().await?;
+                match v.task.take() {
+                    Some((k, status)) if k == key => break status,
+                    other => {
+                        v.task = other;
+                        self.note(v);
+                    }
+                }
+            },
+        };
+        if status == "settled" {
+            Ok(())
+        } else {
+            Err(format!("room task {key} ended {status}"))
+        }
     }
 
     async fn session(&mut self, request_id: &str, cwd: &Path) -> Result<String, String> {
@@ -451,6 +502,8 @@ struct Incoming {
     result: Option<Value>,
     error: Option<Value>,
     completed: Option<String>,
+    /// A terminal `room.task` event's `room/task` and status.
+    task: Option<(String, String)>,
 }
 
 impl Incoming {
@@ -475,17 +528,42 @@ impl Incoming {
         struct Payload<'a> {
             #[serde(borrow)]
             admission_id: Option<Cow<'a, str>>,
+            #[serde(borrow)]
+            identity: Option<Task<'a>>,
+            #[serde(borrow)]
+            status: Option<Cow<'a, str>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Task<'a> {
+            #[serde(borrow)]
+            room_id: Cow<'a, str>,
+            #[serde(borrow)]
+            task_id: Cow<'a, str>,
         }
         let f: Frame<'_> = serde_json::from_slice(frame).map_err(err)?;
-        let completed = f.params.and_then(|p| match p.kind.as_deref() {
-            Some("message.complete") => p.payload?.admission_id.map(Cow::into_owned),
-            _ => None,
-        });
+        let (mut completed, mut task) = (None, None);
+        if let Some(p) = f.params {
+            match (p.kind.as_deref(), p.payload) {
+                (Some("message.complete"), Some(payload)) => {
+                    completed = payload.admission_id.map(Cow::into_owned);
+                }
+                (Some("room.task"), Some(payload)) => {
+                    task = payload.identity.map(|t| {
+                        (
+                            format!("{}/{}", t.room_id, t.task_id),
+                            payload.status.unwrap_or_default().into_owned(),
+                        )
+                    });
+                }
+                _ => {}
+            }
+        }
         Ok(Incoming {
             id: f.id,
             result: f.result,
             error: f.error,
             completed,
+            task,
         })
     }
 }
@@ -818,6 +896,82 @@ async fn turns(
     report["warm_up_turns"] = json!(warm);
     report["wal_restarts"] = json!(restarts?);
     Ok(report)
+}
+
+/// Room tasks at `concurrency` rooms at once, each room's tasks one after another: `room.admit`
+/// until the task's terminal `room.task` event. Each task is one plain turn of the room's member
+/// session, driven by the room's supervisor through the local session port. Each client moves to
+/// a fresh room a few times, which keeps the member's transcript (and so each request) small, as
+/// the turn section's fresh sessions do, while the rooms stay within the gateway's bound on
+/// active rooms (rooms are never disbanded here); a room's first task includes creating its
+/// member session.
+async fn room_tasks(
+    opts: &BenchOptions,
+    model_url: &str,
+    concurrency: usize,
+    total: usize,
+) -> Result<Value, String> {
+    let (home, daemon, warm) = warmed_daemon(opts, model_url, "room").await?;
+    let per = (total / concurrency).max(1);
+    let rooms_each = (ROOMS_PER_SECTION / concurrency).max(1);
+    let per_room = per.div_ceil(rooms_each);
+    let mut clients = Vec::new();
+    for i in 0..concurrency {
+        clients.push((i, Client::connect(&home, &daemon.origin).await?));
+    }
+    let mut report = measure_on(
+        &daemon,
+        clients
+            .into_iter()
+            .map(|(i, c)| run_room_tasks(c, i, per, per_room)),
+    )
+    .await;
+    if let Ok(r) = report.as_mut() {
+        if let (Some(n), Some(commits)) = (r["count"].as_f64(), r["commits"].as_f64()) {
+            if n > 0.0 {
+                r["commits_per_turn"] = json!(round(commits / n));
+            }
+        }
+    }
+    daemon.stop();
+    let mut report = report?;
+    report["warm_up_turns"] = json!(warm);
+    Ok(report)
+}
+
+/// The member profile of the room section's `i`th client.
+fn member_profile(i: usize) -> String {
+    format!("member-{i}")
+}
+
+/// How many rooms the room section's clients create in all (at least one each), within the
+/// gateway's bound of 256 active rooms.
+const ROOMS_PER_SECTION: usize = 128;
+
+async fn run_room_tasks(
+    mut c: Client,
+    i: usize,
+    n: usize,
+    per_room: usize,
+) -> Result<Vec<f64>, String> {
+    let mut lat = Vec::with_capacity(n);
+    let mut room = String::new();
+    let profile = member_profile(i);
+    for k in 0..n {
+        if k % per_room == 0 {
+            room = format!("room-{i}-{k}");
+            c.call(
+                "room.create",
+                json!({"room_id": room, "name": room, "members": [{"profile": profile, "handle": "m"}]}),
+            )
+            .await?;
+        }
+        let t = Instant::now();
+        c.room_task(&room, &format!("t{k}"), &profile, (k % per_room) as i64 + 1)
+            .await?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(lat)
 }
 
 /// A daemon on a fresh home, [`warm_up`] done; how many turns that took.
@@ -1255,9 +1409,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     }
     let mut turn = Vec::new();
     let mut tool = Vec::new();
+    let mut room = Vec::new();
     let sections = [
         ("turn", PLAIN, false, &mut turn),
         ("tool", TOOL, true, &mut tool),
+        ("room", PLAIN, false, &mut room),
     ];
     for (section, text, tool_floor, out) in sections {
         for c in levels.iter().copied().filter(|_| opts.wants(section)) {
@@ -1266,7 +1422,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
             } else {
                 turn_total.max(c)
             };
-            let t = turns(&opts, &model_url, c, total, text).await?;
+            let t = if section == "room" {
+                room_tasks(&opts, &model_url, c, total).await?
+            } else {
+                turns(&opts, &model_url, c, total, text).await?
+            };
             let f = floor(&model_url, c, total, tool_floor).await?;
             let overhead =
                 t["p50_ms"].as_f64().unwrap_or(0.0) - f["p50_ms"].as_f64().unwrap_or(0.0);
@@ -1297,6 +1457,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         "admission": admission,
         "turn": turn,
         "tool": tool,
+        "room": room,
         "isolation": iso,
         "memory": memory,
         "recovery": rec,
@@ -1327,7 +1488,7 @@ fn machine() -> Value {
 }
 
 /// The turn sections of the table: the report's key and the title.
-const TURN_TABLES: [(&str, &str); 2] = [
+const TURN_TABLES: [(&str, &str); 3] = [
     (
         "turn",
         "turn (submit → message.complete) vs direct model calls",
@@ -1336,6 +1497,11 @@ const TURN_TABLES: [(&str, &str); 2] = [
         "tool",
         "tool turn (one `terminal` call of `true`: two model calls and a child process) \
          vs two direct model calls and the bench running `true` itself",
+    ),
+    (
+        "room",
+        "room task (room.admit → its settled room.task event: one plain turn of the room's member) \
+         vs direct model calls; the first column counts rooms",
     ),
 ];
 const TURN_COLUMNS: &str = "  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %";

@@ -70,6 +70,22 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         tool[0]["turn"]["commits_per_turn"].as_f64() > turn[0]["turn"]["commits_per_turn"].as_f64(),
         "{tool:?}"
     );
+    // A room task: one plain turn of its room's member, driven by the room's supervisor; every
+    // level reports (at 256, one room per client, the gateway's bound on active rooms).
+    let room = report["room"].as_array().expect("room");
+    assert_eq!(
+        room.iter()
+            .map(|t| t["sessions"].as_u64())
+            .collect::<Vec<_>>(),
+        [Some(1), Some(16), Some(256)]
+    );
+    assert!(
+        room.iter().all(
+            |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
+                && t["floor"]["count"] == t["turn"]["count"]
+        ),
+        "{room:?}"
+    );
     assert_eq!(report["isolation"]["parked_sessions"], 100);
     assert_eq!(report["isolation"]["rounds"], 1);
     assert!(report["isolation"]["loaded_rounds_p99_ms"][0]
