@@ -57,7 +57,8 @@ commands:
   serve [--log-format human|json]     run the daemon in the foreground
   chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
   bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
-         [--only admission,turn,tool,isolation,recovery] [--levels 1,16,256]
+         [--only admission,turn,tool,room,isolation,recovery]
+         [--levels 1,16,256]
          [--admissions N]
                                       measure the daemon against a loopback fake model
   status [--json]                     identify the running daemon and count admissions
