@@ -883,12 +883,7 @@ async fn turns(
     )
     .await;
     if let Ok(r) = report.as_mut() {
-        // Writer transactions per turn (fewer than the turn's writes when they group).
-        if let (Some(n), Some(commits)) = (r["count"].as_f64(), r["commits"].as_f64()) {
-            if n > 0.0 {
-                r["commits_per_turn"] = json!(round(commits / n));
-            }
-        }
+        commits_per_turn(r);
     }
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
@@ -927,11 +922,7 @@ async fn room_tasks(
     )
     .await;
     if let Ok(r) = report.as_mut() {
-        if let (Some(n), Some(commits)) = (r["count"].as_f64(), r["commits"].as_f64()) {
-            if n > 0.0 {
-                r["commits_per_turn"] = json!(round(commits / n));
-            }
-        }
+        commits_per_turn(r);
     }
     daemon.stop();
     let mut report = report?;
@@ -972,6 +963,16 @@ async fn run_room_tasks(
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     Ok(lat)
+}
+
+/// Writer transactions per turn (fewer than the turn's writes when they group), from a
+/// [`measure_on`] report's count and commits.
+fn commits_per_turn(r: &mut Value) {
+    if let (Some(n), Some(commits)) = (r["count"].as_f64(), r["commits"].as_f64()) {
+        if n > 0.0 {
+            r["commits_per_turn"] = json!(round(commits / n));
+        }
+    }
 }
 
 /// A daemon on a fresh home, [`warm_up`] done; how many turns that took.

@@ -118,29 +118,36 @@ impl Actor for RoomScheduler {
         }
         let poll = Duration::from_secs_f64(self.runtime.config().poll_interval_seconds);
         ctx.run_interval(poll, |act, ctx| act.start_round(ctx));
-        // `wakeup()` (a new room or task, a member's terminal report) starts a round at once.
-        let mut wake = self.runtime.inner.wake.subscribe();
-        let addr = ctx.address();
-        ctx.spawn(
-            async move {
-                while wake.changed().await.is_ok() {
-                    addr.do_send(Cycle);
-                }
-            }
-            .into_actor(self),
-        );
+        // `wakeup()` (a new room, a cancellation, a retry) starts a round at once.
+        let wake = self.runtime.inner.wake.subscribe();
+        self.forward(ctx, wake, || Cycle);
         // `wake_room()` (a task admitted, a member's terminal report) owes that room a pass.
-        let mut poke = self.runtime.inner.poke.subscribe();
+        let poke = self.runtime.inner.poke.subscribe();
+        self.forward(ctx, poke, || Poke);
+        ctx.notify(Cycle);
+    }
+}
+
+impl RoomScheduler {
+    /// Send the scheduler `message()` on each change of `signal`, for the actor's life.
+    fn forward<M>(
+        &self,
+        ctx: &mut Context<Self>,
+        mut signal: tokio::sync::watch::Receiver<u64>,
+        message: fn() -> M,
+    ) where
+        M: Message<Result = ()> + Send + 'static,
+        Self: Handler<M>,
+    {
         let addr = ctx.address();
         ctx.spawn(
             async move {
-                while poke.changed().await.is_ok() {
-                    addr.do_send(Poke);
+                while signal.changed().await.is_ok() {
+                    addr.do_send(message());
                 }
             }
             .into_actor(self),
         );
-        ctx.notify(Cycle);
     }
 }
 

@@ -21,6 +21,27 @@ fn bench_json(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("bench JSON")
 }
 
+/// A turn-shaped section's rows: one per default level, each with a rate and as many floor calls
+/// as measured operations.
+fn levels_report<'a>(report: &'a Value, section: &str) -> &'a Vec<Value> {
+    let rows = report[section].as_array().expect(section);
+    assert_eq!(
+        rows.iter()
+            .map(|t| t["sessions"].as_u64())
+            .collect::<Vec<_>>(),
+        [Some(1), Some(16), Some(256)],
+        "{section}"
+    );
+    assert!(
+        rows.iter().all(
+            |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
+                && t["floor"]["count"] == t["turn"]["count"]
+        ),
+        "{section}: {rows:?}"
+    );
+    rows
+}
+
 #[test]
 fn the_quick_benchmark_runs_and_reports_every_section() {
     let report = bench_json(&["--parked", "100"]);
@@ -43,49 +64,18 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         .all(|a| a["ack"]["count"].as_u64().is_some_and(|c| c > 0)
             && a["replay"]["count"] == a["ack"]["count"]
             && a["ping"]["count"] == a["ack"]["count"]));
-    let turn = report["turn"].as_array().expect("turn");
-    assert_eq!(turn.len(), 3);
-    assert!(turn.iter().all(
-        |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
-            && t["floor"]["count"] == t["turn"]["count"]
-    ));
+    let turn = levels_report(&report, "turn");
     // A tool turn: two model calls around a real child process, against the same floor; alone on
     // its session (no group commit), it commits more often than a plain turn: its tool call and
     // result are durable before the next step.
-    let tool = report["tool"].as_array().expect("tool");
-    assert_eq!(
-        tool.iter()
-            .map(|t| t["sessions"].as_u64())
-            .collect::<Vec<_>>(),
-        [Some(1), Some(16), Some(256)]
-    );
-    assert!(
-        tool.iter().all(
-            |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
-                && t["floor"]["count"] == t["turn"]["count"]
-        ),
-        "{tool:?}"
-    );
+    let tool = levels_report(&report, "tool");
     assert!(
         tool[0]["turn"]["commits_per_turn"].as_f64() > turn[0]["turn"]["commits_per_turn"].as_f64(),
         "{tool:?}"
     );
     // A room task: one plain turn of its room's member, driven by the room's supervisor; every
     // level reports (at 256, one room per client, the gateway's bound on active rooms).
-    let room = report["room"].as_array().expect("room");
-    assert_eq!(
-        room.iter()
-            .map(|t| t["sessions"].as_u64())
-            .collect::<Vec<_>>(),
-        [Some(1), Some(16), Some(256)]
-    );
-    assert!(
-        room.iter().all(
-            |t| t["turn"]["per_second"].as_f64().is_some_and(|r| r > 0.0)
-                && t["floor"]["count"] == t["turn"]["count"]
-        ),
-        "{room:?}"
-    );
+    levels_report(&report, "room");
     assert_eq!(report["isolation"]["parked_sessions"], 100);
     assert_eq!(report["isolation"]["rounds"], 1);
     assert!(report["isolation"]["loaded_rounds_p99_ms"][0]

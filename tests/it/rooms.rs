@@ -192,11 +192,9 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
     assert_eq!(ops["rooms"].as_array().map(Vec::len), Some(2), "{ops}");
 }
 
-/// A room task settles as soon as its member's turn does: the member's supervisor signals the
-/// settlement to the room's session port, and the room supervisor is woken by its report, so
-/// neither poll interval (a minute each here) stands between a turn and its task's settlement.
-#[actix_rt::test]
-async fn a_room_task_settles_with_its_turn_not_on_a_poll() {
+/// A daemon with the `rooms` settings given, a `dev` profile without tools, and a model that
+/// answers each user message with `ACK_<message>`.
+fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
     let model = FakeModel::start(|body| {
         Reply::Message(
             json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
@@ -206,12 +204,19 @@ async fn a_room_task_settles_with_its_turn_not_on_a_poll() {
     let home = Home::new();
     home.write_config(&config(
         &model.url,
-        json!({
-            "profiles": {"dev": {"toolsets": []}},
-            "rooms": {"poll_interval_seconds": 60, "active_poll_interval_seconds": 60},
-        }),
+        json!({"profiles": {"dev": {"toolsets": []}}, "rooms": rooms}),
     ));
     let d = Daemon::start(&home);
+    (model, home, d)
+}
+
+/// A room task settles as soon as its member's turn does: the member's supervisor signals the
+/// settlement to the room's session port, and the room supervisor is woken by its report, so
+/// neither poll interval (a minute each here) stands between a turn and its task's settlement.
+#[actix_rt::test]
+async fn a_room_task_settles_with_its_turn_not_on_a_poll() {
+    let (_model, _home, d) =
+        acking_rooms(json!({"poll_interval_seconds": 60, "active_poll_interval_seconds": 60}));
     let mut ws = d.ws().await;
     ws.ok(
         "room.create",
@@ -253,21 +258,7 @@ async fn a_room_task_settles_with_its_turn_not_on_a_poll() {
 /// happens in it.)
 #[actix_rt::test]
 async fn idle_rooms_are_not_passed_back_to_back() {
-    let model = FakeModel::start(|body| {
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
-            "stop",
-        )
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({
-            "profiles": {"dev": {"toolsets": []}},
-            "rooms": {"poll_interval_seconds": 30},
-        }),
-    ));
-    let d = Daemon::start(&home);
+    let (_model, _home, d) = acking_rooms(json!({"poll_interval_seconds": 30}));
     let mut ws = d.ws().await;
     for room in ["idle-1", "idle-2", "idle-3"] {
         ws.ok(
