@@ -7,7 +7,9 @@ use sha2::{Digest, Sha256};
 
 use super::epoch::check_epoch;
 use super::events::{self, Logged, NewEvent};
-use super::messages::{closing_messages, insert_messages, live, NewMessage};
+use super::messages::{
+    closing_messages, insert_messages, insert_messages_knowing, live, NewMessage,
+};
 use super::schema::{session_admissions as sa, sessions};
 use super::{hot_sql, Bind};
 use crate::error::StoreError;
@@ -525,7 +527,13 @@ pub fn claim_next(
             admission_id: Some(head.admission_id.clone()),
             ..Default::default()
         };
-        insert_messages(conn, std::slice::from_ref(&user), now)?;
+        // The tip is the root itself until a compaction rotates it: its ordinal is known then.
+        insert_messages_knowing(
+            conn,
+            std::slice::from_ref(&user),
+            Some((session, ordinal)),
+            now,
+        )?;
         let ids = serde_json::json!({"admission_id": head.admission_id, "execution_generation": generation});
         let logged = events::append_at(
             conn,
@@ -585,11 +593,11 @@ pub fn settle(
                 "generation {generation} is not running"
             )));
         }
-        let tip: String = hot_sql!(
-            "SELECT tip_session_id FROM sessions WHERE id = ?",
+        let (tip, ordinal): (String, i64) = hot_sql!(
+            "SELECT tip_session_id, ordinal FROM sessions WHERE id = ?",
             &[Bind::Text(session)],
         )
-        .returning::<diesel::sql_types::Text>()
+        .returning::<(diesel::sql_types::Text, diesel::sql_types::BigInt)>()
         .get_result(conn)?;
         let n = hot_sql!(
             "UPDATE session_admissions SET status = 'terminal', outcome = ?, result_json = ?, \
@@ -619,8 +627,8 @@ pub fn settle(
                 ..m
             })
             .collect();
-        insert_messages(conn, &rows, now)?;
-        let logged = events::append(conn, session, report, now)?;
+        insert_messages_knowing(conn, &rows, Some((session, ordinal)), now)?;
+        let logged = events::append_at(conn, session, ordinal, report, now)?;
         Ok(Logged::new((), logged))
     })
 }

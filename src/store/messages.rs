@@ -70,8 +70,19 @@ pub(crate) fn insert_messages(
     rows: &[NewMessage],
     now: f64,
 ) -> Result<(), StoreError> {
+    insert_messages_knowing(conn, rows, None, now)
+}
+
+/// [`insert_messages`] for a caller that has read the ordinal of one session already, `known`
+/// as `(session_id, ordinal)`: rows of that session need no lookup.
+pub(crate) fn insert_messages_knowing(
+    conn: &mut SqliteConnection,
+    rows: &[NewMessage],
+    known: Option<(&str, i64)>,
+    now: f64,
+) -> Result<(), StoreError> {
     // The rows of one call are almost always one session's: its ordinal is looked up once.
-    let mut ordinal: Option<(&str, i64)> = None;
+    let mut ordinal = known;
     for m in rows {
         let session_ordinal = match ordinal {
             Some((id, n)) if id == m.session_id => n,
