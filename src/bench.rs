@@ -1,8 +1,8 @@
 //! `gatehouse bench`: starts the real daemon binary on temp homes against a loopback fake model
 //! that the bench runs itself, drives it over the WebSocket like a client, and reports admission,
-//! turn, tool turn, isolation, memory and recovery figures, each beside a baseline measured in the
-//! same run (the raw SQLite commit rate on the same disk; direct calls to the fake model, and for
-//! a tool turn the same command run by the bench itself).
+//! turn, tool turn, room task, isolation, memory and recovery figures, each beside a baseline
+//! measured in the same run (the raw SQLite commit rate on the same disk; direct calls to the fake
+//! model, and for a tool turn the same command run by the bench itself).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -25,10 +25,11 @@ pub struct BenchOptions {
     pub model_latency_ms: u64,
     pub recovery_admissions: usize,
     pub recovery_sessions: usize,
-    /// Sections to run (`admission`, `turn`, `tool`, `isolation`, `recovery`); empty runs them
-    /// all.
+    /// Sections to run (`admission`, `turn`, `tool`, `room`, `isolation`, `recovery`); empty
+    /// runs them all.
     pub only: Vec<String>,
-    /// Concurrent sessions of the admission, turn and tool sections.
+    /// Concurrent sessions of the admission, turn and tool sections, and rooms of the room
+    /// section.
     pub levels: Vec<usize>,
     /// Inputs each admission section submits (at least one per session).
     pub admissions: usize,
@@ -54,7 +55,8 @@ impl BenchOptions {
     }
 }
 
-/// The admission, turn and tool sections' concurrency levels unless `--levels` says otherwise.
+/// The admission, turn, tool and room sections' concurrency levels unless `--levels` says
+/// otherwise.
 pub const LEVELS: [usize; 3] = [1, 16, 256];
 /// The most sessions a level may ask for (each is a WebSocket and a session of its own).
 pub const MAX_LEVEL: usize = 1024;
@@ -228,7 +230,8 @@ fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
         "gateway": {"max_connections": 20000},
         "profiles": profiles,
         // As many rooms at once as the room section's largest level.
-        "rooms": {"poll_interval_seconds": 0.5, "turn_timeout_seconds": 3600, "max_concurrent_rooms": MAX_LEVEL},
+        "rooms": {"poll_interval_seconds": 0.5, "turn_timeout_seconds": 3600,
+                  "max_concurrent_rooms": MAX_LEVEL},
     });
     std::fs::write(home.join("config.yaml"), config.to_string()).map_err(err)
 }
@@ -431,18 +434,12 @@ impl Client {
         )
         .await?;
         let key = format!("{room}/{task}");
-        let status = match self.tasks.remove(&key) {
-            Some(status) => status,
-            None => loop {
-                let mut v = self.recv().await?;
-                match v.task.take() {
-                    Some((k, status)) if k == key => break status,
-                    other => {
-                        v.task = other;
-                        self.note(v);
-                    }
-                }
-            },
+        let status = loop {
+            if let Some(status) = self.tasks.remove(&key) {
+                break status;
+            }
+            let v = self.recv().await?;
+            self.note(v);
         };
         if status == "settled" {
             Ok(())

@@ -134,12 +134,9 @@ impl Settlements {
     }
 
     /// How many admissions are watched.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.watched.lock().map(|w| w.len()).unwrap_or(0)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -237,6 +234,6 @@ mod tests {
         drop((a, a2));
         assert_eq!(s.len(), 1, "a's entry left with its last watcher");
         drop(b);
-        assert!(s.is_empty());
+        assert_eq!(s.len(), 0);
     }
 }
