@@ -112,7 +112,7 @@ fn start_rooms(
     gateway_id: &str,
     process_generation: &str,
 ) -> Result<Arc<RoomsService>, StartError> {
-    let rooms_db = RoomsDb::new(pool);
+    let rooms_db = RoomsDb::with_writer(pool, authority.shared.db.clone());
     let hub = Arc::new(RoomEventHub::default());
     let bindings: BindingSource = {
         let (db, gid) = (rooms_db.clone(), gateway_id.to_string());

@@ -176,7 +176,7 @@ impl RoomsService {
                 let (clock, gateway) = (self.clock.clone(), self.gateway_id.clone());
                 let room = self
                     .db
-                    .run(move |c| {
+                    .write(move |c| {
                         rooms::create_room(
                             c,
                             &p.room_id,
@@ -225,7 +225,7 @@ impl RoomsService {
                 let clock = self.clock.clone();
                 let view = self
                     .db
-                    .run(move |c| room_tasks::admit_task(c, &identity, &payload, clock.as_ref()))
+                    .write(move |c| room_tasks::admit_task(c, &identity, &payload, clock.as_ref()))
                     .await
                     .map_err(store_error)?;
                 subscribe(&view.identity.room_id);

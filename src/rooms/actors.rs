@@ -24,7 +24,16 @@ pub struct RoomScheduler {
     /// and each wakeup, and gives every room one pass (a pass drains its room's queue); a room
     /// busy when the round starts gets its pass when its current one ends.
     owed: HashSet<String>,
-    /// The next cycle starts a round.
+    /// The rooms bound to this gateway as last read. Read again (on the blocking pool: the
+    /// source reads the store, and this actor shares its arbiter with the session supervisors)
+    /// at the start of each round and when a room is poked that the last read did not have; a
+    /// cycle between reads uses this copy. A room whose authority moved meanwhile has its pass
+    /// refused by the lease's fences in SQL.
+    bindings: Vec<RoomBinding>,
+    /// A read of the bindings is in flight; `reread` asks for another when it lands.
+    reading: bool,
+    reread: bool,
+    /// The next read of the bindings starts a round.
     round: bool,
     cursor: usize,
     stopping: bool,
@@ -38,6 +47,9 @@ impl RoomScheduler {
             supervisors: HashMap::new(),
             busy: HashSet::new(),
             owed: HashSet::new(),
+            bindings: Vec::new(),
+            reading: false,
+            reread: false,
             round: true,
             cursor: 0,
             stopping: false,
@@ -45,10 +57,47 @@ impl RoomScheduler {
         }
     }
 
-    /// Start a round: every room is owed a pass.
+    /// Start a round: every room is owed a pass once the bindings are read again.
     fn start_round(&mut self, ctx: &mut Context<Self>) {
         self.round = true;
-        self.cycle(ctx);
+        self.read_bindings(ctx);
+    }
+
+    /// Read the bindings off this thread, then cycle.
+    fn read_bindings(&mut self, ctx: &mut Context<Self>) {
+        if self.reading {
+            self.reread = true;
+            return;
+        }
+        self.reading = true;
+        let source = self.runtime.inner.bindings.clone();
+        let read = async move { tokio::task::spawn_blocking(move || source()).await };
+        ctx.spawn(read.into_actor(self).map(|read, act, ctx| {
+            act.reading = false;
+            match read {
+                Ok(bindings) => act.bound(bindings),
+                Err(e) => tracing::error!(error = %e, "cannot list rooms"),
+            }
+            if std::mem::take(&mut act.reread) {
+                act.read_bindings(ctx);
+            }
+            act.cycle(ctx);
+        }));
+    }
+
+    /// Take a fresh read of the bindings: a pending round owes every room a pass; rooms that
+    /// are no longer bound here are owed nothing and lose their actor when idle.
+    fn bound(&mut self, bindings: Vec<RoomBinding>) {
+        let known: HashSet<&str> = bindings.iter().map(|b| b.room_id.as_str()).collect();
+        if std::mem::take(&mut self.round) {
+            self.owed = known.iter().map(|r| r.to_string()).collect();
+        } else {
+            self.owed.retain(|r| known.contains(r.as_str()));
+        }
+        let busy = &self.busy;
+        self.supervisors
+            .retain(|r, _| known.contains(r.as_str()) || busy.contains(r));
+        self.bindings = bindings;
     }
 
     fn cycle(&mut self, ctx: &mut Context<Self>) {
@@ -56,38 +105,23 @@ impl RoomScheduler {
             return;
         }
         self.runtime.state().cycles += 1;
-        let bindings = (self.runtime.inner.bindings)();
-        let known: HashSet<&str> = bindings.iter().map(|b| b.room_id.as_str()).collect();
-        if std::mem::take(&mut self.round) {
-            self.owed = known.iter().map(|r| r.to_string()).collect();
-        } else {
-            self.owed.retain(|r| known.contains(r.as_str()));
-        }
-        // Rooms that left this gateway (disbanded, authority moved) lose their actor when idle.
-        let gone: Vec<String> = self
-            .supervisors
-            .keys()
-            .filter(|r| !known.contains(r.as_str()) && !self.busy.contains(*r))
-            .cloned()
-            .collect();
-        for room in gone {
-            self.supervisors.remove(&room);
-        }
         let max = self.runtime.config().max_concurrent_rooms;
         let mut available = max.saturating_sub(self.busy.len());
-        if available == 0 || bindings.is_empty() {
+        let n = self.bindings.len();
+        if available == 0 || n == 0 || self.owed.is_empty() {
             return;
         }
-        let start = self.cursor % bindings.len();
+        let start = self.cursor % n;
         self.cursor = self.cursor.wrapping_add(1);
-        for offset in 0..bindings.len() {
+        for offset in 0..n {
             if available == 0 {
                 break;
             }
-            let binding = bindings[(start + offset) % bindings.len()].clone();
-            if self.busy.contains(&binding.room_id) || !self.owed.contains(&binding.room_id) {
+            let binding = &self.bindings[(start + offset) % n];
+            if self.busy.contains(&binding.room_id) || !self.owed.remove(&binding.room_id) {
                 continue;
             }
+            let binding = binding.clone();
             let supervisor = self
                 .supervisors
                 .entry(binding.room_id.clone())
@@ -99,7 +133,6 @@ impl RoomScheduler {
                     .start()
                 })
                 .clone();
-            self.owed.remove(&binding.room_id);
             self.busy.insert(binding.room_id.clone());
             supervisor.do_send(RunPass(binding));
             available -= 1;
@@ -162,8 +195,16 @@ impl Handler<Poke> for RoomScheduler {
         if poked.is_empty() {
             return;
         }
+        // A room the last read did not have (created since) is read before it is passed.
+        let unknown = poked
+            .iter()
+            .any(|r| !self.bindings.iter().any(|b| &b.room_id == r));
         self.owed.extend(poked);
-        self.cycle(ctx);
+        if unknown {
+            self.read_bindings(ctx);
+        } else {
+            self.cycle(ctx);
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use crate::api::rpc::{session_id_for, Authority, Caller};
 use crate::error::GatewayError;
 use crate::session::supervisor::{GetLive, Interrupt, LiveView, SessionSupervisor, Submit};
 use crate::store::admissions::{self, AdmissionRow};
+use crate::store::room_tasks::TaskIdentity;
 use crate::store::sessions;
 use actix::Addr;
 
@@ -76,6 +77,31 @@ impl LocalSessionPort {
 
 fn port_err(e: GatewayError) -> PortError {
     PortError::new(e.to_string())
+}
+
+/// The input id of a room task's attempt: `room/<room>/<task>/<generation>`.
+fn input_id(room_id: &str, task_id: &str, generation: i64) -> String {
+    format!("room/{room_id}/{task_id}/{generation}")
+}
+
+/// A settled or failed attempt's ledger row as the member's history message (none for another
+/// outcome, or a row that is not a room attempt's).
+fn history_message(row: &AdmissionRow) -> Option<HistoryMessage> {
+    let (task, gen) = parse_input_id(&row.request_id)?;
+    let status = match row.outcome.as_deref() {
+        Some("completed") => "settled",
+        Some("failed") => "failed",
+        _ => return None,
+    };
+    let (text, error) = result_text(row);
+    Some(HistoryMessage {
+        role: "assistant".into(),
+        task_id: Some(task),
+        execution_generation: Some(gen),
+        status: Some(status.into()),
+        message_id: Some(row.admission_id.clone()),
+        content: text.or(error).unwrap_or_default(),
+    })
 }
 
 /// `room/<room>/<task>/<generation>` → (task, generation).
@@ -177,9 +203,10 @@ impl SessionPort for LocalSessionPort {
             if self.authority.shared.runtime.draining() {
                 return Err(PortError::not_admitted("the gateway is draining"));
             }
-            let input_id = format!(
-                "room/{}/{}/{}",
-                request.task.room_id, request.task.task_id, request.execution_generation
+            let input_id = input_id(
+                &request.task.room_id,
+                &request.task.task_id,
+                request.execution_generation,
             );
             let sup = self
                 .authority
@@ -212,7 +239,11 @@ impl SessionPort for LocalSessionPort {
                     match db.read(move |c| admissions::by_id(c, &id)).await {
                         Ok(row) if row.is_terminal() => {
                             drop(settled);
-                            callback(receipt_of(&row));
+                            // The callback commits the room's settlement: on the blocking pool,
+                            // not on this arbiter, which also runs session supervisors (a commit
+                            // here, its fsync and its wait for the write lock, would stall them).
+                            let receipt = receipt_of(&row);
+                            drop(tokio::task::spawn_blocking(move || callback(receipt)));
                             return;
                         }
                         Ok(_) => {}
@@ -237,26 +268,32 @@ impl SessionPort for LocalSessionPort {
                 .read(move |c| admissions::terminal_of_session(c, &id))
                 .await
                 .map_err(|e| port_err(e.into()))?;
-            Ok(rows
-                .iter()
-                .filter_map(|row| {
-                    let (task, gen) = parse_input_id(&row.request_id)?;
-                    let status = match row.outcome.as_deref() {
-                        Some("completed") => "settled",
-                        Some("failed") => "failed",
-                        _ => return None,
-                    };
-                    let (text, error) = result_text(row);
-                    Some(HistoryMessage {
-                        role: "assistant".into(),
-                        task_id: Some(task),
-                        execution_generation: Some(gen),
-                        status: Some(status.into()),
-                        message_id: Some(row.admission_id.clone()),
-                        content: text.or(error).unwrap_or_default(),
-                    })
-                })
-                .collect())
+            Ok(rows.iter().filter_map(history_message).collect())
+        })
+    }
+
+    /// The attempt's own ledger row, looked up by its input id (the default would read every
+    /// settled input the member's room session has had, on each of the observer's wakeups).
+    fn receipt(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<HistoryMessage>> {
+        Box::pin(async move {
+            let id = session.session_id.clone();
+            let input_id = input_id(&task.room_id, &task.task_id, generation);
+            let row = self
+                .authority
+                .shared
+                .db
+                .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(row
+                .filter(|row| row.is_terminal())
+                .as_ref()
+                .and_then(history_message))
         })
     }
 

@@ -126,6 +126,24 @@ pub struct HistoryMessage {
     pub content: String,
 }
 
+/// The newest assistant receipt of exactly this task attempt.
+pub fn exact_receipt(
+    history: &[HistoryMessage],
+    task_id: &str,
+    generation: i64,
+) -> Option<HistoryMessage> {
+    history
+        .iter()
+        .rev()
+        .find(|m| {
+            m.role == "assistant"
+                && m.task_id.as_deref() == Some(task_id)
+                && m.execution_generation == Some(generation)
+                && matches!(m.status.as_deref(), Some("settled" | "failed"))
+        })
+        .cloned()
+}
+
 /// Live information about a session.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SessionInfo {
@@ -177,6 +195,20 @@ pub trait SessionPort: Send + Sync {
     fn submit(&self, request: SubmitRequest) -> PortFuture<'_, ()>;
     /// The session's messages, oldest first.
     fn history(&self, session: SessionRef) -> PortFuture<'_, Vec<HistoryMessage>>;
+    /// The session's receipt of exactly this attempt ([`exact_receipt`]), if it has one. The
+    /// default reads the whole history; a port that can look one attempt up should, since an
+    /// attempt's observer asks on every wakeup and a member's history only grows.
+    fn receipt(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<HistoryMessage>> {
+        Box::pin(async move {
+            let history = self.history(session).await?;
+            Ok(exact_receipt(&history, &task.task_id, generation))
+        })
+    }
     /// Live session information.
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo>;
     /// Interrupt the current turn if it is the expected task. `None` means no acknowledgement.

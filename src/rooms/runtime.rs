@@ -118,6 +118,8 @@ pub struct RoomsStatus {
     pub last_error: Option<String>,
     /// Completed scheduler cycles.
     pub cycles: u64,
+    /// Room passes begun.
+    pub passes: u64,
     /// Lease renewals committed.
     pub lease_renewals: u64,
     /// Leases found lost (expired, replaced, or authority moved).
@@ -135,6 +137,7 @@ pub(crate) struct RuntimeState {
     pub running: bool,
     pub stopping: bool,
     pub cycles: u64,
+    pub passes: u64,
     pub cursor: usize,
     pub leases: HashMap<String, Lease>,
     pub recovered: HashSet<(String, i64)>,
@@ -161,8 +164,10 @@ pub(crate) struct Inner {
     pub state: Mutex<RuntimeState>,
     /// A round of passes over every room (and the observers).
     pub wake: watch::Sender<u64>,
-    /// The attempts' observers only.
+    /// Every attempt's observer ([`RoomRuntime::wakeup`]).
     pub observe: watch::Sender<u64>,
+    /// One room's observers ([`RoomRuntime::wake_room`]); an entry lives while someone observes.
+    pub room_observers: Mutex<HashMap<String, watch::Sender<u64>>>,
     /// Rooms that want a pass ([`RoomRuntime::wake_room`]), and the scheduler's signal for them.
     pub poked: Mutex<HashSet<String>>,
     pub poke: watch::Sender<u64>,
@@ -260,6 +265,7 @@ impl RoomRuntimeBuilder {
                 state: Mutex::new(RuntimeState::default()),
                 wake,
                 observe,
+                room_observers: Mutex::new(HashMap::new()),
                 poked: Mutex::new(HashSet::new()),
                 poke,
                 stop,
@@ -268,6 +274,12 @@ impl RoomRuntimeBuilder {
             }),
         })
     }
+}
+
+/// What ends an observer's pause early: its room's wakeups and the runtime's.
+pub(crate) struct RoomWaker {
+    room: watch::Receiver<u64>,
+    all: watch::Receiver<u64>,
 }
 
 /// The hosted-room runtime. Cheap to clone; all clones share one runtime.
@@ -336,10 +348,13 @@ impl RoomRuntime {
         self.state().leases.insert(lease.room_id.clone(), lease);
     }
 
-    pub(crate) fn binding_for(&self, room_id: &str) -> Option<RoomBinding> {
-        (self.inner.bindings)()
-            .into_iter()
-            .find(|b| b.room_id == room_id)
+    /// The room's binding, read on the blocking pool (the source may read the store).
+    pub(crate) async fn binding_for(&self, room_id: &str) -> Option<RoomBinding> {
+        let (source, room_id) = (self.inner.bindings.clone(), room_id.to_string());
+        tokio::task::spawn_blocking(move || source().into_iter().find(|b| b.room_id == room_id))
+            .await
+            .ok()
+            .flatten()
     }
 
     /// Wake the scheduler and every observer now.
@@ -349,13 +364,25 @@ impl RoomRuntime {
     }
 
     /// Something changed for one room (a task admitted, a member's terminal report): a pass of
-    /// that room, not a round over every room, and the observers woken. A round per task cost
-    /// every room a pass: with 128 rooms, a room task took 41 ms of the daemon's CPU, 23 ms once
-    /// it woke only its own room (the task's own turn costs under 1 ms).
+    /// that room, not a round over every room, and that room's observers woken, not every room's.
+    /// A round per task cost every room a pass: with 128 rooms, a room task took 41 ms of the
+    /// daemon's CPU, 23 ms once it woke only its own room (the task's own turn costs under 1 ms).
     pub fn wake_room(&self, room_id: &str) {
         lock(&self.inner.poked).insert(room_id.to_string());
         self.inner.poke.send_modify(|n| *n = n.wrapping_add(1));
-        self.inner.observe.send_modify(|n| *n = n.wrapping_add(1));
+        self.wake_observers(room_id);
+    }
+
+    /// Wake the room's observers only.
+    pub(crate) fn wake_observers(&self, room_id: &str) {
+        let mut observers = lock(&self.inner.room_observers);
+        if let Some(tx) = observers.get(room_id) {
+            if tx.receiver_count() == 0 {
+                observers.remove(room_id);
+            } else {
+                tx.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        }
     }
 
     /// The rooms poked since the last call.
@@ -365,20 +392,32 @@ impl RoomRuntime {
 
     /// A receiver of wakeups from now on, for [`RoomRuntime::pause_for`]: a loop subscribes
     /// before its first check, so that no wakeup between a check and its pause is lost.
-    pub(crate) fn waker(&self) -> watch::Receiver<u64> {
-        self.inner.observe.subscribe()
+    pub(crate) fn waker(&self, room_id: &str) -> RoomWaker {
+        let room = {
+            let mut observers = lock(&self.inner.room_observers);
+            observers.retain(|_, tx| tx.receiver_count() > 0);
+            observers
+                .entry(room_id.to_string())
+                .or_insert_with(|| watch::channel(0_u64).0)
+                .subscribe()
+        };
+        RoomWaker {
+            room,
+            all: self.inner.observe.subscribe(),
+        }
     }
 
     /// Wait up to `seconds`, or until stopped, or until woken since `wake` last returned: a
     /// wakeup between a loop's check and its pause ends the pause at once instead of being lost.
-    pub(crate) async fn pause_for(&self, wake: &mut watch::Receiver<u64>, seconds: f64) {
+    pub(crate) async fn pause_for(&self, wake: &mut RoomWaker, seconds: f64) {
         let mut stop = self.inner.stop.subscribe();
         if *stop.borrow_and_update() {
             return;
         }
         let duration = Duration::from_secs_f64(seconds.clamp(0.001, 3600.0));
         tokio::select! {
-            _ = wake.changed() => {}
+            _ = wake.room.changed() => {}
+            _ = wake.all.changed() => {}
             _ = stop.changed() => {}
             _ = tokio::time::sleep(duration) => {}
         }
@@ -400,6 +439,7 @@ impl RoomRuntime {
             blocked_rooms: state.blocked.iter().cloned().collect(),
             last_error: state.last_error.clone(),
             cycles: state.cycles,
+            passes: state.passes,
             lease_renewals: state.lease_renewals,
             lease_losses: state.lease_losses,
         }
@@ -522,10 +562,9 @@ impl RoomRuntime {
             .collect();
         for lease in leases {
             let clock = self.inner.clock.clone();
-            let release = self
-                .inner
-                .db
-                .run(move |conn| crate::store::leases::release_lease(conn, &lease, clock.as_ref()));
+            let release = self.inner.db.write(move |conn| {
+                crate::store::leases::release_lease(conn, &lease, clock.as_ref())
+            });
             // a room with a running task keeps its lease until it expires
             let _ = tokio::time::timeout_at(deadline, release).await;
         }
@@ -573,7 +612,7 @@ impl RoomRuntime {
                     let result = self
                         .inner
                         .db
-                        .run(move |c| cancel_task(c, &id, &cancel, generation, clock.as_ref()))
+                        .write(move |c| cancel_task(c, &id, &cancel, generation, clock.as_ref()))
                         .await;
                     match result {
                         Ok(view) => {
@@ -587,7 +626,7 @@ impl RoomRuntime {
                     let result = self
                         .inner
                         .db
-                        .run(move |c| {
+                        .write(move |c| {
                             begin_task_cancel(c, &id, &cancel, generation, clock.as_ref())
                         })
                         .await;
@@ -616,7 +655,7 @@ impl RoomRuntime {
             ))
             .into());
         };
-        let Some(binding) = self.binding_for(&identity.room_id) else {
+        let Some(binding) = self.binding_for(&identity.room_id).await else {
             return Ok(task);
         };
         if let Err(error) = self.finish_user_stop(&binding, &task).await {
@@ -650,6 +689,7 @@ impl RoomRuntime {
         }
         let binding = self
             .binding_for(&identity.room_id)
+            .await
             .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room is unavailable".into()))?;
         let lease = self.ensure_lease(&binding).await?;
         let clock = self.inner.clock.clone();
@@ -663,7 +703,7 @@ impl RoomRuntime {
             let view = self
                 .inner
                 .db
-                .run(move |c| requeue_deferred_task(c, &id, &lease, exec, cancel, clock.as_ref()))
+                .write(move |c| requeue_deferred_task(c, &id, &lease, exec, cancel, clock.as_ref()))
                 .await?;
             self.state().blocked.remove(&room_id);
             self.wakeup();
@@ -686,7 +726,7 @@ impl RoomRuntime {
             let view = self
                 .inner
                 .db
-                .run(move |c| {
+                .write(move |c| {
                     resolve_indeterminate_task(
                         c,
                         &id,
@@ -708,7 +748,7 @@ impl RoomRuntime {
             let view = self
                 .inner
                 .db
-                .run(move |c| {
+                .write(move |c| {
                     resolve_indeterminate_cancellation(
                         c,
                         &id,
@@ -735,7 +775,9 @@ impl RoomRuntime {
         let view = self
             .inner
             .db
-            .run(move |c| requeue_indeterminate_task(c, &id, &lease, exec, cancel, clock.as_ref()))
+            .write(move |c| {
+                requeue_indeterminate_task(c, &id, &lease, exec, cancel, clock.as_ref())
+            })
             .await?;
         self.state().blocked.remove(&room_id);
         self.wakeup();

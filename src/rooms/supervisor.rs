@@ -14,10 +14,10 @@ use crate::rooms::port::{
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError};
 use crate::store::leases::{acquire_lease, renew_lease, Lease};
 use crate::store::room_tasks::{
-    complete_task_cancel, defer_indeterminate_task, get_task, list_tasks, recover_room,
-    requeue_not_admitted_task, resolve_indeterminate_cancellation, resolve_indeterminate_task,
-    settle_stopping_task, settle_task, start_task, Settlement, SettlementStatus, TaskAttempt,
-    TaskStatus, TaskView,
+    complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, get_task, list_tasks,
+    recover_room, requeue_not_admitted_task, resolve_indeterminate_cancellation,
+    resolve_indeterminate_task, settle_stopping_task, settle_task, start_task, Settlement,
+    SettlementStatus, TaskAttempt, TaskStatus, TaskView,
 };
 use crate::store::rooms::{validate_identifier, RoomStoreError};
 
@@ -53,24 +53,6 @@ impl Probe {
 pub(crate) enum StopOutcome {
     Resolved,
     Pending,
-}
-
-/// The newest assistant receipt of exactly this task attempt.
-pub(crate) fn exact_receipt(
-    history: &[HistoryMessage],
-    task_id: &str,
-    generation: i64,
-) -> Option<HistoryMessage> {
-    history
-        .iter()
-        .rev()
-        .find(|m| {
-            m.role == "assistant"
-                && m.task_id.as_deref() == Some(task_id)
-                && m.execution_generation == Some(generation)
-                && matches!(m.status.as_deref(), Some("settled" | "failed"))
-        })
-        .cloned()
 }
 
 fn settlement_id_for(candidate: Option<&str>, task_id: &str, generation: i64) -> String {
@@ -131,6 +113,15 @@ fn settlement_from_receipt(
     }
 }
 
+/// A room's tasks counted by status.
+struct TaskCounts(std::collections::BTreeMap<String, i64>);
+
+impl TaskCounts {
+    fn has(&self, status: TaskStatus) -> bool {
+        self.0.get(status.as_str()).is_some_and(|n| *n > 0)
+    }
+}
+
 fn is_lease_loss(error: &RoomStoreError) -> bool {
     matches!(
         error,
@@ -141,6 +132,7 @@ fn is_lease_loss(error: &RoomStoreError) -> bool {
 impl RoomRuntime {
     /// One pass of one room. Errors are recorded in `status().last_error`, never raised.
     pub async fn process_room(&self, binding: &RoomBinding) {
+        self.state().passes += 1;
         match self.process_room_inner(binding).await {
             Ok(()) => {}
             Err(RoomsError::Store(RoomStoreError::LeaseHeld(_))) => {}
@@ -162,22 +154,48 @@ impl RoomRuntime {
             .hooks
             .prepare_room(binding)
             .map_err(RoomsError::Hook)?;
-        if !self.inspect_abandoned_attempts(binding).await? {
+        // Which steps have work, from the counts the store keeps per room and status (one read,
+        // where each step would list its tasks). A task that changes state after this read
+        // wakes the room (admission, cancellation, retry), so its work gets the next pass.
+        let mut counts = self.task_counts(binding).await?;
+        if counts.has(TaskStatus::Running) && !self.inspect_abandoned_attempts(binding).await? {
             return Ok(());
         }
         let lease = self.ensure_lease(binding).await?;
-        self.recover_once(binding, &lease).await?;
-        if !self.reattach_own_attempts(binding, &lease).await? {
+        if self.recover_once(binding, &lease).await? {
+            counts = self.task_counts(binding).await?;
+        }
+        // Each step may leave work for the ones after it: from the first that runs, all do.
+        let mut busy = counts.has(TaskStatus::Running);
+        if busy && !self.reattach_own_attempts(binding, &lease).await? {
             return Ok(());
         }
-        if self.retry_stopping_tasks(binding, &lease).await? {
+        busy |= counts.has(TaskStatus::Stopping);
+        if busy && self.retry_stopping_tasks(binding, &lease).await? {
             return Ok(());
         }
         let lease = self.ensure_lease(binding).await?;
-        if self.reconcile_indeterminate(binding, &lease).await? {
+        busy |= counts.has(TaskStatus::Indeterminate);
+        if !busy {
+            // What reconciling no indeterminate task does.
+            self.state().blocked.remove(&binding.room_id);
+        } else if self.reconcile_indeterminate(binding, &lease).await? {
             return Ok(());
         }
-        self.run_queued(binding).await
+        if busy || counts.has(TaskStatus::Queued) {
+            self.run_queued(binding).await?;
+        }
+        Ok(())
+    }
+
+    async fn task_counts(&self, binding: &RoomBinding) -> Result<TaskCounts, RoomStoreError> {
+        let room = binding.room_id.clone();
+        let counts = self
+            .inner
+            .db
+            .run(move |c| count_tasks_by_status(c, &room))
+            .await?;
+        Ok(TaskCounts(counts))
     }
 
     // ---------------------------------------------------------------------------------------
@@ -210,7 +228,7 @@ impl RoomRuntime {
                 match self
                     .inner
                     .db
-                    .run(move |c| renew_lease(c, &current, ttl, clock.as_ref()))
+                    .write(move |c| renew_lease(c, &current, ttl, clock.as_ref()))
                     .await
                 {
                     Ok(renewed) => {
@@ -242,7 +260,7 @@ impl RoomRuntime {
         let lease = self
             .inner
             .db
-            .run(move |c| acquire_lease(c, &room, &gateway, epoch, &process, ttl, clock.as_ref()))
+            .write(move |c| acquire_lease(c, &room, &gateway, epoch, &process, ttl, clock.as_ref()))
             .await?;
         let mut state = self.state();
         state.recovered.retain(|(room, generation)| {
@@ -252,22 +270,23 @@ impl RoomRuntime {
         Ok(lease)
     }
 
+    /// Recover the room once per lease generation; whether this call did.
     async fn recover_once(
         &self,
         binding: &RoomBinding,
         lease: &Lease,
-    ) -> Result<(), RoomStoreError> {
+    ) -> Result<bool, RoomStoreError> {
         let key = (binding.room_id.clone(), lease.lease_generation);
         if self.state().recovered.contains(&key) {
-            return Ok(());
+            return Ok(false);
         }
         let (current, clock) = (lease.clone(), self.inner.clock.clone());
         self.inner
             .db
-            .run(move |c| recover_room(c, &current, clock.as_ref()))
+            .write(move |c| recover_room(c, &current, clock.as_ref()))
             .await?;
         self.state().recovered.insert(key);
-        Ok(())
+        Ok(true)
     }
 
     /// Running attempts this lease started but nobody observes any more (e.g. after `stop()` and
@@ -408,7 +427,7 @@ impl RoomRuntime {
                     if let Ok(view) = self
                         .inner
                         .db
-                        .run(move |c| settle_task(c, &attempt, &settlement, clock.as_ref()))
+                        .write(move |c| settle_task(c, &attempt, &settlement, clock.as_ref()))
                         .await
                     {
                         if !view.idempotent {
@@ -510,10 +529,13 @@ impl RoomRuntime {
         let Some(session_id) = self.open_existing(port, profile, &binding.room_id).await? else {
             return Ok(Probe::default());
         };
-        let history = port
-            .history(Self::session_ref(profile, &session_id))
+        let receipt = port
+            .receipt(
+                Self::session_ref(profile, &session_id),
+                task.identity.clone(),
+                task.execution_generation,
+            )
             .await?;
-        let receipt = exact_receipt(&history, &task.identity.task_id, task.execution_generation);
         let info = port.info(Self::session_ref(profile, &session_id)).await?;
         self.report_pending(binding, task, &session_id, &info);
         Ok(Probe {
@@ -596,7 +618,7 @@ impl RoomRuntime {
                             let cancel_id = format!("remote-cancel:{generation}");
                             self.inner
                                 .db
-                                .run(move |c| {
+                                .write(move |c| {
                                     resolve_indeterminate_cancellation(
                                         c,
                                         &task_id,
@@ -614,7 +636,7 @@ impl RoomRuntime {
                             let settlement = settlement_from_history(receipt);
                             self.inner
                                 .db
-                                .run(move |c| {
+                                .write(move |c| {
                                     resolve_indeterminate_task(
                                         c,
                                         &task_id,
@@ -651,7 +673,7 @@ impl RoomRuntime {
             let view = self
                 .inner
                 .db
-                .run(move |c| {
+                .write(move |c| {
                     defer_indeterminate_task(
                         c,
                         &id,
@@ -761,12 +783,14 @@ impl RoomRuntime {
             .open_existing(port.as_ref(), &profile, &binding.room_id)
             .await?;
         if let Some(session_id) = &session {
-            let history = port
-                .history(Self::session_ref(&profile, session_id))
+            let receipt = port
+                .receipt(
+                    Self::session_ref(&profile, session_id),
+                    task.identity.clone(),
+                    task.execution_generation,
+                )
                 .await?;
-            if let Some(receipt) =
-                exact_receipt(&history, &task.identity.task_id, task.execution_generation)
-            {
+            if let Some(receipt) = receipt {
                 let settlement = settlement_from_history(&receipt);
                 self.settle_stopping(binding, lease, task, settlement)
                     .await?;
@@ -800,7 +824,7 @@ impl RoomRuntime {
         let view = self
             .inner
             .db
-            .run(move |c| {
+            .write(move |c| {
                 settle_stopping_task(c, &id, &current, exec, cancel, &settlement, clock.as_ref())
             })
             .await?;
@@ -839,7 +863,7 @@ impl RoomRuntime {
         );
         self.inner
             .db
-            .run(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
+            .write(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
             .await?;
         Ok(())
     }
@@ -943,11 +967,13 @@ impl RoomRuntime {
             let attempt = self
                 .inner
                 .db
-                .run(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
+                .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
                 .await?;
             self.execute_attempt(binding, &attempt, &head).await;
             let after = self.read_task(&head.identity).await?;
             if !(after.status.is_terminal() || after.status == TaskStatus::Deferred) {
+                // Left stopping or unresolved: the room's next pass takes it up at once.
+                self.wake_room(&binding.room_id);
                 return Ok(());
             }
         }
@@ -959,7 +985,10 @@ impl RoomRuntime {
             .insert(binding.room_id.clone(), attempt.identity.clone());
         self.run_attempt(binding, attempt, task).await;
         self.state().current_tasks.remove(&binding.room_id);
-        self.wakeup();
+        // A slot is free: the task scheduler (`start`) runs a cycle on a poke; the actors' one
+        // learns it from the pass's end. Not a round over every room: with 128 rooms that cost
+        // every task 128 passes.
+        self.inner.poke.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     async fn run_attempt(&self, binding: &RoomBinding, attempt: &TaskAttempt, task: &TaskView) {
@@ -1054,7 +1083,7 @@ impl RoomRuntime {
         match self
             .inner
             .db
-            .run(move |c| requeue_not_admitted_task(c, &current, clock.as_ref()))
+            .write(move |c| requeue_not_admitted_task(c, &current, clock.as_ref()))
             .await
         {
             Ok(_) => {
@@ -1112,7 +1141,7 @@ impl RoomRuntime {
         let profile = task.payload.target_profile.clone();
         // Subscribed before the first check: the member's terminal report wakes it, and a report
         // that lands between a check and the pause must end that pause, not wait out the poll.
-        let mut wake = self.waker();
+        let mut wake = self.waker(&binding.room_id);
         loop {
             if self.is_stopping() {
                 return;
@@ -1177,7 +1206,7 @@ impl RoomRuntime {
                 let begun = self
                     .inner
                     .db
-                    .run(move |c| {
+                    .write(move |c| {
                         crate::store::room_tasks::begin_task_cancel(
                             c,
                             &id,
@@ -1212,9 +1241,12 @@ impl RoomRuntime {
                 return;
             }
             let session = Self::session_ref(&profile, session_id);
-            match port.history(session.clone()).await {
-                Ok(history) => {
-                    if let Some(receipt) = exact_receipt(&history, &task_id, generation) {
+            match port
+                .receipt(session.clone(), attempt.identity.clone(), generation)
+                .await
+            {
+                Ok(receipt) => {
+                    if let Some(receipt) = receipt {
                         if let Err(error) = self
                             .commit_receipt(binding, attempt, settlement_from_history(&receipt))
                             .await
@@ -1270,7 +1302,7 @@ impl RoomRuntime {
     }
 
     /// A terminal report from the member (any thread). Stops are resolved by the stop path, so
-    /// cancelled and interrupted reports only wake the observers.
+    /// cancelled and interrupted reports only wake the room's observers.
     fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
         if !matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
             let task_id = &attempt.identity.task_id;
@@ -1286,7 +1318,15 @@ impl RoomRuntime {
                 }
             }
         }
-        self.wake_room(&binding.room_id);
+        // The pass that submitted the attempt observes it and takes up what follows: it needs
+        // waking, not another pass after it. An attempt nobody observes (its pass is gone)
+        // owes its room one.
+        let observed = self.state().current_tasks.get(&binding.room_id) == Some(&attempt.identity);
+        if observed {
+            self.wake_observers(&binding.room_id);
+        } else {
+            self.wake_room(&binding.room_id);
+        }
     }
 
     async fn commit_receipt(
@@ -1312,11 +1352,15 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         settlement: Settlement,
     ) -> Result<TaskView, RoomStoreError> {
-        let clock = self.inner.clock.clone();
+        let (clock, owned, first) = (
+            self.inner.clock.clone(),
+            attempt.clone(),
+            settlement.clone(),
+        );
         let view = match self
             .inner
             .db
-            .run_sync(|c| settle_task(c, attempt, &settlement, clock.as_ref()))
+            .write_sync(move |c| settle_task(c, &owned, &first, clock.as_ref()))
         {
             Ok(view) => view,
             Err(RoomStoreError::StaleTask(message)) => {
@@ -1329,13 +1373,19 @@ impl RoomRuntime {
                 let lease = self
                     .lease(&binding.room_id)
                     .unwrap_or_else(|| attempt.lease.clone());
-                self.inner.db.run_sync(|c| {
+                let (identity, generation, cancel) = (
+                    attempt.identity.clone(),
+                    attempt.execution_generation,
+                    row.cancel_generation,
+                );
+                let clock = self.inner.clock.clone();
+                self.inner.db.write_sync(move |c| {
                     settle_stopping_task(
                         c,
-                        &attempt.identity,
+                        &identity,
                         &lease,
-                        attempt.execution_generation,
-                        row.cancel_generation,
+                        generation,
+                        cancel,
                         &settlement,
                         clock.as_ref(),
                     )

@@ -287,6 +287,26 @@ pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<Admissio
         .ok_or_else(|| StoreError::NotFound(format!("no admission {admission_id}")))
 }
 
+/// The admission `principal` made to `session` under `request_id` (its `input_id`), if any: one
+/// descent of the ledger's unique key, however many inputs the session has had.
+pub fn by_request(
+    conn: &mut SqliteConnection,
+    session: &str,
+    principal: &str,
+    request_id: &str,
+) -> Result<Option<AdmissionRow>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(None);
+    };
+    Ok(sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::principal_id.eq(principal))
+        .filter(sa::request_id.eq(request_id))
+        .select(AdmissionRow::as_select())
+        .first(conn)
+        .optional()?)
+}
+
 /// One admission of `session` (not another session's).
 pub fn of_session(
     conn: &mut SqliteConnection,

@@ -128,7 +128,7 @@ pub fn acquire_lease(
         ));
     }
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = live_room(conn, room_id, false)?;
         if room.authority_gateway_id != gateway_id || room.authority_epoch != authority_epoch {
             return Err(authority_changed());
@@ -212,7 +212,7 @@ pub fn renew_lease(
 ) -> StoreResult<Lease> {
     validate_ttl(ttl_seconds)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = check_active_lease(conn, lease, now)?;
         let expires_at = row.expires_at.max(now + ttl_seconds);
         let updated = diesel::update(
@@ -255,7 +255,7 @@ pub fn release_lease(
     clock: &dyn Clock,
 ) -> StoreResult<ReleaseOutcome> {
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = load_room(conn, &lease.room_id)?
             .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room does not exist".into()))?;
         if room.authority_gateway_id != lease.gateway_id

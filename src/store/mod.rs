@@ -672,6 +672,46 @@ impl Db {
         result
     }
 
+    /// [`Db::write`] for a caller on a thread that may block (never an async task's: it blocks
+    /// its thread until the commit). When the writer's queue is full, the write runs in a
+    /// transaction of its own on a pooled connection instead (waiting for the write lock).
+    pub fn write_blocking<R, F>(&self, f: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
+    {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let f = Arc::new(std::sync::Mutex::new(Some(f)));
+        let job_f = f.clone();
+        let job: WriteJob = Box::new(move |conn| {
+            let taken = job_f.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let result = match taken {
+                Some(f) => f(conn),
+                None => Err(StoreError::Other("write already run".into())),
+            };
+            Box::new(move |committed: Result<(), String>| {
+                let _ = tx.send(match (result, committed) {
+                    (Ok(r), Ok(())) => Ok(r),
+                    (Ok(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
+                    (Err(e), _) => Err(e),
+                });
+            })
+        });
+        if self.writer.try_send(job).is_err() {
+            let taken = f.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let f = taken.ok_or_else(|| StoreError::Other("write already run".into()))?;
+            let mut conn = self.blocking_conn()?;
+            return write_tx(&mut conn, f);
+        }
+        let result = rx
+            .recv()
+            .map_err(|_| StoreError::Pool("the database writer gave no answer".into()))?;
+        if let Some(m) = &self.metrics {
+            m.db_write();
+        }
+        result
+    }
+
     /// Run a read on a reader worker.
     pub async fn read<R, F>(&self, f: F) -> Result<R, StoreError>
     where

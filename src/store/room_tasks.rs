@@ -2,8 +2,9 @@
 //!
 //! Statuses: queued → running → settled | failed, with stopping (a durable stop intent),
 //! indeterminate (an abandoned attempt nobody can vouch for), deferred (parked, retryable) and
-//! cancelled. Each function is one `immediate_transaction`: load, replay check, lease check, guard,
-//! then a compare-and-swap `UPDATE … WHERE <fence>` that must touch exactly one row.
+//! cancelled. Each function is one transaction ([`crate::store::write_tx`]: `BEGIN IMMEDIATE`, or a
+//! savepoint of the writer's group commit): load, replay check, lease check, guard, then a
+//! compare-and-swap `UPDATE … WHERE <fence>` that must touch exactly one row.
 
 use std::fmt;
 
@@ -417,7 +418,7 @@ pub fn admit_task(
     let payload_json = canonical_json(&payload_value);
     let digest = sha256_hex(&payload_json);
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         if let Some(row) = find_row(conn, &identity.room_id, &identity.task_id)? {
             if row.thread_id != identity.thread_id || row.turn_id != identity.turn_id {
                 return Err(RoomStoreError::Conflict(
@@ -550,7 +551,7 @@ pub fn start_task(
         ));
     }
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         live_room(conn, &identity.room_id, true)?;
         check_active_lease(conn, lease, now)?;
         let row = load_row(conn, &identity)?;
@@ -643,7 +644,7 @@ pub fn settle_task(
     let (settlement_id, json) = settlement.checked()?;
     let now = read_clock(clock)?;
     let lease = &attempt.lease;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = load_row(conn, &identity)?;
         if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
             return row.into_view(true);
@@ -696,7 +697,7 @@ pub fn settle_stopping_task(
     )?;
     let (settlement_id, json) = settlement.checked()?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = load_row(conn, &identity)?;
         if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
             return row.into_view(true);
@@ -731,7 +732,7 @@ pub fn requeue_not_admitted_task(
     let identity = attempt.identity.validated()?;
     let now = read_clock(clock)?;
     let lease = &attempt.lease;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, lease, now)?;
         let row = load_row(conn, &identity)?;
         if row.status()? == TaskStatus::Queued
@@ -781,7 +782,7 @@ pub fn cancel_task(
     let identity = identity.validated()?;
     let cancel_id = validate_identifier("cancel_id", cancel_id)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = load_row(conn, &identity)?;
         let status = row.status()?;
         if status == TaskStatus::Cancelled && row.cancel_id.as_deref() == Some(cancel_id.as_str()) {
@@ -833,7 +834,7 @@ pub fn begin_task_cancel(
     let identity = identity.validated()?;
     let cancel_id = validate_identifier("cancel_id", cancel_id)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = load_row(conn, &identity)?;
         let status = row.status()?;
         if status == TaskStatus::Stopping && row.cancel_id.as_deref() == Some(cancel_id.as_str()) {
@@ -878,7 +879,7 @@ pub fn complete_task_cancel(
     let identity = identity.validated()?;
     let cancel_id = validate_identifier("cancel_id", cancel_id)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let row = load_row(conn, &identity)?;
         if row.status()? == TaskStatus::Cancelled
             && row.cancel_id.as_deref() == Some(cancel_id.as_str())
@@ -910,7 +911,7 @@ pub fn recover_room(
     clock: &dyn Clock,
 ) -> StoreResult<RecoveryReport> {
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, lease, now)?;
         let running: Vec<TaskRow> = room_tasks::table
             .filter(room_tasks::room_id.eq(&lease.room_id))
@@ -980,7 +981,7 @@ fn settle_recovered(
     let identity = check_recovery_inputs(cas.identity, cas.lease, cas.exec, cas.cancel)?;
     let (settlement_id, json) = settlement.checked()?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, cas.lease, now)?;
         let row = load_row(conn, &identity)?;
         if settlement_replay(&row, &settlement_id, settlement.status, &json)? {
@@ -1048,7 +1049,7 @@ pub fn resolve_indeterminate_cancellation(
         cancel: expected_cancel_generation,
         stale_message: "indeterminate task generation changed",
     };
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, lease, now)?;
         let row = load_row(conn, &identity)?;
         if row.status()? == TaskStatus::Cancelled
@@ -1123,7 +1124,7 @@ fn requeue_from(
 ) -> StoreResult<TaskView> {
     let identity = check_recovery_inputs(cas.identity, cas.lease, cas.exec, cas.cancel)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, cas.lease, now)?;
         load_row(conn, &identity)?;
         live_room(conn, &identity.room_id, true)?;
@@ -1174,7 +1175,7 @@ pub fn defer_indeterminate_task(
         cancel: expected_cancel_generation,
         stale_message: "indeterminate task generation changed",
     };
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         check_active_lease(conn, lease, now)?;
         let row = load_row(conn, &identity)?;
         if row.status()? == TaskStatus::Deferred

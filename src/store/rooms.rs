@@ -1,7 +1,8 @@
 //! Hosted rooms: the room aggregate (members, authority, disband) and its events, plus the value
 //! rules and typed errors shared by the room state functions (`leases.rs`, `room_tasks.rs`).
 //!
-//! Every mutation is one `immediate_transaction` whose fences are checked in SQL
+//! Every mutation is one transaction ([`crate::store::write_tx`]: `BEGIN IMMEDIATE`, or a savepoint
+//! of the writer's group commit) whose fences are checked in SQL
 //! (`UPDATE … WHERE <fence>` and then the number of rows affected).
 
 use diesel::prelude::*;
@@ -260,7 +261,7 @@ pub fn create_room(
     }
     let members = normalize_members(members)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         if let Some(existing) = load_room(conn, &room_id)? {
             if existing.disbanded_at.is_some() {
                 return Err(RoomStoreError::Conflict(
@@ -427,7 +428,7 @@ pub fn append_room_event(
 ) -> StoreResult<RoomEvent> {
     let event_id = validate_identifier("event_id", event_id)?;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = live_room(conn, room_id, false)?;
         if let Some(existing) = find_event(conn, room_id, &event_id)? {
             if existing.kind == kind
@@ -482,7 +483,7 @@ pub fn claim_authority(
         ));
     }
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = live_room(conn, room_id, false)?;
         let payload = serde_json::json!({
             "previous_gateway_id": expected_gateway_id,
@@ -544,7 +545,7 @@ pub fn begin_disband(
     clock: &dyn Clock,
 ) -> StoreResult<RoomView> {
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = live_room(conn, room_id, false)?;
         if room.disband_requested_at.is_some() {
             return room_view(conn, room, true);
@@ -574,7 +575,7 @@ pub fn disband_room(
 ) -> StoreResult<RoomView> {
     use crate::store::rooms_schema::room_tasks;
     let now = read_clock(clock)?;
-    conn.immediate_transaction(|conn| {
+    crate::store::write_tx(conn, |conn| {
         let room = load_room(conn, room_id)?
             .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room does not exist".into()))?;
         if room.disbanded_at.is_some() {
