@@ -159,6 +159,24 @@ impl SessionPort for LocalSessionPort {
         })
     }
 
+    /// One read: the session by its deterministic id, then its lineage's root.
+    fn resolve_and_resume(&self, address: SessionAddress) -> PortFuture<'_, Option<SessionHandle>> {
+        Box::pin(async move {
+            let id = session_id_for(ROOMS_PRINCIPAL, &Self::request_id(&address));
+            let root = self
+                .authority
+                .shared
+                .db
+                .read(move |c| match sessions::find(c, &id)? {
+                    Some(found) => sessions::root_of(c, &found.id).map(Some),
+                    None => Ok(None),
+                })
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(root.map(|s| SessionHandle { session_id: s.id }))
+        })
+    }
+
     fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle> {
         Box::pin(async move {
             let params = json!({
@@ -299,11 +317,21 @@ impl SessionPort for LocalSessionPort {
 
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo> {
         Box::pin(async move {
-            let (_, live, row) = self.running_attempt(&session.session_id).await?;
-            let Some(row) = row else {
+            // What the supervisor holds in memory (no read of the running row: an observer
+            // asks on each wakeup).
+            let live = self
+                .authority
+                .supervisor(&session.session_id)
+                .await
+                .map_err(port_err)?
+                .send(GetLive)
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?;
+            let (Some((admission_id, _)), Some(input_id)) = (live.running, live.running_input)
+            else {
                 return Ok(SessionInfo::default());
             };
-            let (task_id, generation) = match parse_input_id(&row.request_id) {
+            let (task_id, generation) = match parse_input_id(&input_id) {
                 Some((t, g)) => (Some(t), Some(g)),
                 None => (None, None),
             };
@@ -325,7 +353,7 @@ impl SessionPort for LocalSessionPort {
                 ),
                 execution_generation: generation,
                 pending_approval: approval,
-                run_id: Some(row.admission_id),
+                run_id: Some(admission_id),
             })
         })
     }

@@ -190,6 +190,22 @@ pub trait SessionPort: Send + Sync {
     fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle>;
     /// Make a stored session live; use the returned id from then on.
     fn resume(&self, session: SessionRef) -> PortFuture<'_, SessionHandle>;
+    /// [`SessionPort::resolve_exact`], then [`SessionPort::resume`] of what it found: the live
+    /// session with this title, if any. A port that can do both in one step should (each
+    /// attempt opens its session so).
+    fn resolve_and_resume(&self, address: SessionAddress) -> PortFuture<'_, Option<SessionHandle>> {
+        Box::pin(async move {
+            let Some(found) = self.resolve_exact(address.clone()).await? else {
+                return Ok(None);
+            };
+            let session = SessionRef {
+                profile: address.profile,
+                session_id: found.session_id,
+                source: address.source,
+            };
+            self.resume(session).await.map(Some)
+        })
+    }
     /// Submit one turn. Must either fail before admission (`not_admitted`) or return after it;
     /// reports the end through `on_terminal`.
     fn submit(&self, request: SubmitRequest) -> PortFuture<'_, ()>;

@@ -466,15 +466,8 @@ impl RoomRuntime {
             title: room_session_title(room_id),
             source: ROOM_SESSION_SOURCE.to_string(),
         };
-        let handle = match port.resolve_exact(address.clone()).await? {
-            Some(found) => {
-                port.resume(SessionRef {
-                    profile: profile.to_string(),
-                    session_id: found.session_id,
-                    source: ROOM_SESSION_SOURCE.to_string(),
-                })
-                .await?
-            }
+        let handle = match port.resolve_and_resume(address.clone()).await? {
+            Some(live) => live,
             None if create => port.create(address).await?,
             None => return Ok(None),
         };
@@ -969,8 +962,11 @@ impl RoomRuntime {
                 .db
                 .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
                 .await?;
-            self.execute_attempt(binding, &attempt, &head).await;
-            let after = self.read_task(&head.identity).await?;
+            // The observer's last read when it ended the observation (no second read).
+            let after = match self.execute_attempt(binding, &attempt, &head).await {
+                Some(after) => after,
+                None => self.read_task(&head.identity).await?,
+            };
             if !(after.status.is_terminal() || after.status == TaskStatus::Deferred) {
                 // Left stopping or unresolved: the room's next pass takes it up at once.
                 self.wake_room(&binding.room_id);
@@ -979,23 +975,38 @@ impl RoomRuntime {
         }
     }
 
-    async fn execute_attempt(&self, binding: &RoomBinding, attempt: &TaskAttempt, task: &TaskView) {
+    /// Run the attempt; the task as its observer last read it, when that ended the observation.
+    async fn execute_attempt(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        task: &TaskView,
+    ) -> Option<TaskView> {
         self.state()
             .current_tasks
             .insert(binding.room_id.clone(), attempt.identity.clone());
-        self.run_attempt(binding, attempt, task).await;
+        let last = self.run_attempt(binding, attempt, task).await;
         self.state().current_tasks.remove(&binding.room_id);
         // A slot is free: the task scheduler (`start`) runs a cycle on a poke; the actors' one
         // learns it from the pass's end. Not a round over every room: with 128 rooms that cost
         // every task 128 passes.
         self.inner.poke.send_modify(|n| *n = n.wrapping_add(1));
+        last
     }
 
-    async fn run_attempt(&self, binding: &RoomBinding, attempt: &TaskAttempt, task: &TaskView) {
+    async fn run_attempt(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        task: &TaskView,
+    ) -> Option<TaskView> {
         let task_id = attempt.identity.task_id.clone();
         let port = match self.transport(binding, task) {
             Ok(port) => port,
-            Err(error) => return self.fail_before_submit(binding, attempt, error).await,
+            Err(error) => {
+                self.fail_before_submit(binding, attempt, error).await;
+                return None;
+            }
         };
         let profile = task.payload.target_profile.clone();
         let _guard = self.inner.locks.lock(profile.clone()).await;
@@ -1005,20 +1016,23 @@ impl RoomRuntime {
         {
             Ok(Some(session_id)) => session_id,
             Ok(None) => {
-                return self
-                    .fail_before_submit(
-                        binding,
-                        attempt,
-                        PortError::new("session adapter returned no session_id"),
-                    )
-                    .await
+                self.fail_before_submit(
+                    binding,
+                    attempt,
+                    PortError::new("session adapter returned no session_id"),
+                )
+                .await;
+                return None;
             }
             Err(error) if error.not_admitted => {
-                return self
-                    .requeue_not_admitted(binding, attempt, task, error)
-                    .await
+                self.requeue_not_admitted(binding, attempt, task, error)
+                    .await;
+                return None;
             }
-            Err(error) => return self.fail_before_submit(binding, attempt, error).await,
+            Err(error) => {
+                self.fail_before_submit(binding, attempt, error).await;
+                return None;
+            }
         };
         let deadline = self.inner.clock.monotonic() + self.inner.config.turn_timeout_seconds;
         let request = SubmitRequest {
@@ -1039,9 +1053,9 @@ impl RoomRuntime {
                 self.state().backoff.remove(&route);
             }
             Err(error) if error.not_admitted => {
-                return self
-                    .requeue_not_admitted(binding, attempt, task, error)
-                    .await
+                self.requeue_not_admitted(binding, attempt, task, error)
+                    .await;
+                return None;
             }
             // the member may have admitted it: never resubmit, keep observing
             Err(error) => self.set_error(format!(
@@ -1049,7 +1063,7 @@ impl RoomRuntime {
             )),
         }
         self.observe(binding, attempt, task, port.as_ref(), &session_id, deadline)
-            .await;
+            .await
     }
 
     async fn fail_before_submit(
@@ -1134,7 +1148,7 @@ impl RoomRuntime {
         port: &dyn SessionPort,
         session_id: &str,
         deadline: f64,
-    ) {
+    ) -> Option<TaskView> {
         let task_id = attempt.identity.task_id.clone();
         let generation = attempt.execution_generation;
         let poll = self.inner.config.active_poll_interval_seconds;
@@ -1144,7 +1158,7 @@ impl RoomRuntime {
         let mut wake = self.waker(&binding.room_id);
         loop {
             if self.is_stopping() {
-                return;
+                return None;
             }
             let current = match self.read_task(&attempt.identity).await {
                 Ok(current) => current,
@@ -1157,7 +1171,7 @@ impl RoomRuntime {
                 }
             };
             if current.execution_generation != generation {
-                return;
+                return Some(current);
             }
             match current.status {
                 TaskStatus::Running => {}
@@ -1166,7 +1180,7 @@ impl RoomRuntime {
                         Ok(lease) => lease,
                         Err(error) => {
                             self.fenced(binding, &task_id, &error);
-                            return;
+                            return None;
                         }
                     };
                     let outcome = self.finish_stop(binding, &lease, &current).await;
@@ -1180,12 +1194,12 @@ impl RoomRuntime {
                             self.set_error(format!(
                                 "task {task_id} exceeded its deadline; stop remains pending"
                             ));
-                            return;
+                            return None;
                         }
                         Ok(StopOutcome::Pending) => {}
                         Err(error) if deadline_stop => {
                             self.set_error(format!("task {task_id} exceeded its deadline; stop remains pending: {error}"));
-                            return;
+                            return None;
                         }
                         Err(error) => {
                             self.set_error(format!("task {task_id} stop remains pending: {error}"))
@@ -1194,7 +1208,7 @@ impl RoomRuntime {
                     self.pause_for(&mut wake, poll).await;
                     continue;
                 }
-                _ => return,
+                _ => return Some(current),
             }
             if self.inner.clock.monotonic() >= deadline {
                 let cancel_id = format!("deadline:{generation}");
@@ -1229,7 +1243,7 @@ impl RoomRuntime {
             }
             if let Err(error) = self.ensure_lease(binding).await {
                 self.fenced(binding, &task_id, &error);
-                return;
+                return None;
             }
             if self
                 .lease(&binding.room_id)
@@ -1238,7 +1252,7 @@ impl RoomRuntime {
                 self.set_error(format!(
                     "task {task_id} fenced: driver lease is stale or expired"
                 ));
-                return;
+                return None;
             }
             let session = Self::session_ref(&profile, session_id);
             match port
@@ -1253,7 +1267,7 @@ impl RoomRuntime {
                         {
                             if error.is_fence() {
                                 self.fenced(binding, &task_id, &error);
-                                return;
+                                return None;
                             }
                             self.set_error(format!(
                                 "task {task_id} observation failed after submit: {error}"

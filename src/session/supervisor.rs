@@ -42,6 +42,8 @@ impl PushEvent {
 
 struct Running {
     admission_id: String,
+    /// The running input's `input_id`.
+    request_id: String,
     generation: i64,
     cancel: watch::Sender<bool>,
     started: std::time::Instant,
@@ -527,6 +529,7 @@ impl SessionSupervisor {
         let (cancel_tx, cancel_rx) = watch::channel(self.draining);
         self.running = Some(Running {
             admission_id: row.admission_id.clone(),
+            request_id: row.request_id.clone(),
             generation,
             cancel: cancel_tx,
             started: std::time::Instant::now(),
@@ -1003,6 +1006,8 @@ impl Handler<Submit> for SessionSupervisor {
 #[derive(Debug, Clone)]
 pub struct LiveView {
     pub running: Option<(String, i64)>,
+    /// The running input's `input_id`.
+    pub running_input: Option<String>,
     pub prompts: Vec<Value>,
     pub last_sequence: u64,
 }
@@ -1019,6 +1024,7 @@ impl Handler<GetLive> for SessionSupervisor {
                 .running
                 .as_ref()
                 .map(|r| (r.admission_id.clone(), r.generation)),
+            running_input: self.running.as_ref().map(|r| r.request_id.clone()),
             prompts: self.open_prompts(),
             last_sequence: self.outbox.sent.unwrap_or(0).max(0) as u64,
         })
