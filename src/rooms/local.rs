@@ -38,11 +38,11 @@ impl LocalSessionPort {
         format!("room-session/{}/{}", address.profile, address.title)
     }
 
-    /// The session's supervisor, what it holds in memory, and the row of its running attempt.
-    async fn running_attempt(
+    /// The session's supervisor and what it holds in memory.
+    async fn live(
         &self,
         session_id: &str,
-    ) -> Result<(Addr<SessionSupervisor>, LiveView, Option<AdmissionRow>), PortError> {
+    ) -> Result<(Addr<SessionSupervisor>, LiveView), PortError> {
         let sup = self
             .authority
             .supervisor(session_id)
@@ -52,6 +52,15 @@ impl LocalSessionPort {
             .send(GetLive)
             .await
             .map_err(|e| PortError::new(e.to_string()))?;
+        Ok((sup, live))
+    }
+
+    /// [`LocalSessionPort::live`], and the row of the running attempt.
+    async fn running_attempt(
+        &self,
+        session_id: &str,
+    ) -> Result<(Addr<SessionSupervisor>, LiveView, Option<AdmissionRow>), PortError> {
+        let (sup, live) = self.live(session_id).await?;
         let Some((admission_id, _)) = live.running.clone() else {
             return Ok((sup, live, None));
         };
@@ -159,7 +168,7 @@ impl SessionPort for LocalSessionPort {
         })
     }
 
-    /// One read: the session by its deterministic id, then its lineage's root.
+    /// One read: the session by its deterministic id, and its lineage's root.
     fn resolve_and_resume(&self, address: SessionAddress) -> PortFuture<'_, Option<SessionHandle>> {
         Box::pin(async move {
             let id = session_id_for(ROOMS_PRINCIPAL, &Self::request_id(&address));
@@ -167,10 +176,7 @@ impl SessionPort for LocalSessionPort {
                 .authority
                 .shared
                 .db
-                .read(move |c| match sessions::find(c, &id)? {
-                    Some(found) => sessions::root_of(c, &found.id).map(Some),
-                    None => Ok(None),
-                })
+                .read(move |c| sessions::find_root(c, &id))
                 .await
                 .map_err(|e| port_err(e.into()))?;
             Ok(root.map(|s| SessionHandle { session_id: s.id }))
@@ -319,14 +325,7 @@ impl SessionPort for LocalSessionPort {
         Box::pin(async move {
             // What the supervisor holds in memory (no read of the running row: an observer
             // asks on each wakeup).
-            let live = self
-                .authority
-                .supervisor(&session.session_id)
-                .await
-                .map_err(port_err)?
-                .send(GetLive)
-                .await
-                .map_err(|e| PortError::new(e.to_string()))?;
+            let (_, live) = self.live(&session.session_id).await?;
             let (Some((admission_id, _)), Some(input_id)) = (live.running, live.running_input)
             else {
                 return Ok(SessionInfo::default());

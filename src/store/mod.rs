@@ -681,14 +681,8 @@ impl Db {
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let f = Arc::new(std::sync::Mutex::new(Some(f)));
-        let job_f = f.clone();
         let job: WriteJob = Box::new(move |conn| {
-            let taken = job_f.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let result = match taken {
-                Some(f) => f(conn),
-                None => Err(StoreError::Other("write already run".into())),
-            };
+            let result = f(conn);
             Box::new(move |committed: Result<(), String>| {
                 let _ = tx.send(match (result, committed) {
                     (Ok(r), Ok(())) => Ok(r),
@@ -697,11 +691,26 @@ impl Db {
                 });
             })
         });
-        if self.writer.try_send(job).is_err() {
-            let taken = f.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let f = taken.ok_or_else(|| StoreError::Other("write already run".into()))?;
+        if let Err(refused) = self.writer.try_send(job) {
+            use tokio::sync::mpsc::error::TrySendError;
+            let (TrySendError::Full(job) | TrySendError::Closed(job)) = refused;
+            // As the writer runs a job, in a transaction of one.
             let mut conn = self.blocking_conn()?;
-            return write_tx(&mut conn, f);
+            let mut deliver = None;
+            let committed = conn
+                .immediate_transaction::<_, diesel::result::Error, _>(|c| {
+                    deliver = Some(job(c));
+                    Ok(())
+                })
+                .map_err(|e| e.to_string());
+            match deliver {
+                Some(deliver) => deliver(committed),
+                None => {
+                    return Err(StoreError::Other(format!(
+                        "cannot begin a write: {committed:?}"
+                    )))
+                }
+            }
         }
         let result = rx
             .recv()

@@ -149,11 +149,19 @@ pub fn find(conn: &mut SqliteConnection, id: &str) -> Result<Option<SessionRow>,
 
 /// The logical root of `id` (a child id resolves to its root).
 pub fn root_of(conn: &mut SqliteConnection, id: &str) -> Result<SessionRow, StoreError> {
-    let row = find(conn, id)?.ok_or_else(|| StoreError::NotFound(format!("no session {id}")))?;
+    find_root(conn, id)?.ok_or_else(|| StoreError::NotFound(format!("no session {id}")))
+}
+
+/// [`root_of`], or none when `id` is no session.
+pub fn find_root(conn: &mut SqliteConnection, id: &str) -> Result<Option<SessionRow>, StoreError> {
+    let Some(row) = find(conn, id)? else {
+        return Ok(None);
+    };
     if row.root_id == row.id {
-        return Ok(row);
+        return Ok(Some(row));
     }
     find(conn, &row.root_id)?
+        .map(Some)
         .ok_or_else(|| StoreError::NotFound(format!("no session {}", row.root_id)))
 }
 
