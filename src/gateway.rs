@@ -113,6 +113,20 @@ fn start_rooms(
     process_generation: &str,
 ) -> Result<Arc<RoomsService>, StartError> {
     let rooms_db = RoomsDb::with_writer(pool, authority.shared.db.clone());
+    // This process holds the session authority's epoch now: leases its predecessors held end.
+    let (gid, generation, now) = (
+        gateway_id.to_string(),
+        process_generation.to_string(),
+        clock.clone(),
+    );
+    let ended = rooms_db
+        .write_sync(move |c| {
+            store::leases::end_earlier_process_leases(c, &gid, &generation, now.as_ref())
+        })
+        .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
+    if ended > 0 {
+        tracing::info!(leases = ended, "ended the room leases of earlier processes");
+    }
     let hub = Arc::new(RoomEventHub::default());
     let bindings: BindingSource = {
         let (db, gid) = (rooms_db.clone(), gateway_id.to_string());
@@ -329,17 +343,27 @@ impl RunningGateway {
         }
         tracing::info!("draining");
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
-        if !self.rooms.stop(timeout / 2).await {
-            tracing::warn!("room workers did not stop in time");
-        }
-        if tokio::time::timeout(timeout, self.registry.send(DrainAll))
+        // Rooms start nothing new, but keep watching their attempts while the members drain: a
+        // member turn the drain interrupts fails its room task under the room's lease, so the
+        // lease is released below and the next boot drives the room at once (instead of
+        // waiting out the lease of a task left `running`).
+        self.rooms.quiesce().await;
+        let drain = timeout.mul_f64(0.75);
+        if tokio::time::timeout(drain, self.registry.send(DrainAll))
             .await
             .is_err()
         {
             tracing::warn!(
-                ?timeout,
+                timeout = ?drain,
                 "drain timed out; unsettled turns become unknown at the next boot"
             );
+        }
+        let rooms = timeout.saturating_sub(drain) / 2;
+        if !self.rooms.idle(rooms).await {
+            tracing::warn!("room passes still observing attempts at the end of the drain");
+        }
+        if !self.rooms.stop(rooms).await {
+            tracing::warn!("room workers did not stop in time");
         }
         self.tickets.revoke_all();
         self.control_task.abort();

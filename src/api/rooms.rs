@@ -299,6 +299,22 @@ impl RoomsService {
         Ok(json!({"gateway_id": self.gateway_id, "rooms": rooms, "status": self.runtime.status()}))
     }
 
+    /// Start no new room work; attempts in flight are still observed and settled.
+    pub async fn quiesce(&self) {
+        let _ = self
+            .scheduler
+            .send(crate::rooms::actors::QuiesceRooms)
+            .await;
+    }
+
+    /// Wait up to `timeout` for the room passes in flight to end; whether they did.
+    pub async fn idle(&self, timeout: Duration) -> bool {
+        self.scheduler
+            .send(crate::rooms::actors::RoomsIdle(timeout))
+            .await
+            .unwrap_or(false)
+    }
+
     pub async fn stop(&self, timeout: Duration) -> bool {
         self.scheduler
             .send(crate::rooms::actors::StopRooms(timeout))

@@ -242,6 +242,38 @@ impl Handler<PassDone> for RoomScheduler {
     }
 }
 
+/// The first step of a graceful stop: no new pass and no new attempt from now on, while the
+/// passes in flight keep observing their attempts, so a member turn that the session drain
+/// interrupts settles its task under this runtime's lease (which can then be released).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct QuiesceRooms;
+
+impl Handler<QuiesceRooms> for RoomScheduler {
+    type Result = ();
+    fn handle(&mut self, _: QuiesceRooms, _: &mut Context<Self>) {
+        self.stopping = true;
+        self.runtime.quiesce();
+    }
+}
+
+/// Wait up to the duration for the passes in flight to end on their own; whether they did.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct RoomsIdle(pub Duration);
+
+impl Handler<RoomsIdle> for RoomScheduler {
+    type Result = ResponseFuture<bool>;
+    fn handle(&mut self, m: RoomsIdle, _: &mut Context<Self>) -> Self::Result {
+        if self.busy.is_empty() {
+            return Box::pin(async { true });
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.idle_waiters.push(tx);
+        Box::pin(async move { matches!(tokio::time::timeout(m.0, rx).await, Ok(Ok(()))) })
+    }
+}
+
 /// Stop scheduling, wait (bounded) for the passes in flight, then release the leases. Never
 /// interrupts an accepted member turn. Answers whether everything stopped in time.
 #[derive(Message)]

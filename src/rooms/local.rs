@@ -137,7 +137,19 @@ fn result_text(row: &AdmissionRow) -> (Option<String>, Option<String>) {
 }
 
 fn receipt_of(row: &AdmissionRow) -> TerminalReceipt {
-    let (text, error) = result_text(row);
+    let (text, mut error) = result_text(row);
+    if row.outcome.as_deref() == Some("interrupted") && error.is_none() {
+        // `{"interrupted": true, "reason": …}`: say why.
+        let reason = row
+            .result_json
+            .as_deref()
+            .and_then(|r| serde_json::from_str::<Value>(r).ok())
+            .and_then(|v| v.get("reason").and_then(Value::as_str).map(str::to_string));
+        error = Some(match reason {
+            Some(reason) => format!("the member's turn was interrupted: {reason}"),
+            None => "the member's turn was interrupted".into(),
+        });
+    }
     let status = match row.outcome.as_deref() {
         Some("completed") => "settled",
         Some("cancelled") => "cancelled",

@@ -136,6 +136,8 @@ pub(crate) struct Backoff {
 pub(crate) struct RuntimeState {
     pub running: bool,
     pub stopping: bool,
+    /// No new attempt starts ([`RoomRuntime::quiesce`]); attempts in flight are still observed.
+    pub quiesced: bool,
     pub cycles: u64,
     pub passes: u64,
     pub cursor: usize,
@@ -338,6 +340,18 @@ impl RoomRuntime {
         *self.inner.stop.borrow()
     }
 
+    /// Start no new attempt from now on, but keep observing (and settling) the ones in flight:
+    /// the first step of a graceful stop, before the member sessions drain, so that a member
+    /// turn the drain interrupts settles its task while this runtime still holds the lease.
+    pub fn quiesce(&self) {
+        self.state().quiesced = true;
+    }
+
+    /// Whether a new attempt may start now.
+    pub(crate) fn starts_refused(&self) -> bool {
+        self.is_stopping() || self.state().quiesced
+    }
+
     /// The in-memory lease of a room, if held.
     pub fn lease(&self, room_id: &str) -> Option<Lease> {
         self.state().leases.get(room_id).cloned()
@@ -455,6 +469,7 @@ impl RoomRuntime {
             let mut state = self.state();
             state.running = true;
             state.stopping = false;
+            state.quiesced = false;
         }
         self.inner.stop.send_replace(false);
         let runtime = self.clone();

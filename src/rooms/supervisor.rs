@@ -948,7 +948,7 @@ impl RoomRuntime {
             {
                 return Ok(());
             }
-            if self.is_stopping() {
+            if self.starts_refused() {
                 return Ok(());
             }
             let lease = self.ensure_lease(binding).await?;
@@ -1315,22 +1315,34 @@ impl RoomRuntime {
         })
     }
 
-    /// A terminal report from the member (any thread). Stops are resolved by the stop path, so
-    /// cancelled and interrupted reports only wake the room's observers.
+    /// A terminal report from the member (any thread).
+    ///
+    /// A cancelled or interrupted turn that this room asked to stop is resolved by the stop
+    /// path (the task is `stopping`). One that ended so while the task was still `running` was
+    /// stopped by something else, such as the drain of a graceful stop: the attempt is over and
+    /// is never run again, so its task fails with the reason (while the lease is still held,
+    /// which is why a graceful stop drains the members before it stops the rooms).
     fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
-        if !matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
-            let task_id = &attempt.identity.task_id;
+        let task_id = &attempt.identity.task_id;
+        let committed = if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
+            let mut receipt = receipt;
+            if receipt.error.as_deref().is_none_or(str::is_empty) {
+                receipt.error = Some(format!("the member's turn was {}", receipt.status));
+            }
             let settlement =
                 settlement_from_receipt(&receipt, task_id, attempt.execution_generation);
-            match self.commit_receipt_sync(binding, attempt, settlement) {
-                Ok(_) | Err(RoomStoreError::StaleTask(_)) => {}
-                Err(error) if error.is_fence() || is_lease_loss(&error) => {
-                    self.fenced(binding, task_id, &error)
-                }
-                Err(error) => {
-                    self.set_error(format!("task {task_id} terminal commit failed: {error}"))
-                }
+            self.commit_stopped_elsewhere(binding, attempt, settlement)
+        } else {
+            let settlement =
+                settlement_from_receipt(&receipt, task_id, attempt.execution_generation);
+            self.commit_receipt_sync(binding, attempt, settlement)
+        };
+        match committed {
+            Ok(_) | Err(RoomStoreError::StaleTask(_)) => {}
+            Err(error) if error.is_fence() || is_lease_loss(&error) => {
+                self.fenced(binding, task_id, &error)
             }
+            Err(error) => self.set_error(format!("task {task_id} terminal commit failed: {error}")),
         }
         // The pass that submitted the attempt observes it and takes up what follows: it needs
         // waking, not another pass after it. An attempt nobody observes (its pass is gone)
@@ -1341,6 +1353,32 @@ impl RoomRuntime {
         } else {
             self.wake_room(&binding.room_id);
         }
+    }
+
+    /// Fail a `running` task whose member turn was cancelled or interrupted without a stop
+    /// from this room. Only the running attempt's own settlement: if a stop intent got there
+    /// first the CAS fails (`StaleTask`) and the stop path completes the task as `cancelled`.
+    fn commit_stopped_elsewhere(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        settlement: Settlement,
+    ) -> Result<TaskView, RoomStoreError> {
+        let (clock, owned) = (self.inner.clock.clone(), attempt.clone());
+        let view = self
+            .inner
+            .db
+            .write_sync(move |c| settle_task(c, &owned, &settlement, clock.as_ref()))?;
+        if !view.idempotent {
+            tracing::info!(
+                target: "gatehouse::rooms",
+                room = %attempt.identity.room_id,
+                task = %attempt.identity.task_id,
+                "the member's turn was stopped outside the room: task failed"
+            );
+            self.inner.hooks.publish_terminal(binding, &view);
+        }
+        Ok(view)
     }
 
     async fn commit_receipt(

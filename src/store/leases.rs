@@ -56,6 +56,36 @@ pub fn get_lease(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Opti
     load_lease_row(conn, room_id)
 }
 
+/// Boot: end every live lease this gateway's earlier processes hold (expired as of `now`), and
+/// say how many. The caller has just taken the session authority's epoch, which fences those
+/// processes out of every member turn; their leases would only make this process wait out the
+/// TTL before it may recover their rooms (a `running` task keeps a lease from being released,
+/// so a crash, or a stop whose drain left a task running, leaves one behind). Ending a lease
+/// bumps nothing: the next acquisition takes the room over (a new lease generation, which
+/// fences the old holder out of every lease-checked commit) and recovers it.
+pub fn end_earlier_process_leases(
+    conn: &mut SqliteConnection,
+    gateway_id: &str,
+    process_generation: &str,
+    clock: &dyn Clock,
+) -> StoreResult<usize> {
+    let now = read_clock(clock)?;
+    crate::store::write_tx(conn, |conn| {
+        Ok(diesel::update(
+            room_leases::table
+                .filter(room_leases::gateway_id.eq(gateway_id))
+                .filter(room_leases::process_generation.ne(process_generation))
+                .filter(room_leases::released_at.is_null())
+                .filter(room_leases::expires_at.gt(now)),
+        )
+        .set((
+            room_leases::expires_at.eq(now),
+            room_leases::updated_at.eq(now),
+        ))
+        .execute(conn)?)
+    })
+}
+
 /// Outcome of a release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ReleaseOutcome {
@@ -385,6 +415,49 @@ mod tests {
         let taken = acquire_lease(&mut conn, "room-1", "gw-b", 2, "proc-b", 30.0, &clock).unwrap();
         assert_eq!(taken.lease_generation, 2);
         assert!(taken.reclaimed);
+    }
+
+    /// At boot, the leases this gateway's earlier processes hold end at once, and only those:
+    /// the room they held is taken over (a new generation, the old lease fenced) without
+    /// waiting out the TTL; another gateway's lease and a released one are left alone.
+    #[test]
+    fn a_boot_ends_the_leases_of_this_gateways_earlier_processes() {
+        let db = TestDb::with_room("room-1", "gw-a");
+        db.add_room("room-2", "ops", "gw-b");
+        db.add_room("room-3", "ops", "gw-a");
+        let mut conn = db.conn();
+        let clock = ManualClock::new(100.0);
+        let old = acquire_lease(&mut conn, "room-1", "gw-a", 1, "proc-a", 30.0, &clock).unwrap();
+        let other = acquire_lease(&mut conn, "room-2", "gw-b", 1, "proc-b", 30.0, &clock).unwrap();
+        let released =
+            acquire_lease(&mut conn, "room-3", "gw-a", 1, "proc-a", 30.0, &clock).unwrap();
+        release_lease(&mut conn, &released, &clock).unwrap();
+        clock.set(101.0);
+        let err =
+            acquire_lease(&mut conn, "room-1", "gw-a", 1, "proc-new", 30.0, &clock).unwrap_err();
+        assert!(matches!(err, RoomStoreError::LeaseHeld(_)), "{err:?}");
+
+        assert_eq!(
+            end_earlier_process_leases(&mut conn, "gw-a", "proc-new", &clock).unwrap(),
+            1
+        );
+        let taken =
+            acquire_lease(&mut conn, "room-1", "gw-a", 1, "proc-new", 30.0, &clock).unwrap();
+        assert_eq!(taken.lease_generation, old.lease_generation + 1);
+        assert!(taken.reclaimed);
+        assert!(require_active_lease(&mut conn, &old, &clock).is_err());
+        require_active_lease(&mut conn, &other, &clock).unwrap();
+        assert!(get_lease(&mut conn, "room-3")
+            .unwrap()
+            .unwrap()
+            .released_at
+            .is_some());
+        // The process's own leases are its own.
+        assert_eq!(
+            end_earlier_process_leases(&mut conn, "gw-a", "proc-new", &clock).unwrap(),
+            0
+        );
+        require_active_lease(&mut conn, &taken, &clock).unwrap();
     }
 
     #[test]

@@ -361,3 +361,163 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
         "{TASKS} tasks in one room took {spent} passes beside {ROOMS} rooms"
     );
 }
+
+/// A daemon whose `ops` member parks every `PARK` prompt on an approval (a command that would
+/// delete `victim/keep`) and answers anything else with `ACK_<message>`; the room lease is long
+/// (a restart that had to wait it out would show).
+fn parking_rooms(victim: &Home) -> (FakeModel, Home, Daemon) {
+    std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
+    let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
+    let model = FakeModel::start(move |body| {
+        let last_is_user = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .is_some_and(|m| m["role"] == "user");
+        if last_is_user && last_user(body).starts_with("PARK") {
+            Reply::Message(
+                tool_call("call_rm", "terminal", json!({"command": cmd})),
+                "tool_calls",
+            )
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"lease_ttl_seconds": 300, "indeterminate_defer_seconds": 1,
+                      "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    (model, home, d)
+}
+
+/// Room `park` with task `p1` parked on its approval and `p2` queued behind it.
+async fn park_a_task(ws: &mut Ws) {
+    ws.ok(
+        "room.create",
+        json!({"room_id": "park", "name": "P", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
+    .await;
+    ws.ok("room.admit", admit("park", "p1", "ops", "PARK now", 1))
+        .await;
+    ws.event(Duration::from_secs(30), |e| {
+        e["type"] == "room.pending_action" && e["payload"]["action"].is_object()
+    })
+    .await;
+    ws.ok("room.admit", admit("park", "p2", "ops", "hello p2", 2))
+        .await;
+    assert_eq!(task_status(ws, "park", "p1").await, "running");
+    assert_eq!(task_status(ws, "park", "p2").await, "queued");
+}
+
+fn lease_of(home: &Home, room: &str) -> (Option<f64>, String) {
+    use diesel::prelude::*;
+    use gatehouse::store::rooms_schema::room_leases;
+    room_leases::table
+        .find(room)
+        .select((room_leases::released_at, room_leases::process_generation))
+        .first(&mut home.db())
+        .expect("lease row")
+}
+
+/// A graceful stop drains the members before it stops the rooms: the parked turn the drain
+/// interrupts fails its task (never to run again) while the room still holds its lease, the
+/// lease is released, and the next boot runs the queued task at once. Before, the rooms
+/// stopped first: the task stayed `running`, its lease could not be released, and the next
+/// boot waited out the lease (300 s here) before it could even look at the room.
+#[actix_rt::test]
+async fn a_graceful_restart_fails_the_interrupted_room_task_and_runs_the_next_at_once() {
+    let victim = Home::new();
+    let (model, home, mut d) = parking_rooms(&victim);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    drop(ws);
+    assert_eq!(d.term(), Some(0));
+
+    let p1 = {
+        use diesel::prelude::*;
+        use gatehouse::store::rooms_schema::room_tasks;
+        room_tasks::table
+            .filter(room_tasks::task_id.eq("p1"))
+            .select((room_tasks::status, room_tasks::result_json))
+            .first::<(String, Option<String>)>(&mut home.db())
+            .expect("p1")
+    };
+    assert_eq!(p1.0, "failed", "{p1:?}");
+    assert!(
+        p1.1.as_deref().is_some_and(|r| r.contains("interrupted")),
+        "{p1:?}"
+    );
+    assert!(
+        lease_of(&home, "park").0.is_some(),
+        "the lease was released"
+    );
+
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let restarted = std::time::Instant::now();
+    wait_status(&mut ws, "park", "p2", "settled").await;
+    assert!(restarted.elapsed() < Duration::from_secs(30));
+    assert_eq!(task_status(&mut ws, "park", "p1").await, "failed");
+    assert_eq!(
+        model.reached("PARK now"),
+        1,
+        "the interrupted task never ran again"
+    );
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+}
+
+/// After a crash the dead process's lease ends at the next boot, which recovers the room at once
+/// (its running task becomes indeterminate, then deferred, never resubmitted) rather than after
+/// the lease's 300 s.
+#[actix_rt::test]
+async fn a_boot_after_a_crash_takes_the_room_over_without_waiting_out_the_lease() {
+    let victim = Home::new();
+    let (model, home, mut d) = parking_rooms(&victim);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    drop(ws);
+    let crashed = lease_of(&home, "park").1;
+    d.kill();
+    assert_eq!(lease_of(&home, "park").0, None);
+
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = task_status(&mut ws, "park", "p1").await;
+        if status == "deferred" {
+            break;
+        }
+        assert!(
+            matches!(status.as_str(), "running" | "indeterminate"),
+            "p1 is {status}"
+        );
+        assert!(std::time::Instant::now() < deadline, "p1 stayed {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(
+        lease_of(&home, "park").1,
+        crashed,
+        "the room was taken over"
+    );
+    assert_eq!(
+        model.reached("PARK now"),
+        1,
+        "the abandoned attempt never ran again"
+    );
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+}
