@@ -153,6 +153,7 @@ fn start_rooms(
         .process_generation(process_generation.to_string())
         .build()
         .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
+    crate::rooms::db::spawn_task_pruner(rooms_db.clone(), clock.clone(), &config.rooms);
     let scheduler = crate::rooms::actors::RoomScheduler::new(runtime.clone()).start();
     tracing::info!(gateway = %gateway_id, "hosted rooms running");
     Ok(Arc::new(RoomsService {

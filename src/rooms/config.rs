@@ -23,6 +23,14 @@ pub struct RoomsConfig {
     pub unavailable_retry_min_seconds: f64,
     /// Cap of that back-off.
     pub unavailable_retry_max_seconds: f64,
+    /// An ended (settled, failed, cancelled) task is pruned this long after it ended (0: no
+    /// age limit). A task id is idempotent for as long as its task is kept.
+    pub task_retention_seconds: f64,
+    /// A room keeps at most this many of its newest ended tasks.
+    #[serde(deserialize_with = "positive_count")]
+    pub max_ended_tasks_per_room: i64,
+    /// How often ended tasks are pruned.
+    pub prune_interval_seconds: f64,
 }
 
 impl Default for RoomsConfig {
@@ -36,6 +44,9 @@ impl Default for RoomsConfig {
             max_concurrent_rooms: 4,
             unavailable_retry_min_seconds: 1.0,
             unavailable_retry_max_seconds: 30.0,
+            task_retention_seconds: 30.0 * 24.0 * 3600.0,
+            max_ended_tasks_per_room: 2048,
+            prune_interval_seconds: 60.0,
         }
     }
 }
@@ -50,6 +61,18 @@ fn positive_integer<'de, D: Deserializer<'de>>(deserializer: D) -> Result<usize,
             usize::try_from(n).map_err(|_| serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE))
         }
         _ => Err(serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE)),
+    }
+}
+
+const MAX_ENDED_TASKS_MESSAGE: &str = "max_ended_tasks_per_room must be a positive integer";
+
+fn positive_count<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    match value.as_u64() {
+        Some(n) if n >= 1 && !value.is_boolean() => {
+            i64::try_from(n).map_err(|_| serde::de::Error::custom(MAX_ENDED_TASKS_MESSAGE))
+        }
+        _ => Err(serde::de::Error::custom(MAX_ENDED_TASKS_MESSAGE)),
     }
 }
 
@@ -73,11 +96,20 @@ impl RoomsConfig {
                 "indeterminate_defer_seconds",
                 self.indeterminate_defer_seconds,
             ),
+            ("prune_interval_seconds", self.prune_interval_seconds),
         ];
         for (name, value) in positive {
             if !(value.is_finite() && value > 0.0) {
                 return Err(RoomsConfigError(format!("{name} must be positive")));
             }
+        }
+        if !(self.task_retention_seconds.is_finite() && self.task_retention_seconds >= 0.0) {
+            return Err(RoomsConfigError(
+                "task_retention_seconds must be zero or positive".into(),
+            ));
+        }
+        if self.max_ended_tasks_per_room < 1 {
+            return Err(RoomsConfigError(MAX_ENDED_TASKS_MESSAGE.into()));
         }
         if self.max_concurrent_rooms < 1 {
             return Err(RoomsConfigError(MAX_CONCURRENT_ROOMS_MESSAGE.into()));
@@ -140,5 +172,29 @@ mod tests {
         assert!(err.to_string().contains("max_concurrent_rooms"));
         let parsed: RoomsConfig = serde_json::from_str(r#"{"max_concurrent_rooms": 2}"#).unwrap();
         assert_eq!(parsed.max_concurrent_rooms, 2);
+        for bad in ["0", "-1", "1.5", "true", "\"9\""] {
+            let err = serde_json::from_str::<RoomsConfig>(&format!(
+                r#"{{"max_ended_tasks_per_room": {bad}}}"#
+            ))
+            .unwrap_err();
+            assert!(
+                err.to_string().contains("max_ended_tasks_per_room"),
+                "{bad}: {err}"
+            );
+        }
+        let config = RoomsConfig {
+            task_retention_seconds: -1.0,
+            ..Default::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("task_retention_seconds"));
+        let config = RoomsConfig {
+            task_retention_seconds: 0.0,
+            ..Default::default()
+        };
+        config.validate().unwrap();
     }
 }

@@ -108,6 +108,54 @@ impl RoomsDb {
     }
 }
 
+/// Prune ended room tasks every `config.prune_interval_seconds` (first right away), for the life
+/// of the process, on the current arbiter. A backlog is pruned in several transactions of at
+/// most [`PRUNE_BATCH`] tasks, so other commits run between them.
+pub fn spawn_task_pruner(
+    db: RoomsDb,
+    clock: crate::clock::SharedClock,
+    config: &crate::rooms::RoomsConfig,
+) {
+    use crate::store::room_tasks::{prune_ended_tasks, TaskRetention};
+    let retention = TaskRetention {
+        max_age_seconds: config.task_retention_seconds,
+        max_per_room: config.max_ended_tasks_per_room,
+    };
+    let every = std::time::Duration::from_secs_f64(config.prune_interval_seconds);
+    actix::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let mut deleted = 0;
+            loop {
+                let now = clock.now();
+                match db
+                    .write(move |c| prune_ended_tasks(c, retention, now, PRUNE_BATCH))
+                    .await
+                {
+                    Ok(pruned) => {
+                        deleted += pruned.deleted;
+                        if !pruned.more || pruned.deleted == 0 {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot prune ended room tasks");
+                        break;
+                    }
+                }
+            }
+            if deleted > 0 {
+                tracing::debug!(tasks = deleted, "pruned ended room tasks");
+            }
+        }
+    });
+}
+
+/// Most ended tasks one pruning transaction deletes.
+pub const PRUNE_BATCH: usize = 1000;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -785,11 +785,8 @@ mod tests {
             #[diesel(sql_type = BigInt)]
             pruned_through: i64,
         }
-        // Back past the one migration after it (session ordinals), then its own.
-        for _ in 0..2 {
-            c.revert_last_migration(crate::store::MIGRATIONS)
-                .expect("revert");
-        }
+        // Back past the migrations after it, then its own.
+        testing::revert_through(&mut c, "_event_heads_from_the_log");
         let old: Vec<OldHead> = diesel::sql_query(
             "SELECT session_id, last_seq, pruned_through FROM session_event_heads \
              ORDER BY session_id",

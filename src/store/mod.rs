@@ -935,6 +935,59 @@ pub mod testing {
             .n
     }
 
+    /// Run the pending migrations up to and including the one whose name ends with `suffix`
+    /// (a migration's test stays about that migration when later ones are added).
+    pub fn migrate_through(
+        c: &mut SqliteConnection,
+        suffix: &str,
+    ) -> diesel::migration::Result<()> {
+        use diesel::migration::MigrationSource;
+        let all: Vec<Box<dyn diesel::migration::Migration<diesel::sqlite::Sqlite>>> =
+            MIGRATIONS.migrations()?;
+        let mut names: Vec<String> = all.iter().map(|m| m.name().to_string()).collect();
+        names.sort();
+        let through = names
+            .iter()
+            .position(|n| n.ends_with(suffix))
+            .expect("the migration");
+        let applied: Vec<String> = c
+            .applied_migrations()?
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        for name in &names[..=through] {
+            let m = all
+                .iter()
+                .find(|m| m.name().to_string() == *name)
+                .expect("migration");
+            if !applied.contains(&m.name().version().to_string()) {
+                c.run_migration(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Revert the applied migrations, newest first, down to and including the one whose name
+    /// ends with `suffix`.
+    pub fn revert_through(c: &mut SqliteConnection, suffix: &str) {
+        use diesel::migration::MigrationSource;
+        let all: Vec<Box<dyn diesel::migration::Migration<diesel::sqlite::Sqlite>>> =
+            MIGRATIONS.migrations().expect("migrations");
+        let target = all
+            .iter()
+            .find(|m| m.name().to_string().ends_with(suffix))
+            .expect("the migration")
+            .name()
+            .version()
+            .to_string();
+        loop {
+            let reverted = c.revert_last_migration(MIGRATIONS).expect("revert");
+            if reverted.to_string() == target {
+                return;
+            }
+        }
+    }
+
     /// Bring a fresh connection's schema up to, not including, the migration whose name ends
     /// with `suffix` (to test that migration on data of the schema before it).
     pub fn migrate_to_just_before(c: &mut SqliteConnection, suffix: &str) {
@@ -1123,7 +1176,6 @@ mod schema_tests {
     #[test]
     fn the_checks_migration_keeps_the_tables_and_what_they_refuse() {
         use diesel::connection::SimpleConnection;
-        use diesel_migrations::MigrationHarness;
         let (_dir, mut c) = super::testing::conn_just_before("_checks_without_lists");
         let e = super::epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
         super::testing::session(&mut c, e, "s1");
@@ -1165,8 +1217,7 @@ mod schema_tests {
             .map(|q| text(c, q))
         };
         let before = snapshot(&mut c);
-        c.run_pending_migrations(super::MIGRATIONS)
-            .expect("migrate");
+        super::testing::migrate_through(&mut c, "_checks_without_lists").expect("migrate");
         assert_eq!(snapshot(&mut c), before);
         assert!(
             before[0].contains("trigger room_task_counts_update"),

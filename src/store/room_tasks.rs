@@ -535,6 +535,94 @@ pub fn count_all_tasks_by_status(
     Ok(out)
 }
 
+/// How long a room keeps its ended (settled, failed, cancelled) tasks. A task id is idempotent
+/// for as long as its task is kept.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TaskRetention {
+    /// An ended task older than this is pruned (0: no age limit).
+    pub max_age_seconds: f64,
+    /// A room keeps at most this many of its newest ended tasks.
+    pub max_per_room: i64,
+}
+
+/// What one pruning transaction did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrunedTasks {
+    pub deleted: usize,
+    /// It stopped at its bound with more to prune.
+    pub more: bool,
+}
+
+/// A room's oldest ended tasks (`room_id`, how many). The ended statuses are spelled as the
+/// `room_tasks_ended` index spells them, which is what lets the index serve the query.
+pub(crate) const PRUNE_OLDEST_SQL: &str = "DELETE FROM room_tasks WHERE rowid IN (SELECT rowid \
+     FROM room_tasks WHERE room_id = ? \
+     AND (status = 'settled' OR status = 'failed' OR status = 'cancelled') \
+     ORDER BY terminal_at LIMIT ?)";
+
+/// A room's tasks that ended before a time (`room_id`, the time, how many), oldest first.
+pub(crate) const PRUNE_AGED_SQL: &str = "DELETE FROM room_tasks WHERE rowid IN (SELECT rowid \
+     FROM room_tasks WHERE room_id = ? \
+     AND (status = 'settled' OR status = 'failed' OR status = 'cancelled') \
+     AND terminal_at < ? ORDER BY terminal_at LIMIT ?)";
+
+/// Prune ended tasks, at most `limit` in one transaction: those that ended more than
+/// `max_age_seconds` ago, and a room's oldest past its newest `max_per_room`. Every read and
+/// delete walks a room's ended tasks in the order they ended (`room_tasks_ended`), and a room's
+/// count of them comes from the kept counts; queued, running, stopping, indeterminate and
+/// deferred tasks are never touched.
+pub fn prune_ended_tasks(
+    conn: &mut SqliteConnection,
+    retention: TaskRetention,
+    now: f64,
+    limit: usize,
+) -> StoreResult<PrunedTasks> {
+    use crate::store::rooms_schema::room_task_counts as k;
+    use diesel::sql_types::{BigInt, Double, Text};
+    crate::store::write_tx(conn, |conn| {
+        let ended: Vec<(String, i64)> = k::table
+            .filter(k::status.eq_any(["settled", "failed", "cancelled"]))
+            .filter(k::n.gt(0))
+            .select((k::room_id, k::n))
+            .load(conn)?;
+        let mut per_room: std::collections::BTreeMap<String, i64> = Default::default();
+        for (room, n) in ended {
+            *per_room.entry(room).or_insert(0) += n;
+        }
+        let mut left = limit as i64;
+        let mut deleted = 0usize;
+        for (room, n) in per_room {
+            if left <= 0 {
+                return Ok(PrunedTasks {
+                    deleted,
+                    more: true,
+                });
+            }
+            let over = (n - retention.max_per_room.max(0)).max(0);
+            let mut gone = 0;
+            if over > 0 {
+                gone += diesel::sql_query(PRUNE_OLDEST_SQL)
+                    .bind::<Text, _>(&room)
+                    .bind::<BigInt, _>(over.min(left))
+                    .execute(conn)? as i64;
+            }
+            if retention.max_age_seconds > 0.0 && left > gone {
+                gone += diesel::sql_query(PRUNE_AGED_SQL)
+                    .bind::<Text, _>(&room)
+                    .bind::<Double, _>(now - retention.max_age_seconds)
+                    .bind::<BigInt, _>(left - gone)
+                    .execute(conn)? as i64;
+            }
+            left -= gone;
+            deleted += gone as usize;
+        }
+        Ok(PrunedTasks {
+            deleted,
+            more: left <= 0,
+        })
+    })
+}
+
 /// Start the room's next queued task under an active lease: `running`, execution generation + 1,
 /// run fence = the lease.
 pub fn start_task(

@@ -449,8 +449,7 @@ mod tests {
             Err(StoreError::NotFound(_))
         ));
         // Back to the old tables, every row still there.
-        c.revert_last_migration(crate::store::MIGRATIONS)
-            .expect("revert");
+        testing::revert_through(&mut c, "_sessions_in_creation_order");
         for (table, rows) in [
             ("session_admissions", 4),
             ("messages", 4),

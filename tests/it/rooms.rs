@@ -521,3 +521,45 @@ async fn a_boot_after_a_crash_takes_the_room_over_without_waiting_out_the_lease(
         "the gated command never ran"
     );
 }
+
+/// The daemon prunes a room's ended tasks past the newest it keeps: the oldest go, the kept ones
+/// stay idempotent, and the room's counts follow.
+#[actix_rt::test]
+async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
+    let (_model, _home, d) = acking_rooms(json!({"max_ended_tasks_per_room": 2,
+        "prune_interval_seconds": 0.1, "poll_interval_seconds": 0.2}));
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "busy", "name": "B", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    for k in 1..=4 {
+        let task = format!("t{k}");
+        ws.ok(
+            "room.admit",
+            admit("busy", &task, "dev", &format!("hi {k}"), k),
+        )
+        .await;
+        wait_status(&mut ws, "busy", &task, "settled").await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let ids: Vec<String> = room_tasks(&mut ws, "busy")
+            .await
+            .iter()
+            .filter_map(|t| t["identity"]["task_id"].as_str().map(str::to_string))
+            .collect();
+        if ids == ["t3", "t4"] {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "kept {ids:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = ws
+        .ok("room.admit", admit("busy", "t4", "dev", "hi 4", 4))
+        .await;
+    assert_eq!(again["idempotent"], true);
+    let room = ws.ok("room.get", json!({"room_id": "busy"})).await;
+    assert_eq!(room["task_counts"], json!({"settled": 2}), "{room}");
+}

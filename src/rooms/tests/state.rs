@@ -3,7 +3,7 @@
 
 use diesel::prelude::*;
 
-use crate::clock::ManualClock;
+use crate::clock::{Clock, ManualClock};
 use crate::rooms::testing::TestDb;
 use crate::store::leases::{acquire_lease, release_lease, Lease};
 use crate::store::room_tasks::*;
@@ -804,4 +804,95 @@ fn indeterminate_work_can_be_stopped_two_phase() {
     assert_eq!(stopping.status, TaskStatus::Stopping);
     let cancelled = complete_task_cancel(&mut f.db.conn(), &id, "cancel-1", 1, &f.clock).unwrap();
     assert_eq!(cancelled.status, TaskStatus::Cancelled);
+}
+
+/// Ended tasks are pruned by age (since they ended) and past the newest a room keeps, oldest
+/// first and within the bound per transaction; work that has not ended (queued, running,
+/// indeterminate, deferred) is never touched, however old; the kept counts stay true; a pruned
+/// task's id can be admitted again.
+#[test]
+fn ended_tasks_are_pruned_by_age_and_count_and_nothing_else_is() {
+    let f = Fixture::new();
+    let (deferred, _, lease) = f.indeterminate("deferred");
+    defer_indeterminate_task(&mut f.db.conn(), &deferred, &lease, 1, 0, "gone", &f.clock).unwrap();
+    // Five tasks end one second apart: e1 (oldest) .. e5 (newest), settled and cancelled.
+    let mut ended = Vec::new();
+    for i in 1..=5 {
+        let id = f.admit(&format!("e{i}"), 10 + i);
+        if i % 2 == 0 {
+            cancel_task(&mut f.db.conn(), &id, &format!("c{i}"), 0, &f.clock).unwrap();
+        } else {
+            let attempt = f.start(&id, &lease);
+            settle_task(
+                &mut f.db.conn(),
+                &attempt,
+                &settlement(&format!("s{i}"), "ok"),
+                &f.clock,
+            )
+            .unwrap();
+        }
+        ended.push(id);
+        f.clock.advance(1.0);
+    }
+    let running_id = f.admit("running", 20);
+    f.start(&running_id, &lease);
+    let queued = f.admit("queued", 21);
+    f.clock.advance(1000.0);
+    let left = |f: &Fixture| -> Vec<String> {
+        list_tasks(&mut f.db.conn(), ROOM, None)
+            .unwrap()
+            .into_iter()
+            .map(|t| t.identity.task_id)
+            .collect()
+    };
+    let prune = |f: &Fixture, age: f64, keep: i64, limit: usize| {
+        let retention = TaskRetention {
+            max_age_seconds: age,
+            max_per_room: keep,
+        };
+        prune_ended_tasks(&mut f.db.conn(), retention, f.clock.now(), limit).unwrap()
+    };
+
+    // Nothing is old enough and the room is under its count: nothing goes.
+    assert_eq!(prune(&f, 1e6, 10, 100), PrunedTasks::default());
+    // Keep the newest three ended tasks, in bounded transactions: the two oldest go.
+    assert_eq!(
+        prune(&f, 0.0, 3, 1),
+        PrunedTasks {
+            deleted: 1,
+            more: true
+        }
+    );
+    assert_eq!(prune(&f, 0.0, 3, 100).deleted, 1);
+    let mut kept = left(&f);
+    kept.sort();
+    assert_eq!(kept, ["deferred", "e3", "e4", "e5", "queued", "running"]);
+    // By age: what ended more than 1001.5 s ago (e3 1003 s ago, e4 1002 s, e5 1001 s).
+    assert_eq!(prune(&f, 1001.5, 10, 100).deleted, 2);
+    let mut kept = left(&f);
+    kept.sort();
+    assert_eq!(kept, ["deferred", "e5", "queued", "running"]);
+    // With a tiny age, every ended task goes; the rest stays.
+    assert_eq!(prune(&f, 0.001, 10, 100).deleted, 1);
+    let mut kept = left(&f);
+    kept.sort();
+    assert_eq!(kept, ["deferred", "queued", "running"]);
+    assert_eq!(f.get(&queued).status, TaskStatus::Queued);
+    // A pruned id is a new task.
+    let again = admit_task(&mut f.db.conn(), &ended[0], &payload(11), &f.clock).unwrap();
+    assert!(!again.idempotent);
+    assert_eq!(again.status, TaskStatus::Queued);
+}
+
+/// Pruning walks a room's ended tasks through their index, in the order they ended: never a
+/// scan of the table, nor a sort.
+#[test]
+fn pruning_reads_a_rooms_ended_tasks_through_their_index() {
+    let f = Fixture::new();
+    for sql in [PRUNE_OLDEST_SQL, PRUNE_AGED_SQL] {
+        let plan = crate::store::testing::query_plan(&mut f.db.conn(), sql).join(" | ");
+        assert!(plan.contains("USING INDEX room_tasks_ended"), "{plan}");
+        assert!(!plan.contains("SCAN room_tasks"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+    }
 }

@@ -1,0 +1,1 @@
+DROP INDEX room_tasks_ended;
