@@ -1151,7 +1151,14 @@ impl RoomRuntime {
     ) -> Option<TaskView> {
         let task_id = attempt.identity.task_id.clone();
         let generation = attempt.execution_generation;
-        let poll = self.inner.config.active_poll_interval_seconds;
+        // Each round renews the lease when half its TTL is gone: a pause longer than a third of
+        // it would let a long turn's lease lapse between two rounds (its settlement then fenced
+        // out, and the task recovered as indeterminate, then deferred).
+        let poll = self
+            .inner
+            .config
+            .active_poll_interval_seconds
+            .min(self.inner.config.lease_ttl_seconds / 3.0);
         let profile = task.payload.target_profile.clone();
         // Subscribed before the first check: the member's terminal report wakes it, and a report
         // that lands between a check and the pause must end that pause, not wait out the poll.

@@ -1430,3 +1430,27 @@ fn every_seed_scenario_has_a_test() {
         .collect();
     assert_eq!(names.len(), 43);
 }
+
+/// An observation poll longer than the lease's TTL does not let a long turn's lease lapse: the
+/// observer renews it while the member works, so the late completion settles the task (it used
+/// to be fenced out, and the attempt recovered as indeterminate).
+#[tokio::test]
+async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 0.3;
+    spec.config.active_poll_interval_seconds = 60.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    // Four TTLs of work.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    rpc.complete("task-1", "done", "settled");
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(runtime.status().lease_losses, 0);
+}
