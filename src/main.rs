@@ -70,6 +70,7 @@ commands:
   rooms [--json]                      list hosted rooms and the room runtime's status
   room-retry ROOM TASK                retry an indeterminate or deferred room task
   room-cancel ROOM TASK               cancel a room task
+  room-disband ROOM                   cancel a room's open tasks and retire the room
 
 The home is --home, else $GATEHOUSE_HOME, else $XDG_STATE_HOME/gatehouse (~/.local/state/gatehouse).";
 
@@ -193,7 +194,7 @@ fn main() -> ExitCode {
     match args.command.as_str() {
         "serve" => serve(args),
         "status" | "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry"
-        | "room-cancel" => operator(args),
+        | "room-cancel" | "room-disband" => operator(args),
         "chat" => chat(args),
         "key" => key(args),
         "bench" => bench(args),
@@ -318,6 +319,23 @@ fn operator(args: Args) -> ExitCode {
                 json!({"session_id": session, "admission_id": admission}),
             )
         }
+        "room-retry" | "room-cancel" => {
+            let [room, task] = args.rest.as_slice() else {
+                eprintln!("usage: gatehouse {} ROOM TASK", args.command);
+                return ExitCode::from(2);
+            };
+            (
+                args.command.as_str(),
+                json!({"room_id": room, "task_id": task}),
+            )
+        }
+        "room-disband" => {
+            let [room] = args.rest.as_slice() else {
+                eprintln!("usage: gatehouse room-disband ROOM");
+                return ExitCode::from(2);
+            };
+            ("room-disband", json!({"room_id": room}))
+        }
         other => (other, json!({})),
     };
     let reply = match gatehouse::api::control::request(&args.home, method, params) {
@@ -406,6 +424,13 @@ fn operator(args: Args) -> ExitCode {
                 st["leased_rooms"],
                 st["blocked_rooms"],
                 st["last_error"]
+            );
+        }
+        "room-disband" => {
+            println!(
+                "{} {}",
+                reply["room_id"].as_str().unwrap_or(""),
+                reply["state"].as_str().unwrap_or("")
             );
         }
         "room-retry" | "room-cancel" => {

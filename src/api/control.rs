@@ -226,13 +226,14 @@ impl Control {
                     Err(e) => err(e.reason(), e.detail()),
                 }
             }
-            "rooms" | "room-retry" | "room-cancel" if same_user => {
+            "rooms" | "room-retry" | "room-cancel" | "room-disband" if same_user => {
                 let Some(rooms) = self.authority.rooms.get() else {
                     return err("unavailable", "hosted rooms are not running");
                 };
                 let result = match method {
                     "rooms" => rooms.list().await,
                     "room-retry" => rooms.call("room.retry", params, |_| {}).await,
+                    "room-disband" => rooms.call("room.disband", params, |_| {}).await,
                     _ => {
                         let mut p = params;
                         if p.get("cancel_id").is_none() {
@@ -244,16 +245,15 @@ impl Control {
                 };
                 result.unwrap_or_else(|e| err(e.reason(), e.detail()))
             }
-            "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry" | "room-cancel" => {
-                err(
-                    "permission_denied",
-                    "operator commands need the daemon's user",
-                )
-            }
+            "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry" | "room-cancel"
+            | "room-disband" => err(
+                "permission_denied",
+                "operator commands need the daemon's user",
+            ),
             other => {
                 json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
                 "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown",
-                    "rooms", "room-retry", "room-cancel"]}})
+                    "rooms", "room-retry", "room-cancel", "room-disband"]}})
             }
         }
     }

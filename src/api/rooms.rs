@@ -44,6 +44,23 @@ pub fn store_error(e: RoomStoreError) -> GatewayError {
     }
 }
 
+/// The cancel id of the tasks a disband cancels.
+const DISBAND_CANCEL_ID: &str = "disband";
+
+/// A room's view after `room.disband`: its state (`disbanding` while a stop is pending, then
+/// `disbanded`).
+fn disband_view(room: rooms::RoomView, idempotent: bool) -> Value {
+    let state = if room.disbanded_at.is_some() {
+        "disbanded"
+    } else {
+        "disbanding"
+    };
+    let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
+    v["state"] = json!(state);
+    v["idempotent"] = json!(idempotent);
+    v
+}
+
 /// Connections that want a room's events.
 #[derive(Default)]
 pub struct RoomEventHub {
@@ -97,6 +114,7 @@ pub fn task_view(t: &TaskView) -> Value {
 }
 
 /// The rooms side of the authority.
+#[derive(Clone)]
 pub struct RoomsService {
     pub runtime: RoomRuntime,
     /// The actor that schedules room passes (one `RoomSupervisor` actor per room).
@@ -272,8 +290,119 @@ impl RoomsService {
                 self.runtime.wakeup();
                 Ok(task_view(&view))
             }
+            "room.disband" => {
+                let p: RoomRef = params(p)?;
+                self.disband(&p.room_id).await
+            }
             "room.status" => Ok(serde_json::to_value(self.runtime.status()).unwrap_or(Value::Null)),
             other => Err(GatewayError::UnknownMethod(other.to_string())),
+        }
+    }
+
+    /// Disband a room: raise its disband fence (no new admission or start from now on), cancel
+    /// every task that has not ended (queued and deferred ones at once; running and
+    /// indeterminate ones through a stop of the exact attempt), then retire the room, which
+    /// frees its place among the active rooms. While a stop is still unacknowledged the room
+    /// stays `disbanding`, and is retired as soon as nothing in it is unresolved (a call again
+    /// does it too). Idempotent: a disbanded room answers its view.
+    async fn disband(&self, room_id: &str) -> GatewayResult<Value> {
+        let clock = self.clock.clone();
+        let id = room_id.to_string();
+        let room = self
+            .db
+            .run(move |c| rooms::get_room(c, &id))
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| GatewayError::NotFound(format!("no room {room_id}")))?;
+        if room.disbanded_at.is_some() {
+            return Ok(disband_view(room, true));
+        }
+        let id = room_id.to_string();
+        self.db
+            .write(move |c| rooms::begin_disband(c, &id, clock.as_ref()))
+            .await
+            .map_err(store_error)?;
+        let id = room_id.to_string();
+        let open = self
+            .db
+            .run(move |c| room_tasks::list_tasks(c, &id, None))
+            .await
+            .map_err(store_error)?
+            .into_iter()
+            .filter(|t| {
+                !matches!(
+                    t.status,
+                    TaskStatus::Settled
+                        | TaskStatus::Failed
+                        | TaskStatus::Cancelled
+                        | TaskStatus::Stopping
+                )
+            });
+        for task in open {
+            if let Err(error) = self.runtime.cancel(&task.identity, DISBAND_CANCEL_ID).await {
+                tracing::warn!(
+                    room = %room_id, task = %task.identity.task_id, %error,
+                    "disband: cannot cancel the task yet"
+                );
+            }
+        }
+        let view = match self.complete_disband(room_id).await? {
+            Some(done) => done,
+            None => {
+                let service = self.clone();
+                let room = room_id.to_string();
+                actix::spawn(async move { service.finish_disband(&room).await });
+                let id = room_id.to_string();
+                self.db
+                    .run(move |c| rooms::get_room(c, &id))
+                    .await
+                    .map_err(store_error)?
+                    .ok_or_else(|| GatewayError::NotFound(format!("no room {room_id}")))?
+            }
+        };
+        self.runtime.wakeup();
+        tracing::info!(room = %room_id, disbanded = view.disbanded_at.is_some(), "room disband");
+        Ok(disband_view(view, false))
+    }
+
+    /// Retire a disbanding room if nothing in it is unresolved (`None` while something is).
+    async fn complete_disband(&self, room_id: &str) -> GatewayResult<Option<rooms::RoomView>> {
+        let (clock, id) = (self.clock.clone(), room_id.to_string());
+        match self
+            .db
+            .write(move |c| rooms::disband_room(c, &id, clock.as_ref()))
+            .await
+        {
+            Ok(view) => Ok(Some(view)),
+            Err(RoomStoreError::InvalidTransition(_)) => Ok(None),
+            Err(e) => Err(store_error(e)),
+        }
+    }
+
+    /// Retire a disbanding room once its stops resolve: checked every poll interval, for at most
+    /// a member turn's deadline and a lease's TTL (by then every stop has resolved or been
+    /// deferred), and not past the gateway's stop (a later `room.disband` finishes it).
+    async fn finish_disband(&self, room_id: &str) {
+        let config = self.runtime.config();
+        let every = std::time::Duration::from_secs_f64(config.poll_interval_seconds.min(1.0));
+        let give_up = tokio::time::Instant::now()
+            + std::time::Duration::from_secs_f64(
+                config.turn_timeout_seconds + config.lease_ttl_seconds,
+            );
+        while tokio::time::Instant::now() < give_up && self.runtime.status().running {
+            tokio::time::sleep(every).await;
+            match self.complete_disband(room_id).await {
+                Ok(Some(_)) => {
+                    tracing::info!(room = %room_id, "room disbanded");
+                    self.runtime.wakeup();
+                    return;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(room = %room_id, %error, "disband cannot complete");
+                    return;
+                }
+            }
         }
     }
 

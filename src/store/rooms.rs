@@ -702,6 +702,23 @@ mod tests {
             .is_empty());
     }
 
+    /// The active rooms are bounded, and a disbanded room no longer counts among them.
+    #[test]
+    fn a_disband_frees_a_place_among_the_active_rooms() {
+        let db = TestDb::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new(10.0);
+        for i in 0..MAX_ACTIVE_ROOMS {
+            create_room(&mut conn, &format!("r{i}"), "R", &members(), "gw-a", &clock).unwrap();
+        }
+        let err = create_room(&mut conn, "one-more", "R", &members(), "gw-a", &clock).unwrap_err();
+        assert!(matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("at most")));
+        begin_disband(&mut conn, "r7", &clock).unwrap();
+        assert!(create_room(&mut conn, "one-more", "R", &members(), "gw-a", &clock).is_err());
+        disband_room(&mut conn, "r7", &clock).unwrap();
+        create_room(&mut conn, "one-more", "R", &members(), "gw-a", &clock).unwrap();
+    }
+
     #[test]
     fn room_events_replay_idempotently() {
         let db = TestDb::new();

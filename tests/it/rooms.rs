@@ -563,3 +563,95 @@ async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
     let room = ws.ok("room.get", json!({"room_id": "busy"})).await;
     assert_eq!(room["task_counts"], json!({"settled": 2}), "{room}");
 }
+
+/// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
+fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(bin())
+        .args(args)
+        .arg("--home")
+        .arg(&home.path)
+        .output()
+        .expect("gatehouse");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// A disband cancels what has not ended (the parked attempt through a stop of that exact
+/// attempt, whose gated command never runs; queued work at once), retires the room and refuses
+/// new work in it, while another room goes on. The operator commands name their room and task.
+#[actix_rt::test]
+async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
+    let victim = Home::new();
+    let (model, home, d) = parking_rooms(&victim);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    ws.ok("room.admit", admit("park", "p3", "ops", "hello p3", 3))
+        .await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "other", "name": "O", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
+    .await;
+
+    // The operator cancels one queued task by name.
+    let (ok, out, err) = room_cli(&home, &["room-cancel", "park", "p2"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(out.trim(), "park p2 cancelled");
+    let (ok, _, err) = room_cli(&home, &["room-cancel", "park"]);
+    assert!(!ok && err.contains("usage"), "{err}");
+
+    let disbanding = ws.ok("room.disband", json!({"room_id": "park"})).await;
+    assert!(
+        matches!(
+            disbanding["state"].as_str(),
+            Some("disbanding" | "disbanded")
+        ),
+        "{disbanding}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let room = ws.ok("room.get", json!({"room_id": "park"})).await;
+        if room["disbanded_at"].is_number() {
+            assert_eq!(room["task_counts"], json!({"cancelled": 3}), "{room}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{room}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for task in ["p1", "p2", "p3"] {
+        assert_eq!(
+            task_status(&mut ws, "park", task).await,
+            "cancelled",
+            "{task}"
+        );
+    }
+    let again = ws.ok("room.disband", json!({"room_id": "park"})).await;
+    assert_eq!(again["state"], "disbanded");
+    assert_eq!(again["idempotent"], true);
+    ws.refused(
+        "room.admit",
+        admit("park", "p4", "ops", "hello p4", 4),
+        "not_found",
+    )
+    .await;
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+    assert_eq!(model.reached("hello p3"), 0, "cancelled work never ran");
+
+    // The other room still works; the operator retires it by name.
+    ws.ok("room.admit", admit("other", "o1", "ops", "hello o1", 1))
+        .await;
+    wait_status(&mut ws, "other", "o1", "settled").await;
+    let (ok, out, err) = room_cli(&home, &["room-disband", "other"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(out.trim(), "other disbanded");
+    let (ok, out, _) = room_cli(&home, &["rooms", "--json"]);
+    assert!(ok);
+    let rooms: Value = serde_json::from_str(&out).expect("rooms json");
+    assert_eq!(rooms["rooms"], json!([]), "{rooms}");
+}
