@@ -1444,6 +1444,63 @@ mod wal_restart_tests {
         assert_eq!(rows, (0..20).step_by(2).collect::<Vec<i64>>());
     }
 
+    /// When the writer cannot take a blocking caller's write (its queue full, or the writer
+    /// gone), the write runs as the writer would run it, in an immediate transaction of its own:
+    /// committed before the answer when it succeeds, undone when it fails, and not counted among
+    /// the writer's commits.
+    #[test]
+    fn a_write_the_writer_cannot_take_runs_in_a_transaction_of_its_own() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let pool = open_pool(&path, 4).expect("pool");
+        let db = actix_rt::System::new().block_on(async {
+            let mut db = Db::start(pool, 1);
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE t (v INTEGER NOT NULL)")?))
+                .await
+                .expect("table");
+            // A writer that takes nothing more: every write is refused by its queue.
+            let (closed, gone) = tokio::sync::mpsc::channel::<WriteJob>(1);
+            drop(gone);
+            db.writer = closed;
+            db
+        });
+        let before = db.commits();
+        let insert = |v: i64, fail: bool| {
+            move |c: &mut SqliteConnection| {
+                write_tx(c, |c| {
+                    diesel::sql_query(format!("INSERT INTO t (v) VALUES ({v})")).execute(c)?;
+                    if fail {
+                        return Err(StoreError::Other(format!("refused {v}")));
+                    }
+                    Ok(v)
+                })
+            }
+        };
+        let written = std::thread::spawn({
+            let db = db.clone();
+            move || {
+                (
+                    db.write_blocking(insert(1, false)),
+                    db.write_blocking(insert(2, true)),
+                )
+            }
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(written.0.expect("committed"), 1);
+        assert!(matches!(written.1, Err(StoreError::Other(ref m)) if m == "refused 2"));
+        assert_eq!(db.commits(), before);
+        // What another connection reads: the committed write, and nothing of the failed one.
+        let mut other =
+            <SqliteConnection as diesel::Connection>::establish(&path.to_string_lossy())
+                .expect("open");
+        let rows: Vec<testing::Count> = diesel::sql_query("SELECT v AS n FROM t ORDER BY v")
+            .load(&mut other)
+            .expect("rows");
+        assert_eq!(rows.into_iter().map(|r| r.n).collect::<Vec<_>>(), vec![1]);
+    }
+
     /// The checkpointer syncs the database file after a round that copied frames (the restart's
     /// sync is then short), and not in rounds that found nothing to copy.
     #[test]
