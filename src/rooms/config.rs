@@ -53,27 +53,28 @@ impl Default for RoomsConfig {
 
 const MAX_CONCURRENT_ROOMS_MESSAGE: &str = "max_concurrent_rooms must be a positive integer";
 
-fn positive_integer<'de, D: Deserializer<'de>>(deserializer: D) -> Result<usize, D::Error> {
+/// A positive integer of type `T`, else `message`: booleans, floats, strings and negatives
+/// are not positive integers.
+fn positive<'de, D: Deserializer<'de>, T: TryFrom<u64>>(
+    deserializer: D,
+    message: &'static str,
+) -> Result<T, D::Error> {
     let value = serde_json::Value::deserialize(deserializer)?;
-    match value.as_u64() {
-        // booleans, floats, strings and negatives are not positive integers
-        Some(n) if n >= 1 && !value.is_boolean() => {
-            usize::try_from(n).map_err(|_| serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE))
-        }
-        _ => Err(serde::de::Error::custom(MAX_CONCURRENT_ROOMS_MESSAGE)),
-    }
+    value
+        .as_u64()
+        .filter(|n| *n >= 1 && !value.is_boolean())
+        .and_then(|n| T::try_from(n).ok())
+        .ok_or_else(|| serde::de::Error::custom(message))
+}
+
+fn positive_integer<'de, D: Deserializer<'de>>(deserializer: D) -> Result<usize, D::Error> {
+    positive(deserializer, MAX_CONCURRENT_ROOMS_MESSAGE)
 }
 
 const MAX_ENDED_TASKS_MESSAGE: &str = "max_ended_tasks_per_room must be a positive integer";
 
 fn positive_count<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
-    let value = serde_json::Value::deserialize(deserializer)?;
-    match value.as_u64() {
-        Some(n) if n >= 1 && !value.is_boolean() => {
-            i64::try_from(n).map_err(|_| serde::de::Error::custom(MAX_ENDED_TASKS_MESSAGE))
-        }
-        _ => Err(serde::de::Error::custom(MAX_ENDED_TASKS_MESSAGE)),
-    }
+    positive(deserializer, MAX_ENDED_TASKS_MESSAGE)
 }
 
 /// A configuration value that is out of range.

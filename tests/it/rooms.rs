@@ -46,26 +46,7 @@ fn admit(room: &str, task: &str, profile: &str, prompt: &str, seq: i64) -> Value
 #[actix_rt::test]
 async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
     let victim = Home::new();
-    std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
-    let command = format!("rm -rf -- {}", victim.path.join("keep").display());
-    let cmd = command.clone();
-    let model = FakeModel::start(move |body| {
-        let last_is_user = body["messages"]
-            .as_array()
-            .and_then(|m| m.last())
-            .is_some_and(|m| m["role"] == "user");
-        if last_is_user && last_user(body).starts_with("PARK") {
-            Reply::Message(
-                tool_call("call_rm", "terminal", json!({"command": cmd})),
-                "tool_calls",
-            )
-        } else {
-            Reply::Message(
-                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
-                "stop",
-            )
-        }
-    });
+    let model = parking_model(&victim);
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -362,13 +343,13 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
     );
 }
 
-/// A daemon whose `ops` member parks every `PARK` prompt on an approval (a command that would
-/// delete `victim/keep`) and answers anything else with `ACK_<message>`; the room lease is long
-/// (a restart that had to wait it out would show).
-fn parking_rooms(victim: &Home) -> (FakeModel, Home, Daemon) {
+/// A model that answers a `PARK…` user message with a `terminal` call of a dangerous command
+/// (which would delete `victim/keep`: its member parks on the approval) and anything else with
+/// `ACK_<message>`.
+fn parking_model(victim: &Home) -> FakeModel {
     std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
     let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
-    let model = FakeModel::start(move |body| {
+    FakeModel::start(move |body| {
         let last_is_user = body["messages"]
             .as_array()
             .and_then(|m| m.last())
@@ -384,7 +365,13 @@ fn parking_rooms(victim: &Home) -> (FakeModel, Home, Daemon) {
                 "stop",
             )
         }
-    });
+    })
+}
+
+/// A daemon whose `ops` member runs on [`parking_model`]; the room lease is long (a restart
+/// that had to wait it out would show).
+fn parking_rooms(victim: &Home) -> (FakeModel, Home, Daemon) {
+    let model = parking_model(victim);
     let home = Home::new();
     home.write_config(&config(
         &model.url,
