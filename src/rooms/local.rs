@@ -333,6 +333,27 @@ impl SessionPort for LocalSessionPort {
         })
     }
 
+    /// The attempt's ledger row, if it has ended: what it ended as, with its result.
+    fn ended_attempt(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+        Box::pin(async move {
+            let id = session.session_id.clone();
+            let input_id = input_id(&task.room_id, &task.task_id, generation);
+            let row = self
+                .authority
+                .shared
+                .db
+                .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(row.filter(|row| row.is_terminal()).as_ref().map(receipt_of))
+        })
+    }
+
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo> {
         Box::pin(async move {
             // What the supervisor holds in memory (no read of the running row: an observer

@@ -225,6 +225,19 @@ pub trait SessionPort: Send + Sync {
             Ok(exact_receipt(&history, &task.task_id, generation))
         })
     }
+    /// How exactly this attempt ended (settled, failed, cancelled or interrupted), for a port
+    /// that reads it from the member's own ledger, whole and cheaply: what recovery uses to
+    /// resolve an abandoned local attempt at once instead of deferring it. The default knows
+    /// nothing (`None`), so a port without such a ledger recovers as the contract says (live
+    /// probes, then deferral).
+    fn ended_attempt(
+        &self,
+        _session: SessionRef,
+        _task: TaskIdentity,
+        _generation: i64,
+    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+        Box::pin(async { Ok(None) })
+    }
     /// Live session information.
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo>;
     /// Interrupt the current turn if it is the expected task. `None` means no acknowledgement.

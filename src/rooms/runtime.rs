@@ -715,6 +715,47 @@ impl RoomRuntime {
         );
         let room_id = identity.room_id.clone();
         if task.status == TaskStatus::Deferred {
+            // A local attempt that completed after all (its member's unknown turn resolved, say)
+            // is settled with its result, never run again.
+            let port = self.transport(&binding, &task)?;
+            if !port.is_peer() {
+                let probe = {
+                    let _guard = self
+                        .inner
+                        .locks
+                        .lock(task.payload.target_profile.clone())
+                        .await;
+                    self.live_probe(&binding, port.as_ref(), &task).await?
+                };
+                if let Some(ended) = probe.ended.filter(|e| e.status == "settled") {
+                    let settlement = crate::rooms::supervisor::settlement_from_ended(
+                        ended,
+                        &identity.task_id,
+                        exec,
+                    );
+                    let view = self
+                        .inner
+                        .db
+                        .write(move |c| {
+                            crate::store::room_tasks::resolve_deferred_completion(
+                                c,
+                                &id,
+                                &lease,
+                                exec,
+                                cancel,
+                                &settlement,
+                                clock.as_ref(),
+                            )
+                        })
+                        .await?;
+                    if !view.idempotent {
+                        self.inner.hooks.publish_terminal(&binding, &view);
+                    }
+                    self.state().blocked.remove(&room_id);
+                    self.wakeup();
+                    return Ok(view);
+                }
+            }
             let view = self
                 .inner
                 .db

@@ -34,6 +34,8 @@ pub const MEMBER_UNAVAILABLE: &str = "member_unavailable";
 pub(crate) struct Probe {
     pub receipt: Option<HistoryMessage>,
     pub info: Option<SessionInfo>,
+    /// How the attempt ended, from the member's own ledger ([`SessionPort::ended_attempt`]).
+    pub ended: Option<TerminalReceipt>,
 }
 
 impl Probe {
@@ -111,6 +113,19 @@ fn settlement_from_receipt(
             receipt.error.as_deref(),
         ),
     }
+}
+
+/// The settlement of an attempt that ended as `ended` says (an interrupted or cancelled one
+/// fails, and says so when its receipt does not).
+pub(crate) fn settlement_from_ended(
+    mut ended: TerminalReceipt,
+    task_id: &str,
+    generation: i64,
+) -> Settlement {
+    if ended.status != "settled" && ended.error.as_deref().is_none_or(str::is_empty) {
+        ended.error = Some(format!("the member's turn was {}", ended.status));
+    }
+    settlement_from_receipt(&ended, task_id, generation)
 }
 
 /// A room's tasks counted by status.
@@ -486,7 +501,7 @@ impl RoomRuntime {
     }
 
     /// Live probe of a local session: resolve and info only (no resume, no history, no submit).
-    async fn live_probe(
+    pub(crate) async fn live_probe(
         &self,
         binding: &RoomBinding,
         port: &dyn SessionPort,
@@ -505,10 +520,75 @@ impl RoomRuntime {
             .info(Self::session_ref(profile, &found.session_id))
             .await?;
         self.report_pending(binding, task, &found.session_id, &info);
+        let ended = if info.active {
+            None
+        } else {
+            port.ended_attempt(
+                Self::session_ref(profile, &found.session_id),
+                task.identity.clone(),
+                task.execution_generation,
+            )
+            .await?
+        };
         Ok(Probe {
             receipt: None,
             info: Some(info),
+            ended,
         })
+    }
+
+    /// Resolve an indeterminate attempt from how its member's ledger says it ended: settled or
+    /// failed with its result; a cancelled one cancelled; an interrupted one failed, with why.
+    async fn resolve_ended(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+        ended: TerminalReceipt,
+    ) -> Result<TaskView, RoomStoreError> {
+        let (id, current, clock) = (
+            task.identity.clone(),
+            lease.clone(),
+            self.inner.clock.clone(),
+        );
+        let (generation, cancel) = (task.execution_generation, task.cancel_generation);
+        let view = if ended.status == "cancelled" {
+            let cancel_id = format!("member-cancel:{generation}");
+            self.inner
+                .db
+                .write(move |c| {
+                    resolve_indeterminate_cancellation(
+                        c,
+                        &id,
+                        &current,
+                        generation,
+                        cancel,
+                        &cancel_id,
+                        clock.as_ref(),
+                    )
+                })
+                .await?
+        } else {
+            let settlement = settlement_from_ended(ended, &id.task_id, generation);
+            self.inner
+                .db
+                .write(move |c| {
+                    resolve_indeterminate_task(
+                        c,
+                        &id,
+                        &current,
+                        generation,
+                        cancel,
+                        &settlement,
+                        clock.as_ref(),
+                    )
+                })
+                .await?
+        };
+        if !view.idempotent {
+            self.inner.hooks.publish_terminal(binding, &view);
+        }
+        Ok(view)
     }
 
     /// Full probe: resolve, resume, then history and info on the resumed session.
@@ -534,6 +614,7 @@ impl RoomRuntime {
         Ok(Probe {
             receipt,
             info: Some(info),
+            ended: None,
         })
     }
 
@@ -579,6 +660,12 @@ impl RoomRuntime {
                     Ok(probe) if probe.active_for(&id.task_id) => {
                         self.state().blocked.insert(binding.room_id.clone());
                         return Ok(true);
+                    }
+                    Ok(Probe {
+                        ended: Some(ended), ..
+                    }) => {
+                        self.resolve_ended(binding, lease, &task, ended).await?;
+                        continue;
                     }
                     Ok(_) => {}
                     Err(error) => self.set_error(format!(
@@ -1332,12 +1419,7 @@ impl RoomRuntime {
     fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
         let task_id = &attempt.identity.task_id;
         let committed = if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
-            let mut receipt = receipt;
-            if receipt.error.as_deref().is_none_or(str::is_empty) {
-                receipt.error = Some(format!("the member's turn was {}", receipt.status));
-            }
-            let settlement =
-                settlement_from_receipt(&receipt, task_id, attempt.execution_generation);
+            let settlement = settlement_from_ended(receipt, task_id, attempt.execution_generation);
             self.commit_stopped_elsewhere(binding, attempt, settlement)
         } else {
             let settlement =

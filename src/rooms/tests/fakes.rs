@@ -208,6 +208,8 @@ pub struct FakeSessionRpc {
     /// Records `resolve_exact` times on this clock.
     pub probe_clock: Option<SharedClock>,
     pub resolve_times: Mutex<Vec<f64>>,
+    /// What `ended_attempt` reads, by task id (a member's own ledger; empty: a port without one).
+    pub ledger: Mutex<HashMap<String, TerminalReceipt>>,
 }
 
 impl FakeSessionRpc {
@@ -443,6 +445,19 @@ impl SessionPort for FakeSessionRpc {
             Some(state) => Ok(state.history.clone()),
             None => Err(PortError::new("unknown session")),
         })
+    }
+
+    fn ended_attempt(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+        self.record(
+            "ended_attempt",
+            json!({"session_id": session.session_id, "task_id": task.task_id, "generation": generation}),
+        );
+        ready(Ok(lock(&self.ledger).get(&task.task_id).cloned()))
     }
 
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo> {

@@ -1454,3 +1454,105 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     assert!(runtime.stop(STOP).await);
     assert_eq!(runtime.status().lease_losses, 0);
 }
+
+/// An abandoned local attempt whose member's ledger says how it ended is resolved from that
+/// ledger at the first pass of its new holder (no defer wait, no history, no resubmission):
+/// settled with its result, and an interrupted one failed, saying so.
+#[tokio::test]
+async fn an_abandoned_local_attempt_is_resolved_from_its_members_ledger() {
+    for (ended, want) in [
+        ("settled", TaskStatus::Settled),
+        ("interrupted", TaskStatus::Failed),
+    ] {
+        let db = db();
+        let clock = ManualClock::new(100.0);
+        let id = identity("task-1");
+        admit_to(
+            &db,
+            &id,
+            PROFILE,
+            "Inspect the release candidate.",
+            1,
+            &clock,
+        );
+        start_old_attempt(&db, &id, 0.2, &clock);
+        let rpc = rpc(false);
+        rpc.add_session(false, Some("task-1"), Vec::new());
+        lock(&rpc.ledger).insert(
+            "task-1".into(),
+            crate::rooms::port::TerminalReceipt {
+                status: ended.into(),
+                settlement_id: Some("adm-1".into()),
+                message_id: Some("adm-1".into()),
+                text: (ended == "settled").then(|| "Recovered.".to_string()),
+                error: None,
+            },
+        );
+        clock.set(101.0);
+        let mut spec = Spec::new(&rpc).manual(&clock);
+        spec.config.indeterminate_defer_seconds = 60.0;
+        let runtime = spec.build(&db);
+        runtime.process_room(&binding()).await;
+        let resolved = task(&db, &id);
+        assert_eq!(resolved.status, want, "{ended}");
+        let result = resolved.result.expect("result").to_string();
+        if ended == "settled" {
+            assert!(result.contains("Recovered."), "{result}");
+        } else {
+            assert!(
+                result.contains("the member's turn was interrupted"),
+                "{result}"
+            );
+        }
+        assert!(rpc.count("ended_attempt") >= 1);
+        assert_eq!(rpc.count("history"), 0);
+        assert_eq!(rpc.count("submit"), 0);
+    }
+}
+
+/// A retry of a deferred local attempt that its member completed after all settles it with the
+/// result instead of running it again.
+#[tokio::test]
+async fn a_retry_of_a_deferred_attempt_that_completed_settles_it() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 0.2, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(false, Some("task-1"), Vec::new());
+    clock.set(101.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.indeterminate_defer_seconds = 0.5;
+    let runtime = spec.build(&db);
+    runtime.process_room(&binding()).await;
+    clock.set(102.0);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Deferred);
+    // The member's unknown turn is resolved meanwhile: it had completed.
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        crate::rooms::port::TerminalReceipt {
+            status: "settled".into(),
+            settlement_id: Some("adm-1".into()),
+            message_id: Some("adm-1".into()),
+            text: Some("Done after all.".into()),
+            error: None,
+        },
+    );
+    let view = runtime.retry_indeterminate(&id).await.expect("retry");
+    assert_eq!(view.status, TaskStatus::Settled);
+    assert!(view
+        .result
+        .expect("result")
+        .to_string()
+        .contains("Done after all."));
+    assert_eq!(rpc.count("submit"), 0);
+}
