@@ -30,6 +30,25 @@ pub struct LocalSessionPort {
 }
 
 impl LocalSessionPort {
+    /// The ledger row of exactly this attempt (its input id), if it has ended.
+    async fn ended_row(
+        &self,
+        session: &SessionRef,
+        task: &TaskIdentity,
+        generation: i64,
+    ) -> Result<Option<AdmissionRow>, PortError> {
+        let id = session.session_id.clone();
+        let input_id = input_id(&task.room_id, &task.task_id, generation);
+        let row = self
+            .authority
+            .shared
+            .db
+            .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
+            .await
+            .map_err(|e| port_err(e.into()))?;
+        Ok(row.filter(|row| row.is_terminal()))
+    }
+
     pub fn new(authority: Authority, poll: Duration) -> Self {
         Self { authority, poll }
     }
@@ -317,19 +336,8 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<HistoryMessage>> {
         Box::pin(async move {
-            let id = session.session_id.clone();
-            let input_id = input_id(&task.room_id, &task.task_id, generation);
-            let row = self
-                .authority
-                .shared
-                .db
-                .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
-                .await
-                .map_err(|e| port_err(e.into()))?;
-            Ok(row
-                .filter(|row| row.is_terminal())
-                .as_ref()
-                .and_then(history_message))
+            let row = self.ended_row(&session, &task, generation).await?;
+            Ok(row.as_ref().and_then(history_message))
         })
     }
 
@@ -341,16 +349,8 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<TerminalReceipt>> {
         Box::pin(async move {
-            let id = session.session_id.clone();
-            let input_id = input_id(&task.room_id, &task.task_id, generation);
-            let row = self
-                .authority
-                .shared
-                .db
-                .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
-                .await
-                .map_err(|e| port_err(e.into()))?;
-            Ok(row.filter(|row| row.is_terminal()).as_ref().map(receipt_of))
+            let row = self.ended_row(&session, &task, generation).await?;
+            Ok(row.as_ref().map(receipt_of))
         })
     }
 

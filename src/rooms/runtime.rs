@@ -719,38 +719,11 @@ impl RoomRuntime {
             // is settled with its result, never run again.
             let port = self.transport(&binding, &task)?;
             if !port.is_peer() {
-                let probe = {
-                    let _guard = self
-                        .inner
-                        .locks
-                        .lock(task.payload.target_profile.clone())
-                        .await;
-                    self.live_probe(&binding, port.as_ref(), &task).await?
-                };
+                let probe = self
+                    .locked_probe(&binding, port.as_ref(), &task, false)
+                    .await?;
                 if let Some(ended) = probe.ended.filter(|e| e.status == "settled") {
-                    let settlement = crate::rooms::supervisor::settlement_from_ended(
-                        ended,
-                        &identity.task_id,
-                        exec,
-                    );
-                    let view = self
-                        .inner
-                        .db
-                        .write(move |c| {
-                            crate::store::room_tasks::resolve_deferred_completion(
-                                c,
-                                &id,
-                                &lease,
-                                exec,
-                                cancel,
-                                &settlement,
-                                clock.as_ref(),
-                            )
-                        })
-                        .await?;
-                    if !view.idempotent {
-                        self.inner.hooks.publish_terminal(&binding, &view);
-                    }
+                    let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
                     self.state().blocked.remove(&room_id);
                     self.wakeup();
                     return Ok(view);
@@ -766,14 +739,9 @@ impl RoomRuntime {
             return Ok(view);
         }
         let port = self.transport(&binding, &task)?;
-        let probe = {
-            let _guard = self
-                .inner
-                .locks
-                .lock(task.payload.target_profile.clone())
-                .await;
-            self.full_probe(&binding, port.as_ref(), &task).await?
-        };
+        let probe = self
+            .locked_probe(&binding, port.as_ref(), &task, true)
+            .await?;
         if let Some(settlement) = probe
             .receipt
             .as_ref()

@@ -117,11 +117,7 @@ fn settlement_from_receipt(
 
 /// The settlement of an attempt that ended as `ended` says (an interrupted or cancelled one
 /// fails, and says so when its receipt does not).
-pub(crate) fn settlement_from_ended(
-    mut ended: TerminalReceipt,
-    task_id: &str,
-    generation: i64,
-) -> Settlement {
+fn settlement_from_ended(mut ended: TerminalReceipt, task_id: &str, generation: i64) -> Settlement {
     if ended.status != "settled" && ended.error.as_deref().is_none_or(str::is_empty) {
         ended.error = Some(format!("the member's turn was {}", ended.status));
     }
@@ -501,7 +497,7 @@ impl RoomRuntime {
     }
 
     /// Live probe of a local session: resolve and info only (no resume, no history, no submit).
-    pub(crate) async fn live_probe(
+    async fn live_probe(
         &self,
         binding: &RoomBinding,
         port: &dyn SessionPort,
@@ -537,9 +533,31 @@ impl RoomRuntime {
         })
     }
 
+    /// A probe of the task's member under its turn lock: [`Self::full_probe`] if `full`, else
+    /// [`Self::live_probe`].
+    pub(crate) async fn locked_probe(
+        &self,
+        binding: &RoomBinding,
+        port: &dyn SessionPort,
+        task: &TaskView,
+        full: bool,
+    ) -> Result<Probe, PortError> {
+        let _guard = self
+            .inner
+            .locks
+            .lock(task.payload.target_profile.clone())
+            .await;
+        if full {
+            self.full_probe(binding, port, task).await
+        } else {
+            self.live_probe(binding, port, task).await
+        }
+    }
+
     /// Resolve an indeterminate attempt from how its member's ledger says it ended: settled or
     /// failed with its result; a cancelled one cancelled; an interrupted one failed, with why.
-    async fn resolve_ended(
+    /// A deferred attempt resolves only as settled (anything else is the operator's to retry).
+    pub(crate) async fn resolve_ended(
         &self,
         binding: &RoomBinding,
         lease: &Lease,
@@ -552,7 +570,7 @@ impl RoomRuntime {
             self.inner.clock.clone(),
         );
         let (generation, cancel) = (task.execution_generation, task.cancel_generation);
-        let view = if ended.status == "cancelled" {
+        let view = if ended.status == "cancelled" && task.status != TaskStatus::Deferred {
             let cancel_id = format!("member-cancel:{generation}");
             self.inner
                 .db
@@ -569,11 +587,16 @@ impl RoomRuntime {
                 })
                 .await?
         } else {
+            let resolve = if task.status == TaskStatus::Deferred {
+                crate::store::room_tasks::resolve_deferred_completion
+            } else {
+                resolve_indeterminate_task
+            };
             let settlement = settlement_from_ended(ended, &id.task_id, generation);
             self.inner
                 .db
                 .write(move |c| {
-                    resolve_indeterminate_task(
+                    resolve(
                         c,
                         &id,
                         &current,
@@ -647,14 +670,9 @@ impl RoomRuntime {
             };
             let inspected = self.state().inspected.contains(&key);
             if !port.is_peer() && !inspected {
-                let probe = {
-                    let _guard = self
-                        .inner
-                        .locks
-                        .lock(task.payload.target_profile.clone())
-                        .await;
-                    self.live_probe(binding, port.as_ref(), &task).await
-                };
+                let probe = self
+                    .locked_probe(binding, port.as_ref(), &task, false)
+                    .await;
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) if probe.active_for(&id.task_id) => {
@@ -677,14 +695,7 @@ impl RoomRuntime {
             let since = task.indeterminate_at.unwrap_or(task.updated_at);
             let deadline = since + self.inner.config.indeterminate_defer_seconds;
             if port.is_peer() && (!inspected || self.now() >= deadline) {
-                let probe = {
-                    let _guard = self
-                        .inner
-                        .locks
-                        .lock(task.payload.target_profile.clone())
-                        .await;
-                    self.full_probe(binding, port.as_ref(), &task).await
-                };
+                let probe = self.locked_probe(binding, port.as_ref(), &task, true).await;
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) => {

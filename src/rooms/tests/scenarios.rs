@@ -1455,6 +1455,52 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     assert_eq!(runtime.status().lease_losses, 0);
 }
 
+/// A task whose attempt an old process started and abandoned, its member idle, and a runtime
+/// of a new process (its clock a second later) that defers after `defer` seconds.
+fn abandoned_local_attempt(
+    defer: f64,
+) -> (
+    TestDb,
+    ManualClock,
+    TaskIdentity,
+    Arc<FakeSessionRpc>,
+    crate::rooms::RoomRuntime,
+) {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    start_old_attempt(&db, &id, 0.2, &clock);
+    let rpc = rpc(false);
+    rpc.add_session(false, Some("task-1"), Vec::new());
+    clock.set(101.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.indeterminate_defer_seconds = defer;
+    let runtime = spec.build(&db);
+    (db, clock, id, rpc, runtime)
+}
+
+/// What the member's ledger says of `task-1`: it ended as `status`.
+fn ledger_says(rpc: &FakeSessionRpc, status: &str, text: Option<&str>) {
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        crate::rooms::port::TerminalReceipt {
+            status: status.into(),
+            settlement_id: Some("adm-1".into()),
+            message_id: Some("adm-1".into()),
+            text: text.map(str::to_string),
+            error: None,
+        },
+    );
+}
+
 /// An abandoned local attempt whose member's ledger says how it ended is resolved from that
 /// ledger at the first pass of its new holder (no defer wait, no history, no resubmission):
 /// settled with its result, and an interrupted one failed, saying so.
@@ -1464,34 +1510,8 @@ async fn an_abandoned_local_attempt_is_resolved_from_its_members_ledger() {
         ("settled", TaskStatus::Settled),
         ("interrupted", TaskStatus::Failed),
     ] {
-        let db = db();
-        let clock = ManualClock::new(100.0);
-        let id = identity("task-1");
-        admit_to(
-            &db,
-            &id,
-            PROFILE,
-            "Inspect the release candidate.",
-            1,
-            &clock,
-        );
-        start_old_attempt(&db, &id, 0.2, &clock);
-        let rpc = rpc(false);
-        rpc.add_session(false, Some("task-1"), Vec::new());
-        lock(&rpc.ledger).insert(
-            "task-1".into(),
-            crate::rooms::port::TerminalReceipt {
-                status: ended.into(),
-                settlement_id: Some("adm-1".into()),
-                message_id: Some("adm-1".into()),
-                text: (ended == "settled").then(|| "Recovered.".to_string()),
-                error: None,
-            },
-        );
-        clock.set(101.0);
-        let mut spec = Spec::new(&rpc).manual(&clock);
-        spec.config.indeterminate_defer_seconds = 60.0;
-        let runtime = spec.build(&db);
+        let (db, _clock, id, rpc, runtime) = abandoned_local_attempt(60.0);
+        ledger_says(&rpc, ended, (ended == "settled").then_some("Recovered."));
         runtime.process_room(&binding()).await;
         let resolved = task(&db, &id);
         assert_eq!(resolved.status, want, "{ended}");
@@ -1514,39 +1534,13 @@ async fn an_abandoned_local_attempt_is_resolved_from_its_members_ledger() {
 /// result instead of running it again.
 #[tokio::test]
 async fn a_retry_of_a_deferred_attempt_that_completed_settles_it() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    start_old_attempt(&db, &id, 0.2, &clock);
-    let rpc = rpc(false);
-    rpc.add_session(false, Some("task-1"), Vec::new());
-    clock.set(101.0);
-    let mut spec = Spec::new(&rpc).manual(&clock);
-    spec.config.indeterminate_defer_seconds = 0.5;
-    let runtime = spec.build(&db);
+    let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
     runtime.process_room(&binding()).await;
     clock.set(102.0);
     runtime.process_room(&binding()).await;
     assert_eq!(status(&db, &id), TaskStatus::Deferred);
     // The member's unknown turn is resolved meanwhile: it had completed.
-    lock(&rpc.ledger).insert(
-        "task-1".into(),
-        crate::rooms::port::TerminalReceipt {
-            status: "settled".into(),
-            settlement_id: Some("adm-1".into()),
-            message_id: Some("adm-1".into()),
-            text: Some("Done after all.".into()),
-            error: None,
-        },
-    );
+    ledger_says(&rpc, "settled", Some("Done after all."));
     let view = runtime.retry_indeterminate(&id).await.expect("retry");
     assert_eq!(view.status, TaskStatus::Settled);
     assert!(view
