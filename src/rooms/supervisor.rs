@@ -669,7 +669,11 @@ impl RoomRuntime {
                 }
             };
             let inspected = self.state().inspected.contains(&key);
-            if !port.is_peer() && !inspected {
+            // A local member is probed on every pass (a few reads of this process's own state):
+            // while it still runs the attempt the room waits, and once its ledger says how the
+            // attempt ended (an operator resolved its `unknown` turn, say) the task resolves so,
+            // without waiting out the defer.
+            if !port.is_peer() {
                 let probe = self
                     .locked_probe(binding, port.as_ref(), &task, false)
                     .await;

@@ -370,14 +370,14 @@ fn parking_model(victim: &Home) -> FakeModel {
 
 /// A daemon whose `ops` member runs on [`parking_model`]; the room lease is long (a restart
 /// that had to wait it out would show).
-fn parking_rooms(victim: &Home) -> (FakeModel, Home, Daemon) {
+fn parking_rooms(victim: &Home, defer_seconds: f64) -> (FakeModel, Home, Daemon) {
     let model = parking_model(victim);
     let home = Home::new();
     home.write_config(&config(
         &model.url,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"lease_ttl_seconds": 300, "indeterminate_defer_seconds": 1,
+            "rooms": {"lease_ttl_seconds": 300, "indeterminate_defer_seconds": defer_seconds,
                       "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05},
         }),
     ));
@@ -422,7 +422,7 @@ fn lease_of(home: &Home, room: &str) -> (Option<f64>, String) {
 #[actix_rt::test]
 async fn a_graceful_restart_fails_the_interrupted_room_task_and_runs_the_next_at_once() {
     let victim = Home::new();
-    let (model, home, mut d) = parking_rooms(&victim);
+    let (model, home, mut d) = parking_rooms(&victim, 1.0);
     let mut ws = d.ws().await;
     park_a_task(&mut ws).await;
     drop(ws);
@@ -470,7 +470,7 @@ async fn a_graceful_restart_fails_the_interrupted_room_task_and_runs_the_next_at
 #[actix_rt::test]
 async fn a_boot_after_a_crash_takes_the_room_over_without_waiting_out_the_lease() {
     let victim = Home::new();
-    let (model, home, mut d) = parking_rooms(&victim);
+    let (model, home, mut d) = parking_rooms(&victim, 1.0);
     let mut ws = d.ws().await;
     park_a_task(&mut ws).await;
     drop(ws);
@@ -551,6 +551,55 @@ async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
     assert_eq!(room["task_counts"], json!({"settled": 2}), "{room}");
 }
 
+/// After a crash, the member's parked turn is `unknown` and holds its session until the operator
+/// resolves it; the room's task waits for it (indeterminate, never resubmitted), and once the
+/// operator has resolved it the room reads how it ended from the member's ledger: the task fails
+/// as interrupted and the room's next task runs, with no retry and no defer wait.
+#[actix_rt::test]
+async fn after_a_crash_the_operators_resolution_of_the_members_turn_frees_the_room() {
+    let victim = Home::new();
+    let (model, home, mut d) = parking_rooms(&victim, 300.0);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    drop(ws);
+    d.kill();
+
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+    assert_eq!(task_status(&mut ws, "park", "p2").await, "queued");
+    let resolved = control(
+        &home.path,
+        "resolve-unknown",
+        json!({"session_id": unknown.target_session_id, "admission_id": unknown.admission_id}),
+    )
+    .expect("resolve");
+    assert_eq!(resolved["outcome"], "interrupted", "{resolved}");
+
+    wait_status(&mut ws, "park", "p2", "settled").await;
+    let p1 = room_tasks(&mut ws, "park")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "p1")
+        .expect("p1");
+    assert_eq!(p1["status"], "failed", "{p1}");
+    assert!(p1.to_string().contains("interrupted"), "{p1}");
+    assert_eq!(
+        model.reached("PARK now"),
+        1,
+        "the abandoned attempt never ran again"
+    );
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
@@ -572,7 +621,7 @@ fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
 #[actix_rt::test]
 async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
     let victim = Home::new();
-    let (model, home, d) = parking_rooms(&victim);
+    let (model, home, d) = parking_rooms(&victim, 1.0);
     let mut ws = d.ws().await;
     park_a_task(&mut ws).await;
     ws.ok("room.admit", admit("park", "p3", "ops", "hello p3", 3))
