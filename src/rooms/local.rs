@@ -10,8 +10,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::port::{
-    HistoryMessage, InterruptReply, InterruptRequest, PortError, PortFuture, SessionAddress,
-    SessionHandle, SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalReceipt,
+    HistoryMessage, InterruptReply, InterruptRequest, LedgerAttempt, PortError, PortFuture,
+    SessionAddress, SessionHandle, SessionInfo, SessionPort, SessionRef, SubmitRequest,
+    TerminalReceipt,
 };
 use crate::api::rpc::{session_id_for, Authority, Caller};
 use crate::error::GatewayError;
@@ -30,8 +31,8 @@ pub struct LocalSessionPort {
 }
 
 impl LocalSessionPort {
-    /// The ledger row of exactly this attempt (its input id), if it has ended.
-    async fn ended_row(
+    /// The ledger row of exactly this attempt (its input id).
+    async fn attempt_row(
         &self,
         session: &SessionRef,
         task: &TaskIdentity,
@@ -39,14 +40,12 @@ impl LocalSessionPort {
     ) -> Result<Option<AdmissionRow>, PortError> {
         let id = session.session_id.clone();
         let input_id = input_id(&task.room_id, &task.task_id, generation);
-        let row = self
-            .authority
+        self.authority
             .shared
             .db
             .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
             .await
-            .map_err(|e| port_err(e.into()))?;
-        Ok(row.filter(|row| row.is_terminal()))
+            .map_err(|e| port_err(e.into()))
     }
 
     pub fn new(authority: Authority, poll: Duration) -> Self {
@@ -336,21 +335,32 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<HistoryMessage>> {
         Box::pin(async move {
-            let row = self.ended_row(&session, &task, generation).await?;
-            Ok(row.as_ref().and_then(history_message))
+            let row = self.attempt_row(&session, &task, generation).await?;
+            Ok(row
+                .filter(|row| row.is_terminal())
+                .as_ref()
+                .and_then(history_message))
         })
     }
 
-    /// The attempt's ledger row, if it has ended: what it ended as, with its result.
-    fn ended_attempt(
+    /// The attempt's ledger row: how it ended, with its result, or that it is `unknown`.
+    fn ledger_attempt(
         &self,
         session: SessionRef,
         task: TaskIdentity,
         generation: i64,
-    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async move {
-            let row = self.ended_row(&session, &task, generation).await?;
-            Ok(row.as_ref().map(receipt_of))
+            let row = self.attempt_row(&session, &task, generation).await?;
+            Ok(row.and_then(|row| {
+                if row.is_terminal() {
+                    Some(LedgerAttempt::Ended(receipt_of(&row)))
+                } else if row.status == "unknown" {
+                    Some(LedgerAttempt::Unresolved)
+                } else {
+                    None
+                }
+            }))
         })
     }
 

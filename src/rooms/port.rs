@@ -225,17 +225,17 @@ pub trait SessionPort: Send + Sync {
             Ok(exact_receipt(&history, &task.task_id, generation))
         })
     }
-    /// How exactly this attempt ended (settled, failed, cancelled or interrupted), for a port
-    /// that reads it from the member's own ledger, whole and cheaply: what recovery uses to
-    /// resolve an abandoned local attempt at once instead of deferring it. The default knows
-    /// nothing (`None`), so a port without such a ledger recovers as the contract says (live
-    /// probes, then deferral).
-    fn ended_attempt(
+    /// What the member's own ledger says of exactly this attempt, for a port that reads it
+    /// whole and cheaply: what recovery uses to resolve an abandoned local attempt at once, or
+    /// to hold its room while the member's operator has still to resolve it, instead of
+    /// deferring it. The default knows nothing (`None`), so a port without such a ledger
+    /// recovers as the contract says (live probes, then deferral).
+    fn ledger_attempt(
         &self,
         _session: SessionRef,
         _task: TaskIdentity,
         _generation: i64,
-    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async { Ok(None) })
     }
     /// Live session information.
@@ -246,6 +246,16 @@ pub trait SessionPort: Send + Sync {
     fn is_peer(&self) -> bool {
         false
     }
+}
+
+/// An attempt as its member's ledger has it ([`SessionPort::ledger_attempt`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LedgerAttempt {
+    /// It ended so: settled, failed, cancelled or interrupted.
+    Ended(TerminalReceipt),
+    /// A crash cut it short and nobody knows how far it got: it holds the member's session
+    /// until the member's operator resolves it (`unknown`).
+    Unresolved,
 }
 
 /// A held turn lock; dropping it releases the lock.

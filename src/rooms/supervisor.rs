@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use crate::rooms::bound::{bound_text, bounded_result, MAX_TERMINAL_ERROR_BYTES};
 use crate::rooms::port::{
-    room_session_title, HistoryMessage, InterruptRequest, PortError, SessionAddress, SessionInfo,
-    SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt, ROOM_SESSION_SOURCE,
+    room_session_title, HistoryMessage, InterruptRequest, LedgerAttempt, PortError, SessionAddress,
+    SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt,
+    ROOM_SESSION_SOURCE,
 };
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError};
 use crate::store::leases::{acquire_lease, renew_lease, Lease};
@@ -34,8 +35,10 @@ pub const MEMBER_UNAVAILABLE: &str = "member_unavailable";
 pub(crate) struct Probe {
     pub receipt: Option<HistoryMessage>,
     pub info: Option<SessionInfo>,
-    /// How the attempt ended, from the member's own ledger ([`SessionPort::ended_attempt`]).
+    /// How the attempt ended, from the member's own ledger ([`SessionPort::ledger_attempt`]).
     pub ended: Option<TerminalReceipt>,
+    /// The member's ledger holds the attempt as `unknown`, for its operator to resolve.
+    pub unresolved: bool,
 }
 
 impl Probe {
@@ -516,20 +519,26 @@ impl RoomRuntime {
             .info(Self::session_ref(profile, &found.session_id))
             .await?;
         self.report_pending(binding, task, &found.session_id, &info);
-        let ended = if info.active {
+        let ledger = if info.active {
             None
         } else {
-            port.ended_attempt(
+            port.ledger_attempt(
                 Self::session_ref(profile, &found.session_id),
                 task.identity.clone(),
                 task.execution_generation,
             )
             .await?
         };
+        let unresolved = ledger == Some(LedgerAttempt::Unresolved);
+        let ended = match ledger {
+            Some(LedgerAttempt::Ended(receipt)) => Some(receipt),
+            _ => None,
+        };
         Ok(Probe {
             receipt: None,
             info: Some(info),
             ended,
+            unresolved,
         })
     }
 
@@ -638,6 +647,7 @@ impl RoomRuntime {
             receipt,
             info: Some(info),
             ended: None,
+            unresolved: false,
         })
     }
 
@@ -688,6 +698,19 @@ impl RoomRuntime {
                     }) => {
                         self.resolve_ended(binding, lease, &task, ended).await?;
                         continue;
+                    }
+                    Ok(Probe {
+                        unresolved: true, ..
+                    }) => {
+                        // Deferring it would only queue the room's next task behind it in the
+                        // member's session: the room waits for the member's operator instead.
+                        self.set_error(format!(
+                            "task {} waits for the operator to resolve its member's unknown turn \
+                             (gatehouse pending, then resolve-unknown)",
+                            id.task_id
+                        ));
+                        self.state().blocked.insert(binding.room_id.clone());
+                        return Ok(true);
                     }
                     Ok(_) => {}
                     Err(error) => self.set_error(format!(

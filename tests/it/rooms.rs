@@ -465,10 +465,13 @@ async fn a_graceful_restart_fails_the_interrupted_room_task_and_runs_the_next_at
 }
 
 /// After a crash the dead process's lease ends at the next boot, which recovers the room at once
-/// (its running task becomes indeterminate, then deferred, never resubmitted) rather than after
-/// the lease's 300 s.
+/// rather than after the lease's 300 s. Its running task becomes indeterminate and is never
+/// resubmitted; since the member's own ledger holds the attempt as `unknown` (its session held
+/// until the operator resolves it), the room waits for the operator and says so, and does not
+/// defer the task (which would only queue the next one behind the unknown turn), even past
+/// its 1 s defer.
 #[actix_rt::test]
-async fn a_boot_after_a_crash_takes_the_room_over_without_waiting_out_the_lease() {
+async fn a_boot_after_a_crash_takes_the_room_over_and_waits_for_the_operator() {
     let victim = Home::new();
     let (model, home, mut d) = parking_rooms(&victim, 1.0);
     let mut ws = d.ws().await;
@@ -479,25 +482,37 @@ async fn a_boot_after_a_crash_takes_the_room_over_without_waiting_out_the_lease(
     assert_eq!(lease_of(&home, "park").0, None);
 
     let d = Daemon::start(&home);
+    let booted = std::time::Instant::now();
     let mut ws = d.ws().await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let status = task_status(&mut ws, "park", "p1").await;
-        if status == "deferred" {
-            break;
-        }
-        assert!(
-            matches!(status.as_str(), "running" | "indeterminate"),
-            "p1 is {status}"
-        );
-        assert!(std::time::Instant::now() < deadline, "p1 stayed {status}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
     assert_ne!(
         lease_of(&home, "park").1,
         crashed,
         "the room was taken over"
     );
+    // Passes after the defer deadline leave it waiting for the operator.
+    let deadline = booted + Duration::from_secs(30);
+    let mut seen = None;
+    loop {
+        let status = ws.ok("room.status", json!({})).await;
+        let passes = status["passes"].as_u64().unwrap_or(0);
+        let waits = status["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("resolve-unknown"));
+        if booted.elapsed() > Duration::from_millis(1500) && waits {
+            match seen {
+                Some(before) if passes >= before + 2 => break,
+                None => seen = Some(passes),
+                _ => {}
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(task_status(&mut ws, "park", "p1").await, "indeterminate");
+    assert_eq!(task_status(&mut ws, "park", "p2").await, "queued");
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["blocked_rooms"], json!(["park"]), "{status}");
     assert_eq!(
         model.reached("PARK now"),
         1,

@@ -208,8 +208,8 @@ pub struct FakeSessionRpc {
     /// Records `resolve_exact` times on this clock.
     pub probe_clock: Option<SharedClock>,
     pub resolve_times: Mutex<Vec<f64>>,
-    /// What `ended_attempt` reads, by task id (a member's own ledger; empty: a port without one).
-    pub ledger: Mutex<HashMap<String, TerminalReceipt>>,
+    /// What `ledger_attempt` reads, by task id (a member's own ledger; empty: a port without one).
+    pub ledger: Mutex<HashMap<String, LedgerAttempt>>,
 }
 
 impl FakeSessionRpc {
@@ -447,14 +447,14 @@ impl SessionPort for FakeSessionRpc {
         })
     }
 
-    fn ended_attempt(
+    fn ledger_attempt(
         &self,
         session: SessionRef,
         task: TaskIdentity,
         generation: i64,
-    ) -> PortFuture<'_, Option<TerminalReceipt>> {
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
         self.record(
-            "ended_attempt",
+            "ledger_attempt",
             json!({"session_id": session.session_id, "task_id": task.task_id, "generation": generation}),
         );
         ready(Ok(lock(&self.ledger).get(&task.task_id).cloned()))

@@ -11,7 +11,7 @@ use super::fakes::*;
 use crate::clock::{ManualClock, SystemClock};
 use crate::rooms::bound::MAX_TERMINAL_TEXT_BYTES;
 use crate::rooms::config::RoomsConfig;
-use crate::rooms::port::{SessionPort, ROOM_SESSION_SOURCE};
+use crate::rooms::port::{LedgerAttempt, SessionPort, TerminalReceipt, ROOM_SESSION_SOURCE};
 use crate::rooms::runtime::{RoomBinding, RoomsError, TransportResolver};
 use crate::rooms::testing::TestDb;
 use crate::store::leases::release_lease;
@@ -1491,13 +1491,13 @@ fn abandoned_local_attempt(
 fn ledger_says(rpc: &FakeSessionRpc, status: &str, text: Option<&str>) {
     lock(&rpc.ledger).insert(
         "task-1".into(),
-        crate::rooms::port::TerminalReceipt {
+        LedgerAttempt::Ended(TerminalReceipt {
             status: status.into(),
             settlement_id: Some("adm-1".into()),
             message_id: Some("adm-1".into()),
             text: text.map(str::to_string),
             error: None,
-        },
+        }),
     );
 }
 
@@ -1524,7 +1524,7 @@ async fn an_abandoned_local_attempt_is_resolved_from_its_members_ledger() {
                 "{result}"
             );
         }
-        assert!(rpc.count("ended_attempt") >= 1);
+        assert!(rpc.count("ledger_attempt") >= 1);
         assert_eq!(rpc.count("history"), 0);
         assert_eq!(rpc.count("submit"), 0);
     }
@@ -1548,5 +1548,28 @@ async fn a_retry_of_a_deferred_attempt_that_completed_settles_it() {
         .expect("result")
         .to_string()
         .contains("Done after all."));
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+/// An abandoned local attempt that its member's ledger holds as `unknown` keeps its room waiting
+/// for the member's operator, past the defer deadline (deferring would only queue the room's next
+/// task behind it), and resolves at the first pass after the operator has.
+#[tokio::test]
+async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it() {
+    let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
+    lock(&rpc.ledger).insert("task-1".into(), LedgerAttempt::Unresolved);
+    runtime.process_room(&binding()).await;
+    clock.set(110.0);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    let waiting = runtime.status();
+    assert_eq!(waiting.blocked_rooms, vec![ROOM_ID.to_string()]);
+    assert!(waiting
+        .last_error
+        .is_some_and(|e| e.contains("resolve-unknown")));
+    ledger_says(&rpc, "interrupted", None);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Failed);
+    assert!(runtime.status().blocked_rooms.is_empty());
     assert_eq!(rpc.count("submit"), 0);
 }
