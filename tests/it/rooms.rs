@@ -368,6 +368,16 @@ fn parking_model(victim: &Home) -> FakeModel {
     })
 }
 
+/// The `PARK now` attempt reached the model once (never run again) and its gated command never
+/// ran.
+fn assert_parked_once(model: &FakeModel, victim: &Home) {
+    assert_eq!(model.reached("PARK now"), 1, "the parked attempt ran once");
+    assert!(
+        victim.path.join("keep").exists(),
+        "the gated command never ran"
+    );
+}
+
 /// A daemon whose `ops` member runs on [`parking_model`]; the room lease is long (a restart
 /// that had to wait it out would show).
 fn parking_rooms(victim: &Home, defer_seconds: f64) -> (FakeModel, Home, Daemon) {
@@ -453,15 +463,7 @@ async fn a_graceful_restart_fails_the_interrupted_room_task_and_runs_the_next_at
     wait_status(&mut ws, "park", "p2", "settled").await;
     assert!(restarted.elapsed() < Duration::from_secs(30));
     assert_eq!(task_status(&mut ws, "park", "p1").await, "failed");
-    assert_eq!(
-        model.reached("PARK now"),
-        1,
-        "the interrupted task never ran again"
-    );
-    assert!(
-        victim.path.join("keep").exists(),
-        "the gated command never ran"
-    );
+    assert_parked_once(&model, &victim);
 }
 
 /// After a crash the dead process's lease ends at the next boot, which recovers the room at once
@@ -513,15 +515,7 @@ async fn a_boot_after_a_crash_takes_the_room_over_and_waits_for_the_operator() {
     assert_eq!(task_status(&mut ws, "park", "p2").await, "queued");
     let status = ws.ok("room.status", json!({})).await;
     assert_eq!(status["blocked_rooms"], json!(["park"]), "{status}");
-    assert_eq!(
-        model.reached("PARK now"),
-        1,
-        "the abandoned attempt never ran again"
-    );
-    assert!(
-        victim.path.join("keep").exists(),
-        "the gated command never ran"
-    );
+    assert_parked_once(&model, &victim);
 }
 
 /// The daemon prunes a room's ended tasks past the newest it keeps: the oldest go, the kept ones
@@ -604,15 +598,7 @@ async fn after_a_crash_the_operators_resolution_of_the_members_turn_frees_the_ro
         .expect("p1");
     assert_eq!(p1["status"], "failed", "{p1}");
     assert!(p1.to_string().contains("interrupted"), "{p1}");
-    assert_eq!(
-        model.reached("PARK now"),
-        1,
-        "the abandoned attempt never ran again"
-    );
-    assert!(
-        victim.path.join("keep").exists(),
-        "the gated command never ran"
-    );
+    assert_parked_once(&model, &victim);
 }
 
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
@@ -688,10 +674,7 @@ async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
         "not_found",
     )
     .await;
-    assert!(
-        victim.path.join("keep").exists(),
-        "the gated command never ran"
-    );
+    assert_parked_once(&model, &victim);
     assert_eq!(model.reached("hello p3"), 0, "cancelled work never ran");
 
     // The other room still works; the operator retires it by name.
