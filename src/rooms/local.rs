@@ -356,7 +356,10 @@ impl SessionPort for LocalSessionPort {
                 if row.is_terminal() {
                     Some(LedgerAttempt::Ended(receipt_of(&row)))
                 } else if row.status == "unknown" {
-                    Some(LedgerAttempt::Unresolved)
+                    Some(LedgerAttempt::Unresolved {
+                        session_id: row.target_session_id.clone(),
+                        admission_id: row.admission_id.clone(),
+                    })
                 } else {
                     None
                 }

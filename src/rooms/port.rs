@@ -254,8 +254,12 @@ pub enum LedgerAttempt {
     /// It ended so: settled, failed, cancelled or interrupted.
     Ended(TerminalReceipt),
     /// A crash cut it short and nobody knows how far it got: it holds the member's session
-    /// until the member's operator resolves it (`unknown`).
-    Unresolved,
+    /// until the member's operator resolves it (`unknown`). What to resolve, as the operator
+    /// names it (`gatehouse resolve-unknown SESSION ADMISSION`).
+    Unresolved {
+        session_id: String,
+        admission_id: String,
+    },
 }
 
 /// A held turn lock; dropping it releases the lock.

@@ -37,8 +37,9 @@ pub(crate) struct Probe {
     pub info: Option<SessionInfo>,
     /// How the attempt ended, from the member's own ledger ([`SessionPort::ledger_attempt`]).
     pub ended: Option<TerminalReceipt>,
-    /// The member's ledger holds the attempt as `unknown`, for its operator to resolve.
-    pub unresolved: bool,
+    /// The member's ledger holds the attempt as `unknown`, for its operator to resolve: the
+    /// member session and admission, as `resolve-unknown` takes them.
+    pub unresolved: Option<String>,
 }
 
 impl Probe {
@@ -529,10 +530,13 @@ impl RoomRuntime {
             )
             .await?
         };
-        let unresolved = ledger == Some(LedgerAttempt::Unresolved);
-        let ended = match ledger {
-            Some(LedgerAttempt::Ended(receipt)) => Some(receipt),
-            _ => None,
+        let (ended, unresolved) = match ledger {
+            Some(LedgerAttempt::Ended(receipt)) => (Some(receipt), None),
+            Some(LedgerAttempt::Unresolved {
+                session_id,
+                admission_id,
+            }) => (None, Some(format!("{session_id} {admission_id}"))),
+            None => (None, None),
         };
         Ok(Probe {
             receipt: None,
@@ -647,7 +651,7 @@ impl RoomRuntime {
             receipt,
             info: Some(info),
             ended: None,
-            unresolved: false,
+            unresolved: None,
         })
     }
 
@@ -700,13 +704,14 @@ impl RoomRuntime {
                         continue;
                     }
                     Ok(Probe {
-                        unresolved: true, ..
+                        unresolved: Some(what),
+                        ..
                     }) => {
                         // Deferring it would only queue the room's next task behind it in the
                         // member's session: the room waits for the member's operator instead.
                         self.set_error(format!(
-                            "task {} waits for the operator to resolve its member's unknown turn \
-                             (gatehouse pending, then resolve-unknown)",
+                            "task {} waits for the operator to resolve its member's unknown turn: \
+                             gatehouse resolve-unknown {what}",
                             id.task_id
                         ));
                         self.state().blocked.insert(binding.room_id.clone());

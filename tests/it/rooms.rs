@@ -561,9 +561,10 @@ async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
 }
 
 /// After a crash, the member's parked turn is `unknown` and holds its session until the operator
-/// resolves it; the room's task waits for it (indeterminate, never resubmitted), and once the
-/// operator has resolved it the room reads how it ended from the member's ledger: the task fails
-/// as interrupted and the room's next task runs, with no retry and no defer wait.
+/// resolves it; the room's task waits for it (indeterminate, never resubmitted) and its status
+/// names the command that resolves it. Once the operator has run that command the room reads how
+/// the turn ended from the member's ledger: the task fails as interrupted and the room's next
+/// task runs, with no retry and no defer wait.
 #[actix_rt::test]
 async fn after_a_crash_the_operators_resolution_of_the_members_turn_frees_the_room() {
     let victim = Home::new();
@@ -576,19 +577,34 @@ async fn after_a_crash_the_operators_resolution_of_the_members_turn_frees_the_ro
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    assert_eq!(task_status(&mut ws, "park", "p2").await, "queued");
+    // The room names what the operator is to resolve; the operator runs what it says.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let command = loop {
+        let status = ws.ok("room.status", json!({})).await;
+        let said = status["last_error"].as_str().unwrap_or("");
+        if let Some(at) = said.find("gatehouse resolve-unknown ") {
+            break said[at + "gatehouse ".len()..].to_string();
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let unknown = home
         .admissions()
         .into_iter()
         .find(|a| a.status == "unknown")
         .expect("the member's turn is unknown");
-    assert_eq!(task_status(&mut ws, "park", "p2").await, "queued");
-    let resolved = control(
-        &home.path,
-        "resolve-unknown",
-        json!({"session_id": unknown.target_session_id, "admission_id": unknown.admission_id}),
-    )
-    .expect("resolve");
-    assert_eq!(resolved["outcome"], "interrupted", "{resolved}");
+    assert_eq!(
+        command,
+        format!(
+            "resolve-unknown {} {}",
+            unknown.target_session_id, unknown.admission_id
+        )
+    );
+    let args: Vec<&str> = command.split(' ').collect();
+    let (ok, out, err) = room_cli(&home, &args);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("interrupted"), "{out}");
 
     wait_status(&mut ws, "park", "p2", "settled").await;
     let p1 = room_tasks(&mut ws, "park")

@@ -1557,7 +1557,13 @@ async fn a_retry_of_a_deferred_attempt_that_completed_settles_it() {
 #[tokio::test]
 async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it() {
     let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
-    lock(&rpc.ledger).insert("task-1".into(), LedgerAttempt::Unresolved);
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Unresolved {
+            session_id: "member-1".into(),
+            admission_id: "adm-1".into(),
+        },
+    );
     runtime.process_room(&binding()).await;
     clock.set(110.0);
     runtime.process_room(&binding()).await;
@@ -1566,7 +1572,7 @@ async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it
     assert_eq!(waiting.blocked_rooms, vec![ROOM_ID.to_string()]);
     assert!(waiting
         .last_error
-        .is_some_and(|e| e.contains("resolve-unknown")));
+        .is_some_and(|e| e.contains("gatehouse resolve-unknown member-1 adm-1")));
     ledger_says(&rpc, "interrupted", None);
     runtime.process_room(&binding()).await;
     assert_eq!(status(&db, &id), TaskStatus::Failed);
