@@ -318,7 +318,8 @@ impl RoomsService {
             return Ok(disband_view(room, true));
         }
         let id = room_id.to_string();
-        self.db
+        let requested = self
+            .db
             .write(move |c| rooms::begin_disband(c, &id, clock.as_ref()))
             .await
             .map_err(store_error)?;
@@ -329,15 +330,7 @@ impl RoomsService {
             .await
             .map_err(store_error)?
             .into_iter()
-            .filter(|t| {
-                !matches!(
-                    t.status,
-                    TaskStatus::Settled
-                        | TaskStatus::Failed
-                        | TaskStatus::Cancelled
-                        | TaskStatus::Stopping
-                )
-            });
+            .filter(|t| !t.status.is_terminal() && t.status != TaskStatus::Stopping);
         for task in open {
             if let Err(error) = self.runtime.cancel(&task.identity, DISBAND_CANCEL_ID).await {
                 tracing::warn!(
@@ -352,12 +345,7 @@ impl RoomsService {
                 let service = self.clone();
                 let room = room_id.to_string();
                 actix::spawn(async move { service.finish_disband(&room).await });
-                let id = room_id.to_string();
-                self.db
-                    .run(move |c| rooms::get_room(c, &id))
-                    .await
-                    .map_err(store_error)?
-                    .ok_or_else(|| GatewayError::NotFound(format!("no room {room_id}")))?
+                requested
             }
         };
         self.runtime.wakeup();

@@ -265,12 +265,25 @@ pub struct RoomsIdle(pub Duration);
 impl Handler<RoomsIdle> for RoomScheduler {
     type Result = ResponseFuture<bool>;
     fn handle(&mut self, m: RoomsIdle, _: &mut Context<Self>) -> Self::Result {
+        let idle = self.when_idle();
+        Box::pin(async move {
+            match idle {
+                None => true,
+                Some(rx) => matches!(tokio::time::timeout(m.0, rx).await, Ok(Ok(()))),
+            }
+        })
+    }
+}
+
+impl RoomScheduler {
+    /// A signal for when the passes in flight have ended (`None`: none is in flight).
+    fn when_idle(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
         if self.busy.is_empty() {
-            return Box::pin(async { true });
+            return None;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.idle_waiters.push(tx);
-        Box::pin(async move { matches!(tokio::time::timeout(m.0, rx).await, Ok(Ok(()))) })
+        Some(rx)
     }
 }
 
@@ -286,13 +299,7 @@ impl Handler<StopRooms> for RoomScheduler {
         self.stopping = true;
         self.runtime.inner.stop.send_replace(true);
         self.runtime.wakeup();
-        let idle = if self.busy.is_empty() {
-            None
-        } else {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            self.idle_waiters.push(tx);
-            Some(rx)
-        };
+        let idle = self.when_idle();
         let runtime = self.runtime.clone();
         Box::pin(async move {
             let deadline = tokio::time::Instant::now() + m.0;

@@ -722,7 +722,7 @@ impl RoomRuntime {
                 let probe = self
                     .locked_probe(&binding, port.as_ref(), &task, false)
                     .await?;
-                if let Some(ended) = probe.ended.filter(|e| e.status == "settled") {
+                if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
                     self.state().blocked.remove(&room_id);
                     self.wakeup();

@@ -35,11 +35,8 @@ pub const MEMBER_UNAVAILABLE: &str = "member_unavailable";
 pub(crate) struct Probe {
     pub receipt: Option<HistoryMessage>,
     pub info: Option<SessionInfo>,
-    /// How the attempt ended, from the member's own ledger ([`SessionPort::ledger_attempt`]).
-    pub ended: Option<TerminalReceipt>,
-    /// The member's ledger holds the attempt as `unknown`, for its operator to resolve: the
-    /// member session and admission, as `resolve-unknown` takes them.
-    pub unresolved: Option<String>,
+    /// What the member's own ledger says of the attempt ([`SessionPort::ledger_attempt`]).
+    pub ledger: Option<LedgerAttempt>,
 }
 
 impl Probe {
@@ -52,6 +49,14 @@ impl Probe {
 
     pub fn status(&self) -> Option<&str> {
         self.info.as_ref().and_then(|info| info.status.as_deref())
+    }
+
+    /// The attempt's receipt, if the member's ledger says it settled.
+    pub fn settled(self) -> Option<TerminalReceipt> {
+        match self.ledger {
+            Some(LedgerAttempt::Ended(ended)) if ended.status == "settled" => Some(ended),
+            _ => None,
+        }
     }
 }
 
@@ -530,19 +535,10 @@ impl RoomRuntime {
             )
             .await?
         };
-        let (ended, unresolved) = match ledger {
-            Some(LedgerAttempt::Ended(receipt)) => (Some(receipt), None),
-            Some(LedgerAttempt::Unresolved {
-                session_id,
-                admission_id,
-            }) => (None, Some(format!("{session_id} {admission_id}"))),
-            None => (None, None),
-        };
         Ok(Probe {
             receipt: None,
             info: Some(info),
-            ended,
-            unresolved,
+            ledger,
         })
     }
 
@@ -650,8 +646,7 @@ impl RoomRuntime {
         Ok(Probe {
             receipt,
             info: Some(info),
-            ended: None,
-            unresolved: None,
+            ledger: None,
         })
     }
 
@@ -698,20 +693,25 @@ impl RoomRuntime {
                         return Ok(true);
                     }
                     Ok(Probe {
-                        ended: Some(ended), ..
+                        ledger: Some(LedgerAttempt::Ended(ended)),
+                        ..
                     }) => {
                         self.resolve_ended(binding, lease, &task, ended).await?;
                         continue;
                     }
                     Ok(Probe {
-                        unresolved: Some(what),
+                        ledger:
+                            Some(LedgerAttempt::Unresolved {
+                                session_id,
+                                admission_id,
+                            }),
                         ..
                     }) => {
                         // Deferring it would only queue the room's next task behind it in the
                         // member's session: the room waits for the member's operator instead.
                         self.set_error(format!(
                             "task {} waits for the operator to resolve its member's unknown turn: \
-                             gatehouse resolve-unknown {what}",
+                             gatehouse resolve-unknown {session_id} {admission_id}",
                             id.task_id
                         ));
                         self.state().blocked.insert(binding.room_id.clone());

@@ -935,51 +935,32 @@ pub mod testing {
             .n
     }
 
-    /// Run the pending migrations up to and including the one whose name ends with `suffix`
-    /// (a migration's test stays about that migration when later ones are added).
-    pub fn migrate_through(
+    /// The embedded migration whose name ends with `suffix`.
+    fn migration_named(
+        suffix: &str,
+    ) -> Box<dyn diesel::migration::Migration<diesel::sqlite::Sqlite>> {
+        use diesel::migration::MigrationSource;
+        MIGRATIONS
+            .migrations()
+            .expect("migrations")
+            .into_iter()
+            .find(|m| m.name().to_string().ends_with(suffix))
+            .expect("the migration")
+    }
+
+    /// Run the migration whose name ends with `suffix` alone (on a schema just before it, so
+    /// that its test stays about it when later migrations are added).
+    pub fn run_migration_named(
         c: &mut SqliteConnection,
         suffix: &str,
     ) -> diesel::migration::Result<()> {
-        use diesel::migration::MigrationSource;
-        let all: Vec<Box<dyn diesel::migration::Migration<diesel::sqlite::Sqlite>>> =
-            MIGRATIONS.migrations()?;
-        let mut names: Vec<String> = all.iter().map(|m| m.name().to_string()).collect();
-        names.sort();
-        let through = names
-            .iter()
-            .position(|n| n.ends_with(suffix))
-            .expect("the migration");
-        let applied: Vec<String> = c
-            .applied_migrations()?
-            .iter()
-            .map(|v| v.to_string())
-            .collect();
-        for name in &names[..=through] {
-            let m = all
-                .iter()
-                .find(|m| m.name().to_string() == *name)
-                .expect("migration");
-            if !applied.contains(&m.name().version().to_string()) {
-                c.run_migration(m)?;
-            }
-        }
-        Ok(())
+        c.run_migration(&migration_named(suffix)).map(|_| ())
     }
 
     /// Revert the applied migrations, newest first, down to and including the one whose name
     /// ends with `suffix`.
     pub fn revert_through(c: &mut SqliteConnection, suffix: &str) {
-        use diesel::migration::MigrationSource;
-        let all: Vec<Box<dyn diesel::migration::Migration<diesel::sqlite::Sqlite>>> =
-            MIGRATIONS.migrations().expect("migrations");
-        let target = all
-            .iter()
-            .find(|m| m.name().to_string().ends_with(suffix))
-            .expect("the migration")
-            .name()
-            .version()
-            .to_string();
+        let target = migration_named(suffix).name().version().to_string();
         loop {
             let reverted = c.revert_last_migration(MIGRATIONS).expect("revert");
             if reverted.to_string() == target {
@@ -1217,7 +1198,7 @@ mod schema_tests {
             .map(|q| text(c, q))
         };
         let before = snapshot(&mut c);
-        super::testing::migrate_through(&mut c, "_checks_without_lists").expect("migrate");
+        super::testing::run_migration_named(&mut c, "_checks_without_lists").expect("migrate");
         assert_eq!(snapshot(&mut c), before);
         assert!(
             before[0].contains("trigger room_task_counts_update"),
