@@ -135,7 +135,9 @@ fn start_rooms(
                 .map(|rooms| {
                     rooms
                         .into_iter()
-                        .map(|(room_id, epoch)| RoomBinding::new(room_id, gid.clone(), epoch))
+                        .map(|(room_id, epoch, disbanding)| {
+                            RoomBinding::new(room_id, gid.clone(), epoch).disbanding(disbanding)
+                        })
                         .collect()
                 })
                 .unwrap_or_else(|e| {

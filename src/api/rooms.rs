@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::clock::SharedClock;
 use crate::error::{GatewayError, GatewayResult};
 use crate::rooms::db::RoomsDb;
-use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, RoomsError};
+use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
 use crate::session::supervisor::PushEvent;
 use crate::store::room_tasks::{self, TaskIdentity, TaskPayload, TaskStatus, TaskView};
 use crate::store::rooms::{self, RoomMember, RoomStoreError};
@@ -43,9 +43,6 @@ pub fn store_error(e: RoomStoreError) -> GatewayError {
         }
     }
 }
-
-/// The cancel id of the tasks a disband cancels.
-const DISBAND_CANCEL_ID: &str = "disband";
 
 /// A room's view after `room.disband`: its state (`disbanding` while a stop is pending, then
 /// `disbanded`).
@@ -303,8 +300,9 @@ impl RoomsService {
     /// every task that has not ended (queued and deferred ones at once; running and
     /// indeterminate ones through a stop of the exact attempt), then retire the room, which
     /// frees its place among the active rooms. While a stop is still unacknowledged the room
-    /// stays `disbanding`, and is retired as soon as nothing in it is unresolved (a call again
-    /// does it too). Idempotent: a disbanded room answers its view.
+    /// stays `disbanding`; the room's own passes carry the disband out (again after a crash or
+    /// a stop that cut it short) and retire it as soon as nothing in it is unresolved.
+    /// Idempotent: a disbanded room answers its view.
     async fn disband(&self, room_id: &str) -> GatewayResult<Value> {
         let clock = self.clock.clone();
         let id = room_id.to_string();
@@ -339,15 +337,9 @@ impl RoomsService {
                 );
             }
         }
-        let view = match self.complete_disband(room_id).await? {
-            Some(done) => done,
-            None => {
-                let service = self.clone();
-                let room = room_id.to_string();
-                actix::spawn(async move { service.finish_disband(&room).await });
-                requested
-            }
-        };
+        // Retired now if nothing is unresolved; else by the room's pass that finds its stops
+        // resolved (the wakeup re-reads the rooms with this one's fence up).
+        let view = self.complete_disband(room_id).await?.unwrap_or(requested);
         self.runtime.wakeup();
         tracing::info!(room = %room_id, disbanded = view.disbanded_at.is_some(), "room disband");
         Ok(disband_view(view, false))
@@ -364,33 +356,6 @@ impl RoomsService {
             Ok(view) => Ok(Some(view)),
             Err(RoomStoreError::InvalidTransition(_)) => Ok(None),
             Err(e) => Err(store_error(e)),
-        }
-    }
-
-    /// Retire a disbanding room once its stops resolve: checked every poll interval, for at most
-    /// a member turn's deadline and a lease's TTL (by then every stop has resolved or been
-    /// deferred), and not past the gateway's stop (a later `room.disband` finishes it).
-    async fn finish_disband(&self, room_id: &str) {
-        let config = self.runtime.config();
-        let every = std::time::Duration::from_secs_f64(config.poll_interval_seconds.min(1.0));
-        let give_up = tokio::time::Instant::now()
-            + std::time::Duration::from_secs_f64(
-                config.turn_timeout_seconds + config.lease_ttl_seconds,
-            );
-        while tokio::time::Instant::now() < give_up && self.runtime.status().running {
-            tokio::time::sleep(every).await;
-            match self.complete_disband(room_id).await {
-                Ok(Some(_)) => {
-                    tracing::info!(room = %room_id, "room disbanded");
-                    self.runtime.wakeup();
-                    return;
-                }
-                Ok(None) => {}
-                Err(error) => {
-                    tracing::warn!(room = %room_id, %error, "disband cannot complete");
-                    return;
-                }
-            }
         }
     }
 

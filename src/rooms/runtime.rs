@@ -27,12 +27,18 @@ use crate::store::room_tasks::{
 };
 use crate::store::rooms::RoomStoreError;
 
+/// The cancellation id of the cancellations a disband makes (one id: cancelling again is
+/// idempotent, whether `room.disband` or the room's pass does it).
+pub const DISBAND_CANCEL_ID: &str = "disband";
+
 /// A room this gateway drives, with the authority it drives it under.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct RoomBinding {
     pub room_id: String,
     pub gateway_id: String,
     pub authority_epoch: i64,
+    /// Its disband fence is up: the room's pass retires it once nothing in it is unresolved.
+    pub disbanding: bool,
 }
 
 impl RoomBinding {
@@ -45,7 +51,14 @@ impl RoomBinding {
             room_id: room_id.into(),
             gateway_id: gateway_id.into(),
             authority_epoch,
+            disbanding: false,
         }
+    }
+
+    /// The same binding, read with the room's disband fence up (or not).
+    pub fn disbanding(mut self, disbanding: bool) -> Self {
+        self.disbanding = disbanding;
+        self
     }
 }
 

@@ -12,7 +12,7 @@ use crate::rooms::port::{
     SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt,
     ROOM_SESSION_SOURCE,
 };
-use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError};
+use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
 use crate::store::leases::{acquire_lease, renew_lease, Lease};
 use crate::store::room_tasks::{
     complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, get_task, list_tasks,
@@ -20,7 +20,7 @@ use crate::store::room_tasks::{
     resolve_indeterminate_task, settle_stopping_task, settle_task, start_task, Settlement,
     SettlementStatus, TaskAttempt, TaskStatus, TaskView,
 };
-use crate::store::rooms::{validate_identifier, RoomStoreError};
+use crate::store::rooms::{disband_room, validate_identifier, RoomStoreError};
 
 /// The result of a failed deadline, as stored.
 pub const DEADLINE_ERROR: &str =
@@ -153,7 +153,11 @@ impl RoomRuntime {
     /// One pass of one room. Errors are recorded in `status().last_error`, never raised.
     pub async fn process_room(&self, binding: &RoomBinding) {
         self.state().passes += 1;
-        match self.process_room_inner(binding).await {
+        let mut pass = self.process_room_inner(binding).await;
+        if pass.is_ok() && binding.disbanding {
+            pass = self.carry_out_disband(binding).await;
+        }
+        match pass {
             Ok(()) => {}
             Err(RoomsError::Store(RoomStoreError::LeaseHeld(_))) => {}
             Err(RoomsError::Store(error)) if is_lease_loss(&error) => {
@@ -206,6 +210,67 @@ impl RoomRuntime {
             self.run_queued(binding).await?;
         }
         Ok(())
+    }
+
+    /// Carry out a disband whose fence is up, on every pass of the room until it is retired:
+    /// cancel each task that has not ended (what `room.disband` does at once; a disband that a
+    /// crash or a stop cut short resumes here), then retire the room as soon as nothing in it is
+    /// unresolved, whenever that is (a stop acknowledged late, an operator's resolution after a
+    /// restart), with no caller left waiting on it.
+    async fn carry_out_disband(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
+        let unresolved = [
+            TaskStatus::Running,
+            TaskStatus::Stopping,
+            TaskStatus::Indeterminate,
+        ];
+        let mut counts = self.task_counts(binding).await?;
+        if [
+            TaskStatus::Queued,
+            TaskStatus::Deferred,
+            TaskStatus::Running,
+        ]
+        .into_iter()
+        .chain([TaskStatus::Indeterminate])
+        .any(|s| counts.has(s))
+        {
+            let room = binding.room_id.clone();
+            let open = self
+                .inner
+                .db
+                .run(move |c| list_tasks(c, &room, None))
+                .await?
+                .into_iter()
+                .filter(|t| !t.status.is_terminal() && t.status != TaskStatus::Stopping);
+            for task in open {
+                if let Err(error) = self.cancel(&task.identity, DISBAND_CANCEL_ID).await {
+                    tracing::warn!(
+                        room = %binding.room_id, task = %task.identity.task_id, %error,
+                        "disband: cannot cancel the task yet"
+                    );
+                }
+            }
+            counts = self.task_counts(binding).await?;
+        }
+        if unresolved.into_iter().any(|s| counts.has(s)) {
+            return Ok(());
+        }
+        let (room, clock) = (binding.room_id.clone(), self.inner.clock.clone());
+        match self
+            .inner
+            .db
+            .write(move |c| disband_room(c, &room, clock.as_ref()))
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(room = %binding.room_id, "room disbanded");
+                // The scheduler reads its bindings again, without this room.
+                self.wakeup();
+                Ok(())
+            }
+            // A task became unresolved since the count (a stop under way): a later pass.
+            Err(RoomStoreError::InvalidTransition(_)) => Ok(()),
+            Err(error) => Err(error.into()),
+        }
     }
 
     async fn task_counts(&self, binding: &RoomBinding) -> Result<TaskCounts, RoomStoreError> {

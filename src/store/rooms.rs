@@ -339,18 +339,23 @@ pub fn list_rooms_for_gateway(
         .collect()
 }
 
-/// The `(room_id, authority_epoch)` of every active room `gateway_id` drives, in room order: what
-/// the room scheduler reads on every cycle. One statement: [`list_rooms_for_gateway`] builds
-/// each room's whole view, with a query per room for its members.
+/// The `(room_id, authority_epoch, disbanding)` of every room `gateway_id` drives and has not
+/// retired, in room order: what the room scheduler reads on every cycle. `disbanding` is whether
+/// its disband fence is up. One statement: [`list_rooms_for_gateway`] builds each room's whole
+/// view, with a query per room for its members.
 pub fn list_bindings_for_gateway(
     conn: &mut SqliteConnection,
     gateway_id: &str,
-) -> StoreResult<Vec<(String, i64)>> {
+) -> StoreResult<Vec<(String, i64, bool)>> {
     Ok(rooms::table
         .filter(rooms::authority_gateway_id.eq(gateway_id))
         .filter(rooms::disbanded_at.is_null())
         .order(rooms::room_id.asc())
-        .select((rooms::room_id, rooms::authority_epoch))
+        .select((
+            rooms::room_id,
+            rooms::authority_epoch,
+            rooms::disband_requested_at.is_not_null(),
+        ))
         .load(conn)?)
 }
 

@@ -617,6 +617,54 @@ async fn after_a_crash_the_operators_resolution_of_the_members_turn_frees_the_ro
     assert_parked_once(&model, &victim);
 }
 
+/// A disband that a crash cut short right after its fence went up (before it cancelled
+/// anything) is carried out by the room's own pass after the restart: the parked attempt's
+/// task and the queued one are cancelled, the gated command and the queued prompt never run,
+/// and the room is retired, with no second `room.disband`. Before, the room stayed
+/// `disbanding` with its queued task queued for good.
+#[actix_rt::test]
+async fn a_disband_cut_short_by_a_crash_is_carried_out_after_the_restart() {
+    let victim = Home::new();
+    let (model, home, mut d) = parking_rooms(&victim, 300.0);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    drop(ws);
+    d.kill();
+    // What `room.disband` commits first, then the crash.
+    {
+        use diesel::Connection;
+        let mut conn =
+            diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+                .expect("state.db");
+        let clock = gatehouse::clock::SystemClock::default();
+        let view = gatehouse::store::rooms::begin_disband(&mut conn, "park", &clock)
+            .expect("disband fence");
+        assert!(view.disband_requested_at.is_some());
+    }
+
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let room = loop {
+        let room = ws.ok("room.get", json!({"room_id": "park"})).await;
+        if room["disbanded_at"].is_number() {
+            break room;
+        }
+        assert!(std::time::Instant::now() < deadline, "{room}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(room["task_counts"], json!({"cancelled": 2}), "{room}");
+    let again = ws.ok("room.disband", json!({"room_id": "park"})).await;
+    assert_eq!(again["state"], "disbanded", "{again}");
+    assert_eq!(again["idempotent"], true, "{again}");
+    let (ok, out, _) = room_cli(&home, &["rooms", "--json"]);
+    assert!(ok);
+    let rooms: Value = serde_json::from_str(&out).expect("rooms json");
+    assert_eq!(rooms["rooms"], json!([]), "{rooms}");
+    assert_parked_once(&model, &victim);
+    assert_eq!(model.reached("hello p2"), 0, "cancelled work never ran");
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
