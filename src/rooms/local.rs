@@ -120,7 +120,7 @@ fn history_message(row: &AdmissionRow) -> Option<HistoryMessage> {
         Some("failed") => "failed",
         _ => return None,
     };
-    let (text, error) = result_text(row);
+    let (text, error, _) = result_fields(row);
     Some(HistoryMessage {
         role: "assistant".into(),
         task_id: Some(task),
@@ -140,29 +140,21 @@ pub fn parse_input_id(input_id: &str) -> Option<(String, i64)> {
     Some((task.to_string(), gen))
 }
 
-fn result_text(row: &AdmissionRow) -> (Option<String>, Option<String>) {
+/// What a settled admission's result says: its final text, its error, and, for an
+/// interrupted turn (`{"interrupted": true, "reason": …}`), why. One parse of the result.
+fn result_fields(row: &AdmissionRow) -> (Option<String>, Option<String>, Option<String>) {
     let v: Value = row
         .result_json
         .as_deref()
         .and_then(|r| serde_json::from_str(r).ok())
         .unwrap_or(Value::Null);
-    let text = v
-        .get("final_response")
-        .and_then(|t| t.as_str())
-        .map(str::to_string);
-    let error = v.get("error").and_then(|t| t.as_str()).map(str::to_string);
-    (text, error)
+    let field = |name: &str| v.get(name).and_then(Value::as_str).map(str::to_string);
+    (field("final_response"), field("error"), field("reason"))
 }
 
 fn receipt_of(row: &AdmissionRow) -> TerminalReceipt {
-    let (text, mut error) = result_text(row);
+    let (text, mut error, reason) = result_fields(row);
     if row.outcome.as_deref() == Some("interrupted") && error.is_none() {
-        // `{"interrupted": true, "reason": …}`: say why.
-        let reason = row
-            .result_json
-            .as_deref()
-            .and_then(|r| serde_json::from_str::<Value>(r).ok())
-            .and_then(|v| v.get("reason").and_then(Value::as_str).map(str::to_string));
         error = Some(match reason {
             Some(reason) => format!("the member's turn was interrupted: {reason}"),
             None => "the member's turn was interrupted".into(),
