@@ -224,15 +224,13 @@ impl RoomRuntime {
             TaskStatus::Indeterminate,
         ];
         let mut counts = self.task_counts(binding).await?;
-        if [
+        let open = [
             TaskStatus::Queued,
             TaskStatus::Deferred,
             TaskStatus::Running,
-        ]
-        .into_iter()
-        .chain([TaskStatus::Indeterminate])
-        .any(|s| counts.has(s))
-        {
+            TaskStatus::Indeterminate,
+        ];
+        if open.into_iter().any(|s| counts.has(s)) {
             let room = binding.room_id.clone();
             let open = self
                 .inner
