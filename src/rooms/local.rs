@@ -16,7 +16,9 @@ use super::port::{
 };
 use crate::api::rpc::{session_id_for, Authority, Caller};
 use crate::error::GatewayError;
-use crate::session::supervisor::{GetLive, Interrupt, LiveView, SessionSupervisor, Submit};
+use crate::session::supervisor::{
+    CancelQueued, GetLive, Interrupt, LiveView, SessionSupervisor, Submit,
+};
 use crate::store::admissions::{self, AdmissionRow};
 use crate::store::room_tasks::TaskIdentity;
 use crate::store::sessions;
@@ -356,6 +358,39 @@ impl SessionPort for LocalSessionPort {
                     None
                 }
             }))
+        })
+    }
+
+    fn withdraw_queued(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<bool>> {
+        Box::pin(async move {
+            let Some(row) = self.attempt_row(&session, &task, generation).await? else {
+                return Ok(None);
+            };
+            match row.status.as_str() {
+                "queued" => {}
+                "started" => return Ok(Some(false)),
+                // Ended, or unknown (never replayed): it will not start.
+                _ => return Ok(Some(true)),
+            }
+            let (sup, _) = self.live(&session.session_id).await?;
+            let cancelled = sup
+                .send(CancelQueued {
+                    admission_id: row.admission_id,
+                })
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?;
+            match cancelled {
+                Ok(row) => Ok(Some(row.is_terminal())),
+                // Claimed between the read and the cancel: it runs now, so interrupt it.
+                Err(GatewayError::StaleGeneration(_)) => Ok(Some(false)),
+                Err(GatewayError::UnknownExecution(_)) => Ok(Some(true)),
+                Err(e) => Err(port_err(e)),
+            }
         })
     }
 

@@ -238,6 +238,20 @@ pub trait SessionPort: Send + Sync {
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async { Ok(None) })
     }
+    /// Withdraw exactly this attempt if it was admitted and has not started (queued behind
+    /// other work, or behind an `unknown` turn the member's operator has still to resolve), so
+    /// a stop acknowledged now can never be followed by the turn running later. `None`: no such
+    /// admission; `Some(true)`: it will not start (withdrawn now, ended, or unknown);
+    /// `Some(false)`: it has started (interrupt it instead). The default, for a port with no
+    /// queue it can reach, knows of no admission.
+    fn withdraw_queued(
+        &self,
+        _session: SessionRef,
+        _task: TaskIdentity,
+        _generation: i64,
+    ) -> PortFuture<'_, Option<bool>> {
+        Box::pin(async { Ok(None) })
+    }
     /// Live session information.
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo>;
     /// Interrupt the current turn if it is the expected task. `None` means no acknowledgement.

@@ -1069,11 +1069,22 @@ impl RoomRuntime {
         let profile = &task.payload.target_profile;
         let info = port.info(Self::session_ref(profile, session_id)).await?;
         self.report_pending(binding, task, session_id, &info);
-        if !info.active {
-            return Ok(true);
-        }
-        if info.task_id.as_deref() != Some(task.identity.task_id.as_str()) {
-            return Ok(false);
+        let running_this = info.active && info.task_id.as_deref() == Some(&task.identity.task_id);
+        if !running_this {
+            // Not running: an admission still queued (behind another turn, or behind an
+            // `unknown` one the member's operator has to resolve) is withdrawn, or it would run
+            // after its task was recorded stopped.
+            let withdrawn = port
+                .withdraw_queued(
+                    Self::session_ref(profile, session_id),
+                    task.identity.clone(),
+                    task.execution_generation,
+                )
+                .await?;
+            return Ok(match withdrawn {
+                Some(will_not_start) => will_not_start,
+                None => !info.active,
+            });
         }
         let reply = port
             .interrupt(InterruptRequest {

@@ -18,7 +18,7 @@ use crate::store::rooms::{
     canonical_json, live_room, read_clock, sha256_hex, validate_identifier, RoomStoreError,
     StoreResult,
 };
-use crate::store::rooms_schema::room_tasks;
+use crate::store::rooms_schema::{room_members, room_tasks};
 
 /// Largest prompt, in UTF-8 bytes.
 pub const MAX_PROMPT_BYTES: usize = 128 * 1024;
@@ -433,6 +433,19 @@ pub fn admit_task(
             return row.into_view(true);
         }
         live_room(conn, &identity.room_id, true)?;
+        // A task is one member's turn: a profile that is not a member would open a room session
+        // for an agent the room never had.
+        let is_member: i64 = room_members::table
+            .filter(room_members::room_id.eq(&identity.room_id))
+            .filter(room_members::profile.eq(&payload.target_profile))
+            .count()
+            .get_result(conn)?;
+        if is_member == 0 {
+            return Err(RoomStoreError::Validation(format!(
+                "target_profile {:?} is not a member of room {:?}",
+                payload.target_profile, identity.room_id
+            )));
+        }
         let turn_taken: i64 = room_tasks::table
             .filter(room_tasks::room_id.eq(&identity.room_id))
             .filter(room_tasks::thread_id.eq(&identity.thread_id))

@@ -541,6 +541,16 @@ async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
         json!({"room_id": "busy", "name": "B", "members": [{"profile": "dev", "handle": "dev"}]}),
     )
     .await;
+    // A task is one member's turn: a profile outside the room is refused, and nothing is queued.
+    let refused = ws
+        .refused(
+            "room.admit",
+            admit("busy", "t0", "ops", "not a member", 1),
+            "invalid_params",
+        )
+        .await;
+    assert!(refused.to_string().contains("not a member"), "{refused}");
+    assert!(room_tasks(&mut ws, "busy").await.is_empty());
     for k in 1..=4 {
         let task = format!("t{k}");
         ws.ok(
@@ -666,6 +676,63 @@ async fn a_disband_cut_short_by_a_crash_is_carried_out_after_the_restart() {
     assert_eq!(rooms["rooms"], json!([]), "{rooms}");
     assert_parked_once(&model, &victim);
     assert_eq!(model.reached("hello p2"), 0, "cancelled work never ran");
+}
+
+/// A stop of a task whose member admission is still queued (here behind the crashed attempt's
+/// `unknown` turn) withdraws that admission: the task is cancelled and its prompt never reaches
+/// the model, even after the operator resolves the turn ahead of it. Before, the stop counted as
+/// acknowledged because nothing of the task was running, the task was recorded cancelled, and
+/// the queued admission ran as soon as the session was free.
+#[actix_rt::test]
+async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resolution() {
+    let victim = Home::new();
+    let (model, home) = park_a_task_and_crash(&victim).await;
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    let (ok, out, err) = room_cli(&home, &["room-cancel", "park", "p1"]);
+    assert!(ok, "{out}{err}");
+    wait_status(&mut ws, "park", "p1", "cancelled").await;
+    // p2 goes to the member, whose session is still held by p1's unknown turn.
+    let is_p2 = |a: &gatehouse::store::admissions::AdmissionRow| a.request_id.contains("/p2/");
+    wait_until("p2 admitted to its member", Duration::from_secs(30), || {
+        home.admissions().iter().any(is_p2)
+    })
+    .await;
+    let p2 = home.admissions().into_iter().find(is_p2).expect("p2");
+    assert_eq!(p2.status, "queued");
+    let (ok, out, err) = room_cli(&home, &["room-cancel", "park", "p2"]);
+    assert!(ok, "{out}{err}");
+    wait_status(&mut ws, "park", "p2", "cancelled").await;
+    // The operator frees the session.
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+    let (ok, out, err) = room_cli(
+        &home,
+        &[
+            "resolve-unknown",
+            &unknown.target_session_id,
+            &unknown.admission_id,
+        ],
+    );
+    assert!(ok, "{out}{err}");
+    wait_until(
+        "the member's ledger settles",
+        Duration::from_secs(30),
+        || all_terminal(&home),
+    )
+    .await;
+    let p2 = home.admission_by_id(&p2.admission_id);
+    assert_eq!(p2.outcome.as_deref(), Some("cancelled"), "{p2:?}");
+    assert_eq!(
+        model.reached("hello p2"),
+        0,
+        "a cancelled task's prompt ran"
+    );
+    assert_parked_once(&model, &victim);
 }
 
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
