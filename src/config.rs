@@ -420,6 +420,10 @@ pub struct ProfileConfig {
     pub extra: Extra,
 }
 
+/// The longest duration any setting may name (ten years): long enough to mean "never", short
+/// enough that every deadline computed from it is representable.
+pub const MAX_SECONDS: f64 = 315_360_000.0;
+
 impl Config {
     /// Load `home/config.yaml`; a missing file is the default config.
     pub fn load(home: &Path) -> Result<Config, ConfigError> {
@@ -511,36 +515,14 @@ impl Config {
                 "expected a list of absolute directory paths",
             );
         }
-        if self.gateway.drain_timeout_seconds.is_nan() || self.gateway.drain_timeout_seconds <= 0.0
-        {
-            return invalid(
-                "gateway.drain_timeout_seconds",
-                "expected a positive number of seconds",
-            );
-        }
-        if self.gateway.ticket_ttl_seconds.is_nan() || self.gateway.ticket_ttl_seconds <= 0.0 {
-            return invalid(
-                "gateway.ticket_ttl_seconds",
-                "expected a positive number of seconds",
-            );
-        }
         if !(self.compression.threshold > 0.0 && self.compression.threshold <= 1.0) {
             return invalid("compression.threshold", "expected a fraction in (0, 1]");
         }
         if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
             return invalid("compression.max_attempts", "expected 1 to 10");
         }
-        if self.model.timeout_seconds.is_nan() || self.model.timeout_seconds <= 0.0 {
-            return invalid(
-                "model.timeout_seconds",
-                "expected a positive number of seconds",
-            );
-        }
         if self.model.max_concurrent_requests == 0 {
             return invalid("model.max_concurrent_requests", "expected at least 1");
-        }
-        if self.terminal.timeout.is_nan() || self.terminal.timeout <= 0.0 {
-            return invalid("terminal.timeout", "expected a positive number of seconds");
         }
         if let Err(e) = self.rooms.validate() {
             return invalid("rooms", &e.0);
@@ -548,31 +530,52 @@ impl Config {
         if self.events.max_per_session < 1 {
             return invalid("events.max_per_session", "expected at least 1");
         }
-        for (key, v) in [
+        // Every duration is finite and bounded: each becomes a `Duration` or a deadline, and an
+        // infinite or huge one would overflow there (a panic in the middle of a turn).
+        let (g, m, h) = (&self.gateway, &self.model, &self.http);
+        let zero_or_more = [
+            ("gateway.drain_grace_seconds", g.drain_grace_seconds),
             ("events.retention_seconds", self.events.retention_seconds),
-            ("http.max_wait_seconds", self.http.max_wait_seconds),
-        ] {
-            if v.is_nan() || v < 0.0 {
-                return invalid(key, "expected 0 or more seconds");
+            ("http.max_wait_seconds", h.max_wait_seconds),
+            // 0 waits for the answer without a limit.
+            ("approvals.timeout", self.approvals.timeout),
+            ("agent.clarify_timeout", self.agent.clarify_timeout),
+        ];
+        for (key, v) in zero_or_more {
+            if !(v.is_finite() && (0.0..=MAX_SECONDS).contains(&v)) {
+                return invalid(key, &format!("expected 0 to {MAX_SECONDS} seconds"));
             }
         }
-        for (key, v) in [
+        let positive = [
+            ("gateway.drain_timeout_seconds", g.drain_timeout_seconds),
+            ("gateway.ticket_ttl_seconds", g.ticket_ttl_seconds),
+            ("gateway.heartbeat_seconds", g.heartbeat_seconds),
+            ("gateway.client_timeout_seconds", g.client_timeout_seconds),
+            ("model.timeout_seconds", m.timeout_seconds),
+            ("model.connect_timeout_seconds", m.connect_timeout_seconds),
+            ("model.idle_timeout_seconds", m.idle_timeout_seconds),
+            (
+                "auxiliary.compression.timeout",
+                self.auxiliary.compression.timeout,
+            ),
+            ("terminal.timeout", self.terminal.timeout),
             (
                 "events.prune_interval_seconds",
                 self.events.prune_interval_seconds,
             ),
-            (
-                "http.sse_keepalive_seconds",
-                self.http.sse_keepalive_seconds,
-            ),
+            ("http.sse_keepalive_seconds", h.sse_keepalive_seconds),
             (
                 "http.completion_timeout_seconds",
-                self.http.completion_timeout_seconds,
+                h.completion_timeout_seconds,
             ),
-            ("http.token_ttl_seconds", self.http.token_ttl_seconds),
-        ] {
-            if v.is_nan() || v <= 0.0 {
-                return invalid(key, "expected a positive number of seconds");
+            ("http.token_ttl_seconds", h.token_ttl_seconds),
+        ];
+        for (key, v) in positive {
+            if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+                return invalid(
+                    key,
+                    &format!("expected a positive number of seconds, at most {MAX_SECONDS}"),
+                );
             }
         }
         if self.agent.max_iterations == 0 {
@@ -672,6 +675,37 @@ impl Config {
             .clone()
             .or_else(|| std::env::var("OPENAI_API_KEY").ok())
     }
+
+    /// Whether `base_url` is an endpoint the operator configured (the default model, a profile, or
+    /// the auxiliary model). A session's `base_url` is chosen by its client; the configured keys go
+    /// only to configured endpoints, so a client cannot point a session at its own server and
+    /// collect them.
+    pub fn is_configured_endpoint(&self, base_url: &str) -> bool {
+        let same = |u: &str| u.trim_end_matches('/') == base_url.trim_end_matches('/');
+        self.default_endpoint()
+            .base_url
+            .as_deref()
+            .is_some_and(same)
+            || self
+                .profiles
+                .values()
+                .filter_map(|p| p.base_url.as_deref())
+                .any(same)
+            || self
+                .auxiliary
+                .compression
+                .base_url
+                .as_deref()
+                .is_some_and(same)
+    }
+
+    /// The key to send to `base_url`: the main model's, only when `base_url` is configured.
+    pub fn api_key_for(&self, base_url: Option<&str>) -> Option<String> {
+        base_url
+            .is_some_and(|u| self.is_configured_endpoint(u))
+            .then(|| self.api_key())
+            .flatten()
+    }
 }
 
 #[cfg(test)]
@@ -716,6 +750,44 @@ mod tests {
         assert!(err.contains("compression.threshold"), "{err}");
         let err = parse("- a\n- b\n").unwrap_err().to_string();
         assert!(err.contains("mapping"), "{err}");
+    }
+
+    #[test]
+    fn every_duration_is_finite_and_bounded() {
+        // Each of these passed the loader once and panicked later, in the middle of a turn or a
+        // stop, when it became a `Duration`.
+        for (text, key) in [
+            ("model:\n  timeout_seconds: .inf\n", "model.timeout_seconds"),
+            ("approvals:\n  timeout: .inf\n", "approvals.timeout"),
+            ("approvals:\n  timeout: -1\n", "approvals.timeout"),
+            ("agent:\n  clarify_timeout: .nan\n", "agent.clarify_timeout"),
+            (
+                "gateway:\n  drain_timeout_seconds: 1e300\n",
+                "gateway.drain_timeout_seconds",
+            ),
+            (
+                "gateway:\n  drain_grace_seconds: .inf\n",
+                "gateway.drain_grace_seconds",
+            ),
+            (
+                "auxiliary:\n  compression:\n    timeout: .inf\n",
+                "auxiliary.compression.timeout",
+            ),
+            ("http:\n  max_wait_seconds: 1e20\n", "http.max_wait_seconds"),
+            ("rooms:\n  turn_timeout_seconds: 1e300\n", "rooms"),
+        ] {
+            match parse(text) {
+                // (YAML's .inf and .nan do not survive the JSON reading: their section is named.)
+                Err(ConfigError::Invalid { key: k, .. }) => assert!(
+                    k == key || key.starts_with(&format!("{k}.")),
+                    "{text}: named {k}"
+                ),
+                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
+            }
+        }
+        // Zero still means "wait without a limit" for an answer.
+        let c = parse("approvals:\n  timeout: 0\nagent:\n  clarify_timeout: 0\n").expect("loads");
+        assert_eq!((c.approvals.timeout, c.agent.clarify_timeout), (0.0, 0.0));
     }
 
     #[test]

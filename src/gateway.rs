@@ -53,6 +53,46 @@ pub struct RunningGateway {
     server: actix_web::dev::ServerHandle,
     tickets: Arc<Tickets>,
     control_task: actix_rt::task::JoinHandle<()>,
+    /// The home's lock, held for the life of the gateway (released when the process ends).
+    _lock: std::fs::File,
+}
+
+/// The lock file that makes a home one gateway's.
+pub const LOCK_FILE: &str = "gateway.lock";
+
+/// Take the home's exclusive lock, or refuse: a second gateway on the same home would replace the
+/// first one's control socket, take its authority epoch and mark its running work `unknown` while
+/// it still runs. The lock is released by the kernel when the holder exits, however it exits.
+fn lock_home(home: &Path) -> Result<std::fs::File, StartError> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = home.join(LOCK_FILE);
+    let cannot = |e: std::io::Error| StartError::Home(format!("{}: {e}", path.display()));
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(cannot)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(StartError::Refused(format!(
+                "another gateway is serving {} (pid {}); stop it first",
+                home.display(),
+                holder.trim()
+            )));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(cannot(e)),
+    }
+    file.set_len(0).map_err(cannot)?;
+    file.rewind().map_err(cannot)?;
+    write!(file, "{}", std::process::id()).map_err(cannot)?;
+    Ok(file)
 }
 
 /// Refuse a home that is group- or world-accessible, and create it 0700 when missing.
@@ -174,6 +214,7 @@ impl Gateway {
     /// Boot a gateway on `home` with `config`. Must run inside an actix system.
     pub async fn start(home: PathBuf, config: Config) -> Result<RunningGateway, StartError> {
         prepare_home(&home)?;
+        let lock = lock_home(&home)?;
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
@@ -328,6 +369,7 @@ impl Gateway {
             server: handle,
             tickets,
             control_task,
+            _lock: lock,
         })
     }
 }
@@ -345,6 +387,7 @@ impl RunningGateway {
             tokio::time::sleep(Duration::from_secs_f64(grace)).await;
         }
         tracing::info!("draining");
+        let draining = std::time::Instant::now();
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
         // Rooms start nothing new, but keep watching their attempts while the members drain: a
         // member turn the drain interrupts fails its room task under the room's lease, so the
@@ -373,7 +416,18 @@ impl RunningGateway {
         let _ = std::fs::remove_file(control::socket_path(&self.home));
         // Clients see 1001 "going away" rather than a five-second wait for them to hang up.
         crate::api::ws::close_all("server stopping");
-        self.server.stop(true).await;
+        // HTTP requests still open (event streams, long polls) get what is left of the drain
+        // timeout, not the server's own shutdown wait on top of it: the whole stop stays within
+        // the budget systemd is told about. Those still open then end with the process.
+        let left = timeout
+            .saturating_sub(draining.elapsed())
+            .max(Duration::from_millis(250));
+        if tokio::time::timeout(left, self.server.stop(true))
+            .await
+            .is_err()
+        {
+            tracing::info!("HTTP requests still open at the end of the drain timeout are cut");
+        }
         tracing::info!("stopped");
     }
 }

@@ -387,7 +387,7 @@ impl Turn {
         let call = ChatCall {
             provider: self.root.provider.clone(),
             base_url: self.root.base_url.clone(),
-            api_key: cfg.api_key(),
+            api_key: cfg.api_key_for(self.root.base_url.as_deref()),
             body,
             stream: cfg.model.stream,
             deltas,
@@ -770,10 +770,16 @@ impl Turn {
         let body = compress::summary_request(&model, &plan.middle, None);
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
+        // Keys go only to configured endpoints (the session's may be its client's choice).
+        let api_key = base_url
+            .as_deref()
+            .is_some_and(|u| cfg.is_configured_endpoint(u))
+            .then(|| aux.api_key.clone().or_else(|| cfg.api_key()))
+            .flatten();
         let call = ChatCall {
             provider,
             base_url,
-            api_key: aux.api_key.clone().or_else(|| cfg.api_key()),
+            api_key,
             body,
             stream: false,
             deltas: None,

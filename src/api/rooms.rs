@@ -12,7 +12,7 @@ use crate::clock::SharedClock;
 use crate::error::{GatewayError, GatewayResult};
 use crate::rooms::db::RoomsDb;
 use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
-use crate::session::supervisor::PushEvent;
+use crate::session::supervisor::{push_or_drop, PushEvent};
 use crate::store::room_tasks::{self, TaskIdentity, TaskPayload, TaskStatus, TaskView};
 use crate::store::rooms::{self, RoomMember, RoomStoreError};
 
@@ -86,7 +86,7 @@ impl RoomEventHub {
         let text: Arc<str> = Arc::from(frame.to_string());
         if let Ok(mut s) = self.subscribers.lock() {
             if let Some(subs) = s.get_mut(room_id) {
-                subs.retain(|_, r| r.try_send(PushEvent::one(text.clone())).is_ok());
+                subs.retain(|_, r| push_or_drop(r, PushEvent::one(text.clone())));
             }
         }
     }

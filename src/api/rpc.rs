@@ -646,6 +646,9 @@ impl Authority {
                     "base_url must be http(s) with no credentials, query or fragment".into(),
                 ));
             }
+            if !cfg.is_configured_endpoint(u) {
+                tracing::info!(base_url = %u, "session endpoint is not configured: no API key is sent to it");
+            }
         }
         let platform = cfg.platform_tools(&source);
         let toolsets = match &p.toolsets {

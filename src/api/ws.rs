@@ -208,18 +208,26 @@ impl Handler<PushEvent> for Outbox {
             ctx.stop();
             return;
         }
-        if self.pending.load(Ordering::SeqCst) < self.limit {
+        let reason = if m.is_lost() {
+            tracing::warn!(
+                conn = self.conn_id,
+                "events lost: a session found this connection's mailbox full; disconnecting"
+            );
+            "events lost: the connection fell behind"
+        } else if self.pending.load(Ordering::SeqCst) < self.limit {
             self.pending.fetch_add(m.0.len(), Ordering::SeqCst);
             self.conn.do_send(m);
             return;
-        }
+        } else {
+            tracing::warn!(
+                conn = self.conn_id,
+                queued = self.limit,
+                "slow consumer: outbound queue full; disconnecting"
+            );
+            "slow consumer: outbound queue full"
+        };
         self.cut = true;
-        tracing::warn!(
-            conn = self.conn_id,
-            queued = self.limit,
-            "slow consumer: outbound queue full; disconnecting"
-        );
-        self.conn.do_send(CloseSlow);
+        self.conn.do_send(CloseSlow(reason));
         // If its writer is blocked the connection cannot even send the close frame.
         ctx.run_later(Duration::from_millis(500), |act, ctx| {
             if act.conn.connected() {
@@ -232,17 +240,18 @@ impl Handler<PushEvent> for Outbox {
     }
 }
 
-/// Close with 1008 because the client does not read its frames.
+/// Close with 1008 because the client does not read its frames (or fell so far behind that a
+/// session could not hand it events): it reconnects and reads the log from its last seq.
 #[derive(Message)]
 #[rtype(result = "()")]
-struct CloseSlow;
+struct CloseSlow(&'static str);
 
 impl Handler<CloseSlow> for WsConnection {
     type Result = ();
-    fn handle(&mut self, _: CloseSlow, ctx: &mut Self::Context) {
+    fn handle(&mut self, m: CloseSlow, ctx: &mut Self::Context) {
         ctx.close(Some(ws::CloseReason {
             code: ws::CloseCode::Policy,
-            description: Some("slow consumer: outbound queue full".into()),
+            description: Some(m.0.into()),
         }));
         ctx.stop();
     }

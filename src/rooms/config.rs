@@ -100,11 +100,16 @@ impl RoomsConfig {
             ("prune_interval_seconds", self.prune_interval_seconds),
         ];
         for (name, value) in positive {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(RoomsConfigError(format!("{name} must be positive")));
+            if !(value.is_finite() && value > 0.0 && value <= crate::config::MAX_SECONDS) {
+                return Err(RoomsConfigError(format!(
+                    "{name} must be positive and at most {} seconds",
+                    crate::config::MAX_SECONDS
+                )));
             }
         }
-        if !(self.task_retention_seconds.is_finite() && self.task_retention_seconds >= 0.0) {
+        if !(self.task_retention_seconds.is_finite()
+            && (0.0..=crate::config::MAX_SECONDS).contains(&self.task_retention_seconds))
+        {
             return Err(RoomsConfigError(
                 "task_retention_seconds must be zero or positive".into(),
             ));
@@ -119,7 +124,9 @@ impl RoomsConfig {
             self.unavailable_retry_min_seconds,
             self.unavailable_retry_max_seconds,
         );
-        if !(min.is_finite() && max.is_finite() && min > 0.0 && min <= max) {
+        if !(min.is_finite() && max.is_finite() && min > 0.0 && min <= max)
+            || max > crate::config::MAX_SECONDS
+        {
             return Err(RoomsConfigError(
                 "unavailable retry bounds are invalid".into(),
             ));

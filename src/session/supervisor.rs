@@ -38,6 +38,29 @@ impl PushEvent {
     pub fn one(frame: Arc<str>) -> PushEvent {
         PushEvent(Arc::from([frame]))
     }
+
+    /// No frames: "you were dropped, events were lost" (the receiver's mailbox was full).
+    pub fn lost() -> PushEvent {
+        PushEvent(Arc::from([]))
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Hand `batch` to `r`; false when `r` is gone for good. A receiver whose mailbox is full would
+/// silently miss this batch: it is dropped, and told so (a `lost` notice is queued whatever the
+/// mailbox holds), so it can close instead of serving a stream with a hole in it.
+pub fn push_or_drop(r: &actix::Recipient<PushEvent>, batch: PushEvent) -> bool {
+    match r.try_send(batch) {
+        Ok(()) => true,
+        Err(actix::prelude::SendError::Full(_)) => {
+            r.do_send(PushEvent::lost());
+            false
+        }
+        Err(actix::prelude::SendError::Closed(_)) => false,
+    }
 }
 
 struct Running {
@@ -164,7 +187,7 @@ impl SessionSupervisor {
         if !frames.is_empty() {
             let batch = PushEvent(Arc::from(frames));
             self.subscribers
-                .retain(|_, r| r.try_send(batch.clone()).is_ok());
+                .retain(|_, r| push_or_drop(r, batch.clone()));
         }
         if self.subscribers.is_empty() {
             self.unwatched();
@@ -1324,5 +1347,53 @@ impl Handler<IsIdle> for SessionSupervisor {
         let idle = self.idle();
         self.found_busy |= !idle;
         idle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what it is handed.
+    struct Sink(Arc<std::sync::Mutex<Vec<usize>>>);
+
+    impl Actor for Sink {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<PushEvent> for Sink {
+        type Result = ();
+        fn handle(&mut self, m: PushEvent, _: &mut Context<Self>) {
+            if let Ok(mut seen) = self.0.lock() {
+                seen.push(m.0.len());
+            }
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_receiver_with_a_full_mailbox_is_dropped_and_told_so() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut ctx = Context::new();
+        ctx.set_mailbox_capacity(2);
+        let r = ctx.run(Sink(seen.clone())).recipient();
+        let frame: Arc<str> = Arc::from("{}");
+        // Nothing runs the sink until this task yields: its mailbox fills.
+        let mut sent = 0;
+        while push_or_drop(&r, PushEvent::one(frame.clone())) {
+            sent += 1;
+            assert!(sent < 100, "the mailbox never filled");
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let got = seen.lock().map(|s| s.clone()).unwrap_or_default();
+            if got.len() == sent + 1 {
+                // Every batch it was handed, then the notice that it lost the next one.
+                assert_eq!(got[..sent], vec![1; sent][..]);
+                assert_eq!(got[sent], 0);
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{got:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
     }
 }

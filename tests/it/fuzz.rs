@@ -5,6 +5,7 @@
 //! test --test it fuzz` runs them longer.
 
 use std::path::Path;
+use std::time::Duration;
 
 use gatehouse::api::ws::{parse_request, RpcRequest};
 use gatehouse::config::{Config, ConfigError};
@@ -387,6 +388,16 @@ fn config_loader_accepts_or_names_the_bad_key_never_panics() {
                 Ok(c) => {
                     prop_assert!(c.gateway.max_frame_bytes >= 1024);
                     prop_assert!(c.model.timeout_seconds > 0.0);
+                    // Every duration the daemon builds from the config is representable.
+                    for v in [
+                        c.model.timeout_seconds,
+                        c.approvals.timeout,
+                        c.agent.clarify_timeout,
+                        c.terminal.timeout * 10.0,
+                        c.gateway.drain_timeout_seconds,
+                    ] {
+                        prop_assert!(Duration::try_from_secs_f64(v).is_ok(), "{}", v);
+                    }
                 }
                 Err(ConfigError::Invalid { key, .. }) => {
                     let top = key.split('.').next().unwrap_or("");

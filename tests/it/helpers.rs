@@ -185,6 +185,8 @@ type Handler = dyn Fn(&Value) -> Reply + Send + Sync;
 pub struct FakeModel {
     pub url: String,
     pub requests: Arc<Mutex<Vec<Value>>>,
+    /// Each request's `Authorization` header (None when absent), in arrival order.
+    authorizations: Arc<Mutex<Vec<Option<String>>>>,
     release: Arc<(Mutex<bool>, Condvar)>,
 }
 
@@ -193,19 +195,22 @@ impl FakeModel {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake model");
         let port = listener.local_addr().expect("addr").port();
         let requests = Arc::new(Mutex::new(Vec::new()));
+        let authorizations = Arc::new(Mutex::new(Vec::new()));
         let release = Arc::new((Mutex::new(false), Condvar::new()));
         let handler: Arc<Handler> = Arc::new(handler);
-        let (reqs, rel) = (requests.clone(), release.clone());
+        let (reqs, auths, rel) = (requests.clone(), authorizations.clone(), release.clone());
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                let (reqs, rel, handler) = (reqs.clone(), rel.clone(), handler.clone());
-                std::thread::spawn(move || serve_one(stream, &reqs, &rel, &*handler));
+                let (seen, rel, handler) =
+                    ((reqs.clone(), auths.clone()), rel.clone(), handler.clone());
+                std::thread::spawn(move || serve_one(stream, (&seen.0, &seen.1), &rel, &*handler));
             }
         });
         FakeModel {
             url: format!("http://127.0.0.1:{port}/v1"),
             requests,
+            authorizations,
             release,
         }
     }
@@ -238,6 +243,14 @@ impl FakeModel {
             .iter()
             .filter(|b| last_user(b) == text && !after_tool(b))
             .count()
+    }
+
+    /// The `Authorization` header of each request, in order.
+    pub fn authorizations(&self) -> Vec<Option<String>> {
+        self.authorizations
+            .lock()
+            .map(|a| a.clone())
+            .unwrap_or_default()
     }
 
     /// Last user texts of the requests, in order.
@@ -317,7 +330,7 @@ pub fn wire_chars(body: &Value) -> usize {
 
 fn serve_one(
     mut stream: TcpStream,
-    reqs: &Mutex<Vec<Value>>,
+    (reqs, auths): (&Mutex<Vec<Value>>, &Mutex<Vec<Option<String>>>),
     release: &(Mutex<bool>, Condvar),
     handler: &Handler,
 ) {
@@ -326,6 +339,7 @@ fn serve_one(
         Err(_) => return,
     });
     let mut length = 0usize;
+    let mut authorization = None;
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line).unwrap_or(0) == 0 {
@@ -338,12 +352,18 @@ fn serve_one(
         if let Some(v) = l.to_ascii_lowercase().strip_prefix("content-length:") {
             length = v.trim().parse().unwrap_or(0);
         }
+        if l.to_ascii_lowercase().starts_with("authorization:") {
+            authorization = Some(l["authorization:".len()..].trim().to_string());
+        }
     }
     let mut body = vec![0u8; length];
     if reader.read_exact(&mut body).is_err() {
         return;
     }
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    if let Ok(mut a) = auths.lock() {
+        a.push(authorization);
+    }
     if let Ok(mut r) = reqs.lock() {
         r.push(body.clone());
     }

@@ -1511,3 +1511,36 @@ async fn a_full_session_queue_is_refused_with_session_busy() {
     wait_until("Q3", Duration::from_secs(20), || all_terminal(&home)).await;
     assert_eq!(home.admission("Q3").outcome.as_deref(), Some("completed"));
 }
+
+#[actix_rt::test]
+async fn the_model_key_goes_only_to_configured_endpoints() {
+    // A client chooses its session's base_url; pointing it at a server of its own must not
+    // hand it the operator's model key.
+    let configured = FakeModel::ack();
+    let foreign = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&configured, json!({}));
+    let mut ws = d.ws().await;
+    let own = ws.session("own", &home.path).await;
+    let theirs = ws
+        .create("theirs", &home.path, json!({"base_url": foreign.url}))
+        .await["session_id"]
+        .as_str()
+        .expect("session id")
+        .to_string();
+    ws.submit(&own, "to-configured", "to-configured").await;
+    ws.submit(&theirs, "to-foreign", "to-foreign").await;
+    wait_until("both turns", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    assert_eq!(foreign.reached("to-foreign"), 1);
+    assert_eq!(
+        configured.authorizations(),
+        vec![Some("Bearer loopback-only".to_string())]
+    );
+    assert_eq!(foreign.authorizations(), vec![None]);
+    assert_eq!(
+        home.admission("to-foreign").outcome.as_deref(),
+        Some("completed")
+    );
+}

@@ -391,3 +391,46 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
     assert!(o.status.success(), "{o:?}");
     assert_eq!(home.admission_by_id(&row.admission_id).status, "terminal");
 }
+
+#[actix_rt::test]
+async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_work() {
+    let model = FakeModel::start(|_| Reply::Hang);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("s", &home.path).await;
+    ws.submit(&sid, "parked", "parked").await;
+    wait_until(
+        "the turn reaches the model",
+        Duration::from_secs(20),
+        || model.reached("parked") == 1,
+    )
+    .await;
+    let mut second = spawn_cli(&home, &["serve"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Ok(Some(status)) = second.try_wait() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = second.kill();
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let out = second.wait_with_output().expect("second daemon output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "a second daemon ran on the same home: {status:?}\n{stderr}"
+    );
+    assert!(stderr.contains("another gateway is serving"), "{stderr}");
+    // The first daemon still owns the home: its socket, its epoch and its running turn.
+    let ident = control(&home.path, "identify", json!({})).expect("identify");
+    assert_eq!(ident["authority_epoch"], d.epoch());
+    assert_eq!(home.admission("parked").status, "started");
+    model.release();
+    wait_until("the parked turn settles", Duration::from_secs(20), || {
+        home.admission("parked").status == "terminal"
+    })
+    .await;
+}

@@ -1361,3 +1361,29 @@ async fn an_approval_journey_over_rest_and_sse() {
         .collect();
     assert_eq!(roles, vec!["user", "assistant", "tool", "assistant"]);
 }
+
+/// A graceful stop stays within its drain timeout with an event stream open: the open request
+/// gets what is left of the drain, not the HTTP server's own five-second shutdown wait on top of
+/// it (which could carry the stop past systemd's TimeoutStopSec, and into a SIGKILL).
+#[actix_rt::test]
+async fn a_graceful_stop_with_an_event_stream_open_stays_within_the_drain_timeout() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"gateway": {"drain_timeout_seconds": 1}, "http": {"sse_keepalive_seconds": 0.3}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("stop", &home.path).await;
+    let a = api.submit(&sid, "i1", "one").await;
+    let mut sse = Sse::open(&api, &format!("/v1/sessions/{sid}/events"), None).await;
+    sse.until(completes(&a["admission_id"])).await;
+    let stopping = Instant::now();
+    assert_eq!(d.term(), Some(0));
+    let took = stopping.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "the stop took {took:?} with a 1 s drain timeout"
+    );
+}
