@@ -145,6 +145,13 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
         victim.path.join("keep").exists(),
         "the gated command never ran"
     );
+    // The approval it waited on is gone with it: the room says so.
+    ws.event(Duration::from_secs(10), |e| {
+        e["type"] == "room.pending_action"
+            && e["room_id"] == "room-a"
+            && e["payload"]["action"].is_null()
+    })
+    .await;
 
     // The slot is free again: a new task in the same room runs.
     ws.ok("room.admit", admit("room-a", "a2", "ops", "hello a2", 2))
@@ -810,6 +817,13 @@ async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
     .await;
     assert_parked_once(&model, &victim);
     assert_eq!(model.reached("hello p3"), 0, "cancelled work never ran");
+    // The approval p1 waited on went with it: the room's report of it is withdrawn.
+    ws.event(Duration::from_secs(10), |e| {
+        e["type"] == "room.pending_action"
+            && e["room_id"] == "park"
+            && e["payload"]["action"].is_null()
+    })
+    .await;
 
     // The other room still works; the operator retires it by name.
     ws.ok("room.admit", admit("other", "o1", "ops", "hello o1", 1))
