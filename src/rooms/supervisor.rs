@@ -5,12 +5,13 @@
 //! observed to its end under the member's turn lock, with its deadline enforced.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::rooms::bound::{bound_text, bounded_result, MAX_TERMINAL_ERROR_BYTES};
 use crate::rooms::port::{
     room_session_title, HistoryMessage, InterruptRequest, LedgerAttempt, PortError, SessionAddress,
     SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt,
-    ROOM_SESSION_SOURCE,
+    TurnGuard, ROOM_SESSION_SOURCE,
 };
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
 use crate::store::leases::{acquire_lease, renew_lease, Lease};
@@ -405,8 +406,7 @@ impl RoomRuntime {
             self.state()
                 .current_tasks
                 .insert(binding.room_id.clone(), attempt.identity.clone());
-            {
-                let _guard = self.inner.locks.lock(profile.clone()).await;
+            if let Some(_guard) = self.turn_lock_for(binding, &attempt, &profile).await {
                 match self
                     .open_existing(port.as_ref(), &profile, &binding.room_id)
                     .await
@@ -1213,7 +1213,7 @@ impl RoomRuntime {
             }
         };
         let profile = task.payload.target_profile.clone();
-        let _guard = self.inner.locks.lock(profile.clone()).await;
+        let _guard = self.turn_lock_for(binding, attempt, &profile).await?;
         let session_id = match self
             .open_session(port.as_ref(), &profile, &binding.room_id, true)
             .await
@@ -1268,6 +1268,40 @@ impl RoomRuntime {
         }
         self.observe(binding, attempt, task, port.as_ref(), &session_id, deadline)
             .await
+    }
+
+    /// The member's turn lock, for an attempt already started. Another room's turn may hold it
+    /// up to its own deadline; the room's lease is renewed while it waits (as the observation
+    /// does), or the lease would lapse in the queue and fence the attempt it is waiting to run.
+    /// `None`: the lease was lost meanwhile (the attempt never reached the member).
+    async fn turn_lock_for(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        profile: &str,
+    ) -> Option<TurnGuard> {
+        let task_id = &attempt.identity.task_id;
+        let mut lock = self.inner.locks.lock(profile.to_string());
+        let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
+        loop {
+            tokio::select! {
+                guard = &mut lock => break Some(guard),
+                _ = tokio::time::sleep(every) => {}
+            }
+            if let Err(error) = self.ensure_lease(binding).await {
+                self.fenced(binding, task_id, &error);
+                return None;
+            }
+            if self
+                .lease(&binding.room_id)
+                .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
+            {
+                self.set_error(format!(
+                    "task {task_id} fenced: driver lease is stale or expired"
+                ));
+                return None;
+            }
+        }
     }
 
     async fn fail_before_submit(

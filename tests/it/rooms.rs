@@ -742,6 +742,55 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
     assert_parked_once(&model, &victim);
 }
 
+/// A member's turns run one at a time across rooms. A room whose task waits for the member while
+/// another room's turn holds it (here parked on an approval until its deadline, four lease TTLs)
+/// keeps its lease the whole wait, so its own attempt is not fenced when it finally runs: it
+/// settles through its observation, never lost to a lapsed lease and recovered as indeterminate.
+#[actix_rt::test]
+async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
+    let victim = Home::new();
+    let model = parking_model(&victim);
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"turn_timeout_seconds": 4, "lease_ttl_seconds": 1, "poll_interval_seconds": 0.2,
+                      "active_poll_interval_seconds": 0.05, "max_concurrent_rooms": 2},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    for room in ["first", "second"] {
+        ws.ok(
+            "room.create",
+            json!({"room_id": room, "name": room, "members": [{"profile": "ops", "handle": "ops"}]}),
+        )
+        .await;
+    }
+    ws.ok("room.admit", admit("first", "f1", "ops", "PARK now", 1))
+        .await;
+    ws.event(Duration::from_secs(30), |e| {
+        e["type"] == "room.pending_action" && e["payload"]["action"].is_object()
+    })
+    .await;
+    ws.ok("room.admit", admit("second", "s1", "ops", "hello s1", 1))
+        .await;
+    wait_status(&mut ws, "first", "f1", "failed").await;
+    wait_status(&mut ws, "second", "s1", "settled").await;
+    let s1 = room_tasks(&mut ws, "second")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "s1")
+        .expect("s1");
+    assert!(s1["indeterminate_at"].is_null(), "{s1}");
+    assert!(s1.to_string().contains("ACK_hello s1"), "{s1}");
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["lease_losses"], 0, "{status}");
+    assert_eq!(model.reached("hello s1"), 1);
+    assert_parked_once(&model, &victim);
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
