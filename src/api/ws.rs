@@ -145,6 +145,7 @@ pub async fn ws_route(
         heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
         client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
         partial: None,
+        in_flight: 0,
         outbox: None,
         pending: Arc::new(AtomicUsize::new(0)),
         socket: req.conn_data::<ConnSocket>().cloned(),
@@ -156,6 +157,11 @@ pub async fn ws_route(
         .start()
 }
 
+/// Requests one connection may have read and not yet answered. Past it a request is refused at
+/// once (`rate_limited`) instead of queueing work (and memory) without bound for a client that
+/// pipelines faster than the store answers; a client that waits for its replies never meets it.
+pub const MAX_IN_FLIGHT: usize = 256;
+
 pub struct WsConnection {
     authority: Authority,
     principal: String,
@@ -166,6 +172,8 @@ pub struct WsConnection {
     heartbeat: Duration,
     client_timeout: Duration,
     partial: Option<Vec<u8>>,
+    /// Requests read and not yet answered (at most [`MAX_IN_FLIGHT`]).
+    in_flight: usize,
     /// Where sessions push this connection's events (see [`Outbox`]).
     outbox: Option<Recipient<PushEvent>>,
     /// Event frames handed over by the outbox and not yet written.
@@ -456,6 +464,16 @@ impl WsConnection {
             }
         };
         let reply_id = id.clone().unwrap_or(Value::Null);
+        if self.in_flight >= MAX_IN_FLIGHT {
+            let err = GatewayError::RateLimited(format!(
+                "{MAX_IN_FLIGHT} requests of this connection are already in flight: wait for their replies"
+            ));
+            if id.is_some() {
+                ctx.text(error_frame(reply_id, &err));
+            }
+            return;
+        }
+        self.in_flight += 1;
         let caller = Caller {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
@@ -470,6 +488,7 @@ impl WsConnection {
             authority.call(&method, params, &caller).await
         };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.in_flight -= 1;
             let frame = match res {
                 Ok(r) => {
                     if let Some((root, sup)) = r.subscribe {

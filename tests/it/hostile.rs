@@ -99,6 +99,20 @@ impl RawWs {
 
     /// Send one frame (client frames are masked).
     pub fn frame(&mut self, fin: bool, opcode: u8, payload: &[u8]) {
+        let out = Self::masked(fin, opcode, payload);
+        let _ = self.stream.write_all(&out);
+    }
+
+    /// A final text frame's bytes, to send several in one write.
+    pub fn masked_text(payload: &[u8]) -> Vec<u8> {
+        Self::masked(true, 0x1, payload)
+    }
+
+    pub fn write_all(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("write");
+    }
+
+    fn masked(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
         let mut out = vec![if fin { 0x80 } else { 0 } | opcode];
         let len = payload.len();
         if len < 126 {
@@ -113,7 +127,7 @@ impl RawWs {
         let mask = [0x11u8, 0x22, 0x33, 0x44];
         out.extend_from_slice(&mask);
         out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        let _ = self.stream.write_all(&out);
+        out
     }
 
     pub fn text(&mut self, payload: &[u8]) {
@@ -1543,4 +1557,55 @@ async fn the_model_key_goes_only_to_configured_endpoints() {
         home.admission("to-foreign").outcome.as_deref(),
         Some("completed")
     );
+}
+
+#[actix_rt::test]
+async fn a_connection_that_pipelines_past_its_bound_is_refused_not_queued() {
+    // 1000 writes sent in one burst, without waiting for a reply: the store answers slower than
+    // they arrive, so more than the bound are in flight at once. Those past it are refused at
+    // once; every request gets exactly one reply; the connection keeps serving.
+    const SENT: usize = 1000;
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut raw = RawWs::connect(&home.path, &d.origin());
+    let cwd = home.path.to_string_lossy().to_string();
+    let mut burst = Vec::new();
+    for i in 0..SENT {
+        let req = json!({"jsonrpc": "2.0", "id": i, "method": "session.create",
+                         "params": {"request_id": format!("burst-{i}"), "cwd": cwd}});
+        let mut one = RawWs::masked_text(req.to_string().as_bytes());
+        burst.append(&mut one);
+    }
+    raw.write_all(&burst);
+    let mut ids = std::collections::BTreeSet::new();
+    let (mut created, mut refused) = (0, 0);
+    for _ in 0..SENT {
+        let reply = raw.reply();
+        assert!(ids.insert(reply["id"].as_u64().expect("id")), "{reply}");
+        if reply["result"]["session_id"].is_string() {
+            created += 1;
+        } else {
+            assert_eq!(reply["error"]["data"]["reason"], "rate_limited", "{reply}");
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "the bound never held: {created} created");
+    assert!(created >= 256, "{created} created, {refused} refused");
+    // Refused means not done: no session for a refused request.
+    let sessions: i64 = {
+        use diesel::prelude::*;
+        gatehouse::store::schema::sessions::table
+            .count()
+            .get_result(&mut home.db())
+            .expect("count")
+    };
+    assert_eq!(sessions as usize, created);
+    raw.text(
+        json!({"jsonrpc": "2.0", "id": "after", "method": "session.create",
+                    "params": {"request_id": "after", "cwd": cwd}})
+        .to_string()
+        .as_bytes(),
+    );
+    let after = raw.reply();
+    assert!(after["result"]["session_id"].is_string(), "{after}");
 }
