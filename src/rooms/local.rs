@@ -468,7 +468,52 @@ pub fn port(authority: Authority, poll: Duration) -> Arc<dyn SessionPort> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_input_id;
+    use super::*;
+    use crate::rooms::supervisor::{settlement_from_history, settlement_from_receipt};
+
+    fn row(outcome: &str, result: Value) -> AdmissionRow {
+        AdmissionRow {
+            seq: 1,
+            admission_id: "adm-1".into(),
+            request_id: input_id("r1", "t-9", 3),
+            principal_id: ROOMS_PRINCIPAL.into(),
+            target_session_id: "s".into(),
+            session_ordinal: 1,
+            payload_json: "{}".into(),
+            payload_digest: String::new(),
+            intent: "queue".into(),
+            status: "terminal".into(),
+            outcome: Some(outcome.into()),
+            owner_epoch: Some(1),
+            execution_generation: Some(1),
+            result_json: Some(result.to_string()),
+            created_at: 1.0,
+            updated_at: 2.0,
+        }
+    }
+
+    /// The callback and the observation settle the same attempt from the same ledger row; the
+    /// second must be an idempotent replay of the first, so both write the same result.
+    #[test]
+    fn history_and_callback_settle_a_row_identically() {
+        for row in [
+            row(
+                "completed",
+                json!({"final_response": "done", "completed": true}),
+            ),
+            row(
+                "failed",
+                json!({"failed": true, "error": "model said 500", "reason": "model"}),
+            ),
+        ] {
+            let history = history_message(&row).expect("a receipt");
+            let from_history = settlement_from_history(&history);
+            let from_callback = settlement_from_receipt(&receipt_of(&row), "t-9", 3);
+            assert_eq!(from_history.settlement_id, from_callback.settlement_id);
+            assert_eq!(from_history.status, from_callback.status);
+            assert_eq!(from_history.result, from_callback.result, "{row:?}");
+        }
+    }
 
     #[test]
     fn input_ids_carry_task_and_generation() {

@@ -82,18 +82,27 @@ pub(crate) fn settlement_from_history(message: &HistoryMessage) -> Settlement {
         .message_id
         .clone()
         .unwrap_or_else(|| settlement_id.clone());
+    // A failed receipt's content is its error, and is recorded as the error, as the callback
+    // records the same receipt: the two paths race to settle an attempt, and must write the
+    // same result (the second is then an idempotent replay, not a conflict).
+    let settled = message.status.as_deref() == Some("settled");
+    let (text, error) = if settled {
+        (message.content.as_str(), None)
+    } else {
+        ("", Some(message.content.as_str()))
+    };
     Settlement {
         settlement_id,
-        status: if message.status.as_deref() == Some("settled") {
+        status: if settled {
             SettlementStatus::Settled
         } else {
             SettlementStatus::Failed
         },
-        result: bounded_result(&message_id, &message.content, None),
+        result: bounded_result(&message_id, text, error),
     }
 }
 
-fn settlement_from_receipt(
+pub(crate) fn settlement_from_receipt(
     receipt: &TerminalReceipt,
     task_id: &str,
     generation: i64,
