@@ -97,6 +97,10 @@ impl RoomHooks for RoomEventHub {
         self.publish(&binding.room_id, "room.task", task_view(task));
     }
 
+    fn task_cancelled(&self, room_id: &str, task: &TaskView) {
+        self.publish(room_id, "room.task", task_view(task));
+    }
+
     fn pending_action(&self, room_id: &str, member_id: &str, action: Option<&Value>) {
         self.publish(
             room_id,

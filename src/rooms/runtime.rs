@@ -78,6 +78,10 @@ pub trait RoomHooks: Send + Sync {
     }
     /// Called once per terminal commit the runtime makes (settled, failed, deferred).
     fn publish_terminal(&self, _binding: &RoomBinding, _task: &TaskView) {}
+    /// Called once per cancellation committed by `cancel` or by an acknowledged stop. Kept
+    /// apart from [`RoomHooks::publish_terminal`], which the contract keeps cancellations out
+    /// of; an event stream wants every terminal commit.
+    fn task_cancelled(&self, _room_id: &str, _task: &TaskView) {}
     /// A member waits on an approval (`Some`), or no longer does (`None`).
     fn pending_action(
         &self,
@@ -644,6 +648,9 @@ impl RoomRuntime {
                         .await;
                     match result {
                         Ok(view) => {
+                            if !view.idempotent {
+                                self.inner.hooks.task_cancelled(&identity.room_id, &view);
+                            }
                             self.wakeup();
                             return Ok(view);
                         }

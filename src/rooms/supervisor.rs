@@ -1056,10 +1056,14 @@ impl RoomRuntime {
             self.inner.clock.clone(),
             task.cancel_generation,
         );
-        self.inner
+        let view = self
+            .inner
             .db
             .write(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
             .await?;
+        if !view.idempotent {
+            self.inner.hooks.task_cancelled(&binding.room_id, &view);
+        }
         Ok(())
     }
 

@@ -854,6 +854,16 @@ async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
             "cancelled",
             "{task}"
         );
+        // Every cancellation is a terminal commit its room's followers hear of: the queued
+        // ones cancelled at once and the parked one once its member acknowledged the stop.
+        let event = ws
+            .event(Duration::from_secs(10), |e| {
+                e["type"] == "room.task"
+                    && e["room_id"] == "park"
+                    && e["payload"]["identity"]["task_id"] == task
+            })
+            .await;
+        assert_eq!(event["payload"]["status"], "cancelled", "{event}");
     }
     let again = ws.ok("room.disband", json!({"room_id": "park"})).await;
     assert_eq!(again["state"], "disbanded");
