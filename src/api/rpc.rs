@@ -18,7 +18,7 @@ use crate::session::prompts::{PromptAnswer, PromptKind};
 use crate::session::registry::{GetSupervisor, SessionRegistry};
 use crate::session::supervisor::{
     CancelQueued, GetLive, Interrupt, PushEvent, ResolveUnknown, Respond, SessionSupervisor,
-    Submit, Subscribe,
+    Submit, Subscribe, Unsubscribe,
 };
 use crate::session::Shared;
 use crate::store::admissions::{self, hex, AdmissionRow};
@@ -138,6 +138,8 @@ pub struct CallResult {
     pub created: bool,
     /// Follow this root from now on (with its supervisor, when known).
     pub subscribe: Option<(String, Option<Addr<SessionSupervisor>>)>,
+    /// Stop following this root.
+    pub unsubscribe: Option<String>,
 }
 
 impl CallResult {
@@ -146,6 +148,7 @@ impl CallResult {
         CallResult {
             result: result.into(),
             subscribe: None,
+            unsubscribe: None,
             created: false,
         }
     }
@@ -331,6 +334,27 @@ impl Authority {
                 Ok(CallResult {
                     result: snap.into(),
                     subscribe: Some((root.id, sup)),
+                    unsubscribe: None,
+                    created: false,
+                })
+            }
+            "session.unsubscribe" => {
+                // Stop following a session: its events stop, and its supervisor may be let go
+                // when idle (a followed one never is), so a client that looked at many sessions
+                // does not keep them all in memory for the life of its connection.
+                let p: SessionParams = params(p)?;
+                let root = self.owned_root(&p.session_id, &caller.principal).await?;
+                let followed = caller.subscribed.contains_key(&root.id);
+                if followed {
+                    let sup = self.supervisor(&root.id).await?;
+                    sup.do_send(Unsubscribe {
+                        conn_id: caller.conn_id,
+                    });
+                }
+                Ok(CallResult {
+                    result: json!({"session_id": root.id, "unsubscribed": followed}).into(),
+                    subscribe: None,
+                    unsubscribe: Some(root.id),
                     created: false,
                 })
             }
@@ -703,6 +727,7 @@ impl Authority {
         Ok(CallResult {
             result: snap.into(),
             subscribe: Some((row.id, sup)),
+            unsubscribe: None,
             created,
         })
     }

@@ -494,6 +494,9 @@ impl WsConnection {
                     if let Some((root, sup)) = r.subscribe {
                         Arc::make_mut(&mut act.subscribed).insert(root, sup);
                     }
+                    if let Some(root) = r.unsubscribe {
+                        Arc::make_mut(&mut act.subscribed).remove(&root);
+                    }
                     result_frame(&reply_id, &r.result)
                 }
                 Err(e) => error_frame(reply_id, &e),

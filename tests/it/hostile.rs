@@ -1609,3 +1609,63 @@ async fn a_connection_that_pipelines_past_its_bound_is_refused_not_queued() {
     let after = raw.reply();
     assert!(after["result"]["session_id"].is_string(), "{after}");
 }
+
+#[actix_rt::test]
+async fn an_unsubscribed_session_is_no_longer_followed_and_can_be_let_go() {
+    // A client that looked at many sessions keeps them all loaded while it follows them (a
+    // followed session is never evicted); session.unsubscribe lets them go.
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let mut sids = Vec::new();
+    for i in 0..6 {
+        sids.push(ws.session(&format!("u{i}"), &home.path).await);
+    }
+    let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
+    assert!(loaded >= 6.0, "followed sessions stay loaded: {loaded}");
+    for sid in &sids[1..] {
+        let r = ws
+            .ok("session.unsubscribe", json!({"session_id": sid}))
+            .await;
+        assert_eq!(r["unsubscribed"], true, "{r}");
+    }
+    wait_loaded_at_most(
+        &origin,
+        2.0,
+        Duration::from_secs(15),
+        " after unsubscribing",
+    )
+    .await;
+    // No longer followed on this connection: acting on it needs a resume first.
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sids[1], "input_id": "x", "text": "x"}),
+        "permission_denied",
+    )
+    .await;
+    let again = ws
+        .ok("session.unsubscribe", json!({"session_id": sids[1]}))
+        .await;
+    assert_eq!(again["unsubscribed"], false, "{again}");
+    ws.ok("session.resume", json!({"session_id": sids[1]}))
+        .await;
+    ws.submit(&sids[1], "back", "back").await;
+    let done = ws
+        .event(Duration::from_secs(20), |e| e["type"] == "message.complete")
+        .await;
+    assert_eq!(done["session_id"], sids[1]);
+    // The one it kept following was never let go, and still reports.
+    ws.submit(&sids[0], "kept", "kept").await;
+    let done = ws
+        .event(Duration::from_secs(20), |e| {
+            e["type"] == "message.complete" && e["session_id"] == sids[0].as_str()
+        })
+        .await;
+    assert_eq!(done["session_id"], sids[0]);
+}
