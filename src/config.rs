@@ -504,6 +504,22 @@ impl Config {
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
         }
+        // A key is listed by its SHA-256 (`gatehouse key create` prints one): anything else
+        // (the key itself, a truncated hash) would match nothing while it still counted as
+        // "a key is configured".
+        let digest = |k: &str| {
+            let hex = k.trim().trim_start_matches("sha256:");
+            hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
+        };
+        if let Some(bad) = self.gateway.api_keys.iter().position(|k| !digest(k)) {
+            return invalid(
+                "gateway.api_keys",
+                &format!(
+                    "entry {bad} is not a key's SHA-256 (expected sha256:<64 hex digits>, \
+                     as `gatehouse key create` prints; never the key itself)"
+                ),
+            );
+        }
         if self
             .gateway
             .allowed_cwd_roots
@@ -788,6 +804,25 @@ mod tests {
         // Zero still means "wait without a limit" for an answer.
         let c = parse("approvals:\n  timeout: 0\nagent:\n  clarify_timeout: 0\n").expect("loads");
         assert_eq!((c.approvals.timeout, c.agent.clarify_timeout), (0.0, 0.0));
+    }
+
+    #[test]
+    fn api_keys_must_be_digests() {
+        for keys in [r#"["gk_the_key_itself"]"#, r#"["sha256:abc"]"#] {
+            let text = format!("gateway:\n  api_keys: {keys}\n");
+            match parse(&text) {
+                Err(ConfigError::Invalid { key, message }) => {
+                    assert_eq!(key, "gateway.api_keys");
+                    assert!(message.contains("entry 0"), "{message}");
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        let digest = "a".repeat(64);
+        parse(&format!(
+            "gateway:\n  api_keys: [\"sha256:{digest}\", \"{digest}\"]\n"
+        ))
+        .expect("digests load");
     }
 
     #[test]

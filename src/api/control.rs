@@ -89,8 +89,13 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
                         .and_then(|m| m.as_str())
                         .unwrap_or("")
                         .to_string();
-                    let params = obj.get("params").cloned().unwrap_or(json!({}));
-                    control.dispatch(&method, params, same_user).await
+                    match obj.get("params").cloned().unwrap_or(Value::Null) {
+                        Value::Null => control.dispatch(&method, json!({}), same_user).await,
+                        params @ Value::Object(_) => {
+                            control.dispatch(&method, params, same_user).await
+                        }
+                        _ => err("invalid_params", "params must be a JSON object"),
+                    }
                 }
                 Ok(_) => err("invalid_request", "a request must be a JSON object"),
                 Err(e) => err("parse_error", e.to_string()),

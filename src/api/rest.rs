@@ -253,8 +253,18 @@ pub async fn read_json<T: DeserializeOwned>(
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("bad request body: {e}")))
 }
 
+/// Room for the largest text the session takes, however its client escapes it: JSON writes a
+/// character as up to six bytes (`\u0436` for a two-byte one, as Python's `json.dumps` does by
+/// default). The text's own limit is checked on its UTF-8 bytes, as over the WebSocket.
 pub fn body_limit(state: &AppState) -> usize {
-    state.authority.shared.config.session.max_text_bytes * 2 + BODY_OVERHEAD
+    state
+        .authority
+        .shared
+        .config
+        .session
+        .max_text_bytes
+        .saturating_mul(6)
+        .saturating_add(BODY_OVERHEAD)
 }
 
 /// A caller for the authority: `principal`, treated as subscribed to `root`.

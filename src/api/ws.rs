@@ -111,6 +111,17 @@ pub async fn ws_route(
                 "too many open connections (gateway.max_connections = {})", cfg.max_connections)}}),
             ));
     };
+    // The rest of the request is checked before the ticket is spent too: a client refused for
+    // a missing subprotocol or a stripped handshake header can retry with the same ticket.
+    if !offered.iter().any(|p| p == SUBPROTOCOL) {
+        return Ok(HttpResponse::BadRequest()
+            .json(json!({"error": {"reason": "invalid_request", "message": "offer the gatehouse.v1 subprotocol"}})));
+    }
+    if let Err(e) = ws::handshake(&req) {
+        return Ok(HttpResponse::BadRequest().json(
+            json!({"error": {"reason": "invalid_request", "message": format!("not a WebSocket upgrade: {e}")}}),
+        ));
+    }
     let ticket = offered
         .iter()
         .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
@@ -131,10 +142,6 @@ pub async fn ws_route(
             }
         },
     };
-    if !offered.iter().any(|p| p == SUBPROTOCOL) {
-        return Ok(HttpResponse::BadRequest()
-            .json(json!({"error": {"reason": "invalid_request", "message": "offer the gatehouse.v1 subprotocol"}})));
-    }
     let conn = WsConnection {
         authority: state.authority.clone(),
         principal,

@@ -697,6 +697,8 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
         400,
         "invalid_request",
     );
+    // A request refused before the ticket is looked at leaves it unspent: the retry gets in.
+    assert_eq!(raw_upgrade(&origin, &p(&t), &[]).status, 101);
     let t = ticket(&home.path);
     // The only wait: the ticket's own 0.3 s lifetime.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -952,6 +954,19 @@ async fn hostile_control_socket_lines_get_typed_errors() {
         (
             "resolve_unknown_nonsense",
             b"{\"method\":\"resolve-unknown\",\"params\":5}\n".to_vec(),
+            false,
+            "invalid_params",
+        ),
+        (
+            // Once a panic of the connection's task: no reply, the connection dropped.
+            "room_cancel_params_a_list",
+            b"{\"method\":\"room-cancel\",\"params\":[]}\n".to_vec(),
+            false,
+            "invalid_params",
+        ),
+        (
+            "resolve_unknown_without_params",
+            b"{\"method\":\"resolve-unknown\"}\n".to_vec(),
             false,
             "not_found",
         ),

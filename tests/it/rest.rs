@@ -1387,3 +1387,37 @@ async fn a_graceful_stop_with_an_event_stream_open_stays_within_the_drain_timeou
         "the stop took {took:?} with a 1 s drain timeout"
     );
 }
+
+/// A text within the session's limit is taken however its client escapes it: Python's
+/// `json.dumps` (ensure_ascii) writes each Cyrillic character as six bytes (`\u0436`), three
+/// times its UTF-8 size. The body limit once allowed only twice the text limit, so such a text
+/// was refused over REST (413) while the same text went through the WebSocket.
+#[actix_rt::test]
+async fn an_escaped_text_within_the_limit_is_taken_over_rest() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"session": {"max_text_bytes": 65536}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("escaped", &home.path).await;
+    let text = "ж".repeat(32_768);
+    assert_eq!(text.len(), 65_536);
+    let escaped = "\\u0436".repeat(32_768);
+    let body = format!(r#"{{"input_id": "cyrillic", "text": "{escaped}"}}"#);
+    let r = api
+        .raw("POST", &format!("/v1/sessions/{sid}/inputs"), Some(body))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    api.wait(&sid, &r.body["admission_id"]).await;
+    assert_eq!(model.reached(&text), 1);
+    // One byte over the text's own limit is still refused, for what it is.
+    let over = format!(r#"{{"input_id": "over", "text": "{escaped}x"}}"#);
+    let r = api
+        .raw("POST", &format!("/v1/sessions/{sid}/inputs"), Some(over))
+        .await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert!(r.body.to_string().contains("text is over"), "{}", r.body);
+}
