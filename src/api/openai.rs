@@ -2,7 +2,8 @@
 //!
 //! The conversation's last user message becomes one input of a session: the one named by the
 //! `X-Gatehouse-Session` header, else one derived from the conversation (a hash of its messages up
-//! to the first user message, so a growing conversation keeps its session). The input id is the
+//! to the first user message, so a growing conversation keeps its session, and of the request's
+//! `user` when it names one, so two end users' conversations never share a session). The input id is the
 //! `Idempotency-Key` header, else a hash of the whole request's messages: a retried request joins
 //! the same admission instead of running again. The answer is the turn's final assistant message,
 //! as a `chat.completion` or (with `stream: true`) as `chat.completion.chunk` events ending with
@@ -253,8 +254,15 @@ fn digest_of(messages: &[ChatMessage]) -> String {
     ))
 }
 
-/// The session's request id: the header's name, else a hash of the conversation's opening.
-fn session_request_id(req: &HttpRequest, messages: &[ChatMessage]) -> Result<String, ChatFailure> {
+/// The session's request id: the header's name, else a hash of the conversation's opening and,
+/// when the request names one, its end user (`user`): an app serving many users through one key
+/// must not put two users' conversations that open alike into one session (the second would
+/// get the first's answers and, later, its history).
+fn session_request_id(
+    req: &HttpRequest,
+    messages: &[ChatMessage],
+    user: Option<&str>,
+) -> Result<String, ChatFailure> {
     if let Some(v) = req.headers().get(SESSION_HEADER) {
         let name = v
             .to_str()
@@ -269,10 +277,16 @@ fn session_request_id(req: &HttpRequest, messages: &[ChatMessage]) -> Result<Str
         .iter()
         .position(|m| m.role == "user")
         .map_or(messages.len(), |i| i + 1);
-    Ok(format!(
-        "openai/conv-{}",
-        &digest_of(&messages[..opening])[..32]
-    ))
+    let conversation = digest_of(&messages[..opening]);
+    Ok(match user {
+        None => format!("openai/conv-{}", &conversation[..32]),
+        Some(user) => {
+            let scoped = hex(&Sha256::digest(
+                json!([user, conversation]).to_string().as_bytes(),
+            ));
+            format!("openai/user-conv-{}", &scoped[..32])
+        }
+    })
 }
 
 /// What the finished turn gives the client.
@@ -441,7 +455,7 @@ pub async fn chat_completions(
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
     let authority = &state.authority;
     let principal = principal.0;
-    let request_id = session_request_id(&req, &body.messages)?;
+    let request_id = session_request_id(&req, &body.messages, body.user.as_deref())?;
     let session_id = session_id_for(&principal, &request_id);
     let snap: SessionSnapshot = match authority.owned_root(&session_id, &principal).await {
         Ok(root) => {
@@ -621,11 +635,19 @@ mod tests {
         later.push(msg("assistant", json!("hi!")));
         later.push(msg("user", json!("again")));
         let req = actix_web::test::TestRequest::default().to_http_request();
-        let a = session_request_id(&req, &first).expect("id");
+        let a = session_request_id(&req, &first, None).expect("id");
         assert_eq!(
             a,
-            session_request_id(&req, &later).expect("id"),
+            session_request_id(&req, &later, None).expect("id"),
             "a growing conversation keeps its session"
+        );
+        let alice = session_request_id(&req, &first, Some("alice")).expect("id");
+        let bob = session_request_id(&req, &first, Some("bob")).expect("id");
+        assert!(alice != bob && alice != a && bob != a, "{alice} {bob} {a}");
+        assert_eq!(
+            alice,
+            session_request_id(&req, &later, Some("alice")).expect("id"),
+            "a user's growing conversation keeps its session"
         );
         assert_ne!(
             digest_of(&first),
@@ -636,7 +658,7 @@ mod tests {
             .insert_header((SESSION_HEADER, "work"))
             .to_http_request();
         assert_eq!(
-            session_request_id(&named, &first).expect("id"),
+            session_request_id(&named, &first, Some("alice")).expect("id"),
             "openai/work"
         );
     }

@@ -979,6 +979,30 @@ async fn chat_completions_speak_the_openai_wire_format() {
     assert_eq!(again.body["id"], r.body["id"]);
     assert_eq!(model.reached("hello"), 1);
 
+    // Two end users of one app whose conversations open alike are two sessions: neither gets
+    // the other's answer (nor, later, its history).
+    let mut per_user = Vec::new();
+    for user in ["alice", "bob"] {
+        let r = chat(
+            &api,
+            json!({"model": "gpt-4o", "messages": conversation, "user": user}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let header = |name: &str| {
+            r.headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        per_user.push((header("x-gatehouse-session"), r.body["id"].clone()));
+    }
+    assert_ne!(per_user[0], per_user[1], "{per_user:?}");
+    assert!(per_user
+        .iter()
+        .all(|(s, _)| s.as_deref() != Some(&*session)));
+    assert_eq!(model.reached("hello"), 3);
+
     // The conversation goes on in the same session; the model sees the transcript.
     let mut longer = conversation.as_array().cloned().expect("array");
     longer.push(json!({"role": "assistant", "content": "ACK_hello"}));
