@@ -14,7 +14,7 @@
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use actix_web::http::StatusCode;
@@ -370,6 +370,56 @@ pub fn bearer(auth: &HttpAuth, req: &HttpRequest) -> Option<String> {
     auth.keys
         .principal(value)
         .or_else(|| auth.tokens.principal(value))
+}
+
+/// What a long-lived connection (a WebSocket, an event stream) authenticated with, to check
+/// again while it stays open: a key revoked or a token expired ends it. A ticket is spent once
+/// and has nothing left to revoke.
+#[derive(Clone)]
+pub struct Credential {
+    auth: Arc<HttpAuth>,
+    bearer: Option<String>,
+}
+
+impl Credential {
+    /// The request's bearer key or token, if it authenticated with one.
+    pub fn of(auth: &Arc<HttpAuth>, req: &HttpRequest) -> Credential {
+        let bearer = req
+            .headers()
+            .get("authorization")
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| {
+                h.strip_prefix("Bearer ")
+                    .or_else(|| h.strip_prefix("bearer "))
+            })
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty());
+        Credential {
+            auth: auth.clone(),
+            bearer,
+        }
+    }
+
+    /// A credential that is never checked again (a redeemed ticket).
+    pub fn ticket(auth: &Arc<HttpAuth>) -> Credential {
+        Credential {
+            auth: auth.clone(),
+            bearer: None,
+        }
+    }
+
+    /// Is it still accepted? (Keys are re-read from the keys file when it changes.)
+    pub fn still_valid(&self) -> bool {
+        match &self.bearer {
+            None => true,
+            Some(v) => self
+                .auth
+                .keys
+                .principal(v)
+                .or_else(|| self.auth.tokens.principal(v))
+                .is_some(),
+        }
+    }
 }
 
 /// Authenticate an HTTP request: a bearer key or token, else a single-use ticket header.

@@ -23,7 +23,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
-use super::auth::{ApiError, Principal, TICKET_HEADER};
+use super::auth::{ApiError, Credential, Principal, TICKET_HEADER};
 use super::http::AppState;
 use super::openapi::{self, api_object, ApiSchema, Body, Components, Operation};
 use super::rpc::{Authority, Caller, EVENTS_PAGE};
@@ -697,13 +697,19 @@ async fn events(
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let keepalive =
         Duration::from_secs_f64(state.authority.shared.config.http.sse_keepalive_seconds);
+    let out = SseOut {
+        tx,
+        // A reader that takes no bytes for this long is not reading.
+        within: (keepalive * 4).max(Duration::from_secs(30)),
+    };
+    let credential = Credential::of(&state.auth, &req);
     actix_web::rt::spawn(stream_events(
         state.authority.clone(),
         root,
         after,
         feed,
-        tx,
-        keepalive,
+        out,
+        (keepalive, credential),
     ));
     Ok(sse_response(rx))
 }
@@ -732,13 +738,26 @@ fn sse_event(id: Option<i64>, kind: &str, data: &Value) -> Bytes {
     Bytes::from(s)
 }
 
+/// Where an event stream writes: a bounded channel to the response body, and how long one write
+/// may wait for a reader that takes nothing. Past that the stream ends (its client resumes from
+/// its Last-Event-ID) instead of holding its subscription, and its session in memory, for as
+/// long as the connection stays open.
+struct SseOut {
+    tx: mpsc::Sender<Bytes>,
+    within: Duration,
+}
+
+impl SseOut {
+    async fn send(&self, event: Bytes) -> Result<(), ()> {
+        match tokio::time::timeout(self.within, self.tx.send(event)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
+    }
+}
+
 /// Send what the log holds after `*last`, page by page; false when the client is gone.
-async fn send_log(
-    authority: &Authority,
-    root: &str,
-    last: &mut i64,
-    out: &mpsc::Sender<Bytes>,
-) -> bool {
+async fn send_log(authority: &Authority, root: &str, last: &mut i64, out: &SseOut) -> bool {
     loop {
         let page = match authority.events_since(root, *last, EVENTS_PAGE).await {
             Ok(p) => p,
@@ -787,8 +806,8 @@ async fn stream_events(
     root: String,
     mut last: i64,
     mut feed: Feed,
-    out: mpsc::Sender<Bytes>,
-    keepalive: Duration,
+    out: SseOut,
+    (keepalive, credential): (Duration, Credential),
 ) {
     if out
         .send(Bytes::from_static(b"retry: 1000\n\n"))
@@ -828,6 +847,11 @@ async fn stream_events(
                 }
             }
             _ = tick.tick() => {
+                if !credential.still_valid() {
+                    let body = ApiError::unauthorized("the API key was revoked (or the token expired)").body();
+                    let _ = out.send(sse_event(None, "error", &body)).await;
+                    return;
+                }
                 let ok = if feed.lagged() {
                     send_log(&authority, &root, &mut last, &out).await
                 } else {
@@ -837,7 +861,7 @@ async fn stream_events(
                     return;
                 }
             }
-            _ = out.closed() => return,
+            _ = out.tx.closed() => return,
         }
     }
 }

@@ -12,6 +12,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use actix_web_actors::ws;
 use serde_json::{json, Value};
 
+use super::auth::Credential;
 use super::http::AppState;
 use super::rpc::{Authority, Caller, Subscriptions};
 use crate::error::GatewayError;
@@ -125,6 +126,10 @@ pub async fn ws_route(
     let ticket = offered
         .iter()
         .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
+    let credential = match ticket {
+        Some(_) => Credential::ticket(&state.auth),
+        None => Credential::of(&state.auth, &req),
+    };
     let principal = match ticket {
         Some(t) => match state.tickets.redeem(&t) {
             Ok(p) => p,
@@ -153,6 +158,7 @@ pub async fn ws_route(
         client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
         partial: None,
         in_flight: 0,
+        credential,
         outbox: None,
         pending: Arc::new(AtomicUsize::new(0)),
         socket: req.conn_data::<ConnSocket>().cloned(),
@@ -181,6 +187,8 @@ pub struct WsConnection {
     partial: Option<Vec<u8>>,
     /// Requests read and not yet answered (at most [`MAX_IN_FLIGHT`]).
     in_flight: usize,
+    /// Checked again on every heartbeat: a revoked key or an expired token ends the connection.
+    credential: Credential,
     /// Where sessions push this connection's events (see [`Outbox`]).
     outbox: Option<Recipient<PushEvent>>,
     /// Event frames handed over by the outbox and not yet written.
@@ -549,6 +557,18 @@ impl Actor for WsConnection {
                 ctx.close(Some(ws::CloseReason {
                     code: ws::CloseCode::Away,
                     description: Some("heartbeat timeout".into()),
+                }));
+                ctx.stop();
+                return;
+            }
+            if !act.credential.still_valid() {
+                tracing::info!(
+                    conn = act.conn_id,
+                    "the connection's API key was revoked (or its token expired); closing"
+                );
+                ctx.close(Some(ws::CloseReason {
+                    code: ws::CloseCode::Policy,
+                    description: Some("credential revoked or expired".into()),
                 }));
                 ctx.stop();
                 return;

@@ -17,6 +17,8 @@ use crate::helpers::*;
 
 pub struct RawWs {
     stream: TcpStream,
+    /// Reads give up past it (pings would keep a live connection's reads from timing out).
+    deadline: Option<std::time::Instant>,
 }
 
 pub struct Upgrade {
@@ -86,6 +88,15 @@ pub fn raw_upgrade(origin: &str, protocols: &[String], headers: &[(&str, &str)])
 }
 
 impl RawWs {
+    /// The WebSocket an accepted (101) upgrade opened.
+    pub fn from_upgrade(up: Upgrade) -> RawWs {
+        assert_eq!(up.status, 101, "{}", up.body);
+        RawWs {
+            stream: up.stream,
+            deadline: None,
+        }
+    }
+
     pub fn connect(home: &Path, origin: &str) -> RawWs {
         let t = ticket(home);
         let up = raw_upgrade(
@@ -93,8 +104,7 @@ impl RawWs {
             &["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")],
             &[],
         );
-        assert_eq!(up.status, 101, "{}", up.body);
-        RawWs { stream: up.stream }
+        RawWs::from_upgrade(up)
     }
 
     /// Send one frame (client frames are masked).
@@ -137,6 +147,9 @@ impl RawWs {
     /// The next data or close frame: `(opcode, payload)`; `None` at EOF.
     pub fn read(&mut self) -> Option<(u8, Vec<u8>)> {
         loop {
+            if self.deadline.is_some_and(|d| std::time::Instant::now() > d) {
+                return None;
+            }
             let mut h = [0u8; 2];
             self.stream.read_exact(&mut h).ok()?;
             let opcode = h[0] & 0x0f;
@@ -173,20 +186,34 @@ impl RawWs {
         }
     }
 
+    /// [`RawWs::close_code`], failing if no close comes within `limit` (pings keep a live
+    /// connection's reads from ever timing out).
+    pub fn close_code_within(&mut self, limit: Duration) -> Option<(u16, String)> {
+        self.deadline = Some(std::time::Instant::now() + limit);
+        let close = self.close_code();
+        self.deadline = None;
+        close
+    }
+
     /// The close frame's code and reason, or `None` if the stream just ended.
     pub fn close_code(&mut self) -> Option<(u16, String)> {
         loop {
             let (op, payload) = self.read()?;
             if op == 0x8 {
-                let code = payload
-                    .get(..2)
-                    .map(|b| u16::from_be_bytes([b[0], b[1]]))
-                    .unwrap_or(1005);
-                let reason = String::from_utf8_lossy(payload.get(2..).unwrap_or(&[])).to_string();
-                return Some((code, reason));
+                return Some(close_of(&payload));
             }
         }
     }
+}
+
+/// A close frame's code and reason.
+fn close_of(payload: &[u8]) -> (u16, String) {
+    let code = payload
+        .get(..2)
+        .map(|b| u16::from_be_bytes([b[0], b[1]]))
+        .unwrap_or(1005);
+    let reason = String::from_utf8_lossy(payload.get(2..).unwrap_or(&[])).to_string();
+    (code, reason)
 }
 
 fn sha256_hex(s: &str) -> String {

@@ -1445,3 +1445,54 @@ async fn an_escaped_text_within_the_limit_is_taken_over_rest() {
     assert_eq!(r.status, 413, "{}", r.body);
     assert!(r.body.to_string().contains("text is over"), "{}", r.body);
 }
+
+/// `gatehouse key revoke` ends what the key already opened: its WebSocket closes (1008) and its
+/// event stream ends with a permission_denied error, within a heartbeat. Before, both went on
+/// for as long as the client kept them open (the key was checked only when they opened).
+#[actix_rt::test]
+async fn a_revoked_key_ends_the_connections_it_opened() {
+    use crate::hostile::{raw_upgrade, RawWs};
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"gateway": {"heartbeat_seconds": 0.3}, "http": {"sse_keepalive_seconds": 0.3}}),
+    ));
+    let out = cli(&home, &["key", "create", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+    let minted = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let d = Daemon::start(&home);
+    let laptop = Api::new(&d, &minted);
+    let sid = laptop.session("revoked", &home.path).await;
+    let mut sse = Sse::open(&laptop, &format!("/v1/sessions/{sid}/events"), None).await;
+    let bearer = format!("Bearer {minted}");
+    let mut ws = RawWs::from_upgrade(raw_upgrade(
+        &d.origin(),
+        &["gatehouse.v1".to_string()],
+        &[("Authorization", &bearer)],
+    ));
+    ws.text(
+        json!({"jsonrpc": "2.0", "id": 1, "method": "session.resume", "params": {"session_id": sid}})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(ws.reply()["result"]["session_id"], sid);
+    // Another key's connection is not touched.
+    let other = Api::new(&d, KEY);
+    let kept = other.session("kept", &home.path).await;
+    let mut kept_sse = Sse::open(&other, &format!("/v1/sessions/{kept}/events"), None).await;
+
+    let out = cli(&home, &["key", "revoke", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+    let (code, reason) = ws
+        .close_code_within(Duration::from_secs(10))
+        .expect("a close frame");
+    assert_eq!(code, 1008, "{reason}");
+    assert!(reason.contains("revoked"), "{reason}");
+    let ended = sse.until(|e| e.event == "error").await;
+    let error = &ended.last().expect("the error").data;
+    assert_eq!(error["error"]["reason"], "permission_denied", "{error}");
+    // The other key's stream still carries its session's events.
+    let a = other.submit(&kept, "still", "still").await;
+    kept_sse.until(completes(&a["admission_id"])).await;
+}
