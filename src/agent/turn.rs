@@ -484,22 +484,47 @@ impl Turn {
                 m.description
             )));
         }
-        if let Some(m) = danger::detect(&command) {
+        // Where it runs is part of what is approved: `rm -rf *` means something else in `/`.
+        let cwd = args
+            .get("workdir")
+            .and_then(|w| w.as_str())
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .unwrap_or_else(|| self.session_cwd());
+        let matched = danger::detect_all(&command);
+        if let Some(first) = matched.first() {
+            let keys: Vec<&'static str> = matched.iter().map(|m| m.key).collect();
+            let mut descriptions: Vec<&'static str> = Vec::new();
+            for m in &matched {
+                if !descriptions.contains(&m.description) {
+                    descriptions.push(m.description);
+                }
+            }
+            let all = descriptions.join("; ");
             match cfg.approvals.mode_for(&self.root.source) {
                 ApprovalMode::Off => {}
                 ApprovalMode::Deny => {
                     return ToolResult::Output(blocked(&format!(
-                        "BLOCKED: dangerous commands are denied by policy ({}). Do NOT retry.",
-                        m.description
+                        "BLOCKED: dangerous commands are denied by policy ({all}). Do NOT retry."
                     )))
                 }
                 ApprovalMode::Manual => {
-                    let (root, key) = (self.ctx.root_id.clone(), m.key.to_string());
+                    // Every rule the command matches must be approved: a session approval of
+                    // one (`rm -rf build`) does not let another ride along with it
+                    // (`rm -rf dist && git push --force`).
+                    let (root, wanted) = (self.ctx.root_id.clone(), keys.clone());
                     let approved = self
                         .ctx
                         .shared
                         .db
-                        .read(move |c| prompt_store::is_approved(c, &root, &key))
+                        .read(move |c| {
+                            for key in &wanted {
+                                if !prompt_store::is_approved(c, &root, key)? {
+                                    return Ok(false);
+                                }
+                            }
+                            Ok(true)
+                        })
                         .await
                         .unwrap_or(false);
                     if !approved {
@@ -511,8 +536,11 @@ impl Turn {
                         ];
                         let payload = json!({
                             "command": command,
-                            "description": m.description,
-                            "pattern_key": m.key,
+                            "workdir": cwd.to_string_lossy(),
+                            "description": first.description,
+                            "descriptions": descriptions,
+                            "pattern_key": first.key,
+                            "pattern_keys": keys,
                         });
                         let timeout = cfg.approvals.timeout;
                         match self.ask(PromptKind::Approval, payload, choices, timeout).await {
@@ -530,13 +558,13 @@ impl Turn {
                                 ))
                             }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "session" || c == "always" => {
-                                let (root, key, now) = (self.ctx.root_id.clone(), m.key.to_string(), self.ctx.shared.now());
+                                let (root, now) = (self.ctx.root_id.clone(), self.ctx.shared.now());
                                 let always = c == "always";
                                 let _ = self
                                     .ctx
                                     .shared
                                     .db
-                                    .write(move |conn| prompt_store::remember(conn, &root, &key, always, "user", now))
+                                    .write(move |conn| prompt_store::remember(conn, &root, &keys, always, "user", now))
                                     .await;
                             }
                             Asked::Answered(_) => {}
@@ -548,12 +576,6 @@ impl Turn {
         if self.cancelled() {
             return ToolResult::Interrupted;
         }
-        let cwd = args
-            .get("workdir")
-            .and_then(|w| w.as_str())
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute())
-            .unwrap_or_else(|| self.session_cwd());
         let timeout = args
             .get("timeout")
             .and_then(|t| t.as_f64())

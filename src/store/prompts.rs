@@ -162,7 +162,25 @@ pub fn is_approved(
     Ok(session > 0)
 }
 
+/// Remember approvals of `keys` for the session (and for good when `always`), in one
+/// transaction.
 pub fn remember(
+    conn: &mut SqliteConnection,
+    session_id: &str,
+    keys: &[&str],
+    always: bool,
+    by: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    super::write_tx(conn, |conn| {
+        for key in keys {
+            remember_one(conn, session_id, key, always, by, now)?;
+        }
+        Ok(())
+    })
+}
+
+fn remember_one(
     conn: &mut SqliteConnection,
     session_id: &str,
     key: &str,
@@ -170,7 +188,7 @@ pub fn remember(
     by: &str,
     now: f64,
 ) -> Result<(), StoreError> {
-    super::write_tx(conn, |conn| {
+    {
         diesel::insert_or_ignore_into(session_approvals::table)
             .values((
                 session_approvals::session_id.eq(session_id),
@@ -188,5 +206,5 @@ pub fn remember(
                 .execute(conn)?;
         }
         Ok(())
-    })
+    }
 }

@@ -1112,3 +1112,63 @@ async fn the_iteration_limit_forces_a_final_answer_without_tools() {
         .await;
     assert_eq!(receipt["result"]["final_response"], "FINAL");
 }
+
+/// A dangerous command is asked about wherever it hides: on a later line of a script (the shell
+/// runs every line), or chained after one whose rule this session already approved. Before, the
+/// first ran with no prompt (no rule looked past the first line) and so did the second (only
+/// the first matching rule was checked against the session's approvals).
+#[actix_rt::test]
+async fn a_dangerous_command_on_a_later_line_or_riding_along_is_asked_about() {
+    let home = Home::new();
+    let (lines, first, ride) = (
+        victim(&home, "lines"),
+        victim(&home, "first"),
+        victim(&home, "ride"),
+    );
+    let model = scripted(vec![
+        (
+            "LINES",
+            terminal("call_l", &format!("true\n{}", rm(&lines))),
+        ),
+        ("FIRST", terminal("call_f", &rm(&first))),
+        (
+            "RIDE",
+            terminal(
+                "call_r",
+                &format!("chmod 777 {} && {}", ride.display(), rm(&ride)),
+            ),
+        ),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("hidden", &home.path).await;
+
+    ws.submit(&sid, "LINES", "LINES").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    let keys = p["pattern_keys"].to_string();
+    assert!(keys.contains("recursive_delete"), "{p}");
+    assert_eq!(p["workdir"], home.path.to_string_lossy().as_ref(), "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "LINES").await;
+    assert!(lines.exists(), "the second line never ran");
+
+    ws.submit(&sid, "FIRST", "FIRST").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    respond(&mut ws, &sid, &p, "session").await;
+    settled(&home, "FIRST").await;
+    assert!(!first.exists());
+
+    // Its delete is approved for the session; the chmod riding along is not.
+    ws.submit(&sid, "RIDE", "RIDE").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert!(
+        p["pattern_keys"].to_string().contains("world_writable"),
+        "{p}"
+    );
+    respond(&mut ws, &sid, &p, "deny").await;
+    let row = settled(&home, "RIDE").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(ride.exists(), "the chained command never ran");
+    assert_eq!(home.prompt_rows(&sid).len(), 3);
+}
