@@ -420,11 +420,12 @@ impl Turn {
                 return Ok(Some(interrupted()));
             }
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": call.function.arguments}));
-            let result = match self
+            let (result, stopped) = match self
                 .execute(&call.function.name, &call.function.arguments)
                 .await
             {
-                ToolResult::Output(text) => text,
+                ToolResult::Output(text) => (text, false),
+                ToolResult::InterruptedRunning(text) => (text, true),
                 ToolResult::Interrupted => return Ok(Some(interrupted())),
             };
             self.emit("tool.complete", json!({"tool_call_id": call.id, "name": call.function.name, "result": truncate(&result, 2000)}));
@@ -438,6 +439,9 @@ impl Turn {
             };
             self.persist(vec![msg.clone()]).await?;
             self.transcript.push(msg);
+            if stopped {
+                return Ok(Some(interrupted()));
+            }
         }
         Ok(None)
     }
@@ -597,6 +601,11 @@ impl Turn {
             })
             .await;
         match outcome {
+            // Started, then stopped: it may have done part of its work, and the transcript
+            // says so (not the "did not run" of a call that never started).
+            Ok(Ok(o)) if o.interrupted && o.started => {
+                ToolResult::InterruptedRunning(o.to_tool_json(timeout.ceil() as u64))
+            }
             Ok(Ok(o)) if o.interrupted => ToolResult::Interrupted,
             Ok(Ok(o)) => ToolResult::Output(o.to_tool_json(timeout.ceil() as u64)),
             Ok(Err(e)) => ToolResult::Output(
@@ -878,7 +887,10 @@ enum CompactError {
 
 enum ToolResult {
     Output(String),
+    /// Stopped before it did anything.
     Interrupted,
+    /// Stopped while it ran: what it printed, to be kept as its result.
+    InterruptedRunning(String),
 }
 
 enum Asked {

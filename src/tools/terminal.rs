@@ -99,6 +99,8 @@ pub struct CommandOutcome {
     pub interrupted: bool,
     /// Whether the output was capped.
     pub truncated: bool,
+    /// Whether the shell was started (an interrupt that came first starts nothing).
+    pub started: bool,
 }
 
 impl CommandOutcome {
@@ -107,7 +109,11 @@ impl CommandOutcome {
         if self.timed_out {
             Some(format!("Command timed out after {timeout_secs} seconds"))
         } else if self.interrupted {
-            Some("Command interrupted".to_string())
+            Some(
+                "Command interrupted (the turn was stopped) after it started: it may have done \
+                 part of its work"
+                    .to_string(),
+            )
         } else {
             None
         }
@@ -154,6 +160,7 @@ pub async fn run_command(
             timed_out: false,
             interrupted: true,
             truncated: false,
+            started: false,
         });
     }
     if !spec.cwd.is_dir() {
@@ -246,6 +253,7 @@ pub async fn run_command(
         timed_out,
         interrupted,
         truncated,
+        started: true,
     })
 }
 

@@ -820,6 +820,21 @@ async fn interrupt_kills_a_running_command_and_settles_interrupted() {
         user_texts(next),
         vec!["SLEEP".to_string(), "NEXT".to_string()]
     );
+    // The model is told the command started and was stopped (it may have done part of its
+    // work), not that it never ran.
+    let result = next["messages"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["tool_call_id"] == "call_sleep"))
+        .and_then(|m| m["content"].as_str())
+        .expect("the interrupted call's result");
+    let result: Value = serde_json::from_str(result).expect("tool json");
+    assert_eq!(result["exit_code"], 130, "{result}");
+    assert!(
+        result["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("after it started")),
+        "{result}"
+    );
 }
 
 #[actix_rt::test]
