@@ -415,11 +415,28 @@ impl Turn {
         };
         self.persist(vec![assistant.clone()]).await?;
         self.transcript.push(assistant);
-        for call in calls {
+        for (n, call) in calls.into_iter().enumerate() {
             if self.cancelled() {
                 return Ok(Some(interrupted()));
             }
-            self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": call.function.arguments}));
+            if n >= MAX_TOOL_CALLS_PER_RESPONSE {
+                // Every call needs a result; past the bound it is this one, and nothing runs.
+                let msg = NewMessage {
+                    role: "tool".into(),
+                    content: Some(format!(
+                        "Error: not run. A response may make at most {MAX_TOOL_CALLS_PER_RESPONSE} \
+                         tool calls; make the rest in a later response if they are still needed."
+                    )),
+                    tool_call_id: Some(call.id.clone()),
+                    tool_name: Some(call.function.name.clone()),
+                    admission_id: Some(self.ctx.admission_id.clone()),
+                    ..Default::default()
+                };
+                self.persist(vec![msg.clone()]).await?;
+                self.transcript.push(msg);
+                continue;
+            }
+            self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&call.function.arguments, 2000)}));
             let (result, stopped) = match self
                 .execute(&call.function.name, &call.function.arguments)
                 .await
@@ -480,6 +497,11 @@ impl Turn {
         else {
             return ToolResult::Output(blocked("the `command` argument is required"));
         };
+        if command.len() > MAX_COMMAND_BYTES {
+            return ToolResult::Output(blocked(&format!(
+                "the command is over {MAX_COMMAND_BYTES} bytes: write a script file and run that"
+            )));
+        }
         let shared = self.ctx.shared.clone();
         let cfg = &shared.config;
         if let Some(m) = danger::is_hardline(&command) {
@@ -919,6 +941,13 @@ fn interrupted() -> TurnOutcome {
 fn blocked(message: &str) -> String {
     json!({"output": "", "exit_code": -1, "error": message, "status": "blocked"}).to_string()
 }
+
+/// Tool calls one model response may make; the rest get an error result and do not run (a
+/// response of thousands of calls would otherwise run them all, each a process and two commits).
+pub const MAX_TOOL_CALLS_PER_RESPONSE: usize = 64;
+
+/// The longest `command` the terminal tool takes (the danger checks read all of it).
+pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
 
 fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {

@@ -1187,3 +1187,61 @@ async fn a_dangerous_command_on_a_later_line_or_riding_along_is_asked_about() {
     assert!(ride.exists(), "the chained command never ran");
     assert_eq!(home.prompt_rows(&sid).len(), 3);
 }
+
+/// A response may make at most 64 tool calls: the rest get an error result (every call has
+/// one, as the API requires) and do not run; a command over 64 KiB is refused before any check.
+#[actix_rt::test]
+async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
+    let marks = Home::new();
+    let calls: Vec<(String, String)> = (0..70)
+        .map(|i| {
+            (
+                format!("call_{i}"),
+                format!("touch {}", marks.path.join(format!("m{i}")).display()),
+            )
+        })
+        .collect();
+    let many = tool_calls(
+        &calls
+            .iter()
+            .map(|(id, cmd)| (id.as_str(), "terminal", json!({"command": cmd})))
+            .collect::<Vec<_>>(),
+    );
+    let huge = terminal("call_huge", &format!("echo {}", "x".repeat(70_000)));
+    let model = scripted(vec![("MANY", many), ("HUGE", huge)]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("many", &home.path).await;
+    ws.submit(&sid, "MANY", "MANY").await;
+    assert_eq!(
+        settled(&home, "MANY").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let ran = (0..70)
+        .filter(|i| marks.path.join(format!("m{i}")).exists())
+        .count();
+    assert_eq!(ran, 64);
+    let reqs = model.requests();
+    let after = reqs
+        .iter()
+        .find(|b| last_user(b) == "MANY" && after_tool(b))
+        .expect("the request after the calls");
+    let results: Vec<&str> = after["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert_eq!(results.len(), 70);
+    assert_eq!(results.iter().filter(|r| r.contains("not run")).count(), 6);
+    ws.submit(&sid, "HUGE", "HUGE").await;
+    settled(&home, "HUGE").await;
+    let result = tool_result(&model, "HUGE");
+    assert!(
+        result["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("over 65536 bytes")),
+        "{result}"
+    );
+}
