@@ -179,6 +179,18 @@ fn clip(text: &str) -> String {
     format!("{head}...[truncated]...{tail}")
 }
 
+/// The most of an earlier summary put to the summary model (it is the model's own output, so
+/// this only guards against a runaway one).
+const MAX_PREVIOUS_SUMMARY_CHARS: usize = 40_000;
+
+fn bound_summary(text: &str) -> String {
+    if text.chars().count() <= MAX_PREVIOUS_SUMMARY_CHARS {
+        return text.to_string();
+    }
+    let kept: String = text.chars().take(MAX_PREVIOUS_SUMMARY_CHARS).collect();
+    format!("{kept}...[truncated]")
+}
+
 /// The body of the summary request (non-streaming) for `middle`.
 pub fn summary_request(
     model: &str,
@@ -186,8 +198,17 @@ pub fn summary_request(
     previous_summary: Option<&str>,
 ) -> Value {
     let mut turns = String::new();
+    // An earlier compaction's summary in the middle is the summary to update, whole (up to its
+    // own bound), not a turn to clip to 2,800 characters: clipped, each compaction would keep
+    // less of what the ones before it kept.
+    let mut earlier: Vec<String> = previous_summary.map(str::to_string).into_iter().collect();
     for m in middle {
-        let content = clip(m.content.as_deref().unwrap_or(""));
+        let raw = m.content.as_deref().unwrap_or("");
+        if m.display_kind.as_deref() == Some(SUMMARY_KIND) || raw.starts_with(SUMMARY_PREFIX) {
+            earlier.push(bound_summary(raw.trim_start_matches(SUMMARY_PREFIX).trim()));
+            continue;
+        }
+        let content = clip(raw);
         match m.role.as_str() {
             "user" => turns.push_str(&format!("[USER]: {content}\n\n")),
             "assistant" => {
@@ -222,9 +243,14 @@ pub fn summary_request(
             _ => {}
         }
     }
-    let previous = previous_summary
-        .map(|p| format!("An earlier summary exists; update it with the new turns rather than starting over:\n{p}\n\n"))
-        .unwrap_or_default();
+    let previous = if earlier.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "An earlier summary exists; update it with the new turns rather than starting over:\n{}\n\n",
+            earlier.join("\n\n")
+        )
+    };
     let prompt = format!(
         "Summarise the conversation turns below so that work can continue without them. Use these headings: \
          Goal, Constraints, Progress (Done / In Progress / Blocked), Key Decisions, Relevant Files, Next Steps, \
@@ -491,5 +517,29 @@ mod tests {
         assert_eq!(body["model"], "summary");
         let text = body["messages"][0]["content"].as_str().unwrap_or_default();
         assert!(text.contains("[USER]: hello") && text.contains("terminal("));
+    }
+
+    #[test]
+    fn an_earlier_summary_is_updated_whole_not_clipped_as_a_turn() {
+        // A second compaction finds the first one's summary in its middle.
+        let long = format!("{}FACT_AT_5000{}", "a".repeat(5000), "b".repeat(5000));
+        let earlier = NewMessage {
+            role: "assistant".into(),
+            content: Some(format!("{SUMMARY_PREFIX}\n\n{long}")),
+            display_kind: Some(SUMMARY_KIND.into()),
+            ..Default::default()
+        };
+        let body = summary_request("summary", &[earlier, m("user", "next")], None);
+        let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+        assert!(
+            text.contains("FACT_AT_5000"),
+            "the earlier summary was clipped"
+        );
+        assert!(text.contains("An earlier summary exists"));
+        assert!(
+            !text.contains("[ASSISTANT]: [CONTEXT COMPACTION]"),
+            "not a turn"
+        );
+        assert!(text.contains("[USER]: next"));
     }
 }
