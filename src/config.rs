@@ -553,9 +553,6 @@ impl Config {
             ("gateway.drain_grace_seconds", g.drain_grace_seconds),
             ("events.retention_seconds", self.events.retention_seconds),
             ("http.max_wait_seconds", h.max_wait_seconds),
-            // 0 waits for the answer without a limit.
-            ("approvals.timeout", self.approvals.timeout),
-            ("agent.clarify_timeout", self.agent.clarify_timeout),
         ];
         for (key, v) in zero_or_more {
             if !(v.is_finite() && (0.0..=MAX_SECONDS).contains(&v)) {
@@ -575,6 +572,9 @@ impl Config {
                 self.auxiliary.compression.timeout,
             ),
             ("terminal.timeout", self.terminal.timeout),
+            // Every wait for an answer is bounded: an unanswered approval fails closed.
+            ("approvals.timeout", self.approvals.timeout),
+            ("agent.clarify_timeout", self.agent.clarify_timeout),
             (
                 "events.prune_interval_seconds",
                 self.events.prune_interval_seconds,
@@ -801,9 +801,16 @@ mod tests {
                 other => panic!("{text}: expected an invalid {key}, got {other:?}"),
             }
         }
-        // Zero still means "wait without a limit" for an answer.
-        let c = parse("approvals:\n  timeout: 0\nagent:\n  clarify_timeout: 0\n").expect("loads");
-        assert_eq!((c.approvals.timeout, c.agent.clarify_timeout), (0.0, 0.0));
+        // Every wait for an answer is bounded (an approval fails closed when it runs out).
+        for text in [
+            "approvals:\n  timeout: 0\n",
+            "agent:\n  clarify_timeout: 0\n",
+        ] {
+            assert!(
+                matches!(parse(text), Err(ConfigError::Invalid { .. })),
+                "{text}"
+            );
+        }
     }
 
     #[test]
