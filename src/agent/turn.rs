@@ -13,7 +13,7 @@ use tokio::sync::{oneshot, watch};
 use super::{compress, tokens, transcript};
 use crate::config::ApprovalMode;
 use crate::error::StoreError;
-use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent};
+use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, ToolCall};
 use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{Emit, RegisterPrompt, RetirePrompt, SessionSupervisor};
@@ -421,19 +421,11 @@ impl Turn {
             }
             if n >= MAX_TOOL_CALLS_PER_RESPONSE {
                 // Every call needs a result; past the bound it is this one, and nothing runs.
-                let msg = NewMessage {
-                    role: "tool".into(),
-                    content: Some(format!(
-                        "Error: not run. A response may make at most {MAX_TOOL_CALLS_PER_RESPONSE} \
-                         tool calls; make the rest in a later response if they are still needed."
-                    )),
-                    tool_call_id: Some(call.id.clone()),
-                    tool_name: Some(call.function.name.clone()),
-                    admission_id: Some(self.ctx.admission_id.clone()),
-                    ..Default::default()
-                };
-                self.persist(vec![msg.clone()]).await?;
-                self.transcript.push(msg);
+                let refused = format!(
+                    "Error: not run. A response may make at most {MAX_TOOL_CALLS_PER_RESPONSE} \
+                     tool calls; make the rest in a later response if they are still needed."
+                );
+                self.keep_result(&call, refused).await?;
                 continue;
             }
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&call.function.arguments, 2000)}));
@@ -446,21 +438,27 @@ impl Turn {
                 ToolResult::Interrupted => return Ok(Some(interrupted())),
             };
             self.emit("tool.complete", json!({"tool_call_id": call.id, "name": call.function.name, "result": truncate(&result, 2000)}));
-            let msg = NewMessage {
-                role: "tool".into(),
-                content: Some(result),
-                tool_call_id: Some(call.id.clone()),
-                tool_name: Some(call.function.name.clone()),
-                admission_id: Some(self.ctx.admission_id.clone()),
-                ..Default::default()
-            };
-            self.persist(vec![msg.clone()]).await?;
-            self.transcript.push(msg);
+            self.keep_result(&call, result).await?;
             if stopped {
                 return Ok(Some(interrupted()));
             }
         }
         Ok(None)
+    }
+
+    /// Persist `result` as the result of `call`, and add it to the transcript.
+    async fn keep_result(&mut self, call: &ToolCall, result: String) -> Result<(), Stop> {
+        let msg = NewMessage {
+            role: "tool".into(),
+            content: Some(result),
+            tool_call_id: Some(call.id.clone()),
+            tool_name: Some(call.function.name.clone()),
+            admission_id: Some(self.ctx.admission_id.clone()),
+            ..Default::default()
+        };
+        self.persist(vec![msg.clone()]).await?;
+        self.transcript.push(msg);
+        Ok(())
     }
 
     async fn execute(&mut self, name: &str, arguments: &str) -> ToolResult {

@@ -1293,7 +1293,6 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         profile: &str,
     ) -> Option<TurnGuard> {
-        let task_id = &attempt.identity.task_id;
         let mut lock = self.inner.locks.lock(profile.to_string());
         let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
         loop {
@@ -1301,20 +1300,30 @@ impl RoomRuntime {
                 guard = &mut lock => break Some(guard),
                 _ = tokio::time::sleep(every) => {}
             }
-            if let Err(error) = self.ensure_lease(binding).await {
-                self.fenced(binding, task_id, &error);
-                return None;
-            }
-            if self
-                .lease(&binding.room_id)
-                .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
-            {
-                self.set_error(format!(
-                    "task {task_id} fenced: driver lease is stale or expired"
-                ));
+            if !self.keep_lease_for(binding, attempt).await {
                 return None;
             }
         }
+    }
+
+    /// Renew the room's lease when due; false (and the room's error says why) when the attempt's
+    /// lease is gone: lost, or replaced by a new generation.
+    async fn keep_lease_for(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> bool {
+        let task_id = &attempt.identity.task_id;
+        if let Err(error) = self.ensure_lease(binding).await {
+            self.fenced(binding, task_id, &error);
+            return false;
+        }
+        if self
+            .lease(&binding.room_id)
+            .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
+        {
+            self.set_error(format!(
+                "task {task_id} fenced: driver lease is stale or expired"
+            ));
+            return false;
+        }
+        true
     }
 
     async fn fail_before_submit(
@@ -1499,17 +1508,7 @@ impl RoomRuntime {
                 }
                 continue;
             }
-            if let Err(error) = self.ensure_lease(binding).await {
-                self.fenced(binding, &task_id, &error);
-                return None;
-            }
-            if self
-                .lease(&binding.room_id)
-                .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
-            {
-                self.set_error(format!(
-                    "task {task_id} fenced: driver lease is stale or expired"
-                ));
+            if !self.keep_lease_for(binding, attempt).await {
                 return None;
             }
             let session = Self::session_ref(&profile, session_id);

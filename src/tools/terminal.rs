@@ -871,9 +871,10 @@ mod tests {
         assert!(!out.timed_out);
         assert_eq!(out.exit_code, EXIT_CODE_INTERRUPTED);
         assert!(started.elapsed() < Duration::from_secs(15));
+        assert!(out.started);
         assert_eq!(
             out.to_tool_json(60),
-            r#"{"output":"","exit_code":130,"error":"Command interrupted"}"#
+            r#"{"output":"","exit_code":130,"error":"Command interrupted (the turn was stopped) after it started: it may have done part of its work"}"#
         );
         let pid = pid.unwrap();
         assert!(
