@@ -237,15 +237,15 @@ impl Control {
                 };
                 let result = match method {
                     "rooms" => rooms.list().await,
-                    "room-retry" => rooms.call("room.retry", params, |_| {}).await,
-                    "room-disband" => rooms.call("room.disband", params, |_| {}).await,
+                    "room-retry" => rooms.call("room.retry", params, None, |_| {}).await,
+                    "room-disband" => rooms.call("room.disband", params, None, |_| {}).await,
                     _ => {
                         let mut p = params;
                         if p.get("cancel_id").is_none() {
                             p["cancel_id"] =
                                 json!(format!("operator-{}", uuid::Uuid::new_v4().simple()));
                         }
-                        rooms.call("room.cancel", p, |_| {}).await
+                        rooms.call("room.cancel", p, None, |_| {}).await
                     }
                 };
                 result.unwrap_or_else(|e| err(e.reason(), e.detail()))

@@ -114,6 +114,9 @@ pub fn task_view(t: &TaskView) -> Value {
     serde_json::to_value(t).unwrap_or(Value::Null)
 }
 
+/// The owner recorded for a room the operator creates on the control socket.
+pub const OPERATOR: &str = "operator";
+
 /// The rooms side of the authority.
 #[derive(Clone)]
 pub struct RoomsService {
@@ -182,22 +185,52 @@ impl RoomsService {
             .ok_or_else(|| GatewayError::NotFound(format!("no task {task_id} in room {room_id}")))
     }
 
-    /// Dispatch a `room.*` method; `subscribe` is called with the room the caller now follows.
+    /// Refuse `principal` a room another principal created (`None`: the operator, on the control
+    /// socket, who may use every room).
+    async fn authorize(&self, principal: Option<&str>, room_id: &str) -> GatewayResult<()> {
+        let Some(principal) = principal else {
+            return Ok(());
+        };
+        let id = room_id.to_string();
+        let owner = self
+            .db
+            .run(move |c| rooms::room_owner(c, &id))
+            .await
+            .map_err(store_error)?;
+        match owner {
+            Some(owner) if owner != principal => Err(GatewayError::PermissionDenied(format!(
+                "hosted room {room_id} belongs to another principal"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Dispatch a `room.*` method for `principal` (`None`: the operator); `subscribe` is called
+    /// with the room the caller now follows. A room is its creator's: every method that names
+    /// one refuses (`permission_denied`) a principal that did not create it.
     pub async fn call(
         &self,
         method: &str,
         p: Value,
+        principal: Option<&str>,
         subscribe: impl Fn(&str),
     ) -> GatewayResult<Value> {
+        if method != "room.create" {
+            if let Some(room_id) = p.get("room_id").and_then(Value::as_str) {
+                self.authorize(principal, room_id).await?;
+            }
+        }
         match method {
             "room.create" => {
                 let p: CreateRoom = params(p)?;
                 let (clock, gateway) = (self.clock.clone(), self.gateway_id.clone());
-                let room = self
+                let owner = principal.unwrap_or(OPERATOR).to_string();
+                let (room, recorded) = self
                     .db
                     .write(move |c| {
-                        rooms::create_room(
+                        rooms::create_owned_room(
                             c,
+                            &owner,
                             &p.room_id,
                             &p.name,
                             &p.members,
@@ -207,6 +240,14 @@ impl RoomsService {
                     })
                     .await
                     .map_err(store_error)?;
+                if let (Some(principal), Some(recorded)) = (principal, recorded) {
+                    if recorded != principal {
+                        return Err(GatewayError::PermissionDenied(format!(
+                            "hosted room {} belongs to another principal",
+                            room.room_id
+                        )));
+                    }
+                }
                 subscribe(&room.room_id);
                 self.runtime.wakeup();
                 Ok(serde_json::to_value(room).unwrap_or(Value::Null))

@@ -501,7 +501,7 @@ impl Authority {
                 };
                 let wanted = std::sync::Mutex::new(Vec::new());
                 let result = rooms
-                    .call(m, p, |room| {
+                    .call(m, p, Some(&caller.principal), |room| {
                         if let Ok(mut w) = wanted.lock() {
                             w.push(room.to_string());
                         }

@@ -14,6 +14,9 @@ pub(crate) const DOWN_SQL: &str = include_str!("../../migrations/2026-11-29-0000
 /// The task counts kept on top of the room tables (a later migration).
 pub(crate) const COUNTS_DOWN_SQL: &str =
     include_str!("../../migrations/2026-12-01-000005_room_task_counts/down.sql");
+/// The rooms' owners (a later migration).
+pub(crate) const OWNERS_DOWN_SQL: &str =
+    include_str!("../../migrations/2026-12-04-000012_room_owners/down.sql");
 
 /// A temporary database, removed on drop.
 pub(crate) struct TestDb {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::clock::Clock;
-use crate::store::rooms_schema::{room_events, room_members, rooms};
+use crate::store::rooms_schema::{room_events, room_members, room_owners, rooms};
 
 /// Most rooms that may be active (not disbanded) at once.
 pub const MAX_ACTIVE_ROOMS: i64 = 256;
@@ -316,6 +316,43 @@ pub fn create_room(
 }
 
 /// Read a room (disbanded rooms included).
+/// [`create_room`] for `principal`, who owns a room it creates (in the same transaction). An
+/// identical re-create changes nothing, its owner included. The room's owner is returned beside
+/// it: the caller refuses a principal that does not own the room it named.
+pub fn create_owned_room(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    room_id: &str,
+    name: &str,
+    members: &[RoomMember],
+    authority_gateway_id: &str,
+    clock: &dyn Clock,
+) -> StoreResult<(RoomView, Option<String>)> {
+    crate::store::write_tx(conn, |conn| {
+        let view = create_room(conn, room_id, name, members, authority_gateway_id, clock)?;
+        if !view.idempotent {
+            diesel::insert_into(room_owners::table)
+                .values((
+                    room_owners::room_id.eq(&view.room_id),
+                    room_owners::principal.eq(principal),
+                ))
+                .execute(conn)?;
+        }
+        let owner = room_owner(conn, &view.room_id)?;
+        Ok((view, owner))
+    })
+}
+
+/// The principal that created room `room_id` (none for a room created before owners were
+/// recorded, or no such room).
+pub fn room_owner(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Option<String>> {
+    Ok(room_owners::table
+        .find(room_id)
+        .select(room_owners::principal)
+        .first(conn)
+        .optional()?)
+}
+
 pub fn get_room(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Option<RoomView>> {
     match load_room(conn, room_id)? {
         Some(row) => Ok(Some(room_view(conn, row, false)?)),
@@ -758,6 +795,8 @@ mod tests {
         let db = TestDb::new();
         let mut conn = db.conn();
         use diesel::connection::SimpleConnection;
+        conn.batch_execute(crate::rooms::testing::OWNERS_DOWN_SQL)
+            .unwrap();
         conn.batch_execute(crate::rooms::testing::COUNTS_DOWN_SQL)
             .unwrap();
         conn.batch_execute(crate::rooms::testing::DOWN_SQL).unwrap();

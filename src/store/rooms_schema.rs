@@ -87,3 +87,11 @@ diesel::table! {
         n -> BigInt,
     }
 }
+
+diesel::table! {
+    /// The principal that created each room (`migrations/2026-12-04-000012_room_owners`).
+    room_owners (room_id) {
+        room_id -> Text,
+        principal -> Text,
+    }
+}

@@ -883,6 +883,50 @@ async fn access_control_is_per_connection_and_per_principal() {
             "permission_denied",
         )
         .await;
+    // Nor use a room the owner created: read, drive, re-create or disband it.
+    let members = json!([{"profile": "default", "handle": "d"}]);
+    owner
+        .ok(
+            "room.create",
+            json!({"room_id": "mine", "name": "Mine", "members": members}),
+        )
+        .await;
+    let task = json!({"room_id": "mine", "task_id": "t1", "thread_id": "th", "turn_id": "tu",
+                      "target_profile": "default", "prompt": "hi", "source_event_seq": 1});
+    for (method, params) in [
+        ("room.get", json!({"room_id": "mine"})),
+        ("room.tasks", json!({"room_id": "mine"})),
+        ("room.admit", task.clone()),
+        (
+            "room.cancel",
+            json!({"room_id": "mine", "task_id": "t1", "cancel_id": "c"}),
+        ),
+        ("room.retry", json!({"room_id": "mine", "task_id": "t1"})),
+        ("room.disband", json!({"room_id": "mine"})),
+        (
+            "room.create",
+            json!({"room_id": "mine", "name": "Mine", "members": members}),
+        ),
+    ] {
+        stranger.refused(method, params, "permission_denied").await;
+    }
+    let room = owner.ok("room.get", json!({"room_id": "mine"})).await;
+    assert!(room["disbanded_at"].is_null(), "{room}");
+    // Its own room is its own; the runtime's status is everyone's.
+    stranger
+        .ok(
+            "room.create",
+            json!({"room_id": "theirs", "name": "Theirs", "members": members}),
+        )
+        .await;
+    owner
+        .refused(
+            "room.get",
+            json!({"room_id": "theirs"}),
+            "permission_denied",
+        )
+        .await;
+    stranger.ok("room.status", json!({})).await;
     // Wrong-typed generation on a real prompt: refused as stale, nothing runs.
     owner
         .refused(
