@@ -515,7 +515,10 @@ impl Turn {
             .map(PathBuf::from)
             .filter(|p| p.is_absolute())
             .unwrap_or_else(|| self.session_cwd());
-        let matched = danger::detect_all(&command);
+        let mut matched = danger::detect_all(&command);
+        if touches_gateway_state(&command, &cwd, &shared.home) {
+            matched.push(danger::GATEWAY_STATE);
+        }
         if let Some(first) = matched.first() {
             let keys: Vec<&'static str> = matched.iter().map(|m| m.key).collect();
             let mut descriptions: Vec<&'static str> = Vec::new();
@@ -938,6 +941,33 @@ fn interrupted() -> TurnOutcome {
 
 fn blocked(message: &str) -> String {
     json!({"output": "", "exit_code": -1, "error": message, "status": "blocked"}).to_string()
+}
+
+/// The files of the gateway's home a command must not touch unasked: the ledger, the control
+/// socket and lock, the keys, the config (the approval allowlist lives in the ledger).
+const GATEWAY_FILES: &[&str] = &[
+    "state.db",
+    "gateway.sock",
+    "gateway.lock",
+    "api_keys",
+    "config.yaml",
+];
+
+/// Does `command` name one of the gateway's files, by the home's path or run from inside the
+/// home (where a session runs by default)? A command runs as the daemon's user, so without this
+/// a model could delete the ledger (`rm -f state.db`, no rule's business) or approve itself (an
+/// INSERT into the allowlist) with no prompt.
+fn touches_gateway_state(command: &str, cwd: &std::path::Path, home: &std::path::Path) -> bool {
+    if !GATEWAY_FILES.iter().any(|f| command.contains(f)) {
+        return false;
+    }
+    let homes: Vec<PathBuf> = std::iter::once(home.to_path_buf())
+        .chain(home.canonicalize().ok())
+        .collect();
+    let cwd = cwd.canonicalize().unwrap_or_else(|_| cwd.to_path_buf());
+    homes
+        .iter()
+        .any(|h| cwd.starts_with(h) || command.contains(h.to_string_lossy().as_ref()))
 }
 
 /// Tool calls one model response may make; the rest get an error result and do not run (a

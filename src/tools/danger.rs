@@ -27,6 +27,12 @@
 use regex::Regex;
 use std::sync::OnceLock;
 
+/// Not a pattern: a command that touches the gateway's own home (its caller decides).
+pub const GATEWAY_STATE: DangerMatch = DangerMatch {
+    key: "gateway_state",
+    description: "touches the gateway's own state",
+};
+
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DangerMatch {

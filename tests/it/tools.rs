@@ -1245,3 +1245,34 @@ async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
         "{result}"
     );
 }
+
+/// A command that touches the gateway's own files (its ledger holds the approvals) is asked
+/// about, however harmless its verb: a session runs in the gateway's home by default, where
+/// `rm -f state.db` matched no rule and ran unasked.
+#[actix_rt::test]
+async fn a_command_on_the_gateways_own_files_is_asked_about() {
+    let model = scripted(vec![
+        ("LEDGER", terminal("call_db", "cp state.db stolen.db")),
+        ("PLAIN", terminal("call_plain", "echo fine > notes.txt")),
+    ]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("own", &home.path).await;
+    ws.submit(&sid, "LEDGER", "LEDGER").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert!(
+        p["pattern_keys"].to_string().contains("gateway_state"),
+        "{p}"
+    );
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "LEDGER").await;
+    assert!(!home.path.join("stolen.db").exists());
+    // Other files of the same directory are nobody's business.
+    ws.submit(&sid, "PLAIN", "PLAIN").await;
+    assert_eq!(
+        settled(&home, "PLAIN").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(home.path.join("notes.txt").exists());
+    assert_eq!(home.prompt_rows(&sid).len(), 1);
+}
