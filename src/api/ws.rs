@@ -549,26 +549,26 @@ impl Actor for WsConnection {
         .start();
         self.outbox = Some(outbox.recipient());
         ctx.run_interval(self.heartbeat, |act, ctx| {
-            if act.last_seen.elapsed() > act.client_timeout {
-                tracing::info!(
-                    conn = act.conn_id,
-                    "client stopped answering pings; closing"
-                );
+            let close = if act.last_seen.elapsed() > act.client_timeout {
+                Some((
+                    ws::CloseCode::Away,
+                    "heartbeat timeout",
+                    "client stopped answering pings; closing",
+                ))
+            } else if !act.credential.still_valid() {
+                Some((
+                    ws::CloseCode::Policy,
+                    "credential revoked or expired",
+                    "the connection's API key was revoked (or its token expired); closing",
+                ))
+            } else {
+                None
+            };
+            if let Some((code, why, log)) = close {
+                tracing::info!(conn = act.conn_id, "{log}");
                 ctx.close(Some(ws::CloseReason {
-                    code: ws::CloseCode::Away,
-                    description: Some("heartbeat timeout".into()),
-                }));
-                ctx.stop();
-                return;
-            }
-            if !act.credential.still_valid() {
-                tracing::info!(
-                    conn = act.conn_id,
-                    "the connection's API key was revoked (or its token expired); closing"
-                );
-                ctx.close(Some(ws::CloseReason {
-                    code: ws::CloseCode::Policy,
-                    description: Some("credential revoked or expired".into()),
+                    code,
+                    description: Some(why.into()),
                 }));
                 ctx.stop();
                 return;
