@@ -404,7 +404,15 @@ impl Turn {
 
     /// Persist the assistant's calls, run them in order, persist each result.
     async fn run_tools(&mut self, response: ChatResponse) -> Result<Option<TurnOutcome>, Stop> {
-        let calls = response.tool_calls.clone();
+        // Identical calls in one response (same tool, same arguments) run once: the duplicates
+        // are dropped before the assistant message is kept, so each kept call has its result.
+        let mut seen = std::collections::HashSet::new();
+        let calls: Vec<ToolCall> = response
+            .tool_calls
+            .iter()
+            .filter(|c| seen.insert((c.function.name.as_str(), c.function.arguments.as_str())))
+            .cloned()
+            .collect();
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),

@@ -1276,3 +1276,42 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
     assert!(home.path.join("notes.txt").exists());
     assert_eq!(home.prompt_rows(&sid).len(), 1);
 }
+
+/// Identical calls in one response run once: the kept assistant message has the call once, with
+/// its one result.
+#[actix_rt::test]
+async fn identical_tool_calls_in_one_response_run_once() {
+    let out = Home::new();
+    let counter = out.path.join("counter");
+    let cmd = format!("echo once >> {}", counter.display());
+    let twice = tool_calls(&[
+        ("call_a", "terminal", json!({"command": cmd})),
+        ("call_b", "terminal", json!({"command": cmd})),
+        ("call_c", "terminal", json!({"command": "echo other"})),
+    ]);
+    let model = scripted(vec![("TWICE", twice)]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("twice", &home.path).await;
+    ws.submit(&sid, "TWICE", "TWICE").await;
+    assert_eq!(
+        settled(&home, "TWICE").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert_eq!(
+        std::fs::read_to_string(&counter).expect("counter"),
+        "once\n"
+    );
+    let reqs = model.requests();
+    let after = reqs
+        .iter()
+        .find(|b| last_user(b) == "TWICE" && after_tool(b))
+        .expect("the request after the calls");
+    let msgs = after["messages"].as_array().expect("messages");
+    let ids: Vec<&str> = msgs
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["tool_call_id"].as_str())
+        .collect();
+    assert_eq!(ids, ["call_a", "call_c"]);
+}
