@@ -420,6 +420,15 @@ pub struct ProfileConfig {
     pub extra: Extra,
 }
 
+/// A stored key digest as it is compared: `sha256:` prefix and surrounding blanks dropped,
+/// lower case (`gateway.api_keys` entries and the keys file's lines).
+pub fn normalise_digest(stored: &str) -> String {
+    stored
+        .trim()
+        .trim_start_matches("sha256:")
+        .to_ascii_lowercase()
+}
+
 /// The longest duration any setting may name (ten years): long enough to mean "never", short
 /// enough that every deadline computed from it is representable.
 pub const MAX_SECONDS: f64 = 315_360_000.0;
@@ -508,7 +517,7 @@ impl Config {
         // (the key itself, a truncated hash) would match nothing while it still counted as
         // "a key is configured".
         let digest = |k: &str| {
-            let hex = k.trim().trim_start_matches("sha256:");
+            let hex = normalise_digest(k);
             hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
         };
         if let Some(bad) = self.gateway.api_keys.iter().position(|k| !digest(k)) {
@@ -717,9 +726,18 @@ impl Config {
 
     /// The key to send to `base_url`: the main model's, only when `base_url` is configured.
     pub fn api_key_for(&self, base_url: Option<&str>) -> Option<String> {
+        self.key_for(base_url, || self.api_key())
+    }
+
+    /// `key()` when `base_url` is a configured endpoint, else no key at all.
+    pub fn key_for(
+        &self,
+        base_url: Option<&str>,
+        key: impl FnOnce() -> Option<String>,
+    ) -> Option<String> {
         base_url
             .is_some_and(|u| self.is_configured_endpoint(u))
-            .then(|| self.api_key())
+            .then(key)
             .flatten()
     }
 }

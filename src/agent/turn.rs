@@ -510,7 +510,8 @@ impl Turn {
         }
         let shared = self.ctx.shared.clone();
         let cfg = &shared.config;
-        if let Some(m) = danger::is_hardline(&command) {
+        let (hardline, mut matched) = danger::assess(&command);
+        if let Some(m) = hardline {
             return ToolResult::Output(blocked(&format!(
                 "BLOCKED: this command is never allowed ({}). Do NOT retry it.",
                 m.description
@@ -523,7 +524,6 @@ impl Turn {
             .map(PathBuf::from)
             .filter(|p| p.is_absolute())
             .unwrap_or_else(|| self.session_cwd());
-        let mut matched = danger::detect_all(&command);
         if touches_gateway_state(&command, &cwd, &shared.home) {
             matched.push(danger::GATEWAY_STATE);
         }
@@ -833,11 +833,9 @@ impl Turn {
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
         // Keys go only to configured endpoints (the session's may be its client's choice).
-        let api_key = base_url
-            .as_deref()
-            .is_some_and(|u| cfg.is_configured_endpoint(u))
-            .then(|| aux.api_key.clone().or_else(|| cfg.api_key()))
-            .flatten();
+        let api_key = cfg.key_for(base_url.as_deref(), || {
+            aux.api_key.clone().or_else(|| cfg.api_key())
+        });
         let call = ChatCall {
             provider,
             base_url,

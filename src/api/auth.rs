@@ -24,6 +24,7 @@ use serde_json::json;
 use super::http::AppState;
 use super::tickets::Expiring;
 use crate::clock::SharedClock;
+use crate::config::normalise_digest as normalise;
 use crate::error::GatewayError;
 
 /// The keys file in the home.
@@ -129,13 +130,6 @@ pub struct KeyEntry {
 /// The SHA-256 of a key, as stored.
 pub fn key_digest(key: &str) -> String {
     crate::store::rooms::sha256_hex(key)
-}
-
-fn normalise(stored: &str) -> String {
-    stored
-        .trim()
-        .trim_start_matches("sha256:")
-        .to_ascii_lowercase()
 }
 
 pub fn keys_file(home: &Path) -> PathBuf {
@@ -357,19 +351,28 @@ impl HttpAuth {
     }
 }
 
-/// The principal behind `Authorization: Bearer …` (an API key or a token), if any.
-pub fn bearer(auth: &HttpAuth, req: &HttpRequest) -> Option<String> {
+impl HttpAuth {
+    /// The principal of a bearer value: an accepted API key, else a live token.
+    fn principal_of(&self, value: &str) -> Option<String> {
+        self.keys
+            .principal(value)
+            .or_else(|| self.tokens.principal(value))
+    }
+}
+
+/// The value of `Authorization: Bearer …`, if the request has a non-empty one.
+fn bearer_value(req: &HttpRequest) -> Option<&str> {
     let header = req.headers().get("authorization")?.to_str().ok()?;
     let value = header
         .strip_prefix("Bearer ")
         .or_else(|| header.strip_prefix("bearer "))?
         .trim();
-    if value.is_empty() {
-        return None;
-    }
-    auth.keys
-        .principal(value)
-        .or_else(|| auth.tokens.principal(value))
+    (!value.is_empty()).then_some(value)
+}
+
+/// The principal behind `Authorization: Bearer …` (an API key or a token), if any.
+pub fn bearer(auth: &HttpAuth, req: &HttpRequest) -> Option<String> {
+    auth.principal_of(bearer_value(req)?)
 }
 
 /// What a long-lived connection (a WebSocket, an event stream) authenticated with, to check
@@ -384,19 +387,9 @@ pub struct Credential {
 impl Credential {
     /// The request's bearer key or token, if it authenticated with one.
     pub fn of(auth: &Arc<HttpAuth>, req: &HttpRequest) -> Credential {
-        let bearer = req
-            .headers()
-            .get("authorization")
-            .and_then(|h| h.to_str().ok())
-            .and_then(|h| {
-                h.strip_prefix("Bearer ")
-                    .or_else(|| h.strip_prefix("bearer "))
-            })
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty());
         Credential {
             auth: auth.clone(),
-            bearer,
+            bearer: bearer_value(req).map(str::to_string),
         }
     }
 
@@ -412,12 +405,7 @@ impl Credential {
     pub fn still_valid(&self) -> bool {
         match &self.bearer {
             None => true,
-            Some(v) => self
-                .auth
-                .keys
-                .principal(v)
-                .or_else(|| self.auth.tokens.principal(v))
-                .is_some(),
+            Some(v) => self.auth.principal_of(v).is_some(),
         }
     }
 }

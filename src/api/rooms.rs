@@ -114,6 +114,18 @@ pub fn task_view(t: &TaskView) -> Value {
     serde_json::to_value(t).unwrap_or(Value::Null)
 }
 
+/// Refuse `principal` a room `owner` created (no owner recorded, or the operator: allowed).
+fn owned_by(room_id: &str, owner: Option<&str>, principal: Option<&str>) -> GatewayResult<()> {
+    match (owner, principal) {
+        (Some(owner), Some(principal)) if owner != principal => {
+            Err(GatewayError::PermissionDenied(format!(
+                "hosted room {room_id} belongs to another principal"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The owner recorded for a room the operator creates on the control socket.
 pub const OPERATOR: &str = "operator";
 
@@ -188,21 +200,16 @@ impl RoomsService {
     /// Refuse `principal` a room another principal created (`None`: the operator, on the control
     /// socket, who may use every room).
     async fn authorize(&self, principal: Option<&str>, room_id: &str) -> GatewayResult<()> {
-        let Some(principal) = principal else {
+        if principal.is_none() {
             return Ok(());
-        };
+        }
         let id = room_id.to_string();
         let owner = self
             .db
             .run(move |c| rooms::room_owner(c, &id))
             .await
             .map_err(store_error)?;
-        match owner {
-            Some(owner) if owner != principal => Err(GatewayError::PermissionDenied(format!(
-                "hosted room {room_id} belongs to another principal"
-            ))),
-            _ => Ok(()),
-        }
+        owned_by(room_id, owner.as_deref(), principal)
     }
 
     /// Dispatch a `room.*` method for `principal` (`None`: the operator); `subscribe` is called
@@ -240,14 +247,7 @@ impl RoomsService {
                     })
                     .await
                     .map_err(store_error)?;
-                if let (Some(principal), Some(recorded)) = (principal, recorded) {
-                    if recorded != principal {
-                        return Err(GatewayError::PermissionDenied(format!(
-                            "hosted room {} belongs to another principal",
-                            room.room_id
-                        )));
-                    }
-                }
+                owned_by(&room.room_id, recorded.as_deref(), principal)?;
                 subscribe(&room.room_id);
                 self.runtime.wakeup();
                 Ok(serde_json::to_value(room).unwrap_or(Value::Null))

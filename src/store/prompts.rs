@@ -174,37 +174,23 @@ pub fn remember(
 ) -> Result<(), StoreError> {
     super::write_tx(conn, |conn| {
         for key in keys {
-            remember_one(conn, session_id, key, always, by, now)?;
+            diesel::insert_or_ignore_into(session_approvals::table)
+                .values((
+                    session_approvals::session_id.eq(session_id),
+                    session_approvals::pattern_key.eq(key),
+                    session_approvals::created_at.eq(now),
+                ))
+                .execute(conn)?;
+            if always {
+                diesel::insert_or_ignore_into(approval_allowlist::table)
+                    .values((
+                        approval_allowlist::pattern_key.eq(key),
+                        approval_allowlist::created_at.eq(now),
+                        approval_allowlist::created_by.eq(by),
+                    ))
+                    .execute(conn)?;
+            }
         }
         Ok(())
     })
-}
-
-fn remember_one(
-    conn: &mut SqliteConnection,
-    session_id: &str,
-    key: &str,
-    always: bool,
-    by: &str,
-    now: f64,
-) -> Result<(), StoreError> {
-    {
-        diesel::insert_or_ignore_into(session_approvals::table)
-            .values((
-                session_approvals::session_id.eq(session_id),
-                session_approvals::pattern_key.eq(key),
-                session_approvals::created_at.eq(now),
-            ))
-            .execute(conn)?;
-        if always {
-            diesel::insert_or_ignore_into(approval_allowlist::table)
-                .values((
-                    approval_allowlist::pattern_key.eq(key),
-                    approval_allowlist::created_at.eq(now),
-                    approval_allowlist::created_by.eq(by),
-                ))
-                .execute(conn)?;
-        }
-        Ok(())
-    }
 }

@@ -315,7 +315,6 @@ pub fn create_room(
     })
 }
 
-/// Read a room (disbanded rooms included).
 /// [`create_room`] for `principal`, who owns a room it creates (in the same transaction). An
 /// identical re-create changes nothing, its owner included. The room's owner is returned beside
 /// it: the caller refuses a principal that does not own the room it named.
@@ -353,6 +352,7 @@ pub fn room_owner(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Opt
         .optional()?)
 }
 
+/// Read a room (disbanded rooms included).
 pub fn get_room(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Option<RoomView>> {
     match load_room(conn, room_id)? {
         Some(row) => Ok(Some(room_view(conn, row, false)?)),

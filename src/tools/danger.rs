@@ -334,7 +334,16 @@ fn first_match(rules: &[Rule], texts: &[String]) -> Option<DangerMatch> {
 /// regular table did not already name. A command that chains two dangerous commands is as
 /// dangerous as both: an approval must cover every key, not just the first.
 pub fn detect_all(command: &str) -> Vec<DangerMatch> {
+    detect_all_in(&variants(command))
+}
+
+/// [`is_hardline`] and [`detect_all`] of one command, normalizing it once.
+pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
     let texts = variants(command);
+    (first_match(hardline_rules(), &texts), detect_all_in(&texts))
+}
+
+fn detect_all_in(texts: &[String]) -> Vec<DangerMatch> {
     let mut found: Vec<DangerMatch> = Vec::new();
     for rule in rules().iter().chain(hardline_rules()) {
         if !found.iter().any(|m| m.key == rule.def.key)
@@ -715,6 +724,9 @@ mod tests {
             }
             if detect(command).is_none() {
                 failures.push(format!("{command:?}: hardline but not detected"));
+            }
+            if assess(command) != (is_hardline(command), detect_all(command)) {
+                failures.push(format!("{command:?}: assessed otherwise"));
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -1700,18 +1700,12 @@ async fn a_connection_that_pipelines_past_its_bound_is_refused_not_queued() {
 async fn an_unsubscribed_session_is_no_longer_followed_and_can_be_let_go() {
     // A client that looked at many sessions keeps them all loaded while it follows them (a
     // followed session is never evicted); session.unsubscribe lets them go.
-    let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"session": {"max_in_memory": 2}}),
-    ));
-    let d = Daemon::start(&home);
+    let (_model, home, d, mut ws) = busy_sessions_over(2, 6).await;
     let origin = d.origin();
-    let mut ws = d.ws().await;
     let mut sids = Vec::new();
     for i in 0..6 {
-        sids.push(ws.session(&format!("u{i}"), &home.path).await);
+        // The same request ids again: the ids of the sessions it already follows.
+        sids.push(ws.session(&format!("busy-{i}"), &home.path).await);
     }
     let loaded = metric(&origin, "gatehouse_sessions_loaded").await;
     assert!(loaded >= 6.0, "followed sessions stay loaded: {loaded}");

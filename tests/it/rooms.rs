@@ -402,19 +402,26 @@ fn parking_rooms(victim: &Home, defer_seconds: f64) -> (FakeModel, Home, Daemon)
     (model, home, d)
 }
 
-/// Room `park` with task `p1` parked on its approval and `p2` queued behind it.
-async fn park_a_task(ws: &mut Ws) {
+/// Room `room` (member `ops`) with its task `task` parked on its approval.
+async fn park_in(ws: &mut Ws, room: &str, task: &str) {
     ws.ok(
         "room.create",
-        json!({"room_id": "park", "name": "P", "members": [{"profile": "ops", "handle": "ops"}]}),
+        json!({"room_id": room, "name": room, "members": [{"profile": "ops", "handle": "ops"}]}),
     )
     .await;
-    ws.ok("room.admit", admit("park", "p1", "ops", "PARK now", 1))
+    ws.ok("room.admit", admit(room, task, "ops", "PARK now", 1))
         .await;
     ws.event(Duration::from_secs(30), |e| {
-        e["type"] == "room.pending_action" && e["payload"]["action"].is_object()
+        e["room_id"] == room
+            && e["type"] == "room.pending_action"
+            && e["payload"]["action"].is_object()
     })
     .await;
+}
+
+/// Room `park` with task `p1` parked on its approval and `p2` queued behind it.
+async fn park_a_task(ws: &mut Ws) {
+    park_in(ws, "park", "p1").await;
     ws.ok("room.admit", admit("park", "p2", "ops", "hello p2", 2))
         .await;
     assert_eq!(task_status(ws, "park", "p1").await, "running");
@@ -761,18 +768,11 @@ async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    for room in ["first", "second"] {
-        ws.ok(
-            "room.create",
-            json!({"room_id": room, "name": room, "members": [{"profile": "ops", "handle": "ops"}]}),
-        )
-        .await;
-    }
-    ws.ok("room.admit", admit("first", "f1", "ops", "PARK now", 1))
-        .await;
-    ws.event(Duration::from_secs(30), |e| {
-        e["type"] == "room.pending_action" && e["payload"]["action"].is_object()
-    })
+    park_in(&mut ws, "first", "f1").await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "second", "name": "second", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
     .await;
     ws.ok("room.admit", admit("second", "s1", "ops", "hello s1", 1))
         .await;
