@@ -757,16 +757,14 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
 async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
     let victim = Home::new();
     let model = parking_model(&victim);
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
+    let (_home, d) = Daemon::with_model(
+        &model,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
             "rooms": {"turn_timeout_seconds": 4, "lease_ttl_seconds": 1, "poll_interval_seconds": 0.2,
                       "active_poll_interval_seconds": 0.05, "max_concurrent_rooms": 2},
         }),
-    ));
-    let d = Daemon::start(&home);
+    );
     let mut ws = d.ws().await;
     park_in(&mut ws, "first", "f1").await;
     ws.ok(
