@@ -416,6 +416,8 @@ pub struct ProfileConfig {
     pub base_url: Option<String>,
     pub toolsets: Option<Vec<String>>,
     pub system_prompt: Option<String>,
+    /// The profile model's context window (tokens), for compression; else the limits file's.
+    pub context_length: Option<u64>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -191,12 +191,18 @@ fn bound_summary(text: &str) -> String {
     format!("{kept}...[truncated]")
 }
 
-/// The body of the summary request (non-streaming) for `middle`.
+/// The body of the summary request (non-streaming) for `middle`: it may answer in twice the
+/// summary's budget, a fifth of the middle's size kept between 2,000 tokens and `max_summary`.
 pub fn summary_request(
     model: &str,
     middle: &[NewMessage],
     previous_summary: Option<&str>,
+    max_summary: u64,
 ) -> Value {
+    let budget = ((middle.iter().map(rough).sum::<usize>() as f64 * 0.2) as u64)
+        .max(2_000)
+        .min(max_summary)
+        .max(1);
     let mut turns = String::new();
     // An earlier compaction's summary in the middle is the summary to update, whole (up to its
     // own bound), not a turn to clip to 2,800 characters: clipped, each compaction would keep
@@ -260,6 +266,7 @@ pub fn summary_request(
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "temperature": 0.3,
+        "max_tokens": 2 * budget,
     })
 }
 
@@ -513,8 +520,20 @@ mod tests {
 
     #[test]
     fn the_summary_request_carries_the_middle() {
-        let body = summary_request("summary", &[m("user", "hello"), call("q")], None);
+        let body = summary_request("summary", &[m("user", "hello"), call("q")], None, 3_200);
         assert_eq!(body["model"], "summary");
+        // A small middle still gets the 2,000-token floor of budget, twice over.
+        assert_eq!(body["max_tokens"], 4_000);
+        // A fifth of a big middle, bounded by the window's summary budget.
+        let big = m("user", &"x".repeat(100_000));
+        assert_eq!(
+            summary_request("s", std::slice::from_ref(&big), None, 10_000)["max_tokens"],
+            10_004
+        );
+        assert_eq!(
+            summary_request("s", &[big], None, 3_200)["max_tokens"],
+            6_400
+        );
         let text = body["messages"][0]["content"].as_str().unwrap_or_default();
         assert!(text.contains("[USER]: hello") && text.contains("terminal("));
     }
@@ -529,7 +548,7 @@ mod tests {
             display_kind: Some(SUMMARY_KIND.into()),
             ..Default::default()
         };
-        let body = summary_request("summary", &[earlier, m("user", "next")], None);
+        let body = summary_request("summary", &[earlier, m("user", "next")], None, 3_200);
         let text = body["messages"][0]["content"].as_str().unwrap_or_default();
         assert!(
             text.contains("FACT_AT_5000"),

@@ -148,14 +148,40 @@ fn lookup_cache(home: &Path, provider: &str, model: &str, recheck: Duration) -> 
     })
 }
 
-/// The compression threshold: `threshold × context`, capped by `threshold_tokens`.
-pub fn threshold(context: u64, fraction: f64, cap: Option<u64>) -> u64 {
-    let t = ((context as f64) * fraction) as u64;
+/// Below this window a configured threshold fraction is raised to [`SMALL_WINDOW_FRACTION`]:
+/// half of a small window leaves too little room to work before every turn compacts again.
+pub const SMALL_WINDOW: u64 = 512_000;
+/// The least fraction of a window under [`SMALL_WINDOW`] that triggers compaction.
+pub const SMALL_WINDOW_FRACTION: f64 = 0.75;
+/// The least threshold (in tokens) before the window itself bounds it.
+pub const MIN_THRESHOLD: u64 = 64_000;
+
+/// The compression threshold of a model with a `context`-token window that may answer with up to
+/// `max_tokens`: `fraction` of what is left of the window once an answer fits (at least 0.75 of a
+/// window under 512K), at least 64K, but below the window (85 % of it when 64K would not fit),
+/// and capped by `threshold_tokens` (itself at most the window).
+pub fn threshold(context: u64, fraction: f64, cap: Option<u64>, max_tokens: Option<u64>) -> u64 {
+    let fraction = if context < SMALL_WINDOW {
+        fraction.max(SMALL_WINDOW_FRACTION)
+    } else {
+        fraction
+    };
+    let window = context.saturating_sub(max_tokens.unwrap_or(0)).max(1);
+    let mut t = (((window as f64) * fraction) as u64).max(MIN_THRESHOLD);
+    if t >= window {
+        t = (((window as f64) * 0.85) as u64).min(window - 1).max(1);
+    }
     match cap.filter(|c| *c > 0) {
         Some(c) => t.min(c.min(context)),
         None => t,
     }
     .max(1)
+}
+
+/// The most tokens a compaction summary may be written in, for a model with a `context`-token
+/// window: 5 % of the window, at most 10,000.
+pub fn max_summary_tokens(context: u64) -> u64 {
+    ((context as f64 * 0.05) as u64).clamp(1, 10_000)
 }
 
 #[cfg(test)]
@@ -164,10 +190,29 @@ mod tests {
 
     #[test]
     fn threshold_arithmetic() {
-        assert_eq!(threshold(64_000, 0.5, Some(12_000)), 12_000);
-        assert_eq!(threshold(64_000, 0.5, None), 32_000);
-        assert_eq!(threshold(10_000, 0.5, Some(50_000)), 5_000);
-        assert_eq!(threshold(128_000, 0.75, Some(0)), 96_000);
+        // A 64K window: 0.75 of it is under the 64K floor, which is the whole window, so 85 %.
+        assert_eq!(threshold(64_000, 0.5, None, None), 54_400);
+        assert_eq!(threshold(64_000, 0.5, Some(12_000), None), 12_000);
+        // The cap is at most the window; a zero cap is none.
+        assert_eq!(threshold(10_000, 0.5, Some(50_000), None), 8_500);
+        assert_eq!(threshold(128_000, 0.5, Some(0), None), 96_000);
+        // Under 512K the fraction is raised to 0.75, never lowered; from 512K it stands.
+        assert_eq!(threshold(200_000, 0.9, None, None), 180_000);
+        assert_eq!(threshold(1_000_000, 0.5, None, None), 500_000);
+        assert_eq!(threshold(1_000_000, 0.01, None, None), 64_000);
+        // Room for the answer comes off the window first.
+        assert_eq!(threshold(128_000, 0.5, None, Some(28_000)), 75_000);
+        assert_eq!(threshold(70_000, 0.5, None, Some(10_000)), 51_000);
+        // Degenerate windows still give a threshold of at least one token.
+        assert_eq!(threshold(1, 0.5, None, None), 1);
+        assert_eq!(threshold(4_000, 0.5, None, Some(8_000)), 1);
+    }
+
+    #[test]
+    fn summary_budget_is_five_percent_of_the_window_up_to_ten_thousand() {
+        assert_eq!(max_summary_tokens(64_000), 3_200);
+        assert_eq!(max_summary_tokens(1_000_000), 10_000);
+        assert_eq!(max_summary_tokens(0), 1);
     }
 
     #[test]

@@ -241,23 +241,37 @@ impl Turn {
         }
     }
 
-    fn threshold(&self) -> u64 {
+    /// The session's model's context window: its profile's `context_length`, else (for the
+    /// default model) `model.context_length`, else the limits file, else 128K.
+    fn context(&self) -> u64 {
         let c = &self.ctx.shared.config;
-        let limit = tokens::context_limit(
-            if self.root.model == c.default_endpoint().model {
-                c.model.context_length
-            } else {
-                None
-            }
-            .or(c.model.context_length),
+        let default_model = c.default_endpoint().model;
+        // A profile's window is its model's: a session that named another model has not got it.
+        let configured = c
+            .profiles
+            .get(&self.root.profile)
+            .filter(|p| p.model.as_deref().unwrap_or(&default_model) == self.root.model)
+            .and_then(|p| p.context_length)
+            .or_else(|| {
+                (self.root.model == default_model)
+                    .then_some(c.model.context_length)
+                    .flatten()
+            });
+        tokens::context_limit(
+            configured,
             &self.ctx.shared.home,
             &self.root.provider,
             &self.root.model,
-        );
+        )
+    }
+
+    fn threshold(&self) -> u64 {
+        let c = &self.ctx.shared.config;
         tokens::threshold(
-            limit,
+            self.context(),
             c.compression.threshold,
             c.compression.threshold_tokens,
+            c.model.max_tokens,
         )
     }
 
@@ -829,7 +843,12 @@ impl Turn {
             .clone()
             .unwrap_or_else(|| self.root.provider.clone());
         let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
-        let body = compress::summary_request(&model, &plan.middle, None);
+        let body = compress::summary_request(
+            &model,
+            &plan.middle,
+            None,
+            tokens::max_summary_tokens(self.context()),
+        );
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
         // Keys go only to configured endpoints (the session's may be its client's choice).

@@ -87,6 +87,69 @@ fn user_tags(rows: &[gatehouse::store::messages::MessageRow]) -> Vec<String> {
         .collect()
 }
 
+/// A profile's model compacts at its own window, not the default model's: the same four
+/// exchanges compact a session on a profile whose model has a 4K window, and leave one on the
+/// default model (1M) alone.
+#[actix_rt::test]
+async fn a_profile_model_compacts_at_its_own_context_window() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "model": {"context_length": 1_000_000},
+            "profiles": {"small": {"model": "small-model", "context_length": 4000}},
+            "compression": {"protect_first_n": 1, "protect_last_n": 2},
+            "auxiliary": {"compression": {"model": "summary"}},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let mut sessions = Vec::new();
+    for profile in ["default", "small"] {
+        let sid = ws
+            .create(
+                profile,
+                &home.path,
+                json!({"toolsets": [], "profile": profile}),
+            )
+            .await["session_id"]
+            .as_str()
+            .expect("sid")
+            .to_string();
+        for i in 0..4 {
+            let id = format!("{profile}-P{i}");
+            ws.submit(&sid, &id, &pressure(i)).await;
+            wait_until(&id, T, || home.admission(&id).status == "terminal").await;
+            assert_eq!(home.admission(&id).outcome.as_deref(), Some("completed"));
+        }
+        sessions.push(sid);
+    }
+    assert!(
+        home.children(&sessions[0]).is_empty(),
+        "the default model's 1M window is far away"
+    );
+    assert_eq!(
+        home.children(&sessions[1]).len(),
+        1,
+        "the 4K window compacts"
+    );
+    let sums = summaries(&model);
+    assert_eq!(sums.len(), 1);
+    // The summary's budget follows the small window: 5 % of 4K is 200 tokens, twice over.
+    assert_eq!(sums[0]["max_tokens"], 400);
+    assert!(main_requests(&model)
+        .iter()
+        .filter(|b| b["model"] == "small-model")
+        .any(|b| mentions(b, SUMMARY)));
+}
+
 #[actix_rt::test]
 async fn preflight_compression_rotates_into_a_child_session() {
     let model = FakeModel::start(|body| {
@@ -127,6 +190,8 @@ async fn preflight_compression_rotates_into_a_child_session() {
     assert_eq!(sums.len(), 1);
     let s = sums[0];
     assert_eq!(s["temperature"], 0.3);
+    // The summary's budget: 2,000 tokens for this small middle (under 5 % of 64K), twice over.
+    assert_eq!(s["max_tokens"], 4000);
     let prompt = s["messages"][0]["content"].as_str().unwrap_or("");
     assert_eq!(s["messages"].as_array().map(Vec::len), Some(1));
     assert!(
