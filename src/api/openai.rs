@@ -255,13 +255,15 @@ fn digest_of(messages: &[ChatMessage]) -> String {
 }
 
 /// The session's request id: the header's name, else a hash of the conversation's opening and,
-/// when the request names one, its end user (`user`): an app serving many users through one key
-/// must not put two users' conversations that open alike into one session (the second would
-/// get the first's answers and, later, its history).
+/// when the request names them, its end user (`user`) and the profile its `model` names: an app
+/// serving many users through one key must not put two users' conversations that open alike into
+/// one session (the second would get the first's answers and, later, its history), and the same
+/// conversation sent to another profile is another session, run by that profile.
 fn session_request_id(
     req: &HttpRequest,
     messages: &[ChatMessage],
     user: Option<&str>,
+    profile: Option<&str>,
 ) -> Result<String, ChatFailure> {
     if let Some(v) = req.headers().get(SESSION_HEADER) {
         let name = v
@@ -278,14 +280,19 @@ fn session_request_id(
         .position(|m| m.role == "user")
         .map_or(messages.len(), |i| i + 1);
     let conversation = digest_of(&messages[..opening]);
-    Ok(match user {
-        None => format!("openai/conv-{}", &conversation[..32]),
-        Some(user) => {
-            let scoped = hex(&Sha256::digest(
-                json!([user, conversation]).to_string().as_bytes(),
-            ));
-            format!("openai/user-conv-{}", &scoped[..32])
+    let scoped = |parts: Value| hex(&Sha256::digest(parts.to_string().as_bytes()));
+    Ok(match (user, profile) {
+        (None, None) => format!("openai/conv-{}", &conversation[..32]),
+        (Some(user), None) => {
+            format!(
+                "openai/user-conv-{}",
+                &scoped(json!([user, conversation]))[..32]
+            )
         }
+        (user, Some(profile)) => format!(
+            "openai/profile-conv-{}",
+            &scoped(json!([user, profile, conversation]))[..32]
+        ),
     })
 }
 
@@ -455,10 +462,24 @@ pub async fn chat_completions(
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
     let authority = &state.authority;
     let principal = principal.0;
-    let request_id = session_request_id(&req, &body.messages, body.user.as_deref())?;
+    // A `model` naming a configured profile runs the conversation under that profile.
+    let profile = body
+        .model
+        .as_deref()
+        .filter(|m| authority.shared.config.profiles.contains_key(*m));
+    let request_id = session_request_id(&req, &body.messages, body.user.as_deref(), profile)?;
     let session_id = session_id_for(&principal, &request_id);
     let snap: SessionSnapshot = match authority.owned_root(&session_id, &principal).await {
         Ok(root) => {
+            // A named session runs under the profile it was created with; a request for another
+            // is refused rather than answered by the wrong profile.
+            if let Some(p) = profile.filter(|p| *p != root.profile) {
+                return Err(GatewayError::ProfileMismatch(format!(
+                    "the session runs profile {:?}; model {p:?} names another profile",
+                    root.profile
+                ))
+                .into());
+            }
             call(
                 authority,
                 "session.resume",
@@ -470,12 +491,8 @@ pub async fn chat_completions(
         Err(GatewayError::NotFound(_)) => {
             let mut params =
                 json!({"request_id": request_id, "source": "api", "title": "chat completions"});
-            if let Some(m) = body
-                .model
-                .as_ref()
-                .filter(|m| authority.shared.config.profiles.contains_key(*m))
-            {
-                params["profile"] = json!(m);
+            if let Some(p) = profile {
+                params["profile"] = json!(p);
             }
             call(
                 authority,
@@ -635,19 +652,31 @@ mod tests {
         later.push(msg("assistant", json!("hi!")));
         later.push(msg("user", json!("again")));
         let req = actix_web::test::TestRequest::default().to_http_request();
-        let a = session_request_id(&req, &first, None).expect("id");
+        let a = session_request_id(&req, &first, None, None).expect("id");
         assert_eq!(
             a,
-            session_request_id(&req, &later, None).expect("id"),
+            session_request_id(&req, &later, None, None).expect("id"),
             "a growing conversation keeps its session"
         );
-        let alice = session_request_id(&req, &first, Some("alice")).expect("id");
-        let bob = session_request_id(&req, &first, Some("bob")).expect("id");
+        let alice = session_request_id(&req, &first, Some("alice"), None).expect("id");
+        let bob = session_request_id(&req, &first, Some("bob"), None).expect("id");
         assert!(alice != bob && alice != a && bob != a, "{alice} {bob} {a}");
         assert_eq!(
             alice,
-            session_request_id(&req, &later, Some("alice")).expect("id"),
+            session_request_id(&req, &later, Some("alice"), None).expect("id"),
             "a user's growing conversation keeps its session"
+        );
+        // Another profile is another session; the same profile keeps it as it grows.
+        let ops = session_request_id(&req, &first, None, Some("ops")).expect("id");
+        let alice_ops = session_request_id(&req, &first, Some("alice"), Some("ops")).expect("id");
+        let dev = session_request_id(&req, &first, None, Some("dev")).expect("id");
+        let ids = [&a, &alice, &ops, &alice_ops, &dev];
+        for (i, x) in ids.iter().enumerate() {
+            assert!(ids[i + 1..].iter().all(|y| y != x), "{ids:?}");
+        }
+        assert_eq!(
+            ops,
+            session_request_id(&req, &later, None, Some("ops")).expect("id")
         );
         assert_ne!(
             digest_of(&first),
@@ -658,7 +687,7 @@ mod tests {
             .insert_header((SESSION_HEADER, "work"))
             .to_http_request();
         assert_eq!(
-            session_request_id(&named, &first, Some("alice")).expect("id"),
+            session_request_id(&named, &first, Some("alice"), Some("ops")).expect("id"),
             "openai/work"
         );
     }

@@ -891,6 +891,71 @@ async fn chat(api: &Api, body: Value) -> Resp {
     api.post("/v1/chat/completions", body).await
 }
 
+/// A `model` naming a profile runs the conversation under that profile, in a session of its
+/// own; a named session is not answered by another profile than its own.
+#[actix_rt::test]
+async fn chat_completions_keep_each_profile_to_its_own_session() {
+    let model = FakeModel::start(|body| {
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("{}:{}", body["model"].as_str().unwrap_or(""), last_user(body))}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"profiles": {"ops": {"model": "ops-model"}, "dev": {"model": "dev-model"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let conversation = json!([{"role": "user", "content": "hello"}]);
+    let mut seen = Vec::new();
+    for (name, answer) in [
+        ("ops", "ops-model:hello"),
+        ("dev", "dev-model:hello"),
+        ("gpt-4o", "fake-model:hello"),
+    ] {
+        let r = chat(&api, json!({"model": name, "messages": conversation})).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.body["choices"][0]["message"]["content"], answer, "{name}");
+        let session = r
+            .headers
+            .get("x-gatehouse-session")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        assert!(
+            !seen.contains(&session),
+            "{name} shares a session: {seen:?}"
+        );
+        seen.push(session);
+    }
+
+    let named = api.with("x-gatehouse-session", "work");
+    let first = chat(&named, json!({"model": "ops", "messages": conversation})).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let other = chat(
+        &named,
+        json!({"model": "dev", "messages": [{"role": "user", "content": "next"}]}),
+    )
+    .await;
+    assert_eq!(other.status, 409, "{}", other.body);
+    assert_eq!(other.body["error"]["reason"], "profile_mismatch");
+    assert_eq!(model.reached("next"), 0, "no profile answered it");
+    // Its own profile, or a model that names no profile, goes on in the session.
+    for name in ["ops", "gpt-4o"] {
+        let r = chat(
+            &named,
+            json!({"model": name, "messages": [{"role": "user", "content": name}]}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.body["choices"][0]["message"]["content"],
+            format!("ops-model:{name}")
+        );
+    }
+}
+
 #[actix_rt::test]
 async fn chat_completions_speak_the_openai_wire_format() {
     let model = FakeModel::start(|body| {
