@@ -1,5 +1,7 @@
 //! Chat-completions wire types and the accumulation of streamed chunks.
 
+use std::collections::{BTreeMap, HashMap};
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -115,7 +117,12 @@ pub struct StreamAccumulator {
     content: String,
     saw_content: bool,
     reasoning: String,
-    slots: Vec<(i64, ToolCall)>,
+    /// The calls by slot, in order; looked up per fragment, so a map (a response may stream
+    /// thousands of fragments).
+    slots: BTreeMap<i64, ToolCall>,
+    /// The slot a fragment's `index` now means: a new call (another id) that reuses an index gets
+    /// a fresh slot, and that index's later fragments belong to it.
+    current: HashMap<i64, i64>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
     model: Option<String>,
@@ -170,27 +177,18 @@ impl StreamAccumulator {
             for call in calls {
                 let raw_index = call.get("index").and_then(|i| i.as_i64()).unwrap_or(0);
                 let id = call.get("id").and_then(|i| i.as_str()).unwrap_or("");
-                let mut slot_index = raw_index;
-                if let Some((_, existing)) = self.slots.iter().find(|(i, _)| *i == raw_index) {
+                let mut slot_index = self.current.get(&raw_index).copied().unwrap_or(raw_index);
+                if let Some(existing) = self.slots.get(&slot_index) {
                     if !id.is_empty() && !existing.id.is_empty() && existing.id != id {
                         // A new call reusing an index: give it a fresh slot.
-                        slot_index = self.slots.iter().map(|(i, _)| *i).max().unwrap_or(0) + 1;
+                        slot_index = self.slots.keys().next_back().map_or(0, |i| i + 1);
+                        self.current.insert(raw_index, slot_index);
                     }
                 }
-                let pos = match self.slots.iter().position(|(i, _)| *i == slot_index) {
-                    Some(p) => p,
-                    None => {
-                        self.slots.push((
-                            slot_index,
-                            ToolCall {
-                                kind: "function".into(),
-                                ..Default::default()
-                            },
-                        ));
-                        self.slots.len() - 1
-                    }
-                };
-                let slot = &mut self.slots[pos].1;
+                let slot = self.slots.entry(slot_index).or_insert_with(|| ToolCall {
+                    kind: "function".into(),
+                    ..Default::default()
+                });
                 if !id.is_empty() {
                     slot.id = id.to_string();
                 }
@@ -210,8 +208,7 @@ impl StreamAccumulator {
         Ok(delta_out)
     }
 
-    pub fn finish(mut self) -> ChatResponse {
-        self.slots.sort_by_key(|(i, _)| *i);
+    pub fn finish(self) -> ChatResponse {
         let tool_calls: Vec<ToolCall> = self
             .slots
             .into_iter()
@@ -265,6 +262,42 @@ mod tests {
         assert_eq!(r.tool_calls[0].id, "c1");
         assert_eq!(r.tool_calls[1].function.arguments, "{\"q\":1}");
         assert_eq!(r.usage.map(|u| u.total_tokens), Some(7));
+    }
+
+    #[test]
+    fn a_call_reusing_an_index_keeps_its_later_fragments() {
+        let mut acc = StreamAccumulator::default();
+        let call = |index: i64, id: &str, args: &str| {
+            let mut c = json!({"index": index, "function": {"arguments": args}});
+            if !id.is_empty() {
+                c["id"] = json!(id);
+                c["function"]["name"] = json!("terminal");
+            }
+            json!({"choices":[{"index":0,"delta":{"tool_calls":[c]}}]})
+        };
+        for chunk in [
+            call(0, "a", "{\"command\":"),
+            call(0, "", "\"ls\"}"),
+            call(0, "b", "{\"command\":"),
+            call(0, "", "\"pwd\"}"),
+            call(1, "c", "{}"),
+        ] {
+            acc.apply(&chunk).expect("chunk");
+        }
+        let calls: Vec<(String, String)> = acc
+            .finish()
+            .tool_calls
+            .into_iter()
+            .map(|c| (c.id, c.function.arguments))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("a".to_string(), r#"{"command":"ls"}"#.to_string()),
+                ("b".to_string(), r#"{"command":"pwd"}"#.to_string()),
+                ("c".to_string(), "{}".to_string()),
+            ]
+        );
     }
 
     #[test]
