@@ -282,6 +282,7 @@ impl Turn {
         let max_compressions = cfg.compression.max_attempts;
         let threshold = self.threshold();
         let mut iterations = 0u32;
+        let mut retry = Retries::default();
         loop {
             if self.cancelled() {
                 return Ok(interrupted());
@@ -292,6 +293,11 @@ impl Turn {
                 self.tool_schemas()
             };
             let mut wire = transcript::wire_messages(Some(&self.system), &self.transcript);
+            if !retry.partial.is_empty() {
+                // An answer cut off by the output limit goes on from where it stopped.
+                wire.push(json!({"role": "assistant", "content": retry.partial}));
+                wire.push(json!({"role": "user", "content": CONTINUE_NOTE}));
+            }
             if iterations >= max_iterations {
                 wire.push(json!({"role": "user", "content": "You have reached the maximum number of tool-calling \
                     iterations for this turn. Give your final response now, without calling any more tools."}));
@@ -350,8 +356,39 @@ impl Turn {
                     total.1 += u.completion_tokens;
                 }
             }
-            if response.tool_calls.is_empty() || iterations >= max_iterations {
-                let content = strip_think(response.content.as_deref().unwrap_or(""));
+            let final_answer = response.tool_calls.is_empty() || iterations >= max_iterations;
+            if response.finish_reason == "length" {
+                if !final_answer {
+                    // Its calls' arguments may be cut anywhere: none of them is run.
+                    return Ok(TurnOutcome::Failed {
+                        error:
+                            "model request failed: the response was cut off by the output limit \
+                                (finish_reason length) in the middle of its tool calls"
+                                .into(),
+                        reason: "model_error",
+                    });
+                }
+                if retry.continuations < MAX_MODEL_RETRIES {
+                    retry.continuations += 1;
+                    retry
+                        .partial
+                        .push_str(response.content.as_deref().unwrap_or(""));
+                    continue;
+                }
+            }
+            if final_answer {
+                let mut text = retry.partial.clone();
+                text.push_str(response.content.as_deref().unwrap_or(""));
+                let mut content = strip_think(&text);
+                if content.is_empty() {
+                    // An empty answer is asked for again; then the last words that came with
+                    // tool calls, if any, stand for it.
+                    if retry.empty < MAX_MODEL_RETRIES {
+                        retry.empty += 1;
+                        continue;
+                    }
+                    content = retry.tool_content.take().unwrap_or_default();
+                }
                 return Ok(TurnOutcome::Completed {
                     final_message: NewMessage {
                         role: "assistant".into(),
@@ -362,11 +399,50 @@ impl Turn {
                     },
                 });
             }
+            let unparsable = response.tool_calls.iter().any(|c| {
+                let a = c.function.arguments.trim();
+                !a.is_empty() && serde_json::from_str::<serde::de::IgnoredAny>(a).is_err()
+            });
+            if unparsable && retry.bad_arguments < MAX_MODEL_RETRIES {
+                // Asked again before anything is kept; past the retries each bad call's result
+                // says what was wrong.
+                retry.bad_arguments += 1;
+                continue;
+            }
+            if let Some(text) = response.content.as_deref().map(strip_think) {
+                if !text.is_empty() {
+                    retry.tool_content = Some(text);
+                }
+            }
             iterations += 1;
+            let known = response
+                .tool_calls
+                .iter()
+                .any(|c| self.tool_named(&c.function.name).is_some());
             if let Some(outcome) = self.run_tools(response).await? {
                 return Ok(outcome);
             }
+            retry.unknown_rounds = if known { 0 } else { retry.unknown_rounds + 1 };
+            if retry.unknown_rounds >= MAX_MODEL_RETRIES {
+                return Ok(TurnOutcome::Failed {
+                    error: format!(
+                        "model request failed: the model called only tools that do not exist, \
+                         {MAX_MODEL_RETRIES} times in a row (available: {})",
+                        self.tools.join(", ")
+                    ),
+                    reason: "model_error",
+                });
+            }
         }
+    }
+
+    /// The offered tool `name` means: its own name, else one that differs only in case.
+    fn tool_named(&self, name: &str) -> Option<&str> {
+        self.tools
+            .iter()
+            .find(|t| *t == name)
+            .or_else(|| self.tools.iter().find(|t| t.eq_ignore_ascii_case(name)))
+            .map(String::as_str)
     }
 
     async fn call_model(
@@ -424,8 +500,15 @@ impl Turn {
         let calls: Vec<ToolCall> = response
             .tool_calls
             .iter()
-            .filter(|c| seen.insert((c.function.name.as_str(), c.function.arguments.as_str())))
-            .cloned()
+            .map(|c| {
+                // `Terminal` is `terminal`: the kept call names the tool that runs.
+                let mut c = c.clone();
+                if let Some(name) = self.tool_named(&c.function.name) {
+                    c.function.name = name.to_string();
+                }
+                c
+            })
+            .filter(|c| seen.insert((c.function.name.clone(), c.function.arguments.clone())))
             .collect();
         let assistant = NewMessage {
             role: "assistant".into(),
@@ -484,6 +567,12 @@ impl Turn {
     }
 
     async fn execute(&mut self, name: &str, arguments: &str) -> ToolResult {
+        if !self.tools.iter().any(|t| t == name) {
+            return ToolResult::Output(format!(
+                "Tool '{name}' does not exist. Available tools: {}",
+                self.tools.join(", ")
+            ));
+        }
         let args: Value = if arguments.trim().is_empty() {
             json!({})
         } else {
@@ -496,12 +585,6 @@ impl Turn {
                 }
             }
         };
-        if !self.tools.iter().any(|t| t == name) {
-            return ToolResult::Output(format!(
-                "Tool '{name}' does not exist. Available tools: {}",
-                self.tools.join(", ")
-            ));
-        }
         match name {
             "terminal" => self.terminal(&args).await,
             "clarify" => self.clarify(&args).await,
@@ -993,6 +1076,31 @@ fn touches_gateway_state(command: &str, cwd: &std::path::Path, home: &std::path:
     homes
         .iter()
         .any(|h| cwd.starts_with(h) || command.contains(h.to_string_lossy().as_ref()))
+}
+
+/// How often one turn asks the model again for one kind of bad answer (cut off by the output
+/// limit, empty, unparsable tool arguments) or puts up with calls to tools that do not exist.
+const MAX_MODEL_RETRIES: u32 = 3;
+
+/// The note that asks the model to go on with an answer the output limit cut off.
+const CONTINUE_NOTE: &str = "[Your previous response was cut off by the output length limit. \
+    Continue exactly where you left off, without repeating anything.]";
+
+/// A turn's count of its retries, and what it carries between them.
+#[derive(Default)]
+struct Retries {
+    /// Continuations asked for after `finish_reason: length`.
+    continuations: u32,
+    /// Empty final answers asked for again.
+    empty: u32,
+    /// Responses with unparsable tool arguments asked for again.
+    bad_arguments: u32,
+    /// Rounds in a row whose calls all named tools that do not exist.
+    unknown_rounds: u32,
+    /// The answer so far, when the output limit cut it off.
+    partial: String,
+    /// The last text that came with tool calls (the answer when the final one is empty).
+    tool_content: Option<String>,
 }
 
 /// Tool calls one model response may make; the rest get an error result and do not run (a

@@ -66,6 +66,16 @@ pub fn flatten_content(v: &Value) -> Option<String> {
     }
 }
 
+/// A call's arguments as JSON text: a string as it is, an object or list (some servers send them
+/// parsed) written out, nothing for null.
+fn arguments_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
 /// Parse a non-streaming response body.
 pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
     if let Some(err) = body.get("error") {
@@ -76,9 +86,36 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
         .and_then(|c| c.get(0))
         .ok_or_else(|| "response has no choices".to_string())?;
     let message = choice.get("message").cloned().unwrap_or(Value::Null);
+    // Each call on its own terms: one call without an `id`, or with its arguments as an object,
+    // must not lose the others (they would all be dropped, and the turn "complete" silently).
     let tool_calls: Vec<ToolCall> = message
         .get("tool_calls")
-        .and_then(|t| serde_json::from_value(t.clone()).ok())
+        .and_then(Value::as_array)
+        .map(|calls| {
+            calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| ToolCall {
+                    id: c
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .filter(|id| !id.is_empty())
+                        .map_or_else(|| format!("call_{i}"), str::to_string),
+                    kind: "function".into(),
+                    function: FunctionCall {
+                        name: c
+                            .pointer("/function/name")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
+                        arguments: c
+                            .pointer("/function/arguments")
+                            .map(arguments_text)
+                            .unwrap_or_default(),
+                    },
+                })
+                .collect()
+        })
         .unwrap_or_default();
     Ok(ChatResponse {
         content: message.get("content").and_then(flatten_content),
@@ -199,8 +236,8 @@ impl StreamAccumulator {
                         }
                         slot.function.name.push_str(n);
                     }
-                    if let Some(a) = f.get("arguments").and_then(|a| a.as_str()) {
-                        slot.function.arguments.push_str(a);
+                    if let Some(a) = f.get("arguments") {
+                        slot.function.arguments.push_str(&arguments_text(a));
                     }
                 }
             }
@@ -297,6 +334,42 @@ mod tests {
                 ("b".to_string(), r#"{"command":"pwd"}"#.to_string()),
                 ("c".to_string(), "{}".to_string()),
             ]
+        );
+    }
+
+    #[test]
+    fn a_plain_reply_keeps_every_call_even_one_without_an_id() {
+        let r = parse_response(&json!({"choices":[{"finish_reason":"tool_calls","message":{"role":"assistant","tool_calls":[
+            {"type":"function","function":{"name":"terminal","arguments":"{\"command\":\"ls\"}"}},
+            {"id":"b","function":{"name":"terminal","arguments":{"command":"pwd"}}},
+            {"id":"c","type":"function","function":{"name":"clarify"}}
+        ]}}]}))
+        .expect("parsed");
+        let calls: Vec<(&str, &str, &str)> = r
+            .tool_calls
+            .iter()
+            .map(|c| {
+                (
+                    c.id.as_str(),
+                    c.function.name.as_str(),
+                    c.function.arguments.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("call_0", "terminal", r#"{"command":"ls"}"#),
+                ("b", "terminal", r#"{"command":"pwd"}"#),
+                ("c", "clarify", ""),
+            ]
+        );
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"x","function":{"name":"terminal","arguments":{"command":"ls"}}}]}}]}))
+            .expect("chunk");
+        assert_eq!(
+            acc.finish().tool_calls[0].function.arguments,
+            r#"{"command":"ls"}"#
         );
     }
 

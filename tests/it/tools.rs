@@ -1315,3 +1315,143 @@ async fn identical_tool_calls_in_one_response_run_once() {
         .collect();
     assert_eq!(ids, ["call_a", "call_c"]);
 }
+
+/// Bad answers are asked for again, as many as three times: an answer cut off by the output
+/// limit goes on where it stopped, an empty one is asked again, unparsable tool arguments are
+/// asked again before anything runs or is kept; a tool named in another case runs; calls only to
+/// tools that do not exist end the turn after three rounds; a cut-off tool call never runs.
+#[actix_rt::test]
+async fn bad_model_answers_are_asked_for_again_within_bounds() {
+    use std::sync::{Arc, Mutex};
+    let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let seen = counts.clone();
+    let model = FakeModel::start(move |body| {
+        let text = last_user(body);
+        let say = |content: &str, finish: &'static str| {
+            Reply::Message(json!({"role": "assistant", "content": content}), finish)
+        };
+        if text == "NOPE" {
+            // Whatever it is told, it calls a tool that does not exist.
+            let round = body["messages"]
+                .as_array()
+                .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+            return Reply::Message(
+                tool_call(&format!("n{round}"), "nope", json!({})),
+                "tool_calls",
+            );
+        }
+        if after_tool(body) {
+            return say(&format!("DONE_{text}"), "stop");
+        }
+        if text.starts_with("[Your previous response was cut off") {
+            return say("part two.", "stop");
+        }
+        let n = {
+            let mut c = seen.lock().expect("counts");
+            let n = c.entry(text.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        match (text.as_str(), n) {
+            ("LONG", _) => say("part one, ", "length"),
+            ("EMPTY", 1 | 2) => say("", "stop"),
+            ("EMPTY", _) => say("at last", "stop"),
+            ("BADJSON", 1) => Reply::Message(
+                json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0, "id": "b1",
+                    "type": "function", "function": {"name": "terminal", "arguments": "{\"command\": \"echo ba"}}]}),
+                "tool_calls",
+            ),
+            ("BADJSON", _) => Reply::Message(
+                tool_call("b2", "terminal", json!({"command": "echo fixed"})),
+                "tool_calls",
+            ),
+            ("CASE", _) => Reply::Message(
+                tool_call("c1", "Terminal", json!({"command": "echo cased"})),
+                "tool_calls",
+            ),
+            ("CUT", _) => Reply::Message(
+                tool_call("x1", "terminal", json!({"command": "echo never"})),
+                "length",
+            ),
+            _ => say(&format!("ACK_{text}"), "stop"),
+        }
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("retries", &home.path).await;
+    let mut results = HashMap::new();
+    for id in ["LONG", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT"] {
+        ws.submit(&sid, id, id).await;
+        let row = settled(&home, id).await;
+        let r = ws
+            .ok(
+                "prompt.receipt",
+                json!({"session_id": sid, "admission_id": row.admission_id}),
+            )
+            .await;
+        results.insert(id, (row.outcome.clone(), r["result"].clone()));
+    }
+    let count = |t: &str| counts.lock().expect("counts").get(t).copied().unwrap_or(0);
+    let answer = |id: &str| results[id].1["final_response"].as_str().map(str::to_string);
+
+    // Cut off: the partial answer and a note to go on, then the whole answer as one message.
+    assert_eq!(answer("LONG").as_deref(), Some("part one, part two."));
+    assert_eq!(count("LONG"), 1);
+    let go_on = model
+        .requests()
+        .into_iter()
+        .find(|b| last_user(b).starts_with("[Your previous response was cut off"))
+        .expect("a continuation request");
+    let msgs = go_on["messages"].as_array().expect("messages");
+    assert_eq!(
+        msgs[msgs.len() - 2],
+        json!({"role": "assistant", "content": "part one, "})
+    );
+
+    assert_eq!(answer("EMPTY").as_deref(), Some("at last"));
+    assert_eq!(count("EMPTY"), 3, "two empty answers asked again");
+
+    assert_eq!(answer("BADJSON").as_deref(), Some("DONE_BADJSON"));
+    assert_eq!(count("BADJSON"), 2);
+    let kept: Vec<String> = home
+        .transcript(&sid)
+        .iter()
+        .filter_map(|m| m.tool_calls.clone())
+        .collect();
+    assert!(
+        kept.iter()
+            .all(|c| !c.contains("echo ba\"") && !c.contains("\"b1\"")),
+        "the unparsable call is not kept: {kept:?}"
+    );
+
+    assert_eq!(answer("CASE").as_deref(), Some("DONE_CASE"));
+    let cased = home
+        .transcript(&sid)
+        .into_iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("c1"))
+        .and_then(|m| m.content)
+        .unwrap_or_default();
+    assert!(cased.contains("cased"), "{cased}");
+
+    assert_eq!(results["NOPE"].0.as_deref(), Some("failed"));
+    assert_eq!(results["NOPE"].1["reason"], "model_error");
+    let nope_requests = model
+        .requests()
+        .iter()
+        .filter(|b| last_user(b) == "NOPE")
+        .count();
+    assert_eq!(nope_requests, 3, "three rounds, then the turn ends");
+    let nope_rounds = home
+        .transcript(&sid)
+        .iter()
+        .filter(|m| m.tool_name.as_deref() == Some("nope"))
+        .count();
+    assert_eq!(nope_rounds, 3);
+
+    assert_eq!(results["CUT"].0.as_deref(), Some("failed"));
+    assert_eq!(results["CUT"].1["reason"], "model_error");
+    assert!(home
+        .transcript(&sid)
+        .iter()
+        .all(|m| m.tool_call_id.as_deref() != Some("x1")));
+}
