@@ -124,7 +124,7 @@ impl Control {
                 "api_origin": shared.runtime.origin(),
                 "authority_epoch": shared.epoch,
                 "version": self.version,
-                "capabilities": ["session-authority-v1", "durable-admission-v1"],
+                "capabilities": ["session-authority-v1", "durable-admission-v1", "event-replay-v1"],
             }),
             "session-ticket" => {
                 if !same_user {

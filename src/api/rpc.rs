@@ -565,11 +565,6 @@ impl Authority {
                 "execution_generation must be an integer".into(),
             ));
         };
-        if prompt_id.is_empty() {
-            return Err(GatewayError::InvalidParams(
-                "prompt_id must not be empty".into(),
-            ));
-        }
         let sup = self.supervisor(&root.id).await?;
         sup.send(Respond {
             kind,
@@ -677,10 +672,19 @@ impl Authority {
         let platform = cfg.platform_tools(&source);
         let toolsets = match &p.toolsets {
             Some(list) => {
+                // A client narrows what the operator enabled (the platform's tools, or the
+                // profile's), never widens it.
+                let profile_tools = profile_cfg.and_then(|c| c.toolsets.as_ref());
                 for t in list {
                     if !KNOWN_TOOLS.contains(&t.as_str()) {
                         return Err(GatewayError::InvalidParams(format!(
                             "unknown toolset {t:?}"
+                        )));
+                    }
+                    if !platform.contains(t) && !profile_tools.is_some_and(|p| p.contains(t)) {
+                        return Err(GatewayError::InvalidParams(format!(
+                            "toolset {t:?} is not enabled for source {source:?} \
+                             (platform_toolsets.{source}: {platform:?})"
                         )));
                     }
                 }

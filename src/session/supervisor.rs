@@ -1155,6 +1155,12 @@ impl Handler<Respond> for SessionSupervisor {
                 m.generation
             )));
         }
+        // Checked after the generation: an answer for another attempt is stale whatever it names.
+        if m.prompt_id.is_empty() {
+            return Err(GatewayError::InvalidParams(
+                "prompt_id must not be empty".into(),
+            ));
+        }
         let stale: Vec<String> = self
             .prompts
             .iter()

@@ -13,6 +13,14 @@ async fn identify_reports_ready_and_epochs_strictly_increase() {
     let (home, mut d) = Daemon::with_model(&model, json!({}));
     let first = d.identify.clone();
     assert_eq!(first["state"], "ready");
+    assert_eq!(
+        first["capabilities"],
+        json!([
+            "session-authority-v1",
+            "durable-admission-v1",
+            "event-replay-v1"
+        ])
+    );
     assert_eq!(first["instance_id"].as_str().map(str::len), Some(32));
     assert!(first["api_origin"]
         .as_str()
@@ -156,6 +164,29 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
         "invalid_params",
     )
     .await;
+    // A client narrows the tools the operator enabled for its source, never widens them: an
+    // unattended (`api`) session is offered `terminal` only, so asking for `clarify` is refused.
+    let widened = ws
+        .refused(
+            "session.create",
+            json!({"request_id": "req-4", "cwd": home.path, "source": "api", "toolsets": ["terminal", "clarify"]}),
+            "invalid_params",
+        )
+        .await;
+    assert!(
+        widened
+            .to_string()
+            .contains(r#"toolset \"clarify\" is not enabled for source \"api\""#),
+        "{widened}"
+    );
+    let narrowed = ws
+        .create(
+            "req-5",
+            &home.path,
+            json!({"source": "api", "toolsets": ["terminal"]}),
+        )
+        .await;
+    assert_eq!(narrowed["info"]["toolsets"], json!(["terminal"]));
     drop(ws);
     d.kill();
     // The config changes; the existing session keeps its frozen model and (empty) toolsets.

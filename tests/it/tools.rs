@@ -573,6 +573,20 @@ async fn prompt_answers_are_fenced_by_the_running_generation() {
         "stale_generation",
     )
     .await;
+    // The generation is checked first: an answer for another attempt is stale even when it
+    // names no prompt; for the running one an empty prompt id is invalid.
+    ws.refused(
+        "approval.respond",
+        with(json!(gen + 1), json!(""), "once"),
+        "stale_generation",
+    )
+    .await;
+    ws.refused(
+        "approval.respond",
+        with(json!(gen), json!(""), "once"),
+        "invalid_params",
+    )
+    .await;
     let r = ws
         .ok(
             "approval.respond",
