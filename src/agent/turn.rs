@@ -302,8 +302,11 @@ impl Turn {
                 wire.push(json!({"role": "user", "content": "You have reached the maximum number of tool-calling \
                     iterations for this turn. Give your final response now, without calling any more tools."}));
             }
-            // Preflight: compress before a request that would pass the threshold.
+            // Preflight: compress before a request that would pass the threshold (not again in
+            // a turn whose compaction failed: the request goes as it is, and an overflow says
+            // whether it fits).
             if cfg.compression.enabled
+                && !retry.compaction_failed
                 && self.compressions < max_compressions
                 && tokens::estimate_request(&wire, tools.as_ref()) >= threshold
                 && self.transcript.len()
@@ -314,6 +317,7 @@ impl Turn {
                     Err(CompactError::Stop(s)) => return Err(s),
                     Err(CompactError::Failed(e)) => {
                         tracing::warn!(error = %e, "preflight compression failed; sending as is");
+                        retry.compaction_failed = true;
                     }
                 }
             }
@@ -483,6 +487,7 @@ impl Turn {
             deltas,
             cancel: self.ctx.cancel.clone(),
             timeout: Duration::from_secs_f64(cfg.model.timeout_seconds),
+            retry: true,
         };
         self.ctx
             .shared
@@ -917,6 +922,16 @@ impl Turn {
         let pruned = compress::clear_old_tool_output(&self.transcript, c.protect_last_n);
         let Some(plan) = compress::plan(&pruned, c.protect_first_n, c.protect_last_n, tail_budget)
         else {
+            // Nothing to summarise (too few messages, or only an earlier summary), but old tool
+            // output cleared is still room won: kept, without a summary request.
+            let cleared = pruned.len() == self.transcript.len()
+                && pruned
+                    .iter()
+                    .zip(&self.transcript)
+                    .any(|(a, b)| a.content != b.content);
+            if cleared {
+                return self.commit_compacted(pruned, self.system.clone()).await;
+            }
             return Err(CompactError::Failed("nothing to compact".into()));
         };
         let aux = &cfg.auxiliary.compression;
@@ -947,6 +962,7 @@ impl Turn {
             deltas: None,
             cancel: self.ctx.cancel.clone(),
             timeout: Duration::from_secs_f64(aux.timeout.max(1.0)),
+            retry: false,
         };
         let summary = match self.ctx.shared.model.send(call).await {
             Ok(Ok(r)) => r.content.unwrap_or_default(),
@@ -970,6 +986,17 @@ impl Turn {
                 self.system
             )
         };
+        self.commit_compacted(compacted, system).await
+    }
+
+    /// Commit `compacted` as the live transcript (with `system`): in place, or rotated into a
+    /// child session, as the config says; one transaction, fenced by epoch and generation.
+    async fn commit_compacted(
+        &mut self,
+        compacted: Vec<NewMessage>,
+        system: String,
+    ) -> Result<(), CompactError> {
+        let c = &self.ctx.shared.config.compression;
         let compaction = Compaction {
             root_id: self.ctx.root_id.clone(),
             old_tip: self.tip.clone(),
@@ -1101,6 +1128,8 @@ struct Retries {
     partial: String,
     /// The last text that came with tool calls (the answer when the final one is empty).
     tool_content: Option<String>,
+    /// A preflight compaction of this turn failed.
+    compaction_failed: bool,
 }
 
 /// Tool calls one model response may make; the rest get an error result and do not run (a

@@ -118,6 +118,9 @@ pub struct ChatCall {
     pub deltas: Option<DeltaSink>,
     pub cancel: watch::Receiver<bool>,
     pub timeout: Duration,
+    /// Whether a transient failure is tried again (`model.max_retries` times). A compaction's
+    /// summary is not: its turn goes on without it, rather than wait out four time-outs.
+    pub retry: bool,
 }
 
 impl Message for ChatCall {
@@ -234,7 +237,7 @@ async fn call_with_retries(
         };
         match result {
             Ok(r) => return Ok(r),
-            Err(e) if e.retryable() && !delivered && attempt < config.max_retries => {
+            Err(e) if call.retry && e.retryable() && !delivered && attempt < config.max_retries => {
                 attempt += 1;
                 let backoff = config.retry_base * 2u32.saturating_pow(attempt - 1);
                 tracing::warn!(error = %e, attempt, ?backoff, "model call failed; retrying");
@@ -446,6 +449,7 @@ mod tests {
             deltas: None,
             cancel: watch::channel(false).1,
             timeout: Duration::from_secs(1),
+            retry: true,
         };
         let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "é \" \\"}],
             "tools": [{"type": "function"}], "temperature": 0.5});

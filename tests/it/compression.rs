@@ -881,3 +881,129 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
         "{result}"
     );
 }
+
+/// A summary that fails is asked for once, not retried, and not again after the turn's tool
+/// rounds: the turn goes on as it is.
+#[actix_rt::test]
+async fn a_failing_summary_is_asked_once_per_turn() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return Reply::Status(500, json!({"error": {"message": "summariser down"}}));
+        }
+        if tag(&last_user(body)) == "P3" && !after_tool(body) {
+            return Reply::Message(
+                tool_call("t1", "terminal", json!({"command": "echo tool-round"})),
+                "tool_calls",
+            );
+        }
+        ack(body)
+    });
+    let home = Home::new();
+    let mut cfg = pressure_config(&model.url, false);
+    merge(
+        &mut cfg,
+        json!({"platform_toolsets": {"cli": ["terminal"]}}),
+    );
+    home.write_config(&cfg);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("failing", &home.path, json!({"toolsets": ["terminal"]}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..4 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    assert_eq!(
+        summaries(&model).len(),
+        1,
+        "one summary request in P3's turn"
+    );
+    assert!(home.children(&sid).is_empty(), "nothing was compacted");
+    let p3 = main_requests(&model)
+        .into_iter()
+        .filter(|b| tag(&last_user(b)) == "P3")
+        .count();
+    assert_eq!(
+        p3, 2,
+        "the tool call and the answer after it, sent as they were"
+    );
+}
+
+/// A turn whose transcript has nothing to summarise (the latest user message sits right after
+/// the protected head) still clears old tool output when it passes the threshold, and goes on
+/// without a summary request instead of overflowing.
+#[actix_rt::test]
+async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return summary_reply();
+        }
+        if wire_chars(body) > 40_000 {
+            return Reply::Status(
+                400,
+                json!({"error": {"message": "too long", "code": "context_length_exceeded"}}),
+            );
+        }
+        if last_user(body) != "MANY" {
+            return ack(body);
+        }
+        let results = body["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        if results < 6 {
+            return Reply::Message(
+                tool_call(
+                    &format!("m{results}"),
+                    "terminal",
+                    json!({"command": format!("head -c 8000 /dev/zero | tr '\\0' {}", (b'a' + results as u8) as char)}),
+                ),
+                "tool_calls",
+            );
+        }
+        Reply::Message(json!({"role": "assistant", "content": "DONE_MANY"}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "model": {"context_length": 64000},
+            "compression": {"threshold_tokens": 6000, "protect_first_n": 2, "protect_last_n": 1},
+            "auxiliary": {"compression": {"model": "summary"}},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("many", &home.path, json!({"toolsets": ["terminal"]}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
+        ws.submit(&sid, id, text).await;
+        wait_until(id, T, || home.admission(id).status == "terminal").await;
+        assert_eq!(
+            home.admission(id).outcome.as_deref(),
+            Some("completed"),
+            "{id}"
+        );
+    }
+    assert!(summaries(&model).is_empty(), "nothing to summarise");
+    let last = main_requests(&model).last().cloned().expect("a request");
+    assert_eq!(
+        last["messages"]
+            .as_array()
+            .map(|m| m.iter().filter(|m| m["role"] == "tool").count()),
+        Some(6)
+    );
+    assert!(
+        mentions(&last, "[terminal] ran `head -c 8000 /dev/zero"),
+        "old output is one line"
+    );
+    assert!(wire_chars(&last) < 40_000);
+    let children = home.children(&sid);
+    assert!(!children.is_empty(), "the cleared transcript was committed");
+}
