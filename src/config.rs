@@ -288,6 +288,8 @@ impl Default for ApprovalsConfig {
 #[serde(default)]
 pub struct AgentConfig {
     pub clarify_timeout: f64,
+    /// Model calls with tools per turn (`max_turns` is the same setting by its older name).
+    #[serde(alias = "max_turns")]
     pub max_iterations: u32,
     pub system_prompt: Option<String>,
     #[serde(flatten)]
@@ -770,6 +772,14 @@ mod tests {
             unknown.contains(&"auxiliary.title_generation".to_string()),
             "{unknown:?}"
         );
+    }
+
+    #[test]
+    fn max_turns_is_max_iterations_by_its_older_name() {
+        let c = parse("agent:\n  max_turns: 7\n").expect("loads");
+        assert_eq!(c.agent.max_iterations, 7);
+        assert!(c.unknown_keys().is_empty(), "{:?}", c.unknown_keys());
+        assert!(parse("agent:\n  max_turns: 7\n  max_iterations: 8\n").is_err());
     }
 
     #[test]

@@ -620,12 +620,15 @@ impl Turn {
             )));
         }
         // Where it runs is part of what is approved: `rm -rf *` means something else in `/`.
+        // A relative `workdir` is under the session's directory (it was dropped, and the command
+        // ran somewhere the model did not ask for).
+        let session_cwd = self.session_cwd();
         let cwd = args
             .get("workdir")
             .and_then(|w| w.as_str())
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute())
-            .unwrap_or_else(|| self.session_cwd());
+            .filter(|w| !w.trim().is_empty())
+            .map(|w| session_cwd.join(w))
+            .unwrap_or(session_cwd);
         if touches_gateway_state(&command, &cwd, &shared.home) {
             matched.push(danger::GATEWAY_STATE);
         }
@@ -771,14 +774,22 @@ impl Turn {
             v.and_then(|c| c.as_array())
                 .map(|a| {
                     a.iter()
-                        .filter_map(|c| match c {
-                            Value::String(s) => Some(s.clone()),
-                            Value::Object(o) => ["label", "text", "title", "description"]
-                                .iter()
-                                .find_map(|k| {
-                                    o.get(*k).and_then(|v| v.as_str()).map(str::to_string)
-                                }),
-                            _ => None,
+                        .filter_map(|c| {
+                            // A choice written as a JSON object inside a string is that object.
+                            let parsed = c
+                                .as_str()
+                                .filter(|s| s.trim_start().starts_with('{'))
+                                .and_then(|s| serde_json::from_str::<Value>(s).ok())
+                                .filter(Value::is_object);
+                            match parsed.as_ref().unwrap_or(c) {
+                                Value::String(s) => Some(s.clone()),
+                                Value::Object(o) => ["label", "text", "title", "description"]
+                                    .iter()
+                                    .find_map(|k| {
+                                        o.get(*k).and_then(|v| v.as_str()).map(str::to_string)
+                                    }),
+                                _ => None,
+                            }
                         })
                         .filter(|s| !s.trim().is_empty())
                         .take(4)
@@ -831,7 +842,7 @@ impl Turn {
                  choice and proceed."
                     .to_string()
             } else {
-                answers.first().cloned().unwrap_or_default()
+                pick(answers.first().map_or("", String::as_str), c)
             };
             return ToolResult::Output(
                 json!({"question": q, "choices_offered": c, "user_response": response}).to_string(),
@@ -842,7 +853,7 @@ impl Turn {
             .enumerate()
             .map(|(i, (q, c))| {
                 json!({"id": format!("q{i}"), "question": q, "choices_offered": c,
-                       "user_response": answers.get(i).cloned().unwrap_or_default()})
+                       "user_response": pick(answers.get(i).map_or("", String::as_str), c)})
             })
             .collect();
         let mut out = json!({"responses": responses});
@@ -1105,6 +1116,26 @@ fn touches_gateway_state(command: &str, cwd: &std::path::Path, home: &std::path:
         .any(|h| cwd.starts_with(h) || command.contains(h.to_string_lossy().as_ref()))
 }
 
+/// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
+/// choice's label in any case picks it as offered, anything else is the user's own words.
+fn pick(answer: &str, choices: &[String]) -> String {
+    let typed = answer.trim();
+    let typed = typed.strip_suffix(" (Recommended)").unwrap_or(typed).trim();
+    let numbered = typed
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_sub(1))
+        .and_then(|i| choices.get(i));
+    numbered
+        .or_else(|| {
+            choices
+                .iter()
+                .find(|c| c.trim().eq_ignore_ascii_case(typed))
+        })
+        .cloned()
+        .unwrap_or_else(|| answer.to_string())
+}
+
 /// How often one turn asks the model again for one kind of bad answer (cut off by the output
 /// limit, empty, unparsable tool arguments) or puts up with calls to tools that do not exist.
 const MAX_MODEL_RETRIES: u32 = 3;
@@ -1198,7 +1229,21 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::strip_think;
+    use super::{pick, strip_think};
+
+    #[test]
+    fn a_typed_clarify_answer_picks_by_number_or_label() {
+        let choices = vec!["BLUE".to_string(), "GREEN".to_string()];
+        assert_eq!(pick("2", &choices), "GREEN");
+        assert_eq!(pick(" 1 ", &choices), "BLUE");
+        assert_eq!(pick("green", &choices), "GREEN");
+        assert_eq!(pick("Blue (Recommended)", &choices), "BLUE");
+        // Out of range, or not a choice: the user's own words.
+        assert_eq!(pick("3", &choices), "3");
+        assert_eq!(pick("0", &choices), "0");
+        assert_eq!(pick("teal, please", &choices), "teal, please");
+        assert_eq!(pick("2", &[]), "2");
+    }
 
     /// The claim's bounded read gives up on a transcript with more live messages than its
     /// bound (counting live ones only), and otherwise reads what the unbounded read does.

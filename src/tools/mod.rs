@@ -26,7 +26,7 @@ pub fn schema(name: &str) -> Option<Value> {
                     "properties": {
                         "command": {"type": "string", "description": "The command line to run."},
                         "timeout": {"type": "integer", "description": "Seconds before the command is killed."},
-                        "workdir": {"type": "string", "description": "Absolute working directory (defaults to the session's)."}
+                        "workdir": {"type": "string", "description": "Working directory, absolute or under the session's (defaults to the session's)."}
                     },
                     "required": ["command"]
                 }

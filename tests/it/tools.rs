@@ -448,8 +448,9 @@ async fn clarify_answers_reach_the_tool_result() {
     assert_eq!(p["question"], "Pick a color");
     assert_eq!(p["choices"], json!(["BLUE", "GREEN"]));
     assert_eq!(model.requests().len(), 1, "parked: no model request yet");
+    // A label in another case picks the choice as offered; a number picks by position.
     assert_eq!(
-        answer(&mut ws, &sid, &p, "BLUE").await["status"],
+        answer(&mut ws, &sid, &p, "blue").await["status"],
         "resolved"
     );
     assert_eq!(
@@ -463,7 +464,7 @@ async fn clarify_answers_reach_the_tool_result() {
     );
     ws.submit(&sid, "BATCH", "BATCH").await;
     let p = ws.wait_prompt(&sid, "clarify").await;
-    answer(&mut ws, &sid, &p, "GREEN").await;
+    answer(&mut ws, &sid, &p, "2").await;
     settled(&home, "BATCH").await;
     let result = tool_result(&model, "BATCH");
     assert_eq!(result["responses"][0]["user_response"], "GREEN", "{result}");
@@ -1468,4 +1469,42 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
         .transcript(&sid)
         .iter()
         .all(|m| m.tool_call_id.as_deref() != Some("x1")));
+}
+
+/// A relative `workdir` is under the session's directory; an absolute one stands as it is.
+#[actix_rt::test]
+async fn a_relative_workdir_is_under_the_session_directory() {
+    let home = Home::new();
+    let sub = home.path.join("sub");
+    std::fs::create_dir_all(&sub).expect("sub");
+    let elsewhere = Home::new();
+    let model = scripted(vec![
+        (
+            "REL",
+            tool_call("r", "terminal", json!({"command": "pwd", "workdir": "sub"})),
+        ),
+        (
+            "ABS",
+            tool_call(
+                "a",
+                "terminal",
+                json!({"command": "pwd", "workdir": elsewhere.path}),
+            ),
+        ),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("workdir", &home.path).await;
+    for (id, dir) in [("REL", &sub), ("ABS", &elsewhere.path)] {
+        ws.submit(&sid, id, id).await;
+        settled(&home, id).await;
+        let out = tool_result(&model, id);
+        let ran = std::path::PathBuf::from(out["output"].as_str().unwrap_or(""));
+        assert_eq!(
+            ran.canonicalize().ok(),
+            dir.canonicalize().ok(),
+            "{id}: {out}"
+        );
+    }
 }
