@@ -998,6 +998,16 @@ impl Handler<Submit> for SessionSupervisor {
                     Err(e) => (Err(e), None, true),
                 });
                 act.write_answered(rows, ctx);
+                // The reply says what was committed: an input claimed in its own admission's
+                // transaction is `started`, with its generation, not `queued`.
+                let row = match &claimed {
+                    Some((Ok(Claim::Started(started)), _, _))
+                        if started.admission_id == row.admission_id =>
+                    {
+                        (**started).clone()
+                    }
+                    _ => row,
+                };
                 if created {
                     act.shared.metrics.admitted();
                     act.maybe_queued = true;

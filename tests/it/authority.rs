@@ -221,7 +221,14 @@ async fn submit_is_durable_idempotent_and_needs_a_subscription() {
     let mut ws = d.ws().await;
     let sid = ws.session("s", &home.path).await;
     let first = ws.submit(&sid, "in-1", "hello").await;
-    assert_eq!(first["status"], "queued");
+    // An idle session claims the input in its admission's own transaction: the reply says so
+    // (`started`, with the generation the row was given), as a crash right after it would find.
+    assert_eq!(first["status"], "started", "{first}");
+    assert!(first["execution_generation"].as_i64().is_some(), "{first}");
+    assert_eq!(
+        first["execution_generation"].as_i64(),
+        home.admission("in-1").execution_generation
+    );
     assert!(
         home.admissions()
             .iter()

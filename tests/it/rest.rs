@@ -1386,7 +1386,7 @@ async fn an_approval_journey_over_rest_and_sse() {
     let sid = api.session("journey", &home.path).await;
     let mut sse = Sse::open(&api, &format!("/v1/sessions/{sid}/events"), None).await;
     let receipt = api.submit(&sid, "clean", "please clean up").await;
-    assert_eq!(receipt["status"], "queued");
+    assert_eq!(receipt["status"], "started", "claimed as it was admitted");
     let seen = sse.until(|e| e.event == "approval.request").await;
     let request = seen.last().cloned().expect("request");
     let prompt = &request.data["payload"];
