@@ -629,7 +629,8 @@ impl Turn {
             .filter(|w| !w.trim().is_empty())
             .map(|w| session_cwd.join(w))
             .unwrap_or(session_cwd);
-        if touches_gateway_state(&command, &cwd, &shared.home) {
+        let user_home = std::env::var("HOME").ok();
+        if touches_gateway_state(&command, &cwd, &shared.home, user_home.as_deref()) {
             matched.push(danger::GATEWAY_STATE);
         }
         if let Some(first) = matched.first() {
@@ -1103,7 +1104,12 @@ const GATEWAY_FILES: &[&str] = &[
 /// home (where a session runs by default)? A command runs as the daemon's user, so without this
 /// a model could delete the ledger (`rm -f state.db`, no rule's business) or approve itself (an
 /// INSERT into the allowlist) with no prompt.
-fn touches_gateway_state(command: &str, cwd: &std::path::Path, home: &std::path::Path) -> bool {
+fn touches_gateway_state(
+    command: &str,
+    cwd: &std::path::Path,
+    home: &std::path::Path,
+    user_home: Option<&str>,
+) -> bool {
     if !GATEWAY_FILES.iter().any(|f| command.contains(f)) {
         return false;
     }
@@ -1111,9 +1117,21 @@ fn touches_gateway_state(command: &str, cwd: &std::path::Path, home: &std::path:
         .chain(home.canonicalize().ok())
         .collect();
     let cwd = cwd.canonicalize().unwrap_or_else(|_| cwd.to_path_buf());
-    homes
-        .iter()
-        .any(|h| cwd.starts_with(h) || command.contains(h.to_string_lossy().as_ref()))
+    // The home may be named from the user's home: `~/.local/state/gatehouse`, `$HOME/…`.
+    let expanded = user_home.filter(|h| h.starts_with('/')).map(|h| {
+        let h = format!("{}/", h.trim_end_matches('/'));
+        command
+            .replace("${HOME}/", &h)
+            .replace("$HOME/", &h)
+            .replace("~/", &h)
+    });
+    let texts: Vec<&str> = std::iter::once(command)
+        .chain(expanded.as_deref())
+        .collect();
+    homes.iter().any(|h| {
+        let h_text = h.to_string_lossy();
+        cwd.starts_with(h) || texts.iter().any(|t| t.contains(h_text.as_ref()))
+    })
 }
 
 /// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
@@ -1229,7 +1247,43 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, strip_think};
+    use super::{pick, strip_think, touches_gateway_state};
+
+    #[test]
+    fn the_gateways_files_are_seen_by_any_name_of_its_home() {
+        use std::path::Path;
+        let home = Path::new("/srv/u/.local/state/gatehouse");
+        let elsewhere = Path::new("/srv/work");
+        let user = Some("/srv/u");
+        let touches = |c: &str, cwd: &Path| touches_gateway_state(c, cwd, home, user);
+        assert!(touches("rm state.db", home));
+        assert!(touches(
+            "rm /srv/u/.local/state/gatehouse/state.db",
+            elsewhere
+        ));
+        assert!(touches(
+            "cd ~/.local/state/gatehouse && rm state.db",
+            elsewhere
+        ));
+        assert!(touches(
+            "cp $HOME/.local/state/gatehouse/config.yaml x",
+            elsewhere
+        ));
+        assert!(touches(
+            "cat ${HOME}/.local/state/gatehouse/api_keys",
+            elsewhere
+        ));
+        // Another directory's files of the same name, or the home without its files.
+        assert!(!touches("rm state.db", elsewhere));
+        assert!(!touches("ls ~/.local/state/gatehouse", elsewhere));
+        assert!(!touches("rm ~/other/state.db", elsewhere));
+        assert!(!touches_gateway_state(
+            "cd ~/.local/state/gatehouse && rm state.db",
+            elsewhere,
+            home,
+            None
+        ));
+    }
 
     #[test]
     fn a_typed_clarify_answer_picks_by_number_or_label() {

