@@ -184,6 +184,20 @@ pub struct Compaction {
     pub messages: Vec<NewMessage>,
 }
 
+/// The title of the session after `old` in its lineage: "T" → "T #2" → "T #3" (not "T #2 #3"; a
+/// user's own "Issue #42" stays whole).
+fn next_title(title: Option<&str>, compression_count: i32) -> Option<String> {
+    let number = compression_count + 1;
+    title.map(|t| {
+        let own = format!(" #{number}");
+        let base = match t.strip_suffix(&own) {
+            Some(base) if compression_count > 0 => base,
+            _ => t,
+        };
+        format!("{base} #{}", number + 1)
+    })
+}
+
 /// Commit a compaction: with a child id, rotate (child row, old tip ended by compression, compacted
 /// transcript in the child, root's tip moved); without, in place (old rows inactive, compacted
 /// rows added). One transaction, fenced by epoch, the running generation and the current tip.
@@ -214,7 +228,7 @@ pub fn commit_compaction(
                     ))
                     .execute(conn)?;
                 let lineage = old.compression_count + 1;
-                let title = old.title.as_ref().map(|t| format!("{t} #{}", lineage + 1));
+                let title = next_title(old.title.as_deref(), old.compression_count);
                 diesel::insert_into(sessions::table)
                     .values((
                         sessions::id.eq(child),
@@ -319,6 +333,23 @@ mod tests {
     use crate::store::{admissions, epoch, events, messages};
     use diesel::connection::SimpleConnection;
     use diesel_migrations::MigrationHarness;
+
+    #[test]
+    fn a_lineage_numbers_its_titles_once() {
+        assert_eq!(next_title(Some("T"), 0).as_deref(), Some("T #2"));
+        assert_eq!(next_title(Some("T #2"), 1).as_deref(), Some("T #3"));
+        assert_eq!(next_title(Some("T #3"), 2).as_deref(), Some("T #4"));
+        // A user's own number is part of the title.
+        assert_eq!(
+            next_title(Some("Issue #1"), 0).as_deref(),
+            Some("Issue #1 #2")
+        );
+        assert_eq!(
+            next_title(Some("Issue #2"), 0).as_deref(),
+            Some("Issue #2 #2")
+        );
+        assert_eq!(next_title(None, 3), None);
+    }
 
     fn texts(c: &mut SqliteConnection, sql: &str) -> Vec<String> {
         diesel::sql_query(sql)
