@@ -611,6 +611,28 @@ impl Authority {
                 "source must be one of {SOURCES:?}"
             )));
         }
+        // The same request gives the same session, also after a restart with another config:
+        // an existing session is answered before anything the config decides is checked.
+        let request = json!({
+            "source": source, "cwd": p.cwd, "model": p.model, "provider": p.provider, "base_url": p.base_url,
+            "toolsets": p.toolsets, "profile": p.profile, "title": p.title,
+        });
+        let request_digest = hex(&Sha256::digest(request.to_string().as_bytes()));
+        let id = session_id_for(&caller.principal, &request_id);
+        let lookup = id.clone();
+        if let Some(existing) = self
+            .shared
+            .db
+            .read(move |c| sessions::find(c, &lookup))
+            .await?
+        {
+            if existing.request_digest != request_digest {
+                return Err(GatewayError::InvalidParams(
+                    "request_id was already used with different parameters".into(),
+                ));
+            }
+            return self.opened(existing.id, caller, false).await;
+        }
         let profile = p.profile.clone().unwrap_or_else(|| "default".into());
         let profile_cfg = cfg.profiles.get(&profile);
         if profile != "default" && profile_cfg.is_none() {
@@ -697,19 +719,13 @@ impl Authority {
                 .filter(|t| KNOWN_TOOLS.contains(&t.as_str()))
                 .collect(),
         };
-        let request = json!({
-            "source": source, "cwd": p.cwd, "model": p.model, "provider": p.provider, "base_url": p.base_url,
-            "toolsets": p.toolsets, "profile": p.profile, "title": p.title,
-        });
-        let mut h = Sha256::new();
-        h.update(request.to_string().as_bytes());
         // Built once, with the session (its first turn then writes nothing more).
         let system_prompt = crate::agent::turn::system_prompt_for(&self.shared, &cwd, &profile);
         let new = NewSession {
-            id: session_id_for(&caller.principal, &request_id),
+            id,
             principal_id: caller.principal.clone(),
             request_id,
-            request_digest: hex(&h.finalize()),
+            request_digest,
             source,
             model,
             provider,
@@ -726,11 +742,21 @@ impl Authority {
             .db
             .write(move |c| sessions::create_or_get(c, epoch, &new, now))
             .await?;
-        let sup = self.subscribe(&row.id, caller).await?;
-        let snap = self.snapshot(&row.id).await?;
+        self.opened(row.id, caller, created).await
+    }
+
+    /// The reply to a `session.create` of `root`: the caller follows it, and gets its snapshot.
+    async fn opened(
+        &self,
+        root: String,
+        caller: &Caller,
+        created: bool,
+    ) -> GatewayResult<CallResult> {
+        let sup = self.subscribe(&root, caller).await?;
+        let snap = self.snapshot(&root).await?;
         Ok(CallResult {
             result: snap.into(),
-            subscribe: Some((row.id, sup)),
+            subscribe: Some((root, sup)),
             unsubscribe: None,
             created,
         })

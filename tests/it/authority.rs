@@ -187,15 +187,37 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
         )
         .await;
     assert_eq!(narrowed["info"]["toolsets"], json!(["terminal"]));
+    let defaulted = ws
+        .ok(
+            "session.create",
+            json!({"request_id": "req-6", "toolsets": []}),
+        )
+        .await;
     drop(ws);
     d.kill();
     // The config changes; the existing session keeps its frozen model and (empty) toolsets.
+    // Its default directory is now one that does not exist: a retry of a create that took the
+    // default still gets its session (the config decides only what a new session gets).
     home.write_config(&config(
         &model.url,
-        json!({"model": {"default": "changed-model"}}),
+        json!({"model": {"default": "changed-model"}, "terminal": {"cwd": "/nonexistent/gatehouse-cwd"}}),
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
+    let again = ws
+        .ok(
+            "session.create",
+            json!({"request_id": "req-6", "toolsets": []}),
+        )
+        .await;
+    assert_eq!(again["session_id"], defaulted["session_id"]);
+    assert_eq!(again["info"]["cwd"], defaulted["info"]["cwd"]);
+    ws.refused(
+        "session.create",
+        json!({"request_id": "req-7", "toolsets": []}),
+        "invalid_params",
+    )
+    .await;
     let c = ws
         .create("req-1", &home.path, json!({"toolsets": []}))
         .await;
