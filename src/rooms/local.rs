@@ -256,11 +256,13 @@ impl SessionPort for LocalSessionPort {
                 &request.task.task_id,
                 request.execution_generation,
             );
+            // Nothing is admitted yet: a failure here (the registry is gone while the gateway
+            // stops) leaves the task queued for a later attempt, not watched until its deadline.
             let sup = self
                 .authority
                 .supervisor(&request.session_id)
                 .await
-                .map_err(port_err)?;
+                .map_err(|e| PortError::not_admitted(e.to_string()))?;
             let row = match sup
                 .send(Submit {
                     principal: ROOMS_PRINCIPAL.into(),

@@ -623,11 +623,17 @@ impl RoomRuntime {
         task: &TaskView,
         full: bool,
     ) -> Result<Probe, PortError> {
-        let _guard = self
-            .inner
-            .locks
-            .lock(task.payload.target_profile.clone())
-            .await;
+        // The wait may be as long as another room's turn of this member: the lease is renewed
+        // meanwhile, as for an attempt's own wait (it lapsed, and the probe's resolution was
+        // then fenced as a lease loss).
+        let Some(_guard) = self
+            .lock_renewing(binding, &task.payload.target_profile, None)
+            .await
+        else {
+            return Err(PortError::new(
+                "the room's lease was lost while it waited for its member",
+            ));
+        };
         if full {
             self.full_probe(binding, port, task).await
         } else {
@@ -1293,6 +1299,17 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         profile: &str,
     ) -> Option<TurnGuard> {
+        self.lock_renewing(binding, profile, Some(attempt)).await
+    }
+
+    /// Wait for `profile`'s turn lock, renewing the room's lease every third of its TTL (and,
+    /// for an `attempt`, checking that the lease is still the attempt's); `None` once it is lost.
+    async fn lock_renewing(
+        &self,
+        binding: &RoomBinding,
+        profile: &str,
+        attempt: Option<&TaskAttempt>,
+    ) -> Option<TurnGuard> {
         let mut lock = self.inner.locks.lock(profile.to_string());
         let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
         loop {
@@ -1300,7 +1317,11 @@ impl RoomRuntime {
                 guard = &mut lock => break Some(guard),
                 _ = tokio::time::sleep(every) => {}
             }
-            if !self.keep_lease_for(binding, attempt).await {
+            let kept = match attempt {
+                Some(attempt) => self.keep_lease_for(binding, attempt).await,
+                None => self.ensure_lease(binding).await.is_ok(),
+            };
+            if !kept {
                 return None;
             }
         }

@@ -789,6 +789,63 @@ async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
     assert_parked_once(&model, &victim);
 }
 
+/// A room whose crashed attempt is probed on every pass waits for its member's turn lock while
+/// another room's turn holds it (parked until its deadline, four lease TTLs): its lease is
+/// renewed the whole wait, so once the operator has resolved the member's turn, the probe's
+/// resolution commits under it. Before, the lease lapsed in the wait and the resolution was
+/// fenced as a lease loss.
+#[actix_rt::test]
+async fn a_probe_waiting_for_its_member_behind_another_room_keeps_its_lease() {
+    let victim = Home::new();
+    let (model, home) = park_a_task_and_crash(&victim).await;
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"turn_timeout_seconds": 4, "lease_ttl_seconds": 1, "indeterminate_defer_seconds": 300,
+                      "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
+                      "max_concurrent_rooms": 2},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    // Another room's turn of the same member holds its turn lock until its deadline.
+    ws.ok(
+        "room.create",
+        json!({"room_id": "other", "name": "other", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
+    .await;
+    ws.ok("room.admit", admit("other", "o1", "ops", "PARK again", 1))
+        .await;
+    wait_until("o1 parked", Duration::from_secs(30), || {
+        home.admissions()
+            .iter()
+            .any(|a| a.status == "started" && a.text() == "PARK again")
+    })
+    .await;
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+    let (ok, out, err) = room_cli(
+        &home,
+        &[
+            "resolve-unknown",
+            &unknown.target_session_id,
+            &unknown.admission_id,
+        ],
+    );
+    assert!(ok, "{out}{err}");
+    wait_status(&mut ws, "other", "o1", "failed").await;
+    wait_status(&mut ws, "park", "p2", "settled").await;
+    assert_eq!(task_status(&mut ws, "park", "p1").await, "failed");
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["lease_losses"], 0, "{status}");
+    assert!(victim.path.join("keep").exists(), "no gated command ran");
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
