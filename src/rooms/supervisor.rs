@@ -1472,10 +1472,14 @@ impl RoomRuntime {
                         }
                     };
                     let outcome = self.finish_stop(binding, &lease, &current).await;
+                    // A stop pending past the turn's deadline (a deadline stop, or a user's
+                    // stop the member has not acknowledged) no longer holds the room's place: the
+                    // stop stays recorded, and a later pass retries it.
                     let deadline_stop = current
                         .cancel_id
                         .as_deref()
-                        .is_some_and(|id| id.starts_with("deadline:"));
+                        .is_some_and(|id| id.starts_with("deadline:"))
+                        || self.inner.clock.monotonic() >= deadline;
                     match outcome {
                         Ok(StopOutcome::Resolved) => continue,
                         Ok(StopOutcome::Pending) if deadline_stop => {

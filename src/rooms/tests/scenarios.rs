@@ -628,6 +628,40 @@ async fn test_deadline_releases_worker_capacity_for_later_room() {
     assert_eq!(status(&db, &ids[1]), TaskStatus::Settled);
 }
 
+/// A user's stop that the member never acknowledges does not hold the room's place past the
+/// turn's deadline: the next room runs, and the stop stays recorded for a later pass.
+#[tokio::test]
+async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
+    let db = TestDb::new();
+    let (bindings, ids) = two_rooms(&db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
+    let mut fake = FakeSessionRpc::new(false);
+    fake.complete_rooms.insert("room-healthy".into());
+    *lock(&fake.interrupt_status) = Some("stopping".into());
+    let rpc = Arc::new(fake);
+    let mut spec = Spec::new(&rpc);
+    spec.bindings = bindings;
+    spec.config.poll_interval_seconds = 0.02;
+    spec.config.active_poll_interval_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 0.5;
+    spec.config.max_concurrent_rooms = 1;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("stuck running", || {
+        status(&db, &ids[0]) == TaskStatus::Running
+    })
+    .await;
+    let stopping = runtime.cancel(&ids[0], "user-stop").await.unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    wait_for("healthy settled", || {
+        status(&db, &ids[1]) == TaskStatus::Settled
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    let stuck = task(&db, &ids[0]);
+    assert_eq!(stuck.status, TaskStatus::Stopping, "never acknowledged");
+    assert_eq!(stuck.cancel_id.as_deref(), Some("user-stop"));
+}
+
 #[tokio::test]
 async fn test_retry_ignores_late_receipt_from_prior_execution_generation() {
     let db = db();
@@ -1420,7 +1454,52 @@ async fn restarted_runtime_observes_its_own_running_attempt_again() {
 
 #[test]
 fn every_seed_scenario_has_a_test() {
-    // The 42 seed scenarios (one parametrized into two cases) each have a test above.
+    // The seed's scenarios, by name: each has a test here named after it (a parametrized one,
+    // one per case, `_<case>`), and every `test_` here is one of them.
+    const SEED: [&str; 42] = [
+        "test_active_recovered_turn_is_never_resubmitted",
+        "test_ambiguous_recovery_remains_indeterminate",
+        "test_authority_loss_stops_terminal_commit",
+        "test_bounded_scheduler_eventually_runs_later_room",
+        "test_cancel_never_interrupts_a_newer_task_in_the_same_session",
+        "test_cancellation_is_persisted_before_interrupt_and_fences_late_result",
+        "test_completion_wins_a_race_with_unacknowledged_stop",
+        "test_deadline_releases_worker_capacity_for_later_room",
+        "test_existing_canonical_session_is_resumed_not_duplicated",
+        "test_expired_local_attempt_defers_without_hydrating_or_resubmitting",
+        "test_local_crash_recovery_keeps_ambiguous_history_explicit_without_resume",
+        "test_not_admitted_peer_task_stays_queued_with_exponential_capped_retry",
+        "test_not_admitted_room_does_not_block_other_rooms",
+        "test_offline_member_defers_then_healthy_task_runs_and_retry_is_fenced",
+        "test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline",
+        "test_peer_recovery_probe_is_bounded_by_attempt_and_stale_age",
+        "test_peer_terminal_status_acknowledges_durable_stop_on_retry",
+        "test_peer_terminal_status_must_match_exact_task_attempt",
+        "test_pending_local_approval_is_reported_with_safe_choices",
+        "test_policy_hooks_prepare_and_publish_terminal_idempotently",
+        "test_post_submit_observation_failure_preserves_recoverable_outcome",
+        "test_profile_turn_lock_covers_resolve_submit_and_terminal_observation",
+        "test_provisional_stopping_response_does_not_acknowledge_cancellation",
+        "test_queued_task_routes_profile_and_credentials_without_overrides",
+        "test_restart_acknowledges_inactive_local_stop_without_memory_marker",
+        "test_restart_harvests_completion_before_retrying_durable_stop",
+        "test_retry_cannot_advance_generation_while_original_attempt_is_active",
+        "test_retry_ignores_late_receipt_from_prior_execution_generation",
+        "test_retry_reconciles_terminal_remote_cancellation_without_new_generation",
+        "test_retry_uses_runtime_session_id_returned_by_resume",
+        "test_room_concurrency_bound_must_be_a_positive_integer",
+        "test_rotated_bounded_scheduler_eventually_runs_later_room",
+        "test_runtime_uses_unique_process_generation",
+        "test_status_reports_room_blocked_on_unresolved_indeterminate_task",
+        "test_stop_is_bounded_and_does_not_interrupt_active_turn",
+        "test_stop_resumes_persisted_session_before_reading_runtime_history",
+        "test_transient_remote_stop_failure_stays_pending_and_retries",
+        "test_transport_resolver_selects_member_transport_without_forking_state",
+        "test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure",
+        "test_waiting_room_does_not_block_an_independent_local_room",
+        "test_waiting_room_does_not_block_an_independent_room",
+        "test_worker_settles_without_any_client_transport",
+    ];
     let source = include_str!("scenarios.rs");
     let names: HashSet<&str> = source
         .lines()
@@ -1428,7 +1507,25 @@ fn every_seed_scenario_has_a_test() {
         .filter_map(|l| l.split('(').next())
         .filter(|n| n.starts_with("test_"))
         .collect();
-    assert_eq!(names.len(), 43);
+    let of_seed = |n: &str| {
+        SEED.iter()
+            .any(|s| n == *s || n.strip_prefix(s).is_some_and(|c| c.starts_with('_')))
+    };
+    let missing: Vec<&str> = SEED
+        .iter()
+        .copied()
+        .filter(|s| !names.iter().any(|n| of_seed(n) && n.starts_with(s)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "seed scenarios without a test: {missing:?}"
+    );
+    let strays: Vec<&&str> = names.iter().filter(|n| !of_seed(n)).collect();
+    assert!(
+        strays.is_empty(),
+        "test_ names that are no seed scenario: {strays:?}"
+    );
+    assert_eq!(names.len(), SEED.len() + 1, "one scenario is two cases");
 }
 
 /// An observation poll longer than the lease's TTL does not let a long turn's lease lapse: the
