@@ -175,6 +175,10 @@ struct Ev {
 struct Sse {
     resp: awc::ClientResponse,
     buf: String,
+    /// Comment blocks (keep-alives) read so far.
+    comments: usize,
+    /// The server ended the stream.
+    ended: bool,
 }
 
 impl Sse {
@@ -197,6 +201,8 @@ impl Sse {
         Sse {
             resp,
             buf: String::new(),
+            comments: 0,
+            ended: false,
         }
     }
 
@@ -206,6 +212,11 @@ impl Sse {
         loop {
             while let Some(end) = self.buf.find("\n\n") {
                 let block: String = self.buf.drain(..end + 2).collect();
+                let mut lines = block.lines().filter(|l| !l.is_empty()).peekable();
+                if lines.peek().is_some() && lines.all(|l| l.starts_with(':')) {
+                    self.comments += 1;
+                    continue;
+                }
                 let (mut id, mut event, mut data) = (None, "message".to_string(), None);
                 for line in block.lines() {
                     if let Some(v) = line.strip_prefix("id: ") {
@@ -221,7 +232,10 @@ impl Sse {
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            let chunk = tokio::time::timeout(left, self.resp.next()).await.ok()??;
+            let Some(chunk) = tokio::time::timeout(left, self.resp.next()).await.ok()? else {
+                self.ended = true;
+                return None;
+            };
             self.buf
                 .push_str(&String::from_utf8_lossy(&chunk.expect("sse chunk")));
         }
@@ -665,9 +679,17 @@ async fn sse_resumes_after_a_dropped_connection_with_every_event_once_in_order()
     );
     let ids: Vec<i64> = all.iter().map(|(id, _)| *id).collect();
     assert_eq!(ids, (1..=ids.len() as i64).collect::<Vec<_>>());
-    // Keep-alive comments flow while idle (the stream stays open).
-    let quiet = second.next(Duration::from_millis(900)).await;
+    // Keep-alive comments flow while idle (every 0.3 s here), and the stream stays open.
+    let before = second.comments;
+    let quiet = second.next(Duration::from_millis(1500)).await;
     assert!(quiet.is_none(), "{quiet:?}");
+    assert!(!second.ended, "the idle stream stays open");
+    assert!(
+        second.comments >= before + 2,
+        "keep-alives while idle: {} then {}",
+        before,
+        second.comments
+    );
     // `?after=` is the same as Last-Event-ID; a bad one is refused.
     let mut third = Sse::open(&api, &format!("{path}?after={}", ids.len() - 1), None).await;
     let e = third.next(T).await.expect("the last event");

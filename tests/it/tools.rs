@@ -1340,6 +1340,9 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
     use std::sync::{Arc, Mutex};
     let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let seen = counts.clone();
+    let out = Home::new();
+    let marker = out.path.join("cut-call-ran");
+    let cut = format!("touch {}", marker.display());
     let model = FakeModel::start(move |body| {
         let text = last_user(body);
         let say = |content: &str, finish: &'static str| {
@@ -1385,7 +1388,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
                 "tool_calls",
             ),
             ("CUT", _) => Reply::Message(
-                tool_call("x1", "terminal", json!({"command": "echo never"})),
+                tool_call("x1", "terminal", json!({"command": cut})),
                 "length",
             ),
             _ => say(&format!("ACK_{text}"), "stop"),
@@ -1469,6 +1472,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
         .transcript(&sid)
         .iter()
         .all(|m| m.tool_call_id.as_deref() != Some("x1")));
+    assert!(!marker.exists(), "the cut-off call never ran");
 }
 
 /// A relative `workdir` is under the session's directory; an absolute one stands as it is.
