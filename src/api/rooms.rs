@@ -72,6 +72,22 @@ impl RoomEventHub {
         }
     }
 
+    /// Forget connection `conn_id` (it closed): its rooms no longer hold its mailbox (and, with
+    /// it, its socket), and a room nobody follows any more is dropped from the map.
+    pub fn unsubscribe_all(&self, conn_id: u64) {
+        if let Ok(mut s) = self.subscribers.lock() {
+            s.retain(|_, subs| {
+                subs.remove(&conn_id);
+                !subs.is_empty()
+            });
+        }
+    }
+
+    /// Rooms followed by at least one connection.
+    pub fn followed_rooms(&self) -> usize {
+        self.subscribers.lock().map_or(0, |s| s.len())
+    }
+
     fn publish(&self, room_id: &str, kind: &str, payload: Value) {
         let seq = match self.seq.lock() {
             Ok(mut m) => {
@@ -299,11 +315,19 @@ impl RoomsService {
                     None => None,
                 };
                 let id = p.room_id.clone();
-                let tasks = self
+                let (room, tasks) = self
                     .db
-                    .run(move |c| room_tasks::list_tasks(c, &id, status))
+                    .run(move |c| {
+                        let room = rooms::get_room(c, &id)?;
+                        let tasks = room_tasks::list_tasks(c, &id, status)?;
+                        Ok((room, tasks))
+                    })
                     .await
                     .map_err(store_error)?;
+                // No room, no events to follow (and nothing kept for a name a client made up).
+                if room.is_none() {
+                    return Err(GatewayError::NotFound(format!("no room {}", p.room_id)));
+                }
                 subscribe(&p.room_id);
                 Ok(json!({"tasks": tasks.iter().map(task_view).collect::<Vec<_>>()}))
             }
@@ -336,7 +360,11 @@ impl RoomsService {
                 let p: RoomRef = params(p)?;
                 self.disband(&p.room_id).await
             }
-            "room.status" => Ok(serde_json::to_value(self.runtime.status()).unwrap_or(Value::Null)),
+            "room.status" => {
+                let mut status = serde_json::to_value(self.runtime.status()).unwrap_or(Value::Null);
+                status["followed_rooms"] = json!(self.hub.followed_rooms());
+                Ok(status)
+            }
             other => Err(GatewayError::UnknownMethod(other.to_string())),
         }
     }

@@ -27,6 +27,12 @@ use crate::store::messages::{self, MessageRow};
 use crate::store::sessions::{self, NewSession, SessionRow};
 use crate::tools::KNOWN_TOOLS;
 
+/// The longest session title a client may give.
+const MAX_TITLE_CHARS: usize = 512;
+/// The longest model or provider name a client may give.
+const MAX_NAME_CHARS: usize = 256;
+/// The longest model endpoint URL a client may give.
+const MAX_URL_CHARS: usize = 2048;
 /// Who is calling, and what it may touch.
 #[derive(Clone)]
 pub struct Caller {
@@ -633,6 +639,19 @@ impl Authority {
             }
             return self.opened(existing.id, caller, false).await;
         }
+        // What a client names is stored with the session and sent on every model call: bounded.
+        for (field, value, max) in [
+            ("title", &p.title, MAX_TITLE_CHARS),
+            ("model", &p.model, MAX_NAME_CHARS),
+            ("provider", &p.provider, MAX_NAME_CHARS),
+            ("base_url", &p.base_url, MAX_URL_CHARS),
+        ] {
+            if value.as_ref().is_some_and(|v| v.chars().count() > max) {
+                return Err(GatewayError::InvalidParams(format!(
+                    "{field} is over {max} characters"
+                )));
+            }
+        }
         let profile = p.profile.clone().unwrap_or_else(|| "default".into());
         let profile_cfg = cfg.profiles.get(&profile);
         if profile != "default" && profile_cfg.is_none() {
@@ -710,7 +729,12 @@ impl Authority {
                         )));
                     }
                 }
-                list.clone()
+                // Each tool once: a repeated name would repeat its schema in every model call.
+                let mut seen = std::collections::HashSet::new();
+                list.iter()
+                    .filter(|t| seen.insert(*t))
+                    .cloned()
+                    .collect::<Vec<String>>()
             }
             None => profile_cfg
                 .and_then(|c| c.toolsets.clone())

@@ -589,6 +589,9 @@ impl Actor for WsConnection {
                 conn_id: self.conn_id,
             });
         }
+        if let Some(rooms) = self.authority.rooms.get() {
+            rooms.hub.unsubscribe_all(self.conn_id);
+        }
         self.outbox = None;
     }
 }

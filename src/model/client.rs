@@ -140,6 +140,9 @@ pub struct ModelClientConfig {
     pub metrics: Option<Arc<crate::telemetry::Metrics>>,
 }
 
+/// Endpoints whose concurrency limits are kept while none of them has a call in flight.
+const MAX_IDLE_ENDPOINTS: usize = 256;
+
 pub struct ModelClient {
     config: ModelClientConfig,
     client: awc::Client,
@@ -158,6 +161,19 @@ impl ModelClient {
             client,
             limits: HashMap::new(),
         }
+    }
+
+    /// The concurrency limit of endpoint `key`. Endpoints are a session's choice: past
+    /// [`MAX_IDLE_ENDPOINTS`], the ones with no call in flight are forgotten, so the map holds
+    /// only endpoints in use (at most one per call) beyond that.
+    fn limit_for(&mut self, key: String) -> Arc<Semaphore> {
+        if !self.limits.contains_key(&key) && self.limits.len() >= MAX_IDLE_ENDPOINTS {
+            self.limits.retain(|_, sem| Arc::strong_count(sem) > 1);
+        }
+        self.limits
+            .entry(key)
+            .or_insert_with(|| Arc::new(Semaphore::new(self.config.max_concurrent)))
+            .clone()
     }
 
     /// Start on a dedicated arbiter.
@@ -180,11 +196,7 @@ impl Handler<ChatCall> for ModelClient {
             call.provider,
             call.base_url.clone().unwrap_or_default()
         );
-        let sem = self
-            .limits
-            .entry(key)
-            .or_insert_with(|| Arc::new(Semaphore::new(self.config.max_concurrent)))
-            .clone();
+        let sem = self.limit_for(key);
         let client = self.client.clone();
         let config = self.config.clone();
         Box::pin(async move {
@@ -434,6 +446,36 @@ mod tests {
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
+    }
+
+    #[actix_rt::test]
+    async fn endpoints_without_calls_in_flight_are_forgotten() {
+        let mut client = ModelClient::new(ModelClientConfig {
+            connect_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            max_concurrent: 2,
+            max_retries: 0,
+            max_response_bytes: 1024,
+            retry_base: Duration::from_millis(1),
+            metrics: None,
+        });
+        let busy = client.limit_for("custom|http://busy".into());
+        let again = client.limit_for("custom|http://busy".into());
+        assert!(Arc::ptr_eq(&busy, &again), "one limit per endpoint");
+        drop(again);
+        for i in 0..MAX_IDLE_ENDPOINTS * 3 {
+            drop(client.limit_for(format!("custom|http://idle-{i}")));
+        }
+        assert!(
+            client.limits.len() <= MAX_IDLE_ENDPOINTS,
+            "{}",
+            client.limits.len()
+        );
+        // The endpoint with a call in flight kept its limit (and its permits).
+        assert!(Arc::ptr_eq(
+            &busy,
+            &client.limit_for("custom|http://busy".into())
+        ));
     }
 
     /// The request's bytes are the turn's body, with the streaming options when the call

@@ -20,16 +20,23 @@ impl SseParser {
 
     /// Feed bytes; return the `data` payloads of every event completed by them.
     pub fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
+        // What was buffered before holds no line end (each feed takes every complete line): only
+        // the new bytes are searched, and the lines taken are dropped from the buffer at once.
+        // (Searching the whole buffer and draining line by line was quadratic in a response of
+        // many short lines, or one long line arriving in small pieces.)
+        let mut search = self.buf.len();
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        while let Some(pos) = self.buf.iter().position(|b| *b == b'\n') {
-            let mut line: Vec<u8> = self.buf.drain(..=pos).collect();
-            line.pop();
-            if line.last() == Some(&b'\r') {
-                line.pop();
-            }
-            self.line(&line, &mut out);
+        let mut start = 0;
+        while let Some(found) = self.buf[search..].iter().position(|b| *b == b'\n') {
+            let end = search + found;
+            let line = &self.buf[start..end];
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            Self::line(&mut self.data, line, &mut out);
+            start = end + 1;
+            search = start;
         }
+        self.buf.drain(..start);
         out
     }
 
@@ -38,7 +45,7 @@ impl SseParser {
         let mut out = Vec::new();
         if !self.buf.is_empty() {
             let line = std::mem::take(&mut self.buf);
-            self.line(&line, &mut out);
+            Self::line(&mut self.data, &line, &mut out);
         }
         if !self.data.is_empty() {
             out.push(self.data.join("\n"));
@@ -47,11 +54,11 @@ impl SseParser {
         out
     }
 
-    fn line(&mut self, line: &[u8], out: &mut Vec<String>) {
+    fn line(data: &mut Vec<String>, line: &[u8], out: &mut Vec<String>) {
         if line.is_empty() {
-            if !self.data.is_empty() {
-                out.push(self.data.join("\n"));
-                self.data.clear();
+            if !data.is_empty() {
+                out.push(data.join("\n"));
+                data.clear();
             }
             return;
         }
@@ -60,8 +67,7 @@ impl SseParser {
         }
         let text = String::from_utf8_lossy(line);
         if let Some(rest) = text.strip_prefix("data:") {
-            self.data
-                .push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
+            data.push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
         }
         // `event:`, `id:`, `retry:` and unknown fields are ignored.
     }

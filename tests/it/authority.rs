@@ -187,6 +187,32 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
         )
         .await;
     assert_eq!(narrowed["info"]["toolsets"], json!(["terminal"]));
+    // A tool named twice is offered once; what a client names is bounded.
+    let twice = ws
+        .create(
+            "req-8",
+            &home.path,
+            json!({"toolsets": ["terminal", "clarify", "terminal"]}),
+        )
+        .await;
+    assert_eq!(twice["info"]["toolsets"], json!(["terminal", "clarify"]));
+    for (field, len) in [
+        ("title", 513),
+        ("model", 257),
+        ("provider", 257),
+        ("base_url", 2049),
+    ] {
+        let mut long = "x".repeat(len);
+        if field == "base_url" {
+            long = format!("http://{}", &long[7..]);
+        }
+        ws.refused(
+            "session.create",
+            json!({"request_id": format!("long-{field}"), "cwd": home.path, field: long}),
+            "invalid_params",
+        )
+        .await;
+    }
     let defaulted = ws
         .ok(
             "session.create",

@@ -846,6 +846,42 @@ async fn a_probe_waiting_for_its_member_behind_another_room_keeps_its_lease() {
     assert!(victim.path.join("keep").exists(), "no gated command ran");
 }
 
+/// A connection that closes stops following its rooms (its mailbox, and with it its socket,
+/// was kept by every room it had looked at), and a room that does not exist is not followed.
+#[actix_rt::test]
+async fn a_closed_connection_stops_following_its_rooms() {
+    let (_model, home, d) = acking_rooms(json!({}));
+    let mut watcher = d.ws().await;
+    watcher
+        .ok(
+            "room.create",
+            json!({"room_id": "watched", "name": "watched", "members": [{"profile": "dev", "handle": "dev"}]}),
+        )
+        .await;
+    watcher.ok("room.get", json!({"room_id": "watched"})).await;
+    watcher
+        .refused(
+            "room.tasks",
+            json!({"room_id": "no-such-room"}),
+            "not_found",
+        )
+        .await;
+    let mut other = d.ws().await;
+    let followed = other.ok("room.status", json!({})).await["followed_rooms"].clone();
+    assert_eq!(followed, 1, "the made-up room is not followed");
+    drop(watcher);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = other.ok("room.status", json!({})).await;
+        if status["followed_rooms"] == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(home);
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
