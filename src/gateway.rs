@@ -39,6 +39,17 @@ pub enum StartError {
     Refused(String),
 }
 
+impl StartError {
+    /// A refusal that starting again will not change (the home, the config, another daemon on
+    /// the home): a supervisor should not restart the daemon for it.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            StartError::Home(_) | StartError::Config(_) | StartError::Refused(_)
+        )
+    }
+}
+
 /// Reader workers (snapshots, transcripts).
 const READERS: u32 = 2;
 
@@ -357,7 +368,7 @@ impl Gateway {
         });
         let control_task = actix_rt::spawn(control::serve(listener, ctl));
         runtime.set_phase(RuntimePhase::Ready);
-        crate::notify::ready();
+        crate::notify::ready(&format!("serving {api_origin}"));
         tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
         Ok(RunningGateway {
             home,

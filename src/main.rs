@@ -220,10 +220,11 @@ fn serve(args: Args) -> ExitCode {
         }
     };
     let system = actix_rt::System::new();
-    let result: Result<(), String> = system.block_on(async move {
+    // Err: (message, whether starting again would change nothing).
+    let result: Result<(), (String, bool)> = system.block_on(async move {
         let gateway = Gateway::start(args.home.clone(), config)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| (e.to_string(), e.is_permanent()))?;
         if let Some(every) = gatehouse::notify::watchdog_interval() {
             actix_rt::spawn(async move {
                 let mut tick = tokio::time::interval(every);
@@ -234,9 +235,9 @@ fn serve(args: Args) -> ExitCode {
             });
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
+            .map_err(|e| (format!("cannot watch SIGTERM: {e}"), false))?;
         let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-            .map_err(|e| format!("cannot watch SIGINT: {e}"))?;
+            .map_err(|e| (format!("cannot watch SIGINT: {e}"), false))?;
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: stopping"),
             _ = int.recv() => tracing::info!("SIGINT: stopping"),
@@ -246,9 +247,11 @@ fn serve(args: Args) -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        // 2: the home, the config or another daemon refuses the start (the unit does not
+        // restart it for that); 1: a failure a later start may not meet.
+        Err((e, permanent)) => {
             eprintln!("gatehouse: {e}");
-            ExitCode::from(1)
+            ExitCode::from(if permanent { 2 } else { 1 })
         }
     }
 }

@@ -26,8 +26,11 @@ fn send_to(path: &str, state: &str) {
     }
 }
 
-pub fn ready() {
-    send("READY=1");
+/// Ready, with a status line for `systemctl status` (where the API listens: a port of 0 in the
+/// config is a new port on every start).
+pub fn ready(status: &str) {
+    let status: String = status.chars().filter(|c| *c != '\n').collect();
+    send(&format!("READY=1\nSTATUS={status}"));
 }
 
 pub fn stopping() {

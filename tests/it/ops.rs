@@ -305,6 +305,8 @@ fn the_systemd_unit_verifies() {
     ))
     .expect("unit");
     assert!(unit.contains("Type=notify") && unit.contains("StateDirectory=gatehouse"));
+    // The daemon stops its own commands; a refusal for good (exit 2) is not restarted.
+    assert!(unit.contains("KillMode=mixed") && unit.contains("RestartPreventExitStatus=2"));
     let dir = Home::new();
     let path = dir.path.join("gatehouse.service");
     std::fs::write(&path, unit.replace("/usr/local/bin/gatehouse", bin())).expect("write unit");
@@ -419,9 +421,11 @@ async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_wor
     };
     let out = second.wait_with_output().expect("second daemon output");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "a second daemon ran on the same home: {status:?}\n{stderr}"
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(2),
+        "a second daemon on the same home is refused for good (a unit does not restart it): \
+         {status:?}\n{stderr}"
     );
     assert!(stderr.contains("another gateway is serving"), "{stderr}");
     // The first daemon still owns the home: its socket, its epoch and its running turn.
@@ -433,4 +437,43 @@ async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_wor
         home.admission("parked").status == "terminal"
     })
     .await;
+}
+
+/// Under `Type=notify` the daemon says it is ready (with where it serves) only once it is, and
+/// that it is stopping when a SIGTERM starts the drain.
+#[test]
+fn systemd_hears_ready_with_the_address_and_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let home = Home::new();
+    let socket_path = home.path.join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).expect("notify socket");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut d = Daemon::start_with_env(
+        &home,
+        &[("NOTIFY_SOCKET", socket_path.to_str().expect("utf-8 path"))],
+    );
+    let mut buf = [0u8; 4096];
+    // The next notification other than a start-up extension (migrations ask for more time).
+    let mut next = || loop {
+        let n = socket.recv(&mut buf).expect("a notification");
+        let said = String::from_utf8_lossy(&buf[..n]).to_string();
+        if !said.starts_with("EXTEND_TIMEOUT_USEC=") {
+            break said;
+        }
+    };
+    let origin = d.identify["api_origin"]
+        .as_str()
+        .expect("origin")
+        .to_string();
+    assert_eq!(next(), format!("READY=1\nSTATUS=serving {origin}"));
+    assert_eq!(
+        control(&home.path, "identify", json!({})).expect("identify")["state"],
+        "ready",
+        "ready was said once the daemon was"
+    );
+    let stop = std::thread::spawn(move || d.term());
+    assert_eq!(next(), "STOPPING=1");
+    assert_eq!(stop.join().expect("term"), Some(0));
 }
