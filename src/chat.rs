@@ -142,12 +142,24 @@ pub async fn run(opts: ChatOptions) -> Result<(), String> {
     let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
     let mut conn = Conn::open(&opts.home).await?;
     let request_id = format!("chat:{}", opts.session);
-    let snap = conn
-        .call(
-            "session.create",
-            json!({"request_id": request_id, "cwd": cwd.to_string_lossy(), "source": "cli"}),
-        )
-        .await?;
+    // A named session goes on wherever it is run from: it is resumed if it exists (it keeps the
+    // directory it was started in), and created in this directory if not.
+    let principal = format!("uid:{}", crate::api::control::own_uid());
+    let existing = crate::api::rpc::session_id_for(&principal, &request_id);
+    let snap = match conn
+        .call("session.resume", json!({"session_id": existing}))
+        .await
+    {
+        Ok(snap) => snap,
+        Err(e) if e.starts_with("not_found:") => {
+            conn.call(
+                "session.create",
+                json!({"request_id": request_id, "cwd": cwd.to_string_lossy(), "source": "cli"}),
+            )
+            .await?
+        }
+        Err(e) => return Err(e),
+    };
     let session_id = snap["session_id"]
         .as_str()
         .ok_or("no session id")?

@@ -59,7 +59,7 @@ fn err(code: &str, message: impl Into<String>) -> Value {
 async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()> {
     let same_user = stream
         .peer_cred()
-        .map(|c| c.uid() == unsafe_uid())
+        .map(|c| c.uid() == own_uid())
         .unwrap_or(false);
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read);
@@ -108,7 +108,7 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
     }
 }
 
-fn unsafe_uid() -> u32 {
+pub(crate) fn own_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
     unsafe { libc::getuid() }
 }
@@ -148,7 +148,7 @@ impl Control {
                         );
                     }
                 }
-                let (ticket, expires_at) = self.tickets.mint(&format!("uid:{}", unsafe_uid()));
+                let (ticket, expires_at) = self.tickets.mint(&format!("uid:{}", own_uid()));
                 json!({"ticket": ticket, "expires_at": expires_at as i64, "instance_id": shared.runtime.instance_id})
             }
             "status" => {

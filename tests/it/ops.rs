@@ -160,10 +160,31 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     assert!(out.contains("ACK_DANGER"), "{out}");
     assert!(victim.path.join("keep").exists());
 
+    // The named session goes on from another directory (it keeps the one it started in).
+    let elsewhere = Home::new();
+    let o = Command::new(bin())
+        .args(["chat", "--session", "ops", "from elsewhere", "--home"])
+        .arg(&home.path)
+        .current_dir(&elsewhere.path)
+        .stdin(Stdio::null())
+        .output()
+        .expect("chat elsewhere");
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains("ACK_from elsewhere"), "{}", stdout(&o));
+    let asked = model
+        .requests()
+        .into_iter()
+        .find(|b| last_user(b) == "from elsewhere")
+        .expect("the request");
+    assert!(
+        user_texts(&asked).contains(&"hello there".to_string()),
+        "the same conversation: {asked}"
+    );
+
     let o = cli(&home, &["status", "--json"], "");
     let status: Value = serde_json::from_slice(&o.stdout).expect("status json");
     assert_eq!(status["state"], "ready");
-    assert_eq!(status["admissions"]["terminal"], 2);
+    assert_eq!(status["admissions"]["terminal"], 3);
     let o = cli(&home, &["status"], "");
     assert!(stdout(&o).contains("state      ready"), "{}", stdout(&o));
     let o = cli(&home, &["sessions"], "");
