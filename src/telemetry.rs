@@ -18,23 +18,28 @@ pub fn init_logging(json: bool) {
     };
 }
 
-const TURN_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
-const DB_BUCKETS: [f64; 10] = [
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
+/// Turns and model calls: from an instant fake's milliseconds to a model's 600 s time-out and a
+/// room turn's 1830 s deadline.
+const TURN_BUCKETS: [f64; BUCKETS] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 60.0, 180.0, 600.0, 1800.0,
 ];
+const DB_BUCKETS: [f64; BUCKETS] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 30.0,
+];
+const BUCKETS: usize = 14;
 
 /// A fixed-bucket histogram.
 #[derive(Debug)]
 pub struct Histogram {
-    bounds: &'static [f64; 10],
-    inner: Mutex<([u64; 10], u64, f64)>,
+    bounds: &'static [f64; BUCKETS],
+    inner: Mutex<([u64; BUCKETS], u64, f64)>,
 }
 
 impl Histogram {
-    const fn new(bounds: &'static [f64; 10]) -> Self {
+    const fn new(bounds: &'static [f64; BUCKETS]) -> Self {
         Self {
             bounds,
-            inner: Mutex::new(([0; 10], 0, 0.0)),
+            inner: Mutex::new(([0; BUCKETS], 0, 0.0)),
         }
     }
 

@@ -254,6 +254,14 @@ async fn metrics_parse_and_move_with_the_work() {
     assert_eq!(moved("gatehouse_admissions_accepted_total"), 3.0);
     assert_eq!(moved("gatehouse_turns_finished_total"), 3.0);
     assert_eq!(moved("gatehouse_turn_seconds_count"), 3.0);
+    // The buckets reach a room turn's deadline (a model's 600 s time-out falls inside them).
+    assert_eq!(
+        sample(&after, "gatehouse_turn_seconds_bucket{le=\"1800\"}"),
+        sample(&after, "gatehouse_turn_seconds_count")
+    );
+    assert!(after
+        .iter()
+        .any(|(k, _)| k == "gatehouse_model_request_seconds_bucket{le=\"600\"}"));
     assert_eq!(
         sample(
             &after,
