@@ -32,7 +32,7 @@ pub fn store_error(e: RoomStoreError) -> GatewayError {
             GatewayError::InvalidParams(m)
         }
         RoomStoreError::RoomUnavailable(m) => GatewayError::NotFound(m),
-        RoomStoreError::LeaseHeld(m) => GatewayError::SessionBusy(m),
+        RoomStoreError::LeaseHeld(m) | RoomStoreError::Full(m) => GatewayError::SessionBusy(m),
         RoomStoreError::StaleLease(m) | RoomStoreError::StaleTask(m) => {
             GatewayError::StaleGeneration(m)
         }
@@ -299,9 +299,18 @@ impl RoomsService {
                     target_member_id: p.target_member_id,
                 };
                 let clock = self.clock.clone();
+                let max_queued = self.runtime.config().max_queued_tasks_per_room;
                 let view = self
                     .db
-                    .write(move |c| room_tasks::admit_task(c, &identity, &payload, clock.as_ref()))
+                    .write(move |c| {
+                        room_tasks::admit_task_within(
+                            c,
+                            &identity,
+                            &payload,
+                            clock.as_ref(),
+                            max_queued,
+                        )
+                    })
                     .await
                     .map_err(store_error)?;
                 subscribe(&view.identity.room_id);

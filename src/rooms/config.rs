@@ -31,6 +31,9 @@ pub struct RoomsConfig {
     pub max_ended_tasks_per_room: i64,
     /// How often ended tasks are pruned.
     pub prune_interval_seconds: f64,
+    /// Tasks a room may have queued; `room.admit` past it is refused (`session_busy`).
+    #[serde(deserialize_with = "positive_queued")]
+    pub max_queued_tasks_per_room: i64,
 }
 
 impl Default for RoomsConfig {
@@ -47,6 +50,7 @@ impl Default for RoomsConfig {
             task_retention_seconds: 30.0 * 24.0 * 3600.0,
             max_ended_tasks_per_room: 2048,
             prune_interval_seconds: 60.0,
+            max_queued_tasks_per_room: 1000,
         }
     }
 }
@@ -75,6 +79,12 @@ const MAX_ENDED_TASKS_MESSAGE: &str = "max_ended_tasks_per_room must be a positi
 
 fn positive_count<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
     positive(deserializer, MAX_ENDED_TASKS_MESSAGE)
+}
+
+const MAX_QUEUED_TASKS_MESSAGE: &str = "max_queued_tasks_per_room must be a positive integer";
+
+fn positive_queued<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
+    positive(deserializer, MAX_QUEUED_TASKS_MESSAGE)
 }
 
 /// A configuration value that is out of range.
@@ -116,6 +126,9 @@ impl RoomsConfig {
         }
         if self.max_ended_tasks_per_room < 1 {
             return Err(RoomsConfigError(MAX_ENDED_TASKS_MESSAGE.into()));
+        }
+        if self.max_queued_tasks_per_room < 1 {
+            return Err(RoomsConfigError(MAX_QUEUED_TASKS_MESSAGE.into()));
         }
         if self.max_concurrent_rooms < 1 {
             return Err(RoomsConfigError(MAX_CONCURRENT_ROOMS_MESSAGE.into()));

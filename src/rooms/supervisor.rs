@@ -16,8 +16,8 @@ use crate::rooms::port::{
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
 use crate::store::leases::{acquire_lease, renew_lease, Lease};
 use crate::store::room_tasks::{
-    complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, get_task, list_tasks,
-    recover_room, requeue_not_admitted_task, resolve_indeterminate_cancellation,
+    complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, first_task, get_task,
+    list_tasks, recover_room, requeue_not_admitted_task, resolve_indeterminate_cancellation,
     resolve_indeterminate_task, settle_stopping_task, settle_task, start_task, Settlement,
     SettlementStatus, TaskAttempt, TaskStatus, TaskView,
 };
@@ -1151,12 +1151,13 @@ impl RoomRuntime {
     async fn run_queued(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
         loop {
             let room = binding.room_id.clone();
-            let queued = self
+            // The head alone: a long queue is not read (and parsed) for every task it starts.
+            let head = self
                 .inner
                 .db
-                .run(move |c| list_tasks(c, &room, Some(TaskStatus::Queued)))
+                .run(move |c| first_task(c, &room, TaskStatus::Queued))
                 .await?;
-            let Some(head) = queued.into_iter().next() else {
+            let Some(head) = head else {
                 return Ok(());
             };
             let route = (

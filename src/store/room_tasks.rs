@@ -411,6 +411,18 @@ pub fn admit_task(
     payload: &TaskPayload,
     clock: &dyn Clock,
 ) -> StoreResult<TaskView> {
+    admit_task_within(conn, identity, payload, clock, i64::MAX)
+}
+
+/// [`admit_task`], refused (`Full`) when the room already has `max_queued` tasks queued (a
+/// replay of an admitted task is answered whatever the queue holds).
+pub fn admit_task_within(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    payload: &TaskPayload,
+    clock: &dyn Clock,
+    max_queued: i64,
+) -> StoreResult<TaskView> {
     let identity = identity.validated()?;
     let payload = payload.normalized()?;
     let payload_value =
@@ -433,6 +445,21 @@ pub fn admit_task(
             return row.into_view(true);
         }
         live_room(conn, &identity.room_id, true)?;
+        if max_queued < i64::MAX {
+            use crate::store::rooms_schema::room_task_counts as k;
+            let queued: Option<i64> = k::table
+                .filter(k::room_id.eq(&identity.room_id))
+                .filter(k::status.eq(TaskStatus::Queued.as_str()))
+                .select(k::n)
+                .first(conn)
+                .optional()?;
+            if queued.unwrap_or(0) >= max_queued {
+                return Err(RoomStoreError::Full(format!(
+                    "room {} has {max_queued} tasks queued (rooms.max_queued_tasks_per_room)",
+                    identity.room_id
+                )));
+            }
+        }
         // A task is one member's turn: a profile that is not a member would open a room session
         // for an agent the room never had.
         let is_member: i64 = room_members::table
@@ -515,6 +542,27 @@ pub fn list_tasks(
         ))
         .load(conn)?;
     rows.into_iter().map(|row| row.into_view(false)).collect()
+}
+
+/// The first task of a room with `status`, in the room's order (what [`list_tasks`] would put
+/// first, without loading the rest).
+pub fn first_task(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+    status: TaskStatus,
+) -> StoreResult<Option<TaskView>> {
+    let row: Option<TaskRow> = room_tasks::table
+        .filter(room_tasks::room_id.eq(room_id))
+        .filter(room_tasks::status.eq(status.as_str()))
+        .select(TaskRow::as_select())
+        .order((
+            room_tasks::source_event_seq.asc(),
+            room_tasks::created_at.asc(),
+            room_tasks::task_id.asc(),
+        ))
+        .first(conn)
+        .optional()?;
+    row.map(|row| row.into_view(false)).transpose()
 }
 
 /// Number of tasks of a room by status (for `room.get`), from the counts the triggers keep.

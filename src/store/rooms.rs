@@ -44,6 +44,9 @@ pub enum RoomStoreError {
     /// The requested transition is not allowed from the current state.
     #[error("{0}")]
     InvalidTransition(String),
+    /// The room has as many tasks queued as it may.
+    #[error("{0}")]
+    Full(String),
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),

@@ -882,6 +882,50 @@ async fn a_closed_connection_stops_following_its_rooms() {
     drop(home);
 }
 
+/// A room's queue is bounded: past `rooms.max_queued_tasks_per_room` a new task is refused
+/// (`session_busy`), while a replay of an admitted one is still answered.
+#[actix_rt::test]
+async fn a_rooms_queue_is_bounded() {
+    let victim = Home::new();
+    let model = parking_model(&victim);
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"max_queued_tasks_per_room": 2, "poll_interval_seconds": 0.2,
+                      "active_poll_interval_seconds": 0.05},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    park_in(&mut ws, "full", "p1").await;
+    for (task, seq) in [("q1", 2), ("q2", 3)] {
+        ws.ok("room.admit", admit("full", task, "ops", "hello", seq))
+            .await;
+    }
+    let refused = ws
+        .refused(
+            "room.admit",
+            admit("full", "q3", "ops", "hello", 4),
+            "session_busy",
+        )
+        .await;
+    assert!(
+        refused.to_string().contains("max_queued_tasks_per_room"),
+        "{refused}"
+    );
+    let replay = ws
+        .ok("room.admit", admit("full", "q1", "ops", "hello", 2))
+        .await;
+    assert_eq!(replay["idempotent"], true, "{replay}");
+    assert_eq!(
+        room_tasks(&mut ws, "full").await.len(),
+        3,
+        "p1 running, q1 and q2 queued"
+    );
+}
+
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).
 fn room_cli(home: &Home, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(bin())
