@@ -322,7 +322,21 @@ async fn submit_is_durable_idempotent_and_needs_a_subscription() {
 
 #[actix_rt::test]
 async fn inputs_run_in_fifo_order_one_at_a_time() {
-    let model = FakeModel::ack();
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // The model counts the session's requests in flight; each takes a while, so a second turn
+    // running beside the first would be seen.
+    let (in_flight, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (now, most) = (in_flight.clone(), peak.clone());
+    let model = FakeModel::start(move |body| {
+        most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+        now.fetch_sub(1, Ordering::SeqCst);
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+            "stop",
+        )
+    });
     let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("fifo", &home.path).await;
@@ -330,14 +344,15 @@ async fn inputs_run_in_fifo_order_one_at_a_time() {
     for n in &names {
         ws.submit(&sid, n, n).await;
     }
-    let mut max_started = 0;
     wait_until("all turns", Duration::from_secs(30), || {
-        let rows = home.admissions();
-        max_started = max_started.max(rows.iter().filter(|r| r.status == "started").count());
-        rows.iter().all(|r| r.status == "terminal")
+        home.admissions().iter().all(|r| r.status == "terminal")
     })
     .await;
-    assert!(max_started <= 1, "at most one started row per session");
+    assert_eq!(
+        peak.load(Ordering::SeqCst),
+        1,
+        "one turn of the session at a time"
+    );
     assert_eq!(
         model.texts(),
         names,

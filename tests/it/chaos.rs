@@ -29,8 +29,10 @@ pub enum Fault {
     CloseWithoutResponse,
     /// Send the response head, then reset the connection (RST) before any event.
     ResetBeforeBody,
-    /// Send the head and one content delta, then reset the connection.
-    ResetMidStream,
+    /// Send the head and one content delta, then reset the connection once the flag is set
+    /// (the test sets it when the client has shown the delta: an RST that overtook it would
+    /// discard it unread).
+    ResetMidStream(Arc<AtomicBool>),
     /// Send the head, then nothing at all (until the client gives up).
     Stall,
     /// One small delta every `every`, never finishing.
@@ -187,7 +189,7 @@ fn serve(
         *n
     };
     let fault = plan(&body, n);
-    let rst = matches!(fault, Fault::ResetBeforeBody | Fault::ResetMidStream);
+    let rst = matches!(fault, Fault::ResetBeforeBody | Fault::ResetMidStream(_));
     let _ = answer(&mut stream, fault, stop, &body);
     if rst {
         reset(stream);
@@ -246,11 +248,13 @@ fn answer(
             stream.write_all(SSE_HEAD.as_bytes())?;
             stream.flush()
         }
-        Fault::ResetMidStream => {
+        Fault::ResetMidStream(shown) => {
             stream.write_all(SSE_HEAD.as_bytes())?;
             chunk(stream, &delta("partial "))?;
-            // Let the client read the delta before the reset.
-            std::thread::sleep(Duration::from_millis(100));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !shown.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             Ok(())
         }
         Fault::Stall => {

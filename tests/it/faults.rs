@@ -3,6 +3,8 @@
 //! receipt and closes the transcript), other sessions keep working meanwhile, and the same
 //! session serves a normal request right after.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -33,6 +35,19 @@ async fn fault_case(
     faulty_base_url: Option<String>,
     expect: Expect,
 ) {
+    fault_case_shown(name, fault, extra, faulty_base_url, expect, None).await
+}
+
+/// [`fault_case`]; with `shown`, the flag is set once the faulty turn's first delta has reached
+/// the client (a fault that must come after it waits for that).
+async fn fault_case_shown(
+    name: &str,
+    fault: impl Fn(usize) -> Fault + Send + Sync + 'static,
+    extra: Value,
+    faulty_base_url: Option<String>,
+    expect: Expect,
+    shown: Option<Arc<AtomicBool>>,
+) {
     let chaos = ChaosModel::start(move |text, n| {
         if text == "FAULT" {
             fault(n)
@@ -61,6 +76,13 @@ async fn fault_case(
     let healthy = ws.session("healthy", &home.path).await;
     let began = Instant::now();
     let r = ws.submit(&faulty, "FAULT", "FAULT").await;
+    if let Some(shown) = &shown {
+        ws.event(T, |e| {
+            e["type"] == "message.delta" && e["session_id"] == faulty.as_str()
+        })
+        .await;
+        shown.store(true, Ordering::SeqCst);
+    }
     for i in 0..3 {
         let text = format!("H{i}");
         ws.submit(&healthy, &text, &text).await;
@@ -232,9 +254,11 @@ async fn model_reset_before_any_event_is_retried_and_recovers() {
 #[actix_rt::test]
 async fn model_reset_mid_stream_fails_without_a_retry() {
     // A delta already reached the client: retrying would show it twice, so the turn fails.
-    fault_case(
+    let shown = Arc::new(AtomicBool::new(false));
+    let gate = shown.clone();
+    fault_case_shown(
         "reset_mid_stream",
-        |_| Fault::ResetMidStream,
+        move |_| Fault::ResetMidStream(gate.clone()),
         json!({}),
         None,
         Expect {
@@ -243,6 +267,7 @@ async fn model_reset_mid_stream_fails_without_a_retry() {
             attempts: Some(1),
             slow: false,
         },
+        Some(shown),
     )
     .await;
 }

