@@ -424,6 +424,30 @@ pub struct ProfileConfig {
     pub extra: Extra,
 }
 
+/// Config section `key` from `value`; a refusal names the key inside the section that caused it
+/// (`gateway.port`), found by reading each of the section's keys alone (every section has
+/// defaults for the keys it is not given).
+fn section<T: serde::de::DeserializeOwned>(key: &str, value: Value) -> Result<T, ConfigError> {
+    match serde_json::from_value::<T>(value.clone()) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let inner = value.as_object().and_then(|o| {
+                o.iter()
+                    .find(|(k, v)| {
+                        let alone =
+                            Value::Object([((*k).clone(), (*v).clone())].into_iter().collect());
+                        serde_json::from_value::<T>(alone).is_err()
+                    })
+                    .map(|(k, _)| k.clone())
+            });
+            Err(ConfigError::Invalid {
+                key: inner.map_or_else(|| key.to_string(), |k| format!("{key}.{k}")),
+                message: e.to_string(),
+            })
+        }
+    }
+}
+
 /// A stored key digest as it is compared: `sha256:` prefix and surrounding blanks dropped,
 /// lower case (`gateway.api_keys` entries and the keys file's lines).
 pub fn normalise_digest(stored: &str) -> String {
@@ -479,26 +503,21 @@ impl Config {
         let obj = raw.as_object().cloned().unwrap_or_default();
         let mut config = Config::default();
         for (key, value) in obj {
-            let bad = |e: serde_json::Error| ConfigError::Invalid {
-                key: key.clone(),
-                message: e.to_string(),
-            };
-            match key.as_str() {
-                "gateway" => config.gateway = serde_json::from_value(value).map_err(bad)?,
-                "model" => config.model = serde_json::from_value(value).map_err(bad)?,
-                "auxiliary" => config.auxiliary = serde_json::from_value(value).map_err(bad)?,
-                "compression" => config.compression = serde_json::from_value(value).map_err(bad)?,
-                "terminal" => config.terminal = serde_json::from_value(value).map_err(bad)?,
-                "approvals" => config.approvals = serde_json::from_value(value).map_err(bad)?,
-                "agent" => config.agent = serde_json::from_value(value).map_err(bad)?,
-                "platform_toolsets" => {
-                    config.platform_toolsets = serde_json::from_value(value).map_err(bad)?
-                }
-                "session" => config.session = serde_json::from_value(value).map_err(bad)?,
-                "events" => config.events = serde_json::from_value(value).map_err(bad)?,
-                "http" => config.http = serde_json::from_value(value).map_err(bad)?,
-                "profiles" => config.profiles = serde_json::from_value(value).map_err(bad)?,
-                "rooms" => config.rooms = serde_json::from_value(value).map_err(bad)?,
+            let k = key.as_str();
+            match k {
+                "gateway" => config.gateway = section(k, value)?,
+                "model" => config.model = section(k, value)?,
+                "auxiliary" => config.auxiliary = section(k, value)?,
+                "compression" => config.compression = section(k, value)?,
+                "terminal" => config.terminal = section(k, value)?,
+                "approvals" => config.approvals = section(k, value)?,
+                "agent" => config.agent = section(k, value)?,
+                "platform_toolsets" => config.platform_toolsets = section(k, value)?,
+                "session" => config.session = section(k, value)?,
+                "events" => config.events = section(k, value)?,
+                "http" => config.http = section(k, value)?,
+                "profiles" => config.profiles = section(k, value)?,
+                "rooms" => config.rooms = section(k, value)?,
                 _ => {
                     config.extra.insert(key, value);
                 }
@@ -516,6 +535,17 @@ impl Config {
         };
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
+        }
+        // A model provider with nowhere to send requests would fail every turn.
+        let endpoint = self.default_endpoint();
+        if endpoint.provider != "echo" && endpoint.base_url.is_none() {
+            return invalid(
+                "model.base_url",
+                &format!(
+                    "provider {:?} needs a base_url (or OPENAI_BASE_URL)",
+                    endpoint.provider
+                ),
+            );
         }
         // A key is listed by its SHA-256 (`gatehouse key create` prints one): anything else
         // (the key itself, a truncated hash) would match nothing while it still counted as
@@ -780,6 +810,38 @@ mod tests {
         assert_eq!(c.agent.max_iterations, 7);
         assert!(c.unknown_keys().is_empty(), "{:?}", c.unknown_keys());
         assert!(parse("agent:\n  max_turns: 7\n  max_iterations: 8\n").is_err());
+    }
+
+    #[test]
+    fn a_bad_value_names_its_key_inside_the_section() {
+        for (text, key) in [
+            ("gateway:\n  port: lots\n", "gateway.port"),
+            ("model:\n  context_length: -3\n", "model.context_length"),
+            (
+                "profiles:\n  ops:\n    toolsets: terminal\n",
+                "profiles.ops",
+            ),
+            (
+                "session:\n  max_queued_admissions: x\n",
+                "session.max_queued_admissions",
+            ),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{key}`")), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_provider_without_an_endpoint_is_refused() {
+        if std::env::var_os("OPENAI_BASE_URL").is_some() {
+            return; // the environment names the endpoint
+        }
+        let err = parse("model:\n  provider: custom\n  default: m\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`model.base_url`"), "{err}");
+        assert!(parse("model:\n  provider: custom\n  base_url: http://127.0.0.1:9/v1\n").is_ok());
+        assert!(parse("model:\n  provider: echo\n").is_ok());
     }
 
     #[test]
