@@ -375,6 +375,9 @@ fn operator(args: Args) -> ExitCode {
                     println!("admissions {k:<9} {v}");
                 }
             }
+            if let Some(e) = reply["ledger_error"].as_str() {
+                println!("ledger     cannot be read: {e}");
+            }
         }
         "sessions" => {
             println!(

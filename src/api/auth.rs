@@ -276,9 +276,18 @@ impl ApiKeys {
             return Vec::new();
         };
         if cache.0 != stamp || stamp.is_none() {
-            let keys = std::fs::read_to_string(&self.path)
-                .map(|t| parse_keys(&t).into_iter().map(|e| e.digest).collect())
-                .unwrap_or_default();
+            let keys = match std::fs::read_to_string(&self.path) {
+                Ok(t) => parse_keys(&t).into_iter().map(|e| e.digest).collect(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+                Err(e) => {
+                    // Said once per version of the file: a keys file the daemon cannot read (one
+                    // written by root, say) accepts no key, and every client would get 401 with
+                    // nothing in the log to say why.
+                    tracing::error!(path = %self.path.display(), error = %e,
+                        "the API keys file cannot be read: none of its keys is accepted");
+                    Vec::new()
+                }
+            };
             *cache = (stamp, keys);
         }
         cache.1.clone()

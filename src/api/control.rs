@@ -152,19 +152,27 @@ impl Control {
                 json!({"ticket": ticket, "expires_at": expires_at as i64, "instance_id": shared.runtime.instance_id})
             }
             "status" => {
-                let counts = shared.ledger_counts().await.unwrap_or_default();
-                let mut by_status = serde_json::Map::new();
-                for (status, _, n) in counts {
-                    let e = by_status.entry(status).or_insert(json!(0));
-                    *e = json!(e.as_i64().unwrap_or(0) + n);
-                }
+                // A ledger that cannot be read is said so (`admissions: null` and why), not
+                // shown as an empty one.
+                let (admissions, ledger_error) = match shared.ledger_counts().await {
+                    Ok(counts) => {
+                        let mut by_status = serde_json::Map::new();
+                        for (status, _, n) in counts {
+                            let e = by_status.entry(status).or_insert(json!(0));
+                            *e = json!(e.as_i64().unwrap_or(0) + n);
+                        }
+                        (Value::Object(by_status), Value::Null)
+                    }
+                    Err(e) => (Value::Null, json!(e.to_string())),
+                };
                 json!({
                     "state": shared.runtime.phase().as_str(),
                     "pid": shared.runtime.pid,
                     "instance_id": shared.runtime.instance_id,
                     "authority_epoch": shared.epoch,
                     "api_origin": shared.runtime.origin(),
-                    "admissions": by_status,
+                    "admissions": admissions,
+                    "ledger_error": ledger_error,
                 })
             }
             "sessions" if same_user => match shared.db.read(|c| sessions::list_roots(c, 500)).await
@@ -215,7 +223,10 @@ impl Control {
                     .await
                 {
                     Ok(r) => r,
-                    Err(e) => return err("not_found", e.to_string()),
+                    Err(e) => {
+                        let e = crate::error::GatewayError::from(e);
+                        return err(e.reason(), e.detail());
+                    }
                 };
                 let generation = params
                     .get("execution_generation")
