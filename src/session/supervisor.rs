@@ -496,7 +496,7 @@ impl SessionSupervisor {
         ctx: &mut Context<Self>,
     ) {
         let Some(generation) = row.execution_generation else {
-            tracing::error!(admission = %row.admission_id, "claimed row has no generation");
+            tracing::error!(session = %self.root_id, admission = %row.admission_id, "claimed row has no generation");
             return;
         };
         if self.draining || self.shared.runtime.draining() {
@@ -509,7 +509,7 @@ impl SessionSupervisor {
     }
 
     fn requeue(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
-        tracing::info!(admission = %row.admission_id, "claimed as the drain began; queued again");
+        tracing::info!(session = %self.root_id, admission = %row.admission_id, generation, "claimed as the drain began; queued again");
         self.maybe_queued = true;
         self.write_started();
         self.claiming = true;
@@ -535,7 +535,8 @@ impl SessionSupervisor {
                 }
                 Err(e) => {
                     // Not put back: end the attempt the old way, interrupted before it ran.
-                    tracing::error!(error = %e, "could not queue the claimed input again");
+                    tracing::error!(session = %act.root_id, admission = %row.admission_id, generation, error = %e,
+                        "could not queue the claimed input again");
                     act.begin_turn(row, generation, None, ctx);
                 }
             }
@@ -585,7 +586,8 @@ impl SessionSupervisor {
                     Err(
                         e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
                     ) => {
-                        tracing::warn!(error = %e, ?backoff, "settlement failed; retrying");
+                        tracing::warn!(session = %root, admission = %admission_id, generation, error = %e, ?backoff,
+                            "settlement failed; retrying");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
                     }
@@ -604,6 +606,11 @@ impl SessionSupervisor {
         settled: Result<Logged<()>, StoreError>,
         ctx: &mut Context<Self>,
     ) {
+        let admission = self
+            .running
+            .as_ref()
+            .map(|r| r.admission_id.clone())
+            .unwrap_or_default();
         if let Some(r) = self.running.take() {
             self.shared
                 .metrics
@@ -623,7 +630,8 @@ impl SessionSupervisor {
             Ok(logged) => self.deliver(logged.events, ctx),
             Err(e) => {
                 // Not settled: the row stays started and becomes unknown at the next boot.
-                tracing::error!(session = %self.root_id, error = %e, "settlement refused");
+                tracing::error!(session = %self.root_id, admission = %admission, generation, error = %e,
+                    "settlement refused: the input stays started and is unknown after the next boot");
             }
         }
         for w in self.drain_waiters.drain(..) {
