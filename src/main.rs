@@ -173,7 +173,10 @@ fn parse_args() -> Result<Args, String> {
                 Some("human") => args.log_json = false,
                 _ => return Err("--log-format takes human or json".into()),
             },
-            "-h" | "--help" => return Err(USAGE.to_string()),
+            "-h" | "--help" => {
+                args.command = "help".into();
+                return Ok(args);
+            }
             other if other.starts_with("--") => {
                 return Err(format!("unknown option {other}\n\n{USAGE}"))
             }
@@ -339,7 +342,14 @@ fn operator(args: Args) -> ExitCode {
             };
             ("room-disband", json!({"room_id": room}))
         }
-        other => (other, json!({})),
+        other => {
+            // `gatehouse status /var/lib/gatehouse` would ask the default home: say so instead.
+            if let Some(extra) = args.rest.first() {
+                eprintln!("gatehouse {other} takes no argument {extra:?} (the home is --home DIR)");
+                return ExitCode::from(2);
+            }
+            (other, json!({}))
+        }
     };
     let reply = match gatehouse::api::control::request(&args.home, method, params) {
         Ok(r) => r,
@@ -393,6 +403,9 @@ fn operator(args: Args) -> ExitCode {
                     s["execution_generation"]
                 );
             }
+            if reply["truncated"] == true {
+                println!("… more sessions than these (the newest are listed)");
+            }
         }
         "pending" => {
             println!(
@@ -408,6 +421,9 @@ fn operator(args: Args) -> ExitCode {
                     r["execution_generation"],
                     text
                 );
+            }
+            if reply["truncated"] == true {
+                println!("… more unknown inputs than these: resolve these, then list again");
             }
         }
         "rooms" => {

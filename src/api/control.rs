@@ -52,6 +52,10 @@ pub async fn serve(listener: UnixListener, control: Arc<Control>) {
     }
 }
 
+/// Sessions `sessions` lists (the newest first), and `unknown` inputs `pending` lists.
+const LISTED_SESSIONS: i64 = 500;
+const LISTED_UNKNOWN: i64 = 1000;
+
 fn err(code: &str, message: impl Into<String>) -> Value {
     json!({"error": {"code": code, "message": message.into()}})
 }
@@ -175,12 +179,18 @@ impl Control {
                     "ledger_error": ledger_error,
                 })
             }
-            "sessions" if same_user => match shared.db.read(|c| sessions::list_roots(c, 500)).await
+            "sessions" if same_user => match shared
+                .db
+                .read(|c| sessions::list_roots(c, LISTED_SESSIONS + 1))
+                .await
             {
-                Ok(rows) => json!({"sessions": rows.iter().map(|r| json!({
+                // One more than is listed is read, to say when the list is cut short.
+                Ok(rows) => {
+                    json!({"sessions": rows.iter().take(LISTED_SESSIONS as usize).map(|r| json!({
                     "session_id": r.id, "tip_session_id": r.tip_session_id, "model": r.model, "source": r.source,
                     "title": r.title, "execution_generation": r.runtime_generation, "started_at": r.started_at,
-                })).collect::<Vec<_>>()}),
+                })).collect::<Vec<_>>(), "truncated": rows.len() > LISTED_SESSIONS as usize})
+                }
                 Err(e) => err("storage_unavailable", e.to_string()),
             },
             "pending" if same_user => {
@@ -188,17 +198,20 @@ impl Control {
                 match shared
                     .db
                     .read(|c| {
-                        let unknown = admissions::all_with_status(c, "unknown", 1000)?;
+                        let unknown =
+                            admissions::all_with_status(c, "unknown", LISTED_UNKNOWN + 1)?;
                         let open: Vec<prompts::PromptRow> = Vec::new();
                         Ok((unknown, open))
                     })
                     .await
                 {
-                    Ok((unknown, _)) => json!({"unknown": unknown.iter().map(|r| {
+                    Ok((unknown, _)) => {
+                        json!({"unknown": unknown.iter().take(LISTED_UNKNOWN as usize).map(|r| {
                         let mut v = receipt(r, epoch);
                         v["text"] = json!(r.text());
                         v
-                    }).collect::<Vec<_>>()}),
+                    }).collect::<Vec<_>>(), "truncated": unknown.len() > LISTED_UNKNOWN as usize})
+                    }
                     Err(e) => err("storage_unavailable", e.to_string()),
                 }
             }
@@ -286,10 +299,18 @@ pub fn request(home: &Path, method: &str, params: Value) -> Result<Value, String
     use std::io::{BufRead, Write};
     let path = socket_path(home);
     let mut stream = std::os::unix::net::UnixStream::connect(&path).map_err(|e| {
-        format!(
-            "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
-            path.display()
-        )
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            format!(
+                "{} is the daemon's and may be opened only by its user ({e}): run this as that \
+                 user (e.g. `sudo -u gatehouse gatehouse …`)",
+                path.display()
+            )
+        } else {
+            format!(
+                "no gatehouse daemon answers on {} ({e}); start one with `gatehouse serve`",
+                path.display()
+            )
+        }
     })?;
     stream
         .set_read_timeout(Some(std::time::Duration::from_secs(30)))

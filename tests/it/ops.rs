@@ -189,6 +189,21 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     assert!(stdout(&o).contains("state      ready"), "{}", stdout(&o));
     let o = cli(&home, &["sessions"], "");
     assert!(stdout(&o).contains("fake-model"), "{}", stdout(&o));
+    let o = cli(&home, &["sessions", "--json"], "");
+    let listed: Value = serde_json::from_slice(&o.stdout).expect("sessions json");
+    assert_eq!(listed["truncated"], false);
+    // A stray argument is refused (it is not the home), and help is not an error.
+    let o = cli(&home, &["status", "/var/lib/gatehouse"], "");
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("takes no argument"),
+        "{o:?}"
+    );
+    let o = cli(&home, &["status", "--help"], "");
+    assert!(
+        o.status.success() && stdout(&o).contains("gatehouse"),
+        "{o:?}"
+    );
 
     // A turn lost to SIGKILL is listed by `pending` and settled by `resolve-unknown`.
     let mut ws = d.ws().await;
