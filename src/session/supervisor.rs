@@ -90,6 +90,9 @@ struct Outbox {
 /// How many events one catch-up read of the log fetches.
 const CATCH_UP_BATCH: i64 = 1000;
 
+/// The longest wait between two tries of a claim while the store is down.
+const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub struct SessionSupervisor {
     shared: Arc<Shared>,
     root_id: String,
@@ -99,6 +102,9 @@ pub struct SessionSupervisor {
     outbox: Outbox,
     claiming: bool,
     pump_again: bool,
+    /// The wait before the next try of a claim the store failed (0: the last one did not fail);
+    /// doubles up to [`MAX_CLAIM_RETRY`] while the store stays down.
+    claim_retry: std::time::Duration,
     /// Whether the FIFO may hold queued inputs: false once a claim found nothing queued (behind
     /// the input it started, if any), until an input is admitted again. A settled turn with
     /// nothing queued then starts no claim, which would commit nothing, and the next submit's
@@ -137,6 +143,7 @@ impl SessionSupervisor {
             outbox: Outbox::default(),
             claiming: false,
             pump_again: false,
+            claim_retry: std::time::Duration::ZERO,
             maybe_queued: true,
             admitted: 0,
             long_transcript_claims: 0,
@@ -458,6 +465,9 @@ impl SessionSupervisor {
         start: Option<Box<TurnStart>>,
         ctx: &mut Context<Self>,
     ) {
+        if claim.is_ok() {
+            self.claim_retry = std::time::Duration::ZERO;
+        }
         match claim {
             Ok(Claim::Started(row)) => self.start_turn(*row, start, ctx),
             Ok(Claim::Idle) | Ok(Claim::Busy) => {
@@ -471,10 +481,11 @@ impl SessionSupervisor {
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
                 // for the next submit or boot.
-                tracing::error!(session = %self.root_id, error = %e, "claim failed; retrying");
-                ctx.run_later(std::time::Duration::from_millis(500), |act, ctx| {
-                    act.pump(ctx)
-                });
+                self.claim_retry = (self.claim_retry * 2)
+                    .clamp(std::time::Duration::from_millis(500), MAX_CLAIM_RETRY);
+                let wait = self.claim_retry;
+                tracing::error!(session = %self.root_id, error = %e, ?wait, "claim failed; retrying");
+                ctx.run_later(wait, |act, ctx| act.pump(ctx));
             }
             Err(e) => tracing::error!(session = %self.root_id, error = %e, "claim failed"),
         }
