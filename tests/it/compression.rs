@@ -39,6 +39,17 @@ fn summary_reply() -> Reply {
     Reply::Message(json!({"role": "assistant", "content": SUMMARY}), "stop")
 }
 
+/// A model that summarises for the `summary` model and acknowledges everything else.
+fn summarising_model() -> FakeModel {
+    FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else {
+            ack(body)
+        }
+    })
+}
+
 /// Main model requests (not summaries).
 fn main_requests(model: &FakeModel) -> Vec<Value> {
     model
@@ -92,13 +103,7 @@ fn user_tags(rows: &[gatehouse::store::messages::MessageRow]) -> Vec<String> {
 /// default model (1M) alone.
 #[actix_rt::test]
 async fn a_profile_model_compacts_at_its_own_context_window() {
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            summary_reply()
-        } else {
-            ack(body)
-        }
-    });
+    let model = summarising_model();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -152,13 +157,7 @@ async fn a_profile_model_compacts_at_its_own_context_window() {
 
 #[actix_rt::test]
 async fn preflight_compression_rotates_into_a_child_session() {
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            summary_reply()
-        } else {
-            ack(body)
-        }
-    });
+    let model = summarising_model();
     let home = Home::new();
     home.write_config(&pressure_config(&model.url, false));
     let d = Daemon::start(&home);
@@ -288,13 +287,7 @@ async fn preflight_compression_rotates_into_a_child_session() {
 
 #[actix_rt::test]
 async fn in_place_compression_soft_archives_the_old_rows() {
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            summary_reply()
-        } else {
-            ack(body)
-        }
-    });
+    let model = summarising_model();
     let home = Home::new();
     home.write_config(&pressure_config(&model.url, true));
     let d = Daemon::start(&home);
@@ -627,13 +620,7 @@ async fn a_crash_during_the_summary_call_leaves_the_transcript_intact() {
 
 #[actix_rt::test]
 async fn the_latest_user_message_is_never_summarised_away() {
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            summary_reply()
-        } else {
-            ack(body)
-        }
-    });
+    let model = summarising_model();
     let home = Home::new();
     home.write_config(&config(
         &model.url,

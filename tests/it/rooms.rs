@@ -719,20 +719,7 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
     assert!(ok, "{out}{err}");
     wait_status(&mut ws, "park", "p2", "cancelled").await;
     // The operator frees the session.
-    let unknown = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("the member's turn is unknown");
-    let (ok, out, err) = room_cli(
-        &home,
-        &[
-            "resolve-unknown",
-            &unknown.target_session_id,
-            &unknown.admission_id,
-        ],
-    );
-    assert!(ok, "{out}{err}");
+    resolve_the_unknown_member_turn(&home);
     wait_until(
         "the member's ledger settles",
         Duration::from_secs(30),
@@ -824,20 +811,7 @@ async fn a_probe_waiting_for_its_member_behind_another_room_keeps_its_lease() {
             .any(|a| a.status == "started" && a.text() == "PARK again")
     })
     .await;
-    let unknown = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("the member's turn is unknown");
-    let (ok, out, err) = room_cli(
-        &home,
-        &[
-            "resolve-unknown",
-            &unknown.target_session_id,
-            &unknown.admission_id,
-        ],
-    );
-    assert!(ok, "{out}{err}");
+    resolve_the_unknown_member_turn(&home);
     wait_status(&mut ws, "other", "o1", "failed").await;
     wait_status(&mut ws, "park", "p2", "settled").await;
     assert_eq!(task_status(&mut ws, "park", "p1").await, "failed");
@@ -924,6 +898,24 @@ async fn a_rooms_queue_is_bounded() {
         3,
         "p1 running, q1 and q2 queued"
     );
+}
+
+/// The operator resolves the member's `unknown` turn with `gatehouse resolve-unknown`.
+fn resolve_the_unknown_member_turn(home: &Home) {
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+    let (ok, out, err) = room_cli(
+        home,
+        &[
+            "resolve-unknown",
+            &unknown.target_session_id,
+            &unknown.admission_id,
+        ],
+    );
+    assert!(ok, "{out}{err}");
 }
 
 /// `gatehouse ARGS --home HOME`: (exit success, stdout, stderr).

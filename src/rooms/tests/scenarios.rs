@@ -597,20 +597,32 @@ async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() 
     assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
 }
 
-#[tokio::test]
-async fn test_deadline_releases_worker_capacity_for_later_room() {
-    let db = TestDb::new();
-    let (bindings, ids) = two_rooms(&db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
+/// Two rooms of one member under one scheduler permit: `room-stuck`'s turns never end,
+/// `room-healthy`'s complete; turns have `timeout` seconds, and the member answers an interrupt
+/// with `interrupt` (when given).
+fn stuck_and_healthy_room(
+    db: &TestDb,
+    timeout: f64,
+    interrupt: Option<&str>,
+) -> (crate::rooms::RoomRuntime, Vec<TaskIdentity>) {
+    let (bindings, ids) = two_rooms(db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
     let mut fake = FakeSessionRpc::new(false);
     fake.complete_rooms.insert("room-healthy".into());
+    *lock(&fake.interrupt_status) = interrupt.map(str::to_string);
     let rpc = Arc::new(fake);
     let mut spec = Spec::new(&rpc);
     spec.bindings = bindings;
     spec.config.poll_interval_seconds = 0.02;
     spec.config.active_poll_interval_seconds = 0.01;
-    spec.config.turn_timeout_seconds = 0.05;
+    spec.config.turn_timeout_seconds = timeout;
     spec.config.max_concurrent_rooms = 1;
-    let runtime = spec.build(&db);
+    (spec.build(db), ids)
+}
+
+#[tokio::test]
+async fn test_deadline_releases_worker_capacity_for_later_room() {
+    let db = TestDb::new();
+    let (runtime, ids) = stuck_and_healthy_room(&db, 0.05, None);
     runtime.start();
     wait_for("stuck failed", || {
         status(&db, &ids[0]) == TaskStatus::Failed
@@ -633,18 +645,7 @@ async fn test_deadline_releases_worker_capacity_for_later_room() {
 #[tokio::test]
 async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     let db = TestDb::new();
-    let (bindings, ids) = two_rooms(&db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
-    let mut fake = FakeSessionRpc::new(false);
-    fake.complete_rooms.insert("room-healthy".into());
-    *lock(&fake.interrupt_status) = Some("stopping".into());
-    let rpc = Arc::new(fake);
-    let mut spec = Spec::new(&rpc);
-    spec.bindings = bindings;
-    spec.config.poll_interval_seconds = 0.02;
-    spec.config.active_poll_interval_seconds = 0.01;
-    spec.config.turn_timeout_seconds = 0.5;
-    spec.config.max_concurrent_rooms = 1;
-    let runtime = spec.build(&db);
+    let (runtime, ids) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
     runtime.start();
     wait_for("stuck running", || {
         status(&db, &ids[0]) == TaskStatus::Running
