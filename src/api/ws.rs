@@ -160,6 +160,7 @@ pub async fn ws_route(
         in_flight: 0,
         credential,
         outbox: None,
+        outbox_actor: None,
         pending: Arc::new(AtomicUsize::new(0)),
         socket: req.conn_data::<ConnSocket>().cloned(),
         _slot: slot,
@@ -191,6 +192,9 @@ pub struct WsConnection {
     credential: Credential,
     /// Where sessions push this connection's events (see [`Outbox`]).
     outbox: Option<Recipient<PushEvent>>,
+    /// The outbox itself, told to stop with the connection: its mailbox (held by every session
+    /// and room this connection followed) then reads as closed, and its socket is let go.
+    outbox_actor: Option<Addr<Outbox>>,
     /// Event frames handed over by the outbox and not yet written.
     pending: Arc<AtomicUsize>,
     socket: Option<ConnSocket>,
@@ -218,6 +222,19 @@ impl Actor for Outbox {
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Its own mailbox only buffers a burst until it forwards (it never blocks).
         ctx.set_mailbox_capacity(self.limit.max(1024));
+    }
+}
+
+/// The connection closed: stop, and let its socket go.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct StopOutbox;
+
+impl Handler<StopOutbox> for Outbox {
+    type Result = ();
+    fn handle(&mut self, _: StopOutbox, ctx: &mut Context<Self>) {
+        self.socket = None;
+        ctx.stop();
     }
 }
 
@@ -547,7 +564,8 @@ impl Actor for WsConnection {
             cut: false,
         }
         .start();
-        self.outbox = Some(outbox.recipient());
+        self.outbox = Some(outbox.clone().recipient());
+        self.outbox_actor = Some(outbox);
         ctx.run_interval(self.heartbeat, |act, ctx| {
             let close = if act.last_seen.elapsed() > act.client_timeout {
                 Some((
@@ -593,6 +611,9 @@ impl Actor for WsConnection {
             rooms.hub.unsubscribe_all(self.conn_id);
         }
         self.outbox = None;
+        if let Some(outbox) = self.outbox_actor.take() {
+            outbox.do_send(StopOutbox);
+        }
     }
 }
 

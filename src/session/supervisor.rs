@@ -90,6 +90,9 @@ struct Outbox {
 /// How many events one catch-up read of the log fetches.
 const CATCH_UP_BATCH: i64 = 1000;
 
+/// How often a followed session checks that its followers' connections are still open.
+const SUBSCRIBER_CHECK: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The longest wait between two tries of a claim while the store is down.
 const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -121,6 +124,8 @@ pub struct SessionSupervisor {
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
     pin: Option<Addr<SessionSupervisor>>,
+    /// The periodic check of its followers, while it has any.
+    watch: Option<SpawnHandle>,
     /// Where to say that it is idle again, once an eviction sweep found it busy (the sweep
     /// then stops asking it: registry.rs).
     registry: Arc<Recipient<BecameIdle>>,
@@ -150,6 +155,7 @@ impl SessionSupervisor {
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
+            watch: None,
             registry,
             found_busy: false,
         }
@@ -190,20 +196,24 @@ impl SessionSupervisor {
     }
 
     /// Send one flush's frames to every subscriber, as one message each.
-    fn send_frames(&mut self, frames: Vec<Arc<str>>) {
+    fn send_frames(&mut self, frames: Vec<Arc<str>>, ctx: &mut Context<Self>) {
         if !frames.is_empty() {
             let batch = PushEvent(Arc::from(frames));
             self.subscribers
                 .retain(|_, r| push_or_drop(r, batch.clone()));
         }
         if self.subscribers.is_empty() {
-            self.unwatched();
+            self.unwatched(ctx);
         }
     }
 
-    /// Nobody listens (any more): nothing keeps the supervisor awake for them.
-    fn unwatched(&mut self) {
+    /// Nobody listens (any more): nothing keeps the supervisor awake for them (neither its pin
+    /// nor the check of its followers, which would keep an evicted supervisor running).
+    fn unwatched(&mut self, ctx: &mut Context<Self>) {
         self.pin = None;
+        if let Some(watch) = self.watch.take() {
+            ctx.cancel_future(watch);
+        }
         self.report_idle();
     }
 
@@ -253,7 +263,7 @@ impl SessionSupervisor {
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut frames = Vec::new();
         self.collect_due(&mut frames, ctx);
-        self.send_frames(frames);
+        self.send_frames(frames, ctx);
     }
 
     /// The frames of the events due now (made only if someone listens).
@@ -877,6 +887,17 @@ impl Handler<Subscribe> for SessionSupervisor {
         self.subscribers.insert(m.conn_id, m.recipient);
         // Followed sessions stay in memory even if the registry lets go of them.
         self.pin = Some(ctx.address());
+        // A connection that closed before it could unsubscribe (it subscribed while its request
+        // was in flight) must not pin the session for good: while anyone follows, the
+        // followers are checked now and then, and the closed ones let go.
+        if self.watch.is_none() {
+            self.watch = Some(ctx.run_interval(SUBSCRIBER_CHECK, |act, ctx| {
+                act.subscribers.retain(|_, r| r.connected());
+                if act.subscribers.is_empty() {
+                    act.unwatched(ctx);
+                }
+            }));
+        }
     }
 }
 
@@ -888,11 +909,10 @@ pub struct Unsubscribe {
 
 impl Handler<Unsubscribe> for SessionSupervisor {
     type Result = ();
-    fn handle(&mut self, m: Unsubscribe, _: &mut Context<Self>) {
+    fn handle(&mut self, m: Unsubscribe, ctx: &mut Context<Self>) {
         self.subscribers.remove(&m.conn_id);
         if self.subscribers.is_empty() {
-            self.pin = None;
-            self.report_idle();
+            self.unwatched(ctx);
         }
     }
 }
@@ -1378,7 +1398,13 @@ pub struct IsIdle;
 
 impl Handler<IsIdle> for SessionSupervisor {
     type Result = bool;
-    fn handle(&mut self, _: IsIdle, _: &mut Context<Self>) -> bool {
+    fn handle(&mut self, _: IsIdle, ctx: &mut Context<Self>) -> bool {
+        // A subscriber whose connection closed before it could say so (it subscribed while its
+        // request was in flight) no longer follows: it must not keep the session in memory.
+        self.subscribers.retain(|_, r| r.connected());
+        if self.subscribers.is_empty() {
+            self.unwatched(ctx);
+        }
         let idle = self.idle();
         self.found_busy |= !idle;
         idle

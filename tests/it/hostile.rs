@@ -1334,6 +1334,26 @@ async fn idle_sessions_are_evicted_and_revived_from_the_store() {
         sids.push(sid);
     }
     wait_loaded_at_most(&origin, 2.0, Duration::from_secs(15), "").await;
+    // Connections that resume a session and close at once, before their reply: a session
+    // followed by a connection that closed mid-request is not kept in memory for good. (Whether
+    // a close lands between the subscription and the reply is up to timing: this guards the
+    // outcome, it does not force the race.)
+    for i in 0..30 {
+        let mut raw = RawWs::connect(&home.path, &origin);
+        raw.text(
+            json!({"jsonrpc": "2.0", "id": i, "method": "session.resume", "params": {"session_id": sids[i % 6]}})
+                .to_string()
+                .as_bytes(),
+        );
+        drop(raw);
+    }
+    wait_loaded_at_most(
+        &origin,
+        2.0,
+        Duration::from_secs(45),
+        " after connections closed mid-request",
+    )
+    .await;
     // An evicted session comes back from the store with its history.
     let mut ws = d.ws().await;
     let snap = ws
