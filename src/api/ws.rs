@@ -158,6 +158,8 @@ pub async fn ws_route(
         client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
         partial: None,
         in_flight: 0,
+        barriers: 0,
+        held: std::collections::VecDeque::new(),
         credential,
         outbox: None,
         outbox_actor: None,
@@ -188,6 +190,10 @@ pub struct WsConnection {
     partial: Option<Vec<u8>>,
     /// Requests read and not yet answered (at most [`MAX_IN_FLIGHT`]).
     in_flight: usize,
+    /// Requests in flight that change what the connection follows ([`FOLLOWING`]).
+    barriers: usize,
+    /// Requests read behind such a request, in order, waiting for its answer.
+    held: std::collections::VecDeque<RpcRequest>,
     /// Checked again on every heartbeat: a revoked key or an expired token ends the connection.
     credential: Credential,
     /// Where sessions push this connection's events (see [`Outbox`]).
@@ -488,24 +494,41 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
 
 impl WsConnection {
     fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
-        let RpcRequest { id, method, params } = match parse_request(text, self.max_frame) {
+        let request = match parse_request(text, self.max_frame) {
             Ok(r) => r,
             Err((reply_id, err)) => {
                 ctx.text(error_frame(reply_id, &err));
                 return;
             }
         };
-        let reply_id = id.clone().unwrap_or(Value::Null);
         if self.in_flight >= MAX_IN_FLIGHT {
             let err = GatewayError::RateLimited(format!(
                 "{MAX_IN_FLIGHT} requests of this connection are already in flight: wait for their replies"
             ));
-            if id.is_some() {
-                ctx.text(error_frame(reply_id, &err));
+            if let Some(id) = request.id {
+                ctx.text(error_frame(id, &err));
             }
             return;
         }
         self.in_flight += 1;
+        if self.barriers > 0 {
+            // Read behind a request that changes what this connection follows: it runs once
+            // that one has answered, so a `prompt.submit` sent right behind its
+            // `session.create` finds the session followed.
+            self.held.push_back(request);
+            return;
+        }
+        self.dispatch(request, ctx);
+    }
+
+    /// Run a request read (and counted in flight) earlier.
+    fn dispatch(&mut self, request: RpcRequest, ctx: &mut ws::WebsocketContext<Self>) {
+        let RpcRequest { id, method, params } = request;
+        let reply_id = id.clone().unwrap_or(Value::Null);
+        let barrier = FOLLOWING.contains(&method.as_str());
+        if barrier {
+            self.barriers += 1;
+        }
         let caller = Caller {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
@@ -521,6 +544,9 @@ impl WsConnection {
         };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.in_flight -= 1;
+            if barrier {
+                act.barriers -= 1;
+            }
             let frame = match res {
                 Ok(r) => {
                     if let Some((root, sup)) = r.subscribe {
@@ -536,9 +562,21 @@ impl WsConnection {
             if id.is_some() {
                 ctx.text(frame);
             }
+            // What was held behind it runs now, in the order it was read, up to the next
+            // request that changes what the connection follows.
+            while act.barriers == 0 {
+                let Some(next) = act.held.pop_front() else {
+                    break;
+                };
+                act.dispatch(next, ctx);
+            }
         }));
     }
 }
+
+/// Methods that change which sessions a connection follows: a request read behind one of them
+/// waits for its answer (it may need the session followed).
+const FOLLOWING: [&str; 3] = ["session.create", "session.resume", "session.unsubscribe"];
 
 impl Actor for WsConnection {
     type Context = ws::WebsocketContext<Self>;

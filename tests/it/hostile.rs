@@ -1779,3 +1779,44 @@ async fn an_unsubscribed_session_is_no_longer_followed_and_can_be_let_go() {
         .await;
     assert_eq!(done["session_id"], sids[0]);
 }
+
+/// Pipelined in one write: a `prompt.submit` read right behind the `session.resume` that makes
+/// the connection follow the session waits for it (it was refused `permission_denied`: each
+/// request saw the connection as it was when the request was read), and the answers come in the
+/// order asked.
+#[actix_rt::test]
+async fn a_submit_pipelined_behind_its_resume_finds_the_session_followed() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("piped", &home.path).await;
+    let mut raw = RawWs::connect(&home.path, &origin);
+    let mut both = RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}})
+            .to_string()
+            .as_bytes(),
+    );
+    for i in 0..3 {
+        both.extend(RawWs::masked_text(
+            json!({"jsonrpc": "2.0", "id": format!("s{i}"), "method": "prompt.submit",
+                   "params": {"session_id": sid, "input_id": format!("piped-{i}"), "text": format!("piped {i}")}})
+            .to_string()
+            .as_bytes(),
+        ));
+    }
+    raw.write_all(&both);
+    let ids: Vec<Value> = (0..4)
+        .map(|_| {
+            let v = raw.reply();
+            assert!(v.get("error").is_none(), "{v}");
+            v["id"].clone()
+        })
+        .collect();
+    assert_eq!(ids, [json!("r"), json!("s0"), json!("s1"), json!("s2")]);
+    wait_until("the piped turns", Duration::from_secs(20), || {
+        all_terminal(&home)
+    })
+    .await;
+    assert_eq!(model.texts(), ["piped 0", "piped 1", "piped 2"]);
+}
