@@ -12,7 +12,7 @@
 //! process that released the pipes (`server >log 2>&1 &`) is left running.
 //!
 //! Output handling: ANSI escape sequences are stripped, invalid UTF-8 is
-//! decoded lossily, trailing whitespace is trimmed and the result is capped
+//! decoded lossily, secrets are masked (`tools::redact`), trailing whitespace is trimmed and the result is capped
 //! to [`CommandSpec::output_cap`] characters (first 40 % and last 60 % kept).
 //! While reading, at most `4 × cap` bytes are kept for the head and a rolling
 //! tail of `4 × cap` bytes (plus slack) for the end, so a command producing
@@ -354,11 +354,13 @@ fn count_chars(bytes: &[u8]) -> usize {
     bytes.iter().filter(|b| (**b & 0xC0) != 0x80).count()
 }
 
+/// Escape sequences stripped, secrets masked ([`super::redact`]), trailing blanks trimmed.
 fn clean(text: &str) -> String {
-    let mut stripped = strip_ansi(text);
-    let trimmed = stripped.trim_end().len();
-    stripped.truncate(trimmed);
-    stripped
+    let stripped = strip_ansi(text);
+    let mut redacted = super::redact::redact(&stripped).into_owned();
+    let trimmed = redacted.trim_end().len();
+    redacted.truncate(trimmed);
+    redacted
 }
 
 fn exit_code_of(status: ExitStatus) -> i32 {
@@ -606,7 +608,10 @@ impl Collector {
             _ => self.head.len(),
         };
         self.dropped_chars += count_chars(&self.head[head_valid..]);
-        let head_text = strip_ansi(&String::from_utf8_lossy(&self.head[..head_valid]));
+        let head_text = super::redact::redact(&strip_ansi(&String::from_utf8_lossy(
+            &self.head[..head_valid],
+        )))
+        .into_owned();
         // Tail: skip continuation bytes of a character cut at the start.
         let skip = self
             .tail

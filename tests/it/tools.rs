@@ -1512,3 +1512,32 @@ async fn a_relative_workdir_is_under_the_session_directory() {
         );
     }
 }
+
+/// A command's output reaches the model (and the transcript) with secrets masked.
+#[actix_rt::test]
+async fn secrets_in_a_commands_output_are_masked() {
+    let model = scripted(vec![(
+        "ENV",
+        terminal(
+            "call_env",
+            "printf 'API_KEY=sk-proj-abcdefghijklmnopqrstuvwxyz012345\\nplain line\\n'",
+        ),
+    )]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("env", &home.path).await;
+    ws.submit(&sid, "ENV", "ENV").await;
+    settled(&home, "ENV").await;
+    let out = tool_result(&model, "ENV");
+    assert_eq!(
+        out["output"], "API_KEY=sk-p…[redacted]\nplain line",
+        "{out}"
+    );
+    let kept = home
+        .transcript(&sid)
+        .into_iter()
+        .filter_map(|m| m.content)
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(!kept.contains("abcdefghijklmnop"), "{kept}");
+}

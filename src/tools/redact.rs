@@ -1,0 +1,146 @@
+//! Secrets in a command's output are masked before the output goes anywhere (the model's
+//! provider, the transcript, every client following the session): an agent that runs `env` or
+//! `cat .env` should not hand the keys it finds to all of them.
+//!
+//! What is recognised: provider and platform keys by their shape (`sk-…`, `ghp_…`,
+//! `github_pat_…`, `xox…-`, `AKIA…`, `AIza…`, this gateway's own `gk_…` keys and `gt_…`
+//! tokens), private key blocks, `Authorization: Bearer …` values, and the value of an
+//! assignment whose name says secret (`API_KEY=…`, `password: …`, `"token": "…"`). A masked value
+//! keeps its first four characters, so a reader can still tell which key was there.
+
+use std::borrow::Cow;
+use std::sync::OnceLock;
+
+use regex::{Captures, Regex};
+
+/// What replaces the rest of a secret.
+const MASK: &str = "…[redacted]";
+
+struct Rules {
+    /// Whole tokens recognised by their shape.
+    tokens: Regex,
+    /// Private key blocks.
+    private_keys: Regex,
+    /// `Authorization: Bearer <value>`.
+    bearer: Regex,
+    /// `<secret-sounding name> = <value>` (also `:`, quoted names and values).
+    assignment: Regex,
+}
+
+fn rules() -> Option<&'static Rules> {
+    static RULES: OnceLock<Option<Rules>> = OnceLock::new();
+    RULES
+        .get_or_init(|| {
+            Some(Rules {
+                tokens: Regex::new(concat!(
+                    r"\b(?:sk-[A-Za-z0-9_-]{20,}",
+                    r"|gh[pousr]_[A-Za-z0-9]{30,}",
+                    r"|github_pat_[A-Za-z0-9_]{30,}",
+                    r"|xox[abposr]-[A-Za-z0-9-]{10,}",
+                    r"|AKIA[0-9A-Z]{16}",
+                    r"|AIza[0-9A-Za-z_-]{35}",
+                    r"|g[kt]_[0-9a-f]{32,})\b",
+                ))
+                .ok()?,
+                private_keys: Regex::new(
+                    r"(?s)-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\z)",
+                )
+                .ok()?,
+                bearer: Regex::new(r"(?i)(\bbearer\s+)([A-Za-z0-9._~+/=-]{12,})").ok()?,
+                assignment: Regex::new(concat!(
+                    r#"(?i)(["']?\b[A-Z0-9_.-]*(?:api[_-]?key|secret|token|passw(?:or)?d|credential|private[_-]?key)"#,
+                    r#"[A-Z0-9_.-]*["']?\s*[=:]\s*["']?)([^\s"',;]{8,})"#,
+                ))
+                .ok()?,
+            })
+        })
+        .as_ref()
+}
+
+/// How a match is written once masked.
+type Masking = fn(&Captures) -> String;
+
+/// `value` with all but its first four characters masked.
+fn mask(value: &str) -> String {
+    let kept: String = value.chars().take(4).collect();
+    format!("{kept}{MASK}")
+}
+
+/// `text` with every secret it shows masked (borrowed as it is when there is none).
+pub fn redact(text: &str) -> Cow<'_, str> {
+    let Some(r) = rules() else {
+        // The patterns are fixed and covered by tests; should one not compile, say so loudly
+        // rather than pass secrets on.
+        return Cow::Owned("[output withheld: the secret filter is unavailable]".into());
+    };
+    let mut out = Cow::Borrowed(text);
+    let private = r
+        .private_keys
+        .replace_all(&out, "-----BEGIN PRIVATE KEY-----…[redacted]")
+        .into_owned();
+    if private != out {
+        out = Cow::Owned(private);
+    }
+    let steps: [(&Regex, Masking); 3] = [
+        (&r.tokens, |c| mask(&c[0])),
+        (&r.bearer, |c| format!("{}{}", &c[1], mask(&c[2]))),
+        (&r.assignment, |c| format!("{}{}", &c[1], mask(&c[2]))),
+    ];
+    for (regex, replace) in steps {
+        if regex.is_match(&out) {
+            let replaced = regex.replace_all(&out, replace).into_owned();
+            out = Cow::Owned(replaced);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_masked_and_the_rest_is_left_alone() {
+        let cases = [
+            (
+                "OPENAI_API_KEY=sk-proj-abcdefghijklmnopqrstuvwxyz0123",
+                "OPENAI_API_KEY=sk-p…[redacted]",
+            ),
+            (
+                "token ghp_0123456789abcdefghijklmnopqrstuvwxyzAB here",
+                "token ghp_…[redacted] here",
+            ),
+            ("aws AKIAABCDEFGHIJKLMNOP done", "aws AKIA…[redacted] done"),
+            (
+                "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload.sig",
+                "Authorization: Bearer eyJh…[redacted]",
+            ),
+            ("DB_PASSWORD=hunter2hunter2", "DB_PASSWORD=hunt…[redacted]"),
+            (
+                r#"{"client_secret": "abcdefgh12345678"}"#,
+                r#"{"client_secret": "abcd…[redacted]"}"#,
+            ),
+            (
+                "key: gk_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                "key: gk_0…[redacted]",
+            ),
+            (
+                "a\n-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk\n-----END OPENSSH PRIVATE KEY-----\nz",
+                "a\n-----BEGIN PRIVATE KEY-----…[redacted]\nz",
+            ),
+        ];
+        for (input, want) in cases {
+            assert_eq!(redact(input), want, "{input}");
+        }
+        for plain in [
+            "total 48\ndrwxr-xr-x 2 root root 4096 Dec  4 07:00 src",
+            "PATH=/usr/bin:/bin",
+            "tokens: 12",
+            "sk-short",
+            "the password is not shown here",
+            "commit 0123456789abcdef0123456789abcdef01234567",
+        ] {
+            assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain}");
+        }
+    }
+}
