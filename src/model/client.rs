@@ -147,6 +147,9 @@ pub struct ModelClient {
     config: ModelClientConfig,
     client: awc::Client,
     limits: HashMap<String, Arc<Semaphore>>,
+    /// Endpoints that refused to stream: asked plainly from then on (at most
+    /// [`MAX_IDLE_ENDPOINTS`] remembered).
+    plain_only: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl ModelClient {
@@ -160,6 +163,7 @@ impl ModelClient {
             config,
             client,
             limits: HashMap::new(),
+            plain_only: Arc::default(),
         }
     }
 
@@ -196,9 +200,10 @@ impl Handler<ChatCall> for ModelClient {
             call.provider,
             call.base_url.clone().unwrap_or_default()
         );
-        let sem = self.limit_for(key);
+        let sem = self.limit_for(key.clone());
         let client = self.client.clone();
         let config = self.config.clone();
+        let plain_only = self.plain_only.clone();
         Box::pin(async move {
             if call.provider == "echo" {
                 return Ok(echo_reply(&call.body));
@@ -209,7 +214,20 @@ impl Handler<ChatCall> for ModelClient {
                 _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
             };
             let started = std::time::Instant::now();
-            let result = call_with_retries(&client, &config, &call).await;
+            let known_plain = plain_only.lock().is_ok_and(|p| p.contains(&key));
+            let stream = call.stream && !known_plain;
+            let result = call_with_retries(&client, &config, &call, stream).await;
+            if let Ok((_, fell_back)) = &result {
+                if *fell_back {
+                    if let Ok(mut p) = plain_only.lock() {
+                        if p.len() >= MAX_IDLE_ENDPOINTS {
+                            p.clear();
+                        }
+                        p.insert(key);
+                    }
+                }
+            }
+            let result = result.map(|(response, _)| response);
             drop(permit);
             if let Some(m) = &config.metrics {
                 m.model_hist.observe(started.elapsed().as_secs_f64());
@@ -231,24 +249,32 @@ async fn wait_cancel(rx: &mut watch::Receiver<bool>) {
     }
 }
 
+/// The response, and whether it came plainly after the endpoint refused to stream.
 async fn call_with_retries(
     client: &awc::Client,
     config: &ModelClientConfig,
     call: &ChatCall,
-) -> Result<ChatResponse, ModelError> {
+    mut stream: bool,
+) -> Result<(ChatResponse, bool), ModelError> {
     let mut attempt = 0u32;
+    let asked_to_stream = stream;
     loop {
         let mut delivered = false;
         let mut cancel = call.cancel.clone();
         let result = tokio::select! {
-            r = tokio::time::timeout(call.timeout, one_call(client, config, call, &mut delivered)) => match r {
+            r = tokio::time::timeout(call.timeout, one_call(client, config, call, stream, &mut delivered)) => match r {
                 Ok(r) => r,
                 Err(_) => Err(ModelError::Timeout(format!("no complete response within {:?}", call.timeout))),
             },
             _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
         };
         match result {
-            Ok(r) => return Ok(r),
+            Ok(r) => return Ok((r, asked_to_stream && !stream)),
+            // A server that refuses to stream is asked once more, plainly (nothing was shown).
+            Err(ModelError::Client(m)) if stream && !delivered && refuses_streaming(&m) => {
+                tracing::warn!(error = %m, "the model endpoint does not stream; asking without streaming");
+                stream = false;
+            }
             Err(e) if call.retry && e.retryable() && !delivered && attempt < config.max_retries => {
                 attempt += 1;
                 let backoff = config.retry_base * 2u32.saturating_pow(attempt - 1);
@@ -263,11 +289,27 @@ async fn call_with_retries(
     }
 }
 
+/// Does a refusal say that the endpoint does not stream ("stream not supported",
+/// "streaming is not available for this model", …)?
+fn refuses_streaming(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("stream")
+        && [
+            "not supported",
+            "unsupported",
+            "not available",
+            "does not support",
+            "not allowed",
+        ]
+        .iter()
+        .any(|p| m.contains(p))
+}
+
 /// The request's bytes: the body as the turn built it, with the streaming options after its
 /// fields when the call streams. Written from the turn's value, so no call copies the
 /// transcript first (a body that already names the options, or is no object, is copied and
 /// given them).
-fn request_body(call: &ChatCall) -> serde_json::Result<Vec<u8>> {
+fn request_body(call: &ChatCall, stream: bool) -> serde_json::Result<Vec<u8>> {
     #[derive(serde::Serialize)]
     struct Streaming<'a> {
         #[serde(flatten)]
@@ -279,7 +321,7 @@ fn request_body(call: &ChatCall) -> serde_json::Result<Vec<u8>> {
     struct StreamOptions {
         include_usage: bool,
     }
-    if !call.stream {
+    if !stream {
         return serde_json::to_vec(&call.body);
     }
     match call.body.as_object() {
@@ -305,6 +347,7 @@ async fn one_call(
     client: &awc::Client,
     config: &ModelClientConfig,
     call: &ChatCall,
+    stream: bool,
     delivered: &mut bool,
 ) -> Result<ChatResponse, ModelError> {
     let base = call
@@ -318,7 +361,7 @@ async fn one_call(
     if let Some(key) = call.api_key.as_deref().filter(|k| !k.is_empty()) {
         req = req.insert_header(("Authorization", format!("Bearer {key}")));
     }
-    let payload = request_body(call).map_err(|e| ModelError::Client(e.to_string()))?;
+    let payload = request_body(call, stream).map_err(|e| ModelError::Client(e.to_string()))?;
     let mut resp = req
         .send_body(payload)
         .await
@@ -448,6 +491,24 @@ mod tests {
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
     }
 
+    #[test]
+    fn a_refusal_to_stream_is_told_from_other_refusals() {
+        for m in [
+            "Streaming is not supported for this model",
+            "stream: unsupported parameter",
+            "This endpoint does not support streaming",
+        ] {
+            assert!(refuses_streaming(m), "{m}");
+        }
+        for m in [
+            "bad field temperature",
+            "model not found",
+            "stream_options must be an object",
+        ] {
+            assert!(!refuses_streaming(m), "{m}");
+        }
+    }
+
     #[actix_rt::test]
     async fn endpoints_without_calls_in_flight_are_forgotten() {
         let mut client = ModelClient::new(ModelClientConfig {
@@ -496,7 +557,7 @@ mod tests {
         let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "é \" \\"}],
             "tools": [{"type": "function"}], "temperature": 0.5});
         let sent = |c: &ChatCall| -> Value {
-            serde_json::from_slice(&request_body(c).expect("bytes")).expect("json")
+            serde_json::from_slice(&request_body(c, c.stream).expect("bytes")).expect("json")
         };
         assert_eq!(sent(&call(body.clone(), false)), body);
         let mut streamed = body.clone();
@@ -509,7 +570,7 @@ mod tests {
         assert_eq!(sent(&call(named, true)), streamed);
         // The options come once, after the body's own fields.
         let text =
-            String::from_utf8(request_body(&call(body, true)).expect("bytes")).expect("utf8");
+            String::from_utf8(request_body(&call(body, true), true).expect("bytes")).expect("utf8");
         assert_eq!(text.matches("\"stream\"").count(), 1, "{text}");
         assert!(
             text.ends_with(r#""stream":true,"stream_options":{"include_usage":true}}"#),

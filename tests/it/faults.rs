@@ -655,3 +655,46 @@ async fn storage_read_only_database_refuses_writes_then_recovers() {
     })
     .await;
 }
+
+/// An endpoint that refuses to stream is asked once more without streaming, and plainly from
+/// then on (the turn completes; the next turn costs one request).
+#[actix_rt::test]
+async fn an_endpoint_that_refuses_to_stream_is_asked_plainly() {
+    let model = FakeModel::start(|body| {
+        if body["stream"] == true {
+            return Reply::Status(
+                400,
+                json!({"error": {"message": "Streaming is not supported for this model", "type": "invalid_request_error"}}),
+            );
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+            "stop",
+        )
+    });
+    let (home, d) = Daemon::with_model(&model, json!({"model": {"stream": true}}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("plain", &home.path).await;
+    for text in ["one", "two"] {
+        ws.submit(&sid, text, text).await;
+        wait_until(text, T, || home.admission(text).status == "terminal").await;
+        assert_eq!(
+            home.admission(text).outcome.as_deref(),
+            Some("completed"),
+            "{text}"
+        );
+    }
+    let streamed: Vec<(String, bool)> = model
+        .requests()
+        .iter()
+        .map(|b| (last_user(b), b["stream"] == true))
+        .collect();
+    assert_eq!(
+        streamed,
+        [
+            ("one".to_string(), true),
+            ("one".to_string(), false),
+            ("two".to_string(), false)
+        ]
+    );
+}
