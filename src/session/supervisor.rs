@@ -90,9 +90,6 @@ struct Outbox {
 /// How many events one catch-up read of the log fetches.
 const CATCH_UP_BATCH: i64 = 1000;
 
-/// How often a followed session checks that its followers' connections are still open.
-const SUBSCRIBER_CHECK: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// The longest wait between two tries of a claim while the store is down.
 const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -124,8 +121,6 @@ pub struct SessionSupervisor {
     drain_waiters: Vec<oneshot::Sender<()>>,
     /// Its own address while subscribers follow it, so eviction cannot drop it (registry.rs).
     pin: Option<Addr<SessionSupervisor>>,
-    /// The periodic check of its followers, while it has any.
-    watch: Option<SpawnHandle>,
     /// Where to say that it is idle again, once an eviction sweep found it busy (the sweep
     /// then stops asking it: registry.rs).
     registry: Arc<Recipient<BecameIdle>>,
@@ -155,7 +150,6 @@ impl SessionSupervisor {
             draining: false,
             drain_waiters: Vec::new(),
             pin: None,
-            watch: None,
             registry,
             found_busy: false,
         }
@@ -172,6 +166,11 @@ impl SessionSupervisor {
 
     /// After anything that can leave it idle: tell the registry, if a sweep found it busy.
     fn report_idle(&mut self) {
+        if self.found_busy {
+            // A follower whose connection closed before it could unsubscribe (it subscribed
+            // while its request was in flight) does not keep the session from being idle.
+            self.forget_closed_followers();
+        }
         if self.found_busy && self.idle() {
             self.found_busy = false;
             self.registry.do_send(BecameIdle(self.root_id.clone()));
@@ -196,24 +195,32 @@ impl SessionSupervisor {
     }
 
     /// Send one flush's frames to every subscriber, as one message each.
-    fn send_frames(&mut self, frames: Vec<Arc<str>>, ctx: &mut Context<Self>) {
+    fn send_frames(&mut self, frames: Vec<Arc<str>>) {
         if !frames.is_empty() {
             let batch = PushEvent(Arc::from(frames));
             self.subscribers
                 .retain(|_, r| push_or_drop(r, batch.clone()));
         }
         if self.subscribers.is_empty() {
-            self.unwatched(ctx);
+            self.unwatched();
         }
     }
 
-    /// Nobody listens (any more): nothing keeps the supervisor awake for them (neither its pin
-    /// nor the check of its followers, which would keep an evicted supervisor running).
-    fn unwatched(&mut self, ctx: &mut Context<Self>) {
-        self.pin = None;
-        if let Some(watch) = self.watch.take() {
-            ctx.cancel_future(watch);
+    /// Drop followers whose connection closed without unsubscribing (one that subscribed while
+    /// its request was in flight and closed before the reply): they must not pin the session.
+    fn forget_closed_followers(&mut self) {
+        if self.subscribers.is_empty() {
+            return;
         }
+        self.subscribers.retain(|_, r| r.connected());
+        if self.subscribers.is_empty() {
+            self.pin = None;
+        }
+    }
+
+    /// Nobody listens (any more): nothing keeps the supervisor awake for them.
+    fn unwatched(&mut self) {
+        self.pin = None;
         self.report_idle();
     }
 
@@ -263,7 +270,7 @@ impl SessionSupervisor {
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut frames = Vec::new();
         self.collect_due(&mut frames, ctx);
-        self.send_frames(frames, ctx);
+        self.send_frames(frames);
     }
 
     /// The frames of the events due now (made only if someone listens).
@@ -887,17 +894,6 @@ impl Handler<Subscribe> for SessionSupervisor {
         self.subscribers.insert(m.conn_id, m.recipient);
         // Followed sessions stay in memory even if the registry lets go of them.
         self.pin = Some(ctx.address());
-        // A connection that closed before it could unsubscribe (it subscribed while its request
-        // was in flight) must not pin the session for good: while anyone follows, the
-        // followers are checked now and then, and the closed ones let go.
-        if self.watch.is_none() {
-            self.watch = Some(ctx.run_interval(SUBSCRIBER_CHECK, |act, ctx| {
-                act.subscribers.retain(|_, r| r.connected());
-                if act.subscribers.is_empty() {
-                    act.unwatched(ctx);
-                }
-            }));
-        }
     }
 }
 
@@ -909,10 +905,10 @@ pub struct Unsubscribe {
 
 impl Handler<Unsubscribe> for SessionSupervisor {
     type Result = ();
-    fn handle(&mut self, m: Unsubscribe, ctx: &mut Context<Self>) {
+    fn handle(&mut self, m: Unsubscribe, _: &mut Context<Self>) {
         self.subscribers.remove(&m.conn_id);
         if self.subscribers.is_empty() {
-            self.unwatched(ctx);
+            self.unwatched();
         }
     }
 }
@@ -1398,13 +1394,8 @@ pub struct IsIdle;
 
 impl Handler<IsIdle> for SessionSupervisor {
     type Result = bool;
-    fn handle(&mut self, _: IsIdle, ctx: &mut Context<Self>) -> bool {
-        // A subscriber whose connection closed before it could say so (it subscribed while its
-        // request was in flight) no longer follows: it must not keep the session in memory.
-        self.subscribers.retain(|_, r| r.connected());
-        if self.subscribers.is_empty() {
-            self.unwatched(ctx);
-        }
+    fn handle(&mut self, _: IsIdle, _: &mut Context<Self>) -> bool {
+        self.forget_closed_followers();
         let idle = self.idle();
         self.found_busy |= !idle;
         idle
