@@ -321,7 +321,7 @@ impl Turn {
                     }
                 }
             }
-            let response = match self.call_model(wire, tools).await {
+            let mut response = match self.call_model(wire, tools).await {
                 Ok(r) => r,
                 Err(ModelError::Interrupted) => return Ok(interrupted()),
                 Err(ModelError::ContextOverflow(detail)) => {
@@ -412,6 +412,13 @@ impl Turn {
                 // says what was wrong.
                 retry.bad_arguments += 1;
                 continue;
+            }
+            if !retry.partial.is_empty() {
+                // The continuation of a cut-off answer made tool calls: the answer so far is
+                // this message's text, and nothing is cut off any more.
+                let mut text = std::mem::take(&mut retry.partial);
+                text.push_str(response.content.as_deref().unwrap_or(""));
+                response.content = Some(text);
             }
             if let Some(text) = response.content.as_deref().map(strip_think) {
                 if !text.is_empty() {
@@ -629,8 +636,12 @@ impl Turn {
             .filter(|w| !w.trim().is_empty())
             .map(|w| session_cwd.join(w))
             .unwrap_or(session_cwd);
-        let user_home = std::env::var("HOME").ok();
-        if touches_gateway_state(&command, &cwd, &shared.home, user_home.as_deref()) {
+        if touches_gateway_state(
+            &command,
+            &cwd,
+            &shared.home,
+            std::env::var("HOME").ok().as_deref(),
+        ) {
             matched.push(danger::GATEWAY_STATE);
         }
         if let Some(first) = matched.first() {

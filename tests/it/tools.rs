@@ -1362,6 +1362,13 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
             return say(&format!("DONE_{text}"), "stop");
         }
         if text.starts_with("[Your previous response was cut off") {
+            let users = user_texts(body);
+            if users.len() >= 2 && users[users.len() - 2] == "LONGTOOL" {
+                return Reply::Message(
+                    tool_call("lt1", "terminal", json!({"command": "echo went-on"})),
+                    "tool_calls",
+                );
+            }
             return say("part two.", "stop");
         }
         let n = {
@@ -1371,7 +1378,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
             *n
         };
         match (text.as_str(), n) {
-            ("LONG", _) => say("part one, ", "length"),
+            ("LONG" | "LONGTOOL", _) => say("part one, ", "length"),
             ("EMPTY", 1 | 2) => say("", "stop"),
             ("EMPTY", _) => say("at last", "stop"),
             ("BADJSON", 1) => Reply::Message(
@@ -1398,7 +1405,9 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
     let mut ws = d.ws().await;
     let sid = ws.session("retries", &home.path).await;
     let mut results = HashMap::new();
-    for id in ["LONG", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT"] {
+    for id in [
+        "LONG", "LONGTOOL", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT",
+    ] {
         ws.submit(&sid, id, id).await;
         let row = settled(&home, id).await;
         let r = ws
@@ -1424,6 +1433,31 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
     assert_eq!(
         msgs[msgs.len() - 2],
         json!({"role": "assistant", "content": "part one, "})
+    );
+
+    // Cut off, then tool calls: the text so far is that message's, and nothing after the tool
+    // round is told it was cut off.
+    assert_eq!(answer("LONGTOOL").as_deref(), Some("DONE_LONGTOOL"));
+    let with_call = home
+        .transcript(&sid)
+        .into_iter()
+        .find(|m| {
+            m.tool_calls
+                .as_deref()
+                .is_some_and(|c| c.contains("\"lt1\""))
+        })
+        .expect("the tool call");
+    assert_eq!(with_call.content.as_deref(), Some("part one, "));
+    let after_tool: Vec<Value> = model
+        .requests()
+        .into_iter()
+        .filter(|b| after_tool(b) && last_user(b) == "LONGTOOL")
+        .collect();
+    assert_eq!(after_tool.len(), 1);
+    assert!(
+        !after_tool[0].to_string().contains("was cut off"),
+        "{}",
+        after_tool[0]
     );
 
     assert_eq!(answer("EMPTY").as_deref(), Some("at last"));
