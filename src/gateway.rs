@@ -37,6 +37,9 @@ pub enum StartError {
     Listen(std::io::Error),
     #[error("{0}")]
     Refused(String),
+    /// The hosted rooms could not start (their store, most likely: a later start may succeed).
+    #[error("rooms: {0}")]
+    Rooms(String),
 }
 
 impl StartError {
@@ -174,7 +177,7 @@ fn start_rooms(
         .write_sync(move |c| {
             store::leases::end_earlier_process_leases(c, &gid, &generation, now.as_ref())
         })
-        .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
+        .map_err(|e| StartError::Rooms(e.to_string()))?;
     if ended > 0 {
         tracing::info!(leases = ended, "ended the room leases of earlier processes");
     }
@@ -205,7 +208,7 @@ fn start_rooms(
         .config(config.rooms.clone())
         .process_generation(process_generation.to_string())
         .build()
-        .map_err(|e| StartError::Refused(format!("rooms: {e}")))?;
+        .map_err(|e| StartError::Rooms(e.to_string()))?;
     crate::rooms::db::spawn_task_pruner(rooms_db.clone(), clock.clone(), &config.rooms);
     let scheduler = crate::rooms::actors::RoomScheduler::new(runtime.clone()).start();
     tracing::info!(gateway = %gateway_id, "hosted rooms running");
@@ -440,5 +443,25 @@ impl RunningGateway {
             tracing::info!("HTTP requests still open at the end of the drain timeout are cut");
         }
         tracing::info!("stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StartError;
+
+    /// What a restart cannot change exits 2 (the unit does not restart it); a store, a listener
+    /// or the rooms' store may do better on a later start.
+    #[test]
+    fn only_refusals_a_restart_cannot_change_are_permanent() {
+        assert!(StartError::Home("0755".into()).is_permanent());
+        assert!(StartError::Refused("another gateway is serving".into()).is_permanent());
+        assert!(!StartError::Rooms("database is locked".into()).is_permanent());
+        assert!(
+            !StartError::Store(crate::error::StoreError::Other("locked".into())).is_permanent()
+        );
+        assert!(
+            !StartError::Listen(std::io::Error::from(std::io::ErrorKind::AddrInUse)).is_permanent()
+        );
     }
 }
