@@ -193,7 +193,10 @@ static RULE_DEFS: &[RuleDef] = &[
         key: "dynamic_command",
         description: "command name computed at run time",
         // `x=rm; $x -rf dir`, `$(echo rm) -rf dir`: what runs cannot be read from the text.
-        pattern: r#"(?:^|[;&|({]|\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs|time)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
+        // Command position only: after a separator (`;`, `&`, `&&`, `||`; a line break reads as
+        // `;`), `$(`, a backtick or a keyword that runs what follows. Not after `(`, `{` or a
+        // lone `|` (arithmetic `$(( $a + 1 ))`, awk's `{ $NF }`, jq's `| $v`, `"$a|$b"`).
+        pattern: r#"(?:^|[;&]|\|\||\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
     },
     RuleDef {
         key: "shred",
@@ -613,6 +616,13 @@ mod tests {
         "for f in *.rs; do wc -l \"$f\"; done",
         "crontab -l",
         "echo $((1 + 2))",
+        "echo $(( $a + 1 ))",
+        "(( $i < 3 )) && echo small",
+        "echo \"Result: ($x)\"",
+        "echo \"$a|$b\"",
+        "awk '{ $NF = \"\" ; print }' f",
+        "jq '.[] | $v' data.json",
+        "echo \"elapsed time $t\"",
     ];
 
     #[test]
