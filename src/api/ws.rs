@@ -511,14 +511,26 @@ impl WsConnection {
             return;
         }
         self.in_flight += 1;
-        if self.barriers > 0 {
-            // Read behind a request that changes what this connection follows: it runs once
-            // that one has answered, so a `prompt.submit` sent right behind its
-            // `session.create` finds the session followed.
+        if self.barriers > 0 && self.waits_for_following(&request) {
+            // Read behind a request that changes what this connection follows, and it names a
+            // session this connection does not follow (yet): it runs once that one has
+            // answered, so a `prompt.submit` sent right behind its `session.resume` finds the
+            // session followed. Requests for followed sessions go on meanwhile.
             self.held.push_back(request);
             return;
         }
         self.dispatch(request, ctx);
+    }
+
+    /// Does `request` depend on what a request in flight may change in the sessions this
+    /// connection follows: one of those requests itself, or one naming a session not followed?
+    fn waits_for_following(&self, request: &RpcRequest) -> bool {
+        FOLLOWING.contains(&request.method.as_str())
+            || request
+                .params
+                .get("session_id")
+                .and_then(Value::as_str)
+                .is_some_and(|id| !self.subscribed.contains_key(id))
     }
 
     /// Run a request read (and counted in flight) earlier.
@@ -575,7 +587,7 @@ impl WsConnection {
 }
 
 /// Methods that change which sessions a connection follows: a request read behind one of them
-/// waits for its answer (it may need the session followed).
+/// that names a session not followed waits for its answer (it may need the session followed).
 const FOLLOWING: [&str; 3] = ["session.create", "session.resume", "session.unsubscribe"];
 
 impl Actor for WsConnection {
