@@ -157,7 +157,7 @@ pub const SMALL_WINDOW_FRACTION: f64 = 0.75;
 pub const MIN_THRESHOLD: u64 = 64_000;
 
 /// The compression threshold of a model with a `context`-token window that may answer with up to
-/// `max_tokens`: `fraction` of what is left of the window once an answer fits (at least 0.75 of a
+/// `max_tokens` (at most half the window): `fraction` of what is left of the window once an answer fits (at least 0.75 of a
 /// window under 512K), at least 64K, but below the window (85 % of it when 64K would not fit),
 /// and capped by `threshold_tokens` (itself at most the window).
 pub fn threshold(context: u64, fraction: f64, cap: Option<u64>, max_tokens: Option<u64>) -> u64 {
@@ -166,7 +166,10 @@ pub fn threshold(context: u64, fraction: f64, cap: Option<u64>, max_tokens: Opti
     } else {
         fraction
     };
-    let window = context.saturating_sub(max_tokens.unwrap_or(0)).max(1);
+    // Room for the answer, but never more than half the window: `model.max_tokens` is one
+    // setting for every model, and a profile model with a small window would be left nothing.
+    let answer = max_tokens.unwrap_or(0).min(context / 2);
+    let window = context.saturating_sub(answer).max(1);
     let mut t = (((window as f64) * fraction) as u64).max(MIN_THRESHOLD);
     if t >= window {
         t = (((window as f64) * 0.85) as u64).min(window - 1).max(1);
@@ -203,9 +206,13 @@ mod tests {
         // Room for the answer comes off the window first.
         assert_eq!(threshold(128_000, 0.5, None, Some(28_000)), 75_000);
         assert_eq!(threshold(70_000, 0.5, None, Some(10_000)), 51_000);
+        // The answer's room is at most half the window: an 8K model under a max_tokens of 8192
+        // keeps 4K to work in (it was left 1 token, and compacted before every request).
+        assert_eq!(threshold(8_000, 0.5, None, Some(8_192)), 3_400);
+        assert_eq!(threshold(4_000, 0.5, None, Some(8_000)), 1_700);
         // Degenerate windows still give a threshold of at least one token.
         assert_eq!(threshold(1, 0.5, None, None), 1);
-        assert_eq!(threshold(4_000, 0.5, None, Some(8_000)), 1);
+        assert_eq!(threshold(0, 0.5, None, Some(10)), 1);
     }
 
     #[test]
