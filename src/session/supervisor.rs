@@ -1016,7 +1016,11 @@ impl Handler<Submit> for SessionSupervisor {
                         act.write_answered(Vec::new(), ctx);
                         if claim {
                             // Nothing was claimed (a drain waiting on the claim is released).
+                            // Not a claim the store answered: the wait before the next try of
+                            // one it failed stays as it was.
+                            let retry = act.claim_retry;
                             act.claimed(Ok(Claim::Idle), None, ctx);
+                            act.claim_retry = retry;
                         }
                         return Err(e);
                     }
