@@ -740,7 +740,7 @@ impl RoomRuntime {
             let port = self.transport(&binding, &task)?;
             if !port.is_peer() {
                 let probe = self
-                    .locked_probe(&binding, port.as_ref(), &task, false)
+                    .locked_probe(&binding, port.as_ref(), &task, false, &lease)
                     .await?;
                 if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
@@ -760,7 +760,7 @@ impl RoomRuntime {
         }
         let port = self.transport(&binding, &task)?;
         let probe = self
-            .locked_probe(&binding, port.as_ref(), &task, true)
+            .locked_probe(&binding, port.as_ref(), &task, true, &lease)
             .await?;
         if let Some(settlement) = probe
             .receipt

@@ -159,6 +159,15 @@ fn is_lease_loss(error: &RoomStoreError) -> bool {
     )
 }
 
+/// Who waits for a member's turn lock, and so which lease must still be theirs when it is got.
+#[derive(Clone, Copy)]
+enum Holder<'a> {
+    /// An attempt already started (its lease).
+    Attempt(&'a TaskAttempt),
+    /// A pass holding `Lease` (a probe of an attempt that was left behind).
+    Lease(&'a Lease),
+}
+
 impl RoomRuntime {
     /// One pass of one room. Errors are recorded in `status().last_error`, never raised.
     pub async fn process_room(&self, binding: &RoomBinding) {
@@ -622,12 +631,13 @@ impl RoomRuntime {
         port: &dyn SessionPort,
         task: &TaskView,
         full: bool,
+        lease: &Lease,
     ) -> Result<Probe, PortError> {
         // The wait may be as long as another room's turn of this member: the lease is renewed
         // meanwhile, as for an attempt's own wait (it lapsed, and the probe's resolution was
         // then fenced as a lease loss).
         let Some(_guard) = self
-            .lock_renewing(binding, &task.payload.target_profile, None)
+            .lock_renewing(binding, &task.payload.target_profile, Holder::Lease(lease))
             .await
         else {
             return Err(PortError::new(
@@ -762,7 +772,7 @@ impl RoomRuntime {
             // without waiting out the defer.
             if !port.is_peer() {
                 let probe = self
-                    .locked_probe(binding, port.as_ref(), &task, false)
+                    .locked_probe(binding, port.as_ref(), &task, false, lease)
                     .await;
                 self.state().inspected.insert(key.clone());
                 match probe {
@@ -805,7 +815,9 @@ impl RoomRuntime {
             let since = task.indeterminate_at.unwrap_or(task.updated_at);
             let deadline = since + self.inner.config.indeterminate_defer_seconds;
             if port.is_peer() && (!inspected || self.now() >= deadline) {
-                let probe = self.locked_probe(binding, port.as_ref(), &task, true).await;
+                let probe = self
+                    .locked_probe(binding, port.as_ref(), &task, true, lease)
+                    .await;
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) => {
@@ -1300,16 +1312,19 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         profile: &str,
     ) -> Option<TurnGuard> {
-        self.lock_renewing(binding, profile, Some(attempt)).await
+        self.lock_renewing(binding, profile, Holder::Attempt(attempt))
+            .await
     }
 
-    /// Wait for `profile`'s turn lock, renewing the room's lease every third of its TTL (and,
-    /// for an `attempt`, checking that the lease is still the attempt's); `None` once it is lost.
+    /// Wait for `profile`'s turn lock, renewing the room's lease every third of its TTL and
+    /// checking that it is still the one the waiter holds (an attempt's, or `lease`); `None` once
+    /// it is lost or replaced (a lapsed lease is taken again under a new generation, which
+    /// fences what the waiter would commit under the old one).
     async fn lock_renewing(
         &self,
         binding: &RoomBinding,
         profile: &str,
-        attempt: Option<&TaskAttempt>,
+        holder: Holder<'_>,
     ) -> Option<TurnGuard> {
         let mut lock = self.inner.locks.lock(profile.to_string());
         let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
@@ -1318,9 +1333,12 @@ impl RoomRuntime {
                 guard = &mut lock => break Some(guard),
                 _ = tokio::time::sleep(every) => {}
             }
-            let kept = match attempt {
-                Some(attempt) => self.keep_lease_for(binding, attempt).await,
-                None => self.ensure_lease(binding).await.is_ok(),
+            let kept = match holder {
+                Holder::Attempt(attempt) => self.keep_lease_for(binding, attempt).await,
+                Holder::Lease(held) => self
+                    .ensure_lease(binding)
+                    .await
+                    .is_ok_and(|now| now.lease_generation == held.lease_generation),
             };
             if !kept {
                 return None;
