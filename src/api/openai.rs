@@ -60,7 +60,8 @@ api_object! {
 api_object! {
     /// An OpenAI chat-completions request. Other OpenAI fields (`temperature`, `tools`, …) are
     /// accepted and ignored: the session's launch policy decides. A `model` naming a configured
-    /// profile launches a new session with that profile.
+    /// profile runs the conversation under that profile, in a session of its own (a named
+    /// session of another profile answers 409 `profile_mismatch`).
     open struct ChatCompletionRequest {
         model: Option<String>,
         messages: Vec<ChatMessage>,

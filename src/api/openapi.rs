@@ -300,7 +300,9 @@ fn http_reason(status: u16) -> &'static str {
         401 => "Missing, unknown or revoked credentials",
         403 => "permission_denied",
         404 => "not_found",
-        409 => "Conflict (admission_conflict, stale_generation, unknown_execution)",
+        409 => {
+            "Conflict (admission_conflict, stale_generation, unknown_execution, profile_mismatch)"
+        }
         413 => "payload_too_large",
         429 => "session_busy or rate_limited",
         503 => "runtime_draining or storage_unavailable",
