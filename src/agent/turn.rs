@@ -508,8 +508,7 @@ impl Turn {
     async fn run_tools(&mut self, response: ChatResponse) -> Result<Option<TurnOutcome>, Stop> {
         // Identical calls in one response (same tool, same arguments) run once: the duplicates
         // are dropped before the assistant message is kept, so each kept call has its result.
-        let mut seen = std::collections::HashSet::new();
-        let calls: Vec<ToolCall> = response
+        let mut calls: Vec<ToolCall> = response
             .tool_calls
             .iter()
             .map(|c| {
@@ -520,8 +519,17 @@ impl Turn {
                 }
                 c
             })
-            .filter(|c| seen.insert((c.function.name.clone(), c.function.arguments.clone())))
             .collect();
+        {
+            // Scoped: a turn parked on one of these calls keeps none of it.
+            let mut seen = std::collections::HashSet::new();
+            let first: Vec<bool> = calls
+                .iter()
+                .map(|c| seen.insert((c.function.name.as_str(), c.function.arguments.as_str())))
+                .collect();
+            let mut first = first.into_iter();
+            calls.retain(|_| first.next().unwrap_or(false));
+        }
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),
@@ -1167,7 +1175,7 @@ fn pick(answer: &str, choices: &[String]) -> String {
 
 /// How often one turn asks the model again for one kind of bad answer (cut off by the output
 /// limit, empty, unparsable tool arguments) or puts up with calls to tools that do not exist.
-const MAX_MODEL_RETRIES: u32 = 3;
+const MAX_MODEL_RETRIES: u8 = 3;
 
 /// The note that asks the model to go on with an answer the output limit cut off.
 const CONTINUE_NOTE: &str = "[Your previous response was cut off by the output length limit. \
@@ -1177,13 +1185,13 @@ const CONTINUE_NOTE: &str = "[Your previous response was cut off by the output l
 #[derive(Default)]
 struct Retries {
     /// Continuations asked for after `finish_reason: length`.
-    continuations: u32,
+    continuations: u8,
     /// Empty final answers asked for again.
-    empty: u32,
+    empty: u8,
     /// Responses with unparsable tool arguments asked for again.
-    bad_arguments: u32,
+    bad_arguments: u8,
     /// Rounds in a row whose calls all named tools that do not exist.
-    unknown_rounds: u32,
+    unknown_rounds: u8,
     /// The answer so far, when the output limit cut it off.
     partial: String,
     /// The last text that came with tool calls (the answer when the final one is empty).

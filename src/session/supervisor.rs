@@ -102,9 +102,9 @@ pub struct SessionSupervisor {
     outbox: Outbox,
     claiming: bool,
     pump_again: bool,
-    /// The wait before the next try of a claim the store failed (0: the last one did not fail);
-    /// doubles up to [`MAX_CLAIM_RETRY`] while the store stays down.
-    claim_retry: std::time::Duration,
+    /// Claims the store failed in a row: the next try waits 0.5 s doubled that many times less
+    /// one, up to [`MAX_CLAIM_RETRY`].
+    claim_failures: u8,
     /// Whether the FIFO may hold queued inputs: false once a claim found nothing queued (behind
     /// the input it started, if any), until an input is admitted again. A settled turn with
     /// nothing queued then starts no claim, which would commit nothing, and the next submit's
@@ -143,7 +143,7 @@ impl SessionSupervisor {
             outbox: Outbox::default(),
             claiming: false,
             pump_again: false,
-            claim_retry: std::time::Duration::ZERO,
+            claim_failures: 0,
             maybe_queued: true,
             admitted: 0,
             long_transcript_claims: 0,
@@ -483,7 +483,7 @@ impl SessionSupervisor {
         ctx: &mut Context<Self>,
     ) {
         if claim.is_ok() {
-            self.claim_retry = std::time::Duration::ZERO;
+            self.claim_failures = 0;
         }
         match claim {
             Ok(Claim::Started(row)) => self.start_turn(*row, start, ctx),
@@ -498,9 +498,10 @@ impl SessionSupervisor {
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
                 // for the next submit or boot.
-                self.claim_retry = (self.claim_retry * 2)
-                    .clamp(std::time::Duration::from_millis(500), MAX_CLAIM_RETRY);
-                let wait = self.claim_retry;
+                let wait = (std::time::Duration::from_millis(500)
+                    * 2u32.saturating_pow(u32::from(self.claim_failures)))
+                .min(MAX_CLAIM_RETRY);
+                self.claim_failures = self.claim_failures.saturating_add(1);
                 tracing::error!(session = %self.root_id, error = %e, ?wait, "claim failed; retrying");
                 ctx.run_later(wait, |act, ctx| act.pump(ctx));
             }
@@ -1018,9 +1019,9 @@ impl Handler<Submit> for SessionSupervisor {
                             // Nothing was claimed (a drain waiting on the claim is released).
                             // Not a claim the store answered: the wait before the next try of
                             // one it failed stays as it was.
-                            let retry = act.claim_retry;
+                            let failures = act.claim_failures;
                             act.claimed(Ok(Claim::Idle), None, ctx);
-                            act.claim_retry = retry;
+                            act.claim_failures = failures;
                         }
                         return Err(e);
                     }
