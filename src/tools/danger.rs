@@ -190,15 +190,6 @@ static RULE_DEFS: &[RuleDef] = &[
         pattern: r"\|\s*(?:sudo\s+(?:-\S+\s+)*)?(?:env\s+)?(?:/[\w/]*/)?(?:(?:ba|z|da|k|fi)?sh|python[\d.]*|perl|ruby|node)\s*(?:-\s*)?(?:-s\s*)?(?:$|[;&|)])",
     },
     RuleDef {
-        key: "dynamic_command",
-        description: "command name computed at run time",
-        // `x=rm; $x -rf dir`, `$(echo rm) -rf dir`: what runs cannot be read from the text.
-        // Command position only: after a separator (`;`, `&`, `&&`, `||`; a line break reads as
-        // `;`), `$(`, a backtick or a keyword that runs what follows. Not after `(`, `{` or a
-        // lone `|` (arithmetic `$(( $a + 1 ))`, awk's `{ $NF }`, jq's `| $v`, `"$a|$b"`).
-        pattern: r#"(?:^|[;&]|\|\||\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
-    },
-    RuleDef {
         key: "shred",
         description: "destroy file contents",
         pattern: r"<cmd>shred(?:\s|$)",
@@ -249,6 +240,19 @@ static RULE_DEFS: &[RuleDef] = &[
         pattern: r"\bgit\b[^;&|]*\spush\b[^;&|]*(?:\s--force\b|\s-[a-z]*f\b|\s\+[^\s+])",
     },
 ];
+
+/// Rules read on the command as the shell splits it ([`shell_text`]): separators inside quotes
+/// are text there, not separators.
+static SHELL_RULE_DEFS: &[RuleDef] = &[RuleDef {
+    key: "dynamic_command",
+    description: "command name computed at run time",
+    // `x=rm; $x -rf dir`, `$(echo rm) -rf dir`: what runs cannot be read from the text.
+    // Command position only: after a separator (`;`, `&`, `&&`, `||`; a line break reads as
+    // `;`), `$(`, a backtick or a keyword that runs what follows. Not after `(`, `{` or a
+    // lone `|` (arithmetic `$(( $a + 1 ))`, awk's `{ $NF }`, jq's `| $v`, `"$a|$b"`), and
+    // not after a separator inside quotes (`echo "a; $b"`).
+    pattern: r#"(?:^|[;&]|\|\||\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
+}];
 
 static HARDLINE_DEFS: &[RuleDef] = &[
     RuleDef {
@@ -324,6 +328,11 @@ fn rules() -> &'static [Rule] {
     RULES.get_or_init(|| compile(RULE_DEFS))
 }
 
+fn shell_rules() -> &'static [Rule] {
+    static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
+    RULES.get_or_init(|| compile(SHELL_RULE_DEFS))
+}
+
 fn hardline_rules() -> &'static [Rule] {
     static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
     RULES.get_or_init(|| compile(HARDLINE_DEFS))
@@ -348,6 +357,39 @@ fn variants(command: &str) -> [String; 2] {
     [normalized, unquoted]
 }
 
+/// The normalized command as the shell reads its separators: inside single quotes nothing is
+/// special (the text is blanked), inside double quotes `;`, `&` and `|` are text (blanked) while
+/// `$` and backticks still expand, and a backslash makes the next character text.
+fn shell_text(normalized: &str) -> String {
+    let (mut single, mut double, mut escaped) = (false, false, false);
+    normalized
+        .chars()
+        .map(|c| {
+            if escaped {
+                escaped = false;
+                return ' ';
+            }
+            match c {
+                '\\' if !single => {
+                    escaped = true;
+                    c
+                }
+                '\'' if !double => {
+                    single = !single;
+                    c
+                }
+                '"' if !single => {
+                    double = !double;
+                    c
+                }
+                _ if single => ' ',
+                ';' | '&' | '|' if double => ' ',
+                _ => c,
+            }
+        })
+        .collect()
+}
+
 fn first_match(rules: &[Rule], texts: &[String]) -> Option<DangerMatch> {
     rules
         .iter()
@@ -368,12 +410,18 @@ pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
     (first_match(hardline_rules(), &texts), detect_all_in(&texts))
 }
 
-fn detect_all_in(texts: &[String]) -> Vec<DangerMatch> {
+fn detect_all_in(texts: &[String; 2]) -> Vec<DangerMatch> {
     let mut found: Vec<DangerMatch> = Vec::new();
     for rule in rules().iter().chain(hardline_rules()) {
         if !found.iter().any(|m| m.key == rule.def.key)
             && texts.iter().any(|t| rule.regex.is_match(t))
         {
+            found.push(matches(rule));
+        }
+    }
+    let shell = shell_text(&texts[0]);
+    for rule in shell_rules() {
+        if rule.regex.is_match(&shell) {
             found.push(matches(rule));
         }
     }
@@ -623,11 +671,14 @@ mod tests {
         "awk '{ $NF = \"\" ; print }' f",
         "jq '.[] | $v' data.json",
         "echo \"elapsed time $t\"",
+        "echo \"a; $b\"",
+        "echo 'x && $y'",
+        "printf '%s\\n' \"$1\" | sort",
     ];
 
     #[test]
     fn all_patterns_compile() {
-        for def in RULE_DEFS.iter().chain(HARDLINE_DEFS) {
+        for def in RULE_DEFS.iter().chain(HARDLINE_DEFS).chain(SHELL_RULE_DEFS) {
             assert!(
                 Regex::new(&expand(def.pattern)).is_ok(),
                 "pattern for {} does not compile",
@@ -658,7 +709,7 @@ mod tests {
 
     #[test]
     fn every_rule_is_exercised() {
-        for def in RULE_DEFS {
+        for def in RULE_DEFS.iter().chain(SHELL_RULE_DEFS) {
             assert!(
                 MATCHING.iter().any(|(_, key)| *key == def.key),
                 "rule {} has no matching test",
