@@ -479,9 +479,17 @@ fn operator(args: Args) -> ExitCode {
 /// `HOME/api_keys` (the daemon re-reads it when it changes: no restart needed).
 fn key(args: Args) -> ExitCode {
     use gatehouse::api::auth;
+    let new_home = !args.home.exists();
     if let Err(e) = gatehouse::gateway::prepare_home(&args.home) {
         eprintln!("gatehouse: {e}");
         return ExitCode::from(1);
+    }
+    if new_home {
+        // Keys may come before the first start; a mistyped --home must not pass unnoticed.
+        eprintln!(
+            "gatehouse: created the home {} (no daemon has used it yet)",
+            args.home.display()
+        );
     }
     let words: Vec<&str> = args.rest.iter().map(String::as_str).collect();
     let result = match words.as_slice() {

@@ -1278,6 +1278,21 @@ async fn every_route_refuses_missing_wrong_and_revoked_keys() {
     assert!(out.status.success(), "{out:?}");
     let minted = String::from_utf8_lossy(&out.stdout).trim().to_string();
     assert!(minted.starts_with("gk_"), "{minted}");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("created the home"),
+        "the home existed: {out:?}"
+    );
+    // A key for a home nobody has used (a mistyped --home, say) says that it made the home.
+    let elsewhere = Home::new();
+    let fresh = Home {
+        path: elsewhere.path.join("never-used"),
+    };
+    let out = cli(&fresh, &["key", "create", "x"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("created the home"),
+        "{out:?}"
+    );
     let stored = std::fs::read_to_string(home.path.join("api_keys")).expect("keys file");
     assert!(!stored.contains(&minted), "only the hash is stored");
     let d = Daemon::start(&home);
