@@ -328,7 +328,10 @@ impl Turn {
                     self.ctx.shared.metrics.model_error("context_overflow");
                     if self.compressions >= max_compressions {
                         return Ok(TurnOutcome::Failed {
-                            error: format!("context_overflow: the conversation does not fit the model after {} compressions", self.compressions),
+                            error: format!(
+                                "context_overflow: max compression attempts ({}) reached; the conversation does not fit the model",
+                                self.compressions
+                            ),
                             reason: "context_overflow",
                         });
                     }

@@ -864,7 +864,7 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
     assert!(
         result["error"]
             .as_str()
-            .is_some_and(|e| e.contains("after 1 compression")),
+            .is_some_and(|e| e.contains("max compression attempts (1) reached")),
         "{result}"
     );
 }
