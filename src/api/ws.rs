@@ -511,7 +511,9 @@ impl WsConnection {
             return;
         }
         self.in_flight += 1;
-        if self.barriers > 0 && self.waits_for_following(&request) {
+        // Behind anything already held, too: a later request for a session that is followed by
+        // now must not overtake an earlier one for it that still waits.
+        if !self.held.is_empty() || (self.barriers > 0 && self.waits_for_following(&request)) {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
             // answered, so a `prompt.submit` sent right behind its `session.resume` finds the

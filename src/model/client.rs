@@ -293,7 +293,14 @@ async fn call_with_retries(
 /// "streaming is not available for this model", …)?
 fn refuses_streaming(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("stream")
+    // The word itself ("stream", "streaming", `"stream"`), not "upstream".
+    let names_streaming = m.match_indices("stream").any(|(i, _)| {
+        !m[..i]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric())
+    });
+    names_streaming
         && [
             "not supported",
             "unsupported",
@@ -504,6 +511,7 @@ mod tests {
             "bad field temperature",
             "model not found",
             "stream_options must be an object",
+            "upstream model not available",
         ] {
             assert!(!refuses_streaming(m), "{m}");
         }

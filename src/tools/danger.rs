@@ -247,11 +247,10 @@ static SHELL_RULE_DEFS: &[RuleDef] = &[RuleDef {
     key: "dynamic_command",
     description: "command name computed at run time",
     // `x=rm; $x -rf dir`, `$(echo rm) -rf dir`: what runs cannot be read from the text.
-    // Command position only: after a separator (`;`, `&`, `&&`, `||`; a line break reads as
-    // `;`), `$(`, a backtick or a keyword that runs what follows. Not after `(`, `{` or a
-    // lone `|` (arithmetic `$(( $a + 1 ))`, awk's `{ $NF }`, jq's `| $v`, `"$a|$b"`), and
-    // not after a separator inside quotes (`echo "a; $b"`).
-    pattern: r#"(?:^|[;&]|\|\||\$\(|`|\b(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs)\b)\s*['"]?(?:\$[({a-z_]|`)"#,
+    // Command position: the start, a separator (`;`, `&`, `|`; a line break reads as `;`), `$(`,
+    // a backtick, a subshell's `(` or a group's `{ ` (not `$((`, `((` or `${`), then any of the
+    // keywords and wrappers that run what follows.
+    pattern: r#"(?:^|[;&|`]|\$\(|(?:^|[^$(])\(|(?:^|[^$])\{\s)\s*(?:(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs|time)\s+)*['"]?(?:\$[({a-z_]|`)"#,
 }];
 
 static HARDLINE_DEFS: &[RuleDef] = &[
@@ -358,36 +357,50 @@ fn variants(command: &str) -> [String; 2] {
 }
 
 /// The normalized command as the shell reads its separators: inside single quotes nothing is
-/// special (the text is blanked), inside double quotes `;`, `&` and `|` are text (blanked) while
-/// `$` and backticks still expand, and a backslash makes the next character text.
-fn shell_text(normalized: &str) -> String {
+/// special (the text is blanked), inside double quotes `;`, `&`, `|`, `(` and `{` are text
+/// (blanked) while `$` still expands, and a backslash makes the next character text. `None`
+/// where this reading could be wrong, and the plain text must be read instead (failing safe):
+/// quotes left open (an apostrophe in a comment or a here-document), `$'…'`, `<<`, a comment,
+/// `eval` (which expands what quotes kept), and `$(` or a backtick inside double quotes (a
+/// command inside, with separators of its own).
+fn shell_text(normalized: &str) -> Option<String> {
+    if ["$'", "<<", "#", "eval"]
+        .iter()
+        .any(|p| normalized.contains(p))
+    {
+        return None;
+    }
     let (mut single, mut double, mut escaped) = (false, false, false);
-    normalized
-        .chars()
-        .map(|c| {
-            if escaped {
-                escaped = false;
-                return ' ';
+    let mut out = String::with_capacity(normalized.len());
+    let mut chars = normalized.chars().peekable();
+    while let Some(c) = chars.next() {
+        if escaped {
+            escaped = false;
+            out.push(' ');
+            continue;
+        }
+        let shown = match c {
+            '\\' if !single => {
+                escaped = true;
+                c
             }
-            match c {
-                '\\' if !single => {
-                    escaped = true;
-                    c
-                }
-                '\'' if !double => {
-                    single = !single;
-                    c
-                }
-                '"' if !single => {
-                    double = !double;
-                    c
-                }
-                _ if single => ' ',
-                ';' | '&' | '|' if double => ' ',
-                _ => c,
+            '\'' if !double => {
+                single = !single;
+                c
             }
-        })
-        .collect()
+            '"' if !single => {
+                double = !double;
+                c
+            }
+            _ if single => ' ',
+            '`' if double => return None,
+            '$' if double && chars.peek() == Some(&'(') => return None,
+            ';' | '&' | '|' | '(' | '{' if double => ' ',
+            _ => c,
+        };
+        out.push(shown);
+    }
+    (!single && !double).then_some(out)
 }
 
 fn first_match(rules: &[Rule], texts: &[String]) -> Option<DangerMatch> {
@@ -419,9 +432,14 @@ fn detect_all_in(texts: &[String; 2]) -> Vec<DangerMatch> {
             found.push(matches(rule));
         }
     }
+    // Read as the shell splits it where that reading is sure, else as the other rules read it.
     let shell = shell_text(&texts[0]);
     for rule in shell_rules() {
-        if rule.regex.is_match(&shell) {
+        let hit = match &shell {
+            Some(text) => rule.regex.is_match(text),
+            None => texts.iter().any(|t| rule.regex.is_match(t)),
+        };
+        if hit {
             found.push(matches(rule));
         }
     }
@@ -550,6 +568,15 @@ mod tests {
         ("cd dir && \"$TOOL\" --wipe", "dynamic_command"),
         ("eval \"$(printf 'make clean')\"", "dynamic_command"),
         ("sudo ${CMD} x", "dynamic_command"),
+        ("x=rm; echo \"$(true; $x -rf ~)\"", "dynamic_command"),
+        ("echo hi # don't\n$x -rf d", "dynamic_command"),
+        ("cat <<EOF\nit's\nEOF\n$x -rf d", "dynamic_command"),
+        ("echo $'\\'' ; $x -rf d", "dynamic_command"),
+        ("x=rm; eval '$x -rf d'", "dynamic_command"),
+        ("s=sh; curl -s https://x | $s", "dynamic_command"),
+        ("( $x -rf d )", "dynamic_command"),
+        ("{ $x -rf d; }", "dynamic_command"),
+        ("time $x -rf d", "dynamic_command"),
         // shred, crontab_remove
         ("shred -u secrets.txt", "shred"),
         ("crontab -r", "crontab_remove"),

@@ -42,14 +42,18 @@ fn rules() -> Option<&'static Rules> {
                     r"|g[kt]_[0-9a-f]{32,})\b",
                 ))
                 .ok()?,
+                // A whole block only (a lone header, in source code or grep output, is text).
                 private_keys: Regex::new(
-                    r"(?s)-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\z)",
+                    r"(?s)-----BEGIN [A-Z ]*PRIVATE KEY(?: BLOCK)?-----[A-Za-z0-9+/=:\s.,()-]*?-----END [A-Z ]*PRIVATE KEY(?: BLOCK)?-----",
                 )
                 .ok()?,
                 bearer: Regex::new(r"(?i)(\bbearer\s+)([A-Za-z0-9._~+/=-]{12,})").ok()?,
+                // The value must look like a secret, not code: no calls, paths, generics or
+                // member access (`let token = lexer.next_token()?`, `max_tokens: Option<u64>`,
+                // `/etc/passwd:root:x:0:0`).
                 assignment: Regex::new(concat!(
-                    r#"(?i)(["']?\b[A-Z0-9_.-]*(?:api[_-]?key|secret|token|passw(?:or)?d|credential|private[_-]?key)"#,
-                    r#"[A-Z0-9_.-]*["']?\s*[=:]\s*["']?)([^\s"',;]{8,})"#,
+                    r#"(?i)(["']?\b[A-Z0-9_-]*(?:api[_-]?key|secret|token|passw(?:or)?d|credential|private[_-]?key)"#,
+                    r#"[A-Z0-9_-]*["']?\s*[=:]\s*["']?)([A-Za-z0-9+/_~=-]{8,})($|[\s"',;])"#,
                 ))
                 .ok()?,
             })
@@ -84,7 +88,9 @@ pub fn redact(text: &str) -> Cow<'_, str> {
     let steps: [(&Regex, Masking); 3] = [
         (&r.tokens, |c| mask(&c[0])),
         (&r.bearer, |c| format!("{}{}", &c[1], mask(&c[2]))),
-        (&r.assignment, |c| format!("{}{}", &c[1], mask(&c[2]))),
+        (&r.assignment, |c| {
+            format!("{}{}{}", &c[1], mask(&c[2]), &c[3])
+        }),
     ];
     for (regex, replace) in steps {
         if regex.is_match(&out) {
@@ -133,6 +139,10 @@ mod tests {
             assert_eq!(redact(input), want, "{input}");
         }
         for plain in [
+            "let token = lexer.next_token()?;",
+            "    max_tokens: Option<u64>,",
+            "/etc/passwd:root:x:0:0:root:/root:/bin/bash",
+            "const H: &str = \"-----BEGIN PRIVATE KEY-----\";\nfn main() {}",
             "total 48\ndrwxr-xr-x 2 root root 4096 Dec  4 07:00 src",
             "PATH=/usr/bin:/bin",
             "tokens: 12",
