@@ -160,6 +160,8 @@ pub async fn ws_route(
         in_flight: 0,
         barriers: 0,
         held: std::collections::VecDeque::new(),
+        following: Vec::new(),
+        next_follow: 0,
         credential,
         outbox: None,
         outbox_actor: None,
@@ -194,6 +196,10 @@ pub struct WsConnection {
     barriers: usize,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
+    /// Sessions that a create or resume in flight may already have subscribed this connection
+    /// to, by request; and the last request's number.
+    following: Vec<(u64, String)>,
+    next_follow: u64,
     /// Checked again on every heartbeat: a revoked key or an expired token ends the connection.
     credential: Credential,
     /// Where sessions push this connection's events (see [`Outbox`]).
@@ -543,6 +549,24 @@ impl WsConnection {
         if barrier {
             self.barriers += 1;
         }
+        // The session a create or resume may follow before it answers: if the connection closes
+        // first, it is told to let go of this connection all the same (see `stopped`).
+        let follows = match method.as_str() {
+            "session.resume" => params
+                .get("session_id")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            "session.create" => params
+                .get("request_id")
+                .and_then(Value::as_str)
+                .map(|r| super::rpc::session_id_for(&self.principal, r)),
+            _ => None,
+        };
+        let follow_token = follows.map(|root| {
+            self.next_follow += 1;
+            self.following.push((self.next_follow, root));
+            self.next_follow
+        });
         let caller = Caller {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
@@ -560,6 +584,9 @@ impl WsConnection {
             act.in_flight -= 1;
             if barrier {
                 act.barriers -= 1;
+            }
+            if let Some(token) = follow_token {
+                act.following.retain(|(t, _)| *t != token);
             }
             let frame = match res {
                 Ok(r) => {
@@ -653,7 +680,14 @@ impl Actor for WsConnection {
             open.remove(&self.conn_id);
         }
         // Only sessions still in memory need to hear it (none is revived for this).
-        for root_id in std::mem::take(&mut self.subscribed).keys().cloned() {
+        let followed = std::mem::take(&mut self.subscribed);
+        // Also the sessions a create or resume still in flight may have subscribed it to: its
+        // answer will never be read, so it never recorded them.
+        let in_flight = std::mem::take(&mut self.following)
+            .into_iter()
+            .map(|(_, root)| root)
+            .filter(|root| !followed.contains_key(root));
+        for root_id in followed.keys().cloned().chain(in_flight) {
             self.authority.registry.do_send(UnsubscribeFrom {
                 root_id,
                 conn_id: self.conn_id,
