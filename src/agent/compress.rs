@@ -24,6 +24,7 @@ pub struct Plan {
 fn rough(m: &NewMessage) -> usize {
     m.content.as_deref().map_or(0, str::len) / 4
         + m.tool_calls.as_deref().map_or(0, str::len) / 4
+        + m.reasoning.as_deref().map_or(0, str::len) / 4
         + 10
 }
 

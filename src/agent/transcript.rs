@@ -9,6 +9,10 @@ use crate::store::messages::NewMessage;
 pub fn to_wire(m: &NewMessage) -> Value {
     let mut v = json!({ "role": m.role, "content": m.content });
     if m.role == "assistant" {
+        // The model's reasoning goes back as it came, under the name providers read.
+        if let Some(r) = m.reasoning.as_deref().filter(|r| !r.is_empty()) {
+            v["reasoning_content"] = json!(r);
+        }
         if let Some(calls) = m.tool_calls.as_deref() {
             if let Ok(calls) = serde_json::from_str::<Value>(calls) {
                 if calls.as_array().is_some_and(|a| !a.is_empty()) {

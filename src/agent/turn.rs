@@ -314,7 +314,7 @@ impl Turn {
             {
                 match self.compact(threshold).await {
                     Ok(()) => continue,
-                    Err(CompactError::Stop(s)) => return Err(s),
+                    Err(CompactError::Stop(s)) => return Err(*s),
                     Err(CompactError::Failed(e)) => {
                         tracing::warn!(error = %e, "preflight compression failed; sending as is");
                         retry.compaction_failed = true;
@@ -337,7 +337,7 @@ impl Turn {
                     }
                     match self.compact(threshold).await {
                         Ok(()) => continue,
-                        Err(CompactError::Stop(s)) => return Err(s),
+                        Err(CompactError::Stop(s)) => return Err(*s),
                         Err(CompactError::Failed(e)) => {
                             return Ok(TurnOutcome::Failed {
                                 error: format!(
@@ -380,6 +380,9 @@ impl Turn {
                     retry
                         .partial
                         .push_str(response.content.as_deref().unwrap_or(""));
+                    retry
+                        .partial_reasoning
+                        .push_str(response.reasoning.as_deref().unwrap_or(""));
                     continue;
                 }
             }
@@ -400,6 +403,7 @@ impl Turn {
                     final_message: NewMessage {
                         role: "assistant".into(),
                         content: Some(content),
+                        reasoning: retry.reasoning_with(response.reasoning.take()),
                         finish_reason: Some(response.finish_reason.clone()),
                         admission_id: Some(self.ctx.admission_id.clone()),
                         ..Default::default()
@@ -422,6 +426,7 @@ impl Turn {
                 let mut text = std::mem::take(&mut retry.partial);
                 text.push_str(response.content.as_deref().unwrap_or(""));
                 response.content = Some(text);
+                response.reasoning = retry.reasoning_with(response.reasoning.take());
             }
             if let Some(text) = response.content.as_deref().map(strip_think) {
                 if !text.is_empty() {
@@ -480,6 +485,9 @@ impl Turn {
             Box::new(move |ev: StreamEvent| {
                 let payload = match ev {
                     StreamEvent::Content(text) => json!({"admission_id": admission, "text": text}),
+                    StreamEvent::Reasoning(text) => {
+                        json!({"admission_id": admission, "reasoning": text})
+                    }
                     StreamEvent::ToolName(name) => json!({"admission_id": admission, "tool": name}),
                 };
                 sup.do_send(Emit {
@@ -536,6 +544,7 @@ impl Turn {
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),
+            reasoning: response.reasoning.clone(),
             tool_calls: Some(serde_json::to_string(&calls).unwrap_or_else(|_| "[]".into())),
             finish_reason: Some(response.finish_reason.clone()),
             admission_id: Some(self.ctx.admission_id.clone()),
@@ -1001,7 +1010,7 @@ impl Turn {
         let summary = match self.ctx.shared.model.send(call).await {
             Ok(Ok(r)) => r.content.unwrap_or_default(),
             Ok(Err(ModelError::Interrupted)) => {
-                return Err(CompactError::Stop(Stop::Outcome(interrupted())))
+                return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))))
             }
             Ok(Err(e)) => return Err(CompactError::Failed(format!("summary request failed: {e}"))),
             Err(_) => return Err(CompactError::Failed("model client unavailable".into())),
@@ -1059,7 +1068,7 @@ impl Turn {
                 sessions::commit_compaction(conn, epoch, generation, &compaction, now)
             })
             .await
-            .map_err(|e| CompactError::Stop(Stop::from(e)))?;
+            .map_err(|e| CompactError::Stop(Box::new(Stop::from(e))))?;
         tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
         self.emit(
             "session.info",
@@ -1073,7 +1082,8 @@ impl Turn {
 }
 
 enum CompactError {
-    Stop(Stop),
+    /// Boxed: a stop carries a whole message, and the failure is the common case.
+    Stop(Box<Stop>),
     Failed(String),
 }
 
@@ -1197,10 +1207,22 @@ struct Retries {
     unknown_rounds: u8,
     /// The answer so far, when the output limit cut it off.
     partial: String,
+    /// The reasoning that came with `partial`.
+    partial_reasoning: String,
     /// The last text that came with tool calls (the answer when the final one is empty).
     tool_content: Option<String>,
     /// A preflight compaction of this turn failed.
     compaction_failed: bool,
+}
+
+impl Retries {
+    /// The reasoning of an answer that ends with `last`: what came with the parts the output
+    /// limit cut off, then `last`'s own; none when there is none.
+    fn reasoning_with(&mut self, last: Option<String>) -> Option<String> {
+        let mut all = std::mem::take(&mut self.partial_reasoning);
+        all.push_str(last.as_deref().unwrap_or(""));
+        (!all.is_empty()).then_some(all)
+    }
 }
 
 /// Tool calls one model response may make; the rest get an error result and do not run (a

@@ -274,6 +274,9 @@ fn message_view(m: &MessageRow) -> Value {
     if let Some(k) = &m.display_kind {
         v["display_kind"] = json!(k);
     }
+    if let Some(r) = &m.reasoning {
+        v["reasoning"] = json!(r);
+    }
     v
 }
 

@@ -101,6 +101,7 @@ pub fn classify(status: u16, body: &str) -> ModelError {
 #[derive(Debug, Clone)]
 pub enum StreamEvent {
     Content(String),
+    Reasoning(String),
     ToolName(String),
 }
 
@@ -435,6 +436,10 @@ async fn one_call(
                 if let Some(text) = delta.content {
                     *delivered = true;
                     sink(StreamEvent::Content(text));
+                }
+                if let Some(text) = delta.reasoning {
+                    *delivered = true;
+                    sink(StreamEvent::Reasoning(text));
                 }
                 for name in delta.tool_names {
                     *delivered = true;

@@ -169,6 +169,7 @@ pub struct StreamAccumulator {
 #[derive(Debug, Default, PartialEq)]
 pub struct ChunkDelta {
     pub content: Option<String>,
+    pub reasoning: Option<String>,
     pub tool_names: Vec<String>,
 }
 
@@ -209,6 +210,9 @@ impl StreamAccumulator {
             .and_then(|v| v.as_str())
         {
             self.reasoning.push_str(r);
+            if !r.is_empty() {
+                delta_out.reasoning = Some(r.to_string());
+            }
         }
         if let Some(calls) = delta.get("tool_calls").and_then(|t| t.as_array()) {
             for call in calls {

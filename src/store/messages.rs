@@ -25,6 +25,8 @@ pub struct MessageRow {
     pub active: i32,
     pub compacted: i32,
     pub timestamp: f64,
+    /// The model's reasoning that came with an assistant message.
+    pub reasoning: Option<String>,
 }
 
 /// A message to append.
@@ -39,6 +41,8 @@ pub struct NewMessage {
     pub finish_reason: Option<String>,
     pub display_kind: Option<String>,
     pub admission_id: Option<String>,
+    /// The model's reasoning that came with an assistant message; sent back with it.
+    pub reasoning: Option<String>,
 }
 
 impl NewMessage {
@@ -61,6 +65,7 @@ impl NewMessage {
             finish_reason: row.finish_reason.clone(),
             display_kind: row.display_kind.clone(),
             admission_id: row.admission_id.clone(),
+            reasoning: row.reasoning.clone(),
         }
     }
 }
@@ -105,6 +110,7 @@ pub(crate) fn insert_messages_knowing(
                 messages::display_kind.eq(&m.display_kind),
                 messages::admission_id.eq(&m.admission_id),
                 messages::timestamp.eq(now),
+                messages::reasoning.eq(&m.reasoning),
             ))
             .execute(conn)?;
     }
@@ -263,6 +269,7 @@ mod tests {
             active: 1,
             compacted: 0,
             timestamp: 0.0,
+            reasoning: None,
         }
     }
 

@@ -83,6 +83,7 @@ diesel::table! {
         active -> Integer,
         compacted -> Integer,
         timestamp -> Double,
+        reasoning -> Nullable<Text>,
     }
 }
 

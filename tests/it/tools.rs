@@ -242,6 +242,93 @@ async fn streamed_tool_call_fragments_are_concatenated_by_index() {
 }
 
 #[actix_rt::test]
+async fn reasoning_is_streamed_stored_and_sent_back() {
+    // Round 1 streams its reasoning in two fragments with a tool call; round 2 answers plainly
+    // with reasoning of its own; the next turn's request must carry both back.
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "AGAIN" {
+            return Reply::Message(
+                json!({"role": "assistant", "content": "AGAIN_DONE"}),
+                "stop",
+            );
+        }
+        if after_tool(body) {
+            return Reply::Message(
+                json!({"role": "assistant", "content": "DONE", "reasoning_content": "then answer"}),
+                "stop",
+            );
+        }
+        let frame = |delta: Value, finish: Value| {
+            json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).to_string()
+        };
+        Reply::Sse(vec![
+            frame(
+                json!({"role": "assistant", "reasoning_content": "first "}),
+                Value::Null,
+            ),
+            frame(json!({"reasoning": "look"}), Value::Null),
+            frame(
+                json!({"tool_calls": tool_call("call_r", "terminal", json!({"command": "echo r"}))["tool_calls"]}),
+                json!("tool_calls"),
+            ),
+        ])
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("reason", &home.path).await;
+    ws.submit(&sid, "THINK", "THINK").await;
+    let delta = ws
+        .event(Duration::from_secs(20), |e| {
+            e["type"] == "message.delta" && e["payload"]["reasoning"].is_string()
+        })
+        .await;
+    assert_eq!(delta["payload"]["reasoning"], "first ");
+    assert_eq!(
+        settled(&home, "THINK").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let kept: Vec<(String, Option<String>)> = home
+        .transcript(&sid)
+        .into_iter()
+        .filter(|m| m.role == "assistant")
+        .map(|m| (m.content.unwrap_or_default(), m.reasoning))
+        .collect();
+    assert_eq!(
+        kept,
+        [
+            (String::new(), Some("first look".to_string())),
+            ("DONE".to_string(), Some("then answer".to_string())),
+        ]
+    );
+    ws.submit(&sid, "AGAIN", "AGAIN").await;
+    assert_eq!(
+        settled(&home, "AGAIN").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let reqs = model.requests();
+    let sent: Vec<&Value> = reqs[reqs.len() - 1]["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| &m["reasoning_content"])
+        .collect();
+    assert_eq!(sent, [&json!("first look"), &json!("then answer")]);
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let shown: Vec<&Value> = snapshot["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| &m["reasoning"])
+        .collect();
+    assert_eq!(
+        shown,
+        [&json!("first look"), &json!("then answer"), &Value::Null]
+    );
+}
+
+#[actix_rt::test]
 async fn approval_once_runs_the_command_and_does_not_remember_it() {
     let home = Home::new();
     let (v1, v2) = (victim(&home, "victim"), victim(&home, "victim2"));
