@@ -1082,7 +1082,7 @@ impl Turn {
 }
 
 enum CompactError {
-    /// Boxed: a stop carries a whole message, and the failure is the common case.
+    /// Boxed: a stop can carry a whole turn outcome, many times the size of the failure's text.
     Stop(Box<Stop>),
     Failed(String),
 }

@@ -646,8 +646,11 @@ impl Ws {
     }
 
     async fn recv_any(&mut self, timeout: Duration) -> Option<Value> {
+        // One deadline for the whole wait: the server's pings must not restart it (a wait for
+        // a frame that never comes answered each ping and waited again, for good).
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let frame = tokio::time::timeout(timeout, self.framed.next())
+            let frame = tokio::time::timeout_at(deadline, self.framed.next())
                 .await
                 .ok()??;
             match frame {

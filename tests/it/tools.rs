@@ -306,25 +306,24 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
         Some("completed")
     );
     let reqs = model.requests();
-    let sent: Vec<&Value> = reqs[reqs.len() - 1]["messages"]
-        .as_array()
-        .expect("messages")
-        .iter()
-        .filter(|m| m["role"] == "assistant")
-        .map(|m| &m["reasoning_content"])
-        .collect();
-    assert_eq!(sent, [&json!("first look"), &json!("then answer")]);
-    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
-    let shown: Vec<&Value> = snapshot["messages"]
-        .as_array()
-        .expect("messages")
-        .iter()
-        .filter(|m| m["role"] == "assistant")
-        .map(|m| &m["reasoning"])
-        .collect();
+    // One field of each assistant message in a list of messages.
+    let of_assistants = |messages: &Value, field: &str| -> Vec<Value> {
+        messages
+            .as_array()
+            .expect("messages")
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .map(|m| m[field].clone())
+            .collect()
+    };
     assert_eq!(
-        shown,
-        [&json!("first look"), &json!("then answer"), &Value::Null]
+        of_assistants(&reqs[reqs.len() - 1]["messages"], "reasoning_content"),
+        [json!("first look"), json!("then answer")]
+    );
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(
+        of_assistants(&snapshot["messages"], "reasoning"),
+        [json!("first look"), json!("then answer"), Value::Null]
     );
 }
 
