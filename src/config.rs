@@ -640,6 +640,64 @@ impl Config {
         if self.agent.max_iterations == 0 {
             return invalid("agent.max_iterations", "expected at least 1");
         }
+        // Each of these bounds something that must admit at least one: at zero the gateway
+        // would start and then refuse every input, connection or frame.
+        let at_least_one = [
+            ("gateway.max_connections", g.max_connections as u64),
+            (
+                "gateway.outbound_queue_frames",
+                g.outbound_queue_frames as u64,
+            ),
+            (
+                "session.max_queued_admissions",
+                self.session.max_queued_admissions.max(0) as u64,
+            ),
+        ];
+        for (key, v) in at_least_one {
+            if v == 0 {
+                return invalid(key, "expected at least 1");
+            }
+        }
+        let windows = std::iter::once(("model.context_length".to_string(), m.context_length))
+            .chain(
+                self.profiles
+                    .iter()
+                    .map(|(name, p)| (format!("profiles.{name}.context_length"), p.context_length)),
+            );
+        for (key, window) in windows {
+            if window == Some(0) {
+                return invalid(&key, "expected a positive number of tokens");
+            }
+        }
+        // A tool name the gateway does not know would be offered to no session, silently.
+        let toolsets = self
+            .platform_toolsets
+            .iter()
+            .map(|(source, tools)| (format!("platform_toolsets.{source}"), tools))
+            .chain(self.profiles.iter().filter_map(|(name, p)| {
+                p.toolsets
+                    .as_ref()
+                    .map(|tools| (format!("profiles.{name}.toolsets"), tools))
+            }));
+        for (key, tools) in toolsets {
+            if let Some(bad) = tools
+                .iter()
+                .find(|t| !crate::tools::KNOWN_TOOLS.contains(&t.as_str()))
+            {
+                return invalid(
+                    &key,
+                    &format!(
+                        "unknown tool {bad:?} (known: {})",
+                        crate::tools::KNOWN_TOOLS.join(", ")
+                    ),
+                );
+            }
+        }
+        if let Some(cwd) = &self.terminal.cwd {
+            if !cwd.is_absolute() {
+                return invalid("terminal.cwd", "expected an absolute directory path");
+            }
+        }
         if let Some(url) = &self.model.base_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return invalid("model.base_url", "expected an http:// or https:// URL");
@@ -858,6 +916,59 @@ mod tests {
         assert!(err.contains("compression.threshold"), "{err}");
         let err = parse("- a\n- b\n").unwrap_err().to_string();
         assert!(err.contains("mapping"), "{err}");
+    }
+
+    #[test]
+    fn bounds_that_would_refuse_everything_are_refused_at_load() {
+        // Each of these loaded once, and the gateway then refused every input, connection or
+        // frame (or offered a tool it does not have to no one).
+        for (text, key) in [
+            (
+                "session:\n  max_queued_admissions: 0\n",
+                "session.max_queued_admissions",
+            ),
+            (
+                "session:\n  max_queued_admissions: -4\n",
+                "session.max_queued_admissions",
+            ),
+            (
+                "gateway:\n  max_connections: 0\n",
+                "gateway.max_connections",
+            ),
+            (
+                "gateway:\n  outbound_queue_frames: 0\n",
+                "gateway.outbound_queue_frames",
+            ),
+            ("model:\n  context_length: 0\n", "model.context_length"),
+            (
+                "profiles:\n  p:\n    context_length: 0\n",
+                "profiles.p.context_length",
+            ),
+            (
+                "platform_toolsets:\n  cli: [terminal, browser]\n",
+                "platform_toolsets.cli",
+            ),
+            (
+                "profiles:\n  p:\n    toolsets: [termnial]\n",
+                "profiles.p.toolsets",
+            ),
+            ("terminal:\n  cwd: work\n", "terminal.cwd"),
+        ] {
+            match parse(text) {
+                Err(ConfigError::Invalid { key: k, message }) => {
+                    assert_eq!(k, key, "{text}: {message}")
+                }
+                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
+            }
+        }
+        let err = parse("platform_toolsets:\n  cli: [terminal, browser]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"browser\"") && err.contains("clarify"),
+            "{err}"
+        );
+        assert!(parse("platform_toolsets:\n  cli: []\n").is_ok());
     }
 
     #[test]

@@ -44,13 +44,55 @@ pub enum StartError {
 
 impl StartError {
     /// A refusal that starting again will not change (the home, the config, another daemon on
-    /// the home): a supervisor should not restart the daemon for it.
+    /// the home, an address this machine does not have): a supervisor should not restart the
+    /// daemon for it. A port in use is not one: the process that holds it may be on its way out.
     pub fn is_permanent(&self) -> bool {
-        matches!(
-            self,
-            StartError::Home(_) | StartError::Config(_) | StartError::Refused(_)
-        )
+        match self {
+            StartError::Home(_) | StartError::Config(_) | StartError::Refused(_) => true,
+            StartError::Listen(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::PermissionDenied
+            ),
+            StartError::Store(_) | StartError::Rooms(_) => false,
+        }
     }
+}
+
+/// Connections the kernel queues for the API before it accepts them.
+const LISTEN_BACKLOG: u32 = 2048;
+
+/// Bind the API's TCP listener on `host:port` (the first of the host's addresses that binds).
+fn listen(host: &str, port: u16) -> Result<std::net::TcpListener, StartError> {
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<_> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| StartError::Refused(format!("gateway.host {host:?} does not resolve: {e}")))?
+        .collect();
+    // As the HTTP server would bind itself: reuse the address (a restart does not wait out
+    // TIME_WAIT) and a deep accept queue (a burst of clients is queued, not refused).
+    let bind = |addr: std::net::SocketAddr| -> std::io::Result<std::net::TcpListener> {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)?.into_std()
+    };
+    let mut last = None;
+    for addr in addrs {
+        match bind(addr) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some((addr, e)),
+        }
+    }
+    Err(match last {
+        Some((addr, e)) => {
+            StartError::Listen(std::io::Error::new(e.kind(), format!("{addr}: {e}")))
+        }
+        None => StartError::Refused(format!("gateway.host {host:?} has no address")),
+    })
 }
 
 /// Reader workers (snapshots, transcripts).
@@ -227,11 +269,18 @@ pub struct Gateway;
 impl Gateway {
     /// Boot a gateway on `home` with `config`. Must run inside an actix system.
     pub async fn start(home: PathBuf, config: Config) -> Result<RunningGateway, StartError> {
+        // Absolute from here on: the home is every session's default cwd, and a relative one
+        // (`--home ./gatehouse-home`) would be refused as a cwd by every session create.
+        let home = std::path::absolute(&home)
+            .map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
         prepare_home(&home)?;
         let lock = lock_home(&home)?;
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
+        // Listen before anything durable happens: a start that cannot serve takes no epoch
+        // and recovers nothing, and leaves no actor behind.
+        let tcp = listen(&config.gateway.host, config.gateway.port)?;
         if !config.gateway.is_loopback()
             && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys)
         {
@@ -241,7 +290,16 @@ impl Gateway {
                 config.gateway.host
             )));
         }
+        if let Some(cwd) = &config.terminal.cwd {
+            if !cwd.is_dir() {
+                return Err(StartError::Refused(format!(
+                    "terminal.cwd {} is not an existing directory",
+                    cwd.display()
+                )));
+            }
+        }
         check_stop_budget(&config);
+        let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
         let clock: SharedClock = Arc::new(SystemClock::default());
         // The writer's connection (held), one per reader, the checkpointer's and one spare.
         let db_path = home.join("state.db");
@@ -342,7 +400,7 @@ impl Gateway {
             .disable_signals()
             .shutdown_timeout(5)
             .max_connections(config.gateway.max_connections)
-            .bind((config.gateway.host.as_str(), config.gateway.port))
+            .listen(tcp)
             .map_err(StartError::Listen)?;
         let addr = server
             .addrs()
@@ -363,7 +421,6 @@ impl Gateway {
                 tracing::error!(error = %e, "http server stopped");
             }
         });
-        let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
         let ctl = Arc::new(Control {
             authority,
             tickets: tickets.clone(),

@@ -222,13 +222,17 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
     drop(ws);
     d.kill();
     // The config changes; the existing session keeps its frozen model and (empty) toolsets.
-    // Its default directory is now one that does not exist: a retry of a create that took the
-    // default still gets its session (the config decides only what a new session gets).
+    // Its default directory is now one that no longer exists (a start refuses a missing one,
+    // so it goes away after the start): a retry of a create that took the default still gets
+    // its session (the config decides only what a new session gets).
+    let gone = home.path.join("gone");
+    std::fs::create_dir(&gone).expect("mkdir");
     home.write_config(&config(
         &model.url,
-        json!({"model": {"default": "changed-model"}, "terminal": {"cwd": "/nonexistent/gatehouse-cwd"}}),
+        json!({"model": {"default": "changed-model"}, "terminal": {"cwd": gone}}),
     ));
     let d = Daemon::start(&home);
+    std::fs::remove_dir(&gone).expect("rmdir");
     let mut ws = d.ws().await;
     let again = ws
         .ok(

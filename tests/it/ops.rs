@@ -521,3 +521,109 @@ fn systemd_hears_ready_with_the_address_and_stopping() {
     assert_eq!(next(), "STOPPING=1");
     assert_eq!(stop.join().expect("term"), Some(0));
 }
+
+/// Wait (bounded) for a child to exit; its exit code and stderr.
+async fn exit_of(mut child: std::process::Child) -> (Option<i32>, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let out = child.wait_with_output().expect("child output");
+    (status, String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+/// The Quickstart's `--home ./gatehouse-home` is relative: sessions created with no cwd get the
+/// home as an absolute path (a relative one was refused as a cwd by every create). A start that
+/// cannot listen is refused before it takes an authority epoch, without a panic: a port in use
+/// exits 1 (the holder may be on its way out), a host that does not resolve exits 2.
+#[actix_rt::test]
+async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no_epoch() {
+    let model = FakeModel::start(|_| Reply::Hang);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let parent = home.path.parent().expect("temp dir").to_path_buf();
+    let name = home.path.file_name().expect("home name").to_owned();
+    let mut cmd = Command::new(bin());
+    cmd.arg("serve")
+        .arg("--home")
+        .arg(std::path::Path::new(".").join(&name))
+        .current_dir(&parent)
+        .env_remove("OPENAI_BASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut child = cmd.spawn().expect("spawn gatehouse");
+    let mut ident = Value::Null;
+    wait_until(
+        "the daemon is ready",
+        Duration::from_secs(60),
+        || match control(&home.path, "identify", json!({})) {
+            Ok(v) if v["state"] == "ready" => {
+                ident = v;
+                true
+            }
+            _ => false,
+        },
+    )
+    .await;
+    let origin = ident["api_origin"].as_str().expect("origin").to_string();
+    let mut ws = Ws::connect(&home.path, &origin).await;
+    let created = ws
+        .ok("session.create", json!({"request_id": "no-cwd"}))
+        .await;
+    let sid = created["session_id"].as_str().expect("session id");
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let cwd = snap["info"]["cwd"].as_str().unwrap_or_default().to_string();
+    let expected = std::fs::canonicalize(&home.path).expect("home");
+    assert_eq!(
+        std::fs::canonicalize(&cwd).ok(),
+        Some(expected),
+        "the default cwd is the home, absolute: {snap}"
+    );
+    assert!(std::path::Path::new(&cwd).is_absolute(), "{snap}");
+    drop(ws);
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+    let epoch = ident["authority_epoch"].as_i64().expect("epoch");
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    home.write_config(&config(&model.url, json!({"gateway": {"port": port}})));
+    let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
+    assert_eq!(code, Some(1), "a port in use may free up: {stderr}");
+    assert!(stderr.contains("cannot listen"), "{stderr}");
+    assert!(stderr.contains("in use"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"host": "no-such-host.invalid"}}),
+    ));
+    let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
+    assert_eq!(
+        code,
+        Some(2),
+        "a host that does not resolve is config: {stderr}"
+    );
+    assert!(stderr.contains("does not resolve"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    drop(taken);
+
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    assert_eq!(
+        d.epoch(),
+        epoch + 1,
+        "the refused starts took no authority epoch"
+    );
+}
