@@ -38,6 +38,9 @@ pub enum ModelError {
     Interrupted,
     #[error("model client unavailable")]
     Unavailable,
+    /// A reply this client cannot read (asking again would get the same).
+    #[error("unreadable response: {0}")]
+    Unreadable(String),
 }
 
 impl ModelError {
@@ -54,6 +57,7 @@ impl ModelError {
             ModelError::Timeout(_) => "timeout",
             ModelError::Interrupted => "interrupted",
             ModelError::Unavailable => "unavailable",
+            ModelError::Unreadable(_) => "unreadable",
         }
     }
 
@@ -379,6 +383,20 @@ async fn one_call(
         let bytes = resp.body().limit(64 * 1024).await.unwrap_or_default();
         return Err(classify(status, &String::from_utf8_lossy(&bytes)));
     }
+    // HTTP/1.1 allows a body delimited by the connection's close (no length, not chunked), but
+    // this client reads such a body as empty: say so, rather than take it for an empty answer.
+    let headers = resp.headers();
+    if resp.version() == awc::http::Version::HTTP_11
+        && !headers.contains_key("content-length")
+        && !headers.contains_key("transfer-encoding")
+    {
+        return Err(ModelError::Unreadable(
+            "an HTTP/1.1 reply with neither Content-Length nor chunked encoding (its body ends \
+             when the connection closes), which this client does not read; send chunked replies \
+             (a proxy in front of the endpoint can)"
+                .into(),
+        ));
+    }
     let is_sse = resp
         .headers()
         .get("content-type")
@@ -403,6 +421,7 @@ async fn one_call(
     let mut acc = StreamAccumulator::default();
     let mut total = 0usize;
     let mut done = false;
+    let mut saw_done = false;
     while !done {
         let next = tokio::time::timeout(config.idle_timeout, resp.next())
             .await
@@ -427,6 +446,7 @@ async fn one_call(
         for data in events {
             if data.trim() == "[DONE]" {
                 done = true;
+                saw_done = true;
                 break;
             }
             let chunk: Value = serde_json::from_str(&data)
@@ -447,6 +467,14 @@ async fn one_call(
                 }
             }
         }
+    }
+    // A body that ends (the connection closed cleanly) before `[DONE]` and before any chunk said
+    // why the answer ended was cut off: keeping it would store part of an answer, or none, as
+    // the whole of one.
+    if !saw_done && !acc.finished() {
+        return Err(ModelError::Transient(
+            "stream ended before a finish_reason or [DONE] (cut off)".into(),
+        ));
     }
     Ok(acc.finish())
 }

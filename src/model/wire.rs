@@ -174,6 +174,11 @@ pub struct ChunkDelta {
 }
 
 impl StreamAccumulator {
+    /// Has a chunk said why the answer ended (`finish_reason`)?
+    pub fn finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+
     /// Apply one chunk (`data:` payload already parsed as JSON).
     pub fn apply(&mut self, chunk: &Value) -> Result<ChunkDelta, String> {
         if let Some(err) = chunk.get("error") {

@@ -33,6 +33,11 @@ pub enum Fault {
     /// (the test sets it when the client has shown the delta: an RST that overtook it would
     /// discard it unread).
     ResetMidStream(Arc<AtomicBool>),
+    /// An HTTP/1.0 stream delimited by the connection (no length, not chunked): this content
+    /// delta if any, then a clean close, with neither a finish_reason nor `[DONE]`.
+    EndsEarly(Option<String>),
+    /// The same over HTTP/1.1, with a whole answer: a framing the client does not read.
+    CloseDelimited11(String),
     /// Send the head, then nothing at all (until the client gives up).
     Stall,
     /// One small delta every `every`, never finishing.
@@ -256,6 +261,23 @@ fn answer(
                 std::thread::sleep(Duration::from_millis(5));
             }
             Ok(())
+        }
+        Fault::EndsEarly(content) => {
+            stream.write_all(
+                b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n",
+            )?;
+            if let Some(content) = content {
+                stream.write_all(delta(&content).as_bytes())?;
+            }
+            stream.flush()
+        }
+        Fault::CloseDelimited11(content) => {
+            stream.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n",
+            )?;
+            stream.write_all(delta(&content).as_bytes())?;
+            stream.write_all(finish().as_bytes())?;
+            stream.flush()
         }
         Fault::Stall => {
             stream.write_all(SSE_HEAD.as_bytes())?;

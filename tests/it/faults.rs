@@ -252,6 +252,67 @@ async fn model_reset_before_any_event_is_retried_and_recovers() {
 }
 
 #[actix_rt::test]
+async fn model_stream_closed_before_its_end_is_retried_and_recovers() {
+    // The body ended cleanly (a close-delimited stream) with neither a finish_reason nor
+    // `[DONE]`: cut off, not an empty answer (it was kept as one, and the turn completed blank).
+    fault_case(
+        "ends_early_before_any_event",
+        |n| {
+            if n == 1 {
+                Fault::EndsEarly(None)
+            } else {
+                Fault::Ok("ACK_FAULT".into())
+            }
+        },
+        json!({}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(2),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_stream_closed_after_a_delta_fails_without_a_retry() {
+    // Half an answer is not an answer: it was stored as complete.
+    fault_case(
+        "ends_early_after_a_delta",
+        |_| Fault::EndsEarly(Some("partial ".into())),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "transient: stream ended",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
+async fn model_reply_framed_by_the_close_over_http11_fails_with_why() {
+    // Read as an empty body, it completed the turn blank; it is refused, once, and says why.
+    fault_case(
+        "close_delimited_http11",
+        |_| Fault::CloseDelimited11("ACK_FAULT".into()),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "unreadable response: an HTTP/1.1 reply with neither Content-Length",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+#[actix_rt::test]
 async fn model_reset_mid_stream_fails_without_a_retry() {
     // A delta already reached the client: retrying would show it twice, so the turn fails.
     let shown = Arc::new(AtomicBool::new(false));
