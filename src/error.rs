@@ -109,13 +109,26 @@ impl GatewayError {
         }
     }
 
-    /// A human detail safe to show the client.
+    /// A human detail safe to show the client. It does not repeat the reason, which always
+    /// travels beside it (`not_found` and `session x does not exist`, shown together as
+    /// `not_found: session x does not exist`).
     pub fn detail(&self) -> String {
         match self {
             GatewayError::StorageUnavailable | GatewayError::Internal(_) => {
                 "the state database is unavailable; retry later".to_string()
             }
-            other => other.to_string(),
+            other => {
+                let text = other.to_string();
+                match text.strip_prefix(self.reason()) {
+                    Some(rest) => match rest.strip_prefix(": ") {
+                        Some(detail) => detail.to_string(),
+                        // The reason alone (`stale_epoch`): say it in words.
+                        None if rest.is_empty() => self.reason().replace('_', " "),
+                        None => text.clone(),
+                    },
+                    None => text.clone(),
+                }
+            }
         }
     }
 

@@ -358,6 +358,9 @@ fn operator(args: Args) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // From here on only standard output is written: a reader that stops early (`| head`)
+    // ends the command quietly, as for any filter, instead of a panic on the closed pipe.
+    default_sigpipe();
     if let Some(err) = reply.get("error") {
         eprintln!(
             "gatehouse: {}: {}",
@@ -475,6 +478,15 @@ fn operator(args: Args) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// Die of SIGPIPE on a closed standard output, as a filter does (Rust ignores the signal,
+/// and `println!` then panics on the EPIPE). Only for commands that write nothing else after.
+fn default_sigpipe() {
+    // SAFETY: resetting a signal's disposition to its default; no handler is installed.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// `gatehouse key create|list|revoke`: API keys for the HTTP API, kept as SHA-256 hashes in
 /// `HOME/api_keys` (the daemon re-reads it when it changes: no restart needed).
 fn key(args: Args) -> ExitCode {
@@ -523,9 +535,15 @@ fn key(args: Args) -> ExitCode {
                     .collect();
                 println!("{}", json!({"keys": list}));
             } else {
+                default_sigpipe();
                 println!("{:<24} {:<14} CREATED", "NAME", "SHA256");
                 for k in keys {
-                    println!("{:<24} {:<14} {}", k.name, &k.digest[..12], k.created_at);
+                    println!(
+                        "{:<24} {:<14} {}",
+                        k.name,
+                        k.digest.get(..12).unwrap_or(&k.digest),
+                        gatehouse::clock::utc_text(k.created_at)
+                    );
                 }
             }
         }),

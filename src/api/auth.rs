@@ -430,7 +430,7 @@ pub fn authenticate(state: &AppState, req: &HttpRequest) -> Result<String, ApiEr
         return state
             .tickets
             .redeem(t)
-            .map_err(|why| ApiError::unauthorized(format!("ticket refused: {why:?}")));
+            .map_err(|why| ApiError::unauthorized(why.to_string()));
     }
     Err(ApiError::unauthorized(
         "send Authorization: Bearer <API key or token>, or X-Gatehouse-Ticket: <ticket>",

@@ -135,5 +135,17 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/readyz", web::get().to(readyz))
         .route("/metrics", web::get().to(metrics))
         .route("/api/ws", web::get().to(super::ws::ws_route))
-        .configure(super::rest::routes);
+        .configure(super::rest::routes)
+        .default_service(web::to(no_such_route));
+}
+
+/// Outside `/v1` nothing needs authentication to be told it does not exist: 404 with the same
+/// JSON error body as the API's.
+async fn no_such_route() -> HttpResponse {
+    let refusal = super::auth::ApiError::new(
+        actix_web::http::StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route (the API is under /v1, the WebSocket at /api/ws)",
+    );
+    HttpResponse::NotFound().json(refusal.body())
 }

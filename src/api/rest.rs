@@ -250,6 +250,13 @@ pub async fn read_json<T: DeserializeOwned>(
     } else {
         &buf
     };
+    // Every body is an object: say so, rather than how serde reads a struct from an array
+    // ("expected struct CreateSession with 9 elements").
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid(
+            "bad request body: expected a JSON object".to_string(),
+        ));
+    }
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("bad request body: {e}")))
 }
 
@@ -655,7 +662,7 @@ async fn token(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRespo
     let principal = state
         .tickets
         .redeem(ticket.to_str().unwrap_or("").trim())
-        .map_err(|why| ApiError::unauthorized(format!("ticket refused: {why:?}")))?;
+        .map_err(|why| ApiError::unauthorized(why.to_string()))?;
     let (token, expires_at) = state.auth.tokens.mint(&principal);
     Ok(HttpResponse::Ok().json(TokenResult {
         token,

@@ -370,6 +370,10 @@ impl Authority {
             "prompt.submit" => {
                 let p: SubmitParams = params(p)?;
                 check_id("input_id", &p.input_id)?;
+                // Nothing to say is not an input: the model would be sent an empty user turn.
+                if p.text.trim().is_empty() {
+                    return Err(GatewayError::InvalidParams("text is empty".into()));
+                }
                 let max = self.shared.config.session.max_text_bytes;
                 if p.text.len() > max {
                     return Err(GatewayError::PayloadTooLarge(format!(

@@ -16,9 +16,12 @@ pub struct Expiring {
 }
 
 /// Why a ticket was refused.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TicketRefusal {
+    /// Never issued, or already used (a ticket is good once).
+    #[error("ticket refused: unknown or already used (get a new one)")]
     Unknown,
+    #[error("ticket refused: expired (get a new one)")]
     Expired,
 }
 

@@ -135,7 +135,7 @@ pub async fn ws_route(
             Ok(p) => p,
             Err(why) => {
                 return Ok(HttpResponse::Unauthorized()
-                    .json(json!({"error": {"reason": "permission_denied", "message": format!("ticket refused: {why:?}")}})))
+                    .json(json!({"error": {"reason": "permission_denied", "message": why.to_string()}})))
             }
         },
         None => match state.bearer_principal(&req) {

@@ -1230,8 +1230,9 @@ impl Handler<Respond> for SessionSupervisor {
         }
         if p.kind != m.kind {
             return Err(GatewayError::InvalidParams(format!(
-                "prompt {} is a {} prompt",
+                "prompt {} is a prompt of kind {} (answer it with {}.respond)",
                 m.prompt_id,
+                p.kind.as_str(),
                 p.kind.as_str()
             )));
         }

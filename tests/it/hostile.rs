@@ -721,12 +721,14 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
     );
     let t = ticket(&home.path);
     assert_eq!(raw_upgrade(&origin, &p(&t), &[]).status, 101);
-    refused(
-        "ticket_reused",
-        raw_upgrade(&origin, &p(&t), &[]),
-        401,
-        "permission_denied",
+    let reused = raw_upgrade(&origin, &p(&t), &[]);
+    // In words (it read `ticket refused: Unknown`).
+    assert!(
+        reused.body.contains("unknown or already used"),
+        "{}",
+        reused.body
     );
+    refused("ticket_reused", reused, 401, "permission_denied");
     let t = ticket(&home.path);
     refused(
         "subprotocol_missing",

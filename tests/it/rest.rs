@@ -359,6 +359,15 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
         .await;
     assert_eq!(r.status, 400);
     assert_refusal(&r.body, "invalid_params");
+    // A body that is not an object says so (not how a struct reads from an array).
+    let r = api.raw("POST", "/v1/sessions", Some(" []".into())).await;
+    assert_eq!(r.status, 400);
+    assert_refusal(&r.body, "invalid_params");
+    assert_eq!(
+        r.body["error"]["message"], "bad request body: expected a JSON object",
+        "{}",
+        r.body
+    );
 
     // Snapshot: the owner only.
     let snap = api
@@ -382,6 +391,12 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
     assert_refusal(&b, "permission_denied");
     let b = api.expect("GET", "/v1/sessions/nope", None, 404).await;
     assert_refusal(&b, "not_found");
+    // The message does not repeat the reason beside it.
+    let message = b["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        !message.starts_with("not_found") && !message.is_empty(),
+        "{b}"
+    );
 
     // Submit: 202 with the receipt; the same id gives the same receipt; other text 409.
     let inputs = format!("/v1/sessions/{sid}/inputs");
@@ -422,6 +437,19 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
         )
         .await;
     assert_refusal(&b, "payload_too_large");
+    // Nothing to say is not an input (it was admitted, and sent as an empty user turn).
+    for text in ["", " \n\t"] {
+        let b = api
+            .expect(
+                "POST",
+                &inputs,
+                Some(json!({"input_id": "empty", "text": text})),
+                400,
+            )
+            .await;
+        assert_refusal(&b, "invalid_params");
+        assert_eq!(b["error"]["message"], "text is empty", "{b}");
+    }
 
     // Receipt: long-polled until terminal, with the result.
     let done = api.wait(&sid, &r["admission_id"]).await;
@@ -533,6 +561,12 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
     // Unknown routes are refused; a known route asked with another method says which it takes.
     let b = api.expect("GET", "/v1/nothing-here", None, 404).await;
     assert_refusal(&b, "not_found");
+    // Outside /v1 too, with the same body and no key needed (it was an empty 404).
+    let r = Api::new(&d, "not-a-key")
+        .raw("GET", "/nothing-here", None)
+        .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_refusal(&r.body, "not_found");
     let r = api.get("/v1/sessions").await;
     assert_eq!(r.status, 405, "{}", r.body);
     assert_refusal(&r.body, "method_not_allowed");
