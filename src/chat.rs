@@ -55,6 +55,15 @@ struct Conn {
     framed: Framed,
     next_id: u64,
     backlog: Vec<Value>,
+    /// The connection is gone (a send failed, or the stream ended): reconnect to go on.
+    lost: bool,
+}
+
+/// How the client ends: every turn it ran completed, or one did not (exit 1 for scripts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatEnd {
+    Completed,
+    NotCompleted,
 }
 
 impl Conn {
@@ -67,6 +76,7 @@ impl Conn {
             framed: connect_ws(home, origin).await?,
             next_id: 1,
             backlog: Vec::new(),
+            lost: false,
         })
     }
 
@@ -74,14 +84,20 @@ impl Conn {
         if !self.backlog.is_empty() {
             return Some(self.backlog.remove(0));
         }
+        if self.lost {
+            return None;
+        }
         loop {
-            match self.framed.next().await? {
-                Ok(awc::ws::Frame::Text(b)) => return serde_json::from_slice(&b).ok(),
-                Ok(awc::ws::Frame::Ping(p)) => {
+            match self.framed.next().await {
+                Some(Ok(awc::ws::Frame::Text(b))) => return serde_json::from_slice(&b).ok(),
+                Some(Ok(awc::ws::Frame::Ping(p))) => {
                     let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
                 }
-                Ok(awc::ws::Frame::Close(_)) | Err(_) => return None,
-                Ok(_) => {}
+                Some(Ok(awc::ws::Frame::Close(_))) | Some(Err(_)) | None => {
+                    self.lost = true;
+                    return None;
+                }
+                Some(Ok(_)) => {}
             }
         }
     }
@@ -91,14 +107,14 @@ impl Conn {
         self.next_id += 1;
         let frame =
             json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string();
-        self.framed
-            .send(awc::ws::Message::Text(frame.into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        if let Err(e) = self.framed.send(awc::ws::Message::Text(frame.into())).await {
+            self.lost = true;
+            return Err(format!("connection lost: {e}"));
+        }
         let mut held = Vec::new();
         let result = loop {
             let Some(v) = self.recv().await else {
-                break Err("connection closed".to_string());
+                break Err("connection lost".to_string());
             };
             if v["id"] == json!(id) {
                 break match v.get("error") {
@@ -114,6 +130,28 @@ impl Conn {
         };
         self.backlog.extend(held);
         result
+    }
+}
+
+impl Conn {
+    /// Say goodbye with a close frame (the daemon logged a protocol error for a bare drop).
+    async fn close(mut self) {
+        if self.lost {
+            return;
+        }
+        let close = awc::ws::Message::Close(Some(awc::ws::CloseCode::Normal.into()));
+        if self.framed.send(close).await.is_err() {
+            return;
+        }
+        // Wait (briefly) for the daemon's close in answer, so the connection ends cleanly.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while let Some(Ok(frame)) = self.framed.next().await {
+                if matches!(frame, awc::ws::Frame::Close(_)) {
+                    break;
+                }
+            }
+        })
+        .await;
     }
 }
 
@@ -137,8 +175,9 @@ fn out(text: &str) {
     let _ = o.flush();
 }
 
-/// Run the client until the given text's turn completes (or stdin ends, interactively).
-pub async fn run(opts: ChatOptions) -> Result<(), String> {
+/// Run the client until the given text's turn ends (or stdin ends, interactively). A one-shot
+/// turn that did not complete ends `NotCompleted`.
+pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
     let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
     let mut conn = Conn::open(&opts.home).await?;
     let request_id = format!("chat:{}", opts.session);
@@ -169,9 +208,18 @@ pub async fn run(opts: ChatOptions) -> Result<(), String> {
         opts.session,
         snap["info"]["model"].as_str().unwrap_or("?")
     ));
+    if snap["info"]["provider"] == "echo" {
+        // A session keeps the model it was created with.
+        out(
+            "[this session was created with no model configured and keeps the built-in echo \
+             provider; --session NAME starts one with the model configured now]\n",
+        );
+    }
+    held_by_unknown(&snap, &session_id, None)?;
     let mut lines = stdin_lines();
     let interactive = opts.text.is_none();
     let mut first = opts.text.clone();
+    let mut end = ChatEnd::Completed;
     loop {
         let text = match first.take() {
             Some(t) => t,
@@ -180,44 +228,99 @@ pub async fn run(opts: ChatOptions) -> Result<(), String> {
                 match lines.recv().await {
                     Some(l) if l.trim().is_empty() => continue,
                     Some(l) => l,
-                    None => return Ok(()),
+                    None => break,
                 }
             }
-            None => return Ok(()),
+            None => break,
         };
         let input_id = uuid::Uuid::new_v4().simple().to_string();
-        let receipt = conn
-            .call(
-                "prompt.submit",
-                json!({"session_id": session_id, "input_id": input_id, "text": text}),
-            )
-            .await?;
-        let admission = receipt["admission_id"]
-            .as_str()
-            .ok_or("no admission id")?
-            .to_string();
-        follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?;
+        let admission = submit(&mut conn, &opts.home, &session_id, &input_id, &text).await?;
+        let outcome = follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?;
         if !interactive {
-            return Ok(());
+            if outcome != "completed" {
+                end = ChatEnd::NotCompleted;
+            }
+            break;
+        }
+    }
+    conn.close().await;
+    Ok(end)
+}
+
+/// Refuse to go on in a session held by an input whose outcome is unknown (other than
+/// `mine`): nothing queued behind it runs until an operator settles it, so waiting would be for
+/// good.
+fn held_by_unknown(snap: &Value, session_id: &str, mine: Option<&str>) -> Result<(), String> {
+    let held = snap["pending"].as_array().and_then(|pending| {
+        pending
+            .iter()
+            .find(|r| r["status"] == "unknown" && r["admission_id"].as_str() != mine)
+    });
+    let Some(row) = held else { return Ok(()) };
+    let admission = row["admission_id"].as_str().unwrap_or("?");
+    let queued = match mine {
+        Some(mine) => format!(" Input {mine} is queued behind it and runs once it is settled."),
+        None => String::new(),
+    };
+    Err(format!(
+        "session {session_id} is held by input {admission}, which was running when the daemon \
+         stopped: its outcome is unknown, it will not run again, and nothing after it runs until \
+         it is settled.{queued} Check what it did, then settle it with: \
+         gatehouse resolve-unknown {session_id} {admission}"
+    ))
+}
+
+/// Submit `text` as `input_id`; a connection found lost is reopened and the same input sent
+/// again (it is idempotent by its id: admitted once however often it is sent).
+async fn submit(
+    conn: &mut Conn,
+    home: &Path,
+    session_id: &str,
+    input_id: &str,
+    text: &str,
+) -> Result<String, String> {
+    let params = json!({"session_id": session_id, "input_id": input_id, "text": text});
+    let mut reconnected = false;
+    loop {
+        match conn.call("prompt.submit", params.clone()).await {
+            Ok(receipt) => {
+                return receipt["admission_id"]
+                    .as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| "no admission id".to_string())
+            }
+            Err(_) if conn.lost && !reconnected => {
+                out("[connection lost; reconnecting]\n");
+                *conn = reconnect(home).await?;
+                let snap = conn
+                    .call("session.resume", json!({"session_id": session_id}))
+                    .await?;
+                held_by_unknown(&snap, session_id, None)?;
+                reconnected = true;
+            }
+            Err(e) => return Err(e),
         }
     }
 }
 
-/// Stream one admission's events until it completes, answering prompts, reconnecting on drops.
+/// Stream one admission's events until it ends, answering prompts, reconnecting on drops; its
+/// outcome.
 async fn follow(
     conn: &mut Conn,
     home: &Path,
     session_id: &str,
     admission: &str,
     lines: &mut mpsc::UnboundedReceiver<String>,
-) -> Result<(), String> {
+) -> Result<String, String> {
     let mut streamed = false;
     loop {
         let Some(frame) = conn.recv().await else {
             out("\n[connection lost; reconnecting]\n");
             *conn = reconnect(home).await?;
-            conn.call("session.resume", json!({"session_id": session_id}))
+            let snap = conn
+                .call("session.resume", json!({"session_id": session_id}))
                 .await?;
+            held_by_unknown(&snap, session_id, Some(admission))?;
             let r = conn
                 .call(
                     "prompt.receipt",
@@ -235,11 +338,9 @@ async fn follow(
             }
             if r["status"] == "terminal" {
                 let text = r["result"]["final_response"].as_str().unwrap_or("");
-                out(&format!(
-                    "{text}\n[{}]\n",
-                    r["outcome"].as_str().unwrap_or("")
-                ));
-                return Ok(());
+                let outcome = r["outcome"].as_str().unwrap_or("").to_string();
+                out(&format!("{text}\n[{outcome}]\n"));
+                return Ok(outcome);
             }
             continue;
         };
@@ -278,16 +379,21 @@ async fn follow(
                     payload["description"].as_str().unwrap_or(""),
                     choices.join("/")
                 ));
-                let mut choice = lines
-                    .recv()
-                    .await
-                    .unwrap_or_else(|| "deny".into())
-                    .trim()
-                    .to_string();
-                if !choices.contains(&choice) {
-                    out(&format!("[{choice:?} is not offered; denying]\n"));
-                    choice = "deny".into();
-                }
+                // A typo is asked again (it denied at once); the end of input denies.
+                let choice = loop {
+                    let Some(line) = lines.recv().await else {
+                        out("[no more input; denying]\n");
+                        break "deny".to_string();
+                    };
+                    let line = line.trim().to_string();
+                    if choices.contains(&line) {
+                        break line;
+                    }
+                    out(&format!(
+                        "[{line:?} is not one of them] choose one of {}: ",
+                        choices.join("/")
+                    ));
+                };
                 let r = conn
                     .call(
                         "approval.respond",
@@ -309,11 +415,19 @@ async fn follow(
                     "\n[question: {}]\n",
                     payload["question"].as_str().unwrap_or("")
                 ));
-                if !listed.is_empty() {
-                    out(&format!("choices: {}\n", listed.join(" / ")));
+                for (i, choice) in listed.iter().enumerate() {
+                    out(&format!("  {}. {choice}\n", i + 1));
                 }
-                out("answer: ");
+                out(if listed.is_empty() {
+                    "answer: "
+                } else {
+                    "answer (a number picks that choice; anything else is said as is): "
+                });
                 let answer = lines.recv().await.unwrap_or_default();
+                let answer = match answer.trim().parse::<usize>() {
+                    Ok(n) if (1..=listed.len()).contains(&n) => listed[n - 1].clone(),
+                    _ => answer,
+                };
                 let r = conn
                     .call(
                         "clarify.respond",
@@ -329,13 +443,13 @@ async fn follow(
                 if !streamed {
                     out(payload["text"].as_str().unwrap_or(""));
                 }
-                let outcome = payload["outcome"].as_str().unwrap_or("");
+                let outcome = payload["outcome"].as_str().unwrap_or("").to_string();
                 if outcome == "completed" {
                     out("\n");
                 } else {
                     out(&format!("\n[{outcome}]\n"));
                 }
-                return Ok(());
+                return Ok(outcome);
             }
             _ => {}
         }

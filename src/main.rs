@@ -272,7 +272,9 @@ fn chat(args: Args) -> ExitCode {
     };
     let system = actix_rt::System::new();
     match system.block_on(gatehouse::chat::run(opts)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(gatehouse::chat::ChatEnd::Completed) => ExitCode::SUCCESS,
+        // The outcome is already shown (`[failed]`, `[interrupted]`, …).
+        Ok(gatehouse::chat::ChatEnd::NotCompleted) => ExitCode::from(1),
         Err(e) => {
             eprintln!("gatehouse: {e}");
             ExitCode::from(1)

@@ -503,7 +503,7 @@ fn echo_reply(body: &Value) -> ChatResponse {
         .unwrap_or("");
     ChatResponse {
         content: Some(format!(
-            "[echo provider: no model is configured; set model.base_url to use a real one] {last}"
+            "[echo provider: no model was configured when this session was created] {last}"
         )),
         finish_reason: "stop".into(),
         ..Default::default()

@@ -23,10 +23,24 @@ fn spawn_cli(home: &Home, args: &[&str]) -> std::process::Child {
         .expect("spawn gatehouse")
 }
 
+/// Run `gatehouse ARGS` to its end, within a minute (a command that waits for good fails the
+/// test instead of hanging it).
 fn cli(home: &Home, args: &[&str], stdin: &str) -> Output {
     let mut child = spawn_cli(home, args);
     if let Some(mut s) = child.stdin.take() {
         let _ = s.write_all(stdin.as_bytes());
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while child.try_wait().ok().flatten().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("gatehouse output");
+            panic!(
+                "gatehouse {args:?} still running after 60 s: {}",
+                String::from_utf8_lossy(&o.stdout)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().expect("gatehouse output")
 }
@@ -150,13 +164,19 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     assert!(stdout(&o).contains("ACK_hello there"), "{}", stdout(&o));
 
     // An approval is asked of the operator with the offered choices; a denial keeps the directory.
-    let o = cli(&home, &["chat", "--session", "ops", "DANGER"], "deny\n");
+    // A typo is asked again (it denied at once).
+    let o = cli(
+        &home,
+        &["chat", "--session", "ops", "DANGER"],
+        "dney\ndeny\n",
+    );
     let out = stdout(&o);
     assert!(o.status.success(), "{o:?}");
     assert!(
         out.contains("approval needed") && out.contains("once/session/always/deny"),
         "{out}"
     );
+    assert!(out.contains("\"dney\" is not one of them"), "{out}");
     assert!(out.contains("ACK_DANGER"), "{out}");
     assert!(victim.path.join("keep").exists());
 
@@ -428,7 +448,17 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
         row.target_session_id, row.admission_id
     );
     assert!(err.contains(&command), "{err}");
-    // The command it names settles the input.
+    // Chat into the held session says why nothing would run, and admits nothing (it waited
+    // silently, for good).
+    let o = cli(&home, &["chat", "--session", "crash", "AFTER"], "");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&command) && err.contains("is held by"),
+        "{err}"
+    );
+    assert!(!home.admissions().iter().any(|a| a.text() == "AFTER"));
+    // The command it names settles the input; then the session goes on.
     let o = cli(
         &home,
         &["resolve-unknown", &row.target_session_id, &row.admission_id],
@@ -436,6 +466,86 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
     );
     assert!(o.status.success(), "{o:?}");
     assert_eq!(home.admission_by_id(&row.admission_id).status, "terminal");
+    let o = cli(&home, &["chat", "--session", "crash", "AFTER"], "");
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains("ACK_AFTER"), "{}", stdout(&o));
+}
+
+/// Interactive chat goes on across a daemon restart between turns (its connection was gone and
+/// the next line failed with `connection closed`); clarify choices are numbered and a number
+/// picks one; a one-shot turn that fails exits 1 (it exited 0).
+#[actix_rt::test]
+async fn chat_reconnects_between_turns_and_a_turn_that_fails_exits_1() {
+    let model = FakeModel::start(|body| {
+        let last = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .cloned()
+            .unwrap_or_default();
+        if last["role"] == "tool" {
+            let got = last["content"].as_str().unwrap_or_default().to_string();
+            return Reply::Message(
+                json!({"role": "assistant", "content": format!("GOT {got}")}),
+                "stop",
+            );
+        }
+        match last_user(body).as_str() {
+            "FAIL" => Reply::Status(500, json!({"error": {"message": "down"}})),
+            "ASK" => Reply::Message(
+                tool_call(
+                    "q1",
+                    "clarify",
+                    json!({"question": "Pick a color", "choices": ["BLUE", "GREEN"]}),
+                ),
+                "tool_calls",
+            ),
+            text => Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{text}")}),
+                "stop",
+            ),
+        }
+    });
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
+    let o = cli(&home, &["chat", "--session", "f", "FAIL"], "");
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(stdout(&o).contains("[failed]"), "{}", stdout(&o));
+
+    let mut chat = spawn_cli(&home, &["chat", "--session", "r"]);
+    let mut stdin = chat.stdin.take().expect("stdin");
+    stdin.write_all(b"one\n").expect("write");
+    wait_until("the first turn", Duration::from_secs(30), || {
+        home.admissions()
+            .iter()
+            .any(|a| a.text() == "one" && a.status == "terminal")
+    })
+    .await;
+    assert_eq!(d.term(), Some(0));
+    let _d = Daemon::start(&home);
+    stdin.write_all(b"two\nASK\n2\n").expect("write");
+    drop(stdin);
+    let (code, out) = {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let code = loop {
+            if let Some(s) = chat.try_wait().expect("chat status") {
+                break s.code();
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = chat.kill();
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let o = chat.wait_with_output().expect("chat output");
+        (
+            code,
+            format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr)),
+        )
+    };
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("ACK_one") && out.contains("ACK_two"), "{out}");
+    assert_eq!(model.reached("two"), 1, "admitted once");
+    assert!(out.contains("1. BLUE") && out.contains("2. GREEN"), "{out}");
+    assert!(out.contains("GOT") && out.contains("GREEN"), "{out}");
 }
 
 #[actix_rt::test]
