@@ -700,6 +700,15 @@ async fn events(
             "the event seq to resume after must be 0 or more",
         ));
     }
+    // A position past the log's head (from another session, or a store made again) would be
+    // followed in silence: every event up to it is taken as already seen.
+    let head = state.authority.events_since(&root, after, 1).await?;
+    if after > head.last_sequence {
+        return Err(ApiError::invalid(format!(
+            "the event seq to resume after ({after}) is past this session's last event ({})",
+            head.last_sequence
+        )));
+    }
     let feed = Feed::open(&state.authority, &root).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let keepalive =

@@ -732,6 +732,26 @@ async fn sse_resumes_after_a_dropped_connection_with_every_event_once_in_order()
     assert_eq!(r.status, 400);
     let r = api.with("last-event-id", "x").get(&path).await;
     assert_eq!(r.status, 400);
+    // Past the head: refused (it was followed in silence, everything up to it taken as seen).
+    // The head itself is fine: the stream waits for what comes next.
+    let past = ids.len() + 5;
+    let r = api.get(&format!("{path}?after={past}")).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_refusal(&r.body, "invalid_params");
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("past this session's last event")),
+        "{}",
+        r.body
+    );
+    let r = api
+        .with("last-event-id", &past.to_string())
+        .get(&path)
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let at_head = Sse::open(&api, &path, Some(ids.len() as i64)).await;
+    assert!(!at_head.ended);
 }
 
 #[actix_rt::test]
