@@ -68,6 +68,8 @@ api_object! {
         stream: Option<bool>,
         stream_options: Option<StreamOptions>,
         user: Option<String>,
+        /// How many answers: 1 only (a turn has one).
+        n: Option<u64>,
     }
 }
 
@@ -453,6 +455,10 @@ pub async fn chat_completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ChatFailure> {
     let body: ChatCompletionRequest = read_json(payload, BODY_LIMIT).await?;
+    // More than one answer cannot be given: say so rather than send one of the n asked for.
+    if body.n.is_some_and(|n| n != 1) {
+        return Err(invalid("n must be 1: a turn gives one answer"));
+    }
     let text = body
         .messages
         .iter()

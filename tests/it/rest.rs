@@ -1237,6 +1237,21 @@ async fn chat_completions_speak_the_openai_wire_format() {
     assert!(bad.body["error"]["message"].is_string());
     assert_eq!(bad.body["error"]["type"], "invalid_request_error");
     assert_eq!(bad.body["error"]["reason"], "invalid_params");
+    // Two answers cannot be given (one was sent for the two asked); one can.
+    let two = chat(
+        &api,
+        json!({"n": 2, "messages": [{"role": "user", "content": "two answers"}]}),
+    )
+    .await;
+    assert_eq!(two.status, 400, "{}", two.body);
+    assert_eq!(two.body["error"]["reason"], "invalid_params");
+    assert!(model.reached("two answers") == 0);
+    let one = chat(
+        &api,
+        json!({"n": 1, "messages": [{"role": "user", "content": "one answer"}]}),
+    )
+    .await;
+    assert_eq!(one.status, 200, "{}", one.body);
     let started = Instant::now();
     let slow = chat(
         &named,
