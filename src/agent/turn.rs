@@ -389,7 +389,7 @@ impl Turn {
             if final_answer {
                 let mut text = retry.partial.clone();
                 text.push_str(response.content.as_deref().unwrap_or(""));
-                let mut content = strip_think(&text);
+                let (mut content, thoughts) = split_think(&text);
                 if content.is_empty() {
                     // An empty answer is asked for again; then the last words that came with
                     // tool calls, if any, stand for it.
@@ -403,7 +403,11 @@ impl Turn {
                     final_message: NewMessage {
                         role: "assistant".into(),
                         content: Some(content),
-                        reasoning: retry.reasoning_with(response.reasoning.take()),
+                        // Thinking in `<think>` blocks is kept as the reasoning when no
+                        // reasoning field came (it was dropped).
+                        reasoning: retry
+                            .reasoning_with(response.reasoning.take())
+                            .or_else(|| (!thoughts.is_empty()).then_some(thoughts)),
                         finish_reason: Some(response.finish_reason.clone()),
                         admission_id: Some(self.ctx.admission_id.clone()),
                         ..Default::default()
@@ -1242,19 +1246,33 @@ fn truncate(s: &str, n: usize) -> String {
 
 /// Remove `<think>…</think>` blocks from a final answer.
 pub fn strip_think(text: &str) -> String {
+    split_think(text).0
+}
+
+/// A text without its `<think>…</think>` blocks (an unclosed one runs to the end), and what
+/// they held: a model that thinks in its content instead of a reasoning field.
+pub fn split_think(text: &str) -> (String, String) {
     let mut out = String::with_capacity(text.len());
+    let mut thoughts = String::new();
     let mut rest = text;
     while let Some(start) = rest.find("<think>") {
         out.push_str(&rest[..start]);
-        match rest[start..].find("</think>") {
-            Some(end) => rest = &rest[start + end + "</think>".len()..],
-            None => {
-                rest = "";
+        let inner = &rest[start + "<think>".len()..];
+        let (thought, after) = match inner.find("</think>") {
+            Some(end) => (&inner[..end], &inner[end + "</think>".len()..]),
+            None => (inner, ""),
+        };
+        let thought = thought.trim();
+        if !thought.is_empty() {
+            if !thoughts.is_empty() {
+                thoughts.push('\n');
             }
+            thoughts.push_str(thought);
         }
+        rest = after;
     }
     out.push_str(rest);
-    out.trim().to_string()
+    (out.trim().to_string(), thoughts)
 }
 
 /// Tools the model sees: the session's frozen list, limited to tools this gateway has.
@@ -1398,5 +1416,13 @@ mod tests {
     fn think_blocks_are_removed() {
         assert_eq!(strip_think("<think>hmm</think> Hello"), "Hello");
         assert_eq!(strip_think("A<think>x</think>B<think>y"), "AB");
+        assert_eq!(
+            super::split_think("<think> plan </think>Hello<think>more"),
+            ("Hello".to_string(), "plan\nmore".to_string())
+        );
+        assert_eq!(
+            super::split_think("no thoughts"),
+            ("no thoughts".to_string(), String::new())
+        );
     }
 }

@@ -247,8 +247,9 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
     // with reasoning of its own; the next turn's request must carry both back.
     let model = FakeModel::start(|body| {
         if last_user(body) == "AGAIN" {
+            // Thinking in the content, as some models do: kept as the reasoning.
             return Reply::Message(
-                json!({"role": "assistant", "content": "AGAIN_DONE"}),
+                json!({"role": "assistant", "content": "<think>second thoughts</think>AGAIN_DONE"}),
                 "stop",
             );
         }
@@ -323,7 +324,15 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
     let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
     assert_eq!(
         of_assistants(&snapshot["messages"], "reasoning"),
-        [json!("first look"), json!("then answer"), Value::Null]
+        [
+            json!("first look"),
+            json!("then answer"),
+            json!("second thoughts")
+        ]
+    );
+    assert_eq!(
+        of_assistants(&snapshot["messages"], "content").last(),
+        Some(&json!("AGAIN_DONE"))
     );
 }
 
