@@ -1,6 +1,6 @@
 //! Hosted-room methods (`room.*`) and their events (`room.task`, `room.pending_action`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 use crate::clock::SharedClock;
 use crate::error::{GatewayError, GatewayResult};
 use crate::rooms::db::RoomsDb;
-use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
+use crate::rooms::runtime::{
+    RoomBinding, RoomHooks, RoomRuntime, RoomsError, RoomsStatus, DISBAND_CANCEL_ID,
+};
 use crate::session::supervisor::{push_or_drop, PushEvent};
 use crate::store::room_tasks::{self, TaskIdentity, TaskPayload, TaskStatus, TaskView};
 use crate::store::rooms::{self, RoomMember, RoomStoreError};
@@ -370,12 +372,39 @@ impl RoomsService {
                 self.disband(&p.room_id).await
             }
             "room.status" => {
-                let mut status = serde_json::to_value(self.runtime.status()).unwrap_or(Value::Null);
+                let status = self.status_for(principal).await?;
+                let mut status = serde_json::to_value(status).unwrap_or(Value::Null);
                 status["followed_rooms"] = json!(self.hub.followed_rooms());
                 Ok(status)
             }
             other => Err(GatewayError::UnknownMethod(other.to_string())),
         }
+    }
+
+    /// The runtime's status as `principal` may see it: only the rooms it may use (those it
+    /// created, as every method that names a room decides), and the last error of one of them.
+    /// The operator (`None`) sees every room.
+    async fn status_for(&self, principal: Option<&str>) -> GatewayResult<RoomsStatus> {
+        let status = self.runtime.status();
+        let Some(principal) = principal else {
+            return Ok(status);
+        };
+        let (named, who) = (status.rooms(), principal.to_string());
+        let visible = self
+            .db
+            .run(move |c| {
+                let mut visible = HashSet::new();
+                for room in named {
+                    let owner = rooms::room_owner(c, &room)?;
+                    if owned_by(&room, owner.as_deref(), Some(&who)).is_ok() {
+                        visible.insert(room);
+                    }
+                }
+                Ok(visible)
+            })
+            .await
+            .map_err(store_error)?;
+        Ok(status.visible_to(|room| visible.contains(room)))
     }
 
     /// Disband a room: raise its disband fence (no new admission or start from now on), cancel

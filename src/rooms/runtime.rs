@@ -132,7 +132,11 @@ pub struct RoomsStatus {
     pub current_tasks: Vec<TaskIdentity>,
     pub leased_rooms: Vec<String>,
     pub blocked_rooms: Vec<String>,
+    /// The last error of any room (the operator's view); see [`RoomsStatus::visible_to`].
     pub last_error: Option<String>,
+    /// Each room's last error, oldest first (not sent: [`RoomsStatus::visible_to`] picks from it).
+    #[serde(skip)]
+    pub room_errors: Vec<(String, String)>,
     /// Completed scheduler cycles.
     pub cycles: u64,
     /// Room passes begun.
@@ -141,6 +145,31 @@ pub struct RoomsStatus {
     pub lease_renewals: u64,
     /// Leases found lost (expired, replaced, or authority moved).
     pub lease_losses: u64,
+}
+
+impl RoomsStatus {
+    /// Every room the snapshot names (leased, blocked, in flight, or with an error).
+    pub fn rooms(&self) -> BTreeSet<String> {
+        let mut rooms: BTreeSet<String> = self.leased_rooms.iter().cloned().collect();
+        rooms.extend(self.blocked_rooms.iter().cloned());
+        rooms.extend(self.current_tasks.iter().map(|t| t.room_id.clone()));
+        rooms.extend(self.room_errors.iter().map(|(room, _)| room.clone()));
+        rooms
+    }
+
+    /// The snapshot as a caller that may see only the rooms `visible` admits sees it: the
+    /// other rooms' leases, blocks and turns in flight are left out, and `last_error` is the
+    /// last error of a room it may see (none if there is none: another room's error names that
+    /// room, its sessions and admissions).
+    pub fn visible_to(mut self, visible: impl Fn(&str) -> bool) -> RoomsStatus {
+        self.leased_rooms.retain(|room| visible(room));
+        self.blocked_rooms.retain(|room| visible(room));
+        self.current_tasks.retain(|task| visible(&task.room_id));
+        self.current_task = self.current_tasks.first().cloned();
+        self.room_errors.retain(|(room, _)| visible(room));
+        self.last_error = self.room_errors.last().map(|(_, message)| message.clone());
+        self
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -162,6 +191,9 @@ pub(crate) struct RuntimeState {
     pub recovered: HashSet<(String, i64)>,
     pub blocked: BTreeSet<String>,
     pub last_error: Option<String>,
+    /// Each room's last error, with the order it was recorded in.
+    pub room_errors: HashMap<String, (u64, String)>,
+    pub errors_recorded: u64,
     pub current_tasks: BTreeMap<String, TaskIdentity>,
     pub inspected: HashSet<(String, String, i64)>,
     pub backoff: HashMap<(String, String), Backoff>,
@@ -348,9 +380,16 @@ impl RoomRuntime {
         self.inner.clock.now()
     }
 
-    pub(crate) fn set_error(&self, message: String) {
-        tracing::warn!(target: "gatehouse::rooms", "{message}");
-        self.state().last_error = Some(message);
+    /// Record an error of room `room_id` (its own last error, and the runtime's).
+    pub(crate) fn set_error(&self, room_id: &str, message: String) {
+        tracing::warn!(target: "gatehouse::rooms", room = %room_id, "{message}");
+        let mut state = self.state();
+        state.errors_recorded += 1;
+        let order = state.errors_recorded;
+        state
+            .room_errors
+            .insert(room_id.to_string(), (order, message.clone()));
+        state.last_error = Some(message);
     }
 
     pub(crate) fn is_stopping(&self) -> bool {
@@ -460,6 +499,12 @@ impl RoomRuntime {
         let current_tasks: Vec<TaskIdentity> = state.current_tasks.values().cloned().collect();
         let mut leased_rooms: Vec<String> = state.leases.keys().cloned().collect();
         leased_rooms.sort();
+        let mut room_errors: Vec<(u64, String, String)> = state
+            .room_errors
+            .iter()
+            .map(|(room, (order, message))| (*order, room.clone(), message.clone()))
+            .collect();
+        room_errors.sort();
         RoomsStatus {
             running: state.running,
             stopping: state.stopping,
@@ -469,6 +514,10 @@ impl RoomRuntime {
             leased_rooms,
             blocked_rooms: state.blocked.iter().cloned().collect(),
             last_error: state.last_error.clone(),
+            room_errors: room_errors
+                .into_iter()
+                .map(|(_, room, message)| (room, message))
+                .collect(),
             cycles: state.cycles,
             passes: state.passes,
             lease_renewals: state.lease_renewals,
@@ -694,10 +743,10 @@ impl RoomRuntime {
             return Ok(task);
         };
         if let Err(error) = self.finish_user_stop(&binding, &task).await {
-            self.set_error(format!(
-                "task {} stop remains pending: {error}",
-                identity.task_id
-            ));
+            self.set_error(
+                &identity.room_id,
+                format!("task {} stop remains pending: {error}", identity.task_id),
+            );
         }
         self.wakeup();
         Ok(self.read_task(identity).await?)

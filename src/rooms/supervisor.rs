@@ -186,9 +186,15 @@ impl RoomRuntime {
                     state.leases.remove(&binding.room_id);
                     state.blocked.remove(&binding.room_id);
                 }
-                self.set_error(format!("room {}: {error}", binding.room_id));
+                self.set_error(
+                    &binding.room_id,
+                    format!("room {}: {error}", binding.room_id),
+                );
             }
-            Err(error) => self.set_error(format!("room {}: {error}", binding.room_id)),
+            Err(error) => self.set_error(
+                &binding.room_id,
+                format!("room {}: {error}", binding.room_id),
+            ),
         }
     }
 
@@ -443,14 +449,20 @@ impl RoomRuntime {
                         )
                         .await;
                     }
-                    Ok(None) => self.set_error(format!(
-                        "task {} is running but its room session is gone",
-                        task.identity.task_id
-                    )),
-                    Err(error) => self.set_error(format!(
-                        "task {} observation failed after submit: {error}",
-                        task.identity.task_id
-                    )),
+                    Ok(None) => self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {} is running but its room session is gone",
+                            task.identity.task_id
+                        ),
+                    ),
+                    Err(error) => self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {} observation failed after submit: {error}",
+                            task.identity.task_id
+                        ),
+                    ),
                 }
             }
             self.state().current_tasks.remove(&binding.room_id);
@@ -495,10 +507,13 @@ impl RoomRuntime {
             let probe = match probe {
                 Ok(probe) => probe,
                 Err(error) => {
-                    self.set_error(format!(
-                        "task {} recovery probe failed: {error}",
-                        task.identity.task_id
-                    ));
+                    self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {} recovery probe failed: {error}",
+                            task.identity.task_id
+                        ),
+                    );
                     continue;
                 }
             };
@@ -757,10 +772,10 @@ impl RoomRuntime {
             let port = match self.transport(binding, &task) {
                 Ok(port) => port,
                 Err(error) => {
-                    self.set_error(format!(
-                        "task {} recovery probe failed: {error}",
-                        id.task_id
-                    ));
+                    self.set_error(
+                        &binding.room_id,
+                        format!("task {} recovery probe failed: {error}", id.task_id),
+                    );
                     self.state().blocked.insert(binding.room_id.clone());
                     return Ok(true);
                 }
@@ -797,19 +812,22 @@ impl RoomRuntime {
                     }) => {
                         // Deferring it would only queue the room's next task behind it in the
                         // member's session: the room waits for the member's operator instead.
-                        self.set_error(format!(
+                        self.set_error(
+                            &binding.room_id,
+                            format!(
                             "task {} waits for the operator to resolve its member's unknown turn: \
                              gatehouse resolve-unknown {session_id} {admission_id}",
                             id.task_id
-                        ));
+                        ),
+                        );
                         self.state().blocked.insert(binding.room_id.clone());
                         return Ok(true);
                     }
                     Ok(_) => {}
-                    Err(error) => self.set_error(format!(
-                        "task {} recovery probe failed: {error}",
-                        id.task_id
-                    )),
+                    Err(error) => self.set_error(
+                        &binding.room_id,
+                        format!("task {} recovery probe failed: {error}", id.task_id),
+                    ),
                 }
             }
             let since = task.indeterminate_at.unwrap_or(task.updated_at);
@@ -868,10 +886,10 @@ impl RoomRuntime {
                             return Ok(true);
                         }
                     }
-                    Err(error) => self.set_error(format!(
-                        "task {} recovery probe failed: {error}",
-                        id.task_id
-                    )),
+                    Err(error) => self.set_error(
+                        &binding.room_id,
+                        format!("task {} recovery probe failed: {error}", id.task_id),
+                    ),
                 }
             }
             if self.now() < deadline {
@@ -938,10 +956,13 @@ impl RoomRuntime {
                     return Ok(true);
                 }
                 Err(error) => {
-                    self.set_error(format!(
-                        "task {} stop retry remains pending: {error}",
-                        task.identity.task_id
-                    ));
+                    self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {} stop retry remains pending: {error}",
+                            task.identity.task_id
+                        ),
+                    );
                     self.state().blocked.insert(binding.room_id.clone());
                     return Ok(true);
                 }
@@ -1294,9 +1315,10 @@ impl RoomRuntime {
                 return None;
             }
             // the member may have admitted it: never resubmit, keep observing
-            Err(error) => self.set_error(format!(
-                "task {task_id} observation failed after submit: {error}"
-            )),
+            Err(error) => self.set_error(
+                &binding.room_id,
+                format!("task {task_id} observation failed after submit: {error}"),
+            ),
         }
         self.observe(binding, attempt, task, port.as_ref(), &session_id, deadline)
             .await
@@ -1358,9 +1380,10 @@ impl RoomRuntime {
             .lease(&binding.room_id)
             .is_some_and(|l| l.lease_generation != attempt.lease.lease_generation)
         {
-            self.set_error(format!(
-                "task {task_id} fenced: driver lease is stale or expired"
-            ));
+            self.set_error(
+                &binding.room_id,
+                format!("task {task_id} fenced: driver lease is stale or expired"),
+            );
             return false;
         }
         true
@@ -1379,9 +1402,9 @@ impl RoomRuntime {
             status: SettlementStatus::Failed,
             result: serde_json::json!({ "error": message }),
         };
-        self.set_error(format!("task {task_id} failed: {error}"));
+        self.set_error(&binding.room_id, format!("task {task_id} failed: {error}"));
         if let Err(commit) = self.commit_receipt(binding, attempt, settlement).await {
-            self.set_error(format!("task {task_id} fenced: {commit}"));
+            self.set_error(&binding.room_id, format!("task {task_id} fenced: {commit}"));
         }
     }
 
@@ -1406,13 +1429,17 @@ impl RoomRuntime {
                     task.payload.member_id().to_string(),
                 );
                 let delay = self.schedule_route_retry(route);
-                self.set_error(format!(
-                    "task {task_id} was not admitted; queued for retry in {delay}s: {error}"
-                ));
+                self.set_error(
+                    &binding.room_id,
+                    format!(
+                        "task {task_id} was not admitted; queued for retry in {delay}s: {error}"
+                    ),
+                );
             }
-            Err(fence) => self.set_error(format!(
-                "task {task_id} not-admitted proof lost its fence: {fence}"
-            )),
+            Err(fence) => self.set_error(
+                &binding.room_id,
+                format!("task {task_id} not-admitted proof lost its fence: {fence}"),
+            ),
         }
     }
 
@@ -1470,9 +1497,10 @@ impl RoomRuntime {
             let current = match self.read_task(&attempt.identity).await {
                 Ok(current) => current,
                 Err(error) => {
-                    self.set_error(format!(
-                        "task {task_id} observation failed after submit: {error}"
-                    ));
+                    self.set_error(
+                        &binding.room_id,
+                        format!("task {task_id} observation failed after submit: {error}"),
+                    );
                     self.pause_for(&mut wake, poll).await;
                     continue;
                 }
@@ -1502,19 +1530,23 @@ impl RoomRuntime {
                     match outcome {
                         Ok(StopOutcome::Resolved) => continue,
                         Ok(StopOutcome::Pending) if deadline_stop => {
-                            self.set_error(format!(
-                                "task {task_id} exceeded its deadline; stop remains pending"
-                            ));
+                            self.set_error(
+                                &binding.room_id,
+                                format!(
+                                    "task {task_id} exceeded its deadline; stop remains pending"
+                                ),
+                            );
                             return None;
                         }
                         Ok(StopOutcome::Pending) => {}
                         Err(error) if deadline_stop => {
-                            self.set_error(format!("task {task_id} exceeded its deadline; stop remains pending: {error}"));
+                            self.set_error(&binding.room_id, format!("task {task_id} exceeded its deadline; stop remains pending: {error}"));
                             return None;
                         }
-                        Err(error) => {
-                            self.set_error(format!("task {task_id} stop remains pending: {error}"))
-                        }
+                        Err(error) => self.set_error(
+                            &binding.room_id,
+                            format!("task {task_id} stop remains pending: {error}"),
+                        ),
                     }
                     self.pause_for(&mut wake, poll).await;
                     continue;
@@ -1546,7 +1578,10 @@ impl RoomRuntime {
                     | Err(RoomStoreError::InvalidTransition(_))
                     | Err(RoomStoreError::StaleTask(_)) => {}
                     Err(error) => {
-                        self.set_error(format!("task {task_id} deadline stop failed: {error}"));
+                        self.set_error(
+                            &binding.room_id,
+                            format!("task {task_id} deadline stop failed: {error}"),
+                        );
                         self.pause_for(&mut wake, poll).await;
                     }
                 }
@@ -1570,26 +1605,29 @@ impl RoomRuntime {
                                 self.fenced(binding, &task_id, &error);
                                 return None;
                             }
-                            self.set_error(format!(
-                                "task {task_id} observation failed after submit: {error}"
-                            ));
+                            self.set_error(
+                                &binding.room_id,
+                                format!("task {task_id} observation failed after submit: {error}"),
+                            );
                         }
                         continue;
                     }
                 }
                 Err(error) => {
-                    self.set_error(format!(
-                        "task {task_id} observation failed after submit: {error}"
-                    ));
+                    self.set_error(
+                        &binding.room_id,
+                        format!("task {task_id} observation failed after submit: {error}"),
+                    );
                     self.pause_for(&mut wake, poll).await;
                     continue;
                 }
             }
             match port.info(session).await {
                 Ok(info) => self.report_pending(binding, &current, session_id, &info),
-                Err(error) => self.set_error(format!(
-                    "task {task_id} observation failed after submit: {error}"
-                )),
+                Err(error) => self.set_error(
+                    &binding.room_id,
+                    format!("task {task_id} observation failed after submit: {error}"),
+                ),
             }
             let left = deadline - self.inner.clock.monotonic();
             self.pause_for(&mut wake, poll.min(left.max(0.0))).await;
@@ -1600,7 +1638,7 @@ impl RoomRuntime {
         if is_lease_loss(error) {
             self.state().leases.remove(&binding.room_id);
         }
-        self.set_error(format!("task {task_id} fenced: {error}"));
+        self.set_error(&binding.room_id, format!("task {task_id} fenced: {error}"));
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1638,7 +1676,10 @@ impl RoomRuntime {
             Err(error) if error.is_fence() || is_lease_loss(&error) => {
                 self.fenced(binding, task_id, &error)
             }
-            Err(error) => self.set_error(format!("task {task_id} terminal commit failed: {error}")),
+            Err(error) => self.set_error(
+                &binding.room_id,
+                format!("task {task_id} terminal commit failed: {error}"),
+            ),
         }
         // The pass that submitted the attempt observes it and takes up what follows: it needs
         // waking, not another pass after it. An attempt nobody observes (its pass is gone)

@@ -1023,3 +1023,116 @@ async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
     let rooms: Value = serde_json::from_str(&out).expect("rooms json");
     assert_eq!(rooms["rooms"], json!([]), "{rooms}");
 }
+
+/// The API key of the second principal in the tests that need two.
+const STRANGER_KEY: &str = "rooms-stranger-key";
+
+/// A WebSocket connection as the principal of API key `key` (a ticket connection is the local
+/// user's).
+async fn keyed_ws(d: &Daemon, key: &str) -> Ws {
+    let url = format!("{}/api/ws", d.origin().replacen("http", "ws", 1));
+    let (_, framed) = awc::Client::builder()
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish()
+        .ws(url)
+        .protocols(["gatehouse.v1"])
+        .bearer_auth(key)
+        .max_frame_size(64 << 20)
+        .connect()
+        .await
+        .expect("bearer connect");
+    Ws::from_framed(framed)
+}
+
+/// `room.status` as `ws` sees it, once `pred` holds of it (30 s at most).
+async fn status_when(ws: &mut Ws, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = ws.ok("room.status", json!({})).await;
+        if pred(&status) {
+            return status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: never; last {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `room.status` shows a principal its own rooms only: another principal's leased and blocked
+/// rooms, and an error that names another principal's room with its member session and
+/// admission, are left out; the operator's `gatehouse rooms` still sees every room. Before, a
+/// fresh API key that owned no room read every room's lease and block, and the `last_error`
+/// naming the other owner's room, session and admission.
+#[actix_rt::test]
+async fn room_status_shows_a_principal_only_its_own_rooms() {
+    let victim = Home::new();
+    let (model, home) = park_a_task_and_crash(&victim).await;
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "gateway": {"api_keys": [gatehouse::store::rooms::sha256_hex(STRANGER_KEY)]},
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"lease_ttl_seconds": 300, "indeterminate_defer_seconds": 300,
+                      "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut owner = d.ws().await;
+    let unknown_named = |s: &Value| {
+        s["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("resolve-unknown"))
+            && s["blocked_rooms"] == json!(["park"])
+    };
+    let seen = status_when(&mut owner, "the owner sees its blocked room", unknown_named).await;
+    assert_eq!(seen["leased_rooms"], json!(["park"]), "{seen}");
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+
+    let mut stranger = keyed_ws(&d, STRANGER_KEY).await;
+    let seen = stranger.ok("room.status", json!({})).await;
+    assert_eq!(seen["leased_rooms"], json!([]), "{seen}");
+    assert_eq!(seen["blocked_rooms"], json!([]), "{seen}");
+    assert_eq!(seen["current_tasks"], json!([]), "{seen}");
+    assert!(seen["last_error"].is_null(), "{seen}");
+    let text = seen.to_string();
+    for secret in ["park", &unknown.target_session_id, &unknown.admission_id] {
+        assert!(!text.contains(secret), "{secret} leaked: {text}");
+    }
+
+    // Its own room is its own to see; the owner does not see it.
+    stranger
+        .ok(
+            "room.create",
+            json!({"room_id": "theirs", "name": "Theirs", "members": [{"profile": "ops", "handle": "ops"}]}),
+        )
+        .await;
+    let seen = status_when(&mut stranger, "the stranger sees its room", |s| {
+        s["leased_rooms"] == json!(["theirs"])
+    })
+    .await;
+    assert!(seen["last_error"].is_null(), "{seen}");
+    assert_eq!(seen["blocked_rooms"], json!([]), "{seen}");
+    let seen = owner.ok("room.status", json!({})).await;
+    assert_eq!(seen["leased_rooms"], json!(["park"]), "{seen}");
+    assert!(unknown_named(&seen), "{seen}");
+
+    // The operator sees every room.
+    let ops = control(&home.path, "rooms", json!({})).expect("rooms");
+    assert_eq!(
+        ops["status"]["leased_rooms"],
+        json!(["park", "theirs"]),
+        "{ops}"
+    );
+    assert!(
+        ops["status"]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains(&unknown.admission_id)),
+        "{ops}"
+    );
+}
