@@ -1,12 +1,13 @@
 //! `POST /v1/chat/completions`: an OpenAI-compatible facade over sessions.
 //!
 //! The conversation's last user message becomes one input of a session: the one named by the
-//! `X-Gatehouse-Session` header, else one derived from the conversation (a hash of its messages up
-//! to the first user message, so a growing conversation keeps its session, and of the request's
-//! `user` when it names one, so two end users' conversations never share a session). The input id is the
-//! `Idempotency-Key` header, else a hash of the whole request's messages: a retried request joins
-//! the same admission instead of running again. The answer is the turn's final assistant message,
-//! as a `chat.completion` or (with `stream: true`) as `chat.completion.chunk` events ending with
+//! `X-Gatehouse-Session` header (a session id the caller owns, or a name), which keeps its own
+//! history; else the session where the same conversation left off, when it is exactly there;
+//! else a new one that starts with the client's earlier turns (see [`derived_thread`]). The
+//! input id is the `Idempotency-Key` header, else a hash of the request's messages: a retried
+//! request joins the same admission instead of running again (after a turn that ended without an
+//! answer, it asks again). The answer is the turn's final assistant message, as a
+//! `chat.completion` or (with `stream: true`) as `chat.completion.chunk` events ending with
 //! `data: [DONE]`; the stream carries `: keep-alive` comments while the turn runs.
 //!
 //! These sessions are created with source `api`: unattended, so approval-gated commands follow
@@ -26,13 +27,16 @@ use tokio::sync::mpsc;
 use super::auth::{ApiError, Principal};
 use super::http::AppState;
 use super::openapi::{api_object, ApiSchema, Body, Components, Operation};
+use super::rest::CreateSession;
 use super::rest::{
     call, caller, idempotency, read_json, sse_response, wait_terminal, Receipt, SessionSnapshot,
 };
-use super::rpc::session_id_for;
+use super::rpc::{session_id_for, Authority, Seed};
 use crate::agent::tokens;
 use crate::error::GatewayError;
-use crate::store::admissions::hex;
+use crate::store::admissions::{self, hex};
+use crate::store::messages::NewMessage;
+use crate::store::threads;
 
 /// Names the session of a chat completion.
 pub const SESSION_HEADER: &str = "x-gatehouse-session";
@@ -211,6 +215,12 @@ impl From<ApiError> for ChatFailure {
     }
 }
 
+impl From<crate::error::StoreError> for ChatFailure {
+    fn from(e: crate::error::StoreError) -> ChatFailure {
+        ChatFailure::from(GatewayError::from(e))
+    }
+}
+
 impl From<GatewayError> for ChatFailure {
     fn from(e: GatewayError) -> ChatFailure {
         ApiError::from(e).into()
@@ -247,56 +257,184 @@ fn text_of(content: &Option<Value>) -> Option<String> {
     }
 }
 
-fn digest_of(messages: &[ChatMessage]) -> String {
-    let canonical: Vec<Value> = messages
+/// A conversation as keys and seeds read it: each system, user and assistant message's role
+/// (`developer` is `system`) and text; other messages (tool results) are not the client's turns.
+fn turns(messages: &[ChatMessage]) -> Vec<(String, String)> {
+    messages
         .iter()
-        .map(|m| json!([m.role, m.content]))
-        .collect();
+        .filter_map(|m| {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                _ => return None,
+            };
+            Some((role.to_string(), text_of(&m.content).unwrap_or_default()))
+        })
+        .collect()
+}
+
+/// The key of a conversation's first `turns`, within `scope` (the end user and the profile:
+/// two users' or two profiles' conversations never share a session).
+fn thread_key(scope: &Value, turns: &[(String, String)]) -> String {
     hex(&Sha256::digest(
-        Value::Array(canonical).to_string().as_bytes(),
+        json!([scope, turns]).to_string().as_bytes(),
     ))
 }
 
-/// The session's request id: the header's name, else a hash of the conversation's opening and,
-/// when the request names them, its end user (`user`) and the profile its `model` names: an app
-/// serving many users through one key must not put two users' conversations that open alike into
-/// one session (the second would get the first's answers and, later, its history), and the same
-/// conversation sent to another profile is another session, run by that profile.
-fn session_request_id(
-    req: &HttpRequest,
-    messages: &[ChatMessage],
-    user: Option<&str>,
-    profile: Option<&str>,
-) -> Result<String, ChatFailure> {
-    if let Some(v) = req.headers().get(SESSION_HEADER) {
-        let name = v
-            .to_str()
-            .map_err(|_| invalid("X-Gatehouse-Session must be visible ASCII"))?
-            .trim();
-        if name.is_empty() || name.len() > 256 {
-            return Err(invalid("X-Gatehouse-Session must be 1 to 256 characters"));
-        }
-        return Ok(format!("openai/{name}"));
+/// Where a request's input goes.
+enum Thread {
+    /// An existing session (named, a retried request, or where the conversation left off).
+    Existing(String),
+    /// A new session under this request id, starting with the conversation so far.
+    New { request_id: String, seed: Seed },
+}
+
+/// The session of a named conversation (`X-Gatehouse-Session`): a session id the caller owns
+/// (as the response header gives it), else a name of the caller's own.
+async fn named_thread(
+    authority: &Authority,
+    principal: &str,
+    name: &str,
+) -> Result<Thread, ChatFailure> {
+    if name.is_empty() || name.len() > 256 {
+        return Err(invalid("X-Gatehouse-Session must be 1 to 256 characters"));
     }
-    let opening = messages
-        .iter()
-        .position(|m| m.role == "user")
-        .map_or(messages.len(), |i| i + 1);
-    let conversation = digest_of(&messages[..opening]);
-    let scoped = |parts: Value| hex(&Sha256::digest(parts.to_string().as_bytes()));
-    Ok(match (user, profile) {
-        (None, None) => format!("openai/conv-{}", &conversation[..32]),
-        (Some(user), None) => {
-            format!(
-                "openai/user-conv-{}",
-                &scoped(json!([user, conversation]))[..32]
-            )
+    match authority.owned_root(name, principal).await {
+        Ok(root) => return Ok(Thread::Existing(root.id)),
+        Err(GatewayError::NotFound(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let request_id = format!("openai/{name}");
+    let id = session_id_for(principal, &request_id);
+    match authority.owned_root(&id, principal).await {
+        Ok(root) => Ok(Thread::Existing(root.id)),
+        Err(GatewayError::NotFound(_)) => Ok(Thread::New {
+            request_id,
+            seed: Seed::default(),
+        }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The session of a derived conversation, which the client sends whole every time: the one
+/// this very request went to before (a retry); else the one the conversation left off in, when
+/// it is exactly there (its last input is the request before this one, answered with the
+/// answer the client sends back); else a new one that starts with the conversation so far (a
+/// new conversation, another branch of one, or a history the client wrote).
+async fn derived_thread(
+    authority: &Authority,
+    principal: &str,
+    scope: &Value,
+    request: &[(String, String)],
+) -> Result<(Thread, String), ChatFailure> {
+    let key = thread_key(scope, request);
+    let lookup = |key: String| {
+        let principal = principal.to_string();
+        authority
+            .shared
+            .db
+            .read(move |c| threads::find(c, &principal, &key))
+    };
+    if let Some(session) = lookup(key.clone()).await? {
+        return Ok((Thread::Existing(session), key));
+    }
+    let prior = &request[..request.len().saturating_sub(1)];
+    if let [before @ .., (role, answer)] = prior {
+        if role == "assistant" && !before.is_empty() {
+            let previous = thread_key(scope, before);
+            if let Some(session) = lookup(previous.clone()).await? {
+                let (s, p, answer) = (session.clone(), principal.to_string(), answer.clone());
+                let input = input_id_of(&previous);
+                let there = authority
+                    .shared
+                    .db
+                    .read(move |c| threads::left_at(c, &s, &p, &input, &answer))
+                    .await?;
+                if there {
+                    return Ok((Thread::Existing(session), key));
+                }
+            }
         }
-        (user, Some(profile)) => format!(
-            "openai/profile-conv-{}",
-            &scoped(json!([user, profile, conversation]))[..32]
-        ),
-    })
+    }
+    let mut seed = Seed::default();
+    let mut system = Vec::new();
+    for (role, text) in prior {
+        match role.as_str() {
+            "system" => system.push(text.clone()),
+            _ if text.is_empty() => {}
+            role => seed.messages.push(NewMessage {
+                finish_reason: (role == "assistant").then(|| "stop".to_string()),
+                ..NewMessage::text(role, text.clone())
+            }),
+        }
+    }
+    seed.system = (!system.is_empty()).then(|| system.join("\n\n"));
+    let request_id = format!("openai/thread-{}", &key[..32]);
+    Ok((Thread::New { request_id, seed }, key))
+}
+
+/// Times the same request may ask again after its turn ended without an answer.
+const MAX_ATTEMPTS: u32 = 20;
+
+/// The input id for a request whose own id is `base`: `base`, unless the input under it (and
+/// each later attempt, `base-2`, `base-3`, …) ended without an answer (failed, interrupted):
+/// then sending the same request again asks again. An input still queued or running, or
+/// completed, is joined: a retried request never runs its turn twice.
+async fn next_attempt(
+    authority: &Authority,
+    root: &str,
+    principal: &str,
+    base: &str,
+) -> Result<String, ChatFailure> {
+    let mut id = base.to_string();
+    for n in 2..=MAX_ATTEMPTS + 1 {
+        let (r, p, i) = (root.to_string(), principal.to_string(), id.clone());
+        let row = authority
+            .shared
+            .db
+            .read(move |c| admissions::by_request(c, &r, &p, &i))
+            .await?;
+        match row {
+            Some(row)
+                if row.status == "terminal" && row.outcome.as_deref() != Some("completed") =>
+            {
+                id = format!("{base}-{n}");
+            }
+            _ => break,
+        }
+    }
+    Ok(id)
+}
+
+/// A refusal for an input that cannot be answered until an operator settles an input whose
+/// outcome is unknown (this one, or one ahead of it in its session): waiting would be for good.
+fn held_by(snap: &SessionSnapshot, receipt: &Receipt) -> Option<ChatFailure> {
+    let session = &snap.session_id;
+    let unknown = if receipt.status == "unknown" {
+        Some(receipt.admission_id.clone())
+    } else if receipt.status == "queued" {
+        snap.pending
+            .iter()
+            .find(|p| p.status == "unknown" && p.admission_id != receipt.admission_id)
+            .map(|p| p.admission_id.clone())
+    } else {
+        None
+    }?;
+    let whose = if unknown == receipt.admission_id {
+        "its turn was running when the gateway stopped"
+    } else {
+        "the session is held by an earlier input whose turn was running when the gateway stopped"
+    };
+    Some(ChatFailure::from(GatewayError::UnknownExecution(format!(
+        "{whose}: its outcome is unknown and it will not run again. Check what it did, then \
+         settle it with `gatehouse resolve-unknown {session} {unknown}` and send the request again"
+    ))))
+}
+
+/// The input id of a derived request.
+fn input_id_of(key: &str) -> String {
+    format!("chat-{}", &key[..32])
 }
 
 /// What the finished turn gives the client.
@@ -474,12 +612,34 @@ pub async fn chat_completions(
         .model
         .as_deref()
         .filter(|m| authority.shared.config.profiles.contains_key(*m));
-    let request_id = session_request_id(&req, &body.messages, body.user.as_deref(), profile)?;
-    let session_id = session_id_for(&principal, &request_id);
-    let snap: SessionSnapshot = match authority.owned_root(&session_id, &principal).await {
-        Ok(root) => {
-            // A named session runs under the profile it was created with; a request for another
-            // is refused rather than answered by the wrong profile.
+    let named = match req.headers().get(SESSION_HEADER) {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| invalid("X-Gatehouse-Session must be visible ASCII"))?
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let conversation = turns(&body.messages);
+    let last_user = conversation
+        .iter()
+        .rposition(|(role, _)| role == "user")
+        .ok_or_else(|| invalid("the conversation has no user message with text"))?;
+    let request = &conversation[..=last_user];
+    let (thread, key) = match &named {
+        Some(name) => (named_thread(authority, &principal, name).await?, None),
+        None => {
+            let scope = json!([body.user, profile]);
+            let (thread, key) = derived_thread(authority, &principal, &scope, request).await?;
+            (thread, Some(key))
+        }
+    };
+    let snap: SessionSnapshot = match thread {
+        Thread::Existing(root) => {
+            let root = authority.owned_root(&root, &principal).await?;
+            // A session runs under the profile it was created with; a request for another is
+            // refused rather than answered by the wrong profile.
             if let Some(p) = profile.filter(|p| *p != root.profile) {
                 return Err(GatewayError::ProfileMismatch(format!(
                     "the session runs profile {:?}; model {p:?} names another profile",
@@ -495,26 +655,47 @@ pub async fn chat_completions(
             )
             .await?
         }
-        Err(GatewayError::NotFound(_)) => {
+        Thread::New { request_id, seed } => {
             let mut params =
                 json!({"request_id": request_id, "source": "api", "title": "chat completions"});
             if let Some(p) = profile {
                 params["profile"] = json!(p);
             }
-            call(
-                authority,
-                "session.create",
-                params,
-                &caller(&principal, None),
-            )
-            .await?
+            let create: CreateSession = serde_json::from_value(params)
+                .map_err(|e| GatewayError::Internal(format!("session.create params: {e}")))?;
+            let created = authority
+                .create_seeded(create, seed, &caller(&principal, None))
+                .await?;
+            serde_json::from_value(created.result.into_value()).map_err(|e| {
+                GatewayError::Internal(format!("session.create answered an unexpected shape: {e}"))
+            })?
         }
-        Err(e) => return Err(e.into()),
     };
     let root = snap.session_id.clone();
-    let input_id = idempotency(&req, None, "input_id")?
-        .unwrap_or_else(|| format!("chat-{}", &digest_of(&body.messages)[..32]));
+    if let Some(key) = &key {
+        // Recorded before the input is admitted: a retry finds the session even if this
+        // request is cut off right after the admission.
+        let (p, k, r, now) = (
+            principal.clone(),
+            key.clone(),
+            root.clone(),
+            authority.shared.now(),
+        );
+        authority
+            .shared
+            .db
+            .write(move |c| threads::record(c, &p, &k, &r, now))
+            .await?;
+    }
     let c = caller(&principal, Some(&root));
+    let input_id = match (idempotency(&req, None, "input_id")?, &key) {
+        (Some(explicit), _) => explicit,
+        (None, Some(key)) => next_attempt(authority, &root, &principal, &input_id_of(key)).await?,
+        (None, None) => {
+            let id = format!("chat-{}", &thread_key(&Value::Null, request)[..32]);
+            next_attempt(authority, &root, &principal, &id).await?
+        }
+    };
     let receipt: Receipt = call(
         authority,
         "prompt.submit",
@@ -522,6 +703,9 @@ pub async fn chat_completions(
         &c,
     )
     .await?;
+    if let Some(held) = held_by(&snap, &receipt) {
+        return Err(held);
+    }
     let wire: Vec<Value> = body
         .messages
         .iter()
@@ -605,7 +789,8 @@ pub fn operations(c: &mut Components) -> Vec<Operation> {
             (
                 "X-Gatehouse-Session",
                 "header",
-                "The session's name (default: derived from the conversation)",
+                "A session id (as the x-gatehouse-session response header gives it) or a name \
+                 (default: the conversation's own session)",
             ),
             (
                 "Idempotency-Key",
@@ -651,52 +836,39 @@ mod tests {
             Some("a\nb".into())
         );
         assert_eq!(text_of(&Some(json!(3))), None);
-        let first = vec![
-            msg("system", json!("be brief")),
+        let conversation = vec![
+            msg("developer", json!("be brief")),
             msg("user", json!("hello")),
+            msg("assistant", json!("hi!")),
+            msg("tool", json!("ignored")),
+            msg("user", json!([{"type": "text", "text": "again"}])),
         ];
-        let mut later = first.clone();
-        later.push(msg("assistant", json!("hi!")));
-        later.push(msg("user", json!("again")));
-        let req = actix_web::test::TestRequest::default().to_http_request();
-        let a = session_request_id(&req, &first, None, None).expect("id");
+        let t = turns(&conversation);
+        let pair = |r: &str, x: &str| (r.to_string(), x.to_string());
         assert_eq!(
-            a,
-            session_request_id(&req, &later, None, None).expect("id"),
-            "a growing conversation keeps its session"
+            t,
+            [
+                pair("system", "be brief"),
+                pair("user", "hello"),
+                pair("assistant", "hi!"),
+                pair("user", "again")
+            ]
         );
-        let alice = session_request_id(&req, &first, Some("alice"), None).expect("id");
-        let bob = session_request_id(&req, &first, Some("bob"), None).expect("id");
-        assert!(alice != bob && alice != a && bob != a, "{alice} {bob} {a}");
-        assert_eq!(
-            alice,
-            session_request_id(&req, &later, Some("alice"), None).expect("id"),
-            "a user's growing conversation keeps its session"
-        );
-        // Another profile is another session; the same profile keeps it as it grows.
-        let ops = session_request_id(&req, &first, None, Some("ops")).expect("id");
-        let alice_ops = session_request_id(&req, &first, Some("alice"), Some("ops")).expect("id");
-        let dev = session_request_id(&req, &first, None, Some("dev")).expect("id");
-        let ids = [&a, &alice, &ops, &alice_ops, &dev];
-        for (i, x) in ids.iter().enumerate() {
-            assert!(ids[i + 1..].iter().all(|y| y != x), "{ids:?}");
+        // A key is of the turns and the scope: another end user or profile is another key.
+        let scopes = [
+            json!([null, null]),
+            json!(["alice", null]),
+            json!(["bob", null]),
+            json!([null, "ops"]),
+            json!(["alice", "ops"]),
+        ];
+        let keys: Vec<String> = scopes.iter().map(|s| thread_key(s, &t)).collect();
+        for (i, k) in keys.iter().enumerate() {
+            assert!(keys[i + 1..].iter().all(|o| o != k), "{keys:?}");
         }
-        assert_eq!(
-            ops,
-            session_request_id(&req, &later, None, Some("ops")).expect("id")
-        );
-        assert_ne!(
-            digest_of(&first),
-            digest_of(&later),
-            "each request is its own input"
-        );
-        let named = actix_web::test::TestRequest::default()
-            .insert_header((SESSION_HEADER, "work"))
-            .to_http_request();
-        assert_eq!(
-            session_request_id(&named, &first, Some("alice"), Some("ops")).expect("id"),
-            "openai/work"
-        );
+        assert_eq!(keys[0], thread_key(&scopes[0], &t), "stable");
+        assert_ne!(keys[0], thread_key(&scopes[0], &t[..2]));
+        assert_eq!(input_id_of(&keys[0]).len(), "chat-".len() + 32);
     }
 
     #[test]

@@ -280,6 +280,15 @@ fn message_view(m: &MessageRow) -> Value {
     v
 }
 
+/// What a session created for a chat-completions conversation starts with.
+#[derive(Debug, Default)]
+pub struct Seed {
+    /// Earlier turns, as the client sent them (user and assistant text).
+    pub messages: Vec<crate::store::messages::NewMessage>,
+    /// The client's own system instructions, added to the session's system prompt.
+    pub system: Option<String>,
+}
+
 /// Deterministic session id from principal and request id.
 pub fn session_id_for(principal: &str, request_id: &str) -> String {
     let mut h = Sha256::new();
@@ -609,6 +618,17 @@ impl Authority {
     }
 
     async fn create(&self, p: CreateSession, caller: &Caller) -> GatewayResult<CallResult> {
+        self.create_seeded(p, Seed::default(), caller).await
+    }
+
+    /// `session.create`, the new session starting with `seed` (an existing one is answered as
+    /// it is: the seed is part of what its request id names).
+    pub async fn create_seeded(
+        &self,
+        p: CreateSession,
+        seed: Seed,
+        caller: &Caller,
+    ) -> GatewayResult<CallResult> {
         if self.shared.runtime.draining() {
             return Err(GatewayError::RuntimeDraining);
         }
@@ -751,7 +771,10 @@ impl Authority {
                 .collect(),
         };
         // Built once, with the session (its first turn then writes nothing more).
-        let system_prompt = crate::agent::turn::system_prompt_for(&self.shared, &cwd, &profile);
+        let mut system_prompt = crate::agent::turn::system_prompt_for(&self.shared, &cwd, &profile);
+        if let Some(extra) = seed.system.filter(|s| !s.trim().is_empty()) {
+            system_prompt = format!("{system_prompt}\n\n{extra}");
+        }
         let new = NewSession {
             id,
             principal_id: caller.principal.clone(),
@@ -766,6 +789,7 @@ impl Authority {
             profile,
             title: p.title.clone(),
             system_prompt: Some(system_prompt),
+            seed: seed.messages,
         };
         let (epoch, now) = (self.shared.epoch, self.shared.now());
         let (row, created) = self

@@ -20,6 +20,7 @@ pub mod rooms;
 pub mod rooms_schema;
 pub mod schema;
 pub mod sessions;
+pub mod threads;
 pub mod vfs;
 
 use std::path::Path;
@@ -1049,6 +1050,7 @@ pub mod testing {
             profile: "default".into(),
             title: None,
             system_prompt: None,
+            seed: Vec::new(),
         };
         super::sessions::create_or_get(conn, epoch, &new, 1.0).expect("session");
     }

@@ -118,7 +118,17 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    chat_threads (principal_id, thread_key) {
+        principal_id -> Text,
+        thread_key -> Text,
+        session_id -> Text,
+        created_at -> Double,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
+    chat_threads,
     runtime_epoch,
     state_meta,
     sessions,

@@ -64,6 +64,9 @@ pub struct NewSession {
     pub profile: String,
     pub title: Option<String>,
     pub system_prompt: Option<String>,
+    /// A history the session starts with (a chat-completions conversation that arrives with
+    /// earlier turns), written with the session in its transaction.
+    pub seed: Vec<super::messages::NewMessage>,
 }
 
 /// Create the session, or return the existing one for an identical request (`created == false`).
@@ -107,6 +110,23 @@ pub fn create_or_get(
             .execute(conn)?;
         let row =
             find(conn, &new.id)?.ok_or_else(|| StoreError::Other("session vanished".into()))?;
+        if !new.seed.is_empty() {
+            let seed: Vec<super::messages::NewMessage> = new
+                .seed
+                .iter()
+                .cloned()
+                .map(|m| super::messages::NewMessage {
+                    session_id: row.id.clone(),
+                    ..m
+                })
+                .collect();
+            super::messages::insert_messages_knowing(
+                conn,
+                &seed,
+                Some((&row.id, row.ordinal)),
+                now,
+            )?;
+        }
         Ok((row, true))
     })
 }

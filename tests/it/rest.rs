@@ -1667,3 +1667,201 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
     let a = other.submit(&kept, "still", "still").await;
     kept_sse.until(completes(&a["admission_id"])).await;
 }
+
+/// A chat-completions client sends the whole conversation each time. Two conversations that
+/// open alike are two sessions (the second was answered from the first's history, secrets
+/// included); a conversation goes on in its session while it is exactly where it left off; a
+/// history the client wrote reaches the model as written, its system message too; the session
+/// id from the response names the session back; a request whose turn failed asks again when
+/// sent again, and a retry of one that completed joins it.
+#[actix_rt::test]
+async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_off() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let fails = std::sync::Arc::new(AtomicUsize::new(0));
+    let failing = fails.clone();
+    let model = FakeModel::start(move |body| {
+        let text = last_user(body);
+        if text == "FAIL_ONCE" && failing.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Reply::Status(500, json!({"error": {"message": "down"}}));
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({"model": {"max_retries": 0}})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let session_of = |r: &Resp| -> String {
+        r.headers
+            .get("x-gatehouse-session")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    // The request the model got for the user text `text` (the last one).
+    let asked = |text: &str| -> Value {
+        model
+            .requests()
+            .into_iter()
+            .rev()
+            .find(|b| last_user(b) == text)
+            .unwrap_or_else(|| panic!("no request for {text}"))
+    };
+    let sys = json!({"role": "system", "content": "Answer as SYS_PIRATE."});
+    let hello = json!({"role": "user", "content": "Hello!"});
+    let acked = json!({"role": "assistant", "content": "ACK_Hello!"});
+
+    let first = chat(&api, json!({"messages": [sys, hello]})).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let a = session_of(&first);
+    let system = asked("Hello!")["messages"][0]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        system.contains("SYS_PIRATE"),
+        "the client's system message: {system}"
+    );
+
+    let secret = json!({"messages": [sys, hello, acked, {"role": "user", "content": "my secret is SWORDFISH"}]});
+    let second = chat(&api, secret.clone()).await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        session_of(&second),
+        a,
+        "the conversation goes on in its session"
+    );
+    assert_eq!(
+        user_texts(&asked("my secret is SWORDFISH")),
+        ["Hello!", "my secret is SWORDFISH"]
+    );
+    // The same request again joins its input: one turn.
+    let again = chat(&api, secret).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(
+        again.headers.get("x-gatehouse-admission"),
+        second.headers.get("x-gatehouse-admission")
+    );
+    assert_eq!(model.reached("my secret is SWORDFISH"), 1);
+
+    // Another conversation that opened alike: its own session, and nothing of the first's.
+    let other = chat(
+        &api,
+        json!({"messages": [sys, hello, acked, {"role": "user", "content": "what did I tell you?"}]}),
+    )
+    .await;
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert_ne!(session_of(&other), a);
+    let seen = asked("what did I tell you?");
+    assert!(!seen.to_string().contains("SWORDFISH"), "{seen}");
+    assert_eq!(user_texts(&seen), ["Hello!", "what did I tell you?"]);
+    assert!(
+        seen.to_string().contains("ACK_Hello!"),
+        "its history as sent: {seen}"
+    );
+
+    // A history the client wrote reaches the model as written.
+    let written = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "x1"}, {"role": "assistant", "content": "MADE_UP"},
+                            {"role": "user", "content": "x2"}]}),
+    )
+    .await;
+    assert_eq!(written.status, 200, "{}", written.body);
+    let seen = asked("x2");
+    assert_eq!(user_texts(&seen), ["x1", "x2"]);
+    assert!(seen.to_string().contains("MADE_UP"), "{seen}");
+
+    // The session id the response gives names that session back.
+    let named = api
+        .with("x-gatehouse-session", &a)
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "what fruit?"}]}),
+        )
+        .await;
+    assert_eq!(named.status, 200, "{}", named.body);
+    assert_eq!(session_of(&named), a);
+    assert!(asked("what fruit?").to_string().contains("SWORDFISH"));
+
+    // A turn that failed is asked again when the same request comes again.
+    let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
+    let failed = chat(&api, body.clone()).await;
+    assert_eq!(failed.status, 502, "{}", failed.body);
+    let retried = chat(&api, body).await;
+    assert_eq!(retried.status, 200, "{}", retried.body);
+    assert_eq!(
+        retried.body["choices"][0]["message"]["content"],
+        "ACK_FAIL_ONCE"
+    );
+    assert_eq!(model.reached("FAIL_ONCE"), 2);
+}
+
+/// A chat completion whose turn was running when the gateway was killed is refused at once when
+/// sent again, with the command that settles it (the request hung until its timeout, every
+/// time); once settled, the same request asks again.
+#[actix_rt::test]
+async fn a_chat_completion_lost_to_a_crash_names_the_command_that_settles_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let model = FakeModel::start(move |body| {
+        if last_user(body) == "LOST" && counted.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Reply::Hang;
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let mut d = Daemon::start(&home);
+    let body = json!({"messages": [{"role": "user", "content": "LOST"}]});
+    let api = Api::new(&d, KEY);
+    let pending = {
+        let (api, body) = (api.clone(), body.clone());
+        actix_rt::spawn(async move { chat(&api, body).await })
+    };
+    wait_until("the turn reaches the model", T, || {
+        model.reached("LOST") == 1
+    })
+    .await;
+    d.kill();
+    pending.abort();
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let started = Instant::now();
+    let r = chat(&api, body.clone()).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused at once"
+    );
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(r.body["error"]["reason"], "unknown_execution", "{}", r.body);
+    let lost = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the lost input");
+    let command = format!(
+        "gatehouse resolve-unknown {} {}",
+        lost.target_session_id, lost.admission_id
+    );
+    let message = r.body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&command), "{message}");
+    let settled = control(
+        &home.path,
+        "resolve-unknown",
+        json!({"session_id": lost.target_session_id, "admission_id": lost.admission_id,
+               "execution_generation": lost.execution_generation}),
+    )
+    .expect("resolve");
+    assert!(settled.get("error").is_none(), "{settled}");
+    let r = chat(&api, body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["choices"][0]["message"]["content"], "ACK_LOST");
+    assert_eq!(model.reached("LOST"), 2);
+}

@@ -1,0 +1,10 @@
+-- Which session goes on with a chat-completions conversation: a request's whole list of messages
+-- (hashed, with its end user and profile) names the session its input was admitted to, so the
+-- next request of that conversation (that list, the answer, a new user message) finds it.
+CREATE TABLE chat_threads (
+    principal_id TEXT NOT NULL,
+    thread_key TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    created_at DOUBLE NOT NULL,
+    PRIMARY KEY (principal_id, thread_key)
+) WITHOUT ROWID;

@@ -1,0 +1,94 @@
+//! Chat-completion threads: which session goes on with an OpenAI-style conversation.
+//!
+//! A chat-completions client sends the whole conversation every time. Each request's list of
+//! messages is recorded (as a key) with the session its input went to; the next request of the
+//! same conversation is that list, the answer, and a new user message, so it finds the session
+//! by the key of the list without its last two messages, and goes on there only when that session
+//! is exactly where the conversation left it: the recorded input is the session's last one,
+//! completed, with the answer the client sends back. Anything else (another branch of the
+//! conversation, a history the client wrote or edited, a session that has moved on) is not that
+//! session's conversation.
+
+use diesel::prelude::*;
+use diesel::sqlite::SqliteConnection;
+
+use super::schema::{chat_threads, session_admissions as sa};
+use crate::error::StoreError;
+
+/// The session recorded for `key`, if any.
+pub fn find(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    key: &str,
+) -> Result<Option<String>, StoreError> {
+    Ok(chat_threads::table
+        .filter(chat_threads::principal_id.eq(principal))
+        .filter(chat_threads::thread_key.eq(key))
+        .select(chat_threads::session_id)
+        .first(conn)
+        .optional()?)
+}
+
+/// Record that the request `key` went to `session` (the first record of a key stands: a retried
+/// request goes where it went before).
+pub fn record(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    key: &str,
+    session: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    super::write_tx(conn, |conn| {
+        diesel::insert_or_ignore_into(chat_threads::table)
+            .values((
+                chat_threads::principal_id.eq(principal),
+                chat_threads::thread_key.eq(key),
+                chat_threads::session_id.eq(session),
+                chat_threads::created_at.eq(now),
+            ))
+            .execute(conn)?;
+        Ok(())
+    })
+}
+
+/// Is `session` where a conversation left it: its last admission is `principal`'s input named
+/// `request` (or a later attempt of it, `request` + `-N`), completed with the final answer
+/// `answer`?
+pub fn left_at(
+    conn: &mut SqliteConnection,
+    session: &str,
+    principal: &str,
+    request: &str,
+    answer: &str,
+) -> Result<bool, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(false);
+    };
+    let last: Option<(String, String, Option<String>, Option<String>)> = sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .order(sa::seq.desc())
+        .select((
+            sa::request_id,
+            sa::principal_id,
+            sa::outcome,
+            sa::result_json,
+        ))
+        .first(conn)
+        .optional()?;
+    let Some((request_id, owner, outcome, result)) = last else {
+        return Ok(false);
+    };
+    let same_input = request_id == request
+        || request_id
+            .strip_prefix(request)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    let final_response = result
+        .as_deref()
+        .and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok())
+        .and_then(|r| r["final_response"].as_str().map(str::to_string));
+    Ok(same_input
+        && owner == principal
+        && outcome.as_deref() == Some("completed")
+        && final_response.is_some_and(|f| f.trim() == answer.trim()))
+}
