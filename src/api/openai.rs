@@ -627,9 +627,36 @@ pub async fn chat_completions(
         .rposition(|(role, _)| role == "user")
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
     let request = &conversation[..=last_user];
-    let (thread, key) = match &named {
-        Some(name) => (named_thread(authority, &principal, name).await?, None),
-        None => {
+    // An explicit Idempotency-Key names the request wherever its conversation would lead: sent
+    // again, with other messages, it finds its input (and a conflict), not a new session.
+    let explicit = idempotency(&req, None, "input_id")?;
+    let idem = explicit
+        .as_deref()
+        .map(|k| format!("idem-{}", hex(&Sha256::digest(k.as_bytes()))));
+    let earlier = match &idem {
+        Some(idem) => {
+            let (p, k) = (principal.clone(), idem.clone());
+            authority
+                .shared
+                .db
+                .read(move |c| threads::find(c, &p, &k))
+                .await?
+        }
+        None => None,
+    };
+    let (thread, key) = match (&named, earlier) {
+        (Some(name), Some(session)) => match named_thread(authority, &principal, name).await? {
+            Thread::Existing(id) if id == session => (Thread::Existing(id), None),
+            _ => {
+                return Err(GatewayError::AdmissionConflict(format!(
+                    "Idempotency-Key was already used in session {session}"
+                ))
+                .into())
+            }
+        },
+        (None, Some(session)) => (Thread::Existing(session), None),
+        (Some(name), None) => (named_thread(authority, &principal, name).await?, None),
+        (None, None) => {
             let scope = json!([body.user, profile]);
             let (thread, key) = derived_thread(authority, &principal, &scope, request).await?;
             (thread, Some(key))
@@ -672,23 +699,18 @@ pub async fn chat_completions(
         }
     };
     let root = snap.session_id.clone();
-    if let Some(key) = &key {
-        // Recorded before the input is admitted: a retry finds the session even if this
-        // request is cut off right after the admission.
-        let (p, k, r, now) = (
-            principal.clone(),
-            key.clone(),
-            root.clone(),
-            authority.shared.now(),
-        );
+    // Recorded before the input is admitted: a retry finds the session even if this request is
+    // cut off right after the admission.
+    for record in [key.clone(), idem].into_iter().flatten() {
+        let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
         authority
             .shared
             .db
-            .write(move |c| threads::record(c, &p, &k, &r, now))
+            .write(move |c| threads::record(c, &p, &record, &r, now))
             .await?;
     }
     let c = caller(&principal, Some(&root));
-    let input_id = match (idempotency(&req, None, "input_id")?, &key) {
+    let input_id = match (explicit, &key) {
         (Some(explicit), _) => explicit,
         (None, Some(key)) => next_attempt(authority, &root, &principal, &input_id_of(key)).await?,
         (None, None) => {

@@ -1230,10 +1230,12 @@ impl Handler<Respond> for SessionSupervisor {
         }
         if p.kind != m.kind {
             return Err(GatewayError::InvalidParams(format!(
-                "prompt {} is a prompt of kind {} (answer it with {}.respond)",
+                "prompt {} is {}",
                 m.prompt_id,
-                p.kind.as_str(),
-                p.kind.as_str()
+                match p.kind.as_str() {
+                    "approval" => "an approval prompt: answer it with a `choice`",
+                    _ => "a clarify prompt: answer it with an `answer`",
+                }
             )));
         }
         if let PromptAnswer::Choice(choice) = &m.answer {

@@ -779,8 +779,17 @@ pub fn resolve_unknown(
         check_epoch(conn, epoch)?;
         let row = of_session(conn, session, admission_id)?;
         if row.status != "unknown" || row.execution_generation != Some(generation) {
+            // Say where it is: settled already (by whom is in its outcome), or another attempt.
+            let now_at = match (row.status.as_str(), row.outcome.as_deref()) {
+                ("terminal", Some(outcome)) => format!("it is already settled ({outcome})"),
+                ("unknown", _) => format!(
+                    "it is unknown at generation {}",
+                    row.execution_generation.unwrap_or_default()
+                ),
+                (status, _) => format!("it is {status}"),
+            };
             return Err(StoreError::StaleGeneration(format!(
-                "admission {admission_id} is not unknown at generation {generation}"
+                "admission {admission_id} is not unknown at generation {generation}: {now_at}"
             )));
         }
         let tip: String = sessions::table

@@ -1786,6 +1786,24 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     assert_eq!(session_of(&named), a);
     assert!(asked("what fruit?").to_string().contains("SWORDFISH"));
 
+    // An Idempotency-Key names one request: used again with other messages, it is a conflict
+    // (two completions were run and answered).
+    let keyed_api = api.with("idempotency-key", "one-request");
+    let first_body = chat(
+        &keyed_api,
+        json!({"messages": [{"role": "user", "content": "first body"}]}),
+    )
+    .await;
+    assert_eq!(first_body.status, 200, "{}", first_body.body);
+    let second_body = chat(
+        &keyed_api,
+        json!({"messages": [{"role": "user", "content": "second body"}]}),
+    )
+    .await;
+    assert_eq!(second_body.status, 409, "{}", second_body.body);
+    assert_eq!(second_body.body["error"]["reason"], "admission_conflict");
+    assert_eq!(model.reached("second body"), 0);
+
     // A turn that failed is asked again when the same request comes again.
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
     let failed = chat(&api, body.clone()).await;
