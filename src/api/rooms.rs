@@ -25,6 +25,7 @@ pub fn room_error(e: RoomsError) -> GatewayError {
         RoomsError::Port(p) => GatewayError::SessionBusy(p.to_string()),
         RoomsError::Config(c) => GatewayError::InvalidParams(c.to_string()),
         RoomsError::Hook(h) => GatewayError::SessionBusy(h),
+        unknown @ RoomsError::UnknownTurn { .. } => GatewayError::SessionBusy(unknown.to_string()),
     }
 }
 

@@ -18,7 +18,8 @@ use tokio::task::JoinHandle;
 use crate::clock::{SharedClock, SystemClock};
 use crate::rooms::config::{RoomsConfig, RoomsConfigError};
 use crate::rooms::db::RoomsDb;
-use crate::rooms::port::{PortError, ProfileTurnLocks, SessionPort, TurnLocks};
+use crate::rooms::port::{LedgerAttempt, PortError, ProfileTurnLocks, SessionPort, TurnLocks};
+use crate::rooms::supervisor::Probe;
 use crate::store::leases::Lease;
 use crate::store::room_tasks::{
     begin_task_cancel, cancel_task, get_task, requeue_deferred_task, requeue_indeterminate_task,
@@ -109,6 +110,17 @@ pub enum RoomsError {
     Config(#[from] RoomsConfigError),
     #[error("{0}")]
     Hook(String),
+    /// The task's member turn is `unknown` (a crash cut it short): it holds the member's
+    /// session, so nothing of the task can run until the member's operator resolves it.
+    #[error(
+        "task {task_id} waits for its member's unknown turn, which holds the member's session: \
+         resolve it first with `gatehouse resolve-unknown {session_id} {admission_id}`"
+    )]
+    UnknownTurn {
+        task_id: String,
+        session_id: String,
+        admission_id: String,
+    },
 }
 
 impl RoomsError {
@@ -756,6 +768,9 @@ impl RoomRuntime {
     /// An indeterminate one is probed first (resolve, resume, history and info on the resumed
     /// session): an exact receipt settles it, a remote cancellation cancels it, a still-active
     /// attempt refuses the retry; otherwise it is requeued and its next start is a new generation.
+    /// A local member's ledger is read too: an attempt it holds `unknown` refuses the retry
+    /// ([`RoomsError::UnknownTurn`], naming the `resolve-unknown` to run), and an indeterminate
+    /// one it has ended is resolved as it ended (what the room's pass does).
     pub async fn retry_indeterminate(
         &self,
         identity: &TaskIdentity,
@@ -785,12 +800,14 @@ impl RoomRuntime {
         let room_id = identity.room_id.clone();
         if task.status == TaskStatus::Deferred {
             // A local attempt that completed after all (its member's unknown turn resolved, say)
-            // is settled with its result, never run again.
+            // is settled with its result, never run again; one still unknown holds the member's
+            // session, and a new attempt would only queue behind it.
             let port = self.transport(&binding, &task)?;
             if !port.is_peer() {
                 let probe = self
                     .locked_probe(&binding, port.as_ref(), &task, false, &lease)
                     .await?;
+                Self::refuse_unknown(&task, &probe)?;
                 if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
                     self.state().blocked.remove(&room_id);
@@ -865,6 +882,17 @@ impl RoomRuntime {
             )
             .into());
         }
+        // A local member's own ledger says how the attempt went, as the room's pass reads it:
+        // `unknown` holds the member's session until its operator resolves it (a new attempt
+        // would queue behind it, never run, and fail at its deadline); ended, it is resolved so
+        // and never run again.
+        Self::refuse_unknown(&task, &probe)?;
+        if let Some(LedgerAttempt::Ended(ended)) = probe.ledger {
+            let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
+            self.state().blocked.remove(&room_id);
+            self.wakeup();
+            return Ok(view);
+        }
         let view = self
             .inner
             .db
@@ -875,6 +903,21 @@ impl RoomRuntime {
         self.state().blocked.remove(&room_id);
         self.wakeup();
         Ok(view)
+    }
+
+    /// Refuse to retry `task` while its member's ledger holds its attempt `unknown`.
+    fn refuse_unknown(task: &TaskView, probe: &Probe) -> Result<(), RoomsError> {
+        match &probe.ledger {
+            Some(LedgerAttempt::Unresolved {
+                session_id,
+                admission_id,
+            }) => Err(RoomsError::UnknownTurn {
+                task_id: task.identity.task_id.clone(),
+                session_id: session_id.clone(),
+                admission_id: admission_id.clone(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     pub(crate) async fn read_task(

@@ -726,7 +726,8 @@ impl RoomRuntime {
         Ok(view)
     }
 
-    /// Full probe: resolve, resume, then history and info on the resumed session.
+    /// Full probe: resolve, resume, then history and info on the resumed session (and, for a
+    /// local member that is not running, its ledger's record of the attempt).
     pub(crate) async fn full_probe(
         &self,
         binding: &RoomBinding,
@@ -746,10 +747,21 @@ impl RoomRuntime {
             .await?;
         let info = port.info(Self::session_ref(profile, &session_id)).await?;
         self.report_pending(binding, task, &session_id, &info);
+        // A local member's own ledger, read as the live probe reads it.
+        let ledger = if port.is_peer() || info.active {
+            None
+        } else {
+            port.ledger_attempt(
+                Self::session_ref(profile, &session_id),
+                task.identity.clone(),
+                task.execution_generation,
+            )
+            .await?
+        };
         Ok(Probe {
             receipt,
             info: Some(info),
-            ledger: None,
+            ledger,
         })
     }
 

@@ -1136,3 +1136,72 @@ async fn room_status_shows_a_principal_only_its_own_rooms() {
         "{ops}"
     );
 }
+
+/// A retry of a task whose member turn a crash left `unknown` is refused (`session_busy`) with
+/// the `resolve-unknown` command that frees the member's session, over the WebSocket and from
+/// `gatehouse room-retry`; nothing new is sent to the member. Once the operator has run that
+/// command the task is resolved as the turn ended (failed, interrupted: never run again), a
+/// retry then refused by the task's end or answering it, and the room's next task runs. Before,
+/// the retry was accepted: the task went `running` at generation 2 with its new member input
+/// queued behind the unknown turn, where it never ran, and failed at its turn deadline.
+#[actix_rt::test]
+async fn a_retry_behind_an_unknown_member_turn_names_the_resolve_unknown_command() {
+    let victim = Home::new();
+    let (model, home) = park_a_task_and_crash(&victim).await;
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("the member's turn is unknown");
+    let command = format!(
+        "gatehouse resolve-unknown {} {}",
+        unknown.target_session_id, unknown.admission_id
+    );
+    let refused = ws
+        .refused(
+            "room.retry",
+            json!({"room_id": "park", "task_id": "p1"}),
+            "session_busy",
+        )
+        .await;
+    assert!(refused.to_string().contains(&command), "{refused}");
+    let (ok, out, err) = room_cli(&home, &["room-retry", "park", "p1"]);
+    assert!(!ok, "{out}");
+    assert!(err.contains(&command), "{err}");
+    let p1 = room_tasks(&mut ws, "park")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "p1")
+        .expect("p1");
+    assert_eq!(p1["status"], "indeterminate", "{p1}");
+    assert_eq!(p1["execution_generation"], 1, "{p1}");
+    assert_eq!(home.admissions().len(), 1, "nothing new went to the member");
+
+    resolve_the_unknown_member_turn(&home);
+    // The retry and the room's pass race to resolve the task from the member's ledger: the
+    // retry answers the resolved task, or is refused because the pass resolved it first.
+    let after = ws
+        .call("room.retry", json!({"room_id": "park", "task_id": "p1"}))
+        .await;
+    match after["result"]["status"].as_str() {
+        Some(status) => assert_eq!(status, "failed", "{after}"),
+        None => assert!(
+            after
+                .to_string()
+                .contains("cannot retry task in state 'failed'"),
+            "{after}"
+        ),
+    }
+    wait_status(&mut ws, "park", "p2", "settled").await;
+    let p1 = room_tasks(&mut ws, "park")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "p1")
+        .expect("p1");
+    assert_eq!(p1["status"], "failed", "{p1}");
+    assert!(p1.to_string().contains("interrupted"), "{p1}");
+    assert_parked_once(&model, &victim);
+}
