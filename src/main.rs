@@ -364,6 +364,11 @@ fn operator(args: Args) -> ExitCode {
     // ends the command quietly, as for any filter, instead of a panic on the closed pipe.
     default_sigpipe();
     if let Some(err) = reply.get("error") {
+        if args.json {
+            // A script reads the refusal as it reads an answer: one JSON object.
+            println!("{reply}");
+            return ExitCode::from(1);
+        }
         eprintln!(
             "gatehouse: {}: {}",
             err["code"].as_str().unwrap_or("error"),

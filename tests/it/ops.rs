@@ -261,10 +261,16 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     assert_eq!(model.reached("HANG"), 1);
     let o = cli(&home, &["resolve-unknown", &sid, &admission], "");
     assert_eq!(o.status.code(), Some(1), "a second resolve is refused");
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("stale_generation"),
-        "{o:?}"
-    );
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(err.contains("stale_generation"), "{o:?}");
+    // It says where the input is, and the reason once.
+    assert!(err.contains("already settled (interrupted)"), "{err}");
+    assert_eq!(err.matches("stale_generation").count(), 1, "{err}");
+    // With --json the refusal is JSON on standard output, as an answer would be.
+    let o = cli(&home, &["resolve-unknown", &sid, &admission, "--json"], "");
+    assert_eq!(o.status.code(), Some(1));
+    let refusal: Value = serde_json::from_slice(&o.stdout).expect("a JSON refusal");
+    assert_eq!(refusal["error"]["code"], "stale_generation", "{refusal}");
 }
 
 #[actix_rt::test]
