@@ -503,7 +503,7 @@ fn echo_reply(body: &Value) -> ChatResponse {
         .unwrap_or("");
     ChatResponse {
         content: Some(format!(
-            "[echo provider: no model was configured when this session was created] {last}"
+            "[echo provider: this session answers with the built-in echo, not a model] {last}"
         )),
         finish_reason: "stop".into(),
         ..Default::default()
