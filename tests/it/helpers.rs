@@ -761,6 +761,20 @@ pub async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() ->
     }
 }
 
+/// The one admission whose outcome is unknown, and the operator command that settles it.
+pub fn unknown_admission(home: &Home) -> (AdmissionRow, String) {
+    let row = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("an unknown admission");
+    let command = format!(
+        "gatehouse resolve-unknown {} {}",
+        row.target_session_id, row.admission_id
+    );
+    (row, command)
+}
+
 /// All admissions terminal?
 pub fn all_terminal(home: &Home) -> bool {
     home.admissions().iter().all(|r| r.status == "terminal")

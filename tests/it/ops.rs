@@ -444,15 +444,7 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
     let out = chat.wait_with_output().expect("chat output");
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(status.code(), Some(1), "{err}");
-    let row = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("an unknown admission");
-    let command = format!(
-        "gatehouse resolve-unknown {} {}",
-        row.target_session_id, row.admission_id
-    );
+    let (row, command) = unknown_admission(&home);
     assert!(err.contains(&command), "{err}");
     // Chat into the held session says why nothing would run, and admits nothing (it waited
     // silently, for good).

@@ -1859,15 +1859,7 @@ async fn a_chat_completion_lost_to_a_crash_names_the_command_that_settles_it() {
     );
     assert_eq!(r.status, 409, "{}", r.body);
     assert_eq!(r.body["error"]["reason"], "unknown_execution", "{}", r.body);
-    let lost = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("the lost input");
-    let command = format!(
-        "gatehouse resolve-unknown {} {}",
-        lost.target_session_id, lost.admission_id
-    );
+    let (lost, command) = unknown_admission(&home);
     let message = r.body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains(&command), "{message}");
     let settled = control(
