@@ -1675,6 +1675,7 @@ impl RoomRuntime {
     /// which is why a graceful stop drains the members before it stops the rooms).
     fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
         let task_id = &attempt.identity.task_id;
+        let reported = receipt.status.clone();
         let committed = if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
             let settlement = settlement_from_ended(receipt, task_id, attempt.execution_generation);
             self.commit_stopped_elsewhere(binding, attempt, settlement)
@@ -1684,7 +1685,25 @@ impl RoomRuntime {
             self.commit_receipt_sync(binding, attempt, settlement)
         };
         match committed {
-            Ok(_) | Err(RoomStoreError::StaleTask(_)) => {}
+            Ok(_) => {}
+            // The attempt was settled first, as expected of some reports: a turn the deadline
+            // (or a stop) ended reports `interrupted` (`cancelled`) after the stop's own commit,
+            // a different settlement of the same attempt. Nothing to record.
+            Err(RoomStoreError::StaleTask(_)) | Err(RoomStoreError::Conflict(_))
+                if self.attempt_ended(attempt) =>
+            {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
+                    generation = attempt.execution_generation, %reported,
+                    "terminal report ignored: the attempt was already settled"
+                );
+            }
+            // A stop of the attempt is under way (the stop path settles it) or its fence moved.
+            Err(RoomStoreError::StaleTask(_)) => tracing::debug!(
+                target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
+                generation = attempt.execution_generation, %reported,
+                "terminal report ignored: the attempt is being stopped, or is stale"
+            ),
             Err(error) if error.is_fence() || is_lease_loss(&error) => {
                 self.fenced(binding, task_id, &error)
             }
@@ -1701,6 +1720,19 @@ impl RoomRuntime {
             self.wake_observers(&binding.room_id);
         } else {
             self.wake_room(&binding.room_id);
+        }
+    }
+
+    /// Whether `attempt` is over in the store: its task has ended at its generation, or moved on
+    /// to a later one.
+    fn attempt_ended(&self, attempt: &TaskAttempt) -> bool {
+        match self.inner.db.run_sync(|c| get_task(c, &attempt.identity)) {
+            Ok(task) => {
+                task.execution_generation > attempt.execution_generation
+                    || (task.execution_generation == attempt.execution_generation
+                        && task.status.is_terminal())
+            }
+            Err(_) => false,
         }
     }
 

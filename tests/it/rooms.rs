@@ -1205,3 +1205,45 @@ async fn a_retry_behind_an_unknown_member_turn_names_the_resolve_unknown_command
     assert!(p1.to_string().contains("interrupted"), "{p1}");
     assert_parked_once(&model, &victim);
 }
+
+/// A member turn that its room's deadline stopped reports `interrupted` once the deadline has
+/// failed its task: that late report of a settled attempt is expected and ignored (a debug
+/// line), not an error. Before, every room turn deadline logged `WARN task … terminal commit
+/// failed: task already has a different terminal settlement` and left that text in
+/// `room.status`'s `last_error`.
+#[actix_rt::test]
+async fn a_deadlines_late_member_report_is_not_an_error() {
+    let victim = Home::new();
+    let model = parking_model(&victim);
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"ops": {"toolsets": ["terminal"]}},
+            "rooms": {"turn_timeout_seconds": 2, "poll_interval_seconds": 0.2,
+                      "active_poll_interval_seconds": 0.05},
+        }),
+    ));
+    let d = Daemon::start_with_env(&home, &[("RUST_LOG", "info,gatehouse::rooms=debug")]);
+    let mut ws = d.ws().await;
+    park_in(&mut ws, "late", "l1").await;
+    wait_status(&mut ws, "late", "l1", "failed").await;
+    // The member's own report of the stopped turn reaches the room, after the deadline's
+    // commit or before it.
+    wait_until("the member's report", Duration::from_secs(30), || {
+        let log = home.log();
+        log.contains("terminal report ignored") || log.contains("terminal commit failed")
+    })
+    .await;
+    let log = home.log();
+    assert!(!log.contains("terminal commit failed"), "{log}");
+    let l1 = room_tasks(&mut ws, "late")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "l1")
+        .expect("l1");
+    assert!(l1.to_string().contains("turn_deadline_exceeded"), "{l1}");
+    let status = ws.ok("room.status", json!({})).await;
+    assert!(status["last_error"].is_null(), "{status}");
+    assert_parked_once(&model, &victim);
+}
