@@ -8,3 +8,6 @@ CREATE TABLE chat_threads (
     created_at DOUBLE NOT NULL,
     PRIMARY KEY (principal_id, thread_key)
 ) WITHOUT ROWID;
+-- Records older than the event log's retention are pruned, oldest first: a conversation that
+-- comes back after that starts a new session holding its history.
+CREATE INDEX chat_threads_age ON chat_threads(created_at);

@@ -533,6 +533,20 @@ pub fn spawn_pruner(
             if batches > 0 {
                 tracing::debug!(batches, "pruned session events");
             }
+            // Chat-completion thread records age out with the events.
+            if retention.max_age_seconds > 0.0 {
+                loop {
+                    let before = clock.now() - retention.max_age_seconds;
+                    match db.write(move |c| super::threads::prune(c, before)).await {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot prune chat threads");
+                            break;
+                        }
+                    }
+                }
+            }
         }
     });
 }

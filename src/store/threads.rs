@@ -92,3 +92,51 @@ pub fn left_at(
         && outcome.as_deref() == Some("completed")
         && final_response.is_some_and(|f| f.trim() == answer.trim()))
 }
+
+/// Records pruned by one transaction, at most.
+const PRUNE_BATCH: i64 = 4096;
+
+/// Delete up to a batch of the records made before `before`; whether more may be left. A
+/// conversation whose record is gone starts a new session with its history when it comes back.
+pub fn prune(conn: &mut SqliteConnection, before: f64) -> Result<bool, StoreError> {
+    super::write_tx(conn, |conn| {
+        let old = chat_threads::table
+            .filter(chat_threads::created_at.lt(before))
+            .order(chat_threads::created_at.asc())
+            .select((chat_threads::principal_id, chat_threads::thread_key))
+            .limit(PRUNE_BATCH)
+            .load::<(String, String)>(conn)?;
+        for (principal, key) in &old {
+            diesel::delete(
+                chat_threads::table
+                    .filter(chat_threads::principal_id.eq(principal))
+                    .filter(chat_threads::thread_key.eq(key)),
+            )
+            .execute(conn)?;
+        }
+        Ok(old.len() as i64 == PRUNE_BATCH)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing;
+
+    #[test]
+    fn records_are_found_kept_first_and_pruned_by_age() {
+        let (_dir, mut c) = testing::conn();
+        record(&mut c, "p", "k1", "s1", 10.0).expect("record");
+        record(&mut c, "p", "k1", "s2", 11.0).expect("record again");
+        record(&mut c, "p", "k2", "s3", 20.0).expect("record");
+        assert_eq!(find(&mut c, "p", "k1").expect("find"), Some("s1".into()));
+        assert_eq!(
+            find(&mut c, "q", "k1").expect("find"),
+            None,
+            "per principal"
+        );
+        assert!(!prune(&mut c, 15.0).expect("prune"));
+        assert_eq!(find(&mut c, "p", "k1").expect("find"), None);
+        assert_eq!(find(&mut c, "p", "k2").expect("find"), Some("s3".into()));
+    }
+}
