@@ -249,6 +249,17 @@ impl RoomsService {
         match method {
             "room.create" => {
                 let p: CreateRoom = params(p)?;
+                // A member runs as its profile: one this gateway lacks would fail every task.
+                if let Some(unknown) = p
+                    .members
+                    .iter()
+                    .find(|m| self.runtime.has_profile(&m.profile) == Some(false))
+                {
+                    return Err(GatewayError::InvalidParams(format!(
+                        "no profile {:?} in the config",
+                        unknown.profile
+                    )));
+                }
                 let (clock, gateway) = (self.clock.clone(), self.gateway_id.clone());
                 let owner = principal.unwrap_or(OPERATOR).to_string();
                 let (room, recorded) = self

@@ -178,6 +178,11 @@ fn receipt_of(row: &AdmissionRow) -> TerminalReceipt {
 }
 
 impl SessionPort for LocalSessionPort {
+    /// The profiles a session may be created with: `default` and the config's `profiles`.
+    fn has_profile(&self, profile: &str) -> Option<bool> {
+        Some(profile == "default" || self.authority.shared.config.profiles.contains_key(profile))
+    }
+
     fn resolve_exact(&self, address: SessionAddress) -> PortFuture<'_, Option<SessionHandle>> {
         Box::pin(async move {
             let id = session_id_for(ROOMS_PRINCIPAL, &Self::request_id(&address));

@@ -260,6 +260,10 @@ pub trait SessionPort: Send + Sync {
     fn is_peer(&self) -> bool {
         false
     }
+    /// Whether a member of `profile` can run here (`None`: this port cannot tell).
+    fn has_profile(&self, _profile: &str) -> Option<bool> {
+        None
+    }
 }
 
 /// An attempt as its member's ledger has it ([`SessionPort::ledger_attempt`]).

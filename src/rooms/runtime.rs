@@ -384,6 +384,15 @@ impl RoomRuntime {
         &self.inner.config
     }
 
+    /// Whether a member of `profile` can run: `Some(false)` when the member port (no per-task
+    /// transport chooses one) knows it has no such profile, `None` when it cannot tell.
+    pub fn has_profile(&self, profile: &str) -> Option<bool> {
+        if self.inner.resolver.is_some() {
+            return None;
+        }
+        self.inner.rpc.as_ref()?.has_profile(profile)
+    }
+
     pub(crate) fn state(&self) -> MutexGuard<'_, RuntimeState> {
         lock(&self.inner.state)
     }

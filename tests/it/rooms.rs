@@ -1247,3 +1247,40 @@ async fn a_deadlines_late_member_report_is_not_an_error() {
     assert!(status["last_error"].is_null(), "{status}");
     assert_parked_once(&model, &victim);
 }
+
+/// `room.create` refuses a member whose profile the config lacks (`invalid_params`, naming it,
+/// as `session.create` does) and creates nothing; `default` and configured profiles are
+/// members. Before, the room was created and every task for that member failed with
+/// `invalid_params: no profile "nosuch" in the config`.
+#[actix_rt::test]
+async fn a_room_with_an_unknown_member_profile_is_refused() {
+    let (_model, _home, d) = acking_rooms(json!({}));
+    let mut ws = d.ws().await;
+    for members in [
+        json!([{"profile": "nosuch", "handle": "n"}]),
+        json!([{"profile": "dev", "handle": "dev"}, {"profile": "nosuch", "handle": "n"}]),
+    ] {
+        let refused = ws
+            .refused(
+                "room.create",
+                json!({"room_id": "typo", "name": "T", "members": members}),
+                "invalid_params",
+            )
+            .await;
+        assert!(
+            refused.to_string().contains(r#"no profile \"nosuch\""#),
+            "{refused}"
+        );
+    }
+    ws.refused("room.get", json!({"room_id": "typo"}), "not_found")
+        .await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "typo", "name": "T",
+               "members": [{"profile": "dev", "handle": "dev"}, {"profile": "default", "handle": "d"}]}),
+    )
+    .await;
+    ws.ok("room.admit", admit("typo", "t1", "default", "hello", 1))
+        .await;
+    wait_status(&mut ws, "typo", "t1", "settled").await;
+}
