@@ -47,14 +47,21 @@ pub fn store_error(e: RoomStoreError) -> GatewayError {
     }
 }
 
-/// A room's view after `room.disband`: its state (`disbanding` while a stop is pending, then
-/// `disbanded`).
-fn disband_view(room: rooms::RoomView, idempotent: bool) -> Value {
-    let state = if room.disbanded_at.is_some() {
+/// A room's state: `active`, `disbanding` (its disband fence is up, a stop is pending) or
+/// `disbanded`.
+fn room_state(room: &rooms::RoomView) -> &'static str {
+    if room.disbanded_at.is_some() {
         "disbanded"
-    } else {
+    } else if room.disband_requested_at.is_some() {
         "disbanding"
-    };
+    } else {
+        "active"
+    }
+}
+
+/// A room's view after `room.disband`, with its state.
+fn disband_view(room: rooms::RoomView, idempotent: bool) -> Value {
+    let state = room_state(&room);
     let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
     v["state"] = json!(state);
     v["idempotent"] = json!(idempotent);
@@ -298,7 +305,9 @@ impl RoomsService {
                 let room =
                     room.ok_or_else(|| GatewayError::NotFound(format!("no room {}", p.room_id)))?;
                 subscribe(&room.room_id);
+                let state = room_state(&room);
                 let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
+                v["state"] = json!(state);
                 v["task_counts"] = json!(counts);
                 Ok(v)
             }
@@ -462,7 +471,13 @@ impl RoomsService {
         }
         // Retired now if nothing is unresolved; else by the room's pass that finds its stops
         // resolved (the wakeup re-reads the rooms with this one's fence up).
-        let view = self.complete_disband(room_id).await?.unwrap_or(requested);
+        let view = match self.complete_disband(room_id).await? {
+            Some(retired) => {
+                self.runtime.retired(room_id).await;
+                retired
+            }
+            None => requested,
+        };
         self.runtime.wakeup();
         tracing::info!(room = %room_id, disbanded = view.disbanded_at.is_some(), "room disband");
         Ok(disband_view(view, false))

@@ -413,6 +413,35 @@ impl RoomRuntime {
         state.last_error = Some(message);
     }
 
+    /// A room was retired (disbanded): forget what the runtime holds of it (its lease, block,
+    /// error, back-off and pending actions) and release its lease, so the room leaves the
+    /// status's leased rooms now rather than never.
+    pub async fn retired(&self, room_id: &str) {
+        let lease = {
+            let mut state = self.state();
+            state.blocked.remove(room_id);
+            state.room_errors.remove(room_id);
+            state.recovered.retain(|(room, _)| room != room_id);
+            state.backoff.retain(|(room, _), _| room != room_id);
+            state.pending_actions.retain(|(room, _), _| room != room_id);
+            state.leases.remove(room_id)
+        };
+        if let Some(lease) = lease {
+            let clock = self.inner.clock.clone();
+            let released = self
+                .inner
+                .db
+                .write(move |c| crate::store::leases::release_lease(c, &lease, clock.as_ref()))
+                .await;
+            if let Err(error) = released {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %room_id, %error,
+                    "retired room: its lease was not released (it lapses)"
+                );
+            }
+        }
+    }
+
     pub(crate) fn is_stopping(&self) -> bool {
         *self.inner.stop.borrow()
     }

@@ -21,7 +21,7 @@ use crate::store::room_tasks::{
     resolve_indeterminate_task, settle_stopping_task, settle_task, start_task, Settlement,
     SettlementStatus, TaskAttempt, TaskStatus, TaskView,
 };
-use crate::store::rooms::{disband_room, validate_identifier, RoomStoreError};
+use crate::store::rooms::{disband_room, get_room, validate_identifier, RoomStoreError};
 
 /// The result of a failed deadline, as stored.
 pub const DEADLINE_ERROR: &str =
@@ -180,6 +180,23 @@ impl RoomRuntime {
             Ok(()) => {}
             Err(RoomsError::Store(RoomStoreError::LeaseHeld(_))) => {}
             Err(RoomsError::Store(error)) if is_lease_loss(&error) => {
+                // The room's disband fence (or its retirement) ended the pass: no error. A
+                // retired room is forgotten; a disbanding one is carried out by its next pass,
+                // which the bindings read again by a round see disbanding.
+                if matches!(error, RoomStoreError::RoomUnavailable(_)) {
+                    if let Some(retired) = self.disband_raised(&binding.room_id).await {
+                        tracing::debug!(
+                            target: "gatehouse::rooms", room = %binding.room_id, %error,
+                            "room pass ended by the room's disband"
+                        );
+                        if retired {
+                            self.retired(&binding.room_id).await;
+                        } else {
+                            self.wakeup();
+                        }
+                        return;
+                    }
+                }
                 {
                     let mut state = self.state();
                     state.lease_losses += 1;
@@ -231,10 +248,30 @@ impl RoomRuntime {
         } else if self.reconcile_indeterminate(binding, &lease).await? {
             return Ok(());
         }
-        if busy || counts.has(TaskStatus::Queued) {
+        // A disbanding room starts nothing new (its fence refuses the start): its queued tasks
+        // are cancelled by the disband that follows this pass.
+        if (busy || counts.has(TaskStatus::Queued)) && !binding.disbanding {
             self.run_queued(binding).await?;
         }
         Ok(())
+    }
+
+    /// Whether the room's disband is raised: `Some(true)` once it is retired, `Some(false)`
+    /// while it is disbanding, `None` if not (or the room cannot be read).
+    async fn disband_raised(&self, room_id: &str) -> Option<bool> {
+        let room = room_id.to_string();
+        let view = self
+            .inner
+            .db
+            .run(move |c| get_room(c, &room))
+            .await
+            .ok()
+            .flatten()?;
+        if view.disbanded_at.is_some() {
+            Some(true)
+        } else {
+            view.disband_requested_at.is_some().then_some(false)
+        }
     }
 
     /// Carry out a disband whose fence is up, on every pass of the room until it is retired:
@@ -286,6 +323,7 @@ impl RoomRuntime {
         {
             Ok(_) => {
                 tracing::info!(room = %binding.room_id, "room disbanded");
+                self.retired(&binding.room_id).await;
                 // The scheduler reads its bindings again, without this room.
                 self.wakeup();
                 Ok(())

@@ -1284,3 +1284,56 @@ async fn a_room_with_an_unknown_member_profile_is_refused() {
         .await;
     wait_status(&mut ws, "typo", "t1", "settled").await;
 }
+
+/// A disbanded room leaves `room.status`'s leased rooms when it is retired, and its disband is
+/// no error: no `last_error` or warning says the room is (being) disbanded. `room.get` says the
+/// room's state, as the disband's reply does. Before, the retired room stayed among the leased
+/// rooms for good (its lease row long expired), a pass that met the disband fence recorded
+/// `room park: hosted room is being disbanded` as the last error (a WARN), and `room.get` had no
+/// state.
+#[actix_rt::test]
+async fn a_disbanded_room_leaves_the_leased_rooms_and_its_disband_is_no_error() {
+    let victim = Home::new();
+    let (_model, home, d) = parking_rooms(&victim, 1.0);
+    let mut ws = d.ws().await;
+    park_a_task(&mut ws).await;
+    ws.ok("room.admit", admit("park", "p3", "ops", "hello p3", 3))
+        .await;
+    let room = ws.ok("room.get", json!({"room_id": "park"})).await;
+    assert_eq!(room["state"], "active", "{room}");
+    let seen = ws.ok("room.status", json!({})).await;
+    assert_eq!(seen["leased_rooms"], json!(["park"]), "{seen}");
+
+    let disbanding = ws.ok("room.disband", json!({"room_id": "park"})).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let room = loop {
+        let room = ws.ok("room.get", json!({"room_id": "park"})).await;
+        if room["disbanded_at"].is_number() {
+            break room;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{disbanding} then {room}"
+        );
+        assert_eq!(room["state"], "disbanding", "{room}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(room["state"], "disbanded", "{room}");
+    let seen = status_when(&mut ws, "the retired room leaves the leased rooms", |s| {
+        s["leased_rooms"] == json!([])
+    })
+    .await;
+    assert!(
+        !seen["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("disband")),
+        "{seen}"
+    );
+    assert_eq!(seen["blocked_rooms"], json!([]), "{seen}");
+    let log = home.log();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("WARN") && l.contains("disbanded")),
+        "{log}"
+    );
+}
