@@ -298,6 +298,13 @@ impl Gateway {
                 )));
             }
         }
+        if !crate::tools::redact::ready() || !crate::tools::danger::all_rules_compiled() {
+            return Err(StartError::Refused(
+                "the secret filter's or the dangerous-command rules' patterns do not compile in \
+                 this build (check the regex crate's features)"
+                    .into(),
+            ));
+        }
         check_stop_budget(&config);
         let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
         let clock: SharedClock = Arc::new(SystemClock::default());

@@ -322,6 +322,15 @@ fn compile(defs: &'static [RuleDef]) -> Vec<Rule> {
         .collect()
 }
 
+/// Did every rule compile? A rule that did not would pass its commands without asking (the
+/// regex crate built without a feature a pattern needs does that in one build and not another):
+/// the daemon refuses to start instead.
+pub fn all_rules_compiled() -> bool {
+    rules().len() == RULE_DEFS.len()
+        && shell_rules().len() == SHELL_RULE_DEFS.len()
+        && hardline_rules().len() == HARDLINE_DEFS.len()
+}
+
 fn rules() -> &'static [Rule] {
     static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
     RULES.get_or_init(|| compile(RULE_DEFS))
