@@ -1151,15 +1151,7 @@ async fn a_retry_behind_an_unknown_member_turn_names_the_resolve_unknown_command
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     wait_status(&mut ws, "park", "p1", "indeterminate").await;
-    let unknown = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("the member's turn is unknown");
-    let command = format!(
-        "gatehouse resolve-unknown {} {}",
-        unknown.target_session_id, unknown.admission_id
-    );
+    let (_, command) = unknown_admission(&home);
     let refused = ws
         .refused(
             "room.retry",
