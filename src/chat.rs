@@ -131,9 +131,7 @@ impl Conn {
         self.backlog.extend(held);
         result
     }
-}
 
-impl Conn {
     /// Say goodbye with a close frame (the daemon logged a protocol error for a bare drop).
     async fn close(mut self) {
         if self.lost {

@@ -119,15 +119,15 @@ impl GatewayError {
             }
             other => {
                 let text = other.to_string();
-                match text.strip_prefix(self.reason()) {
-                    Some(rest) => match rest.strip_prefix(": ") {
-                        Some(detail) => detail.to_string(),
-                        // The reason alone (`stale_epoch`): say it in words.
-                        None if rest.is_empty() => self.reason().replace('_', " "),
-                        None => text.clone(),
-                    },
-                    None => text.clone(),
+                let rest = text.strip_prefix(self.reason());
+                if let Some(detail) = rest.and_then(|r| r.strip_prefix(": ")) {
+                    return detail.to_string();
                 }
+                if rest == Some("") {
+                    // The reason alone (`stale_epoch`): say it in words.
+                    return self.reason().replace('_', " ");
+                }
+                text
             }
         }
     }

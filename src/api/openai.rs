@@ -317,6 +317,20 @@ async fn named_thread(
     }
 }
 
+/// The session recorded for the thread key `key` of `principal`, if any.
+async fn recorded(
+    authority: &Authority,
+    principal: &str,
+    key: &str,
+) -> Result<Option<String>, ChatFailure> {
+    let (p, k) = (principal.to_string(), key.to_string());
+    Ok(authority
+        .shared
+        .db
+        .read(move |c| threads::find(c, &p, &k))
+        .await?)
+}
+
 /// The session of a derived conversation, which the client sends whole every time: the one
 /// this very request went to before (a retry); else the one the conversation left off in, when
 /// it is exactly there (its last input is the request before this one, answered with the
@@ -329,21 +343,14 @@ async fn derived_thread(
     request: &[(String, String)],
 ) -> Result<(Thread, String), ChatFailure> {
     let key = thread_key(scope, request);
-    let lookup = |key: String| {
-        let principal = principal.to_string();
-        authority
-            .shared
-            .db
-            .read(move |c| threads::find(c, &principal, &key))
-    };
-    if let Some(session) = lookup(key.clone()).await? {
+    if let Some(session) = recorded(authority, principal, &key).await? {
         return Ok((Thread::Existing(session), key));
     }
     let prior = &request[..request.len().saturating_sub(1)];
     if let [before @ .., (role, answer)] = prior {
         if role == "assistant" && !before.is_empty() {
             let previous = thread_key(scope, before);
-            if let Some(session) = lookup(previous.clone()).await? {
+            if let Some(session) = recorded(authority, principal, &previous).await? {
                 let (s, p, answer) = (session.clone(), principal.to_string(), answer.clone());
                 let input = input_id_of(&previous);
                 let there = authority
@@ -597,14 +604,15 @@ pub async fn chat_completions(
     if body.n.is_some_and(|n| n != 1) {
         return Err(invalid("n must be 1: a turn gives one answer"));
     }
-    let text = body
-        .messages
+    // The input is the last user message's text; the request is the conversation up to it.
+    let conversation = turns(&body.messages);
+    let last_user = conversation
         .iter()
-        .rev()
-        .find(|m| m.role == "user")
-        .and_then(|m| text_of(&m.content))
-        .filter(|t| !t.is_empty())
+        .rposition(|(role, _)| role == "user")
+        .filter(|&i| !conversation[i].1.is_empty())
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
+    let request = &conversation[..=last_user];
+    let text = request[last_user].1.clone();
     let authority = &state.authority;
     let principal = principal.0;
     // A `model` naming a configured profile runs the conversation under that profile.
@@ -621,12 +629,6 @@ pub async fn chat_completions(
         ),
         None => None,
     };
-    let conversation = turns(&body.messages);
-    let last_user = conversation
-        .iter()
-        .rposition(|(role, _)| role == "user")
-        .ok_or_else(|| invalid("the conversation has no user message with text"))?;
-    let request = &conversation[..=last_user];
     // An explicit Idempotency-Key names the request wherever its conversation would lead: sent
     // again, with other messages, it finds its input (and a conflict), not a new session.
     let explicit = idempotency(&req, None, "input_id")?;
@@ -634,14 +636,7 @@ pub async fn chat_completions(
         .as_deref()
         .map(|k| format!("idem-{}", hex(&Sha256::digest(k.as_bytes()))));
     let earlier = match &idem {
-        Some(idem) => {
-            let (p, k) = (principal.clone(), idem.clone());
-            authority
-                .shared
-                .db
-                .read(move |c| threads::find(c, &p, &k))
-                .await?
-        }
+        Some(idem) => recorded(authority, &principal, idem).await?,
         None => None,
     };
     let (thread, key) = match (&named, earlier) {
