@@ -678,6 +678,13 @@ impl Authority {
                     "{field} is over {max} characters"
                 )));
             }
+            // An empty name would be sent to the endpoint as is and fail every turn there; left
+            // out, the profile's or the config's is used.
+            if field != "title" && value.as_ref().is_some_and(|v| v.trim().is_empty()) {
+                return Err(GatewayError::InvalidParams(format!(
+                    "{field} must not be empty (leave it out to use the configured one)"
+                )));
+            }
         }
         let profile = p.profile.clone().unwrap_or_else(|| "default".into());
         let profile_cfg = cfg.profiles.get(&profile);

@@ -438,6 +438,13 @@ impl<'de> serde::de::Visitor<'de> for EnvelopeVisitor {
     }
 }
 
+/// A number outside the 64-bit integer range: an integer that wide is read as a float.
+fn is_wide_integer(n: &serde_json::Number) -> bool {
+    !(n.is_i64() || n.is_u64())
+        && n.as_f64()
+            .is_some_and(|f| f < i64::MIN as f64 || f >= u64::MAX as f64)
+}
+
 /// Decode one text frame into a request (pure: no I/O). On refusal, the id to answer with (the
 /// request's own when it could be read, else `null`) and the typed error.
 pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value, GatewayError)> {
@@ -464,6 +471,16 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
     };
     let id = obj.id.take();
     let reply_id = match &id {
+        // An integer past 64 bits is read as a float and would be echoed as one (`1e+23`, not
+        // the digits the client sent): refused rather than misanswered.
+        Some(Value::Number(n)) if is_wide_integer(n) => {
+            return Err((
+                Value::Null,
+                GatewayError::InvalidRequest(
+                    "a numeric id must be within the 64-bit integer range (use a string id)".into(),
+                ),
+            ))
+        }
         Some(v @ (Value::String(_) | Value::Number(_) | Value::Null)) => v.clone(),
         Some(_) => {
             return Err((
@@ -845,6 +862,28 @@ mod tests {
             reason(r#"{"id":"q","method":"m"}"#),
             Err((json!("q"), "invalid_request"))
         );
+        assert_eq!(
+            reason(r#"{"jsonrpc":"2.0","method":"m","id":18446744073709551615}"#).map(|r| r.id),
+            Ok(Some(json!(u64::MAX)))
+        );
+        for id in [json!(1.5), json!(2.0), json!(-9.0e18)] {
+            assert_eq!(
+                reason(&format!(r#"{{"jsonrpc":"2.0","method":"m","id":{id}}}"#)).map(|r| r.id),
+                Ok(Some(id))
+            );
+        }
+        for id in [
+            "100000000000000000000000",
+            "-1e19",
+            "18446744073709551616",
+            "1e300",
+        ] {
+            assert_eq!(
+                reason(&format!(r#"{{"jsonrpc":"2.0","method":"m","id":{id}}}"#)),
+                Err((Value::Null, "invalid_request")),
+                "id {id}"
+            );
+        }
         // Nesting past the parser's depth limit is refused where a value is built (the params),
         // and skipped without recursion in a member nobody reads.
         let nested = |member: &str| {

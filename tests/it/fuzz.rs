@@ -77,6 +77,14 @@ fn expected(v: &Value) -> Result<RpcRequest, (Value, &'static str)> {
     };
     let id = o.get("id").cloned();
     let reply_id = match &id {
+        // Numbers outside the 64-bit integer range (wider integers arrive as floats).
+        Some(Value::Number(n))
+            if !(n.is_i64() || n.is_u64())
+                && n.as_f64()
+                    .is_some_and(|f| f < i64::MIN as f64 || f >= u64::MAX as f64) =>
+        {
+            return Err((Value::Null, "invalid_request"))
+        }
         None | Some(Value::Null | Value::String(_) | Value::Number(_)) => {
             id.clone().unwrap_or(Value::Null)
         }

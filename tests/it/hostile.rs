@@ -499,6 +499,27 @@ fn frame_cases(sid: &str) -> Vec<FrameCase> {
             json!(11),
         ),
         (
+            "model_empty",
+            create(json!({"request_id": "h", "model": ""})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "provider_blank",
+            create(json!({"request_id": "h", "provider": "  "})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
+            "id_past_64_bits",
+            r#"{"jsonrpc":"2.0","id":100000000000000000000000,"method":"session.resume"}"#.into(),
+            -32600,
+            "invalid_request",
+            Value::Null,
+        ),
+        (
             "request_id_too_long",
             create(json!({"request_id": "r".repeat(2000)})),
             -32602,
