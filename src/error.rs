@@ -158,7 +158,9 @@ impl From<StoreError> for GatewayError {
             StoreError::UnknownExecution(m) => GatewayError::UnknownExecution(m),
             StoreError::SessionBusy(m) => GatewayError::SessionBusy(m),
             other => {
-                tracing::error!(error = %other, "storage failure");
+                if let Some(skipped) = STORAGE_LOG.admit() {
+                    tracing::error!(error = %other, skipped, "storage failure");
+                }
                 GatewayError::StorageUnavailable
             }
         }
@@ -166,6 +168,58 @@ impl From<StoreError> for GatewayError {
 }
 
 pub type GatewayResult<T> = Result<T, GatewayError>;
+
+impl StoreError {
+    /// The database file is not one, or is damaged (SQLite's `SQLITE_NOTADB`, `SQLITE_CORRUPT`):
+    /// starting again will not change that.
+    pub fn is_corrupt(&self) -> bool {
+        let text = self.to_string();
+        text.contains("file is not a database") || text.contains("database disk image is malformed")
+    }
+}
+
+/// Storage failures logged at most once a second: in an outage every request fails, and a line
+/// for each (two, with the writer's) flooded the log (9 MB in 40 s of a full disk under twelve
+/// clients), adding to the disk's pressure. The line logged says how many were left out.
+pub static STORAGE_LOG: LogLimiter = LogLimiter::new(1000);
+
+/// Admits at most one log line per period.
+pub struct LogLimiter {
+    period_ms: u64,
+    /// When the last line was admitted (ms since the Unix epoch).
+    last_ms: std::sync::atomic::AtomicU64,
+    skipped: std::sync::atomic::AtomicU64,
+}
+
+impl LogLimiter {
+    pub const fn new(period_ms: u64) -> LogLimiter {
+        LogLimiter {
+            period_ms,
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+            skipped: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines left out since the last one)` when this line may be logged.
+    pub fn admit(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let last = self.last_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= self.period_ms
+            && self
+                .last_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            Some(self.skipped.swap(0, Ordering::Relaxed))
+        } else {
+            self.skipped.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -185,5 +239,17 @@ mod tests {
         assert_eq!(body["code"], 5001);
         assert_eq!(body["data"]["reason"], "storage_unavailable");
         assert!(!body.to_string().contains("disk on fire"));
+    }
+
+    #[test]
+    fn the_log_limiter_admits_one_line_a_period_and_counts_the_rest() {
+        let limiter = LogLimiter::new(60_000);
+        assert_eq!(limiter.admit(), Some(0));
+        assert_eq!(limiter.admit(), None);
+        assert_eq!(limiter.admit(), None);
+        limiter
+            .last_ms
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(limiter.admit(), Some(2));
     }
 }

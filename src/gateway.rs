@@ -37,6 +37,9 @@ pub enum StartError {
     Listen(std::io::Error),
     #[error("{0}")]
     Refused(String),
+    /// An I/O failure on the home that a later start may not meet (a full disk).
+    #[error("{0}")]
+    Io(String),
     /// The hosted rooms could not start (their store, most likely: a later start may succeed).
     #[error("rooms: {0}")]
     Rooms(String),
@@ -53,7 +56,8 @@ impl StartError {
                 e.kind(),
                 std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::PermissionDenied
             ),
-            StartError::Store(_) | StartError::Rooms(_) => false,
+            StartError::Store(e) => e.is_corrupt(),
+            StartError::Io(_) | StartError::Rooms(_) => false,
         }
     }
 }
@@ -109,8 +113,9 @@ pub struct RunningGateway {
     server: actix_web::dev::ServerHandle,
     tickets: Arc<Tickets>,
     control_task: actix_rt::task::JoinHandle<()>,
-    /// The home's lock, held for the life of the gateway (released when the process ends).
-    _lock: std::fs::File,
+    _lock: HomeLock,
+    /// Dropped once the control task has stopped.
+    socket: SocketFile,
 }
 
 /// The lock file that makes a home one gateway's.
@@ -119,11 +124,38 @@ pub const LOCK_FILE: &str = "gateway.lock";
 /// Take the home's exclusive lock, or refuse: a second gateway on the same home would replace the
 /// first one's control socket, take its authority epoch and mark its running work `unknown` while
 /// it still runs. The lock is released by the kernel when the holder exits, however it exits.
-fn lock_home(home: &Path) -> Result<std::fs::File, StartError> {
+fn lock_home(home: &Path) -> Result<HomeLock, StartError> {
     use std::io::{Read, Seek, Write};
     use std::os::unix::fs::OpenOptionsExt;
     let path = home.join(LOCK_FILE);
-    let cannot = |e: std::io::Error| StartError::Home(format!("{}: {e}", path.display()));
+    let refused = |file: Option<&mut std::fs::File>| {
+        let mut holder = String::new();
+        if let Some(f) = file {
+            let _ = f.read_to_string(&mut holder);
+        }
+        let holder = holder.trim();
+        StartError::Refused(format!(
+            "another gateway is serving {}{}; stop it first",
+            home.display(),
+            if holder.is_empty() {
+                String::new()
+            } else {
+                format!(" (pid {holder})")
+            }
+        ))
+    };
+    // The directory itself is locked first: a lock file can be deleted (and a second gateway
+    // then lock a new one) while the home cannot be, not while it holds the state.
+    let dir = std::fs::File::open(home).map_err(|e| home_io(home, e))?;
+    match dir.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut file = std::fs::File::open(&path).ok();
+            return Err(refused(file.as_mut()));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(home_io(home, e)),
+    }
+    // The lock file, as earlier versions take it, says which process holds the home.
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -131,24 +163,67 @@ fn lock_home(home: &Path) -> Result<std::fs::File, StartError> {
         .truncate(false)
         .mode(0o600)
         .open(&path)
-        .map_err(cannot)?;
+        .map_err(|e| home_io(&path, e))?;
     match file.try_lock() {
         Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            return Err(StartError::Refused(format!(
-                "another gateway is serving {} (pid {}); stop it first",
-                home.display(),
-                holder.trim()
-            )));
-        }
-        Err(std::fs::TryLockError::Error(e)) => return Err(cannot(e)),
+        Err(std::fs::TryLockError::WouldBlock) => return Err(refused(Some(&mut file))),
+        Err(std::fs::TryLockError::Error(e)) => return Err(home_io(&path, e)),
     }
-    file.set_len(0).map_err(cannot)?;
-    file.rewind().map_err(cannot)?;
-    write!(file, "{}", std::process::id()).map_err(cannot)?;
-    Ok(file)
+    file.set_len(0).map_err(|e| home_io(&path, e))?;
+    file.rewind().map_err(|e| home_io(&path, e))?;
+    write!(file, "{}", std::process::id()).map_err(|e| home_io(&path, e))?;
+    Ok(HomeLock {
+        _dir: dir,
+        _file: file,
+    })
+}
+
+/// The home's locks, held for the life of the gateway (released when the process ends).
+struct HomeLock {
+    _dir: std::fs::File,
+    _file: std::fs::File,
+}
+
+/// An I/O error on the home at start: permanent when it is about access (the unit must not
+/// restart the daemon for it), else temporary (a full disk, an I/O error: a later start may
+/// succeed).
+fn home_io(path: &Path, e: std::io::Error) -> StartError {
+    use std::io::ErrorKind;
+    let message = format!("{}: {e}", path.display());
+    match e.kind() {
+        ErrorKind::PermissionDenied
+        | ErrorKind::ReadOnlyFilesystem
+        | ErrorKind::NotADirectory
+        | ErrorKind::IsADirectory
+        | ErrorKind::NotFound => StartError::Home(message),
+        _ => StartError::Io(message),
+    }
+}
+
+/// The control socket's file, removed when the gateway stops or its start fails, but only
+/// while it is still this gateway's own (a socket another process bound at the same path since
+/// is left alone).
+struct SocketFile {
+    path: PathBuf,
+    inode: Option<u64>,
+}
+
+impl SocketFile {
+    fn new(path: PathBuf) -> SocketFile {
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::symlink_metadata(&path).ok().map(|m| m.ino());
+        SocketFile { path, inode }
+    }
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        let now = std::fs::symlink_metadata(&self.path).ok().map(|m| m.ino());
+        if now.is_some() && now == self.inode {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// Refuse a home that is group- or world-accessible, and create it 0700 when missing.
@@ -306,7 +381,10 @@ impl Gateway {
             ));
         }
         check_stop_budget(&config);
-        let listener = control::bind(&control::socket_path(&home)).map_err(StartError::Listen)?;
+        let socket_path = control::socket_path(&home);
+        let listener = control::bind(&socket_path).map_err(StartError::Listen)?;
+        // From here a failed start removes the socket it bound.
+        let socket = SocketFile::new(socket_path);
         let clock: SharedClock = Arc::new(SystemClock::default());
         // The writer's connection (held), one per reader, the checkpointer's and one spare.
         let db_path = home.join("state.db");
@@ -332,6 +410,7 @@ impl Gateway {
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());
+        db.watch_file(&db_path)?;
         // Short rounds: each copies little, and the WAL stays small.
         store::spawn_checkpointer(&db, &db_path, Duration::from_millis(100));
         let m = &config.model;
@@ -448,6 +527,7 @@ impl Gateway {
             tickets,
             control_task,
             _lock: lock,
+            socket,
         })
     }
 }
@@ -491,7 +571,7 @@ impl RunningGateway {
         }
         self.tickets.revoke_all();
         self.control_task.abort();
-        let _ = std::fs::remove_file(control::socket_path(&self.home));
+        drop(self.socket);
         // Clients see 1001 "going away" rather than a five-second wait for them to hang up.
         crate::api::ws::close_all("server stopping");
         // HTTP requests still open (event streams, long polls) get what is left of the drain
@@ -512,13 +592,22 @@ impl RunningGateway {
 
 #[cfg(test)]
 mod tests {
-    use super::StartError;
+    use super::{home_io, StartError};
+    use std::path::Path;
 
     /// What a restart cannot change exits 2 (the unit does not restart it); a store, a listener
     /// or the rooms' store may do better on a later start.
     #[test]
     fn only_refusals_a_restart_cannot_change_are_permanent() {
         assert!(StartError::Home("0755".into()).is_permanent());
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert!(!home_io(Path::new("/h/gateway.lock"), full).is_permanent());
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(home_io(Path::new("/h/gateway.lock"), denied).is_permanent());
+        assert!(StartError::Store(crate::error::StoreError::Other(
+            "/h/state.db: file is not a database".into()
+        ))
+        .is_permanent());
         assert!(StartError::Refused("another gateway is serving".into()).is_permanent());
         assert!(!StartError::Rooms("database is locked".into()).is_permanent());
         assert!(

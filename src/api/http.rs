@@ -29,14 +29,21 @@ pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain").body("ok\n")
 }
 
+/// 200 `ready` while the gateway serves and its store acknowledges writes; else 503 and why.
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    match state.authority.shared.runtime.phase() {
-        RuntimePhase::Ready => HttpResponse::Ok()
+    let shared = &state.authority.shared;
+    let unready = match (shared.runtime.phase(), shared.db.health()) {
+        (RuntimePhase::Ready, Ok(())) => None,
+        (RuntimePhase::Ready, Err(why)) => Some(format!("storage: {why}")),
+        (other, _) => Some(other.as_str().to_string()),
+    };
+    match unready {
+        None => HttpResponse::Ok()
             .content_type("text/plain")
             .body("ready\n"),
-        other => HttpResponse::ServiceUnavailable()
+        Some(why) => HttpResponse::ServiceUnavailable()
             .content_type("text/plain")
-            .body(format!("{}\n", other.as_str())),
+            .body(format!("{why}\n")),
     }
 }
 
@@ -69,6 +76,21 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         "Times the background checkpointer synced the database file after copying WAL frames.",
         "counter",
         shared.db.checkpoint_syncs(),
+    );
+    push_metric(
+        &mut body,
+        "gatehouse_db_commit_failures_total",
+        "Group commits that failed (a full disk, an I/O error, a database file gone).",
+        "counter",
+        shared.db.failed_commits(),
+    );
+    push_metric(
+        &mut body,
+        "gatehouse_storage_healthy",
+        "1 while the store acknowledges writes; 0 when its file is gone, another process took \
+         the authority, or a commit has waited on the disk for over 5 s (see /readyz).",
+        "gauge",
+        u64::from(shared.db.health().is_ok()),
     );
     if let Some(rooms) = state.authority.rooms.get() {
         let tasks = rooms

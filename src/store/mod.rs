@@ -23,14 +23,16 @@ pub mod sessions;
 pub mod threads;
 pub mod vfs;
 
-use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
 use diesel::connection::SimpleConnection;
-use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, PooledConnection};
+use diesel::r2d2::{
+    ConnectionManager, CustomizeConnection, ManageConnection, Pool, PooledConnection,
+};
 use diesel::sqlite::SqliteConnection;
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use tokio::sync::oneshot;
@@ -153,6 +155,17 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
     vfs::install();
     let url = path.to_string_lossy().to_string();
     let manager = ConnectionManager::<SqliteConnection>::new(url);
+    // One connection first, outside the pool: a file that is not a database, or a corrupt one,
+    // is reported at once with SQLite's own words (through the pool it was reported only when
+    // the pool's connection timeout ran out, ten seconds later).
+    {
+        let mut probe = manager
+            .connect()
+            .map_err(|e| StoreError::Other(format!("{}: {e}", path.display())))?;
+        Pragmas
+            .on_acquire(&mut probe)
+            .map_err(|e| StoreError::Other(format!("{}: {e}", path.display())))?;
+    }
     let pool = Pool::builder()
         .max_size(size)
         // A local SQLite file does not go stale: no `SELECT 1` before every checkout.
@@ -439,21 +452,53 @@ fn writer_loop(
         };
         let writes = batch.len();
         let mut deliveries: Vec<Deliver> = Vec::with_capacity(writes);
-        let committed = conn
+        // A database file found gone is not written again: the batch runs (its jobs answer
+        // only through a transaction) and is rolled back.
+        let lost = wal.lost.load(Ordering::Relaxed);
+        wal.busy_since_ms
+            .store(clock_ms().max(1), Ordering::Relaxed);
+        let mut committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                 for job in batch.drain(..) {
                     deliveries.push(job(c));
                 }
+                if lost {
+                    return Err(diesel::result::Error::RollbackTransaction);
+                }
                 Ok(())
             })
             .map_err(|e| e.to_string());
+        wal.busy_since_ms.store(0, Ordering::Relaxed);
         // Jobs the transaction never ran (it could not begin) are dropped with `batch`, which
         // drops their reply channels: their callers see a storage error.
         if committed.is_ok() {
             wal.commits.fetch_add(1, Ordering::Relaxed);
+            // Committed to the file opened at start, which must still be the one at its path:
+            // a commit to a file since removed or replaced is lost at the next start, so it is
+            // not acknowledged (one `stat`, against the commit's `fsync`).
+            if let Some(file) = wal.file.get() {
+                if !file.still_there() {
+                    wal.lost.store(true, Ordering::Relaxed);
+                    tracing::error!(path = %file.path.display(),
+                        "the database file was removed or replaced while this daemon had it open: \
+                         nothing more is acknowledged; restart the daemon");
+                    committed = Err(file.lost_message());
+                }
+            }
+        } else if lost {
+            committed = Err(wal
+                .file
+                .get()
+                .map(FileIdentity::lost_message)
+                .unwrap_or_else(|| "the database file is gone".into()));
         }
         if let Err(e) = &committed {
-            tracing::error!(error = %e, writes, "group commit failed");
+            wal.failed.fetch_add(1, Ordering::Relaxed);
+            if !lost {
+                if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
+                    tracing::error!(error = %e, writes, skipped, "group commit failed");
+                }
+            }
             // Start the next batch on a fresh connection.
             held = None;
         }
@@ -518,6 +563,66 @@ struct WalState {
     syncs: AtomicU64,
     /// The checkpointer's rounds.
     rounds: AtomicU64,
+    /// Group commits that failed (or were refused: see `lost`).
+    failed: AtomicU64,
+    /// When the batch being committed began ([`clock_ms`]), 0 while none is.
+    busy_since_ms: AtomicU64,
+    /// The database file as opened ([`Db::watch_file`]).
+    file: std::sync::OnceLock<FileIdentity>,
+    /// The file was found removed or replaced: nothing more is committed (until a restart).
+    lost: AtomicBool,
+    /// A write was refused `stale_epoch`: another process took the home's authority.
+    deposed: AtomicBool,
+    /// How long a commit may wait before the store is unhealthy, in ms (0: [`STALL_AFTER`]).
+    stall_after_ms: AtomicU64,
+}
+
+/// Milliseconds on a monotonic clock that starts with the process's first call.
+fn clock_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis()
+        .try_into()
+        .unwrap_or(u64::MAX)
+}
+
+/// A commit waiting longer than this makes the store unhealthy (`/readyz` 503).
+pub const STALL_AFTER: Duration = Duration::from_secs(5);
+
+/// Which file the database is: its path, and the device and inode it had when opened.
+#[derive(Debug)]
+struct FileIdentity {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl FileIdentity {
+    fn of(path: &Path) -> std::io::Result<FileIdentity> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        Ok(FileIdentity {
+            path: path.to_path_buf(),
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Is the file at the path still the one opened (not removed, not replaced)?
+    fn still_there(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino)
+    }
+
+    fn lost_message(&self) -> String {
+        format!(
+            "the database file {} was removed or replaced while the daemon had it open; \
+             restart the daemon",
+            self.path.display()
+        )
+    }
 }
 
 const WAL_RESTART_NO: u8 = 0;
@@ -605,6 +710,79 @@ impl Db {
         self.wal.commits.load(Ordering::Relaxed)
     }
 
+    /// How many group commits failed.
+    pub fn failed_commits(&self) -> u64 {
+        self.wal.failed.load(Ordering::Relaxed)
+    }
+
+    /// A commit waiting longer than `bound` makes the store unhealthy (default [`STALL_AFTER`]).
+    pub fn with_stall_bound(self, bound: Duration) -> Db {
+        let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.wal.stall_after_ms.store(ms, Ordering::Relaxed);
+        self
+    }
+
+    /// Check before every acknowledgement that the database file at `path` is still the one
+    /// this store opened (see [`Db::health`]).
+    pub fn watch_file(&self, path: &Path) -> Result<(), StoreError> {
+        let identity = FileIdentity::of(path)
+            .map_err(|e| StoreError::Other(format!("{}: {e}", path.display())))?;
+        let _ = self.wal.file.set(identity);
+        Ok(())
+    }
+
+    /// Whether the store can acknowledge writes now; if not, why (in words for an operator):
+    /// its file was removed or replaced, another process took the home's authority, or a
+    /// commit has been waiting on the disk for longer than [`STALL_AFTER`].
+    pub fn health(&self) -> Result<(), String> {
+        self.file_health()?;
+        if self.wal.deposed.load(Ordering::Relaxed) {
+            return Err(
+                "another process took this home's authority (a newer epoch): this daemon \
+                 writes nothing more; stop it"
+                    .into(),
+            );
+        }
+        let since = self.wal.busy_since_ms.load(Ordering::Relaxed);
+        let waited = Duration::from_millis(clock_ms().saturating_sub(since));
+        let bound = match self.wal.stall_after_ms.load(Ordering::Relaxed) {
+            0 => STALL_AFTER,
+            ms => Duration::from_millis(ms),
+        };
+        if since != 0 && waited > bound {
+            return Err(format!(
+                "a commit has been waiting on the disk for {} s",
+                waited.as_secs()
+            ));
+        }
+        Ok(())
+    }
+
+    fn file_health(&self) -> Result<(), String> {
+        if self.wal.lost.load(Ordering::Relaxed) {
+            return Err(self
+                .wal
+                .file
+                .get()
+                .map(FileIdentity::lost_message)
+                .unwrap_or_else(|| "the database file is gone".into()));
+        }
+        Ok(())
+    }
+
+    /// Note a write's answer: `stale_epoch` means this process is no longer the home's
+    /// authority (said once in the log, and by [`Db::health`] from then on).
+    fn observe<R>(&self, result: &Result<R, StoreError>) {
+        if matches!(result, Err(StoreError::StaleEpoch))
+            && !self.wal.deposed.swap(true, Ordering::Relaxed)
+        {
+            tracing::error!(
+                "a write was refused stale_epoch: another process took this home's authority; \
+                 this daemon writes nothing more and should be stopped"
+            );
+        }
+    }
+
     /// Record job latencies in `metrics`.
     pub fn with_metrics(mut self, metrics: std::sync::Arc<crate::telemetry::Metrics>) -> Db {
         self.metrics = Some(metrics);
@@ -670,6 +848,7 @@ impl Db {
             m.db_hist.observe(started.elapsed().as_secs_f64());
             m.db_write();
         }
+        self.observe(&result);
         result
     }
 
@@ -696,14 +875,23 @@ impl Db {
             use tokio::sync::mpsc::error::TrySendError;
             let (TrySendError::Full(job) | TrySendError::Closed(job)) = refused;
             // As the writer runs a job, in a transaction of one.
+            if let Err(why) = self.file_health() {
+                return Err(StoreError::Other(why));
+            }
             let mut conn = self.blocking_conn()?;
             let mut deliver = None;
-            let committed = conn
+            let mut committed = conn
                 .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                     deliver = Some(job(c));
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
+            if let (Ok(()), Some(file)) = (&committed, self.wal.file.get()) {
+                if !file.still_there() {
+                    self.wal.lost.store(true, Ordering::Relaxed);
+                    committed = Err(file.lost_message());
+                }
+            }
             match deliver {
                 Some(deliver) => deliver(committed),
                 None => {
@@ -719,6 +907,7 @@ impl Db {
         if let Some(m) = &self.metrics {
             m.db_write();
         }
+        self.observe(&result);
         result
     }
 
@@ -1556,6 +1745,35 @@ mod wal_restart_tests {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// A commit that waits on the disk past the bound makes the store unhealthy while it waits
+    /// (the writer is held here by a write that blocks, as a frozen disk holds its `fsync`).
+    #[test]
+    fn a_commit_waiting_past_the_bound_makes_the_store_unhealthy_while_it_waits() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1).with_stall_bound(Duration::from_millis(50));
+            assert_eq!(db.health(), Ok(()));
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let held = db.write(move |_| gate.recv().map_err(|e| StoreError::Other(e.to_string())));
+            let watch = async {
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                let why = loop {
+                    if let Err(why) = db.health() {
+                        break why;
+                    }
+                    assert!(std::time::Instant::now() < deadline, "never unhealthy");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                };
+                assert!(why.contains("waiting on the disk"), "{why}");
+                open.send(()).expect("release the writer");
+            };
+            let (written, ()) = tokio::join!(held, watch);
+            written.expect("the held write commits");
+            assert_eq!(db.health(), Ok(()), "healthy once the commit is answered");
+        });
     }
 
     /// Steady writes rarely let SQLite restart the WAL on its own: without the writer's restart

@@ -717,6 +717,80 @@ async fn storage_read_only_database_refuses_writes_then_recovers() {
     .await;
 }
 
+/// The database file moved away under a running daemon: a commit made to the file it has open
+/// is no longer in the file the next start reads, so it is not acknowledged (`storage_unavailable`),
+/// nothing more is committed, `/readyz` says why, and the metrics show it.
+#[actix_rt::test]
+async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
+    let mut s = stored("moved").await;
+    let origin = s._daemon.origin();
+    assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 1.0);
+    let (db, away) = (
+        s.home.path.join("state.db"),
+        s.home.path.join("state.db.away"),
+    );
+    std::fs::rename(&db, &away).expect("move the database away");
+    let sid = s.sid.clone();
+    for input in ["B", "C"] {
+        expect_storage_unavailable(
+            &mut s.ws,
+            "prompt.submit",
+            json!({"session_id": sid, "input_id": input, "text": input}),
+            &format!("submit {input} with the file moved away"),
+        )
+        .await;
+    }
+    let (status, body) = http_get(&format!("{origin}/readyz")).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("removed or replaced"), "{body}");
+    assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 0.0);
+    assert!(metric(&origin, "gatehouse_db_commit_failures_total").await >= 2.0);
+    // Back in place, the file is still not written: only a restart trusts it again. B's commit
+    // reached the file before the check found it gone (unacknowledged: the same input sent
+    // again finds it); C came after and was rolled back.
+    std::fs::rename(&away, &db).expect("move the database back");
+    expect_storage_unavailable(
+        &mut s.ws,
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "D", "text": "D"}),
+        "submit D with the file back",
+    )
+    .await;
+    let inputs: Vec<String> = s
+        .home
+        .admissions()
+        .into_iter()
+        .map(|r| r.request_id)
+        .collect();
+    assert!(!inputs.iter().any(|i| i == "C" || i == "D"), "{inputs:?}");
+}
+
+/// Another process took the home's authority (its epoch is newer): the daemon's writes are
+/// refused in SQL, and it says so on `/readyz` instead of staying ready while it refuses all.
+#[actix_rt::test]
+async fn a_daemon_whose_authority_was_taken_is_not_ready() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let mut s = stored("deposed").await;
+    let origin = s._daemon.origin();
+    assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
+    SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy())
+        .expect("open state.db")
+        .batch_execute("UPDATE runtime_epoch SET epoch = epoch + 1")
+        .expect("a newer epoch");
+    let sid = s.sid.clone();
+    s.ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "B", "text": "B"}),
+        "stale_epoch",
+    )
+    .await;
+    let (status, body) = http_get(&format!("{origin}/readyz")).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("took this home's authority"), "{body}");
+    assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 0.0);
+}
+
 /// An endpoint that refuses to stream is asked once more without streaming, and plainly from
 /// then on (the turn completes; the next turn costs one request).
 #[actix_rt::test]

@@ -779,3 +779,40 @@ pub fn unknown_admission(home: &Home) -> (AdmissionRow, String) {
 pub fn all_terminal(home: &Home) -> bool {
     home.admissions().iter().all(|r| r.status == "terminal")
 }
+
+/// GET `url`: its status and body.
+pub async fn http_get(url: &str) -> (u16, String) {
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .finish();
+    match client.get(url).send().await {
+        Ok(mut resp) => {
+            let body = resp
+                .body()
+                .limit(1 << 20)
+                .await
+                .map(|b| String::from_utf8_lossy(&b).to_string())
+                .unwrap_or_default();
+            (resp.status().as_u16(), body)
+        }
+        Err(e) => panic!("GET {url}: {e}"),
+    }
+}
+
+/// One sample of the daemon's `/metrics`.
+pub async fn metric(origin: &str, name: &str) -> f64 {
+    let mut resp = awc::Client::new()
+        .get(format!("{origin}/metrics"))
+        .send()
+        .await
+        .expect("metrics");
+    let body = resp.body().await.expect("metrics body");
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .filter(|rest| rest.starts_with(' '))
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no metric {name}"))
+}

@@ -1139,23 +1139,6 @@ async fn wait_metric_at_least(origin: &str, name: &str, min: f64, timeout: Durat
     }
 }
 
-async fn metric(origin: &str, name: &str) -> f64 {
-    let mut resp = awc::Client::new()
-        .get(format!("{origin}/metrics"))
-        .send()
-        .await
-        .expect("metrics");
-    let body = resp.body().await.expect("metrics body");
-    String::from_utf8_lossy(&body)
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(name)
-                .filter(|rest| rest.starts_with(' '))
-                .and_then(|rest| rest.trim().parse().ok())
-        })
-        .unwrap_or_else(|| panic!("no metric {name}"))
-}
-
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()

@@ -49,24 +49,6 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
 
-async fn http_get(url: &str) -> (u16, String) {
-    let client = awc::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .finish();
-    match client.get(url).send().await {
-        Ok(mut resp) => {
-            let body = resp
-                .body()
-                .limit(1 << 20)
-                .await
-                .map(|b| String::from_utf8_lossy(&b).to_string())
-                .unwrap_or_default();
-            (resp.status().as_u16(), body)
-        }
-        Err(e) => panic!("GET {url}: {e}"),
-    }
-}
-
 /// Parse Prometheus text format strictly enough to catch malformed output.
 fn parse_prometheus(text: &str) -> Vec<(String, f64)> {
     let mut samples = Vec::new();
@@ -559,6 +541,9 @@ async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_wor
         || model.reached("parked") == 1,
     )
     .await;
+    // The lock file deleted (by hand, by a cleanup job) does not let a second daemon in: the
+    // home directory itself is locked.
+    std::fs::remove_file(home.path.join("gateway.lock")).expect("remove the lock file");
     let mut second = spawn_cli(&home, &["serve"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let status = loop {
@@ -589,6 +574,27 @@ async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_wor
         home.admission("parked").status == "terminal"
     })
     .await;
+}
+
+/// A state.db that is not a database is refused at once, with SQLite's words, for good (exit 2:
+/// a unit does not restart it every two seconds), and the failed start leaves no control socket.
+#[actix_rt::test]
+async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    std::fs::write(home.path.join("state.db"), vec![b'x'; 8192]).expect("write garbage");
+    let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("not a database"), "{stderr}");
+    assert!(
+        !stderr.contains("timed out"),
+        "the cause is said at once, not after the pool's timeout: {stderr}"
+    );
+    assert!(
+        !home.path.join("gateway.sock").exists(),
+        "a failed start leaves no socket behind"
+    );
 }
 
 /// Under `Type=notify` the daemon says it is ready (with where it serves) only once it is, and
