@@ -792,11 +792,19 @@ impl RoomRuntime {
         let Some(binding) = self.binding_for(&identity.room_id).await else {
             return Ok(task);
         };
-        if let Err(error) = self.finish_user_stop(&binding, &task).await {
-            self.set_error(
+        match self.finish_user_stop(&binding, &task).await {
+            Ok(()) => {}
+            // Another disband of the room (its pass, or `room.disband`) retired it meanwhile.
+            Err(RoomsError::Store(error)) if crate::rooms::supervisor::ended_by_disband(&error) => {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %identity.room_id,
+                    task = %identity.task_id, %error, "stop ended by the room's disband"
+                );
+            }
+            Err(error) => self.set_error(
                 &identity.room_id,
                 format!("task {} stop remains pending: {error}", identity.task_id),
-            );
+            ),
         }
         self.wakeup();
         Ok(self.read_task(identity).await?)

@@ -159,6 +159,15 @@ fn is_lease_loss(error: &RoomStoreError) -> bool {
     )
 }
 
+/// Whether the store refused a write because of the room's disband: it is retired (every lease
+/// check refuses it from then on) or its disband fence refused new work. Not an error of the
+/// room: the disband ended (or is ending) the attempt. It races every commit of an attempt the
+/// disband stops: the member's late terminal report of the interrupted turn, or its observer's
+/// next commit, lands after `room.disband` (or the room's pass) has already retired the room.
+pub(crate) fn ended_by_disband(error: &RoomStoreError) -> bool {
+    matches!(error, RoomStoreError::RoomUnavailable(_))
+}
+
 /// Who waits for a member's turn lock, and so which lease must still be theirs when it is got.
 #[derive(Clone, Copy)]
 enum Holder<'a> {
@@ -1005,6 +1014,8 @@ impl RoomRuntime {
                     self.state().blocked.insert(binding.room_id.clone());
                     return Ok(true);
                 }
+                // The room was retired meanwhile: the pass ends as its disband (no error).
+                Err(error) if error.store().is_some_and(ended_by_disband) => return Err(error),
                 Err(error) => {
                     self.set_error(
                         &binding.room_id,
@@ -1454,7 +1465,7 @@ impl RoomRuntime {
         };
         self.set_error(&binding.room_id, format!("task {task_id} failed: {error}"));
         if let Err(commit) = self.commit_receipt(binding, attempt, settlement).await {
-            self.set_error(&binding.room_id, format!("task {task_id} fenced: {commit}"));
+            self.fenced(binding, &task_id, &commit);
         }
     }
 
@@ -1486,6 +1497,10 @@ impl RoomRuntime {
                     ),
                 );
             }
+            Err(fence) if ended_by_disband(&fence) => tracing::debug!(
+                target: "gatehouse::rooms", room = %binding.room_id, task = %task_id, %fence,
+                "not-admitted attempt left to the room's disband"
+            ),
             Err(fence) => self.set_error(
                 &binding.room_id,
                 format!("task {task_id} not-admitted proof lost its fence: {fence}"),
@@ -1579,6 +1594,10 @@ impl RoomRuntime {
                         || self.inner.clock.monotonic() >= deadline;
                     match outcome {
                         Ok(StopOutcome::Resolved) => continue,
+                        Err(RoomsError::Store(error)) if ended_by_disband(&error) => {
+                            self.fenced(binding, &task_id, &error);
+                            return None;
+                        }
                         Ok(StopOutcome::Pending) if deadline_stop => {
                             self.set_error(
                                 &binding.room_id,
@@ -1651,7 +1670,7 @@ impl RoomRuntime {
                             .commit_receipt(binding, attempt, settlement_from_history(&receipt))
                             .await
                         {
-                            if error.is_fence() {
+                            if error.is_fence() || ended_by_disband(&error) {
                                 self.fenced(binding, &task_id, &error);
                                 return None;
                             }
@@ -1684,7 +1703,17 @@ impl RoomRuntime {
         }
     }
 
+    /// An attempt's commit (or its lease) was refused. The room's disband is no error: a
+    /// retired room's lease is forgotten (and released) by [`RoomRuntime::retired`], and a
+    /// disbanding room's lease is still its own, for the disband to carry out.
     fn fenced(&self, binding: &RoomBinding, task_id: &str, error: &RoomStoreError) {
+        if ended_by_disband(error) {
+            tracing::debug!(
+                target: "gatehouse::rooms", room = %binding.room_id, task = %task_id, %error,
+                "attempt ended by the room's disband"
+            );
+            return;
+        }
         if is_lease_loss(error) {
             self.state().leases.remove(&binding.room_id);
         }
