@@ -225,6 +225,18 @@ fn serve(args: Args) -> ExitCode {
     let system = actix_rt::System::new();
     // Err: (message, whether starting again would change nothing).
     let result: Result<(), (String, bool)> = system.block_on(async move {
+        // Caught from before the start, so there is no moment when `READY=1` has been said and
+        // a SIGTERM would still kill the daemon without its drain.
+        use tokio::signal::unix::{signal, SignalKind};
+        let watch = |kind: SignalKind, name: &str| {
+            signal(kind).map_err(|e| (format!("cannot watch {name}: {e}"), false))
+        };
+        let mut term = watch(SignalKind::terminate(), "SIGTERM")?;
+        let mut int = watch(SignalKind::interrupt(), "SIGINT")?;
+        // There is no reload: a SIGHUP (often sent for one) would otherwise end the daemon at
+        // once, with no drain, its running turns left `unknown`, and exit status that systemd
+        // counts as clean (so it would not restart it).
+        let mut hup = watch(SignalKind::hangup(), "SIGHUP")?;
         let gateway = Gateway::start(args.home.clone(), config)
             .await
             .map_err(|e| (e.to_string(), e.is_permanent()))?;
@@ -237,13 +249,15 @@ fn serve(args: Args) -> ExitCode {
                 }
             });
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| (format!("cannot watch SIGTERM: {e}"), false))?;
-        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-            .map_err(|e| (format!("cannot watch SIGINT: {e}"), false))?;
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-            _ = int.recv() => tracing::info!("SIGINT: stopping"),
+        loop {
+            tokio::select! {
+                _ = term.recv() => break tracing::info!("SIGTERM: stopping"),
+                _ = int.recv() => break tracing::info!("SIGINT: stopping"),
+                _ = hup.recv() => tracing::warn!(
+                    "SIGHUP ignored: the configuration is read only at start; restart the daemon \
+                     to apply a change"
+                ),
+            }
         }
         gateway.stop().await;
         Ok(())

@@ -597,6 +597,44 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
     );
 }
 
+/// A SIGHUP (often sent for a reload, which the daemon does not have) is logged and ignored:
+/// the daemon goes on serving its running turn, and a SIGTERM still stops it gracefully. Before,
+/// the signal's default action ended it at once, with no drain.
+#[actix_rt::test]
+async fn a_sighup_is_ignored_and_the_daemon_keeps_serving() {
+    let model = FakeModel::start(|_| Reply::Hang);
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("hup", &home.path).await;
+    ws.submit(&sid, "running", "running").await;
+    wait_until(
+        "the turn reaches the model",
+        Duration::from_secs(20),
+        || model.reached("running") == 1,
+    )
+    .await;
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(d.child.id() as i32, libc::SIGHUP);
+    }
+    wait_until("the SIGHUP is logged", Duration::from_secs(20), || {
+        home.log().contains("SIGHUP ignored")
+    })
+    .await;
+    assert!(
+        matches!(d.child.try_wait(), Ok(None)),
+        "the daemon still runs"
+    );
+    let ident = control(&home.path, "identify", json!({})).expect("identify");
+    assert_eq!(ident["state"], "ready", "{ident}");
+    assert_eq!(home.admission("running").status, "started");
+    assert_eq!(d.term(), Some(0), "SIGTERM still stops it gracefully");
+    assert_eq!(
+        home.admission("running").outcome.as_deref(),
+        Some("interrupted")
+    );
+}
+
 /// Under `Type=notify` the daemon says it is ready (with where it serves) only once it is, and
 /// that it is stopping when a SIGTERM starts the drain.
 #[test]
