@@ -58,6 +58,8 @@ pub struct GatewayConfig {
     pub ticket_ttl_seconds: f64,
     pub max_connections: usize,
     pub outbound_queue_frames: usize,
+    /// Bytes of those frames (a frame may be a whole reply, up to `model.max_response_bytes`).
+    pub outbound_queue_bytes: usize,
     pub heartbeat_seconds: f64,
     pub client_timeout_seconds: f64,
     /// Directories a session's `cwd` must lie under (after resolving symlinks); empty = anywhere.
@@ -102,6 +104,7 @@ impl Default for GatewayConfig {
             ticket_ttl_seconds: 60.0,
             max_connections: 1024,
             outbound_queue_frames: 4096,
+            outbound_queue_bytes: 64 << 20,
             heartbeat_seconds: 15.0,
             client_timeout_seconds: 60.0,
             allowed_cwd_roots: Vec::new(),
@@ -647,6 +650,10 @@ impl Config {
             (
                 "gateway.outbound_queue_frames",
                 g.outbound_queue_frames as u64,
+            ),
+            (
+                "gateway.outbound_queue_bytes",
+                g.outbound_queue_bytes as u64,
             ),
             (
                 "session.max_queued_admissions",

@@ -165,7 +165,7 @@ pub async fn ws_route(
         credential,
         outbox: None,
         outbox_actor: None,
-        pending: Arc::new(AtomicUsize::new(0)),
+        pending: Arc::new(Outbound::default()),
         socket: req.conn_data::<ConnSocket>().cloned(),
         _slot: slot,
     };
@@ -208,24 +208,62 @@ pub struct WsConnection {
     /// and room this connection followed) then reads as closed, and its socket is let go.
     outbox_actor: Option<Addr<Outbox>>,
     /// Event frames handed over by the outbox and not yet written.
-    pending: Arc<AtomicUsize>,
+    pending: Arc<Outbound>,
     socket: Option<ConnSocket>,
     _slot: Slot,
+}
+
+/// What the outbox handed a connection and the connection has not yet written: frames and
+/// their bytes; and how many frames it has written in all (whether it makes progress).
+#[derive(Default)]
+struct Outbound {
+    frames: AtomicUsize,
+    bytes: AtomicUsize,
+    written: AtomicUsize,
+}
+
+impl Outbound {
+    fn handed(&self, m: &PushEvent) {
+        self.frames.fetch_add(m.0.len(), Ordering::SeqCst);
+        self.bytes.fetch_add(batch_bytes(m), Ordering::SeqCst);
+    }
+
+    fn written(&self, m: &PushEvent) {
+        self.frames.fetch_sub(m.0.len(), Ordering::SeqCst);
+        self.bytes.fetch_sub(batch_bytes(m), Ordering::SeqCst);
+        self.written.fetch_add(m.0.len(), Ordering::SeqCst);
+    }
+}
+
+fn batch_bytes(m: &PushEvent) -> usize {
+    m.0.iter().map(|f| f.len()).sum()
 }
 
 /// Stands between the sessions and one connection and counts the event frames handed to the
 /// connection but not yet written (`pending`). While its client reads, the connection writes
 /// them as they come; when the client stops reading, the connection's writer blocks (its actor
-/// is not even polled then) and `pending` grows. Past `gateway.outbound_queue_frames` the client
-/// is told why (1008) and disconnected, so a slow consumer never grows memory without bound and
-/// never silently misses events.
+/// is not even polled then) and `pending` grows. Past `gateway.outbound_queue_frames` frames or
+/// `gateway.outbound_queue_bytes` bytes (a frame may be a whole reply: 30 turns of 6 MB to a
+/// client that did not read held 900 MiB under the frame bound alone) the client is told why
+/// (1008) and disconnected, so a slow consumer never grows memory without bound and never
+/// silently misses events. The outbox also watches that frames handed over get written: the
+/// connection's own heartbeat cannot run while its writer is blocked, so a client that neither
+/// reads nor answers is cut off here after `gateway.client_timeout_seconds` without progress.
 struct Outbox {
     conn: Addr<WsConnection>,
     conn_id: u64,
     socket: Option<ConnSocket>,
     limit: usize,
-    pending: Arc<AtomicUsize>,
+    limit_bytes: usize,
+    pending: Arc<Outbound>,
     cut: bool,
+    /// How often progress is checked, and how long it may stall.
+    heartbeat: Duration,
+    client_timeout: Duration,
+    /// Frames written as of the last check, and since when that count has not moved while
+    /// frames were waiting.
+    seen_written: usize,
+    stalled_since: Option<Instant>,
 }
 
 impl Actor for Outbox {
@@ -234,6 +272,40 @@ impl Actor for Outbox {
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Its own mailbox only buffers a burst until it forwards (it never blocks).
         ctx.set_mailbox_capacity(self.limit.max(1024));
+        ctx.run_interval(self.heartbeat, |act, ctx| {
+            let written = act.pending.written.load(Ordering::SeqCst);
+            let waiting = act.pending.frames.load(Ordering::SeqCst) > 0;
+            if written != act.seen_written || !waiting {
+                act.seen_written = written;
+                act.stalled_since = None;
+                return;
+            }
+            let since = *act.stalled_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= act.client_timeout && !act.cut {
+                tracing::warn!(
+                    conn = act.conn_id,
+                    "slow consumer: nothing written for the client timeout; disconnecting"
+                );
+                act.cut_off("slow consumer: the client stopped reading", ctx);
+            }
+        });
+    }
+}
+
+impl Outbox {
+    /// Tell the client why (1008) and disconnect it; if its writer is blocked the connection
+    /// cannot even send the close frame, so the socket is shut down shortly after.
+    fn cut_off(&mut self, reason: &'static str, ctx: &mut Context<Self>) {
+        self.cut = true;
+        self.conn.do_send(CloseSlow(reason));
+        ctx.run_later(Duration::from_millis(500), |act, ctx| {
+            if act.conn.connected() {
+                if let Some(s) = &act.socket {
+                    s.shutdown();
+                }
+            }
+            ctx.stop();
+        });
     }
 }
 
@@ -266,29 +338,22 @@ impl Handler<PushEvent> for Outbox {
                 "events lost: a session found this connection's mailbox full; disconnecting"
             );
             "events lost: the connection fell behind"
-        } else if self.pending.load(Ordering::SeqCst) < self.limit {
-            self.pending.fetch_add(m.0.len(), Ordering::SeqCst);
+        } else if self.pending.frames.load(Ordering::SeqCst) < self.limit
+            && self.pending.bytes.load(Ordering::SeqCst) < self.limit_bytes
+        {
+            self.pending.handed(&m);
             self.conn.do_send(m);
             return;
         } else {
             tracing::warn!(
                 conn = self.conn_id,
-                queued = self.limit,
+                frames = self.pending.frames.load(Ordering::SeqCst),
+                bytes = self.pending.bytes.load(Ordering::SeqCst),
                 "slow consumer: outbound queue full; disconnecting"
             );
             "slow consumer: outbound queue full"
         };
-        self.cut = true;
-        self.conn.do_send(CloseSlow(reason));
-        // If its writer is blocked the connection cannot even send the close frame.
-        ctx.run_later(Duration::from_millis(500), |act, ctx| {
-            if act.conn.connected() {
-                if let Some(s) = &act.socket {
-                    s.shutdown();
-                }
-            }
-            ctx.stop();
-        });
+        self.cut_off(reason, ctx);
     }
 }
 
@@ -644,20 +709,19 @@ impl Actor for WsConnection {
         if let Ok(mut open) = OPEN.lock() {
             open.insert(self.conn_id, ctx.address().recipient());
         }
-        let limit = self
-            .authority
-            .shared
-            .config
-            .gateway
-            .outbound_queue_frames
-            .max(16);
+        let gateway = &self.authority.shared.config.gateway;
         let outbox = Outbox {
             conn: ctx.address(),
             conn_id: self.conn_id,
             socket: self.socket.clone(),
-            limit,
+            limit: gateway.outbound_queue_frames.max(16),
+            limit_bytes: gateway.outbound_queue_bytes.max(1),
             pending: self.pending.clone(),
             cut: false,
+            heartbeat: self.heartbeat,
+            client_timeout: self.client_timeout,
+            seen_written: 0,
+            stalled_since: None,
         }
         .start();
         self.outbox = Some(outbox.clone().recipient());
@@ -737,7 +801,7 @@ impl Handler<PushEvent> for WsConnection {
         for frame in m.0.iter() {
             ctx.text(frame.to_string());
         }
-        self.pending.fetch_sub(m.0.len(), Ordering::SeqCst);
+        self.pending.written(&m);
     }
 }
 

@@ -1270,6 +1270,112 @@ async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
     normal_request(&mut ws, &sid).await;
 }
 
+/// A daemon whose model answers `BIG…` with `mib` MiB of text, a session, and a consumer that
+/// follows it and then never reads again.
+async fn big_replies_and_a_stalled_reader(
+    gateway: Value,
+    mib: usize,
+) -> (FakeModel, Home, Daemon, String, RawWs) {
+    let model = FakeModel::start(move |body| {
+        let text = if last_user(body).starts_with("BIG") {
+            "b".repeat(mib << 20)
+        } else {
+            "ok".into()
+        };
+        Reply::Message(json!({"role": "assistant", "content": text}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": gateway, "model": {"max_response_bytes": 64 << 20}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("big", &home.path).await;
+    let mut slow = RawWs::connect(&home.path, &d.origin());
+    let resume = json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}});
+    slow.text(resume.to_string().as_bytes());
+    assert!(slow.reply()["result"].is_object());
+    for i in 0..6 {
+        ws.submit(&sid, &format!("BIG{i}"), &format!("BIG{i}"))
+            .await;
+    }
+    drop(ws);
+    (model, home, d, sid, slow)
+}
+
+/// The slow consumer's connection ends promptly (a close 1008, or cut), before it has read
+/// every reply.
+fn cut_off_before_the_end(slow: &mut RawWs) {
+    let reading = std::time::Instant::now();
+    let (mut completes, mut ending) = (0usize, None);
+    while let Some((op, payload)) = slow.read() {
+        if reading.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        match op {
+            0x1 => {
+                let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+                if v["params"]["type"] == "message.complete" {
+                    completes += 1;
+                }
+            }
+            0x8 => {
+                ending = payload.get(..2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        reading.elapsed() < Duration::from_secs(20),
+        "the slow consumer's connection stayed open"
+    );
+    assert!(
+        completes < 6,
+        "cut off before the end ({completes} replies)"
+    );
+    assert!(matches!(ending, None | Some(1008)), "{ending:?}");
+}
+
+/// Few frames, each a whole large reply: the outbound queue is bounded in bytes too. Before,
+/// only frames counted (4096 by default), and 30 turns of 6 MB to a consumer that did not read
+/// held 900 MiB.
+#[actix_rt::test]
+async fn a_slow_consumer_of_large_replies_is_cut_off_at_the_byte_bound() {
+    let (_model, home, d, sid, mut slow) =
+        big_replies_and_a_stalled_reader(json!({"outbound_queue_bytes": 8 << 20}), 4).await;
+    wait_until("every BIG turn settles", Duration::from_secs(60), || {
+        (0..6).all(|i| home.admission(&format!("BIG{i}")).status == "terminal")
+    })
+    .await;
+    cut_off_before_the_end(&mut slow);
+    assert!(
+        home.log().contains("outbound queue full"),
+        "the reason is logged"
+    );
+    let mut ws = Ws::connect(&home.path, &d.origin()).await;
+    normal_request(&mut ws, &sid).await;
+}
+
+/// Under both bounds, a consumer that stopped reading (its frames are no longer written) is
+/// cut off after the client timeout: the connection's own heartbeat cannot run while its
+/// writer is blocked, and before, such a client was never dropped.
+#[actix_rt::test]
+async fn a_consumer_that_stopped_reading_is_cut_off_after_the_client_timeout() {
+    let (_model, home, _d, _sid, mut slow) = big_replies_and_a_stalled_reader(
+        json!({"heartbeat_seconds": 0.2, "client_timeout_seconds": 2}),
+        4,
+    )
+    .await;
+    wait_until("the stall is noticed", Duration::from_secs(60), || {
+        home.log()
+            .contains("nothing written for the client timeout")
+    })
+    .await;
+    cut_off_before_the_end(&mut slow);
+}
+
 #[actix_rt::test]
 async fn connections_past_the_limit_are_refused_and_the_ticket_kept() {
     let model = FakeModel::ack();
