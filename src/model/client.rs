@@ -263,13 +263,18 @@ async fn call_with_retries(
 ) -> Result<(ChatResponse, bool), ModelError> {
     let mut attempt = 0u32;
     let asked_to_stream = stream;
+    // The timeout bounds the call, retries included: each attempt had it whole, and a model that
+    // never answered held its session (and a slot of the endpoint's concurrency) for four times
+    // `model.timeout_seconds` (40 minutes by default) before the turn failed.
+    let deadline = tokio::time::Instant::now() + call.timeout;
+    let overdue = || ModelError::Timeout(format!("no complete response within {:?}", call.timeout));
     loop {
         let mut delivered = false;
         let mut cancel = call.cancel.clone();
         let result = tokio::select! {
-            r = tokio::time::timeout(call.timeout, one_call(client, config, call, stream, &mut delivered)) => match r {
+            r = tokio::time::timeout_at(deadline, one_call(client, config, call, stream, &mut delivered)) => match r {
                 Ok(r) => r,
-                Err(_) => Err(ModelError::Timeout(format!("no complete response within {:?}", call.timeout))),
+                Err(_) => return Err(overdue()),
             },
             _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
         };
@@ -283,9 +288,14 @@ async fn call_with_retries(
             Err(e) if call.retry && e.retryable() && !delivered && attempt < config.max_retries => {
                 attempt += 1;
                 let backoff = config.retry_base * 2u32.saturating_pow(attempt - 1);
+                let wake = tokio::time::Instant::now() + backoff.min(Duration::from_secs(60));
+                if wake >= deadline {
+                    // No time left for another attempt: this one's error is the call's.
+                    return Err(e);
+                }
                 tracing::warn!(error = %e, attempt, ?backoff, "model call failed; retrying");
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff.min(Duration::from_secs(60))) => {}
+                    _ = tokio::time::sleep_until(wake) => {}
                     _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
                 }
             }
