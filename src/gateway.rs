@@ -178,6 +178,48 @@ fn lock_home(home: &Path) -> Result<HomeLock, StartError> {
     })
 }
 
+/// The file beside the database that records the highest authority epoch taken on this home:
+/// a `state.db` restored from a backup holds an older epoch, and the next start would take one
+/// an earlier process already had (the contract promises each is greater than every earlier one).
+const EPOCH_MARK: &str = "authority_epoch";
+
+/// The highest epoch recorded on `home` (0 when none is, or it cannot be read: then the
+/// database's own is the only floor).
+fn read_epoch_mark(home: &Path) -> i64 {
+    let path = home.join(EPOCH_MARK);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(path = %path.display(), "unreadable epoch mark ignored");
+            0
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the epoch mark");
+            0
+        }
+    }
+}
+
+/// Record `epoch` as the highest taken on `home` (written whole, then renamed into place).
+fn write_epoch_mark(home: &Path, epoch: i64) {
+    use std::io::Write;
+    let (path, tmp) = (
+        home.join(EPOCH_MARK),
+        home.join(format!("{EPOCH_MARK}.tmp")),
+    );
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            write!(f, "{epoch}")?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .and_then(|()| std::fs::File::open(home)?.sync_all());
+    if let Err(e) = written {
+        tracing::warn!(path = %path.display(), error = %e,
+            "cannot record the authority epoch beside the database (a restored backup could take an earlier epoch again)");
+    }
+}
+
 /// The home's locks, held for the life of the gateway (released when the process ends).
 struct HomeLock {
     _dir: std::fs::File,
@@ -395,7 +437,8 @@ impl Gateway {
                 .get()
                 .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
             let now = clock.now();
-            let epoch = epoch::begin_epoch(&mut conn, &instance_id, now)?;
+            let taken = read_epoch_mark(&home);
+            let epoch = epoch::begin_epoch_above(&mut conn, &instance_id, now, taken)?;
             let recovered = epoch::recover_started(&mut conn, epoch, now)?;
             prompts::close_abandoned(&mut conn, now)?;
             let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
@@ -408,6 +451,7 @@ impl Gateway {
             (epoch, recovered, to_pump, gateway_id)
         };
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
+        write_epoch_mark(&home, epoch);
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());
         db.watch_file(&db_path)?;

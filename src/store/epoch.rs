@@ -13,13 +13,24 @@ pub fn begin_epoch(
     instance_id: &str,
     now: f64,
 ) -> Result<i64, StoreError> {
+    begin_epoch_above(conn, instance_id, now, 0)
+}
+
+/// [`begin_epoch`], also greater than `floor`: the highest epoch taken on this home as recorded
+/// outside the database, which a database restored from a backup would otherwise take again.
+pub fn begin_epoch_above(
+    conn: &mut SqliteConnection,
+    instance_id: &str,
+    now: f64,
+    floor: i64,
+) -> Result<i64, StoreError> {
     super::write_tx(conn, |conn| {
         let current: Option<i64> = runtime_epoch::table
             .select(runtime_epoch::epoch)
             .filter(runtime_epoch::singleton.eq(1))
             .first(conn)
             .optional()?;
-        let next = current.unwrap_or(0) + 1;
+        let next = current.unwrap_or(0).max(floor) + 1;
         diesel::replace_into(runtime_epoch::table)
             .values((
                 runtime_epoch::singleton.eq(1),

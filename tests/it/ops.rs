@@ -597,6 +597,37 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
     );
 }
 
+/// A state.db restored from a backup holds an older authority epoch; the next start still takes
+/// one greater than every epoch taken on the home (recorded beside the database). Before, it
+/// took the restored file's next one again, which an earlier process had already had.
+#[test]
+fn a_restored_backup_does_not_bring_an_earlier_epoch_back() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let mut first = Daemon::start(&home);
+    let e1 = first.epoch();
+    assert_eq!(first.term(), Some(0));
+    let db = home.path.join("state.db");
+    let backup = home.path.join("backup.db");
+    std::fs::copy(&db, &backup).expect("back up");
+    let mut second = Daemon::start(&home);
+    let e2 = second.epoch();
+    assert!(e2 > e1);
+    assert_eq!(second.term(), Some(0));
+    for leftover in ["state.db-wal", "state.db-shm"] {
+        let _ = std::fs::remove_file(home.path.join(leftover));
+    }
+    std::fs::rename(&backup, &db).expect("restore");
+    let mut third = Daemon::start(&home);
+    assert!(
+        third.epoch() > e2,
+        "epoch {} after {e2} (the backup's was {e1})",
+        third.epoch()
+    );
+    assert_eq!(third.term(), Some(0));
+}
+
 /// A SIGHUP (often sent for a reload, which the daemon does not have) is logged and ignored:
 /// the daemon goes on serving its running turn, and a SIGTERM still stops it gracefully. Before,
 /// the signal's default action ended it at once, with no drain.
