@@ -1134,6 +1134,7 @@ const GATEWAY_FILES: &[&str] = &[
     "gateway.lock",
     "api_keys",
     "config.yaml",
+    "authority_epoch",
 ];
 
 /// Does `command` name one of the gateway's files, by the home's path or run from inside the
@@ -1319,6 +1320,7 @@ mod tests {
         let user = Some("/srv/u");
         let touches = |c: &str, cwd: &Path| touches_gateway_state(c, cwd, home, user);
         assert!(touches("rm state.db", home));
+        assert!(touches("echo 0 > authority_epoch", home));
         assert!(touches(
             "rm /srv/u/.local/state/gatehouse/state.db",
             elsewhere
