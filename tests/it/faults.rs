@@ -351,40 +351,29 @@ async fn model_stall_past_the_idle_timeout_retries_then_fails() {
 }
 
 /// `model.timeout_seconds` bounds the whole call, retries included: a model that sends nothing
-/// past it fails the turn after one attempt. Before, every attempt had the whole timeout and a
-/// timed-out attempt was retried, so a silent model held the session four times as long.
+/// (or drips) past it fails the turn after one attempt. Before, every attempt had the whole
+/// timeout and a timed-out attempt was retried, so a silent model held the session four times
+/// as long.
 #[actix_rt::test]
-async fn model_silent_past_the_request_timeout_fails_without_a_retry() {
-    fault_case(
-        "silent",
-        |_| Fault::Stall,
-        json!({"model": {"timeout_seconds": 1.5, "idle_timeout_seconds": 30}}),
-        None,
-        Expect {
-            outcome: "failed",
-            error: "no complete response within",
-            attempts: Some(1),
-            slow: true,
-        },
-    )
-    .await;
-}
-
-#[actix_rt::test]
-async fn model_drip_past_the_request_timeout_fails() {
-    fault_case(
-        "drip",
-        |_| Fault::Drip(Duration::from_millis(200)),
-        json!({"model": {"timeout_seconds": 1.5}}),
-        None,
-        Expect {
-            outcome: "failed",
-            error: "no complete response within",
-            attempts: Some(1),
-            slow: true,
-        },
-    )
-    .await;
+async fn model_past_the_request_timeout_fails_without_a_retry() {
+    for (name, fault) in [
+        ("silent", Fault::Stall),
+        ("drip", Fault::Drip(Duration::from_millis(200))),
+    ] {
+        fault_case(
+            name,
+            move |_| fault.clone(),
+            json!({"model": {"timeout_seconds": 1.5, "idle_timeout_seconds": 30}}),
+            None,
+            Expect {
+                outcome: "failed",
+                error: "no complete response within",
+                attempts: Some(1),
+                slow: true,
+            },
+        )
+        .await;
+    }
 }
 
 #[actix_rt::test]

@@ -1232,28 +1232,9 @@ async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
     );
     // The slow consumer finds what was in flight, then the end of its connection (promptly: a
     // connection left open would only end at the 20 s read timeout).
-    let reading = std::time::Instant::now();
-    let (mut deltas, mut ending) = (0usize, None);
-    while let Some((op, payload)) = slow.read() {
-        if reading.elapsed() > Duration::from_secs(30) {
-            break;
-        }
-        match op {
-            0x1 => {
-                let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
-                if v["params"]["type"] == "message.delta" {
-                    deltas += 1;
-                }
-            }
-            0x8 => {
-                ending = Some(u16::from_be_bytes([payload[0], payload[1]]));
-                break;
-            }
-            _ => {}
-        }
-    }
+    let (deltas, ending, took) = read_to_the_end(&mut slow, "message.delta");
     assert!(
-        reading.elapsed() < Duration::from_secs(10),
+        took < Duration::from_secs(10),
         "the slow consumer's connection stayed open"
     );
     assert!(
@@ -1304,20 +1285,20 @@ async fn big_replies_and_a_stalled_reader(
     (model, home, d, sid, slow)
 }
 
-/// The slow consumer's connection ends promptly (a close 1008, or cut), before it has read
-/// every reply.
-fn cut_off_before_the_end(slow: &mut RawWs) {
+/// Read a consumer's frames until its connection ends (30 s at most): how many events of `kind`
+/// it got, its close code (none when it was cut without one), and how long that took.
+fn read_to_the_end(ws: &mut RawWs, kind: &str) -> (usize, Option<u16>, Duration) {
     let reading = std::time::Instant::now();
-    let (mut completes, mut ending) = (0usize, None);
-    while let Some((op, payload)) = slow.read() {
+    let (mut seen, mut ending) = (0usize, None);
+    while let Some((op, payload)) = ws.read() {
         if reading.elapsed() > Duration::from_secs(30) {
             break;
         }
         match op {
             0x1 => {
                 let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
-                if v["params"]["type"] == "message.complete" {
-                    completes += 1;
+                if v["params"]["type"] == kind {
+                    seen += 1;
                 }
             }
             0x8 => {
@@ -1327,8 +1308,15 @@ fn cut_off_before_the_end(slow: &mut RawWs) {
             _ => {}
         }
     }
+    (seen, ending, reading.elapsed())
+}
+
+/// The slow consumer's connection ends promptly (a close 1008, or cut), before it has read
+/// every reply.
+fn cut_off_before_the_end(slow: &mut RawWs) {
+    let (completes, ending, took) = read_to_the_end(slow, "message.complete");
     assert!(
-        reading.elapsed() < Duration::from_secs(20),
+        took < Duration::from_secs(20),
         "the slow consumer's connection stayed open"
     );
     assert!(
