@@ -3,7 +3,8 @@
 //! passes to one `RoomSupervisor` actor per room, which runs that room's pass (lease, recovery,
 //! queued tasks, observation, deadlines, cancellation) as its own actor future and reports back. A
 //! room blocked on a slow member holds one scheduler slot until its deadline stops the attempt; it
-//! never blocks another room's actor.
+//! never blocks another room's actor. A room whose member is busy with another room's turn holds
+//! no slot: its pass ends with its task queued, and the member's release wakes it.
 //!
 //! The pass logic itself lives in [`RoomRuntime`] (tested directly by the seed scenarios); these
 //! actors only decide when and where it runs.

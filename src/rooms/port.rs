@@ -286,6 +286,14 @@ pub type TurnGuard = Box<dyn Send>;
 /// One turn at a time per profile: held for resolve → submit → observation of a member turn.
 pub trait TurnLocks: Send + Sync {
     fn lock(&self, profile: String) -> Pin<Box<dyn Future<Output = TurnGuard> + Send + '_>>;
+
+    /// The lock if it is free now, without waiting (a room whose member is busy with another
+    /// room's turn does not wait for it in a scheduler slot). By default, `lock` polled once,
+    /// which suits a lock whose future gives up its place in the queue when dropped.
+    fn try_lock(&self, profile: String) -> Option<TurnGuard> {
+        use futures_util::FutureExt;
+        self.lock(profile).now_or_never()
+    }
 }
 
 /// The default [`TurnLocks`]: an async mutex per profile.
@@ -301,6 +309,15 @@ impl TurnLocks for ProfileTurnLocks {
             locks.entry(profile).or_default().clone()
         };
         Box::pin(async move { Box::new(mutex.lock_owned().await) as TurnGuard })
+    }
+
+    fn try_lock(&self, profile: String) -> Option<TurnGuard> {
+        let mutex = {
+            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            locks.entry(profile).or_default().clone()
+        };
+        let guard = mutex.try_lock_owned().ok()?;
+        Some(Box::new(guard) as TurnGuard)
     }
 }
 

@@ -5,7 +5,9 @@
 //! Scheduling: each cycle spawns at most `max_concurrent_rooms − busy` room workers, walking the
 //! room list from a start index that rotates by one per cycle, so a later room is always reached.
 //! A worker runs one pass of its room (`process_room`), which holds the slot for as long as a
-//! member turn is observed (until it is terminal, stopped or past its deadline).
+//! member turn is observed (until it is terminal, stopped or past its deadline). A queued task
+//! whose member's turn lock another room holds is not started: the pass ends (freeing the slot)
+//! and the lock's release wakes the room.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -212,6 +214,13 @@ pub(crate) struct RuntimeState {
     pub pending_actions: HashMap<(String, String), Option<serde_json::Value>>,
     pub lease_renewals: u64,
     pub lease_losses: u64,
+    /// Rooms whose pass found their member's turn lock held (by profile): their queued head
+    /// waits, without a scheduler slot, for the holder's release, which wakes them.
+    pub turn_waiters: HashMap<String, BTreeSet<String>>,
+    /// Rooms whose release of a turn lock woke other rooms waiting for it: their pass ends
+    /// after that attempt (and is owed again), so a room with a long queue does not keep the
+    /// member from the rooms that waited.
+    pub turn_yielded: HashSet<String>,
 }
 
 pub(crate) struct Inner {

@@ -2,7 +2,9 @@
 //! abandoned by another process (live probe only for local sessions, never a resubmit); lease;
 //! recovery once per lease generation; retries of durable stops; reconciliation of indeterminate
 //! attempts (deferred after `indeterminate_defer_seconds`); then queued tasks in room order, each
-//! observed to its end under the member's turn lock, with its deadline enforced.
+//! observed to its end under the member's turn lock, with its deadline enforced. The lock is
+//! taken before the task starts and without waiting: while another room's turn holds it, the
+//! task stays queued and the pass ends, so rooms that wait for a member hold no scheduler slot.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -175,6 +177,37 @@ enum Holder<'a> {
     Attempt(&'a TaskAttempt),
     /// A pass holding `Lease` (a probe of an attempt that was left behind).
     Lease(&'a Lease),
+}
+
+/// A member's turn lock as a room holds it. Dropping it releases the lock and then wakes the
+/// rooms whose pass found it held ([`RoomRuntime::try_turn`]), so their queued heads are taken
+/// up as soon as the member is free, not at the next poll round.
+pub(crate) struct HeldTurn {
+    guard: Option<TurnGuard>,
+    runtime: RoomRuntime,
+    profile: String,
+    room_id: String,
+}
+
+impl Drop for HeldTurn {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let waiting = self
+            .runtime
+            .state()
+            .turn_waiters
+            .remove(&self.profile)
+            .unwrap_or_default();
+        if waiting.iter().any(|room| room != &self.room_id) {
+            self.runtime
+                .state()
+                .turn_yielded
+                .insert(self.room_id.clone());
+        }
+        for room in &waiting {
+            self.runtime.wake_room(room);
+        }
+    }
 }
 
 impl RoomRuntime {
@@ -538,11 +571,9 @@ impl RoomRuntime {
             }
             let probe = match self.transport(binding, &task) {
                 Ok(port) => {
-                    let _guard = self
-                        .inner
-                        .locks
-                        .lock(task.payload.target_profile.clone())
-                        .await;
+                    let profile = task.payload.target_profile.clone();
+                    let guard = self.inner.locks.lock(profile.clone()).await;
+                    let _turn = self.held(&binding.room_id, &profile, guard);
                     if port.is_peer() {
                         self.full_probe(binding, port.as_ref(), &task).await
                     } else {
@@ -1243,6 +1274,7 @@ impl RoomRuntime {
     // Queued work
 
     async fn run_queued(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
+        self.state().turn_yielded.remove(&binding.room_id);
         loop {
             let room = binding.room_id.clone();
             // The head alone: a long queue is not read (and parsed) for every task it starts.
@@ -1269,6 +1301,13 @@ impl RoomRuntime {
             if self.starts_refused() {
                 return Ok(());
             }
+            // The member's turn lock before the start, without waiting: while another room's
+            // turn holds it, this room's head stays queued and the pass ends, freeing its
+            // scheduler slot for rooms of other members (waiting here held the slot up to that
+            // turn's deadline). The holder's release wakes the room.
+            let Some(turn) = self.try_turn(&binding.room_id, &head.payload.target_profile) else {
+                return Ok(());
+            };
             let lease = self.ensure_lease(binding).await?;
             let (id, clock, cancel) = (
                 head.identity.clone(),
@@ -1281,12 +1320,18 @@ impl RoomRuntime {
                 .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
                 .await?;
             // The observer's last read when it ended the observation (no second read).
-            let after = match self.execute_attempt(binding, &attempt, &head).await {
+            let after = match self.execute_attempt(binding, &attempt, &head, turn).await {
                 Some(after) => after,
                 None => self.read_task(&head.identity).await?,
             };
             if !(after.status.is_terminal() || after.status == TaskStatus::Deferred) {
                 // Left stopping or unresolved: the room's next pass takes it up at once.
+                self.wake_room(&binding.room_id);
+                return Ok(());
+            }
+            if self.state().turn_yielded.remove(&binding.room_id) {
+                // Rooms waited for the member this turn released: they go first, this room's
+                // next task gets its pass after them.
                 self.wake_room(&binding.room_id);
                 return Ok(());
             }
@@ -1299,11 +1344,12 @@ impl RoomRuntime {
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         task: &TaskView,
+        turn: HeldTurn,
     ) -> Option<TaskView> {
         self.state()
             .current_tasks
             .insert(binding.room_id.clone(), attempt.identity.clone());
-        let last = self.run_attempt(binding, attempt, task).await;
+        let last = self.run_attempt(binding, attempt, task, turn).await;
         self.state().current_tasks.remove(&binding.room_id);
         // A slot is free: the task scheduler (`start`) runs a cycle on a poke; the actors' one
         // learns it from the pass's end. Not a round over every room: with 128 rooms that cost
@@ -1312,12 +1358,16 @@ impl RoomRuntime {
         last
     }
 
+    /// Run the attempt under `turn`, its member's turn lock (taken before its start), held to
+    /// its end: session, submit, observation and settlement.
     async fn run_attempt(
         &self,
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         task: &TaskView,
+        turn: HeldTurn,
     ) -> Option<TaskView> {
+        let _turn = turn;
         let task_id = attempt.identity.task_id.clone();
         let port = match self.transport(binding, task) {
             Ok(port) => port,
@@ -1327,7 +1377,6 @@ impl RoomRuntime {
             }
         };
         let profile = task.payload.target_profile.clone();
-        let _guard = self.turn_lock_for(binding, attempt, &profile).await?;
         let session_id = match self
             .open_session(port.as_ref(), &profile, &binding.room_id, true)
             .await
@@ -1385,16 +1434,16 @@ impl RoomRuntime {
             .await
     }
 
-    /// The member's turn lock, for an attempt already started. Another room's turn may hold it
-    /// up to its own deadline; the room's lease is renewed while it waits (as the observation
-    /// does), or the lease would lapse in the queue and fence the attempt it is waiting to run.
-    /// `None`: the lease was lost meanwhile (the attempt never reached the member).
+    /// The member's turn lock, for an attempt already submitted (reattached). Another room's
+    /// turn may hold it up to its own deadline; the room's lease is renewed while it waits (as
+    /// the observation does), or the lease would lapse in the queue and fence the attempt.
+    /// `None`: the lease was lost meanwhile.
     async fn turn_lock_for(
         &self,
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         profile: &str,
-    ) -> Option<TurnGuard> {
+    ) -> Option<HeldTurn> {
         self.lock_renewing(binding, profile, Holder::Attempt(attempt))
             .await
     }
@@ -1408,12 +1457,12 @@ impl RoomRuntime {
         binding: &RoomBinding,
         profile: &str,
         holder: Holder<'_>,
-    ) -> Option<TurnGuard> {
+    ) -> Option<HeldTurn> {
         let mut lock = self.inner.locks.lock(profile.to_string());
         let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
         loop {
             tokio::select! {
-                guard = &mut lock => break Some(guard),
+                guard = &mut lock => break Some(self.held(&binding.room_id, profile, guard)),
                 _ = tokio::time::sleep(every) => {}
             }
             let kept = match holder {
@@ -1427,6 +1476,38 @@ impl RoomRuntime {
                 return None;
             }
         }
+    }
+
+    /// `room_id`'s hold of `profile`'s turn lock.
+    fn held(&self, room_id: &str, profile: &str, guard: TurnGuard) -> HeldTurn {
+        HeldTurn {
+            guard: Some(guard),
+            runtime: self.clone(),
+            profile: profile.to_string(),
+            room_id: room_id.to_string(),
+        }
+    }
+
+    /// `profile`'s turn lock for `room_id` if it is free now; else `None`, and the room is woken
+    /// when the holder releases it. The room is listed before the lock is tried, so a release
+    /// between the try and the listing cannot be missed.
+    pub(crate) fn try_turn(&self, room_id: &str, profile: &str) -> Option<HeldTurn> {
+        self.state()
+            .turn_waiters
+            .entry(profile.to_string())
+            .or_default()
+            .insert(room_id.to_string());
+        let guard = self.inner.locks.try_lock(profile.to_string())?;
+        {
+            let mut state = self.state();
+            if let Some(waiters) = state.turn_waiters.get_mut(profile) {
+                waiters.remove(room_id);
+                if waiters.is_empty() {
+                    state.turn_waiters.remove(profile);
+                }
+            }
+        }
+        Some(self.held(room_id, profile, guard))
     }
 
     /// Renew the room's lease when due; false (and the room's error says why) when the attempt's

@@ -1329,3 +1329,111 @@ async fn a_disbanded_room_leaves_the_leased_rooms_and_its_disband_is_no_error() 
         "{log}"
     );
 }
+
+/// Rooms waiting for a member's turn lock hold no scheduler slot: with `max_concurrent_rooms`
+/// (4) rooms whose member's model hangs, a room of another member still runs its task at once,
+/// and the rooms behind the hung turn are taken up as soon as it ends, not at the next poll
+/// round. Before, each waiting room took a slot while it waited for the lock (its task already
+/// `running`, its deadline not yet started): the healthy room waited for a slot until the hung
+/// turn's deadline (38 s at a 40 s deadline), and the hung tasks ended at 1x, 2x, 3x, 4x it.
+#[actix_rt::test]
+async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"stuck": {"toolsets": []}, "good": {"toolsets": []}},
+            // The hung turn's deadline and the poll round are far past every wait below.
+            "rooms": {"turn_timeout_seconds": 300, "poll_interval_seconds": 120,
+                      "active_poll_interval_seconds": 0.05},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let stuck = ["s1", "s2", "s3", "s4"];
+    for room in stuck.iter().chain(&["healthy"]) {
+        let profile = if *room == "healthy" { "good" } else { "stuck" };
+        ws.ok(
+            "room.create",
+            json!({"room_id": room, "name": room, "members": [{"profile": profile, "handle": profile}]}),
+        )
+        .await;
+    }
+    for (seq, room) in stuck.iter().enumerate() {
+        ws.ok(
+            "room.admit",
+            admit(room, &format!("{room}-t"), "stuck", "HANG", seq as i64 + 1),
+        )
+        .await;
+    }
+    // Every stuck room has had its pass (it holds its lease) and one turn hangs in the model.
+    status_when(&mut ws, "the stuck rooms leased", |s| {
+        stuck.iter().all(|r| {
+            s["leased_rooms"]
+                .as_array()
+                .is_some_and(|l| l.contains(&json!(r)))
+        })
+    })
+    .await;
+    wait_until("a hung turn in the model", Duration::from_secs(30), || {
+        model.reached("HANG") == 1
+    })
+    .await;
+
+    let admitted = std::time::Instant::now();
+    ws.ok("room.admit", admit("healthy", "h1", "good", "hello", 1))
+        .await;
+    let deadline = admitted + Duration::from_secs(15);
+    loop {
+        let status = task_status(&mut ws, "healthy", "h1").await;
+        if status == "settled" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the healthy room's task is still {status} after 15 s; {}",
+            ws.ok("room.status", json!({})).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One member turn at a time: the others wait queued, outside the scheduler's slots.
+    let mut statuses = Vec::new();
+    for room in stuck {
+        statuses.push(task_status(&mut ws, room, &format!("{room}-t")).await);
+    }
+    statuses.sort();
+    assert_eq!(statuses, ["queued", "queued", "queued", "running"]);
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(
+        status["current_tasks"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+
+    // The hung turn ends (its model call fails): the rooms behind it run one after the other,
+    // each woken by the release of the member, with no poll round (120 s) in between.
+    model.release();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for room in stuck {
+        let task = format!("{room}-t");
+        loop {
+            let status = task_status(&mut ws, room, &task).await;
+            if status != "queued" && status != "running" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{room}/{task} is still {status}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(model.reached("HANG"), 4, "each stuck task ran once");
+}
