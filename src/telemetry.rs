@@ -90,6 +90,8 @@ pub struct Metrics {
     /// Eviction sweeps of the session registry, and the supervisors they asked whether idle.
     eviction_sweeps: AtomicU64,
     eviction_asks: AtomicU64,
+    /// Model calls that found every request slot of their endpoint taken and waited.
+    model_slot_waits: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -110,11 +112,15 @@ impl Default for Metrics {
             db_writes: AtomicU64::new(0),
             eviction_sweeps: AtomicU64::new(0),
             eviction_asks: AtomicU64::new(0),
+            model_slot_waits: AtomicU64::new(0),
         }
     }
 }
 
 impl Metrics {
+    pub fn model_slot_wait(&self) {
+        self.model_slot_waits.fetch_add(1, Ordering::Relaxed);
+    }
     pub fn db_write(&self) {
         self.db_writes.fetch_add(1, Ordering::Relaxed);
     }
@@ -196,6 +202,14 @@ impl Metrics {
             "Inputs admitted by this process.",
             "counter",
             self.admissions.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "gatehouse_model_slot_waits_total",
+            "Model calls that found every request slot of their endpoint taken \
+             (model.max_concurrent_requests) and waited for one.",
+            "counter",
+            self.model_slot_waits.load(Ordering::Relaxed),
         );
         g(
             &mut out,

@@ -196,6 +196,9 @@ impl Actor for ModelClient {
     type Context = Context<Self>;
 }
 
+/// Waits for a slot logged at most once a minute (with how many were not).
+static SLOT_WAIT_LOG: crate::error::LogLimiter = crate::error::LogLimiter::new(60_000);
+
 impl Handler<ChatCall> for ModelClient {
     type Result = ResponseFuture<Result<ChatResponse, ModelError>>;
 
@@ -214,6 +217,20 @@ impl Handler<ChatCall> for ModelClient {
                 return Ok(echo_reply(&call.body));
             }
             let mut cancel = call.cancel.clone();
+            if sem.available_permits() == 0 {
+                // Every slot of the endpoint is taken (by calls that may hang until their
+                // timeout): this call waits, which an operator should be able to see.
+                if let Some(m) = &config.metrics {
+                    m.model_slot_wait();
+                }
+                if let Some(skipped) = SLOT_WAIT_LOG.admit() {
+                    tracing::warn!(
+                        endpoint = %key, slots = config.max_concurrent, skipped,
+                        "every request slot of the model endpoint is taken; the call waits \
+                         (model.max_concurrent_requests)"
+                    );
+                }
+            }
             let permit = tokio::select! {
                 p = sem.acquire_owned() => p.map_err(|_| ModelError::Unavailable)?,
                 _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),

@@ -376,6 +376,48 @@ async fn model_past_the_request_timeout_fails_without_a_retry() {
     }
 }
 
+/// Every request slot of an endpoint taken by a call that hangs: another session's call waits
+/// for one (the bound is the endpoint's), and the operator can see it: a warning, and
+/// `gatehouse_model_slot_waits_total`.
+#[actix_rt::test]
+async fn a_call_waiting_for_a_model_slot_is_logged_and_counted() {
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "HANG" {
+            Reply::Hang
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
+        }
+    });
+    let (home, d) = Daemon::with_model(&model, json!({"model": {"max_concurrent_requests": 1}}));
+    let mut ws = d.ws().await;
+    let hung = ws.session("hung", &home.path).await;
+    let other = ws.session("other", &home.path).await;
+    ws.submit(&hung, "HANG", "HANG").await;
+    wait_until("HANG reaches the model", T, || model.reached("HANG") == 1).await;
+    assert_eq!(
+        metric(&d.origin(), "gatehouse_model_slot_waits_total").await,
+        0.0
+    );
+    ws.submit(&other, "hello", "hello").await;
+    wait_until("the wait is logged", T, || {
+        home.log()
+            .contains("every request slot of the model endpoint is taken")
+    })
+    .await;
+    assert_eq!(
+        metric(&d.origin(), "gatehouse_model_slot_waits_total").await,
+        1.0
+    );
+    assert_eq!(model.reached("hello"), 0, "it waits for the slot");
+    model.release();
+    wait_until("both settle", T, || {
+        ["HANG", "hello"]
+            .iter()
+            .all(|t| home.admission(t).status == "terminal")
+    })
+    .await;
+}
+
 #[actix_rt::test]
 async fn model_5xx_burst_within_the_retries_recovers() {
     fault_case(
