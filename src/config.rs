@@ -398,6 +398,9 @@ pub struct SessionLimits {
     pub max_text_bytes: usize,
     /// Session supervisors kept in memory; idle ones past this are let go (revived on use).
     pub max_in_memory: usize,
+    /// How long a submit waits for its admission to commit before it is answered
+    /// `storage_unavailable` (the input may still be admitted: the same `input_id` finds it).
+    pub admission_timeout_seconds: f64,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -408,6 +411,7 @@ impl Default for SessionLimits {
             max_queued_admissions: 1000,
             max_text_bytes: 256 * 1024,
             max_in_memory: 10_000,
+            admission_timeout_seconds: 30.0,
             extra: Extra::new(),
         }
     }
@@ -611,6 +615,10 @@ impl Config {
             ("gateway.heartbeat_seconds", g.heartbeat_seconds),
             ("gateway.client_timeout_seconds", g.client_timeout_seconds),
             ("model.timeout_seconds", m.timeout_seconds),
+            (
+                "session.admission_timeout_seconds",
+                self.session.admission_timeout_seconds,
+            ),
             ("model.connect_timeout_seconds", m.connect_timeout_seconds),
             ("model.idle_timeout_seconds", m.idle_timeout_seconds),
             (

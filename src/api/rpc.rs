@@ -407,16 +407,29 @@ impl Authority {
                     Some(a) => a,
                     None => self.supervisor(&root_id).await?,
                 };
-                let row = sup
-                    .send(Submit {
-                        principal: caller.principal.clone(),
-                        input_id: p.input_id,
-                        text: p.text,
-                    })
-                    .await
-                    .map_err(|_| {
+                // Bounded: on a disk that stops answering (frozen, failing) the commit may wait
+                // for ever. The admission goes on, and may still commit: the same input sent
+                // again finds it, or is admitted then.
+                let wait = std::time::Duration::from_secs_f64(
+                    self.shared.config.session.admission_timeout_seconds,
+                );
+                let submitted = sup.send(Submit {
+                    principal: caller.principal.clone(),
+                    input_id: p.input_id,
+                    text: p.text,
+                });
+                let row = match tokio::time::timeout(wait, submitted).await {
+                    Ok(answer) => answer.map_err(|_| {
                         GatewayError::Internal("session supervisor unavailable".into())
-                    })??;
+                    })??,
+                    Err(_) => {
+                        if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
+                            tracing::error!(session = %root_id, ?wait, skipped,
+                                "an admission did not commit in time (the disk is not answering)");
+                        }
+                        return Err(GatewayError::StorageUnavailable);
+                    }
+                };
                 receipt_of(&row, self.shared.epoch)
             }
             "prompt.receipt" => {

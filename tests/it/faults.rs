@@ -670,10 +670,15 @@ struct Stored {
 }
 
 async fn stored(name: &str) -> Stored {
+    stored_with(name, json!({})).await
+}
+
+/// [`stored`] with `extra` config.
+async fn stored_with(name: &str, extra: Value) -> Stored {
     let (model, go) = gated_model();
     go.store(true, std::sync::atomic::Ordering::SeqCst);
     let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
+    home.write_config(&config(&model.url, extra));
     let daemon = Daemon::start(&home);
     let mut ws = daemon.ws().await;
     let sid = ws.session(name, &home.path).await;
@@ -732,6 +737,40 @@ async fn storage_locked_database_refuses_writes_then_recovers() {
         holder.batch_execute("ROLLBACK").expect("release")
     })
     .await;
+}
+
+/// A commit that does not come (here: another process holds the write lock, and the writer
+/// waits out its 5 s busy timeout) is answered `storage_unavailable` after
+/// `session.admission_timeout_seconds`, not whenever the disk answers; the same input sent
+/// again afterwards is admitted (or found) and runs once.
+#[actix_rt::test]
+async fn an_admission_that_does_not_commit_in_time_is_answered_unavailable() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let mut s = stored_with(
+        "stalled",
+        json!({"session": {"admission_timeout_seconds": 0.5}}),
+    )
+    .await;
+    let mut holder =
+        SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy()).expect("open");
+    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    let sid = s.sid.clone();
+    expect_storage_unavailable(
+        &mut s.ws,
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "B", "text": "B"}),
+        "submit while the commit cannot come",
+    )
+    .await;
+    assert!(
+        s.home.log().contains("did not commit in time"),
+        "answered by the bound, not by the writer's own failure"
+    );
+    holder.batch_execute("ROLLBACK").expect("release");
+    s.ws.submit(&sid, "B", "B").await;
+    wait_until("B", T, || s.home.admission("B").status == "terminal").await;
+    assert_eq!(s.model.attempts("B"), 1);
 }
 
 /// Set or clear the immutable attribute (`chattr +i`): even root cannot write such a file, so it
