@@ -39,6 +39,18 @@ impl Clock for SystemClock {
     }
 }
 
+/// Milliseconds on a monotonic clock that starts with the process's first reading (for bounds
+/// that must not move with the wall clock: a step back would stall them).
+pub fn process_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(Instant::now)
+        .elapsed()
+        .as_millis()
+        .try_into()
+        .unwrap_or(u64::MAX)
+}
+
 /// A clock that only moves when told to.
 #[derive(Debug, Clone)]
 pub struct ManualClock {

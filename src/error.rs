@@ -186,28 +186,32 @@ pub static STORAGE_LOG: LogLimiter = LogLimiter::new(1000);
 /// Admits at most one log line per period.
 pub struct LogLimiter {
     period_ms: u64,
-    /// When the last line was admitted (ms since the Unix epoch).
+    /// When the last line was admitted ([`crate::clock::process_ms`]; [`NEVER`] before the first).
     last_ms: std::sync::atomic::AtomicU64,
     skipped: std::sync::atomic::AtomicU64,
 }
+
+/// No line admitted yet.
+const NEVER: u64 = u64::MAX;
 
 impl LogLimiter {
     pub const fn new(period_ms: u64) -> LogLimiter {
         LogLimiter {
             period_ms,
-            last_ms: std::sync::atomic::AtomicU64::new(0),
+            last_ms: std::sync::atomic::AtomicU64::new(NEVER),
             skipped: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
     /// `Some(lines left out since the last one)` when this line may be logged.
     pub fn admit(&self) -> Option<u64> {
+        self.admit_at(crate::clock::process_ms())
+    }
+
+    fn admit_at(&self, now: u64) -> Option<u64> {
         use std::sync::atomic::Ordering;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let last = self.last_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) >= self.period_ms
+        if (last == NEVER || now.saturating_sub(last) >= self.period_ms)
             && self
                 .last_ms
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
@@ -244,12 +248,9 @@ mod tests {
     #[test]
     fn the_log_limiter_admits_one_line_a_period_and_counts_the_rest() {
         let limiter = LogLimiter::new(60_000);
-        assert_eq!(limiter.admit(), Some(0));
-        assert_eq!(limiter.admit(), None);
-        assert_eq!(limiter.admit(), None);
-        limiter
-            .last_ms
-            .store(0, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(limiter.admit(), Some(2));
+        assert_eq!(limiter.admit_at(10), Some(0));
+        assert_eq!(limiter.admit_at(20), None);
+        assert_eq!(limiter.admit_at(60_009), None);
+        assert_eq!(limiter.admit_at(60_010), Some(2));
     }
 }

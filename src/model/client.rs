@@ -284,14 +284,16 @@ async fn call_with_retries(
     // never answered held its session (and a slot of the endpoint's concurrency) for four times
     // `model.timeout_seconds` (40 minutes by default) before the turn failed.
     let deadline = tokio::time::Instant::now() + call.timeout;
-    let overdue = || ModelError::Timeout(format!("no complete response within {:?}", call.timeout));
     loop {
         let mut delivered = false;
         let mut cancel = call.cancel.clone();
         let result = tokio::select! {
             r = tokio::time::timeout_at(deadline, one_call(client, config, call, stream, &mut delivered)) => match r {
                 Ok(r) => r,
-                Err(_) => return Err(overdue()),
+                Err(_) => return Err(ModelError::Timeout(format!(
+                    "no complete response within {:?}",
+                    call.timeout
+                ))),
             },
             _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
         };

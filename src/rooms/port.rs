@@ -302,21 +302,22 @@ pub struct ProfileTurnLocks {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
+impl ProfileTurnLocks {
+    /// `profile`'s mutex (made on first use).
+    fn mutex_for(&self, profile: String) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+        locks.entry(profile).or_default().clone()
+    }
+}
+
 impl TurnLocks for ProfileTurnLocks {
     fn lock(&self, profile: String) -> Pin<Box<dyn Future<Output = TurnGuard> + Send + '_>> {
-        let mutex = {
-            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-            locks.entry(profile).or_default().clone()
-        };
+        let mutex = self.mutex_for(profile);
         Box::pin(async move { Box::new(mutex.lock_owned().await) as TurnGuard })
     }
 
     fn try_lock(&self, profile: String) -> Option<TurnGuard> {
-        let mutex = {
-            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-            locks.entry(profile).or_default().clone()
-        };
-        let guard = mutex.try_lock_owned().ok()?;
+        let guard = self.mutex_for(profile).try_lock_owned().ok()?;
         Some(Box::new(guard) as TurnGuard)
     }
 }

@@ -1365,9 +1365,8 @@ impl RoomRuntime {
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         task: &TaskView,
-        turn: HeldTurn,
+        _turn: HeldTurn,
     ) -> Option<TaskView> {
-        let _turn = turn;
         let task_id = attempt.identity.task_id.clone();
         let port = match self.transport(binding, task) {
             Ok(port) => port,

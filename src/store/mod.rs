@@ -37,6 +37,7 @@ use diesel::sqlite::SqliteConnection;
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use tokio::sync::oneshot;
 
+use crate::clock::process_ms;
 use crate::error::StoreError;
 
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
@@ -456,7 +457,7 @@ fn writer_loop(
         // only through a transaction) and is rolled back.
         let lost = wal.lost.load(Ordering::Relaxed);
         wal.busy_since_ms
-            .store(clock_ms().max(1), Ordering::Relaxed);
+            .store(process_ms().max(1), Ordering::Relaxed);
         let mut committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                 for job in batch.drain(..) {
@@ -476,21 +477,9 @@ fn writer_loop(
             // Committed to the file opened at start, which must still be the one at its path:
             // a commit to a file since removed or replaced is lost at the next start, so it is
             // not acknowledged (one `stat`, against the commit's `fsync`).
-            if let Some(file) = wal.file.get() {
-                if !file.still_there() {
-                    wal.lost.store(true, Ordering::Relaxed);
-                    tracing::error!(path = %file.path.display(),
-                        "the database file was removed or replaced while this daemon had it open: \
-                         nothing more is acknowledged; restart the daemon");
-                    committed = Err(file.lost_message());
-                }
-            }
+            committed = wal.confirm_file();
         } else if lost {
-            committed = Err(wal
-                .file
-                .get()
-                .map(FileIdentity::lost_message)
-                .unwrap_or_else(|| "the database file is gone".into()));
+            committed = wal.file_health();
         }
         if let Err(e) = &committed {
             wal.failed.fetch_add(1, Ordering::Relaxed);
@@ -565,7 +554,7 @@ struct WalState {
     rounds: AtomicU64,
     /// Group commits that failed (or were refused: see `lost`).
     failed: AtomicU64,
-    /// When the batch being committed began ([`clock_ms`]), 0 while none is.
+    /// When the batch being committed began ([`process_ms`]), 0 while none is.
     busy_since_ms: AtomicU64,
     /// The database file as opened ([`Db::watch_file`]).
     file: std::sync::OnceLock<FileIdentity>,
@@ -577,15 +566,36 @@ struct WalState {
     stall_after_ms: AtomicU64,
 }
 
-/// Milliseconds on a monotonic clock that starts with the process's first call.
-fn clock_ms() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis()
-        .try_into()
-        .unwrap_or(u64::MAX)
+impl WalState {
+    /// Why nothing is committed any more: the database file was found removed or replaced.
+    fn file_health(&self) -> Result<(), String> {
+        if !self.lost.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        Err(self
+            .file
+            .get()
+            .map(FileIdentity::lost_message)
+            .unwrap_or_else(|| "the database file is gone".into()))
+    }
+
+    /// After a commit: is the file committed to still the one at its path? A commit to a file
+    /// since removed or replaced is lost at the next start, so it is not acknowledged, and from
+    /// then on nothing more is committed (said once in the log).
+    fn confirm_file(&self) -> Result<(), String> {
+        let Some(file) = self.file.get() else {
+            return Ok(());
+        };
+        if file.still_there() {
+            return Ok(());
+        }
+        if !self.lost.swap(true, Ordering::Relaxed) {
+            tracing::error!(path = %file.path.display(),
+                "the database file was removed or replaced while this daemon had it open: \
+                 nothing more is acknowledged; restart the daemon");
+        }
+        Err(file.lost_message())
+    }
 }
 
 /// A commit waiting longer than this makes the store unhealthy (`/readyz` 503).
@@ -735,7 +745,7 @@ impl Db {
     /// its file was removed or replaced, another process took the home's authority, or a
     /// commit has been waiting on the disk for longer than [`STALL_AFTER`].
     pub fn health(&self) -> Result<(), String> {
-        self.file_health()?;
+        self.wal.file_health()?;
         if self.wal.deposed.load(Ordering::Relaxed) {
             return Err(
                 "another process took this home's authority (a newer epoch): this daemon \
@@ -744,7 +754,7 @@ impl Db {
             );
         }
         let since = self.wal.busy_since_ms.load(Ordering::Relaxed);
-        let waited = Duration::from_millis(clock_ms().saturating_sub(since));
+        let waited = Duration::from_millis(process_ms().saturating_sub(since));
         let bound = match self.wal.stall_after_ms.load(Ordering::Relaxed) {
             0 => STALL_AFTER,
             ms => Duration::from_millis(ms),
@@ -754,18 +764,6 @@ impl Db {
                 "a commit has been waiting on the disk for {} s",
                 waited.as_secs()
             ));
-        }
-        Ok(())
-    }
-
-    fn file_health(&self) -> Result<(), String> {
-        if self.wal.lost.load(Ordering::Relaxed) {
-            return Err(self
-                .wal
-                .file
-                .get()
-                .map(FileIdentity::lost_message)
-                .unwrap_or_else(|| "the database file is gone".into()));
         }
         Ok(())
     }
@@ -875,9 +873,7 @@ impl Db {
             use tokio::sync::mpsc::error::TrySendError;
             let (TrySendError::Full(job) | TrySendError::Closed(job)) = refused;
             // As the writer runs a job, in a transaction of one.
-            if let Err(why) = self.file_health() {
-                return Err(StoreError::Other(why));
-            }
+            self.wal.file_health().map_err(StoreError::Other)?;
             let mut conn = self.blocking_conn()?;
             let mut deliver = None;
             let mut committed = conn
@@ -886,11 +882,8 @@ impl Db {
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
-            if let (Ok(()), Some(file)) = (&committed, self.wal.file.get()) {
-                if !file.still_there() {
-                    self.wal.lost.store(true, Ordering::Relaxed);
-                    committed = Err(file.lost_message());
-                }
+            if committed.is_ok() {
+                committed = self.wal.confirm_file();
             }
             match deliver {
                 Some(deliver) => deliver(committed),

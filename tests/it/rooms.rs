@@ -25,14 +25,25 @@ async fn task_status(ws: &mut Ws, room: &str, task: &str) -> String {
 
 async fn wait_status(ws: &mut Ws, room: &str, task: &str, want: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    status_by(ws, room, task, deadline, |s| s == want).await;
+}
+
+/// Read `task`'s status until `done` holds, by `deadline` (else fail); that status.
+async fn status_by(
+    ws: &mut Ws,
+    room: &str,
+    task: &str,
+    deadline: std::time::Instant,
+    done: impl Fn(&str) -> bool,
+) -> String {
     loop {
         let s = task_status(ws, room, task).await;
-        if s == want {
-            return;
+        if done(&s) {
+            return s;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "{room}/{task} is {s}, not {want}"
+            "{room}/{task} is still {s}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1391,18 +1402,7 @@ async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
     ws.ok("room.admit", admit("healthy", "h1", "good", "hello", 1))
         .await;
     let deadline = admitted + Duration::from_secs(15);
-    loop {
-        let status = task_status(&mut ws, "healthy", "h1").await;
-        if status == "settled" {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the healthy room's task is still {status} after 15 s; {}",
-            ws.ok("room.status", json!({})).await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    status_by(&mut ws, "healthy", "h1", deadline, |s| s == "settled").await;
     // One member turn at a time: the others wait queued, outside the scheduler's slots.
     let mut statuses = Vec::new();
     for room in stuck {
@@ -1423,17 +1423,10 @@ async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     for room in stuck {
         let task = format!("{room}-t");
-        loop {
-            let status = task_status(&mut ws, room, &task).await;
-            if status != "queued" && status != "running" {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{room}/{task} is still {status}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        status_by(&mut ws, room, &task, deadline, |s| {
+            s != "queued" && s != "running"
+        })
+        .await;
     }
     assert_eq!(model.reached("HANG"), 4, "each stuck task ran once");
 }
