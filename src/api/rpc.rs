@@ -659,11 +659,20 @@ impl Authority {
         }
         // The same request gives the same session, also after a restart with another config:
         // an existing session is answered before anything the config decides is checked.
-        let request = json!({
-            "source": source, "cwd": p.cwd, "model": p.model, "provider": p.provider, "base_url": p.base_url,
-            "toolsets": p.toolsets, "profile": p.profile, "title": p.title,
-        });
-        let request_digest = hex(&Sha256::digest(request.to_string().as_bytes()));
+        let digest = |cwd: Value| {
+            let request = json!({
+                "source": source, "cwd": cwd, "model": p.model, "provider": p.provider,
+                "base_url": p.base_url, "toolsets": p.toolsets, "profile": p.profile, "title": p.title,
+            });
+            hex(&Sha256::digest(request.to_string().as_bytes()))
+        };
+        // The cwd as a path, not as text: "/srv/x/" and "/srv/x" are one request. Sessions
+        // created before it was compared so hold the digest of its text.
+        let request_digest = digest(json!(p
+            .cwd
+            .as_ref()
+            .map(|c| Path::new(c).components().collect::<std::path::PathBuf>())));
+        let legacy_digest = digest(json!(p.cwd));
         let id = session_id_for(&caller.principal, &request_id);
         let lookup = id.clone();
         if let Some(existing) = self
@@ -672,7 +681,8 @@ impl Authority {
             .read(move |c| sessions::find(c, &lookup))
             .await?
         {
-            if existing.request_digest != request_digest {
+            if existing.request_digest != request_digest && existing.request_digest != legacy_digest
+            {
                 return Err(GatewayError::InvalidParams(
                     "request_id was already used with different parameters".into(),
                 ));
@@ -727,6 +737,16 @@ impl Authority {
                 "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
             )));
         }
+        // The directory that was checked is the one kept: a symlink on the way retargeted later
+        // does not move the session's tools elsewhere.
+        let cwd = match cwd_path.canonicalize() {
+            Ok(real) => real.to_string_lossy().into_owned(),
+            Err(e) => {
+                return Err(GatewayError::InvalidParams(format!(
+                    "cwd {cwd:?} cannot be resolved: {e}"
+                )))
+            }
+        };
         let endpoint = cfg.default_endpoint();
         let model = p
             .model

@@ -204,8 +204,8 @@ pub(crate) struct RuntimeState {
     pub leases: HashMap<String, Lease>,
     pub recovered: HashSet<(String, i64)>,
     pub blocked: BTreeSet<String>,
-    pub last_error: Option<String>,
-    /// Each room's last error, with the order it was recorded in.
+    /// Each room's last error, with the order it was recorded in (the newest is the runtime's
+    /// `last_error`; a retired room's goes with it).
     pub room_errors: HashMap<String, (u64, String)>,
     pub errors_recorded: u64,
     pub current_tasks: BTreeMap<String, TaskIdentity>,
@@ -418,8 +418,7 @@ impl RoomRuntime {
         let order = state.errors_recorded;
         state
             .room_errors
-            .insert(room_id.to_string(), (order, message.clone()));
-        state.last_error = Some(message);
+            .insert(room_id.to_string(), (order, message));
     }
 
     /// A room was retired (disbanded): forget what the runtime holds of it (its lease, block,
@@ -572,7 +571,7 @@ impl RoomRuntime {
             current_tasks,
             leased_rooms,
             blocked_rooms: state.blocked.iter().cloned().collect(),
-            last_error: state.last_error.clone(),
+            last_error: room_errors.last().map(|(_, _, message)| message.clone()),
             room_errors: room_errors
                 .into_iter()
                 .map(|(_, room, message)| (room, message))

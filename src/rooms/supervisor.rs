@@ -571,9 +571,12 @@ impl RoomRuntime {
             }
             let probe = match self.transport(binding, &task) {
                 Ok(port) => {
-                    let profile = task.payload.target_profile.clone();
-                    let guard = self.inner.locks.lock(profile.clone()).await;
-                    let _turn = self.held(&binding.room_id, &profile, guard);
+                    // Without waiting: while another room's turn holds the member, the pass
+                    // ends (freeing its scheduler slot) and the holder's release wakes it.
+                    let Some(_turn) = self.try_turn(&binding.room_id, &task.payload.target_profile)
+                    else {
+                        return Ok(false);
+                    };
                     if port.is_peer() {
                         self.full_probe(binding, port.as_ref(), &task).await
                     } else {

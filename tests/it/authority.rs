@@ -1,6 +1,7 @@
 //! The session authority: identify, tickets, the JSON-RPC envelope, admissions, FIFO, crash and
 //! graceful restart.
 
+use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
@@ -133,6 +134,43 @@ async fn the_envelope_refuses_bad_requests_and_stays_up() {
         .is_some_and(|s| s.starts_with("local-")));
 }
 
+/// A session created before the cwd was compared as a path holds the digest of the cwd's text:
+/// after an upgrade, the same request still finds it.
+#[actix_rt::test]
+async fn a_session_with_the_digest_of_its_cwds_text_is_found_again() {
+    use diesel::prelude::*;
+    use gatehouse::store::schema::sessions;
+    use sha2::Digest;
+    let model = FakeModel::ack();
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
+    let cwd = format!("{}/", home.path.display());
+    let mut ws = d.ws().await;
+    let old = ws
+        .create("req-old", Path::new(&cwd), json!({"toolsets": []}))
+        .await;
+    drop(ws);
+    assert_eq!(d.term(), Some(0));
+    let text = json!({
+        "source": "cli", "cwd": cwd, "model": null, "provider": null, "base_url": null,
+        "toolsets": [], "profile": null, "title": null,
+    });
+    let legacy = gatehouse::store::admissions::hex(&sha2::Sha256::digest(text.to_string()));
+    let mut db = SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+        .expect("open state.db");
+    let updated = diesel::update(sessions::table.filter(sessions::request_id.eq("req-old")))
+        .set(sessions::request_digest.eq(&legacy))
+        .execute(&mut db)
+        .expect("set the legacy digest");
+    assert_eq!(updated, 1);
+    drop(db);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let again = ws
+        .create("req-old", Path::new(&cwd), json!({"toolsets": []}))
+        .await;
+    assert_eq!(again["session_id"], old["session_id"]);
+}
+
 #[actix_rt::test]
 async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
     let model = FakeModel::ack();
@@ -146,6 +184,26 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
         .await;
     assert_eq!(a["session_id"], b["session_id"]);
     assert_eq!(a["info"]["model"], "fake-model");
+    // The cwd is compared as a path: a trailing slash is the same request.
+    let slashed = ws
+        .create(
+            "req-1",
+            Path::new(&format!("{}/", home.path.display())),
+            json!({"toolsets": []}),
+        )
+        .await;
+    assert_eq!(slashed["session_id"], a["session_id"]);
+    // The directory checked is the one kept: a session made through a symlink works in its
+    // target, wherever the link points later.
+    let real = home.path.join("real");
+    std::fs::create_dir(&real).unwrap();
+    let link = home.path.join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let linked = ws.create("req-9", &link, json!({"toolsets": []})).await;
+    assert_eq!(
+        linked["info"]["cwd"],
+        real.canonicalize().unwrap().to_string_lossy().as_ref()
+    );
     ws.refused(
         "session.create",
         json!({"request_id": "req-1", "cwd": home.path, "toolsets": [], "model": "other"}),

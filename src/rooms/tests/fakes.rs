@@ -694,6 +694,8 @@ pub struct Spec {
     pub clock: Option<SharedClock>,
     pub hooks: Option<Arc<RecordingHooks>>,
     pub locks: RecordingTurnLocks,
+    /// Turn locks that exclude (instead of `locks`, which records and never waits).
+    pub exclusive_locks: Option<Arc<dyn TurnLocks>>,
     pub rpc: Option<Arc<FakeSessionRpc>>,
     pub resolver: Option<TransportResolver>,
     pub bindings: Vec<RoomBinding>,
@@ -711,6 +713,7 @@ impl Spec {
             clock: None,
             hooks: None,
             locks: RecordingTurnLocks::default(),
+            exclusive_locks: None,
             rpc: Some(rpc.clone()),
             resolver: None,
             bindings: vec![binding()],
@@ -731,7 +734,10 @@ impl Spec {
         let mut builder =
             RoomRuntime::builder(db.db.clone(), RoomRuntime::fixed_bindings(self.bindings))
                 .config(self.config)
-                .turn_locks(Arc::new(self.locks));
+                .turn_locks(match self.exclusive_locks {
+                    Some(locks) => locks,
+                    None => Arc::new(self.locks),
+                });
         if let Some(rpc) = self.rpc {
             builder = builder.rpc(rpc);
         }

@@ -11,7 +11,9 @@ use super::fakes::*;
 use crate::clock::{ManualClock, SystemClock};
 use crate::rooms::bound::MAX_TERMINAL_TEXT_BYTES;
 use crate::rooms::config::RoomsConfig;
-use crate::rooms::port::{LedgerAttempt, SessionPort, TerminalReceipt, ROOM_SESSION_SOURCE};
+use crate::rooms::port::{
+    LedgerAttempt, ProfileTurnLocks, SessionPort, TerminalReceipt, ROOM_SESSION_SOURCE,
+};
 use crate::rooms::runtime::{RoomBinding, RoomsError, TransportResolver};
 use crate::rooms::testing::TestDb;
 use crate::store::leases::release_lease;
@@ -1566,6 +1568,19 @@ fn abandoned_local_attempt(
     Arc<FakeSessionRpc>,
     crate::rooms::RoomRuntime,
 ) {
+    abandoned_local_attempt_with(|spec| spec.config.indeterminate_defer_seconds = defer)
+}
+
+/// [`abandoned_local_attempt`] with the new process's runtime as `tweak` makes it.
+fn abandoned_local_attempt_with(
+    tweak: impl FnOnce(&mut Spec),
+) -> (
+    TestDb,
+    ManualClock,
+    TaskIdentity,
+    Arc<FakeSessionRpc>,
+    crate::rooms::RoomRuntime,
+) {
     let db = db();
     let clock = ManualClock::new(100.0);
     let id = identity("task-1");
@@ -1582,9 +1597,35 @@ fn abandoned_local_attempt(
     rpc.add_session(false, Some("task-1"), Vec::new());
     clock.set(101.0);
     let mut spec = Spec::new(&rpc).manual(&clock);
-    spec.config.indeterminate_defer_seconds = defer;
+    tweak(&mut spec);
     let runtime = spec.build(&db);
     (db, clock, id, rpc, runtime)
+}
+
+/// The probe of an abandoned attempt does not wait for its member in a scheduler slot: while
+/// another room's turn holds the member, the pass ends at once with nothing asked of the member,
+/// and the first pass after the holder let go resolves the attempt. Before, the pass waited for
+/// the lock (up to the other turn's deadline) and held the slot meanwhile.
+#[tokio::test]
+async fn an_abandoned_attempts_probe_does_not_wait_for_a_busy_member() {
+    let (db, _clock, id, rpc, runtime) = abandoned_local_attempt_with(|spec| {
+        spec.exclusive_locks = Some(Arc::new(ProfileTurnLocks::default()));
+    });
+    ledger_says(&rpc, "settled", Some("Recovered."));
+
+    let other = runtime
+        .try_turn("room-2", PROFILE)
+        .expect("the member is free");
+    tokio::time::timeout(STOP, runtime.process_room(&binding()))
+        .await
+        .expect("the pass waited for the busy member");
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("ledger_attempt"), 0);
+
+    drop(other);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Settled);
+    assert_eq!(rpc.count("submit"), 0);
 }
 
 /// What the member's ledger says of `task-1`: it ended as `status`.
@@ -1649,6 +1690,20 @@ async fn a_retry_of_a_deferred_attempt_that_completed_settles_it() {
         .to_string()
         .contains("Done after all."));
     assert_eq!(rpc.count("submit"), 0);
+}
+
+/// The runtime's `last_error` is the newest error of a room it still holds: a retired room's
+/// goes with it (before, the operator's view kept naming a disbanded room's error for good).
+#[tokio::test]
+async fn a_retired_rooms_error_leaves_the_runtimes_last_error() {
+    let (_db, _clock, _id, _rpc, runtime) = abandoned_local_attempt(0.5);
+    runtime.set_error("other-room", "older error".into());
+    runtime.set_error(ROOM_ID, "newest error".into());
+    assert_eq!(runtime.status().last_error.as_deref(), Some("newest error"));
+    runtime.retired(ROOM_ID).await;
+    assert_eq!(runtime.status().last_error.as_deref(), Some("older error"));
+    runtime.retired("other-room").await;
+    assert_eq!(runtime.status().last_error, None);
 }
 
 /// An abandoned local attempt that its member's ledger holds as `unknown` keeps its room waiting
