@@ -16,7 +16,10 @@ use crate::error::StoreError;
 use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, ToolCall};
 use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
-use crate::session::supervisor::{Emit, RegisterPrompt, RetirePrompt, SessionSupervisor};
+use crate::session::supervisor::{
+    Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
+};
+use crate::store::events::{self, NewEvent};
 use crate::store::messages::{self, NewMessage};
 use crate::store::prompts as prompt_store;
 use crate::store::sessions::{self, Compaction, SessionRow};
@@ -1059,25 +1062,34 @@ impl Turn {
             system_prompt: Some(system.clone()),
             messages: compacted.clone(),
         };
-        let (epoch, generation, now) = (
+        let (epoch, generation, now, root) = (
             self.ctx.shared.epoch,
             self.ctx.generation,
             self.ctx.shared.now(),
+            self.ctx.root_id.clone(),
         );
-        let tip = self
+        // The event that tells clients of the new tip commits with it: a crash between two
+        // commits lost it (found in a kill-anywhere run: one compaction of 685 had no event).
+        let (tip, rows) = self
             .ctx
             .shared
             .db
             .write(move |conn| {
-                sessions::commit_compaction(conn, epoch, generation, &compaction, now)
+                crate::store::write_tx(conn, |conn| {
+                    let tip =
+                        sessions::commit_compaction(conn, epoch, generation, &compaction, now)?;
+                    let event = NewEvent::new(
+                        "session.info",
+                        json!({"compacted": true, "tip_session_id": tip}),
+                    );
+                    let rows = events::append_tx(conn, &root, &[event], now)?;
+                    Ok((tip, rows))
+                })
             })
             .await
             .map_err(|e| CompactError::Stop(Box::new(Stop::from(e))))?;
         tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
-        self.emit(
-            "session.info",
-            json!({"compacted": true, "tip_session_id": tip}),
-        );
+        self.ctx.sup.do_send(Committed { rows });
         self.tip = tip;
         self.system = system;
         self.transcript = compacted;

@@ -353,16 +353,20 @@ impl SessionPort for LocalSessionPort {
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async move {
             let row = self.attempt_row(&session, &task, generation).await?;
-            Ok(row.and_then(|row| {
+            Ok(row.map(|row| {
                 if row.is_terminal() {
-                    Some(LedgerAttempt::Ended(receipt_of(&row)))
+                    LedgerAttempt::Ended(receipt_of(&row))
                 } else if row.status == "unknown" {
-                    Some(LedgerAttempt::Unresolved {
+                    LedgerAttempt::Unresolved {
                         session_id: row.target_session_id.clone(),
                         admission_id: row.admission_id.clone(),
-                    })
+                    }
                 } else {
-                    None
+                    LedgerAttempt::Live {
+                        session_id: row.target_session_id.clone(),
+                        admission_id: row.admission_id.clone(),
+                        started: row.status == "started",
+                    }
                 }
             }))
         })

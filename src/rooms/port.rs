@@ -227,8 +227,9 @@ pub trait SessionPort: Send + Sync {
     }
     /// What the member's own ledger says of exactly this attempt, for a port that reads it
     /// whole and cheaply: what recovery uses to resolve an abandoned local attempt at once, or
-    /// to hold its room while the member's operator has still to resolve it, instead of
-    /// deferring it. The default knows nothing (`None`), so a port without such a ledger
+    /// to hold its room while the member's operator has still to resolve it or while the
+    /// attempt waits in the member's queue, instead of deferring it (`None`: the member never
+    /// admitted it). The default knows nothing (`None`), so a port without such a ledger
     /// recovers as the contract says (live probes, then deferral).
     fn ledger_attempt(
         &self,
@@ -277,6 +278,14 @@ pub enum LedgerAttempt {
     Unresolved {
         session_id: String,
         admission_id: String,
+    },
+    /// It has not ended and will by itself: queued in the member's session (behind another
+    /// turn, or behind an `unknown` one the member's operator has to resolve), or running. A new
+    /// attempt would run the task's prompt a second time.
+    Live {
+        session_id: String,
+        admission_id: String,
+        started: bool,
     },
 }
 

@@ -862,6 +862,7 @@ impl RoomRuntime {
                     .locked_probe(&binding, port.as_ref(), &task, false, &lease)
                     .await?;
                 Self::refuse_unknown(&task, &probe)?;
+                Self::refuse_active(&task, &probe)?;
                 if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
                     self.state().blocked.remove(&room_id);
@@ -930,12 +931,9 @@ impl RoomRuntime {
             return Ok(view);
         }
         if probe.active_for(&task.identity.task_id) {
-            self.state().blocked.insert(room_id);
-            return Err(RoomStoreError::InvalidTransition(
-                "cannot retry while the original task attempt is still active".into(),
-            )
-            .into());
+            self.state().blocked.insert(room_id.clone());
         }
+        Self::refuse_active(&task, &probe)?;
         // A local member's own ledger says how the attempt went, as the room's pass reads it:
         // `unknown` holds the member's session until its operator resolves it (a new attempt
         // would queue behind it, never run, and fail at its deadline); ended, it is resolved so
@@ -957,6 +955,29 @@ impl RoomRuntime {
         self.state().blocked.remove(&room_id);
         self.wakeup();
         Ok(view)
+    }
+
+    /// Refuse to retry `task` while its attempt is still active: run by its member, or held
+    /// queued or running by the member's ledger (a new attempt would run the prompt twice).
+    fn refuse_active(task: &TaskView, probe: &Probe) -> Result<(), RoomsError> {
+        if !probe.active_for(&task.identity.task_id) {
+            return Ok(());
+        }
+        let detail = match &probe.ledger {
+            Some(LedgerAttempt::Live {
+                session_id,
+                admission_id,
+                started: false,
+            }) => format!(
+                " (its input {admission_id} is queued in session {session_id}, behind the \
+                 member's earlier turns)"
+            ),
+            _ => String::new(),
+        };
+        Err(RoomStoreError::InvalidTransition(format!(
+            "cannot retry while the original task attempt is still active{detail}"
+        ))
+        .into())
     }
 
     /// Refuse to retry `task` while its member's ledger holds its attempt `unknown`.

@@ -44,10 +44,16 @@ pub(crate) struct Probe {
 
 impl Probe {
     /// The session is busy with this task (or with an unnamed one).
+    pub fn running(&self, task_id: &str) -> bool {
+        self.info
+            .as_ref()
+            .is_some_and(|info| running_for(info, task_id))
+    }
+
+    /// The attempt has not ended and will by itself: its member runs it, or the member's ledger
+    /// holds it queued (behind another turn) or running. A new attempt would run it twice.
     pub fn active_for(&self, task_id: &str) -> bool {
-        self.info.as_ref().is_some_and(|info| {
-            info.active && info.task_id.as_deref().is_none_or(|id| id == task_id)
-        })
+        self.running(task_id) || matches!(self.ledger, Some(LedgerAttempt::Live { .. }))
     }
 
     pub fn status(&self) -> Option<&str> {
@@ -61,6 +67,11 @@ impl Probe {
             _ => None,
         }
     }
+}
+
+/// `info`'s session is busy with `task_id` (or with an unnamed task).
+fn running_for(info: &SessionInfo, task_id: &str) -> bool {
+    info.active && info.task_id.as_deref().is_none_or(|id| id == task_id)
 }
 
 /// How a stop attempt ended.
@@ -634,7 +645,9 @@ impl RoomRuntime {
                 }
                 continue;
             }
-            if probe.active_for(&task.identity.task_id) {
+            // Running now: the pass ends quietly. Queued behind another turn, it is recovered as
+            // indeterminate, and the room waits for it there, saying so.
+            if probe.running(&task.identity.task_id) {
                 return Ok(false);
             }
         }
@@ -702,7 +715,9 @@ impl RoomRuntime {
             .info(Self::session_ref(profile, &found.session_id))
             .await?;
         self.report_pending(binding, task, &found.session_id, &info);
-        let ledger = if info.active {
+        // Read unless the member runs this attempt: one busy with another turn may hold this
+        // attempt queued behind it.
+        let ledger = if running_for(&info, &task.identity.task_id) {
             None
         } else {
             port.ledger_attempt(
@@ -829,7 +844,7 @@ impl RoomRuntime {
         let info = port.info(Self::session_ref(profile, &session_id)).await?;
         self.report_pending(binding, task, &session_id, &info);
         // A local member's own ledger, read as the live probe reads it.
-        let ledger = if port.is_peer() || info.active {
+        let ledger = if port.is_peer() || running_for(&info, &task.identity.task_id) {
             None
         } else {
             port.ledger_attempt(
@@ -885,6 +900,24 @@ impl RoomRuntime {
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) if probe.active_for(&id.task_id) => {
+                        if let Some(LedgerAttempt::Live {
+                            session_id,
+                            admission_id,
+                            started: false,
+                        }) = &probe.ledger
+                        {
+                            // Deferred, it could be retried (or cancelled) while its input still
+                            // waits in the member's queue, and then run twice (or after all).
+                            self.set_error(
+                                &binding.room_id,
+                                format!(
+                                    "task {} waits for its member's earlier turns: its input \
+                                     {admission_id} is queued in session {session_id} (`gatehouse \
+                                     pending` lists an unknown turn that holds it)",
+                                    id.task_id
+                                ),
+                            );
+                        }
                         self.state().blocked.insert(binding.room_id.clone());
                         return Ok(true);
                     }
@@ -917,10 +950,16 @@ impl RoomRuntime {
                         return Ok(true);
                     }
                     Ok(_) => {}
-                    Err(error) => self.set_error(
-                        &binding.room_id,
-                        format!("task {} recovery probe failed: {error}", id.task_id),
-                    ),
+                    Err(error) => {
+                        // Not knowing whether the member still holds the attempt, the room does
+                        // not defer it (a retry could then run it twice): the next pass asks again.
+                        self.set_error(
+                            &binding.room_id,
+                            format!("task {} recovery probe failed: {error}", id.task_id),
+                        );
+                        self.state().blocked.insert(binding.room_id.clone());
+                        return Ok(true);
+                    }
                 }
             }
             let since = task.indeterminate_at.unwrap_or(task.updated_at);

@@ -1164,8 +1164,23 @@ impl Handler<RetirePrompt> for SessionSupervisor {
     }
 }
 
+/// From a turn: events it committed with a transition of its own (a compaction's
+/// `session.info`, in the compaction's transaction), to be sent to the subscribers in order.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Committed {
+    pub rows: Vec<EventRow>,
+}
+
+impl Handler<Committed> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: Committed, ctx: &mut Context<Self>) {
+        self.deliver(m.rows, ctx);
+    }
+}
+
 /// From a turn: an event of the attempt. Streaming deltas (`message.delta`) are live only; the
-/// rest (tool activity, compaction) is recorded in the log first.
+/// rest (tool activity) is recorded in the log first.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Emit {

@@ -233,6 +233,24 @@ async fn preflight_compression_rotates_into_a_child_session() {
         "the root's rows are untouched"
     );
     assert!(home.all_messages(&root).iter().all(|m| m.active == 1));
+    // The durable log tells of the new tip once (committed with the compaction).
+    let log = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": root, "last_sequence": 0}),
+        )
+        .await;
+    let told: Vec<&Value> = log["events"]
+        .as_array()
+        .map(|evs| {
+            evs.iter()
+                .filter(|e| e["payload"]["compacted"] == true)
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(told.len(), 1, "{log}");
+    assert_eq!(told[0]["type"], "session.info");
+    assert_eq!(told[0]["payload"]["tip_session_id"], child.as_str());
     let child_rows = home.transcript(&child);
     assert_eq!(user_tags(&child_rows), ["P0", "P3"]);
     assert!(child_rows

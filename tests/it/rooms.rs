@@ -747,6 +747,62 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
     assert_parked_once(&model, &victim);
 }
 
+/// A task whose member admission is still queued when the daemon restarts (here behind the
+/// first crash's `unknown` turn) is neither deferred nor retried into a second attempt: the room
+/// waits for it past its defer deadline, saying why, a retry is refused, and once the operator
+/// resolves the turn ahead of it the queued attempt runs, once, and settles the task. Before,
+/// the member's `queued` row read as no attempt at all: the task was deferred at its deadline,
+/// and a retry admitted a second attempt, so the prompt ran twice.
+#[actix_rt::test]
+async fn a_task_queued_in_its_member_across_a_restart_runs_once() {
+    let victim = Home::new();
+    let (model, home) = park_a_task_and_crash(&victim).await;
+    // A short defer: the queued attempt was deferred at it.
+    let mut settings = std::fs::read_to_string(home.path.join("config.yaml"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+        .expect("the config");
+    settings["rooms"]["indeterminate_defer_seconds"] = json!(0.5);
+    home.write_config(&settings);
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p1", "indeterminate").await;
+    let (ok, out, err) = room_cli(&home, &["room-cancel", "park", "p1"]);
+    assert!(ok, "{out}{err}");
+    let is_p2 = |a: &gatehouse::store::admissions::AdmissionRow| a.request_id.contains("/p2/");
+    wait_until("p2 admitted to its member", Duration::from_secs(30), || {
+        home.admissions()
+            .iter()
+            .any(|a| is_p2(a) && a.status == "queued")
+    })
+    .await;
+    drop(ws);
+    d.kill();
+
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    wait_status(&mut ws, "park", "p2", "indeterminate").await;
+    status_when(&mut ws, "the room says what it waits for", |s| {
+        s["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("p2") && e.contains("is queued in session"))
+    })
+    .await;
+    let (ok, out, err) = room_cli(&home, &["room-retry", "park", "p2"]);
+    assert!(!ok, "a retry of a queued attempt was taken: {out}");
+    assert!(err.contains("still active"), "{err}");
+    assert_eq!(task_status(&mut ws, "park", "p2").await, "indeterminate");
+    resolve_the_unknown_member_turn(&home);
+    wait_status(&mut ws, "park", "p2", "settled").await;
+    assert_eq!(
+        home.admissions().iter().filter(|a| is_p2(a)).count(),
+        1,
+        "one attempt"
+    );
+    assert_eq!(model.reached("hello p2"), 1, "the prompt ran once");
+    assert_parked_once(&model, &victim);
+}
+
 /// A member's turns run one at a time across rooms. A room whose task waits for the member while
 /// another room's turn holds it (here parked on an approval until its deadline, four lease TTLs)
 /// keeps its lease the whole wait, so its own attempt is not fenced when it finally runs: it
