@@ -1,6 +1,8 @@
 //! Building the wire `messages` from stored rows: internal fields stripped, orphan tool results
 //! dropped, a stub result for any tool call that never got one, so requests are always well formed.
 
+use std::collections::HashSet;
+
 use serde_json::{json, Value};
 
 use crate::store::messages::NewMessage;
@@ -44,33 +46,40 @@ pub fn wire_messages(system: Option<&str>, transcript: &[NewMessage]) -> Vec<Val
             i += 1;
             continue;
         }
-        out.push(to_wire(m));
+        let mut wire = to_wire(m);
         if m.role == "assistant" {
-            let ids: Vec<String> = m
-                .tool_calls
-                .as_deref()
-                .and_then(|c| serde_json::from_str::<Vec<Value>>(c).ok())
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|c| c.get("id").and_then(|i| i.as_str()).map(str::to_string))
-                .collect();
+            // A call whose id an earlier call of the message has is left out (kept by an older
+            // version, it had no result of its own); sets, as a message may hold many calls.
+            let mut ids: Vec<String> = Vec::new();
+            let mut seen = HashSet::new();
+            if let Some(calls) = wire.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                calls.retain(|c| {
+                    let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+                    seen.insert(id.to_string())
+                });
+                ids = calls
+                    .iter()
+                    .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_string))
+                    .collect();
+            }
+            out.push(wire);
             let mut j = i + 1;
-            let mut answered = Vec::new();
+            let mut answered = HashSet::new();
             while j < transcript.len() && transcript[j].role == "tool" {
                 let t = &transcript[j];
-                let id = t.tool_call_id.clone().unwrap_or_default();
-                if ids.contains(&id) && !answered.contains(&id) {
+                let id = t.tool_call_id.as_deref().unwrap_or_default();
+                if seen.contains(id) && answered.insert(id.to_string()) {
                     out.push(to_wire(t));
-                    answered.push(id);
                 }
                 j += 1;
             }
-            for id in ids.iter().filter(|id| !answered.contains(id)) {
+            for id in ids.iter().filter(|id| !answered.contains(*id)) {
                 out.push(json!({"role": "tool", "tool_call_id": id, "content": "[No result: the tool did not run]"}));
             }
             i = j;
             continue;
         }
+        out.push(wire);
         i += 1;
     }
     out
@@ -107,5 +116,21 @@ mod tests {
         );
         assert_eq!(w[3]["tool_call_id"], "a");
         assert_eq!(w[4]["tool_call_id"], "b");
+    }
+
+    /// A message kept with two calls of one id (by an older version) goes out with the first
+    /// of them and its one result: a call without a result of its own was a malformed request.
+    #[test]
+    fn a_repeated_call_id_goes_out_once() {
+        let mut call = msg("assistant", "");
+        call.tool_calls = Some(r#"[{"id":"dup","type":"function","function":{"name":"terminal","arguments":"{\"command\":\"ls\"}"}},{"id":"dup","type":"function","function":{"name":"terminal","arguments":"{\"command\":\"pwd\"}"}}]"#.into());
+        let mut result = msg("tool", "ok");
+        result.tool_call_id = Some("dup".into());
+        let w = wire_messages(None, &[msg("user", "hi"), call, result.clone(), result]);
+        let roles: Vec<&str> = w.iter().map(|m| m["role"].as_str().unwrap_or("")).collect();
+        assert_eq!(roles, ["user", "assistant", "tool"]);
+        let calls = w[1]["tool_calls"].as_array().expect("calls");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["arguments"], r#"{"command":"ls"}"#);
     }
 }

@@ -306,10 +306,14 @@ impl Turn {
                     iterations for this turn. Give your final response now, without calling any more tools."}));
             }
             // Preflight: compress before a request that would pass the threshold (not again in
-            // a turn whose compaction failed: the request goes as it is, and an overflow says
-            // whether it fits).
+            // a turn whose summary failed: the request goes as it is, and an overflow says
+            // whether it fits; after "nothing to compact", again once the transcript has grown,
+            // or a turn that began with nothing to compact grew without bound).
             if cfg.compression.enabled
                 && !retry.compaction_failed
+                && retry
+                    .nothing_to_compact_at
+                    .is_none_or(|len| self.transcript.len() > len)
                 && self.compressions < max_compressions
                 && tokens::estimate_request(&wire, tools.as_ref()) >= threshold
                 && self.transcript.len()
@@ -318,6 +322,10 @@ impl Turn {
                 match self.compact(threshold).await {
                     Ok(()) => continue,
                     Err(CompactError::Stop(s)) => return Err(*s),
+                    Err(CompactError::Nothing) => {
+                        tracing::debug!("preflight compression found nothing to compact");
+                        retry.nothing_to_compact_at = Some(self.transcript.len());
+                    }
                     Err(CompactError::Failed(e)) => {
                         tracing::warn!(error = %e, "preflight compression failed; sending as is");
                         retry.compaction_failed = true;
@@ -341,7 +349,7 @@ impl Turn {
                     match self.compact(threshold).await {
                         Ok(()) => continue,
                         Err(CompactError::Stop(s)) => return Err(*s),
-                        Err(CompactError::Failed(e)) => {
+                        Err(e @ (CompactError::Failed(_) | CompactError::Nothing)) => {
                             return Ok(TurnOutcome::Failed {
                                 error: format!(
                                     "context_overflow: {detail}; compression failed: {e}"
@@ -393,6 +401,16 @@ impl Turn {
                 let mut text = retry.partial.clone();
                 text.push_str(response.content.as_deref().unwrap_or(""));
                 let (mut content, thoughts) = split_think(&text);
+                if content.is_empty() && response.finish_reason == "content_filter" {
+                    // Withheld, not forgotten: asking again gets the same, and an empty
+                    // "completed" answer hid why.
+                    return Ok(TurnOutcome::Failed {
+                        error: "model request failed: the model's answer was withheld by its \
+                                content filter (finish_reason content_filter)"
+                            .into(),
+                        reason: "model_error",
+                    });
+                }
                 if content.is_empty() {
                     // An empty answer is asked for again; then the last words that came with
                     // tool calls, if any, stand for it.
@@ -548,6 +566,12 @@ impl Turn {
             let mut first = first.into_iter();
             calls.retain(|_| first.next().unwrap_or(false));
         }
+        // Past the bound, calls are not kept at all: each would be sent back on every later
+        // request with a result of its own (85,000 calls in one response made every later turn
+        // of the session a 25 MB request). The last kept call's result says so.
+        let dropped = calls.len().saturating_sub(MAX_TOOL_CALLS_PER_RESPONSE);
+        calls.truncate(MAX_TOOL_CALLS_PER_RESPONSE);
+        unique_call_ids(&mut calls);
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),
@@ -559,18 +583,10 @@ impl Turn {
         };
         self.persist(vec![assistant.clone()]).await?;
         self.transcript.push(assistant);
+        let last = calls.len().saturating_sub(1);
         for (n, call) in calls.into_iter().enumerate() {
             if self.cancelled() {
                 return Ok(Some(interrupted()));
-            }
-            if n >= MAX_TOOL_CALLS_PER_RESPONSE {
-                // Every call needs a result; past the bound it is this one, and nothing runs.
-                let refused = format!(
-                    "Error: not run. A response may make at most {MAX_TOOL_CALLS_PER_RESPONSE} \
-                     tool calls; make the rest in a later response if they are still needed."
-                );
-                self.keep_result(&call, refused).await?;
-                continue;
             }
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&call.function.arguments, 2000)}));
             let (result, stopped) = match self
@@ -582,6 +598,15 @@ impl Turn {
                 ToolResult::Interrupted => return Ok(Some(interrupted())),
             };
             self.emit("tool.complete", json!({"tool_call_id": call.id, "name": call.function.name, "result": truncate(&result, 2000)}));
+            let result = if n == last && dropped > 0 {
+                format!(
+                    "{result}\n[{dropped} more tool calls of this response were not run: a \
+                     response may make at most {MAX_TOOL_CALLS_PER_RESPONSE}. Make them in a later \
+                     response if they are still needed.]"
+                )
+            } else {
+                result
+            };
             self.keep_result(&call, result).await?;
             if stopped {
                 return Ok(Some(interrupted()));
@@ -755,12 +780,13 @@ impl Turn {
         if self.cancelled() {
             return ToolResult::Interrupted;
         }
+        // The model may ask for less time, never more: `terminal.timeout` is the limit (it could
+        // ask for ten times as much).
         let timeout = args
             .get("timeout")
             .and_then(|t| t.as_f64())
             .filter(|t| *t > 0.0)
-            .unwrap_or(cfg.terminal.timeout)
-            .min(cfg.terminal.timeout.max(1.0) * 10.0);
+            .map_or(cfg.terminal.timeout, |t| t.min(cfg.terminal.timeout));
         let mut spec = CommandSpec::new(command, cwd);
         spec.timeout = Duration::from_secs_f64(timeout);
         spec.output_cap = cfg.terminal.output_cap;
@@ -982,7 +1008,7 @@ impl Turn {
             if cleared {
                 return self.commit_compacted(pruned, self.system.clone()).await;
             }
-            return Err(CompactError::Failed("nothing to compact".into()));
+            return Err(CompactError::Nothing);
         };
         let aux = &cfg.auxiliary.compression;
         let model = aux.model.clone().unwrap_or_else(|| self.root.model.clone());
@@ -991,12 +1017,8 @@ impl Turn {
             .clone()
             .unwrap_or_else(|| self.root.provider.clone());
         let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
-        let body = compress::summary_request(
-            &model,
-            &plan.middle,
-            None,
-            tokens::max_summary_tokens(self.context()),
-        );
+        let budget = tokens::max_summary_tokens(self.context());
+        let body = compress::summary_request(&model, &plan.middle, None, budget);
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
         // Keys go only to configured endpoints (the session's may be its client's choice).
@@ -1027,6 +1049,20 @@ impl Turn {
                 "the summary model returned nothing".into(),
             ));
         }
+        // A summary model that ignores its budget does not fill the transcript it compacts
+        // (7 MB kept as is made every later turn overflow): what passes 16 characters a token of
+        // the budget (twice what the request's `max_tokens` allows at four a token) is cut.
+        let most = usize::try_from(budget.saturating_mul(16)).unwrap_or(usize::MAX);
+        let summary = match summary.char_indices().nth(most) {
+            Some((cut, _)) => {
+                tracing::warn!(session = %self.ctx.root_id, chars = most, "the summary was over its budget; cut");
+                format!(
+                    "{}\n[The summary was cut here: it was over its budget.]",
+                    &summary[..cut]
+                )
+            }
+            None => summary,
+        };
         let compacted = compress::assemble(&plan, &summary);
         let system = if self.system.contains("[Note: earlier turns") {
             self.system.clone()
@@ -1101,6 +1137,18 @@ enum CompactError {
     /// Boxed: a stop can carry a whole turn outcome, many times the size of the failure's text.
     Stop(Box<Stop>),
     Failed(String),
+    /// No middle to summarise and no old tool output to clear (no summary was asked for).
+    Nothing,
+}
+
+impl std::fmt::Display for CompactError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompactError::Stop(_) => f.write_str("stopped"),
+            CompactError::Failed(e) => f.write_str(e),
+            CompactError::Nothing => f.write_str("nothing to compact"),
+        }
+    }
 }
 
 enum ToolResult {
@@ -1159,7 +1207,7 @@ fn touches_gateway_state(
     home: &std::path::Path,
     user_home: Option<&str>,
 ) -> bool {
-    if !GATEWAY_FILES.iter().any(|f| command.contains(f)) {
+    if !names_gateway_file(command) {
         return false;
     }
     let homes: Vec<PathBuf> = std::iter::once(home.to_path_buf())
@@ -1181,6 +1229,86 @@ fn touches_gateway_state(
         let h_text = h.to_string_lossy();
         cwd.starts_with(h) || texts.iter().any(|t| t.contains(h_text.as_ref()))
     })
+}
+
+/// Does `command` name one of [`GATEWAY_FILES`], as the shell would read it? Quotes and escapes
+/// do not change the name the shell passes on (`api_k''eys`, `st\ate.db` named them unasked),
+/// and a pattern may name them without spelling them out (`*.db`, `api_*`, `st?te.db`,
+/// `{state,x}.db`). A speed bump, not a sandbox: a command that builds a name at run time is
+/// not seen.
+fn names_gateway_file(command: &str) -> bool {
+    let plain: String = command
+        .chars()
+        .filter(|c| !matches!(c, '\'' | '"' | '\\'))
+        .collect();
+    if GATEWAY_FILES.iter().any(|f| plain.contains(f)) {
+        return true;
+    }
+    plain
+        .split(|c: char| {
+            c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')' | '<' | '>' | '`' | '=')
+        })
+        .filter(|word| word.contains(['*', '?', '[', '{']))
+        .any(|word| {
+            let name = word.rsplit('/').next().unwrap_or(word);
+            GATEWAY_FILES.iter().any(|f| glob_may_match(name, f))
+        })
+}
+
+/// Could the shell pattern `pattern` match `name`? `*` is any run, `?` and a bracket class any
+/// one character, a brace group any run (all of them more than the shell allows: a doubt is
+/// asked about).
+fn glob_may_match(pattern: &str, name: &str) -> bool {
+    let mut tokens = Vec::new();
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '*' => tokens.push(None),
+            '{' => {
+                for c in chars.by_ref() {
+                    if c == '}' {
+                        break;
+                    }
+                }
+                tokens.push(None);
+            }
+            '?' => tokens.push(Some(None)),
+            '[' => {
+                for c in chars.by_ref() {
+                    if c == ']' {
+                        break;
+                    }
+                }
+                tokens.push(Some(None));
+            }
+            c => tokens.push(Some(Some(c))),
+        }
+    }
+    // Classic wildcard matching over the tokens: None is a run, Some(None) any one character.
+    let name: Vec<char> = name.chars().collect();
+    let (mut p, mut n, mut star, mut mark) = (0, 0, None, 0);
+    while n < name.len() {
+        match tokens.get(p) {
+            Some(Some(t)) if t.is_none_or(|c| c == name[n]) => {
+                p += 1;
+                n += 1;
+            }
+            Some(None) => {
+                star = Some(p);
+                mark = n;
+                p += 1;
+            }
+            _ => match star {
+                Some(s) => {
+                    p = s + 1;
+                    mark += 1;
+                    n = mark;
+                }
+                None => return false,
+            },
+        }
+    }
+    tokens[p..].iter().all(Option::is_none)
 }
 
 /// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
@@ -1228,8 +1356,10 @@ struct Retries {
     partial_reasoning: String,
     /// The last text that came with tool calls (the answer when the final one is empty).
     tool_content: Option<String>,
-    /// A preflight compaction of this turn failed.
+    /// A preflight compaction of this turn failed (its summary request).
     compaction_failed: bool,
+    /// The transcript's length when a preflight compaction found nothing to compact.
+    nothing_to_compact_at: Option<usize>,
 }
 
 impl Retries {
@@ -1242,9 +1372,32 @@ impl Retries {
     }
 }
 
-/// Tool calls one model response may make; the rest get an error result and do not run (a
-/// response of thousands of calls would otherwise run them all, each a process and two commits).
+/// Tool calls one model response may make; the rest are not run nor kept (a response of
+/// thousands of calls would otherwise run them all, each a process and two commits).
 pub const MAX_TOOL_CALLS_PER_RESPONSE: usize = 64;
+
+/// Give every call an id of its own: a result is matched to its call by id, so a repeated or
+/// empty id (two calls `dup`, a call without an id beside an explicit `call_0`) ran both calls
+/// and then kept one result for two calls in every later request.
+fn unique_call_ids(calls: &mut [ToolCall]) {
+    let mut seen = std::collections::HashSet::new();
+    for (n, call) in calls.iter_mut().enumerate() {
+        if call.id.is_empty() || seen.contains(&call.id) {
+            let mut k = 0;
+            call.id = loop {
+                let id = match k {
+                    0 => format!("call_{n}"),
+                    _ => format!("call_{n}_{k}"),
+                };
+                if !seen.contains(&id) {
+                    break id;
+                }
+                k += 1;
+            };
+        }
+        seen.insert(call.id.clone());
+    }
+}
 
 /// The longest `command` the terminal tool takes (the danger checks read all of it).
 pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
@@ -1322,7 +1475,7 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, strip_think, touches_gateway_state};
+    use super::{pick, strip_think, touches_gateway_state, unique_call_ids};
 
     #[test]
     fn the_gateways_files_are_seen_by_any_name_of_its_home() {
@@ -1350,6 +1503,22 @@ mod tests {
             elsewhere
         ));
         // Another directory's files of the same name, or the home without its files.
+        // As the shell reads it: quoted, escaped, or by a pattern.
+        for named in [
+            "echo x >> api_k''eys",
+            "cp sta\"\"te.db /tmp/x",
+            "cat st\\ate.db",
+            "cp *.db /tmp",
+            "cat api_*",
+            "cat ./st?te.db",
+            "cat {state,x}.db",
+            "cat gateway.[ls]ock",
+            "rm -f -- *",
+        ] {
+            assert!(touches(named, home), "{named}");
+        }
+        assert!(!touches("ls *.txt", home));
+        assert!(!touches("cat notes?.md", home));
         assert!(!touches("rm state.db", elsewhere));
         assert!(!touches("ls ~/.local/state/gatehouse", elsewhere));
         assert!(!touches("rm ~/other/state.db", elsewhere));
@@ -1359,6 +1528,21 @@ mod tests {
             home,
             None
         ));
+    }
+
+    #[test]
+    fn every_call_gets_an_id_of_its_own() {
+        use crate::model::ToolCall;
+        let mut calls: Vec<ToolCall> = ["dup", "dup", "", "call_0", "call_1", "x"]
+            .iter()
+            .map(|id| ToolCall {
+                id: id.to_string(),
+                ..Default::default()
+            })
+            .collect();
+        unique_call_ids(&mut calls);
+        let ids: Vec<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["dup", "call_1", "call_2", "call_0", "call_4", "x"]);
     }
 
     #[test]

@@ -425,7 +425,7 @@ impl Authority {
                     Err(_) => {
                         if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
                             tracing::error!(session = %root_id, ?wait, skipped,
-                                "an admission did not commit in time (the disk is not answering)");
+                                "an admission did not commit in time (the disk, or the session, is not answering)");
                         }
                         return Err(GatewayError::StorageUnavailable);
                     }

@@ -141,7 +141,18 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
     })
 }
 
+/// The most tokens one response's usage may count (a trillion): a server's absurd figure is
+/// clamped, so the session's running totals stay integers.
+const MAX_USAGE_TOKENS: i64 = 1_000_000_000_000;
+
 fn fix_total(mut u: Usage) -> Usage {
+    for n in [
+        &mut u.prompt_tokens,
+        &mut u.completion_tokens,
+        &mut u.total_tokens,
+    ] {
+        *n = (*n).clamp(0, MAX_USAGE_TOKENS);
+    }
     if u.total_tokens == 0 {
         u.total_tokens = u.prompt_tokens + u.completion_tokens;
     }
@@ -227,7 +238,14 @@ impl StreamAccumulator {
                 if let Some(existing) = self.slots.get(&slot_index) {
                     if !id.is_empty() && !existing.id.is_empty() && existing.id != id {
                         // A new call reusing an index: give it a fresh slot.
-                        slot_index = self.slots.keys().next_back().map_or(0, |i| i + 1);
+                        slot_index = self
+                            .slots
+                            .keys()
+                            .next_back()
+                            .map_or(Some(0), |i| i.checked_add(1))
+                            .ok_or_else(|| {
+                                format!("tool call index {raw_index} is out of range")
+                            })?;
                         self.current.insert(raw_index, slot_index);
                     }
                 }
@@ -243,7 +261,10 @@ impl StreamAccumulator {
                         if !n.is_empty() && slot.function.name.is_empty() {
                             delta_out.tool_names.push(n.to_string());
                         }
-                        slot.function.name.push_str(n);
+                        // Some servers repeat the whole name in every fragment of a call.
+                        if slot.function.name != n {
+                            slot.function.name.push_str(n);
+                        }
                     }
                     if let Some(a) = f.get("arguments") {
                         slot.function.arguments.push_str(&arguments_text(a));
@@ -380,6 +401,42 @@ mod tests {
             acc.finish().tool_calls[0].function.arguments,
             r#"{"command":"ls"}"#
         );
+    }
+
+    /// What a careless or hostile server streams does not merge calls or wrap numbers: a fresh
+    /// slot past the largest index is an error (it wrapped round and merged two calls), a name
+    /// repeated in every fragment is the name once, and absurd token counts are clamped.
+    #[test]
+    fn odd_streams_do_not_merge_calls_or_overflow() {
+        let call = |index: i64, id: &str| {
+            json!({"choices":[{"delta":{"tool_calls":[
+                {"index": index, "id": id, "function": {"name": "terminal", "arguments": "{}"}}
+            ]}}]})
+        };
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&call(i64::MAX, "a")).expect("a");
+        let reused = acc.apply(&call(i64::MAX, "b"));
+        assert!(reused.is_err_and(|e| e.contains("out of range")));
+
+        let mut acc = StreamAccumulator::default();
+        for args in ["{\"command\":", "\"ls\"}"] {
+            acc.apply(&json!({"choices":[{"delta":{"tool_calls":[
+                {"index": 0, "id": "x", "function": {"name": "terminal", "arguments": args}}
+            ]}}]}))
+            .expect("fragment");
+        }
+        acc.apply(
+            &json!({"choices":[], "usage": {"prompt_tokens": i64::MAX, "completion_tokens": -5}}),
+        )
+        .expect("usage");
+        let r = acc.finish();
+        assert_eq!(r.tool_calls.len(), 1);
+        assert_eq!(r.tool_calls[0].function.name, "terminal");
+        assert_eq!(r.tool_calls[0].function.arguments, r#"{"command":"ls"}"#);
+        let usage = r.usage.expect("usage");
+        assert_eq!(usage.prompt_tokens, MAX_USAGE_TOKENS);
+        assert_eq!(usage.completion_tokens, 0);
+        assert_eq!(usage.total_tokens, MAX_USAGE_TOKENS);
     }
 
     #[test]

@@ -215,6 +215,13 @@ static RULE_DEFS: &[RuleDef] = &[
         pattern: r"\bfind\b[^;&|]*\s-delete\b",
     },
     RuleDef {
+        key: "tar_remove_files",
+        description: BULK,
+        // `tar --remove-files`, `rsync --remove-source-files`: an archive or a copy that
+        // deletes what it took.
+        pattern: r"(?:\btar\b[^;&|]*\s--remove-files\b|\brsync\b[^;&|]*\s--remove-source-files\b)",
+    },
+    RuleDef {
         key: "self_termination",
         description: "self-termination",
         pattern: r"(?:<cmd>(?:pkill|killall)\b[^;&|]*\bgatehouse\b|<cmd>kill\b[^;&|]*\$\(\s*pgrep\b[^)]*\bgatehouse\b)",
@@ -616,6 +623,14 @@ mod tests {
         ("find . -type f -exec rm -rf {} +", "find_exec_rm"),
         ("find /tmp/x -exec /bin/rm {} +", "find_exec_rm"),
         ("find build -name '*.o' -delete", "find_delete"),
+        (
+            "tar czf /tmp/a.tgz --remove-files victim",
+            "tar_remove_files",
+        ),
+        (
+            "rsync -a --remove-source-files src/ /tmp/dst",
+            "tar_remove_files",
+        ),
         // self_termination
         ("pkill gatehouse", "self_termination"),
         ("killall -q gatehouse", "self_termination"),

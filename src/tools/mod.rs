@@ -26,7 +26,7 @@ pub fn schema(name: &str) -> Option<Value> {
                     "type": "object",
                     "properties": {
                         "command": {"type": "string", "description": "The command line to run."},
-                        "timeout": {"type": "integer", "description": "Seconds before the command is killed."},
+                        "timeout": {"type": "integer", "description": "Seconds before the command is killed (at most the gateway's limit, which is also the default)."},
                         "workdir": {"type": "string", "description": "Working directory, absolute or under the session's (defaults to the session's)."}
                     },
                     "required": ["command"]

@@ -1012,3 +1012,113 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
     let children = home.children(&sid);
     assert!(!children.is_empty(), "the cleared transcript was committed");
 }
+
+/// A turn that finds nothing to compact at first (its calls and their results cannot be split,
+/// and the user message heads the transcript) compacts once it has grown: before, the first
+/// "nothing to compact" ended preflight compaction for the rest of the turn, and a turn of many
+/// tool rounds sent ever larger requests (326 MB in the audit) without ever compacting.
+#[actix_rt::test]
+async fn a_turn_with_nothing_to_compact_at_first_compacts_once_it_has_grown() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return summary_reply();
+        }
+        let results = body["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        // Rounds of two calls (counted in this request: a compaction summarises earlier ones).
+        let round = body["messages"].to_string().matches("round-").count() / 2;
+        if results < 4 && round < 6 {
+            return Reply::Message(
+                tool_calls(&[
+                    (
+                        "a",
+                        "terminal",
+                        json!({"command": format!("echo round-{round}-a")}),
+                    ),
+                    (
+                        "b",
+                        "terminal",
+                        json!({"command": format!("echo round-{round}-b")}),
+                    ),
+                ]),
+                "tool_calls",
+            );
+        }
+        Reply::Message(json!({"role": "assistant", "content": "DONE_GROW"}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "model": {"context_length": 64000},
+            "compression": {"threshold_tokens": 3000, "protect_first_n": 1, "protect_last_n": 1},
+            "auxiliary": {"compression": {"model": "summary"}},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("grow", &home.path, json!({"toolsets": ["terminal"]}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    // The user message alone passes the threshold, and heads the transcript.
+    ws.submit(&sid, "GROW", &format!("GROW {}", "u".repeat(14_000)))
+        .await;
+    wait_until("GROW", T, || home.admission("GROW").status == "terminal").await;
+    assert_eq!(home.admission("GROW").outcome.as_deref(), Some("completed"));
+    assert!(
+        !summaries(&model).is_empty(),
+        "the grown transcript was summarised in the same turn"
+    );
+    assert!(!home.children(&sid).is_empty(), "the compaction committed");
+    for body in main_requests(&model) {
+        well_formed(&body).expect("well-formed request");
+    }
+}
+
+/// A summary model that ignores its budget does not fill the transcript: its summary is cut at
+/// sixteen characters a token of the budget (3,200 tokens at a 64K window), saying so. Before,
+/// a 7 MB summary was kept whole and every later turn overflowed.
+#[actix_rt::test]
+async fn an_oversized_summary_is_cut_to_its_budget() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            let huge = format!("{SUMMARY} {}", "s".repeat(200_000));
+            return Reply::Message(json!({"role": "assistant", "content": huge}), "stop");
+        }
+        ack(body)
+    });
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, false));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("huge-summary", &home.path, json!({"toolsets": []}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..4 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    let child = home.children(&sid).pop().expect("compacted into a child");
+    let summary = home
+        .transcript(&child)
+        .into_iter()
+        .filter_map(|m| m.content)
+        .find(|c| c.contains(SUMMARY))
+        .expect("the summary");
+    // The budget's characters, and the frame the summary is kept in.
+    assert!(
+        (3_200 * 16..3_200 * 16 + 4_000).contains(&summary.len()),
+        "{} chars",
+        summary.len()
+    );
+    assert!(
+        summary.contains("[The summary was cut here"),
+        "cut, saying so"
+    );
+}

@@ -1160,11 +1160,20 @@ async fn tool_failures_become_results_and_the_loop_carries_on() {
                 {"index": 0, "id": "call_broken", "type": "function", "function": {"name": "terminal", "arguments": "{\"command\": "}}]}),
         ),
         ("FAIL", terminal("call_fail", "echo oops >&2; exit 3")),
+        // The model may ask for less than `terminal.timeout`, never for more.
+        (
+            "LONG",
+            tool_call(
+                "call_long",
+                "terminal",
+                json!({"command": "sleep 8", "timeout": 100000}),
+            ),
+        ),
     ]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
+    let (home, d) = Daemon::with_model(&model, json!({"terminal": {"timeout": 2}}));
     let mut ws = d.ws().await;
     let sid = ws.session("failures", &home.path).await;
-    for t in ["SLOW", "GHOST", "BROKEN", "FAIL"] {
+    for t in ["SLOW", "GHOST", "BROKEN", "FAIL", "LONG"] {
         ws.submit(&sid, t, t).await;
     }
     wait_until("all turns", T, || all_terminal(&home)).await;
@@ -1175,6 +1184,13 @@ async fn tool_failures_become_results_and_the_loop_carries_on() {
             "{t}"
         );
     }
+    let long = tool_result(&model, "LONG");
+    assert!(
+        long["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timed out after 2 seconds")),
+        "{long}"
+    );
     let slow = tool_result(&model, "SLOW");
     assert_eq!(slow["exit_code"], 124, "{slow}");
     assert!(
@@ -1298,15 +1314,17 @@ async fn a_dangerous_command_on_a_later_line_or_riding_along_is_asked_about() {
     assert_eq!(home.prompt_rows(&sid).len(), 3);
 }
 
-/// A response may make at most 64 tool calls: the rest get an error result (every call has
-/// one, as the API requires) and do not run; a command over 64 KiB is refused before any check.
+/// A response may make at most 64 tool calls: the rest are neither run nor kept (the last
+/// result says how many were left out), so later requests do not carry them; calls that share
+/// an id each get their own (two calls `call_0` ran, and one result stood for both from then
+/// on); a command over 64 KiB is refused before any check.
 #[actix_rt::test]
 async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
     let marks = Home::new();
     let calls: Vec<(String, String)> = (0..70)
         .map(|i| {
             (
-                format!("call_{i}"),
+                format!("call_{}", if i == 1 { 0 } else { i }),
                 format!("touch {}", marks.path.join(format!("m{i}")).display()),
             )
         })
@@ -1336,15 +1354,29 @@ async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
         .iter()
         .find(|b| last_user(b) == "MANY" && after_tool(b))
         .expect("the request after the calls");
-    let results: Vec<&str> = after["messages"]
-        .as_array()
-        .expect("messages")
+    let messages = after["messages"].as_array().expect("messages");
+    let asked = messages
         .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str())
+        .rev()
+        .find(|m| m["role"] == "assistant")
+        .and_then(|m| m["tool_calls"].as_array())
+        .expect("the calls");
+    assert_eq!(asked.len(), 64);
+    let results: Vec<&Value> = messages.iter().filter(|m| m["role"] == "tool").collect();
+    assert_eq!(results.len(), 64);
+    let ids: std::collections::HashSet<&str> = results
+        .iter()
+        .filter_map(|m| m["tool_call_id"].as_str())
         .collect();
-    assert_eq!(results.len(), 70);
-    assert_eq!(results.iter().filter(|r| r.contains("not run")).count(), 6);
+    assert_eq!(ids.len(), 64, "one result per call, each its own id");
+    assert!(results
+        .iter()
+        .all(|m| !m["content"].as_str().unwrap_or("").contains("did not run")));
+    let last = results[63]["content"].as_str().unwrap_or("");
+    assert!(
+        last.contains("6 more tool calls of this response were not run"),
+        "{last}"
+    );
     ws.submit(&sid, "HUGE", "HUGE").await;
     settled(&home, "HUGE").await;
     let result = tool_result(&model, "HUGE");
@@ -1475,6 +1507,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
         match (text.as_str(), n) {
             ("LONG" | "LONGTOOL", _) => say("part one, ", "length"),
             ("EMPTY", 1 | 2) => say("", "stop"),
+            ("FILTERED", _) => say("", "content_filter"),
             ("EMPTY", _) => say("at last", "stop"),
             ("BADJSON", 1) => Reply::Message(
                 json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0, "id": "b1",
@@ -1501,7 +1534,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
     let sid = ws.session("retries", &home.path).await;
     let mut results = HashMap::new();
     for id in [
-        "LONG", "LONGTOOL", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT",
+        "LONG", "LONGTOOL", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT", "FILTERED",
     ] {
         ws.submit(&sid, id, id).await;
         let row = settled(&home, id).await;
@@ -1602,6 +1635,14 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
         .iter()
         .all(|m| m.tool_call_id.as_deref() != Some("x1")));
     assert!(!marker.exists(), "the cut-off call never ran");
+
+    // A withheld answer is not asked for again, nor "completed" blank: the turn says why.
+    assert_eq!(results["FILTERED"].0.as_deref(), Some("failed"));
+    assert_eq!(results["FILTERED"].1["reason"], "model_error");
+    assert!(results["FILTERED"].1["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("content filter")));
+    assert_eq!(count("FILTERED"), 1);
 }
 
 /// A relative `workdir` is under the session's directory; an absolute one stands as it is.
