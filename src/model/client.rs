@@ -286,9 +286,18 @@ async fn call_with_retries(
     let deadline = tokio::time::Instant::now() + call.timeout;
     loop {
         let mut delivered = false;
+        let mut retry_after = None;
         let mut cancel = call.cancel.clone();
+        let attempt_call = one_call(
+            client,
+            config,
+            call,
+            stream,
+            &mut delivered,
+            &mut retry_after,
+        );
         let result = tokio::select! {
-            r = tokio::time::timeout_at(deadline, one_call(client, config, call, stream, &mut delivered)) => match r {
+            r = tokio::time::timeout_at(deadline, attempt_call) => match r {
                 Ok(r) => r,
                 Err(_) => return Err(ModelError::Timeout(format!(
                     "no complete response within {:?}",
@@ -306,8 +315,12 @@ async fn call_with_retries(
             }
             Err(e) if call.retry && e.retryable() && !delivered && attempt < config.max_retries => {
                 attempt += 1;
-                let backoff = config.retry_base * 2u32.saturating_pow(attempt - 1);
-                let wake = tokio::time::Instant::now() + backoff.min(Duration::from_secs(60));
+                // A server that says when to come back (`Retry-After`, on a 429 or a 503) is
+                // asked again no sooner, within the call's time; ours is the least wait.
+                let backoff = (config.retry_base * 2u32.saturating_pow(attempt - 1))
+                    .min(Duration::from_secs(60))
+                    .max(retry_after.unwrap_or_default());
+                let wake = tokio::time::Instant::now() + backoff;
                 if wake >= deadline {
                     // No time left for another attempt: this one's error is the call's.
                     return Err(e);
@@ -390,6 +403,7 @@ async fn one_call(
     call: &ChatCall,
     stream: bool,
     delivered: &mut bool,
+    retry_after: &mut Option<Duration>,
 ) -> Result<ChatResponse, ModelError> {
     let base = call
         .base_url
@@ -409,6 +423,11 @@ async fn one_call(
         .map_err(|e| ModelError::Transient(format!("send: {e}")))?;
     let status = resp.status().as_u16();
     if status != 200 {
+        *retry_after = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(retry_after_seconds);
         let bytes = resp.body().limit(64 * 1024).await.unwrap_or_default();
         return Err(classify(status, &String::from_utf8_lossy(&bytes)));
     }
@@ -452,9 +471,27 @@ async fn one_call(
     let mut done = false;
     let mut saw_done = false;
     while !done {
-        let next = tokio::time::timeout(config.idle_timeout, resp.next())
-            .await
-            .map_err(|_| ModelError::Timeout(format!("no bytes for {:?}", config.idle_timeout)))?;
+        // Once a chunk has said why the answer ended, what may still come is its usage and
+        // `[DONE]`: a server that falls silent then has answered (the turn failed at the idle
+        // timeout, after the client had seen the whole answer).
+        let wait = if acc.finished() {
+            config.idle_timeout.min(FINISHED_GRACE)
+        } else {
+            config.idle_timeout
+        };
+        let next = match tokio::time::timeout(wait, resp.next()).await {
+            Ok(next) => next,
+            Err(_) if acc.finished() => {
+                tracing::debug!("the stream fell silent after its finish_reason; taken as ended");
+                break;
+            }
+            Err(_) => {
+                return Err(ModelError::Timeout(format!(
+                    "no bytes for {:?}",
+                    config.idle_timeout
+                )))
+            }
+        };
         let events = match next {
             None => {
                 let rest = parser.finish();
@@ -508,6 +545,17 @@ async fn one_call(
     Ok(acc.finish())
 }
 
+/// A `Retry-After` value in seconds (a number; an HTTP date is not read, and the usual back-off
+/// applies), at most an hour.
+fn retry_after_seconds(value: &str) -> Option<Duration> {
+    let seconds: f64 = value.trim().parse().ok()?;
+    (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds.min(3600.0)))
+}
+
+/// How long a stream whose answer has ended (a `finish_reason` came) may stay silent before it
+/// is taken as ended without its `[DONE]`.
+const FINISHED_GRACE: Duration = Duration::from_secs(2);
+
 fn classify_stream_error(e: &str) -> ModelError {
     let lower = e.to_lowercase();
     if OVERFLOW_PHRASES.iter().any(|p| lower.contains(p)) {
@@ -556,6 +604,12 @@ mod tests {
         ));
         assert!(matches!(classify(400, "bad field"), ModelError::Client(_)));
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
+        assert_eq!(retry_after_seconds(" 2 "), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after_seconds("0.5"), Some(Duration::from_millis(500)));
+        assert_eq!(retry_after_seconds("1e9"), Some(Duration::from_secs(3600)));
+        for odd in ["-1", "NaN", "inf", "Wed, 21 Oct 2026 07:28:00 GMT", ""] {
+            assert_eq!(retry_after_seconds(odd), None, "{odd}");
+        }
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
     }

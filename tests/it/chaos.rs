@@ -40,6 +40,10 @@ pub enum Fault {
     CloseDelimited11(String),
     /// Send the head, then nothing at all (until the client gives up).
     Stall,
+    /// 429 with `Retry-After` of this many seconds.
+    RetryAfter(u32),
+    /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
+    SilentAfterFinish(String),
     /// One small delta every `every`, never finishing.
     Drip(Duration),
     /// An SSE event whose data is not JSON.
@@ -248,6 +252,10 @@ fn answer(
             "HTTP/1.1 {code} Chaos\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
             text.len()
         ),
+        Fault::RetryAfter(seconds) => write!(
+            stream,
+            "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {seconds}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        ),
         Fault::CloseWithoutResponse => Ok(()),
         Fault::ResetBeforeBody => {
             stream.write_all(SSE_HEAD.as_bytes())?;
@@ -282,6 +290,13 @@ fn answer(
         Fault::Stall => {
             stream.write_all(SSE_HEAD.as_bytes())?;
             stream.flush()?;
+            hold(stream, stop, Duration::from_secs(60), None)
+        }
+        Fault::SilentAfterFinish(content) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &delta(&content))?;
+            let last = finish();
+            chunk(stream, last.trim_end_matches("data: [DONE]\n\n"))?;
             hold(stream, stop, Duration::from_secs(60), None)
         }
         Fault::Drip(every) => {

@@ -350,6 +350,64 @@ async fn model_stall_past_the_idle_timeout_retries_then_fails() {
     .await;
 }
 
+/// A server that says when to come back (`Retry-After` on a 429) is asked again no sooner:
+/// here after 2 s, where the back-off alone would have asked again after 0.5 s.
+#[actix_rt::test]
+async fn a_rate_limited_call_waits_as_long_as_the_server_says() {
+    let times: Arc<std::sync::Mutex<Vec<Instant>>> = Arc::default();
+    let seen = times.clone();
+    let chaos = ChaosModel::start(move |text, n| {
+        if text != "LIMITED" {
+            return Fault::Ok(format!("ACK_{text}"));
+        }
+        seen.lock().expect("times").push(Instant::now());
+        if n == 1 {
+            Fault::RetryAfter(2)
+        } else {
+            Fault::Ok("ACK_LIMITED".into())
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(&chaos.url, json!({"model": {"max_retries": 1}})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("limited", &home.path).await;
+    ws.submit(&sid, "LIMITED", "LIMITED").await;
+    wait_until("LIMITED", T, || {
+        home.admission("LIMITED").status == "terminal"
+    })
+    .await;
+    let row = home.admission("LIMITED");
+    assert_eq!(row.outcome.as_deref(), Some("completed"), "{row:?}");
+    let times = times.lock().expect("times").clone();
+    assert_eq!(times.len(), 2, "one retry");
+    let waited = times[1] - times[0];
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "asked again after {waited:?}"
+    );
+}
+
+/// A stream that falls silent after its finish_reason (no `[DONE]`) has answered: the turn
+/// completes with it, without waiting out the idle timeout. Before, the turn failed at the idle
+/// timeout (after retries) when the client had already seen the whole answer.
+#[actix_rt::test]
+async fn a_stream_silent_after_its_finish_reason_has_answered() {
+    fault_case(
+        "silent-after-finish",
+        |_| Fault::SilentAfterFinish("ACK_FAULT".into()),
+        json!({"model": {"idle_timeout_seconds": 20}}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
 /// `model.timeout_seconds` bounds the whole call, retries included: a model that sends nothing
 /// (or drips) past it fails the turn after one attempt. Before, every attempt had the whole
 /// timeout and a timed-out attempt was retried, so a silent model held the session four times
