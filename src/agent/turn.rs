@@ -154,6 +154,8 @@ struct Turn {
     transcript: Vec<NewMessage>,
     tools: Vec<String>,
     compressions: u32,
+    /// A question of this turn (an approval, a clarify) timed out unanswered.
+    unanswered: bool,
 }
 
 impl Turn {
@@ -205,6 +207,7 @@ impl Turn {
             tools,
             ctx,
             compressions: 0,
+            unanswered: false,
         };
         turn.transcript = transcript;
         Ok(turn)
@@ -755,6 +758,12 @@ impl Turn {
                                      consent: the command did not run. Do NOT retry it.",
                                 ))
                             }
+                            Asked::Unattended => {
+                                return ToolResult::Output(blocked(
+                                    "BLOCKED: an earlier question of this turn went unanswered, so nobody is there \
+                                     to approve this command: it did not run. Do NOT retry it in this turn.",
+                                ))
+                            }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "deny" => {
                                 return ToolResult::Output(blocked(
                                     "BLOCKED: Command denied by user. The user has NOT consented to this command. \
@@ -889,7 +898,7 @@ impl Turn {
             .await
         {
             Asked::Cancelled => return ToolResult::Interrupted,
-            Asked::TimedOut => (Vec::new(), true),
+            Asked::TimedOut | Asked::Unattended => (Vec::new(), true),
             Asked::Answered(PromptAnswer::Text(t)) | Asked::Answered(PromptAnswer::Choice(t)) => {
                 // Several questions may be answered at once with a JSON list of strings.
                 let many: Option<Vec<String>> = if questions.len() > 1 {
@@ -937,6 +946,11 @@ impl Turn {
         choices: Vec<String>,
         timeout: f64,
     ) -> Asked {
+        // Nobody answered an earlier question of this turn: nobody is asked again in it (64
+        // dangerous calls of one response each waited out `approvals.timeout`, five hours).
+        if self.unanswered {
+            return Asked::Unattended;
+        }
         let prompt_id = uuid::Uuid::new_v4().simple().to_string();
         payload["kind"] = json!(kind.as_str());
         payload["prompt_id"] = json!(prompt_id);
@@ -977,6 +991,7 @@ impl Turn {
             },
             _ = wait => {
                 self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "timeout".into() });
+                self.unanswered = true;
                 Asked::TimedOut
             }
             _ = cancelled(&mut cancel) => {
@@ -1162,6 +1177,8 @@ enum ToolResult {
 enum Asked {
     Answered(PromptAnswer),
     TimedOut,
+    /// Not asked: an earlier question of the turn timed out.
+    Unattended,
     Cancelled,
 }
 

@@ -476,11 +476,20 @@ async fn approval_session_remembers_the_pattern_for_that_session_only() {
     assert!(v3.exists());
 }
 
+/// An approval nobody answers denies its command; the turn asks nobody again (its next
+/// dangerous call is blocked at once: 64 of them each waited out the timeout).
 #[actix_rt::test]
 async fn approval_timeout_denies_fail_closed() {
     let home = Home::new();
     let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    let v2 = victim(&home, "victim2");
+    let model = scripted(vec![(
+        "RM",
+        tool_calls(&[
+            ("call_rm", "terminal", json!({"command": rm(&v)})),
+            ("call_rm2", "terminal", json!({"command": rm(&v2)})),
+        ]),
+    )]);
     home.write_config(&config(&model.url, json!({"approvals": {"timeout": 1}})));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
@@ -491,13 +500,30 @@ async fn approval_timeout_denies_fail_closed() {
     let row = settled(&home, "RM").await;
     assert_eq!(row.outcome.as_deref(), Some("completed"));
     assert!(v.exists(), "silence is not consent");
-    let result = tool_result(&model, "RM");
-    let error = result["error"].as_str().unwrap_or("");
+    assert!(v2.exists(), "nor for the next call");
+    let after = model
+        .requests()
+        .into_iter()
+        .rev()
+        .find(|b| last_user(b) == "RM" && after_tool(b))
+        .expect("a request after the tools");
+    let results: Vec<Value> = after["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| serde_json::from_str(m["content"].as_str().unwrap_or("")).unwrap_or_default())
+        .collect();
+    assert_eq!(results.len(), 2);
+    let error = results[0]["error"].as_str().unwrap_or("");
     assert!(
         error.starts_with("BLOCKED:") && error.contains("timed out"),
-        "{result}"
+        "{results:?}"
     );
-    assert_eq!(result["status"], "blocked");
+    assert_eq!(results[0]["status"], "blocked");
+    let unasked = results[1]["error"].as_str().unwrap_or("");
+    assert!(unasked.contains("went unanswered"), "{results:?}");
+    assert_eq!(results[1]["status"], "blocked");
     let s = ws.event(T, |e| e["type"] == "approval.settled").await;
     assert_eq!(
         (
