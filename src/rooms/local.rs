@@ -277,9 +277,24 @@ impl SessionPort for LocalSessionPort {
                 .await
             {
                 Ok(Ok(row)) => row,
-                // Refused by the ledger: the transaction did not commit.
-                Ok(Err(e)) => return Err(PortError::not_admitted(e.to_string())),
-                Err(e) => return Err(PortError::not_admitted(e.to_string())),
+                // Refused by the ledger: the transaction did not commit, and the task may be
+                // tried again under a new generation.
+                Ok(Err(e)) if refused_before_commit(&e) => {
+                    return Err(PortError::not_admitted(e.to_string()))
+                }
+                // A failed commit, or a supervisor gone while its write was on its way: the
+                // admission may be in the ledger all the same, and a new generation would run
+                // the prompt twice. The room observes the attempt instead (never resubmits).
+                Ok(Err(e)) => {
+                    return Err(PortError::new(format!(
+                        "the member's admission may have committed: {e}"
+                    )))
+                }
+                Err(e) => {
+                    return Err(PortError::new(format!(
+                        "the member's admission may have committed (its supervisor is gone: {e})"
+                    )))
+                }
             };
             let db = self.authority.shared.db.clone();
             let poll = self.poll;
@@ -477,6 +492,15 @@ pub fn port(authority: Authority, poll: Duration) -> Arc<dyn SessionPort> {
     Arc::new(LocalSessionPort::new(authority, poll))
 }
 
+/// Did the member's ledger refuse the admission before anything could commit? A storage
+/// failure (a commit that failed, the writer gone) leaves it unknown.
+fn refused_before_commit(error: &GatewayError) -> bool {
+    !matches!(
+        error,
+        GatewayError::StorageUnavailable | GatewayError::Internal(_)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -500,6 +524,26 @@ mod tests {
             result_json: Some(result.to_string()),
             created_at: 1.0,
             updated_at: 2.0,
+        }
+    }
+
+    /// Only a refusal of the ledger itself lets a room try its task again under a new
+    /// generation; a storage failure may have committed the admission.
+    #[test]
+    fn only_a_ledger_refusal_is_not_admitted() {
+        for refused in [
+            GatewayError::RuntimeDraining,
+            GatewayError::SessionBusy("full".into()),
+            GatewayError::StaleEpoch,
+            GatewayError::AdmissionConflict("other text".into()),
+        ] {
+            assert!(refused_before_commit(&refused), "{refused}");
+        }
+        for unknown in [
+            GatewayError::StorageUnavailable,
+            GatewayError::Internal("commit failed".into()),
+        ] {
+            assert!(!refused_before_commit(&unknown), "{unknown}");
         }
     }
 
