@@ -30,6 +30,7 @@ use super::openapi::{api_object, ApiSchema, Body, Components, Operation};
 use super::rest::CreateSession;
 use super::rest::{
     call, caller, idempotency, read_json, sse_response, wait_terminal, Receipt, SessionSnapshot,
+    SseOut,
 };
 use super::rpc::{session_id_for, Authority, Seed};
 use crate::agent::tokens;
@@ -747,6 +748,8 @@ pub async fn chat_completions(
         .unwrap_or(false);
     let keepalive = Duration::from_secs_f64(http.sse_keepalive_seconds);
     let (tx, rx) = mpsc::channel::<Bytes>(16);
+    // A reader that takes nothing is cut off, as an event stream's is.
+    let out = SseOut::new(tx, keepalive, &req);
     let authority = authority.clone();
     let admission = receipt.admission_id.clone();
     let session = root.clone();
@@ -758,11 +761,11 @@ pub async fn chat_completions(
             tokio::select! {
                 r = &mut wait => break r,
                 _ = tick.tick() => {
-                    if tx.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
+                    if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
                         return;
                     }
                 }
-                _ = tx.closed() => return,
+                _ = out.tx.closed() => return,
             }
         };
         let events = match done
@@ -776,7 +779,7 @@ pub async fn chat_completions(
             .into_iter()
             .chain(std::iter::once(Bytes::from_static(b"data: [DONE]\n\n")))
         {
-            if tx.send(e).await.is_err() {
+            if out.send(e).await.is_err() {
                 return;
             }
         }

@@ -713,11 +713,7 @@ async fn events(
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let keepalive =
         Duration::from_secs_f64(state.authority.shared.config.http.sse_keepalive_seconds);
-    let out = SseOut {
-        tx,
-        // A reader that takes no bytes for this long is not reading.
-        within: (keepalive * 4).max(Duration::from_secs(30)),
-    };
+    let out = SseOut::new(tx, keepalive, &req);
     let credential = Credential::of(&state.auth, &req);
     actix_web::rt::spawn(stream_events(
         state.authority.clone(),
@@ -757,17 +753,38 @@ fn sse_event(id: Option<i64>, kind: &str, data: &Value) -> Bytes {
 /// Where an event stream writes: a bounded channel to the response body, and how long one write
 /// may wait for a reader that takes nothing. Past that the stream ends (its client resumes from
 /// its Last-Event-ID) instead of holding its subscription, and its session in memory, for as
-/// long as the connection stays open.
-struct SseOut {
-    tx: mpsc::Sender<Bytes>,
+/// long as the connection stays open; and its connection is shut down, since what the body
+/// still held (up to its channel's frames, and the kernel's send queue) waited for a reader
+/// that never came, as long as its peer answered TCP's probes (30 stalled readers held 150 MB).
+pub(crate) struct SseOut {
+    pub tx: mpsc::Sender<Bytes>,
     within: Duration,
+    socket: Option<crate::api::ws::ConnSocket>,
 }
 
 impl SseOut {
-    async fn send(&self, event: Bytes) -> Result<(), ()> {
+    /// A stream to `req`'s connection that sends a keep-alive every `keepalive`: a reader that
+    /// takes no bytes for four of them (at least 30 s) is not reading.
+    pub fn new(tx: mpsc::Sender<Bytes>, keepalive: Duration, req: &HttpRequest) -> SseOut {
+        SseOut {
+            tx,
+            within: (keepalive * 4).max(Duration::from_secs(30)),
+            socket: req.conn_data::<crate::api::ws::ConnSocket>().cloned(),
+        }
+    }
+
+    pub async fn send(&self, event: Bytes) -> Result<(), ()> {
         match tokio::time::timeout(self.within, self.tx.send(event)).await {
             Ok(Ok(())) => Ok(()),
-            _ => Err(()),
+            // The body is gone: so is the connection, or it is on its way out.
+            Ok(Err(_)) => Err(()),
+            Err(_) => {
+                tracing::info!(within = ?self.within, "an event stream's reader took nothing; cut off");
+                if let Some(socket) = &self.socket {
+                    socket.shutdown();
+                }
+                Err(())
+            }
         }
     }
 }

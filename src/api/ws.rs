@@ -58,7 +58,7 @@ impl Drop for Slot {
 pub struct ConnSocket(Arc<OwnedFd>);
 
 impl ConnSocket {
-    fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         // SAFETY: shutdown(2) on a descriptor we own; it only ends the connection.
         unsafe {
             libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR);

@@ -672,8 +672,12 @@ impl SessionSupervisor {
         self.report_idle();
     }
 
+    /// Every way a prompt ends without an answer (timed out, its turn ended or was interrupted,
+    /// the stop) comes here: the open-prompts gauge goes down with it (it went down only for a
+    /// time-out, and counted every interrupted prompt open for good).
     fn retire_prompt(&mut self, prompt_id: &str, resolution: &str, ctx: &mut Context<Self>) {
         if self.prompts.remove(prompt_id).is_some() {
+            self.shared.metrics.prompt_closed();
             self.audit_resolution(
                 prompt_id.to_string(),
                 resolution.to_string(),
@@ -862,7 +866,9 @@ impl actix::Supervised for SessionSupervisor {
         // After a panic the in-memory attempt is gone; its row stays started (unknown at boot).
         tracing::error!(session = %self.root_id, "session supervisor restarted");
         self.running = None;
-        self.prompts.clear();
+        for _ in self.prompts.drain() {
+            self.shared.metrics.prompt_closed();
+        }
         self.claiming = false;
         self.maybe_queued = true;
         ctx.notify(Pump);
@@ -1157,9 +1163,6 @@ pub struct RetirePrompt {
 impl Handler<RetirePrompt> for SessionSupervisor {
     type Result = ();
     fn handle(&mut self, m: RetirePrompt, ctx: &mut Context<Self>) {
-        if self.prompts.contains_key(&m.prompt_id) {
-            self.shared.metrics.prompt_closed();
-        }
         self.retire_prompt(&m.prompt_id, &m.resolution, ctx);
     }
 }

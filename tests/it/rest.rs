@@ -1875,3 +1875,99 @@ async fn a_chat_completion_lost_to_a_crash_names_the_command_that_settles_it() {
     assert_eq!(r.body["choices"][0]["message"]["content"], "ACK_LOST");
     assert_eq!(model.reached("LOST"), 2);
 }
+
+/// Does process `pid` hold the socket of the TCP connection between its `port` and the peer's
+/// `peer_port` (found by its inode in /proc/net/tcp)?
+fn holds_connection(pid: u32, port: u16, peer_port: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let port_of = |addr: &str| {
+        addr.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 9 && port_of(f[1]) == Some(port) && port_of(f[2]) == Some(peer_port))
+                .then(|| f[9].to_string())
+        })
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            inodes
+                .iter()
+                .any(|inode| target.to_string_lossy() == format!("socket:[{inode}]"))
+        })
+    })
+}
+
+/// An event stream whose reader takes nothing is cut off, connection and all, once a write has
+/// waited four keep-alives (at least 30 s): the daemon no longer holds its socket. Before, the
+/// stream's producer gave up but the connection stayed, with what its body still held (up to
+/// 64 frames) and the kernel's send queue, for as long as its peer answered TCP's probes (30
+/// such readers held 150 MB).
+#[actix_rt::test]
+async fn a_stalled_event_stream_reader_is_cut_off_with_its_connection() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let big = "x".repeat(300_000);
+    let model = FakeModel::start(move |_| {
+        Reply::Message(json!({"role": "assistant", "content": big}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"http": {"sse_keepalive_seconds": 1}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("stalled", &home.path).await;
+    let addr = d.origin().trim_start_matches("http://").to_string();
+    let port: u16 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    let mut reader = std::net::TcpStream::connect(&addr).expect("connect");
+    let small: libc::c_int = 4096;
+    // SAFETY: setsockopt on a socket this test owns, with a c_int of the size given.
+    unsafe {
+        libc::setsockopt(
+            reader.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    write!(
+        reader,
+        "GET /v1/sessions/{sid}/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+    )
+    .expect("request");
+    let peer_port = reader.local_addr().expect("local").port();
+    let pid = d.child.id();
+    wait_until("the stream is open", T, || {
+        holds_connection(pid, port, peer_port)
+    })
+    .await;
+    // Far more than the socket buffers and the stream's channel hold, never read.
+    for i in 0..40 {
+        let a = api.submit(&sid, &format!("big-{i}"), "go").await;
+        api.wait(&sid, &a["admission_id"]).await;
+    }
+    assert!(holds_connection(pid, port, peer_port), "cut off too soon");
+    wait_until(
+        "the stalled reader is cut off",
+        Duration::from_secs(90),
+        || !holds_connection(pid, port, peer_port),
+    )
+    .await;
+    assert!(home.log().contains("reader took nothing; cut off"));
+    drop(reader);
+}

@@ -755,6 +755,8 @@ async fn prompt_answers_are_fenced_by_the_running_generation() {
     let later = ws.wait_prompt(&sid, "clarify").await;
     let later_gen = later["execution_generation"].as_i64().expect("generation");
     assert_eq!(later_gen, gen + 1);
+    // The interrupted attempt's prompt is no longer counted open (it was, for good).
+    assert_eq!(metric(&d.origin(), "gatehouse_prompts_open").await, 1.0);
     let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
     assert_eq!(
         snap["prompts"].as_array().map(Vec::len),
