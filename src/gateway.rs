@@ -298,6 +298,21 @@ pub fn prepare_home(home: &Path) -> Result<(), StartError> {
     Ok(())
 }
 
+/// A session's default cwd when `terminal.cwd` names none: `HOME/workspace`, made if missing.
+/// Not the home itself: a command there sees the gateway's own files by listing its directory
+/// (`for f in $(ls); do : > "$f"; done` emptied the ledger with no name for a rule to read).
+fn default_workspace(home: &Path) -> Result<PathBuf, StartError> {
+    let workspace = home.join("workspace");
+    if !workspace.is_dir() {
+        std::fs::create_dir_all(&workspace)
+            .and_then(|()| {
+                std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(|e| StartError::Home(format!("cannot create {}: {e}", workspace.display())))?;
+    }
+    Ok(workspace)
+}
+
 /// Warn when systemd would kill the daemon before its drain can finish.
 fn check_stop_budget(config: &Config) {
     let needed = config.gateway.drain_timeout_seconds + config.gateway.drain_grace_seconds;
@@ -392,6 +407,10 @@ impl Gateway {
             .map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
         prepare_home(&home)?;
         let lock = lock_home(&home)?;
+        let mut config = config;
+        if config.terminal.cwd.is_none() {
+            config.terminal.cwd = Some(default_workspace(&home)?);
+        }
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }

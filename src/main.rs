@@ -215,6 +215,7 @@ fn main() -> ExitCode {
 fn serve(args: Args) -> ExitCode {
     gatehouse::telemetry::init_logging(args.log_json);
     allocator::tune();
+    not_dumpable();
     let config = match Config::load(&args.home) {
         Ok(c) => c,
         Err(e) => {
@@ -497,6 +498,18 @@ fn operator(args: Args) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// The daemon's `/proc` entries are its user's no more: the commands its terminal tool runs (as
+/// the same user, its children) cannot open its files through `/proc/$PPID/fd` (the ledger,
+/// where an approval could be written), read its environment (the model's key) or trace it. A
+/// root-run daemon's children are root and keep that reach. No core dumps follow.
+fn not_dumpable() {
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) changes only this process's dumpable flag.
+    let set = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if set != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot make the daemon non-dumpable");
+    }
 }
 
 /// Die of SIGPIPE on a closed standard output, as a filter does (Rust ignores the signal,

@@ -699,6 +699,9 @@ impl Turn {
         ) {
             matched.push(danger::GATEWAY_STATE);
         }
+        if names_gateway_process(&command, std::process::id()) {
+            matched.push(danger::GATEWAY_PROCESS);
+        }
         if let Some(first) = matched.first() {
             let keys: Vec<&'static str> = matched.iter().map(|m| m.key).collect();
             let mut descriptions: Vec<&'static str> = Vec::new();
@@ -720,13 +723,14 @@ impl Turn {
                     // one (`rm -rf build`) does not let another ride along with it
                     // (`rm -rf dist && git push --force`).
                     let (root, wanted) = (self.ctx.root_id.clone(), keys.clone());
+                    let principal = self.root.principal_id.clone();
                     let approved = self
                         .ctx
                         .shared
                         .db
                         .read(move |c| {
                             for key in &wanted {
-                                if !prompt_store::is_approved(c, &root, key)? {
+                                if !prompt_store::is_approved(c, &root, &principal, key)? {
                                     return Ok(false);
                                 }
                             }
@@ -772,12 +776,13 @@ impl Turn {
                             }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "session" || c == "always" => {
                                 let (root, now) = (self.ctx.root_id.clone(), self.ctx.shared.now());
+                                let principal = self.root.principal_id.clone();
                                 let always = c == "always";
                                 let _ = self
                                     .ctx
                                     .shared
                                     .db
-                                    .write(move |conn| prompt_store::remember(conn, &root, &keys, always, "user", now))
+                                    .write(move |conn| prompt_store::remember(conn, &root, &principal, &keys, always, now))
                                     .await;
                             }
                             Asked::Answered(_) => {}
@@ -1254,10 +1259,7 @@ fn touches_gateway_state(
 /// `{state,x}.db`). A speed bump, not a sandbox: a command that builds a name at run time is
 /// not seen.
 fn names_gateway_file(command: &str) -> bool {
-    let plain: String = command
-        .chars()
-        .filter(|c| !matches!(c, '\'' | '"' | '\\'))
-        .collect();
+    let plain = unquoted(command);
     if GATEWAY_FILES.iter().any(|f| plain.contains(f)) {
         return true;
     }
@@ -1270,6 +1272,38 @@ fn names_gateway_file(command: &str) -> bool {
             let name = word.rsplit('/').next().unwrap_or(word);
             GATEWAY_FILES.iter().any(|f| glob_may_match(name, f))
         })
+}
+
+/// `command` without the quotes and escapes that do not change what the shell passes on.
+fn unquoted(command: &str) -> String {
+    command
+        .chars()
+        .filter(|c| !matches!(c, '\'' | '"' | '\\'))
+        .collect()
+}
+
+/// Does `command` reach into the gateway's own process, `pid` (the terminal's shell is its
+/// child)? Through `$PPID` (`/proc/$PPID/fd/N` is the open ledger: a command wrote an approval
+/// into it and then ran unasked; `/proc/$PPID/environ` holds the model's key; `kill $PPID`),
+/// or by its number under `/proc` or in a `kill`.
+fn names_gateway_process(command: &str, pid: u32) -> bool {
+    let plain = unquoted(command);
+    if plain.contains("PPID") {
+        return true;
+    }
+    let pid = pid.to_string();
+    let mentions_pid = |text: &str| {
+        text.match_indices(&pid).any(|(at, _)| {
+            let before = text[..at].chars().next_back();
+            let after = text[at + pid.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit())
+                && !after.is_some_and(|c| c.is_ascii_digit())
+        })
+    };
+    (plain.contains(&format!("/proc/{pid}")) && mentions_pid(&plain))
+        || plain
+            .split([';', '&', '|', '\n'])
+            .any(|part| part.split_whitespace().any(|w| w.ends_with("kill")) && mentions_pid(part))
 }
 
 /// Could the shell pattern `pattern` match `name`? `*` is any run, `?` and a bracket class any
@@ -1492,7 +1526,7 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, strip_think, touches_gateway_state, unique_call_ids};
+    use super::{names_gateway_process, pick, strip_think, touches_gateway_state, unique_call_ids};
 
     #[test]
     fn the_gateways_files_are_seen_by_any_name_of_its_home() {
@@ -1545,6 +1579,30 @@ mod tests {
             home,
             None
         ));
+    }
+
+    #[test]
+    fn the_gateways_process_is_seen_by_its_shells_parent_or_its_number() {
+        for reaching in [
+            "sqlite3 /proc/$PPID/fd/14 'insert into x values(1)'",
+            "tr '\\0' '\\n' < /proc/${PPID}/environ",
+            "kill -9 $PPID",
+            "cat /proc/4242/environ",
+            "ls -l /proc/4242/fd",
+            "kill 4242",
+            "sleep 1; /bin/kill -TERM 4242",
+        ] {
+            assert!(names_gateway_process(reaching, 4242), "{reaching}");
+        }
+        for other in [
+            "cat /proc/42420/status",
+            "kill 14242",
+            "head -n 4242 notes.txt",
+            "cat /proc/self/status",
+            "echo ppid",
+        ] {
+            assert!(!names_gateway_process(other, 4242), "{other}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@ use diesel::prelude::*;
 use diesel::sqlite::SqliteConnection;
 
 use super::events::{self, EventRow, NewEvent};
-use super::schema::{approval_allowlist, prompts, session_approvals};
+use super::schema::{approval_allowlist, principal_approvals, prompts, session_approvals};
 use crate::error::StoreError;
 
 #[derive(Debug, Clone, Queryable, Selectable, serde::Serialize)]
@@ -141,10 +141,12 @@ pub fn for_session(
         .load(conn)?)
 }
 
-/// Is `key` approved for this session or permanently?
+/// Is `key` approved for this session, or for good by its principal (or, kept before approvals
+/// were a principal's, for everyone)?
 pub fn is_approved(
     conn: &mut SqliteConnection,
     session_id: &str,
+    principal_id: &str,
     key: &str,
 ) -> Result<bool, StoreError> {
     let always: i64 = approval_allowlist::table
@@ -152,6 +154,14 @@ pub fn is_approved(
         .count()
         .get_result(conn)?;
     if always > 0 {
+        return Ok(true);
+    }
+    let principal: i64 = principal_approvals::table
+        .filter(principal_approvals::principal_id.eq(principal_id))
+        .filter(principal_approvals::pattern_key.eq(key))
+        .count()
+        .get_result(conn)?;
+    if principal > 0 {
         return Ok(true);
     }
     let session: i64 = session_approvals::table
@@ -162,14 +172,14 @@ pub fn is_approved(
     Ok(session > 0)
 }
 
-/// Remember approvals of `keys` for the session (and for good when `always`), in one
-/// transaction.
+/// Remember approvals of `keys` for the session (and for good, for the session's principal, when
+/// `always`), in one transaction.
 pub fn remember(
     conn: &mut SqliteConnection,
     session_id: &str,
+    principal_id: &str,
     keys: &[&str],
     always: bool,
-    by: &str,
     now: f64,
 ) -> Result<(), StoreError> {
     super::write_tx(conn, |conn| {
@@ -182,11 +192,11 @@ pub fn remember(
                 ))
                 .execute(conn)?;
             if always {
-                diesel::insert_or_ignore_into(approval_allowlist::table)
+                diesel::insert_or_ignore_into(principal_approvals::table)
                     .values((
-                        approval_allowlist::pattern_key.eq(key),
-                        approval_allowlist::created_at.eq(now),
-                        approval_allowlist::created_by.eq(by),
+                        principal_approvals::principal_id.eq(principal_id),
+                        principal_approvals::pattern_key.eq(key),
+                        principal_approvals::created_at.eq(now),
                     ))
                     .execute(conn)?;
             }

@@ -119,6 +119,14 @@ diesel::table! {
 }
 
 diesel::table! {
+    principal_approvals (principal_id, pattern_key) {
+        principal_id -> Text,
+        pattern_key -> Text,
+        created_at -> Double,
+    }
+}
+
+diesel::table! {
     chat_threads (principal_id, thread_key) {
         principal_id -> Text,
         thread_key -> Text,
@@ -136,5 +144,6 @@ diesel::allow_tables_to_appear_in_same_query!(
     messages,
     prompts,
     approval_allowlist,
+    principal_approvals,
     session_approvals,
 );

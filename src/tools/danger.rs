@@ -33,6 +33,12 @@ pub const GATEWAY_STATE: DangerMatch = DangerMatch {
     description: "touches the gateway's own state",
 };
 
+/// Not a pattern: a command that reaches into the gateway's own process (its caller decides).
+pub const GATEWAY_PROCESS: DangerMatch = DangerMatch {
+    key: "gateway_process",
+    description: "reaches into the gateway's own process (its open files, environment or signals)",
+};
+
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DangerMatch {

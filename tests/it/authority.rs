@@ -277,6 +277,16 @@ async fn create_is_idempotent_conflicts_and_freezes_its_policy() {
             json!({"request_id": "req-6", "toolsets": []}),
         )
         .await;
+    // By default a session works in the home's `workspace`, not among the gateway's own files.
+    let workspace = home
+        .path
+        .join("workspace")
+        .canonicalize()
+        .expect("workspace");
+    assert_eq!(
+        defaulted["info"]["cwd"],
+        workspace.to_string_lossy().as_ref()
+    );
     drop(ws);
     d.kill();
     // The config changes; the existing session keeps its frozen model and (empty) toolsets.

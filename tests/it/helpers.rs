@@ -816,3 +816,20 @@ pub async fn metric(origin: &str, name: &str) -> f64 {
         })
         .unwrap_or_else(|| panic!("no metric {name}"))
 }
+
+/// A WebSocket connection as the principal of API key `key` (a ticket connection is the local
+/// user's).
+pub async fn keyed_ws(d: &Daemon, key: &str) -> Ws {
+    let url = format!("{}/api/ws", d.origin().replacen("http", "ws", 1));
+    let (_, framed) = awc::Client::builder()
+        .max_http_version(awc::http::Version::HTTP_11)
+        .finish()
+        .ws(url)
+        .protocols(["gatehouse.v1"])
+        .bearer_auth(key)
+        .max_frame_size(64 << 20)
+        .connect()
+        .await
+        .expect("bearer connect");
+    Ws::from_framed(framed)
+}

@@ -764,11 +764,11 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
     let sid = created["session_id"].as_str().expect("session id");
     let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
     let cwd = snap["info"]["cwd"].as_str().unwrap_or_default().to_string();
-    let expected = std::fs::canonicalize(&home.path).expect("home");
+    let expected = std::fs::canonicalize(home.path.join("workspace")).expect("workspace");
     assert_eq!(
         std::fs::canonicalize(&cwd).ok(),
         Some(expected),
-        "the default cwd is the home, absolute: {snap}"
+        "the default cwd is the home's workspace, absolute: {snap}"
     );
     assert!(std::path::Path::new(&cwd).is_absolute(), "{snap}");
     drop(ws);

@@ -1094,23 +1094,6 @@ async fn a_disband_cancels_the_rooms_open_work_and_retires_it() {
 /// The API key of the second principal in the tests that need two.
 const STRANGER_KEY: &str = "rooms-stranger-key";
 
-/// A WebSocket connection as the principal of API key `key` (a ticket connection is the local
-/// user's).
-async fn keyed_ws(d: &Daemon, key: &str) -> Ws {
-    let url = format!("{}/api/ws", d.origin().replacen("http", "ws", 1));
-    let (_, framed) = awc::Client::builder()
-        .max_http_version(awc::http::Version::HTTP_11)
-        .finish()
-        .ws(url)
-        .protocols(["gatehouse.v1"])
-        .bearer_auth(key)
-        .max_frame_size(64 << 20)
-        .connect()
-        .await
-        .expect("bearer connect");
-    Ws::from_framed(framed)
-}
-
 /// `room.status` as `ws` sees it, once `pred` holds of it (30 s at most).
 async fn status_when(ws: &mut Ws, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

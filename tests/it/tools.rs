@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -1020,15 +1021,26 @@ async fn sigterm_while_parked_on_an_approval_never_runs_the_command() {
     assert_eq!(requests_after_tool(&model, "RM"), 0);
 }
 
+/// `always` is remembered across the principal's sessions, and only its: another API key's
+/// session is still asked (it ran unasked there too).
 #[actix_rt::test]
 async fn approval_always_is_remembered_across_sessions() {
+    const STRANGER: &str = "gk_always_stranger";
     let home = Home::new();
-    let (v1, v2) = (victim(&home, "victim1"), victim(&home, "victim2"));
+    let (v1, v2, v3) = (
+        victim(&home, "victim1"),
+        victim(&home, "victim2"),
+        victim(&home, "victim3"),
+    );
     let model = scripted(vec![
         ("FIRST", terminal("call_1", &rm(&v1))),
         ("SECOND", terminal("call_2", &rm(&v2))),
+        ("THIRD", terminal("call_3", &rm(&v3))),
     ]);
-    home.write_config(&config(&model.url, json!({})));
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"api_keys": [format!("sha256:{}", gatehouse::api::auth::key_digest(STRANGER))]}}),
+    ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let a = ws.session("always-a", &home.path).await;
@@ -1048,6 +1060,14 @@ async fn approval_always_is_remembered_across_sessions() {
         "an `always` pattern runs in another session without a prompt"
     );
     assert!(home.prompt_rows(&b).is_empty());
+    let mut stranger = keyed_ws(&d, STRANGER).await;
+    let c = stranger.session("always-c", &home.path).await;
+    stranger.submit(&c, "THIRD", "THIRD").await;
+    let p = stranger.wait_prompt(&c, "approval").await;
+    assert!(v3.exists(), "another principal is asked");
+    respond(&mut stranger, &c, &p, "deny").await;
+    settled(&home, "THIRD").await;
+    assert!(v3.exists());
 }
 
 #[actix_rt::test]
@@ -1738,4 +1758,52 @@ async fn secrets_in_a_commands_output_are_masked() {
         .collect::<Vec<_>>()
         .join("\n");
     assert!(!kept.contains("abcdefghijklmnop"), "{kept}");
+}
+
+/// The commands the terminal tool runs (the daemon's children, as its user) cannot reach into
+/// the daemon through `/proc/$PPID`: not its open files (the ledger, where a command wrote an
+/// approval and then ran unasked), not its environment (the model's key). Run as `nobody`, so
+/// it needs root to start; skipped otherwise.
+#[actix_rt::test]
+async fn a_tool_cannot_reach_into_the_daemon_through_proc() {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: starting the daemon as another user needs root");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let model = scripted(vec![(
+        "PEEK",
+        terminal(
+            "call_peek",
+            "cat /proc/$PPID/environ; ls /proc/$PPID/fd; echo exit=$?",
+        ),
+    )]);
+    let home = Home::new();
+    const KEY: &str = "gk_nobody_peek";
+    home.write_config(&config(
+        &model.url,
+        json!({"approvals": {"mode": "off"},
+               "gateway": {"api_keys": [format!("sha256:{}", gatehouse::api::auth::key_digest(KEY))]}}),
+    ));
+    let chown = Command::new("chown")
+        .args(["-R", &format!("{NOBODY}:{NOBODY}")])
+        .arg(&home.path)
+        .status()
+        .expect("chown");
+    assert!(chown.success());
+    let d = Daemon::start_with(&home, |cmd| {
+        cmd.uid(NOBODY).gid(NOBODY);
+    });
+    // A ticket is minted only for the daemon's own user: a key it is.
+    let mut ws = keyed_ws(&d, KEY).await;
+    let sid = ws.session("peek", &home.path).await;
+    ws.submit(&sid, "PEEK", "PEEK").await;
+    settled(&home, "PEEK").await;
+    let result = tool_result(&model, "PEEK");
+    let output = result["output"].as_str().unwrap_or("").to_string();
+    assert!(!output.contains("OPENAI_API_KEY"), "{output}");
+    assert!(output.contains("Permission denied"), "{output}");
+    assert!(!output.contains("state.db"), "{output}");
 }
