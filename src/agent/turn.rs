@@ -1229,28 +1229,72 @@ fn touches_gateway_state(
     home: &std::path::Path,
     user_home: Option<&str>,
 ) -> bool {
-    if !names_gateway_file(command) {
-        return false;
-    }
     let homes: Vec<PathBuf> = std::iter::once(home.to_path_buf())
         .chain(home.canonicalize().ok())
         .collect();
     let cwd = cwd.canonicalize().unwrap_or_else(|_| cwd.to_path_buf());
     // The home may be named from the user's home: `~/.local/state/gatehouse`, `$HOME/…`.
-    let expanded = user_home.filter(|h| h.starts_with('/')).map(|h| {
+    let mut plain = unquoted(command);
+    if let Some(h) = user_home.filter(|h| h.starts_with('/')) {
         let h = format!("{}/", h.trim_end_matches('/'));
-        command
+        plain = plain
             .replace("${HOME}/", &h)
             .replace("$HOME/", &h)
-            .replace("~/", &h)
+            .replace("~/", &h);
+    }
+    // A word that is the home itself (copied or archived whole), or one of its files by name or
+    // pattern, however the path is spelled: `../state.db` from the workspace, `…//gatehouse/…`,
+    // `…/./gatehouse/…` (each ran unasked).
+    let named_by_path = words(&plain).any(|word| {
+        let path = lexically_normal(&if word.starts_with('/') {
+            PathBuf::from(word)
+        } else {
+            cwd.join(word)
+        });
+        homes.iter().any(|h| {
+            path == *h
+                || (path.parent() == Some(h.as_path())
+                    && path
+                        .file_name()
+                        .is_some_and(|name| names_gateway_file(&name.to_string_lossy())))
+        })
     });
-    let texts: Vec<&str> = std::iter::once(command)
-        .chain(expanded.as_deref())
-        .collect();
-    homes.iter().any(|h| {
-        let h_text = h.to_string_lossy();
-        cwd.starts_with(h) || texts.iter().any(|t| t.contains(h_text.as_ref()))
-    })
+    if named_by_path {
+        return true;
+    }
+    // A file named anywhere in a command that names the home (`cd ~/… && rm state.db`), or that
+    // runs in the home outside its workspace.
+    names_gateway_file(&plain)
+        && homes.iter().any(|h| {
+            (cwd.starts_with(h) && !cwd.starts_with(h.join("workspace")))
+                || plain.contains(h.to_string_lossy().as_ref())
+        })
+}
+
+/// The words of a command line as the rules read them (split at blanks, separators,
+/// redirections and assignments).
+fn words(plain: &str) -> impl Iterator<Item = &str> {
+    plain
+        .split(|c: char| {
+            c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')' | '<' | '>' | '`' | '=')
+        })
+        .filter(|w| !w.is_empty())
+}
+
+/// `path` with `.` and `..` taken away and repeated separators as one (no file is read).
+fn lexically_normal(path: &std::path::Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// Does `command` name one of [`GATEWAY_FILES`], as the shell would read it? Quotes and escapes
@@ -1263,15 +1307,13 @@ fn names_gateway_file(command: &str) -> bool {
     if GATEWAY_FILES.iter().any(|f| plain.contains(f)) {
         return true;
     }
-    plain
-        .split(|c: char| {
-            c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')' | '<' | '>' | '`' | '=')
-        })
+    let patterned = words(&plain)
         .filter(|word| word.contains(['*', '?', '[', '{']))
         .any(|word| {
             let name = word.rsplit('/').next().unwrap_or(word);
             GATEWAY_FILES.iter().any(|f| glob_may_match(name, f))
-        })
+        });
+    patterned
 }
 
 /// `command` without the quotes and escapes that do not change what the shell passes on.
@@ -1553,7 +1595,26 @@ mod tests {
             "cat ${HOME}/.local/state/gatehouse/api_keys",
             elsewhere
         ));
-        // Another directory's files of the same name, or the home without its files.
+        // However the path is spelled, and the home itself; not the workspace's own files.
+        let workspace = Path::new("/srv/u/.local/state/gatehouse/workspace");
+        for spelled in [
+            ("cat ../config.yaml", workspace),
+            (
+                "sha256sum /srv/u/.local/state//gatehouse/api_keys",
+                elsewhere,
+            ),
+            ("cat /srv/u/.local/state/./gatehouse/state.db", elsewhere),
+            ("cat ../u/.local/state/gatehouse/config.yaml", elsewhere),
+            ("cp -r /srv/u/.local/state/gatehouse /tmp/copy", elsewhere),
+            ("tar cf - ~/.local/state/gatehouse", elsewhere),
+            ("ls ..", workspace),
+        ] {
+            assert!(touches(spelled.0, spelled.1), "{}", spelled.0);
+        }
+        for own in ["cat config.yaml", "ls *.db", "rm -f -- *", "cat ./state.db"] {
+            assert!(!touches(own, workspace), "{own}");
+        }
+        // Another directory's files of the same name, or the home's parent.
         // As the shell reads it: quoted, escaped, or by a pattern.
         for named in [
             "echo x >> api_k''eys",
@@ -1571,7 +1632,7 @@ mod tests {
         assert!(!touches("ls *.txt", home));
         assert!(!touches("cat notes?.md", home));
         assert!(!touches("rm state.db", elsewhere));
-        assert!(!touches("ls ~/.local/state/gatehouse", elsewhere));
+        assert!(!touches("ls ~/.local/state", elsewhere));
         assert!(!touches("rm ~/other/state.db", elsewhere));
         assert!(!touches_gateway_state(
             "cd ~/.local/state/gatehouse && rm state.db",

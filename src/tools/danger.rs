@@ -66,7 +66,7 @@ const CMD: &str = concat!(
     r#"(?:^|[;&|(){}!`"']|\$\(|(?:^|[\s;&|(){}!`"'])(?:then|do|else)\b"#,
     // a wrapper (also as `/usr/bin/env`), with up to four words of its own:
     // `sudo -u root`, `timeout -s kill 5`, `chroot /`, `ionice -c3`
-    r#"|(?:^|[\s/;&|(){}!`"'])(?:sudo|doas|env|nice|nohup|time|command|exec|xargs|timeout|watch|strace|busybox|eval|setsid|ionice|stdbuf|chrt|chroot|su|runuser|flock|taskset|unshare|nsenter|systemd-run|pkexec)\b(?:\s+[^\s;&|]+){0,4}?)"#,
+    r#"|(?:^|[\s/;&|(){}!`"'])(?:sudo|doas|env|nice|nohup|time|command|exec|xargs|timeout|watch|strace|ltrace|valgrind|fakeroot|proot|firejail|busybox|eval|setsid|ionice|stdbuf|chrt|chroot|su|runuser|flock|taskset|unshare|nsenter|systemd-run|pkexec)\b(?:\s+[^\s;&|]+){0,4}?)"#,
     // whitespace, env assignments, wrapper flags, an optional duration, redirections
     r"\s*(?:[a-z_][a-z0-9_]*=\S*\s+)*(?:-\S*\s+)*(?:\d+[smhd]?\s+)?(?:\d*[<>]+&?\S*\s+)*",
     // optional backslash (alias bypass) and directory prefix (/bin/rm)
@@ -102,7 +102,8 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "recursive_delete_long",
         description: "recursive delete (long flag)",
-        pattern: r"<cmd><rm_args>--recursive\b",
+        // GNU getopt takes any unambiguous prefix: `--rec`, `--recu`.
+        pattern: r"<cmd><rm_args>--rec(?:u(?:r(?:s(?:i(?:v(?:e)?)?)?)?)?)?(?:\s|$|[;&|)])",
     },
     RuleDef {
         key: "world_writable",
@@ -122,7 +123,8 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "disk_copy",
         description: "disk copy",
-        pattern: r"<cmd>dd\s+(?:\S+\s+)*?if=",
+        // `if=` read from, or `of=` written over (`dd of=f < /dev/zero`).
+        pattern: r"<cmd>dd\s+(?:\S+\s+)*?(?:if|of)=",
     },
     RuleDef {
         key: "block_device_write",
@@ -214,6 +216,17 @@ static RULE_DEFS: &[RuleDef] = &[
         key: "find_exec_rm",
         description: BULK,
         pattern: r"\bfind\b[^;&|]*\s-exec(?:dir)?\s+(?:\S*/)?rm(?:\s|$)",
+    },
+    RuleDef {
+        key: "find_exec_shred",
+        description: BULK,
+        pattern: r"\bfind\b[^;&|]*\s-exec(?:dir)?\s+(?:\S*/)?shred(?:\s|$)",
+    },
+    RuleDef {
+        key: "interpreter_heredoc",
+        description: "shell runs a here-document",
+        // `python3 - <<'EOF' … EOF`: the script is as unseen by these rules as `-c`'s is.
+        pattern: r"<cmd>(?:(?:ba|z|da|k|fi)?sh|python[\d.]*|perl|ruby|node|php|lua)\b[^;&|]*<<",
     },
     RuleDef {
         key: "find_delete",
@@ -629,6 +642,17 @@ mod tests {
         ("find . -type f -exec rm -rf {} +", "find_exec_rm"),
         ("find /tmp/x -exec /bin/rm {} +", "find_exec_rm"),
         ("find build -name '*.o' -delete", "find_delete"),
+        ("rm --rec vd", "recursive_delete_long"),
+        ("rm --recu -f vd", "recursive_delete_long"),
+        ("fakeroot rm -rf vd", "recursive_delete"),
+        ("valgrind -q rm -rf vd", "recursive_delete"),
+        ("dd of=v.txt < /dev/zero", "disk_copy"),
+        ("find vd -type f -exec shred -u {} +", "find_exec_shred"),
+        (
+            "python3 - <<'EOF'\nimport shutil\nEOF",
+            "interpreter_heredoc",
+        ),
+        ("perl <<EOF\nunlink 'x'\nEOF", "interpreter_heredoc"),
         (
             "tar czf /tmp/a.tgz --remove-files victim",
             "tar_remove_files",
