@@ -860,14 +860,22 @@ impl Authority {
     /// The snapshot `session.create` and `session.resume` return.
     pub async fn snapshot(&self, root_id: &str) -> GatewayResult<Value> {
         let id = root_id.to_string();
-        let (root, msgs, pending) = self
+        // One read transaction: the transcript, the inputs still to run and the log's head are
+        // of one moment, so the events after `last_sequence` are exactly what the snapshot does
+        // not hold. (The head was the supervisor's count of events sent, read after the
+        // transcript: a turn that settled in between was counted, and its reply was in neither
+        // the snapshot nor the events after it.)
+        let (root, msgs, pending, head) = self
             .shared
             .db
             .read(move |c| {
-                let root = sessions::root_of(c, &id)?;
-                let msgs = messages::live(c, &root.tip_session_id)?;
-                let pending = admissions::pending(c, &root.id)?;
-                Ok((root, msgs, pending))
+                diesel::Connection::transaction(c, |c| {
+                    let root = sessions::root_of(c, &id)?;
+                    let msgs = messages::live(c, &root.tip_session_id)?;
+                    let pending = admissions::pending(c, &root.id)?;
+                    let head = crate::store::events::head(c, &root.id)?;
+                    Ok::<_, crate::error::StoreError>((root, msgs, pending, head))
+                })
             })
             .await?;
         let sup = self.supervisor(&root.id).await?;
@@ -886,7 +894,7 @@ impl Authority {
             "execution_generation": root.runtime_generation,
             "running": live.running.is_some(),
             "authority_epoch": epoch,
-            "last_sequence": live.last_sequence,
+            "last_sequence": head.last_seq,
             "revision": root.runtime_revision,
             "info": {
                 "source": root.source,

@@ -1088,7 +1088,6 @@ pub struct LiveView {
     /// The running input's `input_id`.
     pub running_input: Option<String>,
     pub prompts: Vec<Value>,
-    pub last_sequence: u64,
 }
 
 #[derive(Message)]
@@ -1105,7 +1104,6 @@ impl Handler<GetLive> for SessionSupervisor {
                 .map(|r| (r.admission_id.clone(), r.generation)),
             running_input: self.running.as_ref().map(|r| r.request_id.clone()),
             prompts: self.open_prompts(),
-            last_sequence: self.outbox.sent.unwrap_or(0).max(0) as u64,
         })
     }
 }

@@ -739,3 +739,61 @@ async fn the_system_prompt_is_built_once_with_the_session() {
         assert_eq!(m["content"].as_str(), Some(stored.as_str()));
     }
 }
+
+/// A resume snapshot is of one moment: its transcript holds exactly the replies whose
+/// `message.complete` is at or below its `last_sequence`, however fast the session moves.
+/// Before, `last_sequence` was read after the transcript, and a reply settled in between was in
+/// neither the snapshot nor the events after it (5 of 300 snapshots under load).
+#[actix_rt::test]
+async fn a_resume_snapshot_is_of_one_moment() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut writer = d.ws().await;
+    let sid = writer.session("moment", &home.path).await;
+    let inputs = 200;
+    let busy = {
+        let sid = sid.clone();
+        actix_rt::spawn(async move {
+            for i in 0..inputs {
+                writer.submit(&sid, &format!("m{i}"), "go").await;
+            }
+        })
+    };
+    let mut reader = d.ws().await;
+    let mut checked = 0;
+    while checked < 120 {
+        let snap = reader
+            .ok("session.resume", json!({"session_id": sid}))
+            .await;
+        let last = snap["last_sequence"].as_i64().expect("last_sequence");
+        let replies = snap["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "assistant").count());
+        let (mut completed, mut after) = (0, 0);
+        while after < last {
+            let page = reader
+                .ok(
+                    "session.events.since",
+                    json!({"session_id": sid, "last_sequence": after}),
+                )
+                .await;
+            let events = page["events"].as_array().cloned().unwrap_or_default();
+            completed += events
+                .iter()
+                .filter(|e| e["type"] == "message.complete")
+                .filter(|e| e["seq"].as_i64().is_some_and(|s| s <= last))
+                .count();
+            after = events
+                .last()
+                .and_then(|e| e["seq"].as_i64())
+                .unwrap_or(last);
+        }
+        assert_eq!(
+            replies, completed,
+            "the snapshot at {last} holds {replies} replies"
+        );
+        checked += 1;
+    }
+    busy.await.expect("submits");
+    wait_until("all turns", Duration::from_secs(60), || all_terminal(&home)).await;
+}
