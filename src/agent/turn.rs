@@ -401,6 +401,12 @@ impl Turn {
                 }
             }
             if final_answer {
+                // An interrupt acknowledged while the answer came wins over it, as it does over
+                // an approval that raced it (the client was told the turn was interrupted, and
+                // it settled `completed`).
+                if self.cancelled() {
+                    return Ok(interrupted());
+                }
                 let mut text = retry.partial.clone();
                 text.push_str(response.content.as_deref().unwrap_or(""));
                 let (mut content, thoughts) = split_think(&text);

@@ -25,6 +25,26 @@ impl AppState {
     }
 }
 
+/// Does the request name a loopback host (`localhost`, `127.x.x.x`, `[::1]`, any port)?
+fn loopback_host(req: &HttpRequest) -> bool {
+    let Some(host) = req
+        .headers()
+        .get(actix_web::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+    else {
+        // HTTP/1.0 without a Host: no name was asked for, so none was rebound.
+        return true;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain").body("ok\n")
 }
@@ -52,6 +72,12 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         if let Err(e) = auth::authenticate(&state, &req) {
             return e.error_response();
         }
+    } else if !loopback_host(&req) {
+        // Served without a key only to a loopback name: a web page whose own name was rebound
+        // to 127.0.0.1 (DNS rebinding) sends its own name as the Host, and read the counters.
+        return HttpResponse::Forbidden()
+            .content_type("text/plain")
+            .body("metrics are served without a key only to a loopback host name\n");
     }
     let shared = state.authority.shared.clone();
     let counts = shared.ledger_counts().await.unwrap_or_default();

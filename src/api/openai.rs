@@ -750,6 +750,7 @@ pub async fn chat_completions(
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // A reader that takes nothing is cut off, as an event stream's is.
     let out = SseOut::new(tx, keepalive, &req);
+    let credential = crate::api::auth::Credential::of(&state.auth, &req);
     let authority = authority.clone();
     let admission = receipt.admission_id.clone();
     let session = root.clone();
@@ -761,6 +762,14 @@ pub async fn chat_completions(
             tokio::select! {
                 r = &mut wait => break r,
                 _ = tick.tick() => {
+                    // A key revoked meanwhile ends the stream, as it ends an event stream (the
+                    // answer kept coming to the end, up to `http.completion_timeout_seconds`).
+                    if !credential.still_valid() {
+                        let refusal = json!({"error": {"message": "the API key was revoked (or the token expired)",
+                                                       "type": "authentication_error", "code": "unauthorized"}});
+                        let _ = out.send(data(&refusal)).await;
+                        return;
+                    }
                     if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
                         return;
                     }

@@ -1432,6 +1432,15 @@ async fn every_route_refuses_missing_wrong_and_revoked_keys() {
     for p in ["/healthz", "/readyz", "/metrics"] {
         assert_eq!(anon.get(p).await.status, 200, "{p}");
     }
+    // Without a key, only to a loopback name: a page whose name was rebound to this address
+    // (DNS rebinding) sends its own name, and read the counters.
+    assert_eq!(
+        anon.with("host", "localhost").get("/metrics").await.status,
+        200
+    );
+    let rebound = anon.with("host", "evil.example");
+    assert_eq!(rebound.get("/metrics").await.status, 403);
+    assert_eq!(rebound.get("/healthz").await.status, 200);
 }
 
 #[actix_rt::test]
@@ -1623,7 +1632,16 @@ async fn an_escaped_text_within_the_limit_is_taken_over_rest() {
 #[actix_rt::test]
 async fn a_revoked_key_ends_the_connections_it_opened() {
     use crate::hostile::{raw_upgrade, RawWs};
-    let model = FakeModel::ack();
+    let model = FakeModel::start(|body| {
+        let text = last_user(body);
+        if text == "HANG" {
+            return Reply::Hang;
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    });
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -1648,6 +1666,23 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
             .as_bytes(),
     );
     assert_eq!(ws.reply()["result"]["session_id"], sid);
+    // A streamed chat completion waiting for its answer.
+    let streaming = {
+        let laptop = Api::new(&d, &minted);
+        actix_rt::spawn(async move {
+            let started = Instant::now();
+            let r = chat(
+                &laptop,
+                json!({"messages": [{"role": "user", "content": "HANG"}], "stream": true}),
+            )
+            .await;
+            (r.body.as_str().unwrap_or("").to_string(), started.elapsed())
+        })
+    };
+    wait_until("the completion's turn runs", T, || {
+        model.reached("HANG") == 1
+    })
+    .await;
     // Another key's connection is not touched.
     let other = Api::new(&d, KEY);
     let kept = other.session("kept", &home.path).await;
@@ -1663,9 +1698,15 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
     let ended = sse.until(|e| e.event == "error").await;
     let error = &ended.last().expect("the error").data;
     assert_eq!(error["error"]["reason"], "permission_denied", "{error}");
+    // The completion's stream ends too, saying why (it went on to its answer, or to the
+    // completion timeout: 300 s).
+    let (body, took) = streaming.await.expect("the completion");
+    assert!(body.contains("revoked"), "{body}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
     // The other key's stream still carries its session's events.
     let a = other.submit(&kept, "still", "still").await;
     kept_sse.until(completes(&a["admission_id"])).await;
+    model.release();
 }
 
 /// A chat-completions client sends the whole conversation each time. Two conversations that
