@@ -98,6 +98,11 @@ impl RoomEventHub {
         self.subscribers.lock().map_or(0, |s| s.len())
     }
 
+    /// Rooms whose events have been counted (and not retired since).
+    pub fn counted_rooms(&self) -> usize {
+        self.seq.lock().map_or(0, |s| s.len())
+    }
+
     fn publish(&self, room_id: &str, kind: &str, payload: Value) {
         let seq = match self.seq.lock() {
             Ok(mut m) => {
@@ -125,6 +130,16 @@ impl RoomHooks for RoomEventHub {
 
     fn task_cancelled(&self, room_id: &str, task: &TaskView) {
         self.publish(room_id, "room.task", task_view(task));
+    }
+
+    /// A retired room's counter and followers go (a counter stayed for every room ever made).
+    fn room_retired(&self, room_id: &str) {
+        if let Ok(mut seq) = self.seq.lock() {
+            seq.remove(room_id);
+        }
+        if let Ok(mut subscribers) = self.subscribers.lock() {
+            subscribers.remove(room_id);
+        }
     }
 
     fn pending_action(&self, room_id: &str, member_id: &str, action: Option<&Value>) {
@@ -540,5 +555,21 @@ impl RoomsService {
             .send(crate::rooms::actors::StopRooms(timeout))
             .await
             .unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A retired room leaves nothing in the hub: its counter went on for every room ever made.
+    #[test]
+    fn a_retired_room_leaves_the_hub() {
+        let hub = RoomEventHub::default();
+        hub.publish("gone", "room.task", json!({}));
+        hub.publish("kept", "room.task", json!({}));
+        assert_eq!(hub.counted_rooms(), 2);
+        hub.room_retired("gone");
+        assert_eq!(hub.counted_rooms(), 1);
     }
 }

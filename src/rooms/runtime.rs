@@ -85,6 +85,8 @@ pub trait RoomHooks: Send + Sync {
     /// apart from [`RoomHooks::publish_terminal`], which the contract keeps cancellations out
     /// of; an event stream wants every terminal commit.
     fn task_cancelled(&self, _room_id: &str, _task: &TaskView) {}
+    /// The room was retired (disbanded): nothing more is published of it.
+    fn room_retired(&self, _room_id: &str) {}
     /// A member waits on an approval (`Some`), or no longer does (`None`).
     fn pending_action(
         &self,
@@ -434,6 +436,7 @@ impl RoomRuntime {
             state.pending_actions.retain(|(room, _), _| room != room_id);
             state.leases.remove(room_id)
         };
+        self.inner.hooks.room_retired(room_id);
         if let Some(lease) = lease {
             let clock = self.inner.clock.clone();
             let released = self
