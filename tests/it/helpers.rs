@@ -449,12 +449,17 @@ impl Daemon {
 
     /// Start with a last say over the command (environment, `pre_exec`, …).
     pub fn start_with(home: &Home, tweak: impl FnOnce(&mut Command)) -> Daemon {
+        Self::start_program(home, Path::new(bin()), tweak)
+    }
+
+    /// [`Daemon::start_with`] of the binary at `program`.
+    pub fn start_program(home: &Home, program: &Path, tweak: impl FnOnce(&mut Command)) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(home.path.join("daemon.log"))
             .expect("log");
-        let mut cmd = Command::new(bin());
+        let mut cmd = Command::new(program);
         cmd.arg("serve")
             .arg("--home")
             .arg(&home.path)

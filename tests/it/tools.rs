@@ -1787,13 +1787,16 @@ async fn a_tool_cannot_reach_into_the_daemon_through_proc() {
         json!({"approvals": {"mode": "off"},
                "gateway": {"api_keys": [format!("sha256:{}", gatehouse::api::auth::key_digest(KEY))]}}),
     ));
+    // A copy of the binary it can run (the build's may be in a directory only root enters).
+    let program = home.path.join("gatehouse-as-nobody");
+    std::fs::copy(bin(), &program).expect("copy the binary");
     let chown = Command::new("chown")
         .args(["-R", &format!("{NOBODY}:{NOBODY}")])
         .arg(&home.path)
         .status()
         .expect("chown");
     assert!(chown.success());
-    let d = Daemon::start_with(&home, |cmd| {
+    let d = Daemon::start_program(&home, &program, |cmd| {
         cmd.uid(NOBODY).gid(NOBODY);
     });
     // A ticket is minted only for the daemon's own user: a key it is.
