@@ -861,6 +861,14 @@ impl RoomRuntime {
         })
     }
 
+    /// The room stays blocked, saying why (`message` is its error); true, for
+    /// [`Self::reconcile_indeterminate`] to return.
+    fn hold_room(&self, binding: &RoomBinding, message: String) -> bool {
+        self.set_error(&binding.room_id, message);
+        self.state().blocked.insert(binding.room_id.clone());
+        true
+    }
+
     /// Resolve indeterminate attempts in room order. Returns true when the room stays blocked.
     pub(crate) async fn reconcile_indeterminate(
         &self,
@@ -880,12 +888,10 @@ impl RoomRuntime {
             let port = match self.transport(binding, &task) {
                 Ok(port) => port,
                 Err(error) => {
-                    self.set_error(
-                        &binding.room_id,
+                    return Ok(self.hold_room(
+                        binding,
                         format!("task {} recovery probe failed: {error}", id.task_id),
-                    );
-                    self.state().blocked.insert(binding.room_id.clone());
-                    return Ok(true);
+                    ))
                 }
             };
             let inspected = self.state().inspected.contains(&key);
@@ -938,27 +944,23 @@ impl RoomRuntime {
                     }) => {
                         // Deferring it would only queue the room's next task behind it in the
                         // member's session: the room waits for the member's operator instead.
-                        self.set_error(
-                            &binding.room_id,
+                        return Ok(self.hold_room(
+                            binding,
                             format!(
-                            "task {} waits for the operator to resolve its member's unknown turn: \
-                             gatehouse resolve-unknown {session_id} {admission_id}",
-                            id.task_id
-                        ),
-                        );
-                        self.state().blocked.insert(binding.room_id.clone());
-                        return Ok(true);
+                                "task {} waits for the operator to resolve its member's unknown \
+                                 turn: gatehouse resolve-unknown {session_id} {admission_id}",
+                                id.task_id
+                            ),
+                        ));
                     }
                     Ok(_) => {}
                     Err(error) => {
                         // Not knowing whether the member still holds the attempt, the room does
                         // not defer it (a retry could then run it twice): the next pass asks again.
-                        self.set_error(
-                            &binding.room_id,
+                        return Ok(self.hold_room(
+                            binding,
                             format!("task {} recovery probe failed: {error}", id.task_id),
-                        );
-                        self.state().blocked.insert(binding.room_id.clone());
-                        return Ok(true);
+                        ));
                     }
                 }
             }

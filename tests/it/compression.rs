@@ -80,6 +80,53 @@ fn pressure_config(url: &str, in_place: bool) -> Value {
     )
 }
 
+/// A daemon on `model` with [`pressure_config`], and a session of it named `name`, without tools.
+async fn pressure_session(
+    model: &FakeModel,
+    in_place: bool,
+    name: &str,
+) -> (Home, Daemon, Ws, String) {
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, in_place));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.create(name, &home.path, json!({"toolsets": []})).await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    (home, d, ws, sid)
+}
+
+/// A daemon on `model` that compresses past `threshold` tokens, protecting the first and last
+/// `protect` messages (a 64K window, summaries by the `summary` model), and a session of it
+/// named `name` with the terminal tool.
+async fn tool_session(
+    model: &FakeModel,
+    threshold: u64,
+    protect: (usize, usize),
+    name: &str,
+) -> (Home, Daemon, Ws, String) {
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "model": {"context_length": 64000},
+            "compression": {"threshold_tokens": threshold, "protect_first_n": protect.0,
+                            "protect_last_n": protect.1},
+            "auxiliary": {"compression": {"model": "summary"}},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create(name, &home.path, json!({"toolsets": ["terminal"]}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    (home, d, ws, sid)
+}
+
 async fn run(ws: &mut Ws, home: &Home, sid: &str, i: usize) {
     let id = format!("P{i}");
     ws.submit(sid, &id, &pressure(i)).await;
@@ -158,16 +205,7 @@ async fn a_profile_model_compacts_at_its_own_context_window() {
 #[actix_rt::test]
 async fn preflight_compression_rotates_into_a_child_session() {
     let model = summarising_model();
-    let home = Home::new();
-    home.write_config(&pressure_config(&model.url, false));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let root = ws
-        .create("rotate", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let (home, _d, mut ws, root) = pressure_session(&model, false, "rotate").await;
     for i in 0..3 {
         run(&mut ws, &home, &root, i).await;
     }
@@ -970,23 +1008,7 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
         }
         Reply::Message(json!({"role": "assistant", "content": "DONE_MANY"}), "stop")
     });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({
-            "model": {"context_length": 64000},
-            "compression": {"threshold_tokens": 6000, "protect_first_n": 2, "protect_last_n": 1},
-            "auxiliary": {"compression": {"model": "summary"}},
-        }),
-    ));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws
-        .create("many", &home.path, json!({"toolsets": ["terminal"]}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let (home, _d, mut ws, sid) = tool_session(&model, 6000, (2, 1), "many").await;
     for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
         ws.submit(&sid, id, text).await;
         wait_until(id, T, || home.admission(id).status == "terminal").await;
@@ -1047,23 +1069,7 @@ async fn a_turn_with_nothing_to_compact_at_first_compacts_once_it_has_grown() {
         }
         Reply::Message(json!({"role": "assistant", "content": "DONE_GROW"}), "stop")
     });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({
-            "model": {"context_length": 64000},
-            "compression": {"threshold_tokens": 3000, "protect_first_n": 1, "protect_last_n": 1},
-            "auxiliary": {"compression": {"model": "summary"}},
-        }),
-    ));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws
-        .create("grow", &home.path, json!({"toolsets": ["terminal"]}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let (home, _d, mut ws, sid) = tool_session(&model, 3000, (1, 1), "grow").await;
     // The user message alone passes the threshold, and heads the transcript.
     ws.submit(&sid, "GROW", &format!("GROW {}", "u".repeat(14_000)))
         .await;
@@ -1091,16 +1097,7 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
         }
         ack(body)
     });
-    let home = Home::new();
-    home.write_config(&pressure_config(&model.url, false));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws
-        .create("huge-summary", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let (home, _d, mut ws, sid) = pressure_session(&model, false, "huge-summary").await;
     for i in 0..4 {
         run(&mut ws, &home, &sid, i).await;
     }

@@ -898,17 +898,7 @@ async fn access_control_is_per_connection_and_per_principal() {
     }
     assert!(victim.exists(), "no foreign answer ran the command");
     // Another principal (an API key) may not even resume it.
-    let url = format!("{}/api/ws", d.origin().replacen("http", "ws", 1));
-    let (_, framed) = awc::Client::builder()
-        .max_http_version(awc::http::Version::HTTP_11)
-        .finish()
-        .ws(url)
-        .protocols(["gatehouse.v1"])
-        .bearer_auth(key)
-        .connect()
-        .await
-        .expect("bearer connect");
-    let mut stranger = Ws::from_framed(framed);
+    let mut stranger = keyed_ws(&d, key).await;
     stranger
         .refused(
             "session.resume",

@@ -28,6 +28,21 @@ fn keyed(model: &FakeModel, extra: Value) -> Value {
     c
 }
 
+/// A model that acknowledges every message (`ACK_<text>`) but `HANG`, which it never answers
+/// (until released).
+fn ack_or_hang() -> FakeModel {
+    FakeModel::start(|body| {
+        let text = last_user(body);
+        if text == "HANG" {
+            return Reply::Hang;
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    })
+}
+
 // ---------- a plain HTTP client ----------
 
 #[derive(Clone)]
@@ -1034,16 +1049,7 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
 
 #[actix_rt::test]
 async fn chat_completions_speak_the_openai_wire_format() {
-    let model = FakeModel::start(|body| {
-        let text = last_user(body);
-        if text == "HANG" {
-            return Reply::Hang;
-        }
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        )
-    });
+    let model = ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -1632,16 +1638,7 @@ async fn an_escaped_text_within_the_limit_is_taken_over_rest() {
 #[actix_rt::test]
 async fn a_revoked_key_ends_the_connections_it_opened() {
     use crate::hostile::{raw_upgrade, RawWs};
-    let model = FakeModel::start(|body| {
-        let text = last_user(body);
-        if text == "HANG" {
-            return Reply::Hang;
-        }
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        )
-    });
+    let model = ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,

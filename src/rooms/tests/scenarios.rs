@@ -1557,30 +1557,24 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     assert_eq!(runtime.status().lease_losses, 0);
 }
 
-/// A task whose attempt an old process started and abandoned, its member idle, and a runtime
-/// of a new process (its clock a second later) that defers after `defer` seconds.
-fn abandoned_local_attempt(
-    defer: f64,
-) -> (
+/// What [`abandoned_local_attempt`] sets up: the store, its clock, the task, its member's fake
+/// and the new process's runtime.
+type Abandoned = (
     TestDb,
     ManualClock,
     TaskIdentity,
     Arc<FakeSessionRpc>,
     crate::rooms::RoomRuntime,
-) {
+);
+
+/// A task whose attempt an old process started and abandoned, its member idle, and a runtime
+/// of a new process (its clock a second later) that defers after `defer` seconds.
+fn abandoned_local_attempt(defer: f64) -> Abandoned {
     abandoned_local_attempt_with(|spec| spec.config.indeterminate_defer_seconds = defer)
 }
 
 /// [`abandoned_local_attempt`] with the new process's runtime as `tweak` makes it.
-fn abandoned_local_attempt_with(
-    tweak: impl FnOnce(&mut Spec),
-) -> (
-    TestDb,
-    ManualClock,
-    TaskIdentity,
-    Arc<FakeSessionRpc>,
-    crate::rooms::RoomRuntime,
-) {
+fn abandoned_local_attempt_with(tweak: impl FnOnce(&mut Spec)) -> Abandoned {
     let db = db();
     let clock = ManualClock::new(100.0);
     let id = identity("task-1");
