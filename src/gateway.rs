@@ -608,6 +608,9 @@ impl RunningGateway {
             tokio::time::sleep(Duration::from_secs_f64(grace)).await;
         }
         tracing::info!("draining");
+        // Before the rooms quiesce and the drain reaches the sessions: a turn that is between
+        // two steps then makes no further model call (one could start a few ms after SIGTERM).
+        self.runtime.stop_turns();
         let draining = std::time::Instant::now();
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
         // Rooms start nothing new, but keep watching their attempts while the members drain: a

@@ -213,8 +213,9 @@ impl Turn {
         Ok(turn)
     }
 
+    /// Interrupted, or the gateway's drain has begun (whose interrupt is on its way).
     fn cancelled(&self) -> bool {
-        *self.ctx.cancel.borrow()
+        *self.ctx.cancel.borrow() || self.ctx.shared.runtime.turns_stopping()
     }
 
     async fn persist(&mut self, rows: Vec<NewMessage>) -> Result<(), Stop> {

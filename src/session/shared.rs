@@ -34,6 +34,9 @@ impl RuntimePhase {
 #[derive(Debug)]
 pub struct RuntimeState {
     phase: AtomicU8,
+    /// The drain has begun (after `gateway.drain_grace_seconds`): a running turn makes no
+    /// further model call or tool run, and ends interrupted.
+    turns_stopping: std::sync::atomic::AtomicBool,
     pub instance_id: String,
     pub epoch: i64,
     pub pid: u32,
@@ -44,11 +47,21 @@ impl RuntimeState {
     pub fn new(instance_id: String, epoch: i64) -> Self {
         Self {
             phase: AtomicU8::new(RuntimePhase::Starting as u8),
+            turns_stopping: std::sync::atomic::AtomicBool::new(false),
             instance_id,
             epoch,
             pid: std::process::id(),
             api_origin: Mutex::new(String::new()),
         }
+    }
+
+    /// The drain has begun: running turns stop at their next step.
+    pub fn turns_stopping(&self) -> bool {
+        self.turns_stopping.load(Ordering::SeqCst)
+    }
+
+    pub fn stop_turns(&self) {
+        self.turns_stopping.store(true, Ordering::SeqCst);
     }
 
     pub fn phase(&self) -> RuntimePhase {
