@@ -731,27 +731,35 @@ impl Turn {
                     // (`rm -rf dist && git push --force`).
                     let (root, wanted) = (self.ctx.root_id.clone(), keys.clone());
                     let principal = self.root.principal_id.clone();
-                    let approved = self
-                        .ctx
-                        .shared
-                        .db
-                        .read(move |c| {
-                            for key in &wanted {
-                                if !prompt_store::is_approved(c, &root, &principal, key)? {
-                                    return Ok(false);
+                    // What reaches the gateway itself is approved one command at a time: a
+                    // session approval of a read (`cat config.yaml`) let `: > state.db` through.
+                    let once_only = keys.iter().any(|k| ONCE_ONLY_RULES.contains(k));
+                    let approved = !once_only
+                        && self
+                            .ctx
+                            .shared
+                            .db
+                            .read(move |c| {
+                                for key in &wanted {
+                                    if !prompt_store::is_approved(c, &root, &principal, key)? {
+                                        return Ok(false);
+                                    }
                                 }
-                            }
-                            Ok(true)
-                        })
-                        .await
-                        .unwrap_or(false);
+                                Ok(true)
+                            })
+                            .await
+                            .unwrap_or(false);
                     if !approved {
-                        let choices = vec![
-                            "once".to_string(),
-                            "session".into(),
-                            "always".into(),
-                            "deny".into(),
-                        ];
+                        let choices: Vec<String> = if once_only {
+                            vec!["once".into(), "deny".into()]
+                        } else {
+                            vec![
+                                "once".into(),
+                                "session".into(),
+                                "always".into(),
+                                "deny".into(),
+                            ]
+                        };
                         let payload = json!({
                             "command": command,
                             "workdir": cwd.to_string_lossy(),
@@ -1214,6 +1222,10 @@ fn interrupted() -> TurnOutcome {
 fn blocked(message: &str) -> String {
     json!({"output": "", "exit_code": -1, "error": message, "status": "blocked"}).to_string()
 }
+
+/// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the
+/// gateway's own state or process, where what one approval lets through is not one kind of act.
+const ONCE_ONLY_RULES: &[&str] = &[danger::GATEWAY_STATE.key, danger::GATEWAY_PROCESS.key];
 
 /// The files of the gateway's home a command must not touch unasked: the ledger, the control
 /// socket and lock, the keys, the config (the approval allowlist lives in the ledger).

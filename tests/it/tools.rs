@@ -1454,6 +1454,16 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
         p["pattern_keys"].to_string().contains("gateway_state"),
         "{p}"
     );
+    // Approved one command at a time: what one approval of the gateway's state lets through is
+    // not one kind of act (a session approval of a read let a truncation of the ledger pass).
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"],
+               "prompt_id": p["prompt_id"], "choice": "session"}),
+        "invalid_params",
+    )
+    .await;
     respond(&mut ws, &sid, &p, "deny").await;
     settled(&home, "LEDGER").await;
     assert!(!home.path.join("stolen.db").exists());
