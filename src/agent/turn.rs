@@ -365,9 +365,16 @@ impl Turn {
                 }
                 Err(e) => {
                     self.ctx.shared.metrics.model_error(e.class());
+                    // A model endpoint that still limits the rate after the retries says so in
+                    // the receipt (a chat completion answers it 429, which clients back off on).
+                    let reason = if matches!(e, ModelError::RateLimited(_)) {
+                        "rate_limited"
+                    } else {
+                        "model_error"
+                    };
                     return Ok(TurnOutcome::Failed {
                         error: format!("model request failed: {e}"),
-                        reason: "model_error",
+                        reason,
                     });
                 }
             };

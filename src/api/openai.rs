@@ -490,7 +490,10 @@ fn reply_of(
             })
         }
         Some("failed") => Err(ChatFailure::new(
-            StatusCode::BAD_GATEWAY,
+            match result["reason"].as_str() {
+                Some("rate_limited") => StatusCode::TOO_MANY_REQUESTS,
+                _ => StatusCode::BAD_GATEWAY,
+            },
             result["reason"].as_str().unwrap_or("failed"),
             result["error"]
                 .as_str()

@@ -2009,3 +2009,27 @@ async fn a_stalled_event_stream_reader_is_cut_off_with_its_connection() {
     assert!(home.log().contains("reader took nothing; cut off"));
     drop(reader);
 }
+
+/// A model endpoint that still limits the rate after the retries fails the turn with reason
+/// `rate_limited`, and a chat completion answers it 429 (which OpenAI's clients back off on),
+/// not 502.
+#[actix_rt::test]
+async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
+    let model = FakeModel::start(|_| {
+        Reply::Status(
+            429,
+            json!({"error": {"message": "slow down", "type": "rate_limit_error"}}),
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
+}
