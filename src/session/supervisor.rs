@@ -1221,6 +1221,16 @@ impl Handler<Respond> for SessionSupervisor {
                 m.generation
             )));
         }
+        // An attempt being interrupted takes no answer: its interrupt wins over one that raced
+        // it, and the answer was recorded (and told `resolved`) for a command that never ran.
+        if self.shared.runtime.turns_stopping()
+            || self.running.as_ref().is_some_and(|r| *r.cancel.borrow())
+        {
+            return Err(GatewayError::StaleGeneration(format!(
+                "generation {} is being interrupted",
+                m.generation
+            )));
+        }
         // Checked after the generation: an answer for another attempt is stale whatever it names.
         if m.prompt_id.is_empty() {
             return Err(GatewayError::InvalidParams(
