@@ -3,7 +3,7 @@
 //! call; an interrupt (flag first, then prompts) ends it without running anything further.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use actix::Addr;
@@ -1232,7 +1232,11 @@ fn blocked(message: &str) -> String {
 
 /// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the
 /// gateway's own state or process, where what one approval lets through is not one kind of act.
-const ONCE_ONLY_RULES: &[&str] = &[danger::GATEWAY_STATE.key, danger::GATEWAY_PROCESS.key];
+const ONCE_ONLY_RULES: &[&str] = &[
+    danger::GATEWAY_STATE.key,
+    danger::GATEWAY_PROCESS.key,
+    "self_termination",
+];
 
 /// The files of the gateway's home a command must not touch unasked: the ledger, the control
 /// socket and lock, the keys, the config (the approval allowlist lives in the ledger).
@@ -1258,43 +1262,105 @@ fn touches_gateway_state(
     let homes: Vec<PathBuf> = std::iter::once(home.to_path_buf())
         .chain(home.canonicalize().ok())
         .collect();
-    let cwd = cwd.canonicalize().unwrap_or_else(|_| cwd.to_path_buf());
-    // The home may be named from the user's home: `~/.local/state/gatehouse`, `$HOME/…`.
+    let start = cwd.canonicalize().unwrap_or_else(|_| cwd.to_path_buf());
+    let user_home = user_home.filter(|h| h.starts_with('/'));
+    // The home may be named from the user's home: `~/.local/state/gatehouse`, `$HOME/…`, or be
+    // that home (`cd ~`, `cd`, `cp -r $HOME x` under a service user whose home it is).
     let mut plain = unquoted(command);
-    if let Some(h) = user_home.filter(|h| h.starts_with('/')) {
-        let h = format!("{}/", h.trim_end_matches('/'));
+    if let Some(h) = user_home {
+        let h = h.trim_end_matches('/');
+        // `cd` alone goes to the user's home.
+        static BARE_CD: OnceLock<Option<regex::Regex>> = OnceLock::new();
+        if let Some(bare) = BARE_CD
+            .get_or_init(|| regex::Regex::new(r"(^|[;&|(\s])cd\s*($|[;&|)])").ok())
+            .as_ref()
+        {
+            plain = bare
+                .replace_all(&plain, |c: &regex::Captures| {
+                    format!("{}cd {h} {}", &c[1], &c[2])
+                })
+                .into_owned();
+        }
         plain = plain
-            .replace("${HOME}/", &h)
-            .replace("$HOME/", &h)
-            .replace("~/", &h);
+            .replace("${HOME}", h)
+            .replace("$HOME", h)
+            .replace("~/", &format!("{h}/"));
+        plain = plain
+            .split(' ')
+            .map(|w| if w == "~" { h } else { w })
+            .collect::<Vec<_>>()
+            .join(" ");
     }
-    // A word that is the home itself (copied or archived whole), or one of its files by name or
-    // pattern, however the path is spelled: `../state.db` from the workspace, `…//gatehouse/…`,
-    // `…/./gatehouse/…` (each ran unasked).
-    let named_by_path = words(&plain).any(|word| {
-        let path = lexically_normal(&if word.starts_with('/') {
-            PathBuf::from(word)
-        } else {
-            cwd.join(word)
-        });
-        homes.iter().any(|h| {
-            path == *h
-                || (path.parent() == Some(h.as_path())
-                    && path
-                        .file_name()
-                        .is_some_and(|name| names_gateway_file(&name.to_string_lossy())))
-        })
-    });
-    if named_by_path {
+    // Words in order, with the directory they are read in: `cd DIR` (`pushd`, a bare `cd` for
+    // the user's home) and `-C DIR` (tar, make, git) move it for the words after them
+    // (`cd ../.. && cat h/config.yaml`, `tar -C ../.. -cf - h` ran unasked).
+    let mut cwd = start.clone();
+    let all: Vec<&str> = words(&plain).collect();
+    let mut named_by_path = false;
+    let mut i = 0;
+    while i < all.len() {
+        let word = all[i];
+        let moves = matches!(word, "cd" | "pushd" | "-C" | "--directory");
+        if moves {
+            let target = all.get(i + 1).copied().filter(|t| !t.starts_with('-'));
+            match (target, user_home) {
+                (Some(t), _) => cwd = lexically_normal(&cwd.join(t)),
+                (None, Some(h)) if word == "cd" => cwd = PathBuf::from(h),
+                _ => {}
+            }
+            if target.is_some() {
+                i += 1;
+            }
+        }
+        for alternative in brace_alternatives(word) {
+            let path = lexically_normal(&cwd.join(&alternative));
+            named_by_path |= homes.iter().any(|h| {
+                path == *h
+                    || (path.parent() == Some(h.as_path())
+                        && path
+                            .file_name()
+                            .is_some_and(|name| names_gateway_file(&name.to_string_lossy())))
+            });
+        }
+        i += 1;
+    }
+    let ends_in_home = homes
+        .iter()
+        .any(|h| cwd.starts_with(h) && !cwd.starts_with(h.join("workspace")));
+    if named_by_path || (ends_in_home && names_gateway_file(&plain)) {
         return true;
     }
     // A file named anywhere in a command that names the home (`cd ~/… && rm state.db`), or that
     // runs in the home outside its workspace.
     names_gateway_file(&plain)
         && homes.iter().any(|h| {
-            (cwd.starts_with(h) && !cwd.starts_with(h.join("workspace")))
+            (start.starts_with(h) && !start.starts_with(h.join("workspace")))
                 || plain.contains(h.to_string_lossy().as_ref())
         })
+}
+
+/// A word's readings with its first brace group taken apart (`{..,x}/config.yaml` is
+/// `../config.yaml` and `x/config.yaml`), nested or later groups in turn; at most 64.
+fn brace_alternatives(word: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![word.to_string()];
+    while let Some(w) = todo.pop() {
+        if out.len() + todo.len() >= 64 {
+            out.push(w);
+            continue;
+        }
+        let open = w.find('{');
+        let close = open.and_then(|o| w[o..].find('}').map(|c| o + c));
+        match (open, close) {
+            (Some(o), Some(c)) if w[o + 1..c].contains(',') => {
+                for part in w[o + 1..c].split(',') {
+                    todo.push(format!("{}{}{}", &w[..o], part, &w[c + 1..]));
+                }
+            }
+            _ => out.push(w),
+        }
+    }
+    out
 }
 
 /// The words of a command line as the rules read them (split at blanks, separators,
@@ -1368,10 +1434,27 @@ fn names_gateway_process(command: &str, pid: u32) -> bool {
                 && !after.is_some_and(|c| c.is_ascii_digit())
         })
     };
+    let parts: Vec<&str> = plain.split([';', '&', '|', '\n', '(', ')']).collect();
+    let signals = |part: &str| {
+        part.split_whitespace().any(|w| {
+            w.ends_with("kill") || w.ends_with("killall") || w == "prlimit" || w == "renice"
+        })
+    };
     (plain.contains(&format!("/proc/{pid}")) && mentions_pid(&plain))
-        || plain
-            .split([';', '&', '|', '\n'])
-            .any(|part| part.split_whitespace().any(|w| w.ends_with("kill")) && mentions_pid(part))
+        || parts.iter().any(|part| signals(part) && mentions_pid(part))
+        // A pid found at run time (`kill $(pidof gatehouse)`, `` kill `pgrep …` ``) may be ours.
+        || (signals(&plain) && (plain.contains("$(") || plain.contains('`')))
+        // Found by name: `pgrep gatehouse | xargs kill`, `pidof gatehouse`.
+        || (plain.contains("gatehouse")
+            && ["pidof", "pgrep", "pkill", "killall"]
+                .iter()
+                .any(|finder| plain.split_whitespace().any(|w| w.ends_with(finder))))
+        // The gateway's own command line (it speaks to the control socket, writes api_keys).
+        || parts.iter().any(|part| {
+            part.split_whitespace()
+                .find(|w| !w.contains('='))
+                .is_some_and(|first| first == "gatehouse" || first.ends_with("/gatehouse"))
+        })
 }
 
 /// Could the shell pattern `pattern` match `name`? `*` is any run, `?` and a bracket class any
@@ -1640,6 +1723,29 @@ mod tests {
         for own in ["cat config.yaml", "ls *.db", "rm -f -- *", "cat ./state.db"] {
             assert!(!touches(own, workspace), "{own}");
         }
+        // The home reached by moving first, or by the user's home when it is the gateway's
+        // (a service user's), or through a brace group in the directory part.
+        let service =
+            |c: &str| touches_gateway_state(c, workspace, home, Some(home.to_str().unwrap()));
+        for moved in [
+            "cd ../.. && cat gatehouse/config.yaml",
+            "tar -C ../.. -czf /tmp/x.tgz gatehouse",
+            "cat {..,x}/config.yaml",
+            "pushd .. && wc -c api_keys",
+        ] {
+            assert!(touches(moved, workspace), "{moved}");
+        }
+        for served in [
+            "cd; cat config.yaml",
+            "cd ~ && sqlite3 state.db .tables",
+            "cd $HOME; wc -c api_keys",
+            "cd ${HOME} && head -1 config.yaml",
+            "cp -r ~ /tmp/copy",
+            "cp -r $HOME /tmp/copy",
+        ] {
+            assert!(service(served), "{served}");
+        }
+        assert!(!service("cd src && cat config.yaml"));
         // Another directory's files of the same name, or the home's parent.
         // As the shell reads it: quoted, escaped, or by a pattern.
         for named in [
@@ -1678,6 +1784,12 @@ mod tests {
             "ls -l /proc/4242/fd",
             "kill 4242",
             "sleep 1; /bin/kill -TERM 4242",
+            "kill -TERM $(pidof gatehouse)",
+            "kill -0 `pgrep gatehouse`",
+            "pgrep -x gatehouse | xargs kill -0",
+            "renice -n 0 -p $(pidof gatehouse)",
+            "gatehouse key create evil --home .",
+            "cd /x && ./gatehouse sessions --home .",
         ] {
             assert!(names_gateway_process(reaching, 4242), "{reaching}");
         }
@@ -1687,6 +1799,9 @@ mod tests {
             "head -n 4242 notes.txt",
             "cat /proc/self/status",
             "echo ppid",
+            "kill %1",
+            "ls ~/.local/state/gatehouse",
+            "cargo build -p gatehouse",
         ] {
             assert!(!names_gateway_process(other, 4242), "{other}");
         }
