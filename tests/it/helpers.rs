@@ -838,3 +838,14 @@ pub async fn keyed_ws(d: &Daemon, key: &str) -> Ws {
         .expect("bearer connect");
     Ws::from_framed(framed)
 }
+
+/// A child process killed (and reaped) when dropped, so a test that fails midway leaves no
+/// daemon behind.
+pub struct Reaped(pub Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -742,7 +742,7 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let mut child = cmd.spawn().expect("spawn gatehouse");
+    let mut child = Reaped(cmd.spawn().expect("spawn gatehouse"));
     let mut ident = Value::Null;
     wait_until(
         "the daemon is ready",
@@ -774,9 +774,9 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
     drop(ws);
     // SAFETY: sending a signal to our own child process.
     unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+        libc::kill(child.0.id() as i32, libc::SIGTERM);
     }
-    let _ = child.wait();
+    let _ = child.0.wait();
     let epoch = ident["authority_epoch"].as_i64().expect("epoch");
 
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
