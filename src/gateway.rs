@@ -298,17 +298,20 @@ pub fn prepare_home(home: &Path) -> Result<(), StartError> {
     Ok(())
 }
 
+/// The directory in the home where sessions work when `terminal.cwd` names none.
+pub const WORKSPACE: &str = "workspace";
+
 /// A session's default cwd when `terminal.cwd` names none: `HOME/workspace`, made if missing.
 /// Not the home itself: a command there sees the gateway's own files by listing its directory
 /// (`for f in $(ls); do : > "$f"; done` emptied the ledger with no name for a rule to read).
 fn default_workspace(home: &Path) -> Result<PathBuf, StartError> {
-    let workspace = home.join("workspace");
+    let workspace = home.join(WORKSPACE);
     if !workspace.is_dir() {
         std::fs::create_dir_all(&workspace)
             .and_then(|()| {
                 std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700))
             })
-            .map_err(|e| StartError::Home(format!("cannot create {}: {e}", workspace.display())))?;
+            .map_err(|e| home_io(&workspace, e))?;
     }
     Ok(workspace)
 }

@@ -1324,19 +1324,20 @@ fn touches_gateway_state(
         }
         i += 1;
     }
-    let ends_in_home = homes
-        .iter()
-        .any(|h| cwd.starts_with(h) && !cwd.starts_with(h.join("workspace")));
-    if named_by_path || (ends_in_home && names_gateway_file(&plain)) {
-        return true;
-    }
     // A file named anywhere in a command that names the home (`cd ~/… && rm state.db`), or that
-    // runs in the home outside its workspace.
-    names_gateway_file(&plain)
-        && homes.iter().any(|h| {
-            (start.starts_with(h) && !start.starts_with(h.join("workspace")))
-                || plain.contains(h.to_string_lossy().as_ref())
-        })
+    // starts or ends in the home outside its workspace.
+    let in_home = |dir: &std::path::Path| {
+        homes
+            .iter()
+            .any(|h| dir.starts_with(h) && !dir.starts_with(h.join(crate::gateway::WORKSPACE)))
+    };
+    named_by_path
+        || (names_gateway_file(&plain)
+            && (in_home(&start)
+                || in_home(&cwd)
+                || homes
+                    .iter()
+                    .any(|h| plain.contains(h.to_string_lossy().as_ref()))))
 }
 
 /// A word's readings with its first brace group taken apart (`{..,x}/config.yaml` is
@@ -1462,7 +1463,7 @@ fn names_gateway_process(command: &str, pid: u32) -> bool {
 /// asked about).
 fn glob_may_match(pattern: &str, name: &str) -> bool {
     let mut tokens = Vec::new();
-    let mut chars = pattern.chars().peekable();
+    let mut chars = pattern.chars();
     while let Some(c) = chars.next() {
         match c {
             '*' => tokens.push(None),

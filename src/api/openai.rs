@@ -768,9 +768,11 @@ pub async fn chat_completions(
                     // A key revoked meanwhile ends the stream, as it ends an event stream (the
                     // answer kept coming to the end, up to `http.completion_timeout_seconds`).
                     if !credential.still_valid() {
-                        let refusal = json!({"error": {"message": "the API key was revoked (or the token expired)",
-                                                       "type": "authentication_error", "code": "unauthorized"}});
-                        let _ = out.send(data(&refusal)).await;
+                        // The refusal an event stream ends with, in the chat shape.
+                        let revoked = ChatFailure::from(ApiError::unauthorized(
+                            "the API key was revoked (or the token expired)",
+                        ));
+                        let _ = out.send(data(&*revoked.body)).await;
                         return;
                     }
                     if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {

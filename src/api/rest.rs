@@ -779,7 +779,7 @@ impl SseOut {
             // The body is gone: so is the connection, or it is on its way out.
             Ok(Err(_)) => Err(()),
             Err(_) => {
-                tracing::info!(within = ?self.within, "an event stream's reader took nothing; cut off");
+                tracing::info!(within = ?self.within, "a stream's reader took nothing; cut off");
                 if let Some(socket) = &self.socket {
                     socket.shutdown();
                 }
