@@ -2,6 +2,7 @@
 //! approval) and `clarify` (a question to the user). The prompt flow itself lives in the turn.
 
 pub mod danger;
+pub mod guard;
 pub mod redact;
 pub mod terminal;
 
