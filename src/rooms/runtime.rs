@@ -412,6 +412,38 @@ impl RoomRuntime {
         self.inner.clock.now()
     }
 
+    /// A terminal commit (settled, failed, deferred) made by the runtime: published, and the
+    /// member's pending approval, if it was this task's, reported gone (the attempt that asked
+    /// for it is over, however it ended).
+    pub(crate) fn publish_terminal(&self, binding: &RoomBinding, view: &TaskView) {
+        self.inner.hooks.publish_terminal(binding, view);
+        self.forget_pending_of(&binding.room_id, view);
+    }
+
+    /// A cancellation committed: published, and the task's pending approval reported gone.
+    pub(crate) fn publish_cancelled(&self, room_id: &str, view: &TaskView) {
+        self.inner.hooks.task_cancelled(room_id, view);
+        self.forget_pending_of(room_id, view);
+    }
+
+    fn forget_pending_of(&self, room_id: &str, view: &TaskView) {
+        let member = view.payload.member_id().to_string();
+        let key = (room_id.to_string(), member.clone());
+        {
+            let mut state = self.state();
+            let of_this_task = state
+                .pending_actions
+                .get(&key)
+                .and_then(Option::as_ref)
+                .is_some_and(|action| action["task_id"] == view.identity.task_id.as_str());
+            if !of_this_task {
+                return;
+            }
+            state.pending_actions.insert(key, None);
+        }
+        self.inner.hooks.pending_action(room_id, &member, None);
+    }
+
     /// Record an error of room `room_id` (its own last error, and the runtime's).
     pub(crate) fn set_error(&self, room_id: &str, message: String) {
         tracing::warn!(target: "gatehouse::rooms", room = %room_id, "{message}");
@@ -759,7 +791,7 @@ impl RoomRuntime {
                     match result {
                         Ok(view) => {
                             if !view.idempotent {
-                                self.inner.hooks.task_cancelled(&identity.room_id, &view);
+                                self.publish_cancelled(&identity.room_id, &view);
                             }
                             self.wakeup();
                             return Ok(view);
@@ -907,7 +939,7 @@ impl RoomRuntime {
                 })
                 .await?;
             if !view.idempotent {
-                self.inner.hooks.publish_terminal(&binding, &view);
+                self.publish_terminal(&binding, &view);
             }
             return Ok(view);
         }
@@ -929,7 +961,7 @@ impl RoomRuntime {
                 })
                 .await?;
             if !view.idempotent {
-                self.inner.hooks.publish_terminal(&binding, &view);
+                self.publish_terminal(&binding, &view);
             }
             return Ok(view);
         }

@@ -639,7 +639,7 @@ impl RoomRuntime {
                         .await
                     {
                         if !view.idempotent {
-                            self.inner.hooks.publish_terminal(binding, &view);
+                            self.publish_terminal(binding, &view);
                         }
                     }
                 }
@@ -817,7 +817,7 @@ impl RoomRuntime {
                 .await?
         };
         if !view.idempotent {
-            self.inner.hooks.publish_terminal(binding, &view);
+            self.publish_terminal(binding, &view);
         }
         Ok(view)
     }
@@ -1051,7 +1051,7 @@ impl RoomRuntime {
                 })
                 .await?;
             if !view.idempotent {
-                self.inner.hooks.publish_terminal(binding, &view);
+                self.publish_terminal(binding, &view);
             }
         }
         self.state().blocked.remove(&binding.room_id);
@@ -1199,7 +1199,7 @@ impl RoomRuntime {
             })
             .await?;
         if !view.idempotent {
-            self.inner.hooks.publish_terminal(binding, &view);
+            self.publish_terminal(binding, &view);
         }
         Ok(view)
     }
@@ -1237,7 +1237,7 @@ impl RoomRuntime {
             .write(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
             .await?;
         if !view.idempotent {
-            self.inner.hooks.task_cancelled(&binding.room_id, &view);
+            self.publish_cancelled(&binding.room_id, &view);
         }
         Ok(())
     }
@@ -1948,7 +1948,7 @@ impl RoomRuntime {
                 task = %attempt.identity.task_id,
                 "the member's turn was stopped outside the room: task failed"
             );
-            self.inner.hooks.publish_terminal(binding, &view);
+            self.publish_terminal(binding, &view);
         }
         Ok(view)
     }
@@ -2018,7 +2018,7 @@ impl RoomRuntime {
             Err(error) => return Err(error),
         };
         if !view.idempotent {
-            self.inner.hooks.publish_terminal(binding, &view);
+            self.publish_terminal(binding, &view);
         }
         Ok(view)
     }

@@ -1293,6 +1293,41 @@ async fn test_pending_local_approval_is_reported_with_safe_choices() {
 }
 
 #[tokio::test]
+async fn test_a_stopped_tasks_pending_approval_is_reported_gone() {
+    // The stop is acknowledged at once and nothing observes the member again: the approval the
+    // stopped attempt asked for must still be reported gone (the room showed it forever).
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc);
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    lock(&rpc.states)
+        .get_mut(&session)
+        .unwrap()
+        .pending_approval = Some(json!({
+        "request_id": "approval-1",
+        "command": "rm -rf build",
+        "choices": ["once", "deny"],
+    }));
+    runtime.wakeup();
+    wait_for("approval reported", || {
+        lock(&hooks.actions).iter().any(|(_, _, a)| a.is_some())
+    })
+    .await;
+    let cancelled = runtime.cancel(&id, "cancel-parked").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    let last = lock(&hooks.actions).last().cloned().expect("actions");
+    assert_eq!(last, (ROOM_ID.to_string(), PROFILE.to_string(), None));
+    assert!(runtime.stop(STOP).await);
+}
+
+#[tokio::test]
 async fn test_cancel_never_interrupts_a_newer_task_in_the_same_session() {
     let db = db();
     let id = identity("task-1");
