@@ -1293,7 +1293,7 @@ async fn test_pending_local_approval_is_reported_with_safe_choices() {
 }
 
 #[tokio::test]
-async fn test_a_stopped_tasks_pending_approval_is_reported_gone() {
+async fn a_stopped_tasks_pending_approval_is_reported_gone() {
     // The stop is acknowledged at once and nothing observes the member again: the approval the
     // stopped attempt asked for must still be reported gone (the room showed it forever).
     let db = db();
