@@ -181,15 +181,6 @@ pub(crate) fn ended_by_disband(error: &RoomStoreError) -> bool {
     matches!(error, RoomStoreError::RoomUnavailable(_))
 }
 
-/// Who waits for a member's turn lock, and so which lease must still be theirs when it is got.
-#[derive(Clone, Copy)]
-enum Holder<'a> {
-    /// An attempt already started (its lease).
-    Attempt(&'a TaskAttempt),
-    /// A pass holding `Lease` (a probe of an attempt that was left behind).
-    Lease(&'a Lease),
-}
-
 /// A member's turn lock as a room holds it. Dropping it releases the lock and then wakes the
 /// rooms whose pass found it held ([`RoomRuntime::try_turn`]), so their queued heads are taken
 /// up as soon as the member is free, not at the next poll round.
@@ -521,7 +512,9 @@ impl RoomRuntime {
             self.state()
                 .current_tasks
                 .insert(binding.room_id.clone(), attempt.identity.clone());
-            if let Some(_guard) = self.turn_lock_for(binding, &attempt, &profile).await {
+            // Without waiting: while another room's turn holds the member, the attempt is left
+            // running and the pass ends (freeing its scheduler slot); the release wakes the room.
+            if let Some(_turn) = self.try_turn(&binding.room_id, &profile) {
                 match self
                     .open_existing(port.as_ref(), &profile, &binding.room_id)
                     .await
@@ -745,10 +738,9 @@ impl RoomRuntime {
         lease: &Lease,
     ) -> Result<Probe, PortError> {
         // The wait may be as long as another room's turn of this member: the lease is renewed
-        // meanwhile, as for an attempt's own wait (it lapsed, and the probe's resolution was
-        // then fenced as a lease loss).
+        // meanwhile (it lapsed, and the probe's resolution was then fenced as a lease loss).
         let Some(_guard) = self
-            .lock_renewing(binding, &task.payload.target_profile, Holder::Lease(lease))
+            .lock_renewing(binding, &task.payload.target_profile, lease)
             .await
         else {
             return Err(PortError::new(
@@ -900,9 +892,14 @@ impl RoomRuntime {
             // attempt ended (an operator resolved its `unknown` turn, say) the task resolves so,
             // without waiting out the defer.
             if !port.is_peer() {
-                let probe = self
-                    .locked_probe(binding, port.as_ref(), &task, false, lease)
-                    .await;
+                // Without waiting for the member (another room's turn may hold it up to its
+                // deadline): the pass ends, freeing its scheduler slot, and the release wakes it.
+                let Some(turn) = self.try_turn(&binding.room_id, &task.payload.target_profile)
+                else {
+                    return Ok(true);
+                };
+                let probe = self.live_probe(binding, port.as_ref(), &task).await;
+                drop(turn);
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) if probe.active_for(&id.task_id) => {
@@ -967,9 +964,12 @@ impl RoomRuntime {
             let since = task.indeterminate_at.unwrap_or(task.updated_at);
             let deadline = since + self.inner.config.indeterminate_defer_seconds;
             if port.is_peer() && (!inspected || self.now() >= deadline) {
-                let probe = self
-                    .locked_probe(binding, port.as_ref(), &task, true, lease)
-                    .await;
+                let Some(turn) = self.try_turn(&binding.room_id, &task.payload.target_profile)
+                else {
+                    return Ok(true);
+                };
+                let probe = self.full_probe(binding, port.as_ref(), &task).await;
+                drop(turn);
                 self.state().inspected.insert(key.clone());
                 match probe {
                     Ok(probe) => {
@@ -1477,29 +1477,16 @@ impl RoomRuntime {
             .await
     }
 
-    /// The member's turn lock, for an attempt already submitted (reattached). Another room's
-    /// turn may hold it up to its own deadline; the room's lease is renewed while it waits (as
-    /// the observation does), or the lease would lapse in the queue and fence the attempt.
-    /// `None`: the lease was lost meanwhile.
-    async fn turn_lock_for(
-        &self,
-        binding: &RoomBinding,
-        attempt: &TaskAttempt,
-        profile: &str,
-    ) -> Option<HeldTurn> {
-        self.lock_renewing(binding, profile, Holder::Attempt(attempt))
-            .await
-    }
-
-    /// Wait for `profile`'s turn lock, renewing the room's lease every third of its TTL and
-    /// checking that it is still the one the waiter holds (an attempt's, or `lease`); `None` once
-    /// it is lost or replaced (a lapsed lease is taken again under a new generation, which
-    /// fences what the waiter would commit under the old one).
+    /// Wait for `profile`'s turn lock (an operator's retry probing its task's member), renewing
+    /// the room's lease every third of its TTL and checking that it is still `held`; `None` once
+    /// it is lost or replaced (a lapsed lease is taken again under a new generation, which fences
+    /// what the waiter would commit under the old one). Scheduler passes never wait here: they
+    /// take the lock with [`Self::try_turn`] and end when it is held.
     async fn lock_renewing(
         &self,
         binding: &RoomBinding,
         profile: &str,
-        holder: Holder<'_>,
+        held: &Lease,
     ) -> Option<HeldTurn> {
         let mut lock = self.inner.locks.lock(profile.to_string());
         let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
@@ -1508,13 +1495,10 @@ impl RoomRuntime {
                 guard = &mut lock => break Some(self.held(&binding.room_id, profile, guard)),
                 _ = tokio::time::sleep(every) => {}
             }
-            let kept = match holder {
-                Holder::Attempt(attempt) => self.keep_lease_for(binding, attempt).await,
-                Holder::Lease(held) => self
-                    .ensure_lease(binding)
-                    .await
-                    .is_ok_and(|now| now.lease_generation == held.lease_generation),
-            };
+            let kept = self
+                .ensure_lease(binding)
+                .await
+                .is_ok_and(|now| now.lease_generation == held.lease_generation);
             if !kept {
                 return None;
             }

@@ -1657,6 +1657,100 @@ async fn an_abandoned_attempts_probe_does_not_wait_for_a_busy_member() {
     assert_eq!(rpc.count("submit"), 0);
 }
 
+/// The recovery probe of an indeterminate task does not wait for its member in a scheduler
+/// slot either: while another room's turn holds the member the pass ends with nothing asked,
+/// and the pass after the release resolves the task from the member's ledger.
+#[tokio::test]
+async fn an_indeterminate_tasks_probe_does_not_wait_for_a_busy_member() {
+    let (db, clock, id, rpc, runtime) = abandoned_local_attempt_with(|spec| {
+        spec.exclusive_locks = Some(Arc::new(ProfileTurnLocks::default()));
+    });
+    recover_elsewhere(&db, &clock);
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    ledger_says(&rpc, "settled", Some("Recovered."));
+
+    let other = runtime
+        .try_turn("room-2", PROFILE)
+        .expect("the member is free");
+    tokio::time::timeout(STOP, runtime.process_room(&binding()))
+        .await
+        .expect("the pass waited for the busy member");
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    assert_eq!(rpc.count("ledger_attempt"), 0);
+
+    drop(other);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Settled);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
+/// Observing again its own running attempt (after a stop and start of the runtime) does not
+/// wait in a scheduler slot for a member another room's turn holds: with one slot, a room of
+/// another member still runs meanwhile; the attempt is never resubmitted, and once the member
+/// is free it is observed to its end. Before, the pass held the only slot until the release.
+#[tokio::test]
+async fn reattaching_an_own_attempt_does_not_wait_for_a_busy_member() {
+    let db = db();
+    db.add_room("room-2", "dev", GATEWAY);
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.bindings = vec![binding(), RoomBinding::new("room-2", GATEWAY, 1)];
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.max_concurrent_rooms = 1;
+    spec.exclusive_locks = Some(Arc::new(ProfileTurnLocks::default()));
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    assert!(runtime.stop(STOP).await);
+    let session = rpc.first_session();
+    lock(&rpc.states).get_mut(&session).unwrap().on_terminal = None;
+
+    let other = runtime
+        .try_turn("room-3", PROFILE)
+        .expect("the member is free");
+    let second = TaskIdentity::new("room-2", "task-2", "thread-2", "turn-2").unwrap();
+    admit_to(
+        &db,
+        &second,
+        "dev",
+        "Run room two.",
+        1,
+        &SystemClock::default(),
+    );
+    // The first cycle's only slot goes to room-1, whose pass finds its member busy.
+    runtime.state().cursor = 0;
+    runtime.start();
+    wait_for("room two's task submitted", || {
+        rpc.params("submit")
+            .iter()
+            .any(|p| p["prompt"] == "Run room two.")
+    })
+    .await;
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    rpc.complete("task-2", "Room two done.", "settled");
+    wait_for("room two settled", || {
+        status(&db, &second) == TaskStatus::Settled
+    })
+    .await;
+
+    drop(other);
+    rpc.complete("task-1", "Observed again.", "settled");
+    runtime.wakeup();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(task(&db, &id).result.unwrap()["text"], "Observed again.");
+    let submits = rpc.params("submit");
+    assert_eq!(
+        submits
+            .iter()
+            .filter(|p| p["prompt"] == "Inspect the release candidate.")
+            .count(),
+        1
+    );
+}
+
 /// What the member's ledger says of `task-1`: it ended as `status`.
 fn ledger_says(rpc: &FakeSessionRpc, status: &str, text: Option<&str>) {
     lock(&rpc.ledger).insert(
