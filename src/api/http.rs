@@ -179,12 +179,42 @@ fn push_metric(body: &mut String, name: &str, help: &str, kind: &str, value: u64
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.route("/healthz", web::get().to(healthz))
-        .route("/readyz", web::get().to(readyz))
-        .route("/metrics", web::get().to(metrics))
-        .route("/api/ws", web::get().to(super::ws::ws_route))
-        .configure(super::rest::routes)
-        .default_service(web::to(no_such_route));
+    cfg.service(probe(
+        "/healthz",
+        web::get().to(healthz),
+        web::head().to(healthz),
+    ))
+    .service(probe(
+        "/readyz",
+        web::get().to(readyz),
+        web::head().to(readyz),
+    ))
+    .service(probe(
+        "/metrics",
+        web::get().to(metrics),
+        web::head().to(metrics),
+    ))
+    .route("/api/ws", web::get().to(super::ws::ws_route))
+    .configure(super::rest::routes)
+    .default_service(web::to(no_such_route));
+}
+
+/// A probe route (`/healthz`, `/readyz`, `/metrics`): GET, and HEAD for checkers that ask only
+/// for the status (answered the same, without the body); any other method is 405 with `Allow`.
+fn probe(path: &str, get: actix_web::Route, head: actix_web::Route) -> actix_web::Resource {
+    web::resource(path)
+        .route(get)
+        .route(head)
+        .default_service(web::to(|| async {
+            let refusal = super::auth::ApiError::new(
+                actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this route answers GET and HEAD only",
+            );
+            HttpResponse::MethodNotAllowed()
+                .insert_header(("allow", "GET, HEAD"))
+                .json(refusal.body())
+        }))
 }
 
 /// Outside `/v1` nothing needs authentication to be told it does not exist: 404 with the same

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use super::auth::{ApiError, Principal};
+use super::auth::{authenticate, ApiError};
 use super::http::AppState;
 use super::openapi::{api_object, ApiSchema, Body, Components, Operation};
 use super::rest::CreateSession;
@@ -234,7 +234,11 @@ impl ResponseError for ChatFailure {
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status).json(&*self.body)
+        let mut r = HttpResponse::build(self.status);
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.insert_header(("www-authenticate", "Bearer"));
+        }
+        r.json(&*self.body)
     }
 }
 
@@ -599,10 +603,12 @@ fn data(v: &impl serde::Serialize) -> Bytes {
 
 pub async fn chat_completions(
     req: HttpRequest,
-    principal: Principal,
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ChatFailure> {
+    // Authenticated here rather than by the `Principal` extractor, so a credential refusal is
+    // in OpenAI's error shape too, like every other refusal of this route.
+    let principal = authenticate(&state, &req)?;
     let body: ChatCompletionRequest = read_json(payload, BODY_LIMIT).await?;
     // More than one answer cannot be given: say so rather than send one of the n asked for.
     if body.n.is_some_and(|n| n != 1) {
@@ -615,10 +621,29 @@ pub async fn chat_completions(
         .rposition(|(role, _)| role == "user")
         .filter(|&i| !conversation[i].1.is_empty())
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
+    // The gateway runs the conversation's tools itself: a reply or tool result after the last
+    // user message (a client running tools of its own, or prefilling the answer) would be
+    // dropped, and the request answered as if it ended at that user message.
+    let after: Vec<&str> = body
+        .messages
+        .iter()
+        .rposition(|m| m.role == "user")
+        .map(|i| {
+            body.messages[i + 1..]
+                .iter()
+                .map(|m| m.role.as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    if !after.is_empty() {
+        return Err(invalid(format!(
+            "the conversation must end with its user message, not with {after:?} messages: \
+             this gateway runs the tools itself and answers the last user message"
+        )));
+    }
     let request = &conversation[..=last_user];
     let text = request[last_user].1.clone();
     let authority = &state.authority;
-    let principal = principal.0;
     // A `model` naming a configured profile runs the conversation under that profile.
     let profile = body
         .model
@@ -845,6 +870,8 @@ pub fn operations(c: &mut Components) -> Vec<Operation> {
             ),
         ]),
         errors: vec![400, 403, 409, 413, 429, 502, 503, 504],
+        // OpenAI's error shape (plus the gateway's reason), its credential refusals included.
+        error_body: Some(ChatError::schema(c)),
     }]
 }
 

@@ -218,6 +218,8 @@ pub struct Operation {
     pub response: Body,
     /// Refusal statuses this operation may answer with (beyond 401).
     pub errors: Vec<u16>,
+    /// The refusals' body schema, when not the document's own error body.
+    pub error_body: Option<Value>,
 }
 
 /// Assemble the document.
@@ -252,11 +254,12 @@ pub fn document(
             responses.insert(status.to_string(), same);
         }
         responses.insert(op.status.to_string(), ok);
+        let refusal = op.error_body.as_ref().unwrap_or(&error);
         for status in std::iter::once(401).chain(op.errors.iter().copied()) {
             responses.insert(
                 status.to_string(),
                 json!({"description": http_reason(status),
-                       "content": {"application/json": {"schema": error.clone()}}}),
+                       "content": {"application/json": {"schema": refusal}}}),
             );
         }
         let mut operation = json!({

@@ -997,6 +997,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![200],
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[400, 403, 503]),
+            error_body: None,
         },
         Operation {
             method: "get",
@@ -1009,6 +1010,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[403, 404]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1021,6 +1023,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409, 413, 429, 503]),
+            error_body: None,
         },
         Operation {
             method: "get",
@@ -1037,6 +1040,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1049,6 +1053,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[403, 404, 409]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1061,6 +1066,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<PromptAnswerResult>(c),
             errors: errs(&[400, 403, 404, 409]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1073,6 +1079,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1085,6 +1092,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<InterruptResult>(c),
             errors: errs(&[400, 403, 404, 409]),
+            error_body: None,
         },
         Operation {
             method: "get",
@@ -1107,6 +1115,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
                     "contentSchema": SessionEvent::schema(c)}),
             ),
             errors: errs(&[400, 403, 404]),
+            error_body: None,
         },
         Operation {
             method: "post",
@@ -1123,6 +1132,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::json::<TokenResult>(c),
             errors: vec![],
+            error_body: None,
         },
         Operation {
             method: "get",
@@ -1135,6 +1145,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             also: vec![],
             response: Body::Json(json!({"type": "object"})),
             errors: vec![],
+            error_body: None,
         },
     ]
 }

@@ -196,6 +196,11 @@ struct RoomRef {
     room_id: String,
 }
 
+/// `room.status` takes no params (unknown ones are refused, as every method's are).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AdmitTask {
@@ -408,6 +413,7 @@ impl RoomsService {
                 self.disband(&p.room_id).await
             }
             "room.status" => {
+                let NoParams {} = params(p)?;
                 let status = self.status_for(principal).await?;
                 let mut status = serde_json::to_value(status).unwrap_or(Value::Null);
                 status["followed_rooms"] = json!(self.hub.followed_rooms());

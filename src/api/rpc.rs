@@ -242,7 +242,7 @@ const SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp", "bot_room"];
 fn check_id(name: &str, v: &str) -> GatewayResult<()> {
     if v.is_empty() || v.len() > 1024 {
         return Err(GatewayError::InvalidParams(format!(
-            "{name} must be 1 to 1024 characters"
+            "{name} must be 1 to 1024 bytes (UTF-8)"
         )));
     }
     Ok(())

@@ -131,19 +131,24 @@ pub async fn ws_route(
         None => Credential::of(&state.auth, &req),
     };
     let principal = match ticket {
-        Some(t) => match state.tickets.redeem(&t) {
-            Ok(p) => p,
-            Err(why) => {
-                return Ok(HttpResponse::Unauthorized()
-                    .json(json!({"error": {"reason": "permission_denied", "message": why.to_string()}})))
+        Some(t) => {
+            match state.tickets.redeem(&t) {
+                Ok(p) => p,
+                Err(why) => return Ok(HttpResponse::Unauthorized().json(
+                    json!({"error": {"reason": "permission_denied", "message": why.to_string()}}),
+                )),
             }
-        },
+        }
         None => match state.bearer_principal(&req) {
             Some(p) => p,
             None => {
-                return Ok(HttpResponse::Unauthorized().json(
-                    json!({"error": {"reason": "permission_denied", "message": "a ticket subprotocol or API key is required"}}),
-                ))
+                let message = if req.headers().contains_key("authorization") {
+                    "the API key or token is not valid"
+                } else {
+                    "a ticket subprotocol or API key is required"
+                };
+                return Ok(HttpResponse::Unauthorized()
+                    .json(json!({"error": {"reason": "permission_denied", "message": message}})));
             }
         },
     };
@@ -179,6 +184,10 @@ pub async fn ws_route(
 /// once (`rate_limited`) instead of queueing work (and memory) without bound for a client that
 /// pipelines faster than the store answers; a client that waits for its replies never meets it.
 pub const MAX_IN_FLIGHT: usize = 256;
+
+/// Why a request on a connection whose credential no longer holds is refused.
+const REVOKED: &str =
+    "the connection's API key was revoked (or its token expired): the connection ends";
 
 pub struct WsConnection {
     authority: Authority,
@@ -581,6 +590,19 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
 }
 
 impl WsConnection {
+    /// End a connection whose API key was revoked (or whose token expired): close 1008.
+    fn close_revoked(conn_id: u64, ctx: &mut ws::WebsocketContext<Self>) {
+        tracing::info!(
+            conn = conn_id,
+            "the connection's API key was revoked (or its token expired); closing"
+        );
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Policy,
+            description: Some("credential revoked or expired".into()),
+        }));
+        ctx.stop();
+    }
+
     fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
         let request = match parse_request(text, self.max_frame) {
             Ok(r) => r,
@@ -589,6 +611,19 @@ impl WsConnection {
                 return;
             }
         };
+        // Every request checks the connection's credential, not only the heartbeat: a request
+        // sent after its key was revoked is refused and the connection ends at once (it was
+        // admitted, and its commands ran, for up to a heartbeat).
+        if !self.credential.still_valid() {
+            if let Some(id) = request.id {
+                ctx.text(error_frame(
+                    id,
+                    &GatewayError::PermissionDenied(REVOKED.into()),
+                ));
+            }
+            Self::close_revoked(self.conn_id, ctx);
+            return;
+        }
         if self.in_flight >= MAX_IN_FLIGHT {
             let err = GatewayError::RateLimited(format!(
                 "{MAX_IN_FLIGHT} requests of this connection are already in flight: wait for their replies"
@@ -734,11 +769,8 @@ impl Actor for WsConnection {
                     "client stopped answering pings; closing",
                 ))
             } else if !act.credential.still_valid() {
-                Some((
-                    ws::CloseCode::Policy,
-                    "credential revoked or expired",
-                    "the connection's API key was revoked (or its token expired); closing",
-                ))
+                Self::close_revoked(act.conn_id, ctx);
+                return;
             } else {
                 None
             };
@@ -820,7 +852,16 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
                 use actix_http::ws::Item;
                 let (bytes, last, first) = match &item {
                     Item::FirstText(b) => (b.clone(), false, true),
-                    Item::FirstBinary(b) => (b.clone(), false, true),
+                    Item::FirstBinary(_) => {
+                        // A binary message is refused whole, however it is framed: its
+                        // fragments are dropped, never run as a request.
+                        self.partial = None;
+                        ctx.text(error_frame(
+                            Value::Null,
+                            &GatewayError::InvalidRequest("binary frames are not supported".into()),
+                        ));
+                        return;
+                    }
                     Item::Continue(b) => (b.clone(), false, false),
                     Item::Last(b) => (b.clone(), true, false),
                 };

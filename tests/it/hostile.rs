@@ -665,6 +665,33 @@ async fn hostile_raw_frames_close_or_refuse_and_the_daemon_keeps_serving() {
     raw.text(msg.as_bytes());
     assert_eq!(raw.reply()["id"], "frag", "still serving after fragments");
 
+    // fragmented_binary: a binary message is refused however it is framed; its fragments are
+    // never run as a request (they were reassembled and run: a session was created).
+    let create = json!({"jsonrpc": "2.0", "id": "bin", "method": "session.create",
+                        "params": {"request_id": "binary-fragments", "cwd": home.path.to_string_lossy()}})
+    .to_string();
+    let (a, b) = create.as_bytes().split_at(10);
+    raw.frame(false, 0x2, a);
+    raw.frame(true, 0x0, b);
+    let v = raw.reply();
+    assert_eq!(v["error"]["code"], -32600, "fragmented_binary: {v}");
+    assert!(v["error"]["message"].to_string().contains("binary"), "{v}");
+    raw.text(msg.as_bytes());
+    assert_eq!(
+        raw.reply()["id"],
+        "frag",
+        "still serving after a binary message"
+    );
+    let sessions: i64 = {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::sessions;
+        sessions::table
+            .count()
+            .get_result(&mut home.db())
+            .expect("count")
+    };
+    assert_eq!(sessions, 1, "the binary message created a session");
+
     // fragmented_non_utf8: reassembled bytes that are not UTF-8 → parse error in-band.
     raw.frame(false, 0x1, b"{\"a\":\"\xff");
     raw.frame(true, 0x0, b"\"}");

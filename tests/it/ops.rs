@@ -262,6 +262,28 @@ async fn metrics_parse_and_move_with_the_work() {
     let origin = d.origin();
     assert_eq!(http_get(&format!("{origin}/healthz")).await.0, 200);
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
+    // A checker may ask with HEAD (they were 404 "no such route"); other methods are 405.
+    let client = awc::Client::new();
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let mut head = client
+            .head(format!("{origin}{path}"))
+            .send()
+            .await
+            .expect("HEAD");
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        assert!(head.body().await.expect("body").is_empty(), "HEAD {path}");
+        let post = client
+            .post(format!("{origin}{path}"))
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(post.status().as_u16(), 405, "POST {path}");
+        assert_eq!(
+            post.headers().get("allow").and_then(|v| v.to_str().ok()),
+            Some("GET, HEAD"),
+            "POST {path}"
+        );
+    }
     let (code, before) = http_get(&format!("{origin}/metrics")).await;
     assert_eq!(code, 200);
     let before = parse_prometheus(&before);

@@ -982,6 +982,75 @@ async fn chat(api: &Api, body: Value) -> Resp {
     api.post("/v1/chat/completions", body).await
 }
 
+/// A chat-completions request is refused in OpenAI's error shape when its credentials are, and
+/// when its conversation does not end with its user message (a client's own tool result, or an
+/// assistant prefill, would be dropped): before, the first got the REST routes' shape, and the
+/// second was answered with the earlier answer to the conversation up to its user message,
+/// without the model seeing the tool result.
+#[actix_rt::test]
+async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_results() {
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let question = json!({"role": "user", "content": "weather?"});
+    for (key, why) in [("", "no credentials"), ("gk_not-a-key", "a bad key")] {
+        let r = if key.is_empty() {
+            Api::anonymous(&d)
+        } else {
+            Api::new(&d, key)
+        }
+        .post("/v1/chat/completions", json!({"messages": [question]}))
+        .await;
+        assert_eq!(r.status, 401, "{why}: {}", r.body);
+        let error = &r.body["error"];
+        assert_eq!(error["type"], "authentication_error", "{why}: {}", r.body);
+        assert_eq!(error["code"], "permission_denied", "{why}: {}", r.body);
+        assert_eq!(error["reason"], "permission_denied", "{why}: {}", r.body);
+        assert!(error["message"].is_string(), "{why}: {}", r.body);
+    }
+
+    let api = Api::new(&d, KEY);
+    let first = chat(&api, json!({"messages": [question]})).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let client_tools = json!([
+        question,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C and sunny"},
+    ]);
+    let r = chat(&api, json!({"messages": client_tools})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.body["error"]["type"], "invalid_request_error",
+        "{}",
+        r.body
+    );
+    assert_eq!(r.body["error"]["reason"], "invalid_params", "{}", r.body);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("\"tool\"")),
+        "{}",
+        r.body
+    );
+    let prefill = json!([question, {"role": "assistant", "content": "It is"}]);
+    let r = chat(&api, json!({"messages": prefill})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        model.reached("weather?"),
+        1,
+        "only the first request reached the model"
+    );
+
+    let doc = api.get("/v1/openapi.json").await;
+    let refusal = &doc.body["paths"]["/v1/chat/completions"]["post"]["responses"]["401"];
+    assert_eq!(
+        refusal["content"]["application/json"]["schema"]["$ref"], "#/components/schemas/ChatError",
+        "{refusal}"
+    );
+}
+
 /// A `model` naming a profile runs the conversation under that profile, in a session of its
 /// own; a named session is not answered by another profile than its own.
 #[actix_rt::test]
@@ -1412,7 +1481,17 @@ async fn every_route_refuses_missing_wrong_and_revoked_keys() {
             let body = (method == "POST").then(|| "{}".to_string());
             let r = api.raw(method, path, body).await;
             assert_eq!(r.status, 401, "{who} {method} {path}: {}", r.body);
-            assert_refusal(&r.body, "permission_denied");
+            if path == "/v1/chat/completions" {
+                // OpenAI's shape, as every refusal of the facade.
+                assert_eq!(
+                    r.body["error"]["type"], "authentication_error",
+                    "{}",
+                    r.body
+                );
+                assert_eq!(r.body["error"]["reason"], "permission_denied", "{}", r.body);
+            } else {
+                assert_refusal(&r.body, "permission_denied");
+            }
             assert!(r.headers.contains_key("www-authenticate"));
         }
     }
@@ -1704,6 +1783,59 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
     let a = other.submit(&kept, "still", "still").await;
     kept_sse.until(completes(&a["admission_id"])).await;
     model.release();
+}
+
+/// A request sent on a WebSocket after its key was revoked is refused and ends the connection
+/// at once, not at the next heartbeat: nothing it asks is admitted. Before, a `prompt.submit`
+/// sent right after `gatehouse key revoke` was admitted and its turn ran commands until the
+/// heartbeat closed the connection.
+#[actix_rt::test]
+async fn a_request_after_its_key_was_revoked_is_refused_at_once() {
+    use crate::hostile::{raw_upgrade, RawWs};
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"gateway": {"heartbeat_seconds": 120, "client_timeout_seconds": 300}}),
+    ));
+    let out = cli(&home, &["key", "create", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+    let minted = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let d = Daemon::start(&home);
+    let sid = Api::new(&d, &minted).session("revoked", &home.path).await;
+    let bearer = format!("Bearer {minted}");
+    let mut ws = RawWs::from_upgrade(raw_upgrade(
+        &d.origin(),
+        &["gatehouse.v1".to_string()],
+        &[("Authorization", &bearer)],
+    ));
+    ws.text(
+        json!({"jsonrpc": "2.0", "id": 1, "method": "session.resume", "params": {"session_id": sid}})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(ws.reply()["result"]["session_id"], sid);
+
+    let out = cli(&home, &["key", "revoke", "laptop"]);
+    assert!(out.status.success(), "{out:?}");
+    ws.text(
+        json!({"jsonrpc": "2.0", "id": 2, "method": "prompt.submit",
+               "params": {"session_id": sid, "input_id": "after-revoke", "text": "after revoke"}})
+        .to_string()
+        .as_bytes(),
+    );
+    let refused = ws.reply();
+    assert_eq!(refused["id"], 2, "{refused}");
+    assert_eq!(
+        refused["error"]["data"]["reason"], "permission_denied",
+        "{refused}"
+    );
+    let (code, reason) = ws
+        .close_code_within(Duration::from_secs(5))
+        .expect("a close frame");
+    assert_eq!(code, 1008, "{reason}");
+    assert!(home.admissions().is_empty(), "{:?}", home.admissions());
+    assert_eq!(model.reached("after revoke"), 0);
 }
 
 /// A chat-completions client sends the whole conversation each time. Two conversations that

@@ -171,6 +171,13 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
     let status = ws.ok("room.status", json!({})).await;
     assert_eq!(status["running"], true);
     assert!(status["cycles"].as_u64().is_some_and(|c| c > 0));
+    // Unknown params are refused, as every other method's are (they were ignored).
+    ws.refused(
+        "room.status",
+        json!({"room_id": "room-a"}),
+        "invalid_params",
+    )
+    .await;
     let room = ws.ok("room.get", json!({"room_id": "room-a"})).await;
     assert_eq!(room["task_counts"]["failed"], 1);
     assert_eq!(room["task_counts"]["settled"], 1);
