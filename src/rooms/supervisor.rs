@@ -33,6 +33,14 @@ pub const DEADLINE_REASON_CODE: &str = "turn_deadline_exceeded";
 /// The reason a parked attempt was deferred.
 pub const MEMBER_UNAVAILABLE: &str = "member_unavailable";
 
+/// How long an operator's retry waits for its task's member while another room's turn holds it
+/// (the CLI gives up on an answer after 30 s): past it the retry is refused, having done nothing,
+/// rather than made later, after its caller was told it failed.
+#[cfg(not(test))]
+const RETRY_MEMBER_WAIT: Duration = Duration::from_secs(10);
+#[cfg(test)]
+const RETRY_MEMBER_WAIT: Duration = Duration::from_millis(300);
+
 /// What a recovery probe saw.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Probe {
@@ -737,15 +745,29 @@ impl RoomRuntime {
         full: bool,
         lease: &Lease,
     ) -> Result<Probe, PortError> {
-        // The wait may be as long as another room's turn of this member: the lease is renewed
-        // meanwhile (it lapsed, and the probe's resolution was then fenced as a lease loss).
-        let Some(_guard) = self
-            .lock_renewing(binding, &task.payload.target_profile, lease)
-            .await
-        else {
-            return Err(PortError::new(
-                "the room's lease was lost while it waited for its member",
-            ));
+        // Another room's turn of this member may hold it up to that turn's deadline: the wait
+        // is bounded, and the lease is renewed meanwhile (it lapsed, and the probe's resolution
+        // was then fenced as a lease loss).
+        let profile = &task.payload.target_profile;
+        let waited = tokio::time::timeout(
+            RETRY_MEMBER_WAIT,
+            self.lock_renewing(binding, profile, lease),
+        )
+        .await;
+        let _guard = match waited {
+            Ok(Some(guard)) => guard,
+            Ok(None) => {
+                return Err(PortError::new(
+                    "the room's lease was lost while it waited for its member",
+                ))
+            }
+            Err(_) => {
+                return Err(PortError::new(format!(
+                    "member {profile} is running another room's turn: nothing was retried; \
+                     retry task {} once that turn ends",
+                    task.identity.task_id
+                )))
+            }
         };
         if full {
             self.full_probe(binding, port, task).await

@@ -1684,6 +1684,40 @@ async fn an_indeterminate_tasks_probe_does_not_wait_for_a_busy_member() {
     assert_eq!(rpc.count("submit"), 0);
 }
 
+/// An operator's retry waits for a busy member a bounded time, then is refused having done
+/// nothing (the task keeps its state and generation, nothing is submitted); once the member is
+/// free the retry goes through. Before, it waited up to the other room's turn deadline, long
+/// after the CLI had given up and said the retry failed, and then made it.
+#[tokio::test]
+async fn a_retry_does_not_wait_out_a_busy_member() {
+    let (db, clock, id, rpc, runtime) = abandoned_local_attempt_with(|spec| {
+        spec.exclusive_locks = Some(Arc::new(ProfileTurnLocks::default()));
+    });
+    recover_elsewhere(&db, &clock);
+    let before = task(&db, &id);
+    assert_eq!(before.status, TaskStatus::Indeterminate);
+
+    let other = runtime
+        .try_turn("room-2", PROFILE)
+        .expect("the member is free");
+    let refused = tokio::time::timeout(STOP, runtime.retry_indeterminate(&id))
+        .await
+        .expect("the retry waited out the busy member")
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("running another room's turn"),
+        "{refused}"
+    );
+    let after = task(&db, &id);
+    assert_eq!(after.status, TaskStatus::Indeterminate);
+    assert_eq!(after.execution_generation, before.execution_generation);
+    assert_eq!(rpc.count("submit"), 0);
+
+    drop(other);
+    let retried = runtime.retry_indeterminate(&id).await.unwrap();
+    assert_eq!(retried.status, TaskStatus::Queued);
+}
+
 /// Observing again its own running attempt (after a stop and start of the runtime) does not
 /// wait in a scheduler slot for a member another room's turn holds: with one slot, a room of
 /// another member still runs meanwhile; the attempt is never resubmitted, and once the member
