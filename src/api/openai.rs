@@ -41,6 +41,8 @@ use crate::store::threads;
 
 /// Names the session of a chat completion.
 pub const SESSION_HEADER: &str = "x-gatehouse-session";
+/// The admission a chat request's input became (success and refusal alike, once admitted).
+pub const ADMISSION_HEADER: &str = "x-gatehouse-admission";
 /// The largest request body (a whole conversation).
 const BODY_LIMIT: usize = 16 << 20;
 
@@ -175,6 +177,9 @@ api_object! {
 pub struct ChatFailure {
     status: StatusCode,
     body: Box<ChatError>,
+    /// The session (and input) the refused request reached, sent as the success's headers are,
+    /// so a client whose turn failed or timed out can follow it up.
+    reached: Option<Box<(String, Option<String>)>>,
 }
 
 impl ChatFailure {
@@ -191,6 +196,7 @@ impl ChatFailure {
         };
         ChatFailure {
             status,
+            reached: None,
             body: Box::new(ChatError {
                 error: ChatErrorDetail {
                     message: message.into(),
@@ -201,6 +207,17 @@ impl ChatFailure {
                 },
             }),
         }
+    }
+}
+
+impl ChatFailure {
+    /// This refusal came after the request reached `session` (and its input `admission`).
+    fn reached(mut self, session: &str, admission: Option<&str>) -> ChatFailure {
+        let admission = admission
+            .map(str::to_string)
+            .or_else(|| self.reached.as_ref().and_then(|r| r.1.clone()));
+        self.reached = Some(Box::new((session.to_string(), admission)));
+        self
     }
 }
 
@@ -237,6 +254,12 @@ impl ResponseError for ChatFailure {
         let mut r = HttpResponse::build(self.status);
         if self.status == StatusCode::UNAUTHORIZED {
             r.insert_header(("www-authenticate", "Bearer"));
+        }
+        if let Some(reached) = &self.reached {
+            r.insert_header((SESSION_HEADER, reached.0.as_str()));
+            if let Some(admission) = &reached.1 {
+                r.insert_header((ADMISSION_HEADER, admission.as_str()));
+            }
         }
         r.json(&*self.body)
     }
@@ -723,117 +746,131 @@ pub async fn chat_completions(
         }
     };
     let root = snap.session_id.clone();
-    // Recorded before the input is admitted: a retry finds the session even if this request is
-    // cut off right after the admission.
-    for record in [key.clone(), idem].into_iter().flatten() {
-        let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
-        authority
-            .shared
-            .db
-            .write(move |c| threads::record(c, &p, &record, &r, now))
-            .await?;
-    }
-    let c = caller(&principal, Some(&root));
-    let input_id = match (explicit, &key) {
-        (Some(explicit), _) => explicit,
-        (None, Some(key)) => next_attempt(authority, &root, &principal, &input_id_of(key)).await?,
-        (None, None) => {
-            let id = format!("chat-{}", &thread_key(&Value::Null, request)[..32]);
-            next_attempt(authority, &root, &principal, &id).await?
+    let snap_root = root.clone();
+    // Every refusal from here on names the session the request reached (and its input, once
+    // admitted), as the answer would.
+    let answered: Result<HttpResponse, ChatFailure> = async {
+        // Recorded before the input is admitted: a retry finds the session even if this request is
+        // cut off right after the admission.
+        for record in [key.clone(), idem].into_iter().flatten() {
+            let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
+            authority
+                .shared
+                .db
+                .write(move |c| threads::record(c, &p, &record, &r, now))
+                .await?;
         }
-    };
-    let receipt: Receipt = call(
-        authority,
-        "prompt.submit",
-        json!({"session_id": root, "input_id": input_id, "text": text}),
-        &c,
-    )
-    .await?;
-    if let Some(held) = held_by(&snap, &receipt) {
-        return Err(held);
-    }
-    let wire: Vec<Value> = body
-        .messages
-        .iter()
-        .map(|m| json!({"role": m.role, "content": m.content}))
-        .collect();
-    let prompt_tokens = tokens::estimate_request(&wire, None);
-    let http = &authority.shared.config.http;
-    let timeout = http.completion_timeout_seconds;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(timeout);
-    let model = snap.info.model.clone();
-    if !body.stream.unwrap_or(false) {
-        let done = wait_terminal(authority, &c, &root, &receipt.admission_id, deadline).await?;
-        let reply = reply_of(&done, &model, prompt_tokens, timeout)?;
-        return Ok(HttpResponse::Ok()
-            .insert_header(("x-gatehouse-session", root))
-            .insert_header(("x-gatehouse-admission", receipt.admission_id))
-            .json(completion(&reply)));
-    }
-    let include_usage = body
-        .stream_options
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
-    let keepalive = Duration::from_secs_f64(http.sse_keepalive_seconds);
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    // A reader that takes nothing is cut off, as an event stream's is.
-    let out = SseOut::new(tx, keepalive, &req);
-    let credential = crate::api::auth::Credential::of(&state.auth, &req);
-    let authority = authority.clone();
-    let admission = receipt.admission_id.clone();
-    let session = root.clone();
-    actix_web::rt::spawn(async move {
-        let wait = wait_terminal(&authority, &c, &session, &admission, deadline);
-        tokio::pin!(wait);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
-        let done = loop {
-            tokio::select! {
-                r = &mut wait => break r,
-                _ = tick.tick() => {
-                    // A key revoked meanwhile ends the stream, as it ends an event stream (the
-                    // answer kept coming to the end, up to `http.completion_timeout_seconds`).
-                    if !credential.still_valid() {
-                        // The refusal an event stream ends with, in the chat shape.
-                        let revoked = ChatFailure::from(ApiError::unauthorized(
-                            "the API key was revoked (or the token expired)",
-                        ));
-                        let _ = out.send(data(&*revoked.body)).await;
-                        return;
+        let c = caller(&principal, Some(&root));
+        let input_id = match (explicit, &key) {
+            (Some(explicit), _) => explicit,
+            (None, Some(key)) => {
+                next_attempt(authority, &root, &principal, &input_id_of(key)).await?
+            }
+            (None, None) => {
+                let id = format!("chat-{}", &thread_key(&Value::Null, request)[..32]);
+                next_attempt(authority, &root, &principal, &id).await?
+            }
+        };
+        let receipt: Receipt = call(
+            authority,
+            "prompt.submit",
+            json!({"session_id": root, "input_id": input_id, "text": text}),
+            &c,
+        )
+        .await?;
+        let admitted = |e| ChatFailure::from(e).reached(&root, Some(&receipt.admission_id));
+        if let Some(held) = held_by(&snap, &receipt) {
+            return Err(held.reached(&root, Some(&receipt.admission_id)));
+        }
+        let wire: Vec<Value> = body
+            .messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect();
+        let prompt_tokens = tokens::estimate_request(&wire, None);
+        let http = &authority.shared.config.http;
+        let timeout = http.completion_timeout_seconds;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(timeout);
+        let model = snap.info.model.clone();
+        if !body.stream.unwrap_or(false) {
+            let done = wait_terminal(authority, &c, &root, &receipt.admission_id, deadline)
+                .await
+                .map_err(admitted)?;
+            let reply = reply_of(&done, &model, prompt_tokens, timeout)
+                .map_err(|f| f.reached(&root, Some(&receipt.admission_id)))?;
+            return Ok(HttpResponse::Ok()
+                .insert_header(("x-gatehouse-session", root))
+                .insert_header(("x-gatehouse-admission", receipt.admission_id))
+                .json(completion(&reply)));
+        }
+        let include_usage = body
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let keepalive = Duration::from_secs_f64(http.sse_keepalive_seconds);
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        // A reader that takes nothing is cut off, as an event stream's is.
+        let out = SseOut::new(tx, keepalive, &req);
+        let credential = crate::api::auth::Credential::of(&state.auth, &req);
+        let authority = authority.clone();
+        let admission = receipt.admission_id.clone();
+        let session = root.clone();
+        actix_web::rt::spawn(async move {
+            let wait = wait_terminal(&authority, &c, &session, &admission, deadline);
+            tokio::pin!(wait);
+            let mut tick =
+                tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+            let done = loop {
+                tokio::select! {
+                    r = &mut wait => break r,
+                    _ = tick.tick() => {
+                        // A key revoked meanwhile ends the stream, as it ends an event stream (the
+                        // answer kept coming to the end, up to `http.completion_timeout_seconds`).
+                        if !credential.still_valid() {
+                            // The refusal an event stream ends with, in the chat shape.
+                            let revoked = ChatFailure::from(ApiError::unauthorized(
+                                "the API key was revoked (or the token expired)",
+                            ));
+                            let _ = out.send(data(&*revoked.body)).await;
+                            return;
+                        }
+                        if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
+                            return;
+                        }
                     }
-                    if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {
-                        return;
-                    }
+                    _ = out.tx.closed() => return,
                 }
-                _ = out.tx.closed() => return,
+            };
+            let events = match done
+                .map_err(ChatFailure::from)
+                .and_then(|r| reply_of(&r, &model, prompt_tokens, timeout))
+            {
+                Ok(reply) => chunks(&reply, include_usage).iter().map(data).collect(),
+                Err(f) => vec![data(&*f.body)],
+            };
+            for e in events
+                .into_iter()
+                .chain(std::iter::once(Bytes::from_static(b"data: [DONE]\n\n")))
+            {
+                if out.send(e).await.is_err() {
+                    return;
+                }
             }
-        };
-        let events = match done
-            .map_err(ChatFailure::from)
-            .and_then(|r| reply_of(&r, &model, prompt_tokens, timeout))
-        {
-            Ok(reply) => chunks(&reply, include_usage).iter().map(data).collect(),
-            Err(f) => vec![data(&*f.body)],
-        };
-        for e in events
-            .into_iter()
-            .chain(std::iter::once(Bytes::from_static(b"data: [DONE]\n\n")))
-        {
-            if out.send(e).await.is_err() {
-                return;
+        });
+        let mut resp = sse_response(rx);
+        let headers = resp.headers_mut();
+        for (name, value) in [
+            ("x-gatehouse-session", root),
+            ("x-gatehouse-admission", receipt.admission_id),
+        ] {
+            if let Ok(v) = actix_web::http::header::HeaderValue::from_str(&value) {
+                headers.insert(actix_web::http::header::HeaderName::from_static(name), v);
             }
         }
-    });
-    let mut resp = sse_response(rx);
-    let headers = resp.headers_mut();
-    for (name, value) in [
-        ("x-gatehouse-session", root),
-        ("x-gatehouse-admission", receipt.admission_id),
-    ] {
-        if let Ok(v) = actix_web::http::header::HeaderValue::from_str(&value) {
-            headers.insert(actix_web::http::header::HeaderName::from_static(name), v);
-        }
+        Ok(resp)
     }
-    Ok(resp)
+    .await;
+    answered.map_err(|f| f.reached(&snap_root, None))
 }
 
 /// This route in the OpenAPI document.

@@ -521,8 +521,22 @@ impl Authority {
                 }
                 let root = self.root(&p.session_id).await?;
                 Self::require_subscribed(caller, &root.id)?;
-                let limit = p.limit.unwrap_or(EVENTS_PAGE).clamp(1, EVENTS_PAGE);
+                if p.limit.is_some_and(|n| n < 1) {
+                    return Err(GatewayError::InvalidParams(
+                        "limit must be 1 or more".into(),
+                    ));
+                }
+                // At most a page at once: `has_more` says to ask again.
+                let limit = p.limit.map_or(EVENTS_PAGE, |n| n.min(EVENTS_PAGE));
                 let s = self.events_since(&root.id, p.last_sequence, limit).await?;
+                // A position past the log's head (from another session, or a store made again)
+                // would be followed in silence: every event up to it taken as already seen.
+                if p.last_sequence > s.last_sequence {
+                    return Err(GatewayError::InvalidParams(format!(
+                        "last_sequence {} is past this session's last event ({})",
+                        p.last_sequence, s.last_sequence
+                    )));
+                }
                 plain(json!({
                     "events": s.events.iter().map(|e| e.to_wire()).collect::<Vec<_>>(),
                     "last_sequence": s.last_sequence,

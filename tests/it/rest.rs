@@ -677,12 +677,22 @@ async fn the_same_input_over_rest_and_websocket_is_one_admission() {
     assert_eq!(page["truncated"], false);
     let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
     assert_eq!(snap["last_sequence"], stored.len() as i64);
-    ws.refused(
-        "session.events.since",
+    for bad in [
         json!({"session_id": sid, "last_sequence": -1}),
-        "invalid_params",
-    )
-    .await;
+        json!({"session_id": sid, "last_sequence": stored.len() as i64 + 1}),
+        json!({"session_id": sid, "last_sequence": 0, "limit": 0}),
+    ] {
+        ws.refused("session.events.since", bad, "invalid_params")
+            .await;
+    }
+    let page = ws
+        .ok(
+            "session.events.since",
+            json!({"session_id": sid, "last_sequence": 0, "limit": 2}),
+        )
+        .await;
+    assert_eq!(page["last_sequence"], 2);
+    assert_eq!(page["has_more"], true);
 }
 
 #[actix_rt::test]
@@ -1335,6 +1345,26 @@ async fn chat_completions_speak_the_openai_wire_format() {
     .await;
     assert_eq!(slow.status, 504, "{}", slow.body);
     assert!(started.elapsed() < Duration::from_secs(10));
+    // The refusal names the session and the input it reached, so the client can follow it up.
+    let header = |r: &Resp, name: &str| {
+        r.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let work = header(&r3, "x-gatehouse-session").expect("named session");
+    assert_eq!(header(&slow, "x-gatehouse-session"), Some(work.clone()));
+    let admission = header(&slow, "x-gatehouse-admission").expect("admission header");
+    let receipt = named
+        .expect(
+            "GET",
+            &format!("/v1/sessions/{work}/inputs/{admission}"),
+            None,
+            200,
+        )
+        .await;
+    assert_eq!(receipt["status"], "started", "{receipt}");
+    assert_eq!(header(&bad, "x-gatehouse-session"), None, "it reached none");
     let started = Instant::now();
     let slow = chat(
         &named,
