@@ -62,6 +62,9 @@ pub struct GatewayConfig {
     pub outbound_queue_bytes: usize,
     pub heartbeat_seconds: f64,
     pub client_timeout_seconds: f64,
+    /// How long a start waits for `host`'s address to appear on this machine (an interface still
+    /// coming up at boot) before it gives up.
+    pub bind_wait_seconds: f64,
     /// Directories a session's `cwd` must lie under (after resolving symlinks); empty = anywhere.
     pub allowed_cwd_roots: Vec<PathBuf>,
     #[serde(flatten)]
@@ -107,6 +110,7 @@ impl Default for GatewayConfig {
             outbound_queue_bytes: 64 << 20,
             heartbeat_seconds: 15.0,
             client_timeout_seconds: 60.0,
+            bind_wait_seconds: 30.0,
             allowed_cwd_roots: Vec::new(),
             extra: Extra::new(),
         }
@@ -601,6 +605,7 @@ impl Config {
         let (g, m, h) = (&self.gateway, &self.model, &self.http);
         let zero_or_more = [
             ("gateway.drain_grace_seconds", g.drain_grace_seconds),
+            ("gateway.bind_wait_seconds", g.bind_wait_seconds),
             ("events.retention_seconds", self.events.retention_seconds),
             ("http.max_wait_seconds", h.max_wait_seconds),
         ];
@@ -1057,5 +1062,41 @@ mod tests {
         let c = parse("").expect("empty loads");
         assert_eq!(c.gateway.max_frame_bytes, 1 << 20);
         assert_eq!(c.compression.protect_last_n, 20);
+    }
+}
+
+#[cfg(test)]
+mod example {
+    use super::Config;
+    use std::path::Path;
+
+    /// The shipped example names only keys the gateway knows, each with its default value.
+    #[test]
+    fn the_example_config_is_every_default() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/config.example.yaml");
+        let text = std::fs::read_to_string(&path).expect("the example config");
+        let mut parsed = Config::parse(&text, &path).expect("the example parses");
+        assert_eq!(parsed.unknown_keys(), Vec::<String>::new());
+        let default = Config::default();
+        // Its platform toolsets spell out what the built-in choice gives.
+        for (source, tools) in std::mem::take(&mut parsed.platform_toolsets) {
+            assert_eq!(tools, default.platform_tools(&source), "{source}");
+        }
+        assert_eq!(format!("{parsed:#?}"), format!("{default:#?}"));
+        // And it names every key of every section (set, or commented out when it has no default).
+        let named: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.trim_start().trim_start_matches("# ").split_once(':'))
+            .map(|(key, _)| key.trim().to_string())
+            .collect();
+        let fields = format!("{default:#?}");
+        let missing: Vec<&str> = fields
+            .lines()
+            .filter(|l| l.starts_with("        ") && !l.starts_with("         "))
+            .filter_map(|l| l.trim().split_once(':').map(|(key, _)| key))
+            .filter(|key| *key != "extra" && !key.starts_with('"'))
+            .filter(|key| !named.iter().any(|n| n == key))
+            .collect();
+        assert!(missing.is_empty(), "not in the example: {missing:?}");
     }
 }

@@ -99,6 +99,57 @@ fn listen(host: &str, port: u16) -> Result<std::net::TcpListener, StartError> {
     })
 }
 
+/// How often a start tries again to bind an address that is not on this machine yet.
+const BIND_RETRY: Duration = Duration::from_millis(250);
+
+/// Bind with `bind`, waiting up to `wait` for an address this machine does not have yet: at boot,
+/// the interface of a configured `gateway.host` may come up after the gateway starts (a network
+/// that systemd counted online before its addresses were assigned). Any other failure, or the
+/// address still missing after `wait`, refuses the start.
+async fn listen_waiting(
+    mut bind: impl FnMut() -> Result<std::net::TcpListener, StartError>,
+    wait: Duration,
+    retry: Duration,
+) -> Result<std::net::TcpListener, StartError> {
+    let started = std::time::Instant::now();
+    let mut warned = false;
+    loop {
+        match bind() {
+            Err(StartError::Listen(e))
+                if e.kind() == std::io::ErrorKind::AddrNotAvailable && started.elapsed() < wait =>
+            {
+                if !warned {
+                    warned = true;
+                    tracing::warn!(
+                        error = %e,
+                        wait_seconds = wait.as_secs_f64(),
+                        "gateway.host is not an address of this machine (yet): waiting for it"
+                    );
+                }
+                tokio::time::sleep(retry.min(wait.saturating_sub(started.elapsed()))).await;
+            }
+            Err(StartError::Listen(e)) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                return Err(StartError::Listen(std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e} (not an address of this machine; waited {:.1} s, gateway.bind_wait_seconds)",
+                        started.elapsed().as_secs_f64()
+                    ),
+                )));
+            }
+            other => {
+                if warned && other.is_ok() {
+                    tracing::info!(
+                        waited_seconds = started.elapsed().as_secs_f64(),
+                        "gateway.host's address appeared: listening"
+                    );
+                }
+                return other;
+            }
+        }
+    }
+}
+
 /// Reader workers (snapshots, transcripts).
 const READERS: u32 = 2;
 
@@ -419,7 +470,12 @@ impl Gateway {
         }
         // Listen before anything durable happens: a start that cannot serve takes no epoch
         // and recovers nothing, and leaves no actor behind.
-        let tcp = listen(&config.gateway.host, config.gateway.port)?;
+        let tcp = listen_waiting(
+            || listen(&config.gateway.host, config.gateway.port),
+            Duration::from_secs_f64(config.gateway.bind_wait_seconds),
+            BIND_RETRY,
+        )
+        .await?;
         if !config.gateway.is_loopback()
             && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys)
         {
@@ -685,5 +741,68 @@ mod tests {
         assert!(
             !StartError::Listen(std::io::Error::from(std::io::ErrorKind::AddrInUse)).is_permanent()
         );
+    }
+
+    fn refused(kind: std::io::ErrorKind) -> Result<std::net::TcpListener, StartError> {
+        Err(StartError::Listen(std::io::Error::from(kind)))
+    }
+
+    /// An address that appears while the start waits is listened on; one that never does, and
+    /// any other failure, refuse the start (the first after the wait, the others at once).
+    #[actix_rt::test]
+    async fn a_start_waits_a_bounded_time_for_its_address_to_appear() {
+        use std::io::ErrorKind::{AddrInUse, AddrNotAvailable};
+        use std::time::{Duration, Instant};
+        let (wait, retry) = (Duration::from_secs(10), Duration::from_millis(5));
+        let mut tries = 0;
+        let listener = super::listen_waiting(
+            || {
+                tries += 1;
+                if tries < 4 {
+                    refused(AddrNotAvailable)
+                } else {
+                    std::net::TcpListener::bind("127.0.0.1:0").map_err(StartError::Listen)
+                }
+            },
+            wait,
+            retry,
+        )
+        .await;
+        assert!(listener.is_ok(), "{:?}", listener.err());
+        assert_eq!(tries, 4);
+
+        let started = Instant::now();
+        let mut tries = 0;
+        let never = super::listen_waiting(
+            || {
+                tries += 1;
+                refused(AddrNotAvailable)
+            },
+            Duration::from_millis(100),
+            retry,
+        )
+        .await;
+        let waited = started.elapsed();
+        let Err(e) = never else {
+            panic!("an address that never appears was listened on")
+        };
+        assert!(e.is_permanent(), "{e}");
+        assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
+        assert!(waited >= Duration::from_millis(100), "{waited:?}");
+        assert!(waited < wait, "{waited:?}");
+        assert!(tries > 2, "{tries}");
+
+        let mut tries = 0;
+        let in_use = super::listen_waiting(
+            || {
+                tries += 1;
+                refused(AddrInUse)
+            },
+            wait,
+            retry,
+        )
+        .await;
+        assert!(in_use.is_err());
+        assert_eq!(tries, 1, "a port in use is not waited for");
     }
 }

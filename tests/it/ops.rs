@@ -619,6 +619,31 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
     );
 }
 
+/// A `gateway.host` this machine does not have (an interface not up yet at boot) is waited for
+/// up to `gateway.bind_wait_seconds`, then refused for good, naming the setting; the store was
+/// not touched meanwhile.
+#[actix_rt::test]
+async fn an_address_that_never_appears_is_waited_for_then_refused() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    // TEST-NET-1 (RFC 5737): documentation only, never an address of a real machine.
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 1.0}}),
+    ));
+    let started = std::time::Instant::now();
+    let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
+    let waited = started.elapsed();
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("waiting for it"), "{stderr}");
+    assert!(stderr.contains("gateway.bind_wait_seconds"), "{stderr}");
+    assert!(waited >= Duration::from_secs(1), "{waited:?}");
+    assert!(
+        !home.path.join("state.db").exists(),
+        "nothing durable happened before the listener"
+    );
+}
+
 /// A state.db restored from a backup holds an older authority epoch; the next start still takes
 /// one greater than every epoch taken on the home (recorded beside the database). Before, it
 /// took the restored file's next one again, which an earlier process had already had.
