@@ -113,6 +113,9 @@ async fn listen_waiting(
 ) -> Result<std::net::TcpListener, StartError> {
     let started = std::time::Instant::now();
     let mut warned = false;
+    // While it waits, systemd is asked for more time to start (a long wait would otherwise
+    // outlast `TimeoutStartSec` and the start be killed, then restarted into the same wait).
+    let mut _extended = None;
     loop {
         match bind() {
             Err(StartError::Listen(e))
@@ -120,6 +123,7 @@ async fn listen_waiting(
             {
                 if !warned {
                     warned = true;
+                    _extended = Some(crate::notify::extend_start_while_alive());
                     tracing::warn!(
                         error = %e,
                         wait_seconds = wait.as_secs_f64(),

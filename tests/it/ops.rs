@@ -631,11 +631,34 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
         &model.url,
         json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 1.0}}),
     ));
+    let socket_path = home.path.join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).expect("notify socket");
+    socket.set_nonblocking(true).expect("nonblocking");
     let started = std::time::Instant::now();
-    let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
+    let child = Command::new(bin())
+        .args(["serve", "--home"])
+        .arg(&home.path)
+        .env("NOTIFY_SOCKET", &socket_path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn gatehouse");
+    let (code, stderr) = exit_of(child).await;
     let waited = started.elapsed();
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("waiting for it"), "{stderr}");
+    // systemd was asked for more time to start while it waited (its start timeout may be
+    // shorter than the wait), and was never told the daemon is ready.
+    let mut buf = [0u8; 4096];
+    let mut said = Vec::new();
+    while let Ok(n) = socket.recv(&mut buf) {
+        said.push(String::from_utf8_lossy(&buf[..n]).to_string());
+    }
+    assert!(
+        said.iter().any(|s| s.starts_with("EXTEND_TIMEOUT_USEC=")),
+        "{said:?}"
+    );
+    assert!(!said.iter().any(|s| s.contains("READY=1")), "{said:?}");
     assert!(stderr.contains("gateway.bind_wait_seconds"), "{stderr}");
     assert!(waited >= Duration::from_secs(1), "{waited:?}");
     assert!(
