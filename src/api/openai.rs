@@ -799,8 +799,8 @@ pub async fn chat_completions(
             let reply = reply_of(&done, &model, prompt_tokens, timeout)
                 .map_err(|f| f.reached(&root, Some(&receipt.admission_id)))?;
             return Ok(HttpResponse::Ok()
-                .insert_header(("x-gatehouse-session", root))
-                .insert_header(("x-gatehouse-admission", receipt.admission_id))
+                .insert_header((SESSION_HEADER, root))
+                .insert_header((ADMISSION_HEADER, receipt.admission_id))
                 .json(completion(&reply)));
         }
         let include_usage = body
@@ -860,8 +860,8 @@ pub async fn chat_completions(
         let mut resp = sse_response(rx);
         let headers = resp.headers_mut();
         for (name, value) in [
-            ("x-gatehouse-session", root),
-            ("x-gatehouse-admission", receipt.admission_id),
+            (SESSION_HEADER, root),
+            (ADMISSION_HEADER, receipt.admission_id),
         ] {
             if let Ok(v) = actix_web::http::header::HeaderValue::from_str(&value) {
                 headers.insert(actix_web::http::header::HeaderName::from_static(name), v);
