@@ -473,7 +473,7 @@ fn writer_loop(
         // Jobs the transaction never ran (it could not begin) are dropped with `batch`, which
         // drops their reply channels: their callers see a storage error.
         if committed.is_ok() {
-            wal.commits.fetch_add(1, Ordering::Relaxed);
+            wal.commits.fetch_add(1, Ordering::Release);
             // Committed to the file opened at start, which must still be the one at its path:
             // a commit to a file since removed or replaced is lost at the next start, so it is
             // not acknowledged (one `stat`, against the commit's `fsync`).
@@ -954,13 +954,17 @@ pub fn spawn_checkpointer(
                         "cannot open the database file to sync checkpoints: restarts sync it all")
                 })
                 .ok();
-            // How many WAL frames were in the database file as of the last sync.
-            let mut synced = 0;
+            // How many WAL frames were in the database file as of the last sync, and the
+            // writer's commits then. The count alone misses a round that copied as many frames
+            // as the last one did before the WAL restarted (the same writes again).
+            let (mut synced, mut synced_commits) = (0, 0);
             loop {
                 std::thread::sleep(every);
                 let Some(wal) = state.upgrade() else {
                     return;
                 };
+                // Read before the round: every commit counted is in the WAL it checkpoints.
+                let commits = wal.commits.load(Ordering::Acquire);
                 let mut conn = match pool.get() {
                     Ok(c) => c,
                     Err(e) => {
@@ -975,8 +979,10 @@ pub fn spawn_checkpointer(
                         continue;
                     }
                 };
-                if round.checkpointed != synced {
-                    synced = round.checkpointed;
+                let copied = round.checkpointed != synced
+                    || (commits != synced_commits && round.checkpointed > 0);
+                if copied {
+                    (synced, synced_commits) = (round.checkpointed, commits);
                     if let Some(f) = &file {
                         match f.sync_data() {
                             Ok(()) => {
@@ -1667,7 +1673,8 @@ mod wal_restart_tests {
     }
 
     /// The checkpointer syncs the database file after a round that copied frames (the restart's
-    /// sync is then short), and not in rounds that found nothing to copy.
+    /// sync is then short), and not in rounds that found nothing to copy, also when the frames
+    /// it copied are as many as it copied before a WAL restart.
     #[test]
     fn the_checkpointer_syncs_what_it_copied_and_nothing_more() {
         let dir = testing::tempfile_dir::TempDir::new();
@@ -1691,12 +1698,18 @@ mod wal_restart_tests {
                 }
             };
             let mut syncs = db.checkpoint_syncs();
+            // Each pass writes the same frames: once a pass is all checkpointed, the next one's
+            // write restarts the WAL from its first frame, and the WAL then holds as many frames,
+            // as many of them copied, as after the pass before.
             for _ in 0..3 {
-                for _ in 0..20 {
-                    db.write(|c| Ok(c.batch_execute("INSERT INTO w (v) VALUES (zeroblob(4096))")?))
-                        .await
-                        .expect("insert");
-                }
+                db.write(|c| {
+                    for _ in 0..20 {
+                        c.batch_execute("INSERT INTO w (v) VALUES (zeroblob(4096))")?;
+                    }
+                    Ok(())
+                })
+                .await
+                .expect("insert");
                 rounds_after(2).await;
                 let now = db.checkpoint_syncs();
                 assert!(
