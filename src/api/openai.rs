@@ -909,6 +909,24 @@ pub fn operations(c: &mut Components) -> Vec<Operation> {
         errors: vec![400, 403, 409, 413, 429, 502, 503, 504],
         // OpenAI's error shape (plus the gateway's reason), its credential refusals included.
         error_body: Some(ChatError::schema(c)),
+        headers: vec![
+            (
+                "X-Gatehouse-Session",
+                "The session the input was admitted to (send it back to continue there)",
+            ),
+            ("X-Gatehouse-Admission", "The input's admission id"),
+        ],
+        refusal_headers: vec![
+            (
+                "X-Gatehouse-Session",
+                "The session the request reached, when it reached one (a failed or timed-out \
+                 turn can be followed up there)",
+            ),
+            (
+                "X-Gatehouse-Admission",
+                "The input's admission id, when it was admitted",
+            ),
+        ],
     }]
 }
 

@@ -220,6 +220,24 @@ pub struct Operation {
     pub errors: Vec<u16>,
     /// The refusals' body schema, when not the document's own error body.
     pub error_body: Option<Value>,
+    /// Response headers of the success: `(name, description)`.
+    pub headers: Vec<(&'static str, &'static str)>,
+    /// Response headers a refusal may carry (beyond `WWW-Authenticate` on 401).
+    pub refusal_headers: Vec<(&'static str, &'static str)>,
+}
+
+/// An OpenAPI `headers` object: each header a string.
+fn headers_object(list: &[(&str, &str)]) -> Value {
+    Value::Object(
+        list.iter()
+            .map(|(name, desc)| {
+                (
+                    name.to_string(),
+                    json!({"description": desc, "schema": {"type": "string"}}),
+                )
+            })
+            .collect(),
+    )
 }
 
 /// Assemble the document.
@@ -248,6 +266,9 @@ pub fn document(
         if let Some(content) = op.response.content() {
             ok["content"] = content;
         }
+        if !op.headers.is_empty() {
+            ok["headers"] = headers_object(&op.headers);
+        }
         for status in &op.also {
             let mut same = ok.clone();
             same["description"] = json!(http_reason(*status));
@@ -256,11 +277,16 @@ pub fn document(
         responses.insert(op.status.to_string(), ok);
         let refusal = op.error_body.as_ref().unwrap_or(&error);
         for status in std::iter::once(401).chain(op.errors.iter().copied()) {
-            responses.insert(
-                status.to_string(),
-                json!({"description": http_reason(status),
-                       "content": {"application/json": {"schema": refusal}}}),
-            );
+            let mut refused = json!({"description": http_reason(status),
+                                     "content": {"application/json": {"schema": refusal}}});
+            let mut headers = op.refusal_headers.clone();
+            if status == 401 {
+                headers.push(("WWW-Authenticate", "`Bearer`"));
+            }
+            if !headers.is_empty() {
+                refused["headers"] = headers_object(&headers);
+            }
+            responses.insert(status.to_string(), refused);
         }
         let mut operation = json!({
             "operationId": op.id,

@@ -998,6 +998,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[400, 403, 503]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "get",
@@ -1011,6 +1013,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<SessionSnapshot>(c),
             errors: errs(&[403, 404]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1024,6 +1028,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409, 413, 429, 503]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "get",
@@ -1041,6 +1047,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1054,6 +1062,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<Receipt>(c),
             errors: errs(&[403, 404, 409]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1067,6 +1077,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<PromptAnswerResult>(c),
             errors: errs(&[400, 403, 404, 409]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1080,6 +1092,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<Receipt>(c),
             errors: errs(&[400, 403, 404, 409]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1093,6 +1107,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<InterruptResult>(c),
             errors: errs(&[400, 403, 404, 409]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "get",
@@ -1116,6 +1132,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             ),
             errors: errs(&[400, 403, 404]),
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "post",
@@ -1133,6 +1151,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::json::<TokenResult>(c),
             errors: vec![],
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
         Operation {
             method: "get",
@@ -1146,6 +1166,8 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             response: Body::Json(json!({"type": "object"})),
             errors: vec![],
             error_body: None,
+            headers: vec![],
+            refusal_headers: vec![],
         },
     ]
 }
@@ -1220,6 +1242,26 @@ mod tests {
         let create = &paths["/v1/sessions"]["post"]["responses"];
         assert_eq!(create["201"]["description"], "Created");
         assert_eq!(create["200"]["content"], create["201"]["content"]);
+        // The headers a response carries are named: the chat route's session and admission on
+        // its success and on refusals after the request reached a session, and the challenge
+        // of every 401.
+        let chat = &paths["/v1/chat/completions"]["post"]["responses"];
+        for status in ["200", "409", "504"] {
+            for h in ["X-Gatehouse-Session", "X-Gatehouse-Admission"] {
+                assert_eq!(
+                    chat[status]["headers"][h]["schema"]["type"], "string",
+                    "{h} on {status}"
+                );
+            }
+        }
+        for op in paths
+            .values()
+            .flat_map(|item| item.as_object().into_iter().flatten())
+        {
+            let challenge = &op.1["responses"]["401"]["headers"]["WWW-Authenticate"];
+            assert!(challenge.is_object(), "{} without its challenge", op.0);
+        }
+        assert!(submit["responses"]["202"].get("headers").is_none());
         // Every $ref resolves.
         let text = doc.to_string();
         for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
