@@ -103,6 +103,25 @@ impl From<GatewayError> for ApiError {
     }
 }
 
+/// The headers every refusal of `status` carries: the challenge of a 401, and when to come
+/// back after a refusal that is about load or availability (`session_busy`, `rate_limited`,
+/// `runtime_draining`, `storage_unavailable`): HTTP clients, OpenAI's among them, wait that
+/// long before they retry, instead of at once or by a back-off of their own.
+pub fn refusal_headers(status: StatusCode, r: &mut actix_web::HttpResponseBuilder) {
+    match status {
+        StatusCode::UNAUTHORIZED => {
+            r.insert_header(("www-authenticate", "Bearer"));
+        }
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+            r.insert_header(("retry-after", RETRY_AFTER_SECONDS));
+        }
+        _ => {}
+    }
+}
+
+/// The `Retry-After` of a refusal about load or availability, in seconds.
+pub const RETRY_AFTER_SECONDS: &str = "1";
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         self.status
@@ -110,9 +129,7 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         let mut r = HttpResponse::build(self.status);
-        if self.status == StatusCode::UNAUTHORIZED {
-            r.insert_header(("www-authenticate", "Bearer"));
-        }
+        refusal_headers(self.status, &mut r);
         r.json(self.body())
     }
 }

@@ -252,9 +252,7 @@ impl ResponseError for ChatFailure {
 
     fn error_response(&self) -> HttpResponse {
         let mut r = HttpResponse::build(self.status);
-        if self.status == StatusCode::UNAUTHORIZED {
-            r.insert_header(("www-authenticate", "Bearer"));
-        }
+        super::auth::refusal_headers(self.status, &mut r);
         if let Some(reached) = &self.reached {
             r.insert_header((SESSION_HEADER, reached.0.as_str()));
             if let Some(admission) = &reached.1 {

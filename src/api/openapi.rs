@@ -280,8 +280,10 @@ pub fn document(
             let mut refused = json!({"description": http_reason(status),
                                      "content": {"application/json": {"schema": refusal}}});
             let mut headers = op.refusal_headers.clone();
-            if status == 401 {
-                headers.push(("WWW-Authenticate", "`Bearer`"));
+            match status {
+                401 => headers.push(("WWW-Authenticate", "`Bearer`")),
+                429 | 503 => headers.push(("Retry-After", "Seconds to wait before retrying")),
+                _ => {}
             }
             if !headers.is_empty() {
                 refused["headers"] = headers_object(&headers);

@@ -1262,6 +1262,9 @@ mod tests {
             assert!(challenge.is_object(), "{} without its challenge", op.0);
         }
         assert!(submit["responses"]["202"].get("headers").is_none());
+        assert!(submit["responses"]["429"]["headers"]["Retry-After"].is_object());
+        assert!(submit["responses"]["503"]["headers"]["Retry-After"].is_object());
+        assert!(submit["responses"]["409"].get("headers").is_none());
         // Every $ref resolves.
         let text = doc.to_string();
         for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {

@@ -106,7 +106,7 @@ pub async fn ws_route(
     // Checked before the ticket is spent, so a refused client may retry with it.
     let Some(slot) = Slot::take(cfg.max_connections) else {
         return Ok(HttpResponse::ServiceUnavailable()
-            .insert_header(("Retry-After", "1"))
+            .insert_header(("retry-after", super::auth::RETRY_AFTER_SECONDS))
             .json(
                 json!({"error": {"reason": "rate_limited", "message": format!(
                 "too many open connections (gateway.max_connections = {})", cfg.max_connections)}}),

@@ -2194,4 +2194,43 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     .await;
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
+    assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
+}
+
+fn retry_after(r: &Resp) -> Option<&str> {
+    r.headers.get("retry-after").and_then(|v| v.to_str().ok())
+}
+
+/// A session whose queue is full refuses another input with 429 `session_busy` and says when to
+/// come back (`Retry-After`), as a load refusal should to an HTTP client; other refusals do not.
+#[actix_rt::test]
+async fn a_full_queue_is_a_429_that_says_when_to_come_back() {
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(
+        &model,
+        json!({"session": {"max_queued_admissions": 1}}),
+    ));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("full", &home.path).await;
+    api.submit(&sid, "head", "HANG").await;
+    wait_until("HANG at the model", Duration::from_secs(20), || {
+        model.reached("HANG") == 1
+    })
+    .await;
+    api.submit(&sid, "q1", "Q1").await;
+    let inputs = format!("/v1/sessions/{sid}/inputs");
+    let r = api
+        .post(&inputs, json!({"input_id": "q2", "text": "Q2"}))
+        .await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_refusal(&r.body, "session_busy");
+    assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
+    // A refusal that waiting does not cure says nothing of coming back.
+    let r = api
+        .post(&inputs, json!({"input_id": "q1", "text": "other"}))
+        .await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(retry_after(&r), None, "{:?}", r.headers);
 }
