@@ -750,6 +750,10 @@ impl Config {
         push("session", &self.session.extra);
         push("events", &self.events.extra);
         push("http", &self.http.extra);
+        push("rooms", &self.rooms.extra);
+        for (name, profile) in &self.profiles {
+            push(&format!("profiles.{name}"), &profile.extra);
+        }
         out
     }
 
@@ -866,7 +870,9 @@ mod tests {
     fn json_is_yaml_and_unknown_keys_are_collected() {
         let c = parse(r#"{"gateway":{"multiplex_profiles":false},"auxiliary":{"title_generation":{"enabled":false}},
             "model":{"provider":"custom","default":"m","base_url":"http://127.0.0.1:9/v1","context_length":64000},
-            "approvals":{"mode":"manual","timeout":120},"platform_toolsets":{"cli":["terminal"]}}"#)
+            "approvals":{"mode":"manual","timeout":120},"platform_toolsets":{"cli":["terminal"]},
+            "rooms":{"lease_ttl_seconds":12,"driver_heartbeat":3},
+            "profiles":{"coder":{"model":"m2","personality":"terse"}}}"#)
         .expect("loads");
         assert_eq!(c.model.context_length, Some(64000));
         assert_eq!(c.approvals.timeout, 120.0);
@@ -878,6 +884,17 @@ mod tests {
         );
         assert!(
             unknown.contains(&"auxiliary.title_generation".to_string()),
+            "{unknown:?}"
+        );
+        // Every section, rooms and each profile included, loads past a key it does not know.
+        assert_eq!(c.rooms.lease_ttl_seconds, 12.0);
+        assert!(
+            unknown.contains(&"rooms.driver_heartbeat".to_string()),
+            "{unknown:?}"
+        );
+        assert_eq!(c.profiles["coder"].model.as_deref(), Some("m2"));
+        assert!(
+            unknown.contains(&"profiles.coder.personality".to_string()),
             "{unknown:?}"
         );
     }

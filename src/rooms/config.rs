@@ -4,7 +4,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 /// Configuration of the hosted-room runtime.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct RoomsConfig {
     /// Driver lease time-to-live.
     pub lease_ttl_seconds: f64,
@@ -34,6 +34,9 @@ pub struct RoomsConfig {
     /// Tasks a room may have queued; `room.admit` past it is refused (`session_busy`).
     #[serde(deserialize_with = "positive_queued")]
     pub max_queued_tasks_per_room: i64,
+    /// Keys this version does not know: logged once and otherwise ignored, as in every section.
+    #[serde(flatten, skip_serializing)]
+    pub extra: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 impl Default for RoomsConfig {
@@ -51,6 +54,7 @@ impl Default for RoomsConfig {
             max_ended_tasks_per_room: 2048,
             prune_interval_seconds: 60.0,
             max_queued_tasks_per_room: 1000,
+            extra: Default::default(),
         }
     }
 }
