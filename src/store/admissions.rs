@@ -668,9 +668,11 @@ pub fn cancel(
         let row = of_session(conn, session, admission_id)?;
         match row.status.as_str() {
             "queued" => {
-                diesel::update(
+                // The fence is the statement's own: only this session's row, only while queued.
+                let n = diesel::update(
                     sa::table
                         .filter(sa::admission_id.eq(admission_id))
+                        .filter(sa::target_session_id.eq(session))
                         .filter(sa::status.eq("queued")),
                 )
                 .set((
@@ -679,6 +681,11 @@ pub fn cancel(
                     sa::updated_at.eq(now),
                 ))
                 .execute(conn)?;
+                if n != 1 {
+                    return Err(StoreError::StaleGeneration(format!(
+                        "admission {admission_id} is no longer queued"
+                    )));
+                }
                 let logged = events::append(
                     conn,
                     session,
@@ -807,10 +814,13 @@ pub fn resolve_unknown(
         .map(|m| NewMessage { session_id: tip.clone(), ..m })
         .collect();
         insert_messages(conn, &closing, now)?;
-        diesel::update(
+        // Fenced in the statement too: this session's row, unknown, at this generation.
+        let n = diesel::update(
             sa::table
                 .filter(sa::admission_id.eq(admission_id))
-                .filter(sa::status.eq("unknown")),
+                .filter(sa::target_session_id.eq(session))
+                .filter(sa::status.eq("unknown"))
+                .filter(sa::execution_generation.eq(generation)),
         )
         .set((
             sa::status.eq("terminal"),
@@ -820,6 +830,11 @@ pub fn resolve_unknown(
             sa::updated_at.eq(now),
         ))
         .execute(conn)?;
+        if n != 1 {
+            return Err(StoreError::StaleGeneration(format!(
+                "admission {admission_id} is not unknown at generation {generation}"
+            )));
+        }
         diesel::update(sessions::table.filter(sessions::id.eq(session)))
             .set(sessions::runtime_revision.eq(sessions::runtime_revision + 1))
             .execute(conn)?;
