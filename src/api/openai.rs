@@ -45,6 +45,8 @@ pub const SESSION_HEADER: &str = "x-gatehouse-session";
 pub const ADMISSION_HEADER: &str = "x-gatehouse-admission";
 /// The largest request body (a whole conversation).
 const BODY_LIMIT: usize = 16 << 20;
+/// The most messages a conversation sent whole may have (a new session starts with all of them).
+pub const MAX_MESSAGES: usize = 10_000;
 
 api_object! {
     /// A message of the conversation. `content` is a string or a list of parts (`text` parts are
@@ -665,6 +667,22 @@ pub async fn chat_completions(
     let request = &conversation[..=last_user];
     let text = request[last_user].1.clone();
     let authority = &state.authority;
+    // Refused before anything is written: the input would be refused after its conversation's
+    // session had been made, and a history past MAX_MESSAGES would hold the writer while it
+    // is copied in row by row.
+    let max = authority.shared.config.session.max_text_bytes;
+    if text.len() > max {
+        return Err(GatewayError::PayloadTooLarge(format!(
+            "the last user message is over {max} bytes"
+        ))
+        .into());
+    }
+    if request.len() > MAX_MESSAGES {
+        return Err(invalid(format!(
+            "the conversation has {} messages; at most {MAX_MESSAGES} are taken",
+            request.len()
+        )));
+    }
     // A `model` naming a configured profile runs the conversation under that profile.
     let profile = body
         .model

@@ -174,8 +174,9 @@ api_object! {
 
 api_object! {
     request struct InterruptBody {
-        /// Only interrupt this attempt (`stale_generation` if another is running).
-        execution_generation: Option<i64>,
+        /// The attempt to interrupt (`stale_generation` if it is not the one running): a late
+        /// interrupt never stops the turn after it.
+        execution_generation: i64,
     }
 }
 

@@ -234,10 +234,14 @@ pub const EVENTS_PAGE: i64 = 500;
 #[serde(deny_unknown_fields)]
 struct InterruptParams {
     session_id: String,
-    execution_generation: Option<i64>,
+    /// Required, as for every answer to a running attempt: an interrupt meant for one turn that
+    /// arrives after it ended must not stop the next.
+    execution_generation: i64,
 }
 
 const SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp", "bot_room"];
+/// The sources a client may name (`bot_room` is the room runtime's own).
+const CLIENT_SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp"];
 
 fn check_id(name: &str, v: &str) -> GatewayResult<()> {
     if v.is_empty() || v.len() > 1024 {
@@ -503,7 +507,7 @@ impl Authority {
                 let sup = self.supervisor(&root.id).await?;
                 let done = sup
                     .send(Interrupt {
-                        generation: p.execution_generation,
+                        generation: Some(p.execution_generation),
                         reason: "client interrupt".into(),
                     })
                     .await
@@ -666,9 +670,14 @@ impl Authority {
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         check_id("request_id", &request_id)?;
         let source = p.source.clone().unwrap_or_else(|| "cli".into());
-        if !SOURCES.contains(&source.as_str()) {
+        // `bot_room` names a hosted room's member session: only the room runtime opens those
+        // (a client's session under it would take the rooms' platform tools).
+        let allowed = SOURCES.contains(&source.as_str())
+            && (source != crate::rooms::port::ROOM_SESSION_SOURCE
+                || caller.principal == crate::rooms::local::ROOMS_PRINCIPAL);
+        if !allowed {
             return Err(GatewayError::InvalidParams(format!(
-                "source must be one of {SOURCES:?}"
+                "source must be one of {CLIENT_SOURCES:?}"
             )));
         }
         // The same request gives the same session, also after a restart with another config:

@@ -478,6 +478,13 @@ fn frame_cases(sid: &str) -> Vec<FrameCase> {
             json!(11),
         ),
         (
+            "room_source",
+            create(json!({"request_id": "h", "source": "bot_room"})),
+            -32602,
+            "invalid_params",
+            json!(11),
+        ),
+        (
             "cwd_relative",
             create(json!({"request_id": "h", "cwd": "relative/dir"})),
             -32602,

@@ -559,6 +559,16 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
         .await;
     assert_refusal(&b, "invalid_params");
 
+    // An interrupt must name the attempt it stops.
+    let b = api
+        .expect(
+            "POST",
+            &format!("/v1/sessions/{sid}/interrupt"),
+            Some(json!({})),
+            400,
+        )
+        .await;
+    assert_refusal(&b, "invalid_params");
     // Interrupt the running turn: it settles interrupted.
     let i = api
         .expect(
@@ -1047,6 +1057,40 @@ async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_resu
     let prefill = json!([question, {"role": "assistant", "content": "It is"}]);
     let r = chat(&api, json!({"messages": prefill})).await;
     assert_eq!(r.status, 400, "{}", r.body);
+    // Too long a question, or too long a history, is refused before a session is made for it.
+    let sessions = || {
+        use diesel::prelude::*;
+        gatehouse::store::schema::sessions::table
+            .count()
+            .get_result::<i64>(&mut home.db())
+            .expect("count sessions")
+    };
+    let before = sessions();
+    let long = "x".repeat(300 * 1024);
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": long}]}),
+    )
+    .await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(r.body["error"]["reason"], "payload_too_large", "{}", r.body);
+    let mut history: Vec<Value> = (0..gatehouse::api::openai::MAX_MESSAGES)
+        .flat_map(|i| {
+            [
+                json!({"role": "user", "content": format!("q{i}")}),
+                json!({"role": "assistant", "content": format!("a{i}")}),
+            ]
+        })
+        .collect();
+    history.push(json!({"role": "user", "content": "and now?"}));
+    let r = chat(&api, json!({"messages": history})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.body["error"]["reason"], "invalid_params", "{}", r.body);
+    assert_eq!(
+        sessions(),
+        before,
+        "no session was made for a refused request"
+    );
     assert_eq!(
         model.reached("weather?"),
         1,

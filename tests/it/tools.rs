@@ -906,6 +906,14 @@ async fn interrupt_kills_a_running_command_and_settles_interrupted() {
         "stale_generation",
     )
     .await;
+    // An interrupt that does not say which attempt it stops is refused: sent late, it would
+    // stop whatever turn came next.
+    ws.refused(
+        "session.interrupt",
+        json!({"session_id": sid}),
+        "invalid_params",
+    )
+    .await;
     let asked = Instant::now();
     assert_eq!(
         ws.ok(
