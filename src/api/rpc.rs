@@ -47,6 +47,9 @@ pub struct Caller {
 /// registry. Shared, so a request's copy is a reference count.
 pub type Subscriptions = Arc<HashMap<String, Option<Addr<SessionSupervisor>>>>;
 
+/// The answer to a call begun with [`Authority::begin`].
+pub type CallFuture = futures_util::future::BoxFuture<'static, GatewayResult<CallResult>>;
+
 /// A call's result: a JSON value, or an admission's receipt, which the WebSocket writes into its
 /// reply frame straight from the row it was made of (the hot path: no value is built).
 #[derive(Debug, Clone, PartialEq)]
@@ -338,14 +341,115 @@ impl Authority {
         }
     }
 
+    /// [`Authority::call`], begun now. A `prompt.submit` for a session the caller follows
+    /// reaches that session before this returns: requests a connection begins one after the
+    /// other are admitted in that order, however the tasks awaiting their answers are polled.
+    pub fn begin(&self, method: String, p: Value, caller: Caller) -> CallFuture {
+        if method == "prompt.submit" {
+            return match params(p) {
+                Ok(p) => self.submit(p, &caller),
+                Err(e) => Box::pin(std::future::ready(Err(e))),
+            };
+        }
+        let this = self.clone();
+        Box::pin(async move { this.call(&method, p, &caller).await })
+    }
+
+    /// `prompt.submit`. The input is handed to its session's supervisor at once when the caller
+    /// follows the session and holds its live supervisor (the hot path); else after the lookup.
+    fn submit(&self, p: SubmitParams, caller: &Caller) -> CallFuture {
+        if let Err(e) = self.check_submit(&p) {
+            return Box::pin(std::future::ready(Err(e)));
+        }
+        // A session this connection created or resumed is a known root: no lookup needed
+        // on the hot path (the ledger still checks that the session exists).
+        if let Some(Some(sup)) = caller.subscribed.get(&p.session_id) {
+            if sup.connected() {
+                if self.shared.runtime.draining() {
+                    return Box::pin(std::future::ready(Err(GatewayError::RuntimeDraining)));
+                }
+                let (sup, root) = (sup.clone(), p.session_id.clone());
+                return self.admit(&sup, root, caller.principal.clone(), p);
+            }
+        }
+        let (this, caller) = (self.clone(), caller.clone());
+        Box::pin(async move {
+            let (root_id, known) = match caller.subscribed.get(&p.session_id) {
+                Some(sup) => (p.session_id.clone(), sup.clone()),
+                None => {
+                    let root = this.root(&p.session_id).await?;
+                    Self::require_subscribed(&caller, &root.id)?;
+                    let sup = caller.subscribed.get(&root.id).cloned().flatten();
+                    (root.id, sup)
+                }
+            };
+            if this.shared.runtime.draining() {
+                return Err(GatewayError::RuntimeDraining);
+            }
+            let sup = match known.filter(|a| a.connected()) {
+                Some(a) => a,
+                None => this.supervisor(&root_id).await?,
+            };
+            this.admit(&sup, root_id, caller.principal.clone(), p).await
+        })
+    }
+
+    fn check_submit(&self, p: &SubmitParams) -> GatewayResult<()> {
+        check_id("input_id", &p.input_id)?;
+        // Nothing to say is not an input: the model would be sent an empty user turn.
+        if p.text.trim().is_empty() {
+            return Err(GatewayError::InvalidParams("text is empty".into()));
+        }
+        let max = self.shared.config.session.max_text_bytes;
+        if p.text.len() > max {
+            return Err(GatewayError::PayloadTooLarge(format!(
+                "text is over {max} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Hand the input to `sup` now; the answer is its admission's receipt.
+    fn admit(
+        &self,
+        sup: &Addr<SessionSupervisor>,
+        root_id: String,
+        principal: String,
+        p: SubmitParams,
+    ) -> CallFuture {
+        // Bounded: on a disk that stops answering (frozen, failing) the commit may wait
+        // for ever. The admission goes on, and may still commit: the same input sent
+        // again finds it, or is admitted then.
+        let wait = std::time::Duration::from_secs_f64(
+            self.shared.config.session.admission_timeout_seconds,
+        );
+        let epoch = self.shared.epoch;
+        let submitted = sup.send(Submit {
+            principal,
+            input_id: p.input_id,
+            text: p.text,
+        });
+        Box::pin(async move {
+            let row: AdmissionRow = match tokio::time::timeout(wait, submitted).await {
+                Ok(answer) => answer.map_err(|_| {
+                    GatewayError::Internal("session supervisor unavailable".into())
+                })??,
+                Err(_) => {
+                    if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
+                        tracing::error!(session = %root_id, ?wait, skipped,
+                            "an admission did not commit in time (the disk, or the session, is not answering)");
+                    }
+                    return Err(GatewayError::StorageUnavailable);
+                }
+            };
+            let receipt = Reply::Receipt(Box::new(Receipt::of(&row, epoch)));
+            GatewayResult::Ok(CallResult::plain(receipt))
+        })
+    }
+
     /// Dispatch one method.
     pub async fn call(&self, method: &str, p: Value, caller: &Caller) -> GatewayResult<CallResult> {
         let plain = |result: Value| Ok(CallResult::plain(result));
-        let receipt_of = |row: &AdmissionRow, epoch| {
-            Ok(CallResult::plain(Reply::Receipt(Box::new(Receipt::of(
-                row, epoch,
-            )))))
-        };
         match method {
             "session.create" => self.create(params(p)?, caller).await,
             "session.resume" => {
@@ -380,62 +484,7 @@ impl Authority {
                     created: false,
                 })
             }
-            "prompt.submit" => {
-                let p: SubmitParams = params(p)?;
-                check_id("input_id", &p.input_id)?;
-                // Nothing to say is not an input: the model would be sent an empty user turn.
-                if p.text.trim().is_empty() {
-                    return Err(GatewayError::InvalidParams("text is empty".into()));
-                }
-                let max = self.shared.config.session.max_text_bytes;
-                if p.text.len() > max {
-                    return Err(GatewayError::PayloadTooLarge(format!(
-                        "text is over {max} bytes"
-                    )));
-                }
-                // A session this connection created or resumed is a known root: no lookup needed
-                // on the hot path (the ledger still checks that the session exists).
-                let (root_id, known) = match caller.subscribed.get(&p.session_id) {
-                    Some(sup) => (p.session_id.clone(), sup.clone()),
-                    None => {
-                        let root = self.root(&p.session_id).await?;
-                        Self::require_subscribed(caller, &root.id)?;
-                        let sup = caller.subscribed.get(&root.id).cloned().flatten();
-                        (root.id, sup)
-                    }
-                };
-                if self.shared.runtime.draining() {
-                    return Err(GatewayError::RuntimeDraining);
-                }
-                let sup = match known.filter(|a| a.connected()) {
-                    Some(a) => a,
-                    None => self.supervisor(&root_id).await?,
-                };
-                // Bounded: on a disk that stops answering (frozen, failing) the commit may wait
-                // for ever. The admission goes on, and may still commit: the same input sent
-                // again finds it, or is admitted then.
-                let wait = std::time::Duration::from_secs_f64(
-                    self.shared.config.session.admission_timeout_seconds,
-                );
-                let submitted = sup.send(Submit {
-                    principal: caller.principal.clone(),
-                    input_id: p.input_id,
-                    text: p.text,
-                });
-                let row = match tokio::time::timeout(wait, submitted).await {
-                    Ok(answer) => answer.map_err(|_| {
-                        GatewayError::Internal("session supervisor unavailable".into())
-                    })??,
-                    Err(_) => {
-                        if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
-                            tracing::error!(session = %root_id, ?wait, skipped,
-                                "an admission did not commit in time (the disk, or the session, is not answering)");
-                        }
-                        return Err(GatewayError::StorageUnavailable);
-                    }
-                };
-                receipt_of(&row, self.shared.epoch)
-            }
+            "prompt.submit" => self.submit(params(p)?, caller).await,
             "prompt.receipt" => {
                 let p: AdmissionParams = params(p)?;
                 let root = self.root(&p.session_id).await?;

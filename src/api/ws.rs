@@ -690,13 +690,10 @@ impl WsConnection {
             recipient: self.outbox.clone(),
             subscribed: self.subscribed.clone(),
         };
-        let authority = self.authority.clone();
-        let span = tracing::debug_span!("rpc", method = %method, conn = self.conn_id);
-        let fut = async move {
-            let _g = span.enter();
-            drop(_g);
-            authority.call(&method, params, &caller).await
-        };
+        tracing::debug!(method = %method, conn = self.conn_id, "rpc");
+        // Begun here, in the order the requests were read: an input reaches its session now,
+        // not when the task awaiting its answer is first polled (in no fixed order).
+        let fut = self.authority.begin(method, params, caller);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.in_flight -= 1;
             if barrier {

@@ -985,32 +985,34 @@ impl Handler<Submit> for SessionSupervisor {
         self.write_started();
         let seen = self.admitted;
         let start_rows = if claim { self.start_read_rows() } else { 0 };
-        let fut = async move {
-            if shared.runtime.draining() {
-                return Err(GatewayError::RuntimeDraining);
-            }
+        // Queued on the writer here, in the order the inputs reached this session, not when
+        // the task below is first polled (this actor's tasks are polled in no fixed order).
+        let write = (!shared.runtime.draining()).then(|| {
             let epoch = shared.epoch;
             let now = shared.now();
             let max = shared.config.session.max_queued_admissions;
             let input = admissions::Input::new(&root, &m.text);
-            Ok(shared
-                .db
-                .write(move |c| {
-                    let admitted = admissions::admit_input(
-                        c,
-                        epoch,
-                        &m.principal,
-                        &root,
-                        &m.input_id,
-                        &input,
-                        max,
-                        now,
-                    )?;
-                    // A refused claim (an unknown row holds the FIFO) leaves the admission be.
-                    let claimed = claim.then(|| claim_with_start(c, epoch, &root, now, start_rows));
-                    Ok((admitted, claimed))
-                })
-                .await?)
+            shared.db.write(move |c| {
+                let admitted = admissions::admit_input(
+                    c,
+                    epoch,
+                    &m.principal,
+                    &root,
+                    &m.input_id,
+                    &input,
+                    max,
+                    now,
+                )?;
+                // A refused claim (an unknown row holds the FIFO) leaves the admission be.
+                let claimed = claim.then(|| claim_with_start(c, epoch, &root, now, start_rows));
+                Ok((admitted, claimed))
+            })
+        });
+        let fut = async move {
+            match write {
+                Some(write) => Ok(write.await?),
+                None => Err(GatewayError::RuntimeDraining),
+            }
         };
         Box::pin(fut.into_actor(self).map(
             move |res: Result<AdmitAndClaim, GatewayError>, act, ctx| {

@@ -672,6 +672,16 @@ impl Handler<DbJob> for DbWorker {
 }
 
 /// The handle actors use to run store functions off their own thread.
+/// Say once that a write was refused `stale_epoch`: another process took the home.
+fn observe_write<R>(wal: &WalState, result: &Result<R, StoreError>) {
+    if matches!(result, Err(StoreError::StaleEpoch)) && !wal.deposed.swap(true, Ordering::Relaxed) {
+        tracing::error!(
+            "a write was refused stale_epoch: another process took this home's authority; \
+             this daemon writes nothing more and should be stopped"
+        );
+    }
+}
+
 #[derive(Clone)]
 pub struct Db {
     writer: tokio::sync::mpsc::Sender<WriteJob>,
@@ -771,14 +781,7 @@ impl Db {
     /// Note a write's answer: `stale_epoch` means this process is no longer the home's
     /// authority (said once in the log, and by [`Db::health`] from then on).
     fn observe<R>(&self, result: &Result<R, StoreError>) {
-        if matches!(result, Err(StoreError::StaleEpoch))
-            && !self.wal.deposed.swap(true, Ordering::Relaxed)
-        {
-            tracing::error!(
-                "a write was refused stale_epoch: another process took this home's authority; \
-                 this daemon writes nothing more and should be stopped"
-            );
-        }
+        observe_write(&self.wal, result);
     }
 
     /// Record job latencies in `metrics`.
@@ -817,11 +820,20 @@ impl Db {
     }
 
     /// Run a write transition on the group-commit writer; answers after its batch committed.
-    pub async fn write<R, F>(&self, f: F) -> Result<R, StoreError>
+    ///
+    /// The write is queued when this is called, not when the answer is first awaited: writes
+    /// asked for one after the other commit in that order even when the tasks awaiting them
+    /// are first polled in another (an actor polls its tasks in no fixed order). Only when
+    /// the writer's queue is full does the write wait for room, in the order of those waits.
+    pub fn write<R, F>(
+        &self,
+        f: F,
+    ) -> impl std::future::Future<Output = Result<R, StoreError>> + Send + 'static
     where
         R: Send + 'static,
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
+        use tokio::sync::mpsc::error::TrySendError;
         let started = std::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         let job: WriteJob = Box::new(move |conn| {
@@ -835,19 +847,29 @@ impl Db {
                 let _ = tx.send(answer);
             })
         });
-        self.writer
-            .send(job)
-            .await
-            .map_err(|_| StoreError::Pool("the database writer stopped".into()))?;
-        let result = rx
-            .await
-            .map_err(|_| StoreError::Pool("the database writer gave no answer".into()))?;
-        if let Some(m) = &self.metrics {
-            m.db_hist.observe(started.elapsed().as_secs_f64());
-            m.db_write();
+        let waiting = match self.writer.try_send(job) {
+            Ok(()) => Ok(None),
+            Err(TrySendError::Full(job)) => Ok(Some((self.writer.clone(), job))),
+            Err(TrySendError::Closed(_)) => Err(()),
+        };
+        let (metrics, wal) = (self.metrics.clone(), self.wal.clone());
+        async move {
+            let stopped = || StoreError::Pool("the database writer stopped".into());
+            match waiting {
+                Ok(None) => {}
+                Ok(Some((writer, job))) => writer.send(job).await.map_err(|_| stopped())?,
+                Err(()) => return Err(stopped()),
+            }
+            let result = rx
+                .await
+                .map_err(|_| StoreError::Pool("the database writer gave no answer".into()))?;
+            if let Some(m) = &metrics {
+                m.db_hist.observe(started.elapsed().as_secs_f64());
+                m.db_write();
+            }
+            observe_write(&wal, &result);
+            result
         }
-        self.observe(&result);
-        result
     }
 
     /// [`Db::write`] for a caller on a thread that may block (never an async task's: it blocks

@@ -1952,3 +1952,62 @@ async fn a_submit_pipelined_behind_its_resume_finds_the_session_followed() {
     .await;
     assert_eq!(model.texts(), ["piped 0", "piped 1", "piped 2"]);
 }
+
+/// Inputs a client pipelines on one connection, without waiting for their receipts, are
+/// admitted in the order it sent them, also while the receipts of earlier ones come back. Each
+/// request runs as a task of its own; a task that finished could let a later request reach its
+/// session (and the session its commit) before an earlier one, so the FIFO held the inputs in
+/// another order than the client's.
+#[actix_rt::test]
+async fn inputs_pipelined_on_one_connection_are_admitted_in_the_order_sent() {
+    const BATCHES: usize = 12;
+    const PER_BATCH: usize = 16;
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("ordered", &home.path).await;
+    let mut raw = RawWs::connect(&home.path, &origin);
+    raw.write_all(&RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}})
+            .to_string()
+            .as_bytes(),
+    ));
+    assert_eq!(raw.reply()["id"], "r");
+    let mut expected = Vec::new();
+    let mut answered = 0;
+    for batch in 0..BATCHES {
+        let mut bytes = Vec::new();
+        for i in 0..PER_BATCH {
+            let input = format!("ordered-{:03}", batch * PER_BATCH + i);
+            bytes.extend(RawWs::masked_text(
+                json!({"jsonrpc": "2.0", "id": input, "method": "prompt.submit",
+                       "params": {"session_id": sid, "input_id": input, "text": input}})
+                .to_string()
+                .as_bytes(),
+            ));
+            expected.push(input);
+        }
+        raw.write_all(&bytes);
+        // Some receipts of earlier inputs come back while later ones are read.
+        if batch > 0 {
+            for _ in 0..PER_BATCH / 2 {
+                let v = raw.reply();
+                assert!(v.get("error").is_none(), "{v}");
+                answered += 1;
+            }
+        }
+    }
+    while answered < expected.len() {
+        let v = raw.reply();
+        assert!(v.get("error").is_none(), "{v}");
+        answered += 1;
+    }
+    let admitted: Vec<String> = home
+        .admissions()
+        .into_iter()
+        .filter(|a| a.target_session_id == sid)
+        .map(|a| a.request_id)
+        .collect();
+    assert_eq!(admitted, expected, "admitted in another order than sent");
+}
