@@ -57,6 +57,8 @@ pub struct GatewayConfig {
     pub drain_grace_seconds: f64,
     pub ticket_ttl_seconds: f64,
     pub max_connections: usize,
+    /// Sessions one WebSocket connection may follow at once (each keeps its supervisor loaded).
+    pub max_sessions_per_connection: usize,
     pub outbound_queue_frames: usize,
     /// Bytes of those frames (a frame may be a whole reply, up to `model.max_response_bytes`).
     pub outbound_queue_bytes: usize,
@@ -106,6 +108,7 @@ impl Default for GatewayConfig {
             drain_grace_seconds: 0.0,
             ticket_ttl_seconds: 60.0,
             max_connections: 1024,
+            max_sessions_per_connection: 1024,
             outbound_queue_frames: 4096,
             outbound_queue_bytes: 64 << 20,
             heartbeat_seconds: 15.0,
@@ -660,6 +663,10 @@ impl Config {
         // would start and then refuse every input, connection or frame.
         let at_least_one = [
             ("gateway.max_connections", g.max_connections as u64),
+            (
+                "gateway.max_sessions_per_connection",
+                g.max_sessions_per_connection as u64,
+            ),
             (
                 "gateway.outbound_queue_frames",
                 g.outbound_queue_frames as u64,

@@ -159,6 +159,7 @@ pub async fn ws_route(
         subscribed: Subscriptions::default(),
         last_seen: Instant::now(),
         max_frame: cfg.max_frame_bytes,
+        max_followed: cfg.max_sessions_per_connection,
         heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
         client_timeout: Duration::from_secs_f64(cfg.client_timeout_seconds.max(0.2)),
         partial: None,
@@ -196,6 +197,9 @@ pub struct WsConnection {
     subscribed: Subscriptions,
     last_seen: Instant,
     max_frame: usize,
+    /// Most sessions the connection may follow (`gateway.max_sessions_per_connection`): each
+    /// one followed keeps its supervisor in memory for as long as the connection lives.
+    max_followed: usize,
     heartbeat: Duration,
     client_timeout: Duration,
     partial: Option<Vec<u8>>,
@@ -679,6 +683,14 @@ impl WsConnection {
                 .map(|r| super::rpc::session_id_for(&self.principal, r)),
             _ => None,
         };
+        // One more session followed past the bound is refused; one already followed (or on
+        // its way) is not one more.
+        let over = follows.as_ref().is_some_and(|root| {
+            !self.subscribed.contains_key(root)
+                && !self.following.iter().any(|(_, r)| r == root)
+                && self.subscribed.len() + self.following.len() >= self.max_followed
+        });
+        let follows = follows.filter(|_| !over);
         let follow_token = follows.map(|root| {
             self.next_follow += 1;
             self.following.push((self.next_follow, root));
@@ -693,7 +705,15 @@ impl WsConnection {
         tracing::debug!(method = %method, conn = self.conn_id, "rpc");
         // Begun here, in the order the requests were read: an input reaches its session now,
         // not when the task awaiting its answer is first polled (in no fixed order).
-        let fut = self.authority.begin(method, params, caller);
+        let fut = if over {
+            let max = self.max_followed;
+            let refused = GatewayError::RateLimited(format!(
+                "this connection follows {max} sessions, its most: session.unsubscribe one first"
+            ));
+            Box::pin(std::future::ready(Err(refused)))
+        } else {
+            self.authority.begin(method, params, caller)
+        };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.in_flight -= 1;
             if barrier {

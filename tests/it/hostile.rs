@@ -2011,3 +2011,45 @@ async fn inputs_pipelined_on_one_connection_are_admitted_in_the_order_sent() {
         .collect();
     assert_eq!(admitted, expected, "admitted in another order than sent");
 }
+
+/// A connection follows at most `gateway.max_sessions_per_connection` sessions: each one it
+/// follows keeps its supervisor in memory for the connection's life, so a client creating or
+/// resuming sessions without end held them all (past `session.max_in_memory`). One more is
+/// refused `rate_limited`; one already followed is not one more; an unsubscribe makes room.
+#[actix_rt::test]
+async fn a_connection_follows_a_bounded_number_of_sessions() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(
+        &model,
+        json!({"gateway": {"max_sessions_per_connection": 2}}),
+    );
+    let mut ws = d.ws().await;
+    let a = ws.session("a", &home.path).await;
+    let b = ws.session("b", &home.path).await;
+    let refused = ws
+        .refused(
+            "session.create",
+            json!({"request_id": "c", "cwd": home.path.to_string_lossy()}),
+            "rate_limited",
+        )
+        .await;
+    assert!(
+        refused["error"]["data"]["detail"]
+            .as_str()
+            .is_some_and(|m| m.contains("unsubscribe")),
+        "{refused}"
+    );
+    // Another connection has a bound of its own.
+    let mut other = d.ws().await;
+    let c = other.session("c", &home.path).await;
+    other.ok("session.resume", json!({"session_id": a})).await;
+    // Following what it follows already is not one more.
+    ws.ok("session.resume", json!({"session_id": b})).await;
+    ws.submit(&a, "still", "still").await;
+    ws.refused("session.resume", json!({"session_id": c}), "rate_limited")
+        .await;
+    ws.ok("session.unsubscribe", json!({"session_id": a})).await;
+    ws.ok("session.resume", json!({"session_id": c})).await;
+    ws.refused("session.resume", json!({"session_id": a}), "rate_limited")
+        .await;
+}
