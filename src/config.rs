@@ -377,6 +377,8 @@ pub struct HttpConfig {
     pub max_wait_seconds: f64,
     /// How long a chat completion waits for its turn before answering 504.
     pub completion_timeout_seconds: f64,
+    /// How long a request's body may take to arrive once its headers have (408 after it).
+    pub body_timeout_seconds: f64,
     /// Lifetime of a bearer token exchanged for a control-socket ticket (`POST /v1/auth/token`).
     pub token_ttl_seconds: f64,
     /// Does `/metrics` need a key? Unset: only when the listener is not on loopback.
@@ -391,6 +393,7 @@ impl Default for HttpConfig {
             sse_keepalive_seconds: 15.0,
             max_wait_seconds: 120.0,
             completion_timeout_seconds: 300.0,
+            body_timeout_seconds: 30.0,
             token_ttl_seconds: 900.0,
             metrics_require_key: None,
             extra: Extra::new(),
@@ -646,6 +649,7 @@ impl Config {
                 "http.completion_timeout_seconds",
                 h.completion_timeout_seconds,
             ),
+            ("http.body_timeout_seconds", h.body_timeout_seconds),
             ("http.token_ttl_seconds", h.token_ttl_seconds),
         ];
         for (key, v) in positive {

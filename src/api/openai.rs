@@ -29,8 +29,8 @@ use super::http::AppState;
 use super::openapi::{api_object, ApiSchema, Body, Components, Operation};
 use super::rest::CreateSession;
 use super::rest::{
-    call, caller, idempotency, read_json, sse_response, wait_terminal, Receipt, SessionSnapshot,
-    SseOut,
+    call, caller, idempotency, read_json, sse_response, wait_terminal, BodyLimit, Receipt,
+    SessionSnapshot, SseOut,
 };
 use super::rpc::{session_id_for, Authority, Seed};
 use crate::agent::tokens;
@@ -632,7 +632,7 @@ pub async fn chat_completions(
     // Authenticated here rather than by the `Principal` extractor, so a credential refusal is
     // in OpenAI's error shape too, like every other refusal of this route.
     let principal = authenticate(&state, &req)?;
-    let body: ChatCompletionRequest = read_json(payload, BODY_LIMIT).await?;
+    let body: ChatCompletionRequest = read_json(payload, BodyLimit::of(&state, BODY_LIMIT)).await?;
     // More than one answer cannot be given: say so rather than send one of the n asked for.
     if body.n.is_some_and(|n| n != 1) {
         return Err(invalid("n must be 1: a turn gives one answer"));

@@ -276,7 +276,12 @@ pub fn document(
         }
         responses.insert(op.status.to_string(), ok);
         let refusal = op.error_body.as_ref().unwrap_or(&error);
-        for status in std::iter::once(401).chain(op.errors.iter().copied()) {
+        // Every body is read within `http.body_timeout_seconds` of the headers.
+        let slow_body = op.request.content().is_some().then_some(408);
+        for status in std::iter::once(401)
+            .chain(op.errors.iter().copied())
+            .chain(slow_body)
+        {
             let mut refused = json!({"description": http_reason(status),
                                      "content": {"application/json": {"schema": refusal}}});
             let mut headers = op.refusal_headers.clone();
@@ -334,6 +339,7 @@ fn http_reason(status: u16) -> &'static str {
         409 => {
             "Conflict (admission_conflict, stale_generation, unknown_execution, profile_mismatch)"
         }
+        408 => "The request body did not arrive in time (invalid_params)",
         413 => "payload_too_large",
         429 => "session_busy or rate_limited",
         503 => "runtime_draining or storage_unavailable",

@@ -229,23 +229,59 @@ api_object! {
 /// Largest JSON body of a REST request beyond the input text itself.
 const BODY_OVERHEAD: usize = 64 * 1024;
 
-/// Read a JSON body of at most `limit` bytes into `T` (an empty body is `{}`).
+/// What a request body may be: at most `bytes`, arrived within `within` of its headers.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit {
+    pub bytes: usize,
+    pub within: Duration,
+}
+
+impl BodyLimit {
+    /// At most `bytes`, within `http.body_timeout_seconds`.
+    pub fn of(state: &AppState, bytes: usize) -> BodyLimit {
+        let seconds = state.authority.shared.config.http.body_timeout_seconds;
+        BodyLimit {
+            bytes,
+            within: Duration::from_secs_f64(seconds),
+        }
+    }
+}
+
+/// Read a JSON body within `limit` into `T` (an empty body is `{}`). A body that has not
+/// arrived in time is answered 408 (and its connection closed, its rest unread): a client
+/// trickling one in held the connection, and the handler, for as long as it liked.
 pub async fn read_json<T: DeserializeOwned>(
     mut payload: web::Payload,
-    limit: usize,
+    limit: BodyLimit,
 ) -> Result<T, ApiError> {
-    let mut buf = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}")))?;
-        if buf.len() + chunk.len() > limit {
-            return Err(GatewayError::PayloadTooLarge(format!(
-                "the request body is over {limit} bytes"
-            ))
-            .into());
+    let max = limit.bytes;
+    let read = async {
+        let mut buf = web::BytesMut::new();
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk
+                .map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}")))?;
+            if buf.len() + chunk.len() > max {
+                return Err(ApiError::from(GatewayError::PayloadTooLarge(format!(
+                    "the request body is over {max} bytes"
+                ))));
+            }
+            buf.extend_from_slice(&chunk);
         }
-        buf.extend_from_slice(&chunk);
-    }
+        Ok(buf)
+    };
+    let buf = match tokio::time::timeout(limit.within, read).await {
+        Ok(read) => read?,
+        Err(_) => {
+            return Err(ApiError::new(
+                actix_web::http::StatusCode::REQUEST_TIMEOUT,
+                "invalid_params",
+                format!(
+                    "the request body did not arrive within {:?} of its headers",
+                    limit.within
+                ),
+            ))
+        }
+    };
     let body: &[u8] = if buf.iter().all(u8::is_ascii_whitespace) {
         b"{}"
     } else {
@@ -485,7 +521,8 @@ async fn create_session(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let mut body: CreateSession = read_json(payload, body_limit(&state)).await?;
+    let mut body: CreateSession =
+        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
     body.request_id = idempotency(&req, body.request_id.take(), "request_id")?;
     let mut params = to_params(&body);
     params.retain(|_, v| !v.is_null());
@@ -529,7 +566,7 @@ async fn submit_input(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: SubmitInput = read_json(payload, body_limit(&state)).await?;
+    let body: SubmitInput = read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
     let input_id = idempotency(&req, body.input_id, "input_id")?
         .ok_or_else(|| ApiError::invalid("input_id or the Idempotency-Key header is required"))?;
     let receipt: Receipt = call(
@@ -594,7 +631,8 @@ async fn answer_prompt(
 ) -> Result<HttpResponse, ApiError> {
     let (id, prompt_id) = path.into_inner();
     let root = owned(&state, &principal.0, &id).await?;
-    let body: PromptAnswerBody = read_json(payload, body_limit(&state)).await?;
+    let body: PromptAnswerBody =
+        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
     let (method, key, value) = match (body.choice, body.answer) {
         (Some(choice), None) => ("approval.respond", "choice", choice),
         (None, Some(answer)) => ("clarify.respond", "answer", answer),
@@ -622,7 +660,8 @@ async fn resolve_unknown(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: ResolveUnknownBody = read_json(payload, body_limit(&state)).await?;
+    let body: ResolveUnknownBody =
+        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
     let receipt: Receipt = call(
         &state.authority,
         "prompt.resolve_unknown",
@@ -641,7 +680,7 @@ async fn interrupt(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: InterruptBody = read_json(payload, body_limit(&state)).await?;
+    let body: InterruptBody = read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
     let result: InterruptResult = call(
         &state.authority,
         "session.interrupt",
@@ -1261,7 +1300,15 @@ mod tests {
         {
             let challenge = &op.1["responses"]["401"]["headers"]["WWW-Authenticate"];
             assert!(challenge.is_object(), "{} without its challenge", op.0);
+            // An operation that takes a body may be answered 408 when it is slow to arrive.
+            assert_eq!(
+                op.1.get("requestBody").is_some(),
+                op.1["responses"].get("408").is_some(),
+                "{}",
+                op.0
+            );
         }
+        assert!(chat.get("408").is_some());
         assert!(submit["responses"]["202"].get("headers").is_none());
         assert!(submit["responses"]["429"]["headers"]["Retry-After"].is_object());
         assert!(submit["responses"]["503"]["headers"]["Retry-After"].is_object());

@@ -2278,3 +2278,49 @@ async fn a_full_queue_is_a_429_that_says_when_to_come_back() {
     assert_eq!(r.status, 409, "{}", r.body);
     assert_eq!(retry_after(&r), None, "{:?}", r.headers);
 }
+
+/// A request body that does not arrive within `http.body_timeout_seconds` of its headers is
+/// answered 408 and its connection closed: a client trickling one in (or stopping half way)
+/// held the connection and its handler for as long as it kept the socket open.
+#[actix_rt::test]
+async fn a_body_that_does_not_arrive_in_time_is_a_408() {
+    use std::io::{Read, Write};
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({"http": {"body_timeout_seconds": 1}})));
+    let d = Daemon::start(&home);
+    let address = d.origin().trim_start_matches("http://").to_string();
+    let mut tcp = std::net::TcpStream::connect(&address).expect("connect");
+    tcp.set_read_timeout(Some(T)).expect("read timeout");
+    let head = format!(
+        "POST /v1/sessions HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"request_id\":"
+    );
+    tcp.write_all(head.as_bytes()).expect("write");
+    let sent = Instant::now();
+    let mut answer = Vec::new();
+    // To the end: the connection is closed after the answer (its body's rest is never read).
+    let _ = tcp.read_to_end(&mut answer);
+    let waited = sent.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"invalid_params\""), "{answer}");
+    assert!(
+        waited < T,
+        "answered only when the client gave up: {waited:?}"
+    );
+    // A body that arrives whole is read as ever.
+    let api = Api::new(&d, KEY);
+    let r = api
+        .post(
+            "/v1/sessions",
+            json!({"request_id": "whole", "cwd": home.path.to_string_lossy()}),
+        )
+        .await;
+    assert!(
+        r.status == 200 || r.status == 201,
+        "{} {}",
+        r.status,
+        r.body
+    );
+}
