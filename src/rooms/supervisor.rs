@@ -16,7 +16,7 @@ use crate::rooms::port::{
     TurnGuard, ROOM_SESSION_SOURCE,
 };
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
-use crate::store::leases::{acquire_lease, renew_lease, Lease};
+use crate::store::leases::{acquire_lease, release_lease, renew_lease, Lease};
 use crate::store::room_tasks::{
     complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, first_task, get_task,
     list_tasks, recover_room, requeue_not_admitted_task, resolve_indeterminate_cancellation,
@@ -171,6 +171,15 @@ impl TaskCounts {
     fn has(&self, status: TaskStatus) -> bool {
         self.0.get(status.as_str()).is_some_and(|n| *n > 0)
     }
+
+    /// Nothing for a pass to do: no task waits, runs, stops, or waits to be reconciled (a
+    /// deferred one waits for an operator's retry, which wakes the room).
+    fn idle(&self) -> bool {
+        use TaskStatus::*;
+        [Queued, Running, Stopping, Indeterminate]
+            .into_iter()
+            .all(|status| !self.has(status))
+    }
 }
 
 fn is_lease_loss(error: &RoomStoreError) -> bool {
@@ -276,6 +285,14 @@ impl RoomRuntime {
         // where each step would list its tasks). A task that changes state after this read
         // wakes the room (admission, cancellation, retry), so its work gets the next pass.
         let mut counts = self.task_counts(binding).await?;
+        // A room with nothing to do holds no lease: renewing one kept every idle room writing
+        // a commit each half lease TTL for as long as it stayed idle. The next task's pass
+        // takes a fresh lease (and recovers the room under it) before it starts anything.
+        if counts.idle() {
+            self.let_go_of_lease(binding).await;
+            self.state().blocked.remove(&binding.room_id);
+            return Ok(());
+        }
         if counts.has(TaskStatus::Running) && !self.inspect_abandoned_attempts(binding).await? {
             return Ok(());
         }
@@ -466,6 +483,23 @@ impl RoomRuntime {
         });
         state.leases.insert(binding.room_id.clone(), lease.clone());
         Ok(lease)
+    }
+
+    /// Release the room's lease, if this runtime holds one. A release refused (the lease
+    /// lapsed, the room's authority moved, a task started meanwhile) leaves the lease to expire.
+    async fn let_go_of_lease(&self, binding: &RoomBinding) {
+        let Some(lease) = self.state().leases.remove(&binding.room_id) else {
+            return;
+        };
+        let clock = self.inner.clock.clone();
+        let released = self
+            .inner
+            .db
+            .write(move |c| release_lease(c, &lease, clock.as_ref()))
+            .await;
+        if let Err(error) = released {
+            tracing::debug!(room = %binding.room_id, %error, "an idle room's lease was left to expire");
+        }
     }
 
     /// Recover the room once per lease generation; whether this call did.

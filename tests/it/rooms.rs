@@ -320,6 +320,7 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
     );
     let mut ws = d.ws().await;
     const ROOMS: usize = 8;
+    let created = passes(&mut ws).await;
     for i in 0..ROOMS {
         let room = format!("quiet-{i}");
         ws.ok(
@@ -332,11 +333,11 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let status = ws.ok("room.status", json!({})).await;
-        let leased = status["leased_rooms"].as_array().map_or(0, Vec::len);
+        let passed = status["passes"].as_u64().unwrap_or(0) - created;
         let idle = status["current_tasks"]
             .as_array()
             .is_some_and(|t| t.is_empty());
-        if leased == ROOMS && idle {
+        if passed >= ROOMS as u64 && idle {
             break;
         }
         assert!(
@@ -1162,12 +1163,16 @@ async fn room_status_shows_a_principal_only_its_own_rooms() {
         assert!(!text.contains(secret), "{secret} leaked: {text}");
     }
 
-    // Its own room is its own to see; the owner does not see it.
+    // Its own room is its own to see (leased while it has work: a task parked on an
+    // approval); the owner does not see it.
     stranger
         .ok(
             "room.create",
             json!({"room_id": "theirs", "name": "Theirs", "members": [{"profile": "ops", "handle": "ops"}]}),
         )
+        .await;
+    stranger
+        .ok("room.admit", admit("theirs", "t1", "ops", "PARK theirs", 1))
         .await;
     let seen = status_when(&mut stranger, "the stranger sees its room", |s| {
         s["leased_rooms"] == json!(["theirs"])
@@ -1475,4 +1480,58 @@ async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
         .await;
     }
     assert_eq!(model.reached("HANG"), 4, "each stuck task ran once");
+}
+
+/// A room with nothing to do holds no lease and writes nothing: each idle room renewed its
+/// lease every half lease TTL for as long as it stayed idle (a commit per room, forever, on a
+/// gateway with nothing to do). A task's pass takes a lease; the pass that finds the room idle
+/// again releases it.
+#[actix_rt::test]
+async fn an_idle_room_holds_no_lease() {
+    use diesel::prelude::*;
+    use gatehouse::store::rooms_schema::room_leases;
+    let (_model, home, d) =
+        acking_rooms(json!({"lease_ttl_seconds": 1, "poll_interval_seconds": 0.05}));
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "calm", "name": "Calm", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    // Passes over two lease TTLs.
+    let start = passes(&mut ws).await;
+    let began = std::time::Instant::now();
+    status_when(&mut ws, "passes over two lease TTLs", |s| {
+        began.elapsed() > Duration::from_millis(2200)
+            && s["passes"].as_u64().unwrap_or(0) >= start + 20
+    })
+    .await;
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["leased_rooms"], json!([]), "{status}");
+    let leases = |home: &Home| -> Vec<Option<f64>> {
+        room_leases::table
+            .select(room_leases::released_at)
+            .load(&mut home.db())
+            .expect("leases")
+    };
+    assert_eq!(
+        leases(&home),
+        Vec::<Option<f64>>::new(),
+        "an idle room took a lease"
+    );
+
+    // Work takes a lease; the room idle again lets it go.
+    ws.ok("room.admit", admit("calm", "c1", "dev", "hello", 1))
+        .await;
+    wait_status(&mut ws, "calm", "c1", "settled").await;
+    status_when(&mut ws, "the lease let go", |s| {
+        s["leased_rooms"] == json!([])
+    })
+    .await;
+    let released = leases(&home);
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert!(
+        released[0].is_some(),
+        "the lease was released: {released:?}"
+    );
 }
