@@ -799,7 +799,7 @@ async fn settle(
     let settled = shared
         .db
         .write(move |c| {
-            let settled = admissions::settle(
+            admissions::settle_with_usage(
                 c,
                 epoch,
                 &root,
@@ -809,12 +809,9 @@ async fn settle(
                 &result,
                 &closing,
                 &report,
+                usage,
                 now,
-            )?;
-            if usage != (0, 0) {
-                sessions::add_usage(c, &root, usage.0, usage.1)?;
-            }
-            Ok(settled)
+            )
         })
         .await;
     if settled.is_ok() {

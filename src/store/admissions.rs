@@ -653,6 +653,43 @@ pub fn settle(
     })
 }
 
+/// [`settle`], and the turn's token usage added to its session, in one transaction: a usage
+/// that cannot be added undoes the settlement too (and a retry settles both), rather than
+/// leave the turn settled while its caller is told the settlement failed.
+#[allow(clippy::too_many_arguments)]
+pub fn settle_with_usage(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session: &str,
+    admission_id: &str,
+    generation: i64,
+    outcome: &str,
+    result_json: &str,
+    closing: &[NewMessage],
+    report: &[NewEvent],
+    usage: (i64, i64),
+    now: f64,
+) -> Result<Logged<()>, StoreError> {
+    super::write_tx(conn, |conn| {
+        let settled = settle(
+            conn,
+            epoch,
+            session,
+            admission_id,
+            generation,
+            outcome,
+            result_json,
+            closing,
+            report,
+            now,
+        )?;
+        if usage != (0, 0) {
+            super::sessions::add_usage(conn, session, usage.0, usage.1)?;
+        }
+        Ok(settled)
+    })
+}
+
 /// Cancel a queued row (terminal/cancelled). Started → `stale_generation`; unknown →
 /// `unknown_execution`; terminal rows are returned as they are. A cancellation is reported by a
 /// `session.info {cancelled}` event.
@@ -855,6 +892,59 @@ pub fn resolve_unknown(
 mod tests {
     use super::*;
     use crate::store::{epoch, testing};
+
+    /// A settlement and its usage commit together or not at all: a usage refused leaves the
+    /// turn running (to be settled again), not settled with the caller told it failed.
+    #[test]
+    fn a_settlement_and_its_usage_are_one_transaction() {
+        use diesel::connection::SimpleConnection;
+        let (_d, mut c, e) = setup();
+        admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
+        let Claim::Started(row) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
+            panic!("no claim")
+        };
+        let generation = row.execution_generation.expect("generation");
+        let tokens = |c: &mut SqliteConnection| -> (i64, i64) {
+            sessions::table
+                .filter(sessions::id.eq("s1"))
+                .select((sessions::prompt_tokens, sessions::completion_tokens))
+                .first(c)
+                .expect("tokens")
+        };
+        c.batch_execute(
+            "CREATE TRIGGER refuse_usage BEFORE UPDATE OF prompt_tokens ON sessions \
+             BEGIN SELECT RAISE(ABORT, 'usage refused'); END;",
+        )
+        .expect("trigger");
+        let settle_now = |c: &mut SqliteConnection| {
+            settle_with_usage(
+                c,
+                e,
+                "s1",
+                &row.admission_id,
+                generation,
+                "completed",
+                "{}",
+                &[],
+                &[],
+                (7, 3),
+                3.0,
+            )
+        };
+        assert!(settle_now(&mut c).is_err(), "the usage was refused");
+        assert_eq!(
+            by_id(&mut c, &row.admission_id).expect("row").status,
+            "started"
+        );
+        assert_eq!(tokens(&mut c), (0, 0));
+        c.batch_execute("DROP TRIGGER refuse_usage").expect("drop");
+        settle_now(&mut c).expect("settled with its usage");
+        assert_eq!(
+            by_id(&mut c, &row.admission_id).expect("row").status,
+            "terminal"
+        );
+        assert_eq!(tokens(&mut c), (7, 3));
+    }
 
     /// [`claim_next`]'s claim alone.
     fn claim(
