@@ -1797,11 +1797,12 @@ impl RoomRuntime {
                     .inner
                     .db
                     .write(move |c| {
-                        crate::store::room_tasks::begin_task_cancel(
+                        crate::store::room_tasks::begin_attempt_stop(
                             c,
                             &id,
                             &cancel_id,
                             cancel,
+                            generation,
                             clock.as_ref(),
                         )
                     })

@@ -980,6 +980,45 @@ pub fn begin_task_cancel(
     expected_cancel_generation: i64,
     clock: &dyn Clock,
 ) -> StoreResult<TaskView> {
+    begin_stop(
+        conn,
+        identity,
+        cancel_id,
+        expected_cancel_generation,
+        None,
+        clock,
+    )
+}
+
+/// [`begin_task_cancel`] of one attempt only (a turn's deadline stops the attempt it timed,
+/// never the one after it: a requeue keeps the cancel generation, so only the execution
+/// generation tells a later attempt from the one timed).
+pub fn begin_attempt_stop(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    cancel_id: &str,
+    expected_cancel_generation: i64,
+    execution_generation: i64,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
+    begin_stop(
+        conn,
+        identity,
+        cancel_id,
+        expected_cancel_generation,
+        Some(execution_generation),
+        clock,
+    )
+}
+
+fn begin_stop(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    cancel_id: &str,
+    expected_cancel_generation: i64,
+    attempt: Option<i64>,
+    clock: &dyn Clock,
+) -> StoreResult<TaskView> {
     let identity = identity.validated()?;
     let cancel_id = validate_identifier("cancel_id", cancel_id)?;
     let now = read_clock(clock)?;
@@ -999,11 +1038,21 @@ pub fn begin_task_cancel(
                 "task cancel generation changed".into(),
             ));
         }
+        // The attempt asked for, else the one this transaction read: either way the statement
+        // stops that attempt only.
+        let generation = attempt.unwrap_or(row.execution_generation);
+        if row.execution_generation != generation {
+            return Err(RoomStoreError::StaleTask(format!(
+                "task runs attempt {}, not {generation}",
+                row.execution_generation
+            )));
+        }
         let updated = diesel::update(
             room_tasks::table
                 .find((&identity.room_id, &identity.task_id))
                 .filter(room_tasks::status.eq_any(["running", "indeterminate"]))
-                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation)),
+                .filter(room_tasks::cancel_generation.eq(expected_cancel_generation))
+                .filter(room_tasks::execution_generation.eq(generation)),
         )
         .set((
             room_tasks::status.eq("stopping"),

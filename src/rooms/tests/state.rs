@@ -510,6 +510,40 @@ fn running_work_needs_two_phase_cancellation() {
     ));
 }
 
+/// A deadline stops the attempt it timed only: a stop asked for another attempt than the one
+/// running is stale and leaves the task running (a requeue keeps the cancel generation, so
+/// that alone let a late deadline of attempt g stop attempt g + 1).
+#[test]
+fn an_attempt_stop_stops_that_attempt_only() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    let running = attempt.execution_generation;
+    assert!(is_stale_task(crate::store::room_tasks::begin_attempt_stop(
+        &mut f.db.conn(),
+        &id,
+        "deadline:other",
+        0,
+        running + 1,
+        &f.clock
+    )));
+    let task = get_task(&mut f.db.conn(), &id).unwrap();
+    assert_eq!(task.status, TaskStatus::Running);
+    assert_eq!(task.cancel_generation, 0);
+    let stopping = crate::store::room_tasks::begin_attempt_stop(
+        &mut f.db.conn(),
+        &id,
+        "deadline:this",
+        0,
+        running,
+        &f.clock,
+    )
+    .unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    assert_eq!(stopping.execution_generation, running);
+}
+
 #[test]
 fn completion_wins_an_unacknowledged_stop() {
     let f = Fixture::new();
