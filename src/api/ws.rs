@@ -165,6 +165,7 @@ pub async fn ws_route(
         partial: None,
         in_flight: 0,
         barriers: 0,
+        slow_submits: 0,
         held: std::collections::VecDeque::new(),
         following: Vec::new(),
         next_follow: 0,
@@ -207,6 +208,10 @@ pub struct WsConnection {
     in_flight: usize,
     /// Requests in flight that change what the connection follows ([`FOLLOWING`]).
     barriers: usize,
+    /// Submits in flight that had to look their session up first (one named by another id of
+    /// its lineage than the root this connection follows): a later submit waits until they
+    /// are answered, so it cannot reach the session before them.
+    slow_submits: usize,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
     /// Sessions that a create or resume in flight may already have subscribed this connection
@@ -640,7 +645,10 @@ impl WsConnection {
         self.in_flight += 1;
         // Behind anything already held, too: a later request for a session that is followed by
         // now must not overtake an earlier one for it that still waits.
-        if !self.held.is_empty() || (self.barriers > 0 && self.waits_for_following(&request)) {
+        if !self.held.is_empty()
+            || (self.barriers > 0 && self.waits_for_following(&request))
+            || (self.slow_submits > 0 && request.method == "prompt.submit")
+        {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
             // answered, so a `prompt.submit` sent right behind its `session.resume` finds the
@@ -669,6 +677,18 @@ impl WsConnection {
         let barrier = FOLLOWING.contains(&method.as_str());
         if barrier {
             self.barriers += 1;
+        }
+        // A submit handed to its session at once (see `Authority::begin`) is in order already;
+        // one that must look its session up first holds the submits read after it.
+        let slow_submit = method == "prompt.submit"
+            && !params
+                .get("session_id")
+                .and_then(Value::as_str)
+                .is_some_and(
+                    |id| matches!(self.subscribed.get(id), Some(Some(a)) if a.connected()),
+                );
+        if slow_submit {
+            self.slow_submits += 1;
         }
         // The session a create or resume may follow before it answers: if the connection closes
         // first, it is told to let go of this connection all the same (see `stopped`).
@@ -719,6 +739,9 @@ impl WsConnection {
             if barrier {
                 act.barriers -= 1;
             }
+            if slow_submit {
+                act.slow_submits -= 1;
+            }
             if let Some(token) = follow_token {
                 act.following.retain(|(t, _)| *t != token);
             }
@@ -739,11 +762,13 @@ impl WsConnection {
             }
             // What was held behind it runs now, in the order it was read, up to the next
             // request that changes what the connection follows.
-            while act.barriers == 0 {
-                let Some(next) = act.held.pop_front() else {
+            while let Some(next) = act.held.front() {
+                if act.barriers > 0 || (act.slow_submits > 0 && next.method == "prompt.submit") {
                     break;
-                };
-                act.dispatch(next, ctx);
+                }
+                if let Some(next) = act.held.pop_front() {
+                    act.dispatch(next, ctx);
+                }
             }
         }));
     }

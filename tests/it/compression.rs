@@ -1119,3 +1119,50 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
         "cut, saying so"
     );
 }
+
+/// After a compression, a client may name its session by the new tip's id: inputs it pipelines
+/// naming the tip and the root in turn are admitted in the order it sent them. A submit naming
+/// the tip looks its session up first; one naming the followed root went straight to the
+/// session and overtook it.
+#[actix_rt::test]
+async fn inputs_pipelined_by_tip_and_root_are_admitted_in_the_order_sent() {
+    use crate::hostile::RawWs;
+    let model = summarising_model();
+    let (home, d, mut ws, root) = pressure_session(&model, false, "by-tip").await;
+    for i in 0..4 {
+        run(&mut ws, &home, &root, i).await;
+    }
+    let tip = home.children(&root).pop().expect("a child session");
+    let mut raw = RawWs::connect(&home.path, &d.origin());
+    raw.write_all(&RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": root}})
+            .to_string()
+            .as_bytes(),
+    ));
+    assert_eq!(raw.reply()["id"], "r");
+    let mut expected = Vec::new();
+    let mut bytes = Vec::new();
+    for i in 0..24 {
+        let input = format!("by-{i:02}");
+        let named = if i % 2 == 0 { &tip } else { &root };
+        bytes.extend(RawWs::masked_text(
+            json!({"jsonrpc": "2.0", "id": input, "method": "prompt.submit",
+                   "params": {"session_id": named, "input_id": input, "text": format!("short {i}")}})
+            .to_string()
+            .as_bytes(),
+        ));
+        expected.push(input);
+    }
+    raw.write_all(&bytes);
+    for _ in 0..expected.len() {
+        let v = raw.reply();
+        assert!(v.get("error").is_none(), "{v}");
+    }
+    let admitted: Vec<String> = home
+        .admissions()
+        .into_iter()
+        .map(|a| a.request_id)
+        .filter(|id| id.starts_with("by-"))
+        .collect();
+    assert_eq!(admitted, expected, "admitted in another order than sent");
+}
