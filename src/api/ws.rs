@@ -165,7 +165,7 @@ pub async fn ws_route(
         partial: None,
         in_flight: 0,
         barriers: 0,
-        slow_submits: 0,
+        slow_ordered: 0,
         held: std::collections::VecDeque::new(),
         following: Vec::new(),
         next_follow: 0,
@@ -208,10 +208,11 @@ pub struct WsConnection {
     in_flight: usize,
     /// Requests in flight that change what the connection follows ([`FOLLOWING`]).
     barriers: usize,
-    /// Submits in flight that had to look their session up first (one named by another id of
-    /// its lineage than the root this connection follows): a later submit waits until they
-    /// are answered, so it cannot reach the session before them.
-    slow_submits: usize,
+    /// Requests in flight that change a session ([`ORDERED`]) and reach it only after a lookup
+    /// (any but a submit naming a followed root, which is handed over when read): a later
+    /// such request waits until they are answered, so it cannot reach the session before them
+    /// (an approval sent after an interrupt must not run its command first).
+    slow_ordered: usize,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
     /// Sessions that a create or resume in flight may already have subscribed this connection
@@ -647,7 +648,7 @@ impl WsConnection {
         // now must not overtake an earlier one for it that still waits.
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
-            || (self.slow_submits > 0 && request.method == "prompt.submit")
+            || (self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str()))
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -679,16 +680,17 @@ impl WsConnection {
             self.barriers += 1;
         }
         // A submit handed to its session at once (see `Authority::begin`) is in order already;
-        // one that must look its session up first holds the submits read after it.
-        let slow_submit = method == "prompt.submit"
-            && !params
+        // any other request that changes a session holds those read after it.
+        let handed_over = method == "prompt.submit"
+            && params
                 .get("session_id")
                 .and_then(Value::as_str)
                 .is_some_and(
                     |id| matches!(self.subscribed.get(id), Some(Some(a)) if a.connected()),
                 );
-        if slow_submit {
-            self.slow_submits += 1;
+        let slow_ordered = ORDERED.contains(&method.as_str()) && !handed_over;
+        if slow_ordered {
+            self.slow_ordered += 1;
         }
         // The session a create or resume may follow before it answers: if the connection closes
         // first, it is told to let go of this connection all the same (see `stopped`).
@@ -739,8 +741,8 @@ impl WsConnection {
             if barrier {
                 act.barriers -= 1;
             }
-            if slow_submit {
-                act.slow_submits -= 1;
+            if slow_ordered {
+                act.slow_ordered -= 1;
             }
             if let Some(token) = follow_token {
                 act.following.retain(|(t, _)| *t != token);
@@ -763,7 +765,9 @@ impl WsConnection {
             // What was held behind it runs now, in the order it was read, up to the next
             // request that changes what the connection follows.
             while let Some(next) = act.held.front() {
-                if act.barriers > 0 || (act.slow_submits > 0 && next.method == "prompt.submit") {
+                if act.barriers > 0
+                    || (act.slow_ordered > 0 && ORDERED.contains(&next.method.as_str()))
+                {
                     break;
                 }
                 if let Some(next) = act.held.pop_front() {
@@ -773,6 +777,17 @@ impl WsConnection {
         }));
     }
 }
+
+/// Methods that change a session's state: a connection's requests of these reach their
+/// sessions in the order it sent them.
+const ORDERED: [&str; 6] = [
+    "prompt.submit",
+    "prompt.cancel",
+    "prompt.resolve_unknown",
+    "approval.respond",
+    "clarify.respond",
+    "session.interrupt",
+];
 
 /// Methods that change which sessions a connection follows: a request read behind one of them
 /// that names a session not followed waits for its answer (it may need the session followed).

@@ -2053,3 +2053,61 @@ async fn a_connection_follows_a_bounded_number_of_sessions() {
     ws.refused("session.resume", json!({"session_id": a}), "rate_limited")
         .await;
 }
+
+/// Requests that change a session reach it in the order a connection sent them: a submit sent
+/// right behind a cancel that frees a place in a full queue takes that place. The submit was
+/// handed to the session when read and the cancel only after its lookup, so the submit came
+/// first, found the queue full and was refused `session_busy`.
+#[actix_rt::test]
+async fn a_submit_pipelined_behind_a_cancel_finds_its_place() {
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "HEAD" {
+            Reply::Hang
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_queued_admissions": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("in-order", &home.path).await;
+    ws.submit(&sid, "HEAD", "HEAD").await;
+    wait_until("HEAD at the model", Duration::from_secs(20), || {
+        model.reached("HEAD") == 1
+    })
+    .await;
+    ws.submit(&sid, "Q1", "Q1").await;
+    let q2 = ws.submit(&sid, "Q2", "Q2").await["admission_id"].clone();
+    // Both in one write, as a client that does not wait sends them.
+    let mut raw = RawWs::connect(&home.path, &d.origin());
+    let mut both = RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}})
+            .to_string()
+            .as_bytes(),
+    );
+    raw.write_all(&both);
+    assert_eq!(raw.reply()["id"], "r");
+    both = RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "cancel", "method": "prompt.cancel",
+               "params": {"session_id": sid, "admission_id": q2}})
+        .to_string()
+        .as_bytes(),
+    );
+    both.extend(RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "submit", "method": "prompt.submit",
+               "params": {"session_id": sid, "input_id": "Q3", "text": "Q3"}})
+        .to_string()
+        .as_bytes(),
+    ));
+    raw.write_all(&both);
+    let replies = [raw.reply(), raw.reply()];
+    for r in &replies {
+        assert!(r.get("error").is_none(), "{replies:?}");
+    }
+    assert_eq!(home.admission("Q2").outcome.as_deref(), Some("cancelled"));
+    assert_eq!(home.admission("Q3").status, "queued");
+}
