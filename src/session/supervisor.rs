@@ -362,8 +362,10 @@ impl SessionSupervisor {
         F: FnOnce(&mut SqliteConnection) -> Result<Vec<EventRow>, StoreError> + Send + 'static,
     {
         self.write_started();
-        let db = self.shared.db.clone();
-        let fut = async move { db.write(f).await };
+        // Queued now, in the order this actor handled what it records (a tool's start before
+        // its end), not when the task is first polled (in no fixed order): the log's seq
+        // follows the writer's order.
+        let fut = self.shared.db.write(f);
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             let rows = res.unwrap_or_else(|e| {
                 tracing::error!(session = %act.root_id, error = %e, "{what} failed");
@@ -398,14 +400,10 @@ impl SessionSupervisor {
         let root = self.root_id.clone();
         let seen = self.admitted;
         let rows = self.start_read_rows();
-        let fut = async move {
-            let now = shared.now();
-            let epoch = shared.epoch;
-            shared
-                .db
-                .write(move |c| claim_with_start(c, epoch, &root, now, rows))
-                .await
-        };
+        let (now, epoch) = (shared.now(), shared.epoch);
+        let fut = shared
+            .db
+            .write(move |c| claim_with_start(c, epoch, &root, now, rows));
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.claiming = false;
             let (claim, start, more) = match res {
@@ -547,13 +545,10 @@ impl SessionSupervisor {
             self.root_id.clone(),
             row.admission_id.clone(),
         );
-        let fut = async move {
-            let (epoch, now) = (shared.epoch, shared.now());
-            shared
-                .db
-                .write(move |c| admissions::unclaim(c, epoch, &root, &admission, generation, now))
-                .await
-        };
+        let (epoch, now) = (shared.epoch, shared.now());
+        let fut = shared
+            .db
+            .write(move |c| admissions::unclaim(c, epoch, &root, &admission, generation, now));
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.claiming = false;
             match act.answered(res, ctx) {
@@ -1304,16 +1299,14 @@ impl Handler<ResolveUnknown> for SessionSupervisor {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
         self.write_started();
+        let (epoch, now) = (shared.epoch, shared.now());
+        let id = m.admission_id.clone();
+        // Queued when handled, in the order this session's messages came (see `Submit`).
+        let write = shared.db.write(move |c| {
+            admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now)
+        });
         let fut = async move {
-            let epoch = shared.epoch;
-            let now = shared.now();
-            let id = m.admission_id.clone();
-            let resolved = shared
-                .db
-                .write(move |c| {
-                    admissions::resolve_unknown(c, epoch, &root, &m.admission_id, m.generation, now)
-                })
-                .await?;
+            let resolved = write.await?;
             shared.settlements.settled(&id);
             Ok(resolved)
         };
@@ -1339,14 +1332,14 @@ impl Handler<CancelQueued> for SessionSupervisor {
         let shared = self.shared.clone();
         let root = self.root_id.clone();
         self.write_started();
+        let (epoch, now) = (shared.epoch, shared.now());
+        let id = m.admission_id.clone();
+        // Queued when handled, in the order this session's messages came (see `Submit`).
+        let write = shared
+            .db
+            .write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now));
         let fut = async move {
-            let epoch = shared.epoch;
-            let now = shared.now();
-            let id = m.admission_id.clone();
-            let cancelled = shared
-                .db
-                .write(move |c| admissions::cancel(c, epoch, &root, &m.admission_id, now))
-                .await?;
+            let cancelled = write.await?;
             shared.settlements.settled(&id);
             Ok(cancelled)
         };
