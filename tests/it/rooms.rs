@@ -329,15 +329,20 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
         )
         .await;
     }
-    // Every room has had the pass that its creation started.
+    // The rounds the creations started are over (each creation reads the rooms again and
+    // passes every room): their passes have stopped coming, with no task under way (nothing
+    // else wakes a room here, with its polls a minute apart).
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut last = (u64::MAX, std::time::Instant::now());
     loop {
         let status = ws.ok("room.status", json!({})).await;
         let passed = status["passes"].as_u64().unwrap_or(0) - created;
         let idle = status["current_tasks"]
             .as_array()
             .is_some_and(|t| t.is_empty());
-        if passed >= ROOMS as u64 && idle {
+        if passed != last.0 || !idle {
+            last = (passed, std::time::Instant::now());
+        } else if passed >= ROOMS as u64 && last.1.elapsed() >= Duration::from_millis(300) {
             break;
         }
         assert!(
