@@ -1123,12 +1123,13 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         self.prompts.insert(p.prompt_id.clone(), p);
         self.shared.metrics.prompt_opened();
         // The `<kind>.request` event is committed with the prompt's audit row.
-        let now = self.shared.now();
+        let (now, epoch) = (self.shared.now(), self.shared.epoch);
         self.write_events(
             "prompt audit write",
             move |c| {
                 prompt_store::record_open(
                     c,
+                    epoch,
                     &prompt_id,
                     &session,
                     &admission_id,

@@ -23,9 +23,13 @@ pub struct PromptRow {
 }
 
 /// Record an open prompt and its `<kind>.request` event (the payload clients answer from).
+/// Fenced: the prompt's attempt must be the running one (its admission `started`, owned by
+/// this epoch, at `generation`), else `stale_generation` and nothing is written: a prompt of an
+/// attempt that has ended is never recorded open.
 #[allow(clippy::too_many_arguments)]
 pub fn record_open(
     conn: &mut SqliteConnection,
+    epoch: i64,
     prompt_id: &str,
     session_id: &str,
     admission_id: &str,
@@ -34,8 +38,22 @@ pub fn record_open(
     payload: &serde_json::Value,
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
+    use super::schema::session_admissions as sa;
     let payload_json = payload.to_string();
     super::write_tx(conn, |conn| {
+        let running: i64 = sa::table
+            .filter(sa::admission_id.eq(admission_id))
+            .filter(sa::target_session_id.eq(session_id))
+            .filter(sa::status.eq("started"))
+            .filter(sa::owner_epoch.eq(epoch))
+            .filter(sa::execution_generation.eq(generation))
+            .count()
+            .get_result(conn)?;
+        if running != 1 {
+            return Err(StoreError::StaleGeneration(format!(
+                "attempt {generation} of admission {admission_id} is not running"
+            )));
+        }
         diesel::insert_into(prompts::table)
             .values((
                 prompts::prompt_id.eq(prompt_id),
@@ -203,4 +221,70 @@ pub fn remember(
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::admissions::{self, Claim};
+    use crate::store::{epoch, testing};
+
+    /// A prompt is recorded open only for the running attempt: another generation, or the same
+    /// one once its turn settled, is stale and leaves neither a row nor a request event.
+    #[test]
+    fn a_prompt_opens_only_for_the_running_attempt() {
+        let (_d, mut c) = testing::conn();
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
+        admissions::admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
+        let Claim::Started(row) = admissions::claim_next(&mut c, e, "s1", 2.0)
+            .expect("claim")
+            .0
+            .value
+        else {
+            panic!("no claim")
+        };
+        let g = row.execution_generation.expect("generation");
+        let payload = serde_json::json!({"prompt_id": "a1"});
+        let open = |c: &mut SqliteConnection, id: &str, g: i64| {
+            record_open(
+                c,
+                e,
+                id,
+                "s1",
+                &row.admission_id,
+                g,
+                "approval",
+                &payload,
+                3.0,
+            )
+        };
+        assert!(matches!(
+            open(&mut c, "stale", g + 1),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        assert_eq!(open(&mut c, "a1", g).expect("opened").len(), 1);
+        admissions::settle(
+            &mut c,
+            e,
+            "s1",
+            &row.admission_id,
+            g,
+            "completed",
+            "{}",
+            &[],
+            &[],
+            4.0,
+        )
+        .expect("settle");
+        assert!(matches!(
+            open(&mut c, "late", g),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        let ids: Vec<String> = prompts::table
+            .select(prompts::prompt_id)
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(ids, ["a1"]);
+    }
 }
