@@ -104,8 +104,11 @@ impl RoomEventHub {
     }
 
     fn publish(&self, room_id: &str, kind: &str, payload: Value) {
-        let seq = match self.seq.lock() {
-            Ok(mut m) => {
+        // The number is taken and the frame handed over under one lock: two publishers (an API
+        // task, a member's terminal report on another thread) hand theirs over in seq order.
+        let mut counters = self.seq.lock();
+        let seq = match &mut counters {
+            Ok(m) => {
                 let e = m.entry(room_id.to_string()).or_insert(0);
                 *e += 1;
                 *e
@@ -120,6 +123,7 @@ impl RoomEventHub {
                 subs.retain(|_, r| push_or_drop(r, PushEvent::one(text.clone())));
             }
         }
+        drop(counters);
     }
 }
 
