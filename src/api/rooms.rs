@@ -347,9 +347,19 @@ impl RoomsService {
                 };
                 let clock = self.clock.clone();
                 let max_queued = self.runtime.config().max_queued_tasks_per_room;
+                let who = principal.map(str::to_string);
                 let view = self
                     .db
                     .write(move |c| {
+                        // The owner again, in the admission's own transaction: a room made by
+                        // another principal since the check above (none existed then) is
+                        // not admitted into.
+                        let owner = rooms::room_owner(c, &identity.room_id)?;
+                        if let Err(refused) =
+                            owned_by(&identity.room_id, owner.as_deref(), who.as_deref())
+                        {
+                            return Ok(Err(refused));
+                        }
                         room_tasks::admit_task_within(
                             c,
                             &identity,
@@ -357,9 +367,10 @@ impl RoomsService {
                             clock.as_ref(),
                             max_queued,
                         )
+                        .map(Ok)
                     })
                     .await
-                    .map_err(store_error)?;
+                    .map_err(store_error)??;
                 subscribe(&view.identity.room_id);
                 self.runtime.wake_room(&view.identity.room_id);
                 Ok(task_view(&view))
