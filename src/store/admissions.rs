@@ -653,6 +653,32 @@ pub fn settle(
     })
 }
 
+/// Refuse (`stale_generation`) unless attempt `generation` of root `root` is running: its
+/// admission `started`, owned by this epoch. A session's `runtime_generation` moves at a claim
+/// only, so it still names an attempt that has been settled until the next claim; a write of
+/// the attempt's (its transcript, a compaction) checks the admission itself.
+pub fn require_running(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    root: &str,
+    generation: i64,
+) -> Result<(), StoreError> {
+    let running: i64 = sa::table
+        .filter(is_live())
+        .filter(sa::target_session_id.eq(root))
+        .filter(sa::status.eq("started"))
+        .filter(sa::owner_epoch.eq(epoch))
+        .filter(sa::execution_generation.eq(generation))
+        .count()
+        .get_result(conn)?;
+    if running == 0 {
+        return Err(StoreError::StaleGeneration(format!(
+            "attempt {generation} is no longer running"
+        )));
+    }
+    Ok(())
+}
+
 /// [`settle`], and the turn's token usage added to its session, in one transaction: a usage
 /// that cannot be added undoes the settlement too (and a retry settles both), rather than
 /// leave the turn settled while its caller is told the settlement failed.

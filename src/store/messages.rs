@@ -138,6 +138,7 @@ pub fn append_for_attempt(
                 "attempt {generation} is not the running one ({current})"
             )));
         }
+        super::admissions::require_running(conn, epoch, root_id, generation)?;
         let rows: Vec<NewMessage> = rows
             .iter()
             .cloned()
@@ -271,6 +272,52 @@ mod tests {
             timestamp: 0.0,
             reasoning: None,
         }
+    }
+
+    /// A settled attempt writes no more to its transcript, though its generation is still the
+    /// session's last (it moves at the next claim only).
+    #[test]
+    fn a_settled_attempt_appends_nothing() {
+        use crate::store::admissions::{self, Claim};
+        use crate::store::{epoch, testing};
+        let (_d, mut c) = testing::conn();
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        testing::session(&mut c, e, "s1");
+        admissions::admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
+        let Claim::Started(started) = admissions::claim_next(&mut c, e, "s1", 2.0)
+            .expect("claim")
+            .0
+            .value
+        else {
+            panic!("no claim")
+        };
+        let g = started.execution_generation.expect("generation");
+        let reply = [NewMessage::text("assistant", "step".to_string())];
+        append_for_attempt(&mut c, e, "s1", g, &reply, 3.0).expect("running: appended");
+        admissions::settle(
+            &mut c,
+            e,
+            "s1",
+            &started.admission_id,
+            g,
+            "interrupted",
+            "{}",
+            &[],
+            &[],
+            4.0,
+        )
+        .expect("settle");
+        let late = append_for_attempt(&mut c, e, "s1", g, &reply, 5.0);
+        assert!(
+            matches!(late, Err(StoreError::StaleGeneration(_))),
+            "{late:?}"
+        );
+        let steps = live(&mut c, "s1")
+            .expect("live")
+            .iter()
+            .filter(|m| m.content.as_deref() == Some("step"))
+            .count();
+        assert_eq!(steps, 1);
     }
 
     #[test]

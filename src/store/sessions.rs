@@ -237,6 +237,7 @@ pub fn commit_compaction(
                 "the session moved on during compaction".into(),
             ));
         }
+        super::admissions::require_running(conn, epoch, &root.id, generation)?;
         let target = match &c.child_id {
             Some(child) => {
                 let old = find(conn, &c.old_tip)?
