@@ -285,9 +285,11 @@ impl RoomRuntime {
         // where each step would list its tasks). A task that changes state after this read
         // wakes the room (admission, cancellation, retry), so its work gets the next pass.
         let mut counts = self.task_counts(binding).await?;
-        // A room with nothing to do holds no lease: renewing one kept every idle room writing
-        // a commit each half lease TTL for as long as it stayed idle. The next task's pass
-        // takes a fresh lease (and recovers the room under it) before it starts anything.
+        // A room with nothing to do renews no lease: renewing kept every idle room writing a
+        // commit each half lease TTL for as long as it stayed idle. It keeps the lease it holds
+        // while that needs no renewal (a task soon after the last one takes no new lease), then
+        // releases it; the next task's pass takes a fresh lease (and recovers the room under it)
+        // before it starts anything.
         if counts.idle() {
             self.let_go_of_lease(binding).await;
             self.state().blocked.remove(&binding.room_id);
@@ -485,10 +487,24 @@ impl RoomRuntime {
         Ok(lease)
     }
 
-    /// Release the room's lease, if this runtime holds one. A release refused (the lease
-    /// lapsed, the room's authority moved, a task started meanwhile) leaves the lease to expire.
+    /// Release the room's lease, if this runtime holds one that would now need renewing. A
+    /// release refused (the lease lapsed, the room's authority moved, a task started meanwhile)
+    /// leaves the lease to expire.
     async fn let_go_of_lease(&self, binding: &RoomBinding) {
-        let Some(lease) = self.state().leases.remove(&binding.room_id) else {
+        let ttl = self.inner.config.lease_ttl_seconds;
+        let now = self.now();
+        let lease = {
+            let mut state = self.state();
+            let due = state
+                .leases
+                .get(&binding.room_id)
+                .is_some_and(|lease| now >= lease.expires_at - ttl / 2.0);
+            if !due {
+                return;
+            }
+            state.leases.remove(&binding.room_id)
+        };
+        let Some(lease) = lease else {
             return;
         };
         let clock = self.inner.clock.clone();

@@ -1487,10 +1487,10 @@ async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
     assert_eq!(model.reached("HANG"), 4, "each stuck task ran once");
 }
 
-/// A room with nothing to do holds no lease and writes nothing: each idle room renewed its
-/// lease every half lease TTL for as long as it stayed idle (a commit per room, forever, on a
-/// gateway with nothing to do). A task's pass takes a lease; the pass that finds the room idle
-/// again releases it.
+/// A room with nothing to do takes no lease and renews none: each idle room renewed its lease
+/// every half lease TTL for as long as it stayed idle (a commit per room, forever, on a gateway
+/// with nothing to do). A task's pass takes a lease; once the room is idle again, the pass that
+/// would have renewed it releases it instead, and nothing more is written.
 #[actix_rt::test]
 async fn an_idle_room_holds_no_lease() {
     use diesel::prelude::*;
