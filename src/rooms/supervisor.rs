@@ -1813,12 +1813,12 @@ impl RoomRuntime {
                     .inner
                     .db
                     .write(move |c| {
-                        crate::store::room_tasks::begin_attempt_stop(
+                        crate::store::room_tasks::begin_task_stop(
                             c,
                             &id,
                             &cancel_id,
                             cancel,
-                            generation,
+                            Some(generation),
                             clock.as_ref(),
                         )
                     })

@@ -794,7 +794,7 @@ async fn settle(
     let settled = shared
         .db
         .write(move |c| {
-            admissions::settle_with_usage(
+            admissions::settle(
                 c,
                 epoch,
                 &root,

@@ -580,9 +580,12 @@ pub fn claim_next(
     })
 }
 
-/// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip and
-/// `report` (the settlement's events) to the log in the same transaction. Fenced: started, this
-/// epoch, this generation, the session's running one.
+/// Settle a started row with `outcome`, appending `closing` (its last messages) to the tip,
+/// `report` (the settlement's events) to the log and the turn's token `usage` (prompt,
+/// completion) to the session in the same transaction: a usage that cannot be added undoes the
+/// settlement too (a retry settles both), rather than leave the turn settled while its caller
+/// is told the settlement failed. Fenced: started, this epoch, this generation, the session's
+/// running one.
 ///
 /// Only its events come back: the row would be one more read, and nothing needs it (its
 /// `message.complete` event carries the outcome).
@@ -597,6 +600,7 @@ pub fn settle(
     result_json: &str,
     closing: &[NewMessage],
     report: &[NewEvent],
+    usage: (i64, i64),
     now: f64,
 ) -> Result<Logged<()>, StoreError> {
     super::write_tx(conn, |conn| {
@@ -648,6 +652,9 @@ pub fn settle(
             })
             .collect();
         insert_messages_knowing(conn, &rows, Some((session, ordinal)), now)?;
+        if usage != (0, 0) {
+            super::sessions::add_usage(conn, session, usage.0, usage.1)?;
+        }
         let logged = events::append_at(conn, session, ordinal, report, now)?;
         Ok(Logged::new((), logged))
     })
@@ -677,43 +684,6 @@ pub fn require_running(
         )));
     }
     Ok(())
-}
-
-/// [`settle`], and the turn's token usage added to its session, in one transaction: a usage
-/// that cannot be added undoes the settlement too (and a retry settles both), rather than
-/// leave the turn settled while its caller is told the settlement failed.
-#[allow(clippy::too_many_arguments)]
-pub fn settle_with_usage(
-    conn: &mut SqliteConnection,
-    epoch: i64,
-    session: &str,
-    admission_id: &str,
-    generation: i64,
-    outcome: &str,
-    result_json: &str,
-    closing: &[NewMessage],
-    report: &[NewEvent],
-    usage: (i64, i64),
-    now: f64,
-) -> Result<Logged<()>, StoreError> {
-    super::write_tx(conn, |conn| {
-        let settled = settle(
-            conn,
-            epoch,
-            session,
-            admission_id,
-            generation,
-            outcome,
-            result_json,
-            closing,
-            report,
-            now,
-        )?;
-        if usage != (0, 0) {
-            super::sessions::add_usage(conn, session, usage.0, usage.1)?;
-        }
-        Ok(settled)
-    })
 }
 
 /// Cancel a queued row (terminal/cancelled). Started → `stale_generation`; unknown →
@@ -924,11 +894,7 @@ mod tests {
     #[test]
     fn a_settlement_and_its_usage_are_one_transaction() {
         use diesel::connection::SimpleConnection;
-        let (_d, mut c, e) = setup();
-        admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
-        let Claim::Started(row) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
-            panic!("no claim")
-        };
+        let (_d, mut c, e, row) = testing::started_turn();
         let generation = row.execution_generation.expect("generation");
         let tokens = |c: &mut SqliteConnection| -> (i64, i64) {
             sessions::table
@@ -943,7 +909,7 @@ mod tests {
         )
         .expect("trigger");
         let settle_now = |c: &mut SqliteConnection| {
-            settle_with_usage(
+            settle(
                 c,
                 e,
                 "s1",
@@ -1245,6 +1211,7 @@ mod tests {
             "{}",
             &[],
             &[],
+            (0, 0),
             3.0,
         )
         .expect("settle");
@@ -1285,6 +1252,7 @@ mod tests {
             "{}",
             std::slice::from_ref(&reply),
             &report,
+            (0, 0),
             3.0,
         )
         .expect("settle");
@@ -1389,6 +1357,7 @@ mod tests {
                 "{}",
                 &[],
                 &[],
+                (0, 0),
                 3.0
             ),
             Err(StoreError::StaleGeneration(_))
@@ -1403,6 +1372,7 @@ mod tests {
             "{}",
             &[],
             &[],
+            (0, 0),
             3.0,
         )
         .expect("settle");
@@ -1443,6 +1413,7 @@ mod tests {
                 "{}",
                 &[],
                 &[],
+                (0, 0),
                 3.0
             ),
             Err(StoreError::StaleEpoch)
@@ -1584,6 +1555,7 @@ mod tests {
             "{}",
             &[],
             &report,
+            (0, 0),
             3.0
         )
         .is_err());
@@ -1597,6 +1569,7 @@ mod tests {
             "{}",
             &[],
             &report,
+            (0, 0),
             3.0,
         )
         .expect("settle");

@@ -278,19 +278,8 @@ mod tests {
     /// session's last (it moves at the next claim only).
     #[test]
     fn a_settled_attempt_appends_nothing() {
-        use crate::store::admissions::{self, Claim};
-        use crate::store::{epoch, testing};
-        let (_d, mut c) = testing::conn();
-        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
-        testing::session(&mut c, e, "s1");
-        admissions::admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
-        let Claim::Started(started) = admissions::claim_next(&mut c, e, "s1", 2.0)
-            .expect("claim")
-            .0
-            .value
-        else {
-            panic!("no claim")
-        };
+        use crate::store::{admissions, testing};
+        let (_d, mut c, e, started) = testing::started_turn();
         let g = started.execution_generation.expect("generation");
         let reply = [NewMessage::text("assistant", "step".to_string())];
         append_for_attempt(&mut c, e, "s1", g, &reply, 3.0).expect("running: appended");
@@ -304,6 +293,7 @@ mod tests {
             "{}",
             &[],
             &[],
+            (0, 0),
             4.0,
         )
         .expect("settle");

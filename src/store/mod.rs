@@ -1100,6 +1100,25 @@ pub fn now() -> f64 {
 pub mod testing {
     use super::*;
 
+    /// A migrated ledger with session `s1` whose input `in` has been claimed: the epoch, and
+    /// the `started` row.
+    pub fn started_turn() -> (
+        tempfile_dir::TempDir,
+        SqliteConnection,
+        i64,
+        admissions::AdmissionRow,
+    ) {
+        let (dir, mut c) = conn();
+        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
+        session(&mut c, e, "s1");
+        admissions::admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
+        let (claimed, _) = admissions::claim_next(&mut c, e, "s1", 2.0).expect("claim");
+        let admissions::Claim::Started(row) = claimed.value else {
+            panic!("no claim")
+        };
+        (dir, c, e, *row)
+    }
+
     /// A connection on a fresh temp file with foreign keys on, and no schema yet.
     fn fresh() -> (tempfile_dir::TempDir, SqliteConnection) {
         use diesel::Connection;

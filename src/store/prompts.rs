@@ -226,24 +226,13 @@ pub fn remember(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::admissions::{self, Claim};
-    use crate::store::{epoch, testing};
+    use crate::store::{admissions, testing};
 
     /// A prompt is recorded open only for the running attempt: another generation, or the same
     /// one once its turn settled, is stale and leaves neither a row nor a request event.
     #[test]
     fn a_prompt_opens_only_for_the_running_attempt() {
-        let (_d, mut c) = testing::conn();
-        let e = epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch");
-        testing::session(&mut c, e, "s1");
-        admissions::admit(&mut c, e, "p", "s1", "in", "hi", 10, 1.0).expect("admit");
-        let Claim::Started(row) = admissions::claim_next(&mut c, e, "s1", 2.0)
-            .expect("claim")
-            .0
-            .value
-        else {
-            panic!("no claim")
-        };
+        let (_d, mut c, e, row) = testing::started_turn();
         let g = row.execution_generation.expect("generation");
         let payload = serde_json::json!({"prompt_id": "a1"});
         let open = |c: &mut SqliteConnection, id: &str, g: i64| {
@@ -274,6 +263,7 @@ mod tests {
             "{}",
             &[],
             &[],
+            (0, 0),
             4.0,
         )
         .expect("settle");

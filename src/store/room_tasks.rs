@@ -980,7 +980,7 @@ pub fn begin_task_cancel(
     expected_cancel_generation: i64,
     clock: &dyn Clock,
 ) -> StoreResult<TaskView> {
-    begin_stop(
+    begin_task_stop(
         conn,
         identity,
         cancel_id,
@@ -990,28 +990,10 @@ pub fn begin_task_cancel(
     )
 }
 
-/// [`begin_task_cancel`] of one attempt only (a turn's deadline stops the attempt it timed,
-/// never the one after it: a requeue keeps the cancel generation, so only the execution
-/// generation tells a later attempt from the one timed).
-pub fn begin_attempt_stop(
-    conn: &mut SqliteConnection,
-    identity: &TaskIdentity,
-    cancel_id: &str,
-    expected_cancel_generation: i64,
-    execution_generation: i64,
-    clock: &dyn Clock,
-) -> StoreResult<TaskView> {
-    begin_stop(
-        conn,
-        identity,
-        cancel_id,
-        expected_cancel_generation,
-        Some(execution_generation),
-        clock,
-    )
-}
-
-fn begin_stop(
+/// [`begin_task_cancel`], of attempt `attempt` only when given (a turn's deadline stops the
+/// attempt it timed, never the one after it: a requeue keeps the cancel generation, so only the
+/// execution generation tells a later attempt from the one timed).
+pub fn begin_task_stop(
     conn: &mut SqliteConnection,
     identity: &TaskIdentity,
     cancel_id: &str,

@@ -1711,8 +1711,9 @@ async fn a_claim_that_empties_the_queue_needs_no_claim_after_its_turn() {
     assert_eq!(model.requests().len(), 2 * rounds as usize);
 }
 
-#[actix_rt::test]
-async fn a_full_session_queue_is_refused_with_session_busy() {
+/// A session whose queue (`max_queued_admissions` 2) is full: `HEAD` hangs at the model, `Q1`
+/// and `Q2` wait behind it. The receipt of `Q2` comes back with the rest.
+async fn a_full_queue(name: &str) -> (FakeModel, Home, Daemon, Ws, String, Value) {
     let model = FakeModel::start(|body| {
         if last_user(body) == "HEAD" {
             Reply::Hang
@@ -1727,14 +1728,20 @@ async fn a_full_session_queue_is_refused_with_session_busy() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws.session("busy", &home.path).await;
+    let sid = ws.session(name, &home.path).await;
     ws.submit(&sid, "HEAD", "HEAD").await;
     wait_until("HEAD at the model", Duration::from_secs(20), || {
         model.reached("HEAD") == 1
     })
     .await;
     ws.submit(&sid, "Q1", "Q1").await;
-    ws.submit(&sid, "Q2", "Q2").await;
+    let q2 = ws.submit(&sid, "Q2", "Q2").await;
+    (model, home, d, ws, sid, q2)
+}
+
+#[actix_rt::test]
+async fn a_full_session_queue_is_refused_with_session_busy() {
+    let (_model, home, _d, mut ws, sid, _) = a_full_queue("busy").await;
     let v = ws
         .refused(
             "prompt.submit",
@@ -2060,28 +2067,8 @@ async fn a_connection_follows_a_bounded_number_of_sessions() {
 /// first, found the queue full and was refused `session_busy`.
 #[actix_rt::test]
 async fn a_submit_pipelined_behind_a_cancel_finds_its_place() {
-    let model = FakeModel::start(|body| {
-        if last_user(body) == "HEAD" {
-            Reply::Hang
-        } else {
-            Reply::Message(json!({"role": "assistant", "content": "ok"}), "stop")
-        }
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"session": {"max_queued_admissions": 2}}),
-    ));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("in-order", &home.path).await;
-    ws.submit(&sid, "HEAD", "HEAD").await;
-    wait_until("HEAD at the model", Duration::from_secs(20), || {
-        model.reached("HEAD") == 1
-    })
-    .await;
-    ws.submit(&sid, "Q1", "Q1").await;
-    let q2 = ws.submit(&sid, "Q2", "Q2").await["admission_id"].clone();
+    let (_model, home, d, _ws, sid, q2) = a_full_queue("in-order").await;
+    let q2 = q2["admission_id"].clone();
     // Both in one write, as a client that does not wait sends them.
     let mut raw = RawWs::connect(&home.path, &d.origin());
     let mut both = RawWs::masked_text(

@@ -520,23 +520,23 @@ fn an_attempt_stop_stops_that_attempt_only() {
     let lease = f.lease("proc", 30.0);
     let attempt = f.start(&id, &lease);
     let running = attempt.execution_generation;
-    assert!(is_stale_task(crate::store::room_tasks::begin_attempt_stop(
+    assert!(is_stale_task(begin_task_stop(
         &mut f.db.conn(),
         &id,
         "deadline:other",
         0,
-        running + 1,
+        Some(running + 1),
         &f.clock
     )));
     let task = get_task(&mut f.db.conn(), &id).unwrap();
     assert_eq!(task.status, TaskStatus::Running);
     assert_eq!(task.cancel_generation, 0);
-    let stopping = crate::store::room_tasks::begin_attempt_stop(
+    let stopping = begin_task_stop(
         &mut f.db.conn(),
         &id,
         "deadline:this",
         0,
-        running,
+        Some(running),
         &f.clock,
     )
     .unwrap();
