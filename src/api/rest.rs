@@ -297,18 +297,13 @@ pub async fn read_json<T: DeserializeOwned>(
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("bad request body: {e}")))
 }
 
-/// Room for the largest text the session takes, however its client escapes it: JSON writes a
-/// character as up to six bytes (`\u0436` for a two-byte one, as Python's `json.dumps` does by
-/// default). The text's own limit is checked on its UTF-8 bytes, as over the WebSocket.
-pub fn body_limit(state: &AppState) -> usize {
-    state
-        .authority
-        .shared
-        .config
-        .session
-        .max_text_bytes
-        .saturating_mul(6)
-        .saturating_add(BODY_OVERHEAD)
+/// A REST route's body: room for the largest text the session takes, however its client
+/// escapes it (JSON writes a character as up to six bytes, `\u0436` for a two-byte one, as
+/// Python's `json.dumps` does by default). The text's own limit is checked on its UTF-8 bytes,
+/// as over the WebSocket.
+pub fn body_limit(state: &AppState) -> BodyLimit {
+    let text = state.authority.shared.config.session.max_text_bytes;
+    BodyLimit::of(state, text.saturating_mul(6).saturating_add(BODY_OVERHEAD))
 }
 
 /// A caller for the authority: `principal`, treated as subscribed to `root`.
@@ -521,8 +516,7 @@ async fn create_session(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let mut body: CreateSession =
-        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
+    let mut body: CreateSession = read_json(payload, body_limit(&state)).await?;
     body.request_id = idempotency(&req, body.request_id.take(), "request_id")?;
     let mut params = to_params(&body);
     params.retain(|_, v| !v.is_null());
@@ -566,7 +560,7 @@ async fn submit_input(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: SubmitInput = read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
+    let body: SubmitInput = read_json(payload, body_limit(&state)).await?;
     let input_id = idempotency(&req, body.input_id, "input_id")?
         .ok_or_else(|| ApiError::invalid("input_id or the Idempotency-Key header is required"))?;
     let receipt: Receipt = call(
@@ -631,8 +625,7 @@ async fn answer_prompt(
 ) -> Result<HttpResponse, ApiError> {
     let (id, prompt_id) = path.into_inner();
     let root = owned(&state, &principal.0, &id).await?;
-    let body: PromptAnswerBody =
-        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
+    let body: PromptAnswerBody = read_json(payload, body_limit(&state)).await?;
     let (method, key, value) = match (body.choice, body.answer) {
         (Some(choice), None) => ("approval.respond", "choice", choice),
         (None, Some(answer)) => ("clarify.respond", "answer", answer),
@@ -660,8 +653,7 @@ async fn resolve_unknown(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: ResolveUnknownBody =
-        read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
+    let body: ResolveUnknownBody = read_json(payload, body_limit(&state)).await?;
     let receipt: Receipt = call(
         &state.authority,
         "prompt.resolve_unknown",
@@ -680,7 +672,7 @@ async fn interrupt(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let root = owned(&state, &principal.0, &path.into_inner()).await?;
-    let body: InterruptBody = read_json(payload, BodyLimit::of(&state, body_limit(&state))).await?;
+    let body: InterruptBody = read_json(payload, body_limit(&state)).await?;
     let result: InterruptResult = call(
         &state.authority,
         "session.interrupt",

@@ -47,6 +47,18 @@ pub struct Caller {
 /// registry. Shared, so a request's copy is a reference count.
 pub type Subscriptions = Arc<HashMap<String, Option<Addr<SessionSupervisor>>>>;
 
+/// The live supervisor of `session_id` when the caller follows it as a root: a submit for it
+/// is handed over as it is begun (see [`Authority::begin`]), with no lookup.
+pub fn followed_supervisor<'a>(
+    subscribed: &'a Subscriptions,
+    session_id: &str,
+) -> Option<&'a Addr<SessionSupervisor>> {
+    subscribed
+        .get(session_id)?
+        .as_ref()
+        .filter(|sup| sup.connected())
+}
+
 /// The answer to a call begun with [`Authority::begin`].
 pub type CallFuture = futures_util::future::BoxFuture<'static, GatewayResult<CallResult>>;
 
@@ -242,8 +254,7 @@ struct InterruptParams {
     execution_generation: i64,
 }
 
-const SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp", "bot_room"];
-/// The sources a client may name (`bot_room` is the room runtime's own).
+/// The sources a client may name (the room runtime's own, `bot_room`, besides).
 const CLIENT_SOURCES: &[&str] = &["cli", "tui", "gui", "api", "acp"];
 
 fn check_id(name: &str, v: &str) -> GatewayResult<()> {
@@ -363,14 +374,12 @@ impl Authority {
         }
         // A session this connection created or resumed is a known root: no lookup needed
         // on the hot path (the ledger still checks that the session exists).
-        if let Some(Some(sup)) = caller.subscribed.get(&p.session_id) {
-            if sup.connected() {
-                if self.shared.runtime.draining() {
-                    return Box::pin(std::future::ready(Err(GatewayError::RuntimeDraining)));
-                }
-                let (sup, root) = (sup.clone(), p.session_id.clone());
-                return self.admit(&sup, root, caller.principal.clone(), p);
+        if let Some(sup) = followed_supervisor(&caller.subscribed, &p.session_id) {
+            if self.shared.runtime.draining() {
+                return Box::pin(std::future::ready(Err(GatewayError::RuntimeDraining)));
             }
+            let (sup, root) = (sup.clone(), p.session_id.clone());
+            return self.admit(&sup, root, caller.principal.clone(), p);
         }
         let (this, caller) = (self.clone(), caller.clone());
         Box::pin(async move {
@@ -721,9 +730,9 @@ impl Authority {
         let source = p.source.clone().unwrap_or_else(|| "cli".into());
         // `bot_room` names a hosted room's member session: only the room runtime opens those
         // (a client's session under it would take the rooms' platform tools).
-        let allowed = SOURCES.contains(&source.as_str())
-            && (source != crate::rooms::port::ROOM_SESSION_SOURCE
-                || caller.principal == crate::rooms::local::ROOMS_PRINCIPAL);
+        let allowed = CLIENT_SOURCES.contains(&source.as_str())
+            || (source == crate::rooms::port::ROOM_SESSION_SOURCE
+                && caller.principal == crate::rooms::local::ROOMS_PRINCIPAL);
         if !allowed {
             return Err(GatewayError::InvalidParams(format!(
                 "source must be one of {CLIENT_SOURCES:?}"

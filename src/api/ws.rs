@@ -648,7 +648,7 @@ impl WsConnection {
         // now must not overtake an earlier one for it that still waits.
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
-            || (self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str()))
+            || self.behind_slow_ordered(&request)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -658,6 +658,12 @@ impl WsConnection {
             return;
         }
         self.dispatch(request, ctx);
+    }
+
+    /// Must `request` wait for a request that changes a session and is still on its way there
+    /// (see `slow_ordered`)?
+    fn behind_slow_ordered(&self, request: &RpcRequest) -> bool {
+        self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str())
     }
 
     /// Does `request` depend on what a request in flight may change in the sessions this
@@ -685,9 +691,7 @@ impl WsConnection {
             && params
                 .get("session_id")
                 .and_then(Value::as_str)
-                .is_some_and(
-                    |id| matches!(self.subscribed.get(id), Some(Some(a)) if a.connected()),
-                );
+                .is_some_and(|id| super::rpc::followed_supervisor(&self.subscribed, id).is_some());
         let slow_ordered = ORDERED.contains(&method.as_str()) && !handed_over;
         if slow_ordered {
             self.slow_ordered += 1;
@@ -764,15 +768,18 @@ impl WsConnection {
             }
             // What was held behind it runs now, in the order it was read, up to the next
             // request that changes what the connection follows.
-            while let Some(next) = act.held.front() {
-                if act.barriers > 0
-                    || (act.slow_ordered > 0 && ORDERED.contains(&next.method.as_str()))
+            while act.barriers == 0 {
+                if act
+                    .held
+                    .front()
+                    .is_some_and(|next| act.behind_slow_ordered(next))
                 {
                     break;
                 }
-                if let Some(next) = act.held.pop_front() {
-                    act.dispatch(next, ctx);
-                }
+                let Some(next) = act.held.pop_front() else {
+                    break;
+                };
+                act.dispatch(next, ctx);
             }
         }));
     }

@@ -438,7 +438,7 @@ impl RoomRuntime {
             let same_authority = lease.gateway_id == binding.gateway_id
                 && lease.authority_epoch == binding.authority_epoch;
             if same_authority {
-                if !force_renew && self.now() < lease.expires_at - ttl / 2.0 {
+                if !force_renew && self.lease_fresh(&lease) {
                     return Ok(lease);
                 }
                 let current = lease.clone();
@@ -487,26 +487,22 @@ impl RoomRuntime {
         Ok(lease)
     }
 
+    /// Does `lease` need no renewal yet (less than half its TTL gone)?
+    fn lease_fresh(&self, lease: &Lease) -> bool {
+        self.now() < lease.expires_at - self.inner.config.lease_ttl_seconds / 2.0
+    }
+
     /// Release the room's lease, if this runtime holds one that would now need renewing. A
     /// release refused (the lease lapsed, the room's authority moved, a task started meanwhile)
     /// leaves the lease to expire.
     async fn let_go_of_lease(&self, binding: &RoomBinding) {
-        let ttl = self.inner.config.lease_ttl_seconds;
-        let now = self.now();
-        let lease = {
-            let mut state = self.state();
-            let due = state
-                .leases
-                .get(&binding.room_id)
-                .is_some_and(|lease| now >= lease.expires_at - ttl / 2.0);
-            if !due {
-                return;
-            }
-            state.leases.remove(&binding.room_id)
-        };
-        let Some(lease) = lease else {
+        let Some(lease) = self.lease(&binding.room_id) else {
             return;
         };
+        if self.lease_fresh(&lease) {
+            return;
+        }
+        self.state().leases.remove(&binding.room_id);
         let clock = self.inner.clock.clone();
         let released = self
             .inner

@@ -38,22 +38,11 @@ pub fn record_open(
     payload: &serde_json::Value,
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
-    use super::schema::session_admissions as sa;
     let payload_json = payload.to_string();
     super::write_tx(conn, |conn| {
-        let running: i64 = sa::table
-            .filter(sa::admission_id.eq(admission_id))
-            .filter(sa::target_session_id.eq(session_id))
-            .filter(sa::status.eq("started"))
-            .filter(sa::owner_epoch.eq(epoch))
-            .filter(sa::execution_generation.eq(generation))
-            .count()
-            .get_result(conn)?;
-        if running != 1 {
-            return Err(StoreError::StaleGeneration(format!(
-                "attempt {generation} of admission {admission_id} is not running"
-            )));
-        }
+        // An attempt's generation names it within its session: the running admission at this
+        // generation is the prompt's own.
+        super::admissions::require_running(conn, epoch, session_id, generation)?;
         diesel::insert_into(prompts::table)
             .values((
                 prompts::prompt_id.eq(prompt_id),
