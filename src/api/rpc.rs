@@ -565,7 +565,7 @@ impl Authority {
                 let sup = self.supervisor(&root.id).await?;
                 let done = sup
                     .send(Interrupt {
-                        generation: Some(p.execution_generation),
+                        generation: p.execution_generation,
                         reason: "client interrupt".into(),
                     })
                     .await

@@ -473,7 +473,7 @@ impl SessionPort for LocalSessionPort {
             }
             let done = sup
                 .send(Interrupt {
-                    generation: Some(generation),
+                    generation,
                     reason: "room task stop".into(),
                 })
                 .await

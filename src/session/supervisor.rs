@@ -70,6 +70,17 @@ struct Running {
     generation: i64,
     cancel: watch::Sender<bool>,
     started: std::time::Instant,
+    /// Set when the turn has decided how it ends (its settlement is on its way): an interrupt
+    /// can no longer change the outcome.
+    ended: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+/// An interrupt that named an attempt while a claim was in flight: the claim may be starting
+/// that very attempt (its commit is visible before this supervisor hears of it).
+struct HeldInterrupt {
+    generation: i64,
+    reason: String,
+    reply: oneshot::Sender<Result<bool, GatewayError>>,
 }
 
 /// Notifications on their way to subscribers.
@@ -101,6 +112,8 @@ pub struct SessionSupervisor {
     subscribers: HashMap<u64, Recipient<PushEvent>>,
     outbox: Outbox,
     claiming: bool,
+    /// Interrupts waiting for the claim in flight to answer.
+    held_interrupts: Vec<HeldInterrupt>,
     pump_again: bool,
     /// Claims the store failed in a row: the next try waits 0.5 s doubled that many times less
     /// one, up to [`MAX_CLAIM_RETRY`].
@@ -142,6 +155,7 @@ impl SessionSupervisor {
             subscribers: HashMap::new(),
             outbox: Outbox::default(),
             claiming: false,
+            held_interrupts: Vec::new(),
             pump_again: false,
             claim_failures: 0,
             maybe_queued: true,
@@ -513,6 +527,7 @@ impl SessionSupervisor {
                 let _ = w.send(());
             }
         }
+        self.answer_held_interrupts(ctx);
         self.report_idle();
     }
 
@@ -564,6 +579,7 @@ impl SessionSupervisor {
                     act.begin_turn(row, generation, None, ctx);
                 }
             }
+            act.answer_held_interrupts(ctx);
         }));
     }
 
@@ -575,12 +591,14 @@ impl SessionSupervisor {
         ctx: &mut Context<Self>,
     ) {
         let (cancel_tx, cancel_rx) = watch::channel(self.draining);
+        let ended = std::rc::Rc::new(std::cell::Cell::new(false));
         self.running = Some(Running {
             admission_id: row.admission_id.clone(),
             request_id: row.request_id.clone(),
             generation,
             cancel: cancel_tx,
             started: std::time::Instant::now(),
+            ended: ended.clone(),
         });
         self.shared.metrics.turn_started();
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
@@ -601,6 +619,9 @@ impl SessionSupervisor {
         let admission_id = row.admission_id.clone();
         let fut = async move {
             let outcome = tracing::Instrument::instrument(run_turn(turn), span).await;
+            // Runs on this actor's thread: no interrupt is handled between the turn's last look
+            // at its cancel flag and this.
+            ended.set(true);
             // A storage failure (disk full, database locked) must not strand the row `started`
             // with nothing running it: keep the FIFO held and retry until the store is back.
             let mut backoff = std::time::Duration::from_millis(100);
@@ -1350,31 +1371,60 @@ impl Handler<CancelQueued> for SessionSupervisor {
     }
 }
 
-/// Interrupt the running attempt `generation`.
+/// Interrupt the running attempt `generation`: `true` if it was running and is told to stop,
+/// `false` if it has already decided how it ends (its settlement is on its way), and
+/// `stale_generation` if it is not this session's running attempt.
 #[derive(Message)]
 #[rtype(result = "Result<bool, GatewayError>")]
 pub struct Interrupt {
-    pub generation: Option<i64>,
+    pub generation: i64,
     pub reason: String,
 }
 
 impl Handler<Interrupt> for SessionSupervisor {
-    type Result = Result<bool, GatewayError>;
+    type Result = ResponseFuture<Result<bool, GatewayError>>;
     fn handle(&mut self, m: Interrupt, ctx: &mut Context<Self>) -> Self::Result {
-        let Some(r) = &self.running else {
-            if m.generation.is_some() {
-                return Err(GatewayError::StaleGeneration("nothing is running".into()));
-            }
-            return Ok(false);
-        };
-        if let Some(g) = m.generation {
-            if g != r.generation {
-                return Err(GatewayError::StaleGeneration(format!(
-                    "generation {g} is not running"
-                )));
-            }
+        if self.running.is_none() && self.claiming {
+            // A client may know of the attempt the claim in flight committed (a receipt read
+            // from the store) before this supervisor does: answer once the claim has.
+            let (reply, answer) = oneshot::channel();
+            self.held_interrupts.push(HeldInterrupt {
+                generation: m.generation,
+                reason: m.reason,
+                reply,
+            });
+            return Box::pin(async move {
+                answer.await.unwrap_or_else(|_| {
+                    Err(GatewayError::Internal(
+                        "session supervisor unavailable".into(),
+                    ))
+                })
+            });
         }
-        tracing::info!(session = %self.root_id, reason = %m.reason, "interrupting the running turn");
+        let answer = self.interrupt(m.generation, &m.reason, ctx);
+        Box::pin(async move { answer })
+    }
+}
+
+impl SessionSupervisor {
+    fn interrupt(
+        &mut self,
+        generation: i64,
+        reason: &str,
+        ctx: &mut Context<Self>,
+    ) -> Result<bool, GatewayError> {
+        let Some(r) = &self.running else {
+            return Err(GatewayError::StaleGeneration("nothing is running".into()));
+        };
+        if generation != r.generation {
+            return Err(GatewayError::StaleGeneration(format!(
+                "generation {generation} is not running"
+            )));
+        }
+        if r.ended.get() {
+            return Ok(false);
+        }
+        tracing::info!(session = %self.root_id, %reason, "interrupting the running turn");
         // The flag first, then the prompts: a released prompt must see the interrupt.
         let _ = r.cancel.send(true);
         let open: Vec<String> = self.prompts.keys().cloned().collect();
@@ -1382,6 +1432,18 @@ impl Handler<Interrupt> for SessionSupervisor {
             self.retire_prompt(&id, "interrupted", ctx);
         }
         Ok(true)
+    }
+
+    /// The claim in flight has answered (and started its attempt, if it claimed one): answer
+    /// the interrupts that waited for it.
+    fn answer_held_interrupts(&mut self, ctx: &mut Context<Self>) {
+        if self.claiming {
+            return;
+        }
+        for held in std::mem::take(&mut self.held_interrupts) {
+            let answer = self.interrupt(held.generation, &held.reason, ctx);
+            let _ = held.reply.send(answer);
+        }
     }
 }
 

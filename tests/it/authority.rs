@@ -797,3 +797,97 @@ async fn a_resume_snapshot_is_of_one_moment() {
     busy.await.expect("submits");
     wait_until("all turns", Duration::from_secs(60), || all_terminal(&home)).await;
 }
+
+/// An interrupt naming an attempt that a claim in flight is starting stops it. A client may
+/// know of the attempt (from a receipt read from the store, or by counting: generations go up
+/// by one) before the session's supervisor has heard the claim answered; it was refused as if
+/// nothing ran, and the attempt ran on.
+#[actix_rt::test]
+async fn an_interrupt_naming_the_attempt_being_claimed_stops_it() {
+    let model = FakeModel::start(|_| Reply::Hang);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("claim-window", &home.path).await;
+    let inputs = 12;
+    let mut admissions = Vec::new();
+    for i in 1..=inputs {
+        let receipt = ws.submit(&sid, &format!("I{i}"), "wait").await;
+        admissions.push(receipt["admission_id"].clone());
+    }
+    for generation in 1..=inputs {
+        if generation > 1 {
+            // The attempt before has settled: its reply is out, and the next claim is on its way.
+            let before = admissions[generation as usize - 2].clone();
+            ws.event(Duration::from_secs(30), |e| {
+                e["type"] == "message.complete" && e["payload"]["admission_id"] == before
+            })
+            .await;
+        }
+        let reply = ws
+            .call(
+                "session.interrupt",
+                json!({"session_id": sid, "execution_generation": generation}),
+            )
+            .await;
+        assert_eq!(
+            reply["result"]["interrupted"], true,
+            "generation {generation}: {reply}"
+        );
+    }
+    wait_until("all settled", Duration::from_secs(30), || {
+        all_terminal(&home)
+    })
+    .await;
+    for row in home.admissions() {
+        assert_eq!(row.outcome.as_deref(), Some("interrupted"), "{row:?}");
+    }
+    model.release();
+}
+
+/// `interrupted: true` means the attempt was stopped: an interrupt that reaches a turn which has
+/// already decided to complete (its settlement on its way) answers `false`, never `true` for
+/// an input that then settles `completed`. The interrupts are sent at a sweep of moments after
+/// each submit, so some land while the turn asks the model and some while it settles.
+#[actix_rt::test]
+async fn an_interrupt_answers_true_only_for_an_attempt_it_stopped() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("settle-window", &home.path).await;
+    let mut answers = Vec::new();
+    for i in 0..80u64 {
+        let input = format!("S{i}");
+        let receipt = ws.submit(&sid, &input, "go").await;
+        let generation = receipt["execution_generation"].as_i64().expect("started");
+        tokio::time::sleep(Duration::from_micros((i % 20) * 100)).await;
+        let reply = ws
+            .call(
+                "session.interrupt",
+                json!({"session_id": sid, "execution_generation": generation}),
+            )
+            .await;
+        let row = {
+            wait_until(&format!("{input} settled"), Duration::from_secs(30), || {
+                home.admission(&input).status == "terminal"
+            })
+            .await;
+            home.admission(&input)
+        };
+        let outcome = row.outcome.clone().unwrap_or_default();
+        match reply["result"]["interrupted"].as_bool() {
+            Some(true) => assert_eq!(outcome, "interrupted", "told stopped: {row:?}"),
+            Some(false) => assert_eq!(outcome, "completed", "told not stopped: {row:?}"),
+            None => assert_eq!(
+                reply["error"]["data"]["reason"], "stale_generation",
+                "{reply}"
+            ),
+        }
+        answers.push(reply);
+    }
+    assert!(
+        answers
+            .iter()
+            .any(|r| r["result"]["interrupted"] == json!(true)),
+        "no interrupt landed while a turn ran"
+    );
+}
