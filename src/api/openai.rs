@@ -632,7 +632,8 @@ pub async fn chat_completions(
     // Authenticated here rather than by the `Principal` extractor, so a credential refusal is
     // in OpenAI's error shape too, like every other refusal of this route.
     let principal = authenticate(&state, &req)?;
-    let body: ChatCompletionRequest = read_json(payload, BodyLimit::of(&state, BODY_LIMIT)).await?;
+    let mut body: ChatCompletionRequest =
+        read_json(payload, BodyLimit::of(&state, BODY_LIMIT)).await?;
     // More than one answer cannot be given: say so rather than send one of the n asked for.
     if body.n.is_some_and(|n| n != 1) {
         return Err(invalid("n must be 1: a turn gives one answer"));
@@ -642,7 +643,7 @@ pub async fn chat_completions(
     let last_user = conversation
         .iter()
         .rposition(|(role, _)| role == "user")
-        .filter(|&i| !conversation[i].1.is_empty())
+        .filter(|&i| !conversation[i].1.trim().is_empty())
         .ok_or_else(|| invalid("the conversation has no user message with text"))?;
     // The gateway runs the conversation's tools itself: a reply or tool result after the last
     // user message (a client running tools of its own, or prefilling the answer) would be
@@ -669,11 +670,30 @@ pub async fn chat_completions(
     let authority = &state.authority;
     // Refused before anything is written: the input would be refused after its conversation's
     // session had been made, and a history past MAX_MESSAGES would hold the writer while it
-    // is copied in row by row.
+    // is copied in row by row. Every message the new session would store is held to the
+    // bound of an input's text (a history of one 10 MB message was stored whole, and sent
+    // with every model request of the session).
     let max = authority.shared.config.session.max_text_bytes;
     if text.len() > max {
         return Err(GatewayError::PayloadTooLarge(format!(
             "the last user message is over {max} bytes"
+        ))
+        .into());
+    }
+    if let Some((role, _)) = request.iter().find(|(_, t)| t.len() > max) {
+        return Err(GatewayError::PayloadTooLarge(format!(
+            "a {role} message of the conversation is over {max} bytes"
+        ))
+        .into());
+    }
+    let system: usize = request
+        .iter()
+        .filter(|(role, _)| role == "system")
+        .map(|(_, t)| t.len())
+        .sum();
+    if system > max {
+        return Err(GatewayError::PayloadTooLarge(format!(
+            "the conversation's system messages are over {max} bytes together"
         ))
         .into());
     }
@@ -683,6 +703,17 @@ pub async fn chat_completions(
             request.len()
         )));
     }
+    // The prompt's size is all the parsed messages are needed for now: let go of them, rather
+    // than hold a body's worth of parsed JSON (many times its size) while the turn runs.
+    let prompt_tokens = {
+        let wire: Vec<Value> = body
+            .messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": text_of(&m.content)}))
+            .collect();
+        tokens::estimate_request(&wire, None)
+    };
+    body.messages = Vec::new();
     // A `model` naming a configured profile runs the conversation under that profile.
     let profile = body
         .model
@@ -700,13 +731,33 @@ pub async fn chat_completions(
     // An explicit Idempotency-Key names the request wherever its conversation would lead: sent
     // again, with other messages, it finds its input (and a conflict), not a new session.
     let explicit = idempotency(&req, None, "input_id")?;
+    if explicit
+        .as_ref()
+        .is_some_and(|k| k.is_empty() || k.len() > 1024)
+    {
+        return Err(invalid("Idempotency-Key must be 1 to 1024 bytes"));
+    }
     let idem = explicit
         .as_deref()
         .map(|k| format!("idem-{}", hex(&Sha256::digest(k.as_bytes()))));
+    // The key with what it was sent with (the conversation, its end user, the profile, the
+    // session named): sent again with anything else, it is a conflict, not the first answer.
+    let sent_with = idem.as_ref().map(|idem| {
+        let scope = json!([body.user, profile, named]);
+        format!("{idem}-{}", &thread_key(&scope, request)[..32])
+    });
     let earlier = match &idem {
         Some(idem) => recorded(authority, &principal, idem).await?,
         None => None,
     };
+    if let (Some(session), Some(with)) = (&earlier, &sent_with) {
+        if recorded(authority, &principal, with).await?.as_ref() != Some(session) {
+            return Err(GatewayError::AdmissionConflict(format!(
+                "Idempotency-Key was already used with another conversation (in session {session})"
+            ))
+            .into());
+        }
+    }
     let (thread, key) = match (&named, earlier) {
         (Some(name), Some(session)) => match named_thread(authority, &principal, name).await? {
             Thread::Existing(id) if id == session => (Thread::Existing(id), None),
@@ -768,13 +819,23 @@ pub async fn chat_completions(
     let answered: Result<HttpResponse, ChatFailure> = async {
         // Recorded before the input is admitted: a retry finds the session even if this request is
         // cut off right after the admission.
-        for record in [key.clone(), idem].into_iter().flatten() {
-            let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
-            authority
-                .shared
-                .db
-                .write(move |c| threads::record(c, &p, &record, &r, now))
-                .await?;
+        // The key with its conversation first: a key found recorded always has it.
+        let records: Vec<String> = [key.clone(), sent_with, idem.clone()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
+        let named = authority
+            .shared
+            .db
+            .write(move |c| threads::record(c, &p, &records, &r, now))
+            .await?;
+        if idem.is_some() && named.last().is_some_and(|s| *s != root) {
+            // Another request with this key, and another conversation, got here first.
+            return Err(GatewayError::AdmissionConflict(
+                "Idempotency-Key was already used with another conversation".into(),
+            )
+            .into());
         }
         let c = caller(&principal, Some(&root));
         let input_id = match (explicit, &key) {
@@ -798,12 +859,6 @@ pub async fn chat_completions(
         if let Some(held) = held_by(&snap, &receipt) {
             return Err(held.reached(&root, Some(&receipt.admission_id)));
         }
-        let wire: Vec<Value> = body
-            .messages
-            .iter()
-            .map(|m| json!({"role": m.role, "content": m.content}))
-            .collect();
-        let prompt_tokens = tokens::estimate_request(&wire, None);
         let http = &authority.shared.config.http;
         let timeout = http.completion_timeout_seconds;
         let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(timeout);

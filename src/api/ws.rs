@@ -393,6 +393,21 @@ impl Handler<CloseSlow> for WsConnection {
     }
 }
 
+/// A `session.create` without a `request_id` makes a new session each time: name it here, so
+/// the connection knows which session it will follow and counts it against its bound (one
+/// made up by the authority was followed uncounted, without bound).
+fn name_the_create(params: &mut Value) {
+    if params.is_null() {
+        *params = Value::Object(serde_json::Map::new());
+    }
+    if let Some(p) = params.as_object_mut() {
+        if p.get("request_id").is_none_or(Value::is_null) {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            p.insert("request_id".into(), Value::String(id));
+        }
+    }
+}
+
 fn error_frame(id: Value, err: &GatewayError) -> String {
     text_of(&json!({"jsonrpc": "2.0", "id": id, "error": err.to_rpc_error()}))
 }
@@ -679,8 +694,15 @@ impl WsConnection {
 
     /// Run a request read (and counted in flight) earlier.
     fn dispatch(&mut self, request: RpcRequest, ctx: &mut ws::WebsocketContext<Self>) {
-        let RpcRequest { id, method, params } = request;
+        let RpcRequest {
+            id,
+            method,
+            mut params,
+        } = request;
         let reply_id = id.clone().unwrap_or(Value::Null);
+        if method == "session.create" {
+            name_the_create(&mut params);
+        }
         let barrier = FOLLOWING.contains(&method.as_str());
         if barrier {
             self.barriers += 1;

@@ -29,25 +29,36 @@ pub fn find(
         .optional()?)
 }
 
-/// Record that the request `key` went to `session` (the first record of a key stands: a retried
-/// request goes where it went before).
+/// Record, in one transaction, that the requests `keys` went to `session`; answer the session
+/// each key names now (the first record of a key stands: a retried request goes where it went
+/// before, and a key that another request recorded first names that request's session).
 pub fn record(
     conn: &mut SqliteConnection,
     principal: &str,
-    key: &str,
+    keys: &[String],
     session: &str,
     now: f64,
-) -> Result<(), StoreError> {
+) -> Result<Vec<String>, StoreError> {
     super::write_tx(conn, |conn| {
-        diesel::insert_or_ignore_into(chat_threads::table)
-            .values((
-                chat_threads::principal_id.eq(principal),
-                chat_threads::thread_key.eq(key),
-                chat_threads::session_id.eq(session),
-                chat_threads::created_at.eq(now),
-            ))
-            .execute(conn)?;
-        Ok(())
+        let mut named = Vec::with_capacity(keys.len());
+        for key in keys {
+            diesel::insert_or_ignore_into(chat_threads::table)
+                .values((
+                    chat_threads::principal_id.eq(principal),
+                    chat_threads::thread_key.eq(key),
+                    chat_threads::session_id.eq(session),
+                    chat_threads::created_at.eq(now),
+                ))
+                .execute(conn)?;
+            named.push(
+                chat_threads::table
+                    .filter(chat_threads::principal_id.eq(principal))
+                    .filter(chat_threads::thread_key.eq(key))
+                    .select(chat_threads::session_id)
+                    .first(conn)?,
+            );
+        }
+        Ok(named)
     })
 }
 
@@ -126,9 +137,16 @@ mod tests {
     #[test]
     fn records_are_found_kept_first_and_pruned_by_age() {
         let (_dir, mut c) = testing::conn();
-        record(&mut c, "p", "k1", "s1", 10.0).expect("record");
-        record(&mut c, "p", "k1", "s2", 11.0).expect("record again");
-        record(&mut c, "p", "k2", "s3", 20.0).expect("record");
+        let keys = |k: &[&str]| k.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            record(&mut c, "p", &keys(&["k1"]), "s1", 10.0).expect("record"),
+            ["s1"]
+        );
+        assert_eq!(
+            record(&mut c, "p", &keys(&["k1", "k2"]), "s2", 20.0).expect("record again"),
+            ["s1", "s2"],
+            "the first record of a key stands"
+        );
         assert_eq!(find(&mut c, "p", "k1").expect("find"), Some("s1".into()));
         assert_eq!(
             find(&mut c, "q", "k1").expect("find"),
@@ -137,6 +155,6 @@ mod tests {
         );
         assert!(!prune(&mut c, 15.0).expect("prune"));
         assert_eq!(find(&mut c, "p", "k1").expect("find"), None);
-        assert_eq!(find(&mut c, "p", "k2").expect("find"), Some("s3".into()));
+        assert_eq!(find(&mut c, "p", "k2").expect("find"), Some("s2".into()));
     }
 }

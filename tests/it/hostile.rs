@@ -2046,6 +2046,10 @@ async fn a_connection_follows_a_bounded_number_of_sessions() {
             .is_some_and(|m| m.contains("unsubscribe")),
         "{refused}"
     );
+    // A create that names no request makes a new session each time: it counts too.
+    for params in [json!({"cwd": home.path.to_string_lossy()}), json!(null)] {
+        ws.refused("session.create", params, "rate_limited").await;
+    }
     // Another connection has a bound of its own.
     let mut other = d.ws().await;
     let c = other.session("c", &home.path).await;

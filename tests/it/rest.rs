@@ -1074,6 +1074,38 @@ async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_resu
     .await;
     assert_eq!(r.status, 413, "{}", r.body);
     assert_eq!(r.body["error"]["reason"], "payload_too_large", "{}", r.body);
+    // So is a history message the new session would store past an input's bound, and system
+    // messages past it together.
+    for messages in [
+        json!([{"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+               {"role": "user", "content": "short"}]),
+        json!([{"role": "system", "content": "y".repeat(200 * 1024)},
+               {"role": "system", "content": "z".repeat(200 * 1024)},
+               {"role": "user", "content": "short"}]),
+    ] {
+        let r = chat(&api, json!({ "messages": messages })).await;
+        assert_eq!(r.status, 413, "{}", r.body);
+        assert_eq!(r.body["error"]["reason"], "payload_too_large", "{}", r.body);
+    }
+    // A last user message of blanks is no input, nor is an empty Idempotency-Key a key.
+    let blank = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": " \n\t "}]}),
+    )
+    .await;
+    assert_eq!(blank.status, 400, "{}", blank.body);
+    assert_eq!(
+        blank.body["error"]["reason"], "invalid_params",
+        "{}",
+        blank.body
+    );
+    let unkeyed = chat(
+        &api.with("idempotency-key", &"k".repeat(1025)),
+        json!({"messages": [{"role": "user", "content": "a key too long"}]}),
+    )
+    .await;
+    assert_eq!(unkeyed.status, 400, "{}", unkeyed.body);
     let mut history: Vec<Value> = (0..gatehouse::api::openai::MAX_MESSAGES)
         .flat_map(|i| {
             [
@@ -2047,6 +2079,24 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     assert_eq!(second_body.status, 409, "{}", second_body.body);
     assert_eq!(second_body.body["error"]["reason"], "admission_conflict");
     assert_eq!(model.reached("second body"), 0);
+    // So with the same last message after another history (it was answered with the first
+    // request's completion); the same request again is answered as the first was.
+    let other_history = chat(
+        &keyed_api,
+        json!({"messages": [{"role": "system", "content": "be terse"},
+                            {"role": "user", "content": "first body"}]}),
+    )
+    .await;
+    assert_eq!(other_history.status, 409, "{}", other_history.body);
+    assert_eq!(other_history.body["error"]["reason"], "admission_conflict");
+    let again = chat(
+        &keyed_api,
+        json!({"messages": [{"role": "user", "content": "first body"}]}),
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.body["id"], first_body.body["id"]);
+    assert_eq!(model.reached("first body"), 1);
 
     // A turn that failed is asked again when the same request comes again.
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
