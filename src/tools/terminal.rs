@@ -3,7 +3,9 @@
 //! The command runs as `bash -c <command>` (falling back to `sh`) in its own
 //! process group, with stdin closed and stdout/stderr captured together in
 //! arrival order. On timeout or cancellation the whole process group is
-//! killed with `SIGKILL`.
+//! killed with `SIGKILL`, and with it every process descended from the shell
+//! that moved to a group of its own (`timeout`, a job of `set -m`, `setsid`):
+//! they are stopped first, so none can fork past the kill.
 //!
 //! Background processes: once the shell itself has exited, remaining output
 //! is read for at most [`DRAIN_AFTER_EXIT`]. If some process (typically a
@@ -21,6 +23,7 @@
 //! of UTF-8 characters dropped (escape sequences in the dropped part are
 //! counted as text).
 
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -170,6 +173,7 @@ pub async fn run_command(
     let mut child = spawn_shell(&spec, &env)?;
     let mut group = GroupGuard {
         pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
+        reaped: false,
     };
     let mut pipes = Pipes {
         stdout: child.stdout.take(),
@@ -205,6 +209,7 @@ pub async fn run_command(
             waited = child.wait(), if status.is_none() => match waited {
                 Ok(exit) => {
                     status = Some(exit);
+                    group.reaped = true;
                     drain_deadline = Some(Instant::now() + DRAIN_AFTER_EXIT);
                 }
                 // The guard kills the group and kill_on_drop the child.
@@ -469,10 +474,16 @@ enum End {
 /// Kills the process group when dropped, unless disarmed.
 struct GroupGuard {
     pgid: Option<libc::pid_t>,
+    /// The shell was reaped: its pid may name another process now.
+    reaped: bool,
 }
 
 impl GroupGuard {
     fn kill(&mut self) {
+        if !self.reaped {
+            // The shell's pid still names it: its descendants in other groups can be found.
+            self.kill_tree();
+        }
         if let Some(pgid) = self.pgid.take() {
             // Never signal our own group (0) or init (1).
             if pgid > 1 {
@@ -488,6 +499,86 @@ impl GroupGuard {
     fn disarm(&mut self) {
         self.pgid = None;
     }
+
+    /// Kill every descendant of the shell (whose pid is the group's id) that left its group,
+    /// while the shell is alive or a zombie not yet reaped (so the pid cannot name another
+    /// process). The group and each descendant found are stopped first and the walk repeated
+    /// until it finds none new, so none forks a child the kill misses; then all are killed.
+    fn kill_tree(&mut self) {
+        let Some(shell) = self.pgid.filter(|&p| p > 1) else {
+            return;
+        };
+        // SAFETY: killpg/kill have no memory-safety preconditions; the group was created for
+        // this command, and every pid signalled is a live descendant of its shell.
+        unsafe {
+            libc::killpg(shell, libc::SIGSTOP);
+        }
+        let mut found: HashSet<libc::pid_t> = HashSet::new();
+        for _ in 0..MAX_TREE_WALKS {
+            let mut fresh = false;
+            for pid in descendants(shell) {
+                if found.insert(pid) {
+                    fresh = true;
+                    // SAFETY: as above.
+                    unsafe {
+                        libc::kill(pid, libc::SIGSTOP);
+                    }
+                }
+            }
+            if !fresh {
+                break;
+            }
+        }
+        for &pid in &found {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// How many times the walk for a killed command's descendants is repeated at most (each walk
+/// stops what it found, so a new one can only appear between two walks).
+const MAX_TREE_WALKS: usize = 16;
+
+/// Every live process descended from `root`, as `/proc` shows them now (none if it cannot be
+/// read: the group's kill still stands).
+fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut children: HashMap<libc::pid_t, Vec<libc::pid_t>> = HashMap::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: comm may hold anything, so read after its last `)`.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<libc::pid_t>().ok());
+        if let Some(ppid) = ppid {
+            children.entry(ppid).or_default().push(pid);
+        }
+    }
+    let mut out = HashSet::new();
+    let mut next = vec![root];
+    while let Some(pid) = next.pop() {
+        for &child in children.get(&pid).into_iter().flatten() {
+            if child != root && out.insert(child) {
+                next.push(child);
+            }
+        }
+    }
+    out.into_iter().collect()
 }
 
 impl Drop for GroupGuard {
@@ -886,6 +977,47 @@ mod tests {
             wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
             "background sleep {pid} survived cancellation"
         );
+    }
+
+    /// Processes that left the shell's group (`timeout` makes a group of its own, as does a
+    /// job under `set -m`) are killed with it: they ran on after the turn was stopped.
+    #[tokio::test]
+    async fn cancel_kills_descendants_that_left_the_group() {
+        let dir = TempDir::new("cancel-tree");
+        let (inner, job) = (dir.path().join("inner.pid"), dir.path().join("job.pid"));
+        let shell = dir.path().join("shell.pid");
+        let mut spec = spec(
+            "echo $$ > shell.pid; set -m; sleep 60 & echo $! > job.pid; set +m; \
+             timeout 60 sh -c 'echo $$ > inner.pid; sleep 60; true'; true",
+            &dir,
+        );
+        spec.timeout = Duration::from_secs(60);
+        let (tx, rx) = watch::channel(false);
+        let canceller = async {
+            let appeared = wait_until(
+                || read_pid(&inner).is_some() && read_pid(&job).is_some(),
+                Duration::from_secs(10),
+            )
+            .await;
+            let pids = [read_pid(&inner), read_pid(&job)];
+            let shell = read_pid(&shell).unwrap_or(0);
+            let apart = pids.iter().flatten().all(|&pid| {
+                // SAFETY: getpgid has no memory-safety preconditions.
+                let group = unsafe { libc::getpgid(pid) };
+                process_alive(pid) && group > 0 && group != shell
+            });
+            tx.send(true).unwrap();
+            (appeared, pids, apart)
+        };
+        let (out, (appeared, pids, apart)) = tokio::join!(run_command(spec, rx), canceller);
+        assert!(out.unwrap().interrupted);
+        assert!(appeared && apart, "the processes never ran apart: {pids:?}");
+        for pid in pids.into_iter().flatten() {
+            assert!(
+                wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
+                "{pid} survived the cancellation"
+            );
+        }
     }
 
     #[tokio::test]
