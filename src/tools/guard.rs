@@ -81,7 +81,13 @@ pub fn touches_gateway_state(
                 i += 1;
             }
         }
-        for alternative in brace_alternatives(word) {
+        // A word of more readings than are taken apart is a doubt, and asked about.
+        let Some(alternatives) = brace_alternatives(word) else {
+            named_by_path = true;
+            i += 1;
+            continue;
+        };
+        for alternative in alternatives {
             let path = lexically_normal(&cwd.join(&alternative));
             named_by_path |= homes.iter().any(|h| {
                 path == *h
@@ -109,20 +115,25 @@ pub fn touches_gateway_state(
                     .any(|h| plain.contains(h.to_string_lossy().as_ref()))))
 }
 
+/// The most readings of one word [`brace_alternatives`] makes.
+const MAX_BRACE_READINGS: usize = 64;
+
 /// A word's readings with its first brace group taken apart (`{..,x}/config.yaml` is
-/// `../config.yaml` and `x/config.yaml`), nested or later groups in turn; at most 64.
-fn brace_alternatives(word: &str) -> Vec<String> {
+/// `../config.yaml` and `x/config.yaml`), nested or later groups in turn; `None` if there are
+/// more than [`MAX_BRACE_READINGS`] (a group of 32,000 parts of a 64 KiB command was taken apart
+/// whole: 32,000 copies of the word, a gigabyte, before the bound was looked at).
+fn brace_alternatives(word: &str) -> Option<Vec<String>> {
     let mut out = Vec::new();
     let mut todo = vec![word.to_string()];
     while let Some(w) = todo.pop() {
-        if out.len() + todo.len() >= 64 {
-            out.push(w);
-            continue;
-        }
         let open = w.find('{');
         let close = open.and_then(|o| w[o..].find('}').map(|c| o + c));
         match (open, close) {
             (Some(o), Some(c)) if w[o + 1..c].contains(',') => {
+                let parts = w[o + 1..c].matches(',').count() + 1;
+                if out.len() + todo.len() + parts > MAX_BRACE_READINGS {
+                    return None;
+                }
                 for part in w[o + 1..c].split(',') {
                     todo.push(format!("{}{}{}", &w[..o], part, &w[c + 1..]));
                 }
@@ -130,7 +141,7 @@ fn brace_alternatives(word: &str) -> Vec<String> {
             _ => out.push(w),
         }
     }
-    out
+    Some(out)
 }
 
 /// The words of a command line as the rules read them (split at blanks, separators,
@@ -343,6 +354,17 @@ mod tests {
         ] {
             assert!(touches(moved, workspace), "{moved}");
         }
+        // A word of more readings than are taken apart is asked about, whatever it reads
+        // (taken apart whole, one of 10,000 parts in 64 KiB of command was a gigabyte).
+        let many = format!("cat {{{}}}/notes.txt", ",".repeat(10_000));
+        assert!(touches(&many, workspace));
+        assert_eq!(super::brace_alternatives(&many), None);
+        let few = format!("cat {{{}}}/notes.txt", ",".repeat(63));
+        assert!(!touches(&few, workspace));
+        assert_eq!(
+            super::brace_alternatives("{a,b}{c,d}").map(|r| r.len()),
+            Some(4)
+        );
         for served in [
             "cd; cat config.yaml",
             "cd ~ && sqlite3 state.db .tables",
