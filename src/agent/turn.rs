@@ -138,12 +138,19 @@ impl From<StoreError> for Stop {
 
 /// Run one attempt to its outcome.
 pub async fn run_turn(ctx: TurnCtx) -> TurnOutcome {
-    let mut turn = match Turn::load(ctx).await {
-        Ok(t) => t,
-        Err(Stop::Outcome(o)) => return o,
+    let cancel = ctx.cancel.clone();
+    let outcome = match Turn::load(ctx).await {
+        Ok(mut turn) => match turn.run().await {
+            Ok(o) | Err(Stop::Outcome(o)) => o,
+        },
+        Err(Stop::Outcome(o)) => o,
     };
-    match turn.run().await {
-        Ok(o) | Err(Stop::Outcome(o)) => o,
+    // An interrupt acknowledged before the turn ended wins over a failure that raced it, as it
+    // does over a final answer (`run`): the client was told the turn was interrupted. A model
+    // error that came in the same poll as the interrupt settled `failed`.
+    match outcome {
+        TurnOutcome::Failed { .. } if *cancel.borrow() => interrupted(),
+        other => other,
     }
 }
 
