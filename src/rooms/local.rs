@@ -177,6 +177,15 @@ fn receipt_of(row: &AdmissionRow) -> TerminalReceipt {
     }
 }
 
+/// Did this ended attempt end without a reply or an error the room records? One that completed
+/// or failed did not end by a stop: a stop taken as acknowledged by it recorded the task
+/// cancelled and dropped the member's reply (a completion wins over a stop: the stop's next look
+/// at the receipt records it).
+fn stopped(row: &AdmissionRow) -> bool {
+    !(matches!(row.outcome.as_deref(), Some("completed" | "failed"))
+        && history_message(row).is_some())
+}
+
 impl SessionPort for LocalSessionPort {
     /// The profiles a session may be created with: `default` and the config's `profiles`.
     fn has_profile(&self, profile: &str) -> Option<bool> {
@@ -400,7 +409,9 @@ impl SessionPort for LocalSessionPort {
             match row.status.as_str() {
                 "queued" => {}
                 "started" => return Ok(Some(false)),
-                // Ended, or unknown (never replayed): it will not start.
+                // Ended: stopped, or with a reply the stop's next look at the receipt records.
+                _ if row.is_terminal() => return Ok(Some(stopped(&row))),
+                // Unknown (never replayed): it will not start.
                 _ => return Ok(Some(true)),
             }
             let (sup, _) = self.live(&session.session_id).await?;
@@ -411,7 +422,7 @@ impl SessionPort for LocalSessionPort {
                 .await
                 .map_err(|e| PortError::new(e.to_string()))?;
             match cancelled {
-                Ok(row) => Ok(Some(row.is_terminal())),
+                Ok(row) => Ok(Some(row.is_terminal() && stopped(&row))),
                 // Claimed between the read and the cancel: it runs now, so interrupt it.
                 Err(GatewayError::StaleGeneration(_)) => Ok(Some(false)),
                 Err(GatewayError::UnknownExecution(_)) => Ok(Some(true)),
@@ -479,9 +490,12 @@ impl SessionPort for LocalSessionPort {
                 .await
                 .map_err(|e| PortError::new(e.to_string()))?
                 .map_err(port_err)?;
+            // Not interrupted: the turn had decided how it ends, and its settlement is on its
+            // way. Not a stop's acknowledgement (that recorded the task stopped and dropped
+            // the member's reply): the stop's next look at the receipt finds how it ended.
             Ok(Some(InterruptReply {
                 interrupted: Some(done),
-                status: Some("interrupted".into()),
+                status: Some(if done { "interrupted" } else { "ending" }.into()),
             }))
         })
     }
@@ -567,6 +581,28 @@ mod tests {
             assert_eq!(from_history.settlement_id, from_callback.settlement_id);
             assert_eq!(from_history.status, from_callback.status);
             assert_eq!(from_history.result, from_callback.result, "{row:?}");
+        }
+    }
+
+    /// A stop is acknowledged by an attempt that ended by a stop, not by one that completed
+    /// or failed with a reply the room records (that recorded the task cancelled and dropped
+    /// the reply).
+    #[test]
+    fn only_an_attempt_ended_by_a_stop_acknowledges_one() {
+        let completed = row(
+            "completed",
+            json!({"final_response": "done", "completed": true}),
+        );
+        let failed = row(
+            "failed",
+            json!({"failed": true, "error": "500", "reason": "model"}),
+        );
+        for ended in [&completed, &failed] {
+            assert!(history_message(ended).is_some());
+            assert!(!stopped(ended), "{ended:?}");
+        }
+        for outcome in ["cancelled", "interrupted"] {
+            assert!(stopped(&row(outcome, json!({}))), "{outcome}");
         }
     }
 

@@ -1855,6 +1855,9 @@ impl RoomRuntime {
                                 &binding.room_id,
                                 format!("task {task_id} observation failed after submit: {error}"),
                             );
+                            // Not again at once: a failing write asked again without a pause
+                            // spun this watcher on the writer until the deadline.
+                            self.pause_for(&mut wake, poll).await;
                         }
                         continue;
                     }

@@ -521,6 +521,33 @@ async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline()
     assert!(text.ends_with("share the full result as a file.]"));
 }
 
+/// A reply of control characters is bounded as it is stored (six bytes each in JSON): cut to 64
+/// KiB of text, it was 390 KiB stored, over the store's bound, and the task stayed running, then
+/// stopping, for good.
+#[tokio::test]
+async fn a_reply_of_control_characters_is_bounded_as_stored() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Dump the binary.");
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.turn_timeout_seconds = 30.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    rpc.complete(
+        "task-1",
+        &"\u{1}".repeat(MAX_TERMINAL_TEXT_BYTES),
+        "settled",
+    );
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    let result = task(&db, &id).result.expect("result");
+    assert_eq!(result["truncated"], true);
+    let stored = result["text"].to_string().len();
+    assert!(stored <= MAX_TERMINAL_TEXT_BYTES + 2, "{stored}");
+}
+
 #[tokio::test]
 async fn test_peer_recovery_probe_is_bounded_by_attempt_and_stale_age() {
     let db = db();
