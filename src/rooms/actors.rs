@@ -110,6 +110,7 @@ impl RoomScheduler {
         let mut available = max.saturating_sub(self.busy.len());
         let n = self.bindings.len();
         if available == 0 || n == 0 || self.owed.is_empty() {
+            self.count_waiters();
             return;
         }
         let start = self.cursor % n;
@@ -138,6 +139,13 @@ impl RoomScheduler {
             supervisor.do_send(RunPass(binding));
             available -= 1;
         }
+        self.count_waiters();
+    }
+
+    /// Tell the passes how many rooms owed a pass wait for a slot.
+    fn count_waiters(&self) {
+        let waiting = self.owed.iter().filter(|r| !self.busy.contains(*r)).count();
+        self.runtime.state().slot_waiters = waiting;
     }
 }
 

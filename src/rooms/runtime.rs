@@ -223,6 +223,10 @@ pub(crate) struct RuntimeState {
     /// after that attempt (and is owed again), so a room with a long queue does not keep the
     /// member from the rooms that waited.
     pub turn_yielded: HashSet<String>,
+    /// Rooms owed a pass that wait for a scheduler slot (as the scheduler last counted them): a
+    /// room's pass ends after its attempt while any do, so one room with a long queue does not
+    /// hold its slot until the queue is empty.
+    pub slot_waiters: usize,
 }
 
 pub(crate) struct Inner {

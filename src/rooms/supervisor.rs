@@ -1447,6 +1447,12 @@ impl RoomRuntime {
                 self.wake_room(&binding.room_id);
                 return Ok(());
             }
+            if self.state().slot_waiters > 0 {
+                // Rooms wait for a scheduler slot: this one is owed its next pass among them
+                // (its pass ran its whole queue, however long, while they waited).
+                self.wake_room(&binding.room_id);
+                return Ok(());
+            }
         }
     }
 

@@ -1540,3 +1540,62 @@ async fn an_idle_room_holds_no_lease() {
         "the lease was released: {released:?}"
     );
 }
+
+/// A room with a long queue does not keep its scheduler slot from the rooms waiting for one: its
+/// pass ran the whole queue (only a wait for the same member made it yield), so with one slot a
+/// second room's task waited behind every task of the first.
+#[actix_rt::test]
+async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
+    let model = FakeModel::start(|body| {
+        let text = last_user(body);
+        if text.starts_with("long") {
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({
+            "profiles": {"a": {"toolsets": []}, "b": {"toolsets": []}},
+            "rooms": {"max_concurrent_rooms": 1, "poll_interval_seconds": 120},
+        }),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    for (room, profile) in [("busy", "a"), ("other", "b")] {
+        ws.ok(
+            "room.create",
+            json!({"room_id": room, "name": room, "members": [{"profile": profile, "handle": profile}]}),
+        )
+        .await;
+    }
+    let tasks = 20;
+    for i in 0..tasks {
+        ws.ok(
+            "room.admit",
+            admit("busy", &format!("l{i}"), "a", &format!("long{i}"), i + 1),
+        )
+        .await;
+    }
+    wait_until("the long queue running", Duration::from_secs(30), || {
+        model.reached("long0") == 1
+    })
+    .await;
+    ws.ok("room.admit", admit("other", "o1", "b", "short", 1))
+        .await;
+    wait_status(&mut ws, "other", "o1", "settled").await;
+    let before = model
+        .texts()
+        .iter()
+        .take_while(|t| t.as_str() != "short")
+        .count();
+    assert!(
+        before < 6,
+        "the waiting room's task ran after {before} of the long queue's {tasks}"
+    );
+    wait_status(&mut ws, "busy", &format!("l{}", tasks - 1), "settled").await;
+}
