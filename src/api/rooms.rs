@@ -310,7 +310,9 @@ impl RoomsService {
                     .map_err(store_error)?;
                 owned_by(&room.room_id, recorded.as_deref(), principal)?;
                 subscribe(&room.room_id);
-                self.runtime.wakeup();
+                // A pass of the new room (the scheduler reads the rooms again for it), not a
+                // round over every room.
+                self.runtime.wake_room(&room.room_id);
                 Ok(serde_json::to_value(room).unwrap_or(Value::Null))
             }
             "room.get" => {
@@ -420,7 +422,6 @@ impl RoomsService {
                     .retry_indeterminate(&task.identity)
                     .await
                     .map_err(room_error)?;
-                self.runtime.wakeup();
                 Ok(task_view(&view))
             }
             "room.disband" => {

@@ -797,7 +797,7 @@ impl RoomRuntime {
                             if !view.idempotent {
                                 self.publish_cancelled(&identity.room_id, &view);
                             }
-                            self.wakeup();
+                            self.wake_room(&identity.room_id);
                             return Ok(view);
                         }
                         Err(e) => e,
@@ -853,7 +853,7 @@ impl RoomRuntime {
                 format!("task {} stop remains pending: {error}", identity.task_id),
             ),
         }
-        self.wakeup();
+        self.wake_room(&identity.room_id);
         Ok(self.read_task(identity).await?)
     }
 
@@ -905,7 +905,7 @@ impl RoomRuntime {
                 if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
                     self.state().blocked.remove(&room_id);
-                    self.wakeup();
+                    self.wake_room(&room_id);
                     return Ok(view);
                 }
             }
@@ -915,7 +915,7 @@ impl RoomRuntime {
                 .write(move |c| requeue_deferred_task(c, &id, &lease, exec, cancel, clock.as_ref()))
                 .await?;
             self.state().blocked.remove(&room_id);
-            self.wakeup();
+            self.wake_room(&room_id);
             return Ok(view);
         }
         let port = self.transport(&binding, &task)?;
@@ -981,7 +981,7 @@ impl RoomRuntime {
         if let Some(LedgerAttempt::Ended(ended)) = probe.ledger {
             let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
             self.state().blocked.remove(&room_id);
-            self.wakeup();
+            self.wake_room(&room_id);
             return Ok(view);
         }
         let view = self
@@ -992,7 +992,7 @@ impl RoomRuntime {
             })
             .await?;
         self.state().blocked.remove(&room_id);
-        self.wakeup();
+        self.wake_room(&room_id);
         Ok(view)
     }
 

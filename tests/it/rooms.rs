@@ -315,9 +315,21 @@ async fn passes(ws: &mut Ws) -> u64 {
 /// rooms, against under 1 ms for the turn itself).
 #[actix_rt::test]
 async fn a_room_task_does_not_pass_the_other_rooms() {
-    let (_model, _home, d) = acking_rooms(
-        json!({"poll_interval_seconds": 60, "active_poll_interval_seconds": 60, "max_concurrent_rooms": 16}),
-    );
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"profiles": {"dev": {"toolsets": []}},
+               "rooms": {"poll_interval_seconds": 60, "active_poll_interval_seconds": 60,
+                         "max_concurrent_rooms": 16}}),
+    ));
+    let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     const ROOMS: usize = 8;
     let created = passes(&mut ws).await;
@@ -372,6 +384,43 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
         spent <= 2 * TASKS as u64,
         "{TASKS} tasks in one room took {spent} passes beside {ROOMS} rooms"
     );
+    // Nor does a cancellation, or a new room: each started a round over every room.
+    ws.ok("room.admit", admit("quiet-1", "hung", "dev", "HANG", 1))
+        .await;
+    wait_until("the hung turn", Duration::from_secs(20), || {
+        model.reached("HANG") == 1
+    })
+    .await;
+    ws.ok("room.admit", admit("quiet-1", "behind", "dev", "later", 2))
+        .await;
+    wait_status(&mut ws, "quiet-1", "behind", "queued").await;
+    let before = passes(&mut ws).await;
+    ws.ok(
+        "room.cancel",
+        json!({"room_id": "quiet-1", "task_id": "behind", "cancel_id": "c1"}),
+    )
+    .await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "late", "name": "late", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while passes(&mut ws).await == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the new room was never passed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Whatever else was coming has come.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let spent = passes(&mut ws).await - before;
+    assert!(
+        spent <= 3,
+        "a cancellation and a new room took {spent} passes beside {ROOMS} rooms"
+    );
+    model.release();
 }
 
 /// A model that answers a `PARK…` user message with a `terminal` call of a dangerous command
