@@ -477,6 +477,9 @@ pub fn normalise_digest(stored: &str) -> String {
 /// The longest duration any setting may name (ten years): long enough to mean "never", short
 /// enough that every deadline computed from it is representable.
 pub const MAX_SECONDS: f64 = 315_360_000.0;
+/// The shortest a positive duration may be: each becomes a timer's period or a timeout, and one
+/// that rounds to zero nanoseconds panicked a timer (`1e-10` passed as positive) or spun one.
+pub const MIN_SECONDS: f64 = 0.001;
 
 impl Config {
     /// Load `home/config.yaml`; a missing file is the default config.
@@ -653,10 +656,10 @@ impl Config {
             ("http.token_ttl_seconds", h.token_ttl_seconds),
         ];
         for (key, v) in positive {
-            if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+            if !(v.is_finite() && (MIN_SECONDS..=MAX_SECONDS).contains(&v)) {
                 return invalid(
                     key,
-                    &format!("expected a positive number of seconds, at most {MAX_SECONDS}"),
+                    &format!("expected {MIN_SECONDS} to {MAX_SECONDS} seconds"),
                 );
             }
         }
@@ -1042,6 +1045,17 @@ mod tests {
             ),
             ("http:\n  max_wait_seconds: 1e20\n", "http.max_wait_seconds"),
             ("rooms:\n  turn_timeout_seconds: 1e300\n", "rooms"),
+            // A period that rounds to no time at all panicked its timer, or spun it.
+            ("rooms:\n  prune_interval_seconds: 1e-10\n", "rooms"),
+            ("rooms:\n  poll_interval_seconds: 0.0001\n", "rooms"),
+            (
+                "events:\n  prune_interval_seconds: 1e-10\n",
+                "events.prune_interval_seconds",
+            ),
+            (
+                "gateway:\n  heartbeat_seconds: 1e-12\n",
+                "gateway.heartbeat_seconds",
+            ),
         ] {
             match parse(text) {
                 // (YAML's .inf and .nan do not survive the JSON reading: their section is named.)

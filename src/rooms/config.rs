@@ -114,10 +114,10 @@ impl RoomsConfig {
             ("prune_interval_seconds", self.prune_interval_seconds),
         ];
         for (name, value) in positive {
-            if !(value.is_finite() && value > 0.0 && value <= crate::config::MAX_SECONDS) {
+            let (min, max) = (crate::config::MIN_SECONDS, crate::config::MAX_SECONDS);
+            if !(value.is_finite() && (min..=max).contains(&value)) {
                 return Err(RoomsConfigError(format!(
-                    "{name} must be positive and at most {} seconds",
-                    crate::config::MAX_SECONDS
+                    "{name} must be {min} to {max} seconds"
                 )));
             }
         }
