@@ -102,6 +102,32 @@ impl Conn {
         }
     }
 
+    /// The next line of input, while the connection is kept alive: the daemon's pings are
+    /// answered and its frames kept for later. (Waiting on the terminal alone answered no ping,
+    /// and the daemon closed the connection of a user who took over a minute to answer.)
+    async fn read_line(&mut self, lines: &mut mpsc::UnboundedReceiver<String>) -> Option<String> {
+        loop {
+            if self.lost {
+                return lines.recv().await;
+            }
+            tokio::select! {
+                line = lines.recv() => return line,
+                frame = self.framed.next() => match frame {
+                    Some(Ok(awc::ws::Frame::Text(b))) => {
+                        if let Ok(v) = serde_json::from_slice(&b) {
+                            self.backlog.push(v);
+                        }
+                    }
+                    Some(Ok(awc::ws::Frame::Ping(p))) => {
+                        let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
+                    }
+                    Some(Ok(awc::ws::Frame::Close(_))) | Some(Err(_)) | None => self.lost = true,
+                    Some(Ok(_)) => {}
+                },
+            }
+        }
+    }
+
     async fn call(&mut self, method: &str, params: Value) -> Result<Value, String> {
         let id = format!("chat-{}", self.next_id);
         self.next_id += 1;
@@ -319,6 +345,20 @@ async fn follow(
                 .call("session.resume", json!({"session_id": session_id}))
                 .await?;
             held_by_unknown(&snap, session_id, Some(admission))?;
+            // A question asked while the connection was down is asked again here; what was
+            // streamed meanwhile is lost, so the reply is printed whole when it completes.
+            for prompt in snap["prompts"].as_array().into_iter().flatten() {
+                if prompt["admission_id"] == admission {
+                    let kind = prompt["kind"].as_str().unwrap_or("");
+                    conn.backlog
+                        .push(json!({"jsonrpc": "2.0", "method": "event",
+                        "params": {"type": format!("{kind}.request"), "payload": prompt}}));
+                }
+            }
+            if streamed {
+                out("[the reply in full follows when it completes]\n");
+                streamed = false;
+            }
             let r = conn
                 .call(
                     "prompt.receipt",
@@ -379,7 +419,7 @@ async fn follow(
                 ));
                 // A typo is asked again (it denied at once); the end of input denies.
                 let choice = loop {
-                    let Some(line) = lines.recv().await else {
+                    let Some(line) = conn.read_line(lines).await else {
                         out("[no more input; denying]\n");
                         break "deny".to_string();
                     };
@@ -421,7 +461,7 @@ async fn follow(
                 } else {
                     "answer (a number picks that choice; anything else is said as is): "
                 });
-                let answer = lines.recv().await.unwrap_or_default();
+                let answer = conn.read_line(lines).await.unwrap_or_default();
                 let answer = match answer.trim().parse::<usize>() {
                     Ok(n) if (1..=listed.len()).contains(&n) => listed[n - 1].clone(),
                     _ => answer,

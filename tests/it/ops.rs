@@ -880,3 +880,84 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
         "the refused starts took no authority epoch"
     );
 }
+
+/// An operator who takes longer than the daemon's client timeout to answer an approval in
+/// `gatehouse chat` is heard: the client waited on the terminal alone, answered no ping, and the
+/// daemon closed its connection; the answer was then refused ("connection lost") and the
+/// question never asked again, so the command was denied when the approval timed out.
+#[actix_rt::test]
+async fn a_slow_answer_to_an_approval_in_chat_is_taken() {
+    use std::io::Read;
+    let victim = Home::new();
+    std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
+    let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
+    let model = FakeModel::start(move |body| {
+        let last_is_user = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .is_some_and(|m| m["role"] == "user");
+        if last_is_user {
+            Reply::Message(
+                tool_call("c1", "terminal", json!({"command": cmd})),
+                "tool_calls",
+            )
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"client_timeout_seconds": 1, "heartbeat_seconds": 0.2},
+               "approvals": {"timeout": 20}}),
+    ));
+    let _d = Daemon::start(&home);
+    let mut chat = spawn_cli(&home, &["chat", "--session", "slow", "remove it"]);
+    let mut stdout = chat.stdout.take().expect("stdout");
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let seen = seen.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if let Ok(mut s) = seen.lock() {
+                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            }
+        })
+    };
+    let asked = || seen.lock().is_ok_and(|s| s.contains("approval needed"));
+    wait_until("the approval asked", Duration::from_secs(30), asked).await;
+    // The operator reads the command for three client timeouts before answering.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    {
+        let mut stdin = chat.stdin.take().expect("stdin");
+        stdin.write_all(b"once\n").expect("answer");
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = chat.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = chat.kill();
+            panic!(
+                "chat never ended: {}",
+                seen.lock().map(|s| s.clone()).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = reader.join();
+    let out = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {out}");
+    assert!(!out.contains("not taken"), "{out}");
+    assert!(out.contains("DONE"), "{out}");
+    assert!(
+        !victim.path.join("keep").exists(),
+        "the approved command ran: {out}"
+    );
+}
