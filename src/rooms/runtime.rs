@@ -468,6 +468,7 @@ impl RoomRuntime {
             state.blocked.remove(room_id);
             state.room_errors.remove(room_id);
             state.recovered.retain(|(room, _)| room != room_id);
+            state.inspected.retain(|(room, _, _)| room != room_id);
             state.backoff.retain(|(room, _), _| room != room_id);
             state.pending_actions.retain(|(room, _), _| room != room_id);
             state.leases.remove(room_id)
