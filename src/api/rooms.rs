@@ -223,7 +223,18 @@ struct AdmitTask {
 struct ListTasks {
     room_id: String,
     status: Option<String>,
+    /// The most tasks in the reply (1 to [`MAX_TASKS_PAGE`]; [`DEFAULT_TASKS_PAGE`]).
+    limit: Option<i64>,
+    /// The task the page starts after (the last page's `next_after`).
+    after: Option<String>,
 }
+
+/// The most tasks one `room.tasks` reply holds, and how many when the request does not say.
+const MAX_TASKS_PAGE: i64 = 1000;
+const DEFAULT_TASKS_PAGE: i64 = 200;
+/// A page ends early once its tasks come to this many bytes (each may hold a 128 KiB prompt and
+/// a 256 KiB result: a room's whole list was one reply of up to a gigabyte).
+const TASKS_PAGE_BYTES: usize = 8 << 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -383,22 +394,45 @@ impl RoomsService {
                     Some(s) => Some(TaskStatus::parse(s).map_err(store_error)?),
                     None => None,
                 };
-                let id = p.room_id.clone();
-                let (room, tasks) = self
+                let limit = p.limit.unwrap_or(DEFAULT_TASKS_PAGE);
+                if !(1..=MAX_TASKS_PAGE).contains(&limit) {
+                    return Err(GatewayError::InvalidParams(format!(
+                        "limit must be 1 to {MAX_TASKS_PAGE}"
+                    )));
+                }
+                let (id, after) = (p.room_id.clone(), p.after.clone());
+                let page = self
                     .db
                     .run(move |c| {
-                        let room = rooms::get_room(c, &id)?;
-                        let tasks = room_tasks::list_tasks(c, &id, status)?;
-                        Ok((room, tasks))
+                        let Some(_) = rooms::get_room(c, &id)? else {
+                            return Ok(None);
+                        };
+                        room_tasks::list_tasks_page(c, &id, status, after.as_deref(), limit)
+                            .map(Some)
                     })
                     .await
                     .map_err(store_error)?;
                 // No room, no events to follow (and nothing kept for a name a client made up).
-                if room.is_none() {
+                let Some((tasks, mut more)) = page else {
                     return Err(GatewayError::NotFound(format!("no room {}", p.room_id)));
-                }
+                };
                 subscribe(&p.room_id);
-                Ok(json!({"tasks": tasks.iter().map(task_view).collect::<Vec<_>>()}))
+                let mut views = Vec::with_capacity(tasks.len());
+                let mut bytes = 0;
+                for task in &tasks {
+                    if bytes >= TASKS_PAGE_BYTES {
+                        more = true;
+                        break;
+                    }
+                    let view = task_view(task);
+                    bytes += view.to_string().len();
+                    views.push(view);
+                }
+                let next_after = more
+                    .then(|| tasks.get(views.len().saturating_sub(1)))
+                    .flatten()
+                    .map(|t| t.identity.task_id.clone());
+                Ok(json!({"tasks": views, "has_more": more, "next_after": next_after}))
             }
             "room.cancel" => {
                 let p: TaskRef = params(p)?;

@@ -544,6 +544,65 @@ pub fn list_tasks(
     rows.into_iter().map(|row| row.into_view(false)).collect()
 }
 
+/// One page of a room's tasks in the room's order: at most `limit` tasks (with `status`, if
+/// given) after the task `after`, and whether more follow.
+pub fn list_tasks_page(
+    conn: &mut SqliteConnection,
+    room_id: &str,
+    status: Option<TaskStatus>,
+    after: Option<&str>,
+    limit: i64,
+) -> StoreResult<(Vec<TaskView>, bool)> {
+    let mut query = room_tasks::table
+        .filter(room_tasks::room_id.eq(room_id))
+        .select(TaskRow::as_select())
+        .into_boxed();
+    if let Some(status) = status {
+        query = query.filter(room_tasks::status.eq(status.as_str()));
+    }
+    if let Some(after) = after {
+        let (seq, created, id): (i64, f64, String) = room_tasks::table
+            .filter(room_tasks::room_id.eq(room_id))
+            .filter(room_tasks::task_id.eq(after))
+            .select((
+                room_tasks::source_event_seq,
+                room_tasks::created_at,
+                room_tasks::task_id,
+            ))
+            .first(conn)
+            .optional()?
+            .ok_or_else(|| {
+                RoomStoreError::Validation(format!("after names no task of room {room_id}"))
+            })?;
+        query = query.filter(
+            room_tasks::source_event_seq
+                .gt(seq)
+                .or(room_tasks::source_event_seq
+                    .eq(seq)
+                    .and(room_tasks::created_at.gt(created)))
+                .or(room_tasks::source_event_seq
+                    .eq(seq)
+                    .and(room_tasks::created_at.eq(created))
+                    .and(room_tasks::task_id.gt(id))),
+        );
+    }
+    let mut rows: Vec<TaskRow> = query
+        .order((
+            room_tasks::source_event_seq.asc(),
+            room_tasks::created_at.asc(),
+            room_tasks::task_id.asc(),
+        ))
+        .limit(limit.saturating_add(1))
+        .load(conn)?;
+    let more = rows.len() as i64 > limit;
+    rows.truncate(usize::try_from(limit).unwrap_or(0));
+    let tasks = rows
+        .into_iter()
+        .map(|row| row.into_view(false))
+        .collect::<StoreResult<Vec<_>>>()?;
+    Ok((tasks, more))
+}
+
 /// The first task of a room with `status`, in the room's order (what [`list_tasks`] would put
 /// first, without loading the rest).
 pub fn first_task(

@@ -1027,6 +1027,37 @@ async fn a_rooms_queue_is_bounded() {
         3,
         "p1 running, q1 and q2 queued"
     );
+    // The list comes in pages, in the room's order.
+    let first = ws
+        .ok("room.tasks", json!({"room_id": "full", "limit": 2}))
+        .await;
+    let ids = |page: &Value| -> Vec<String> {
+        page["tasks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["identity"]["task_id"].as_str().map(str::to_string))
+            .collect()
+    };
+    assert_eq!(ids(&first), ["p1", "q1"], "{first}");
+    assert_eq!(first["has_more"], true);
+    assert_eq!(first["next_after"], "q1");
+    let second = ws
+        .ok(
+            "room.tasks",
+            json!({"room_id": "full", "limit": 2, "after": first["next_after"]}),
+        )
+        .await;
+    assert_eq!(ids(&second), ["q2"], "{second}");
+    assert_eq!(second["has_more"], false);
+    assert_eq!(second["next_after"], Value::Null);
+    for bad in [
+        json!({"room_id": "full", "limit": 0}),
+        json!({"room_id": "full", "limit": 1001}),
+        json!({"room_id": "full", "after": "no-such-task"}),
+    ] {
+        ws.refused("room.tasks", bad, "invalid_params").await;
+    }
 }
 
 /// The operator resolves the member's `unknown` turn with `gatehouse resolve-unknown`.
