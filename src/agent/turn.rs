@@ -50,6 +50,9 @@ pub struct TurnCtx {
     pub sup: Addr<SessionSupervisor>,
     /// Token usage of this attempt's model calls (prompt, completion), settled with the turn.
     pub usage: Arc<std::sync::Mutex<(i64, i64)>>,
+    /// Results of tools that ran but whose write failed: the settlement closes the transcript
+    /// with them (a stub saying the tool did not run invited the model to run it again).
+    pub unrecorded: Arc<std::sync::Mutex<Vec<NewMessage>>>,
     /// What the attempt starts from, when the claim read it (see [`TurnStart::read`]); else the
     /// attempt reads it itself. Boxed: a parked turn's future holds its context, and two
     /// session rows inline cost every parked session 4 KiB (measured by the bench).
@@ -650,7 +653,12 @@ impl Turn {
             admission_id: Some(self.ctx.admission_id.clone()),
             ..Default::default()
         };
-        self.persist(vec![msg.clone()]).await?;
+        if let Err(stop) = self.persist(vec![msg.clone()]).await {
+            if let Ok(mut unrecorded) = self.ctx.unrecorded.lock() {
+                unrecorded.push(msg);
+            }
+            return Err(stop);
+        }
         self.transcript.push(msg);
         Ok(())
     }

@@ -603,6 +603,7 @@ impl SessionSupervisor {
         self.shared.metrics.turn_started();
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
         let usage = Arc::new(std::sync::Mutex::new((0i64, 0i64)));
+        let unrecorded = Arc::new(std::sync::Mutex::new(Vec::new()));
         let turn = TurnCtx {
             shared: self.shared.clone(),
             root_id: self.root_id.clone(),
@@ -612,6 +613,7 @@ impl SessionSupervisor {
             cancel: cancel_rx,
             sup: ctx.address(),
             usage: usage.clone(),
+            unrecorded: unrecorded.clone(),
             start,
         };
         let shared = self.shared.clone();
@@ -627,7 +629,13 @@ impl SessionSupervisor {
             let mut backoff = std::time::Duration::from_millis(100);
             loop {
                 let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
-                match settle(&shared, &root, &admission_id, generation, &outcome, spent).await {
+                let ran = unrecorded.lock().map(|u| u.clone()).unwrap_or_default();
+                let ended = Ended {
+                    outcome: &outcome,
+                    usage: spent,
+                    unrecorded: ran,
+                };
+                match settle(&shared, &root, &admission_id, generation, ended).await {
                     Err(
                         e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
                     ) => {
@@ -732,14 +740,27 @@ impl SessionSupervisor {
     }
 }
 
+/// How an attempt ended, as its settlement writes it.
+struct Ended<'a> {
+    outcome: &'a TurnOutcome,
+    /// Token usage of its model calls (prompt, completion).
+    usage: (i64, i64),
+    /// Results of tools that ran but whose write failed.
+    unrecorded: Vec<NewMessage>,
+}
+
 async fn settle(
     shared: &Arc<Shared>,
     root: &str,
     admission_id: &str,
     generation: i64,
-    outcome: &TurnOutcome,
-    usage: (i64, i64),
+    ended: Ended<'_>,
 ) -> Result<Logged<()>, StoreError> {
+    let Ended {
+        outcome,
+        usage,
+        unrecorded,
+    } = ended;
     let (status, closing, result) = match outcome {
         TurnOutcome::Stale => {
             return Err(StoreError::StaleGeneration(
@@ -757,6 +778,7 @@ async fn settle(
                 root,
                 admission_id,
                 &format!("[Turn interrupted: {reason}]"),
+                unrecorded,
             )
             .await?;
             (
@@ -771,6 +793,7 @@ async fn settle(
                 root,
                 admission_id,
                 &format!("[Turn failed: {error}]"),
+                unrecorded,
             )
             .await?;
             (
@@ -841,6 +864,7 @@ async fn closing_for(
     root: &str,
     admission_id: &str,
     note: &str,
+    unrecorded: Vec<NewMessage>,
 ) -> Result<Vec<NewMessage>, StoreError> {
     let root = root.to_string();
     let admission_id = admission_id.to_string();
@@ -850,7 +874,12 @@ async fn closing_for(
         .read(move |c| {
             let row = sessions::root_of(c, &root)?;
             let rows = live(c, &row.tip_session_id)?;
-            Ok(closing_messages(&rows, &note, Some(&admission_id)))
+            Ok(closing_messages(
+                &rows,
+                &note,
+                Some(&admission_id),
+                &unrecorded,
+            ))
         })
         .await
 }

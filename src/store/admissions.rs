@@ -842,6 +842,7 @@ pub fn resolve_unknown(
             "[This turn was lost when the gateway stopped unexpectedly and was discarded by an operator. \
              It may have been partially done.]",
             Some(admission_id),
+            &[],
         )
         .into_iter()
         .map(|m| NewMessage { session_id: tip.clone(), ..m })

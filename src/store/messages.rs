@@ -187,12 +187,14 @@ fn live_in_order(ordinal: i64) -> _ {
 }
 
 /// What closes a transcript whose turn ended without a reply, so the next input is its own user
-/// message: a stub result for every tool call that never got one, then an assistant note when the
-/// tail is a user or tool message.
+/// message: for every tool call that never got a stored result, the result it had if its write
+/// failed (`unrecorded`: the tool ran, and the model must not be told otherwise), else a stub
+/// that says it did not run; then an assistant note when the tail is a user or tool message.
 pub fn closing_messages(
     live: &[MessageRow],
     note: &str,
     admission_id: Option<&str>,
+    unrecorded: &[NewMessage],
 ) -> Vec<NewMessage> {
     let mut out = Vec::new();
     let Some(last_assistant) = live.iter().rposition(|m| m.role == "assistant") else {
@@ -210,6 +212,16 @@ pub fn closing_messages(
         for call in calls {
             let id = call.get("id").and_then(|v| v.as_str()).unwrap_or_default();
             if !id.is_empty() && !answered.contains(id) {
+                if let Some(result) = unrecorded
+                    .iter()
+                    .find(|m| m.tool_call_id.as_deref() == Some(id))
+                {
+                    out.push(NewMessage {
+                        display_kind: Some("unrecorded_result".into()),
+                        ..result.clone()
+                    });
+                    continue;
+                }
                 let name = call
                     .pointer("/function/name")
                     .and_then(|v| v.as_str())
@@ -312,7 +324,7 @@ mod tests {
 
     #[test]
     fn closing_a_bare_user_tail_adds_an_assistant_note() {
-        let out = closing_messages(&[row(1, "user", None, None)], "interrupted", None);
+        let out = closing_messages(&[row(1, "user", None, None)], "interrupted", None, &[]);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].role, "assistant");
     }
@@ -325,7 +337,7 @@ mod tests {
             row(2, "assistant", Some(calls), None),
             row(3, "tool", None, Some("a")),
         ];
-        let out = closing_messages(&live, "interrupted", None);
+        let out = closing_messages(&live, "interrupted", None, &[]);
         let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["tool", "assistant"]);
         assert_eq!(out[0].tool_call_id.as_deref(), Some("b"));
@@ -334,7 +346,7 @@ mod tests {
     #[test]
     fn a_closed_transcript_needs_nothing() {
         let live = [row(1, "user", None, None), row(2, "assistant", None, None)];
-        assert!(closing_messages(&live, "interrupted", None).is_empty());
+        assert!(closing_messages(&live, "interrupted", None, &[]).is_empty());
     }
 
     /// The messages as the lean-messages migration leaves them: every row with its id, a

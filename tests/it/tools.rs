@@ -1828,3 +1828,46 @@ async fn a_tool_cannot_reach_into_the_daemon_through_proc() {
     assert!(output.contains("Permission denied"), "{output}");
     assert!(!output.contains("state.db"), "{output}");
 }
+
+/// A command that ran but whose result could not be written (the store refused the write) is
+/// closed with the result it had, not a stub saying it did not run: told so, the model of the
+/// next turn could run a non-idempotent command again.
+#[actix_rt::test]
+async fn a_tool_result_that_could_not_be_written_is_not_said_to_have_not_run() {
+    use diesel::{Connection, RunQueryDsl};
+    let model = scripted(vec![(
+        "RUN",
+        terminal("c1", "touch ran.txt && echo FAILWRITE-OUTPUT"),
+    )]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("unrecorded", &home.path).await;
+    // The first write of this command's result fails, as a full disk would fail it.
+    let mut db = diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+        .expect("open state.db");
+    diesel::sql_query("PRAGMA busy_timeout = 10000")
+        .execute(&mut db)
+        .expect("busy timeout");
+    diesel::sql_query(
+        "CREATE TRIGGER fail_tool_write BEFORE INSERT ON messages \
+         WHEN NEW.role = 'tool' AND NEW.content LIKE '%FAILWRITE%' AND NEW.display_kind IS NULL \
+         BEGIN SELECT RAISE(ABORT, 'injected write failure'); END",
+    )
+    .execute(&mut db)
+    .expect("trigger");
+    drop(db);
+    ws.submit(&sid, "RUN", "RUN").await;
+    let row = settled(&home, "RUN").await;
+    assert_eq!(row.outcome.as_deref(), Some("failed"), "{row:?}");
+    assert!(home.path.join("ran.txt").exists(), "the command ran");
+    ws.submit(&sid, "NEXT", "NEXT").await;
+    settled(&home, "NEXT").await;
+    let next = model
+        .requests()
+        .into_iter()
+        .find(|b| last_user(b) == "NEXT")
+        .expect("the next turn's request");
+    let told = next.to_string();
+    assert!(told.contains("FAILWRITE-OUTPUT"), "{told}");
+    assert!(!told.contains("did not run"), "{told}");
+}
