@@ -844,6 +844,15 @@ async fn an_interrupt_naming_the_attempt_being_claimed_stops_it() {
     model.release();
 }
 
+/// Wait for the reply of `admission`: the end of its turn as its session saw it (sent after its
+/// settlement).
+async fn turn_ended(ws: &mut Ws, admission: &serde_json::Value) {
+    ws.event(Duration::from_secs(30), |e| {
+        e["type"] == "message.complete" && e["payload"]["admission_id"] == *admission
+    })
+    .await;
+}
+
 /// `interrupted: true` means the attempt was stopped: an interrupt that reaches a turn which has
 /// already decided how it ends (its settlement on its way) answers `false`, never `true` for
 /// an input that then settles `completed` or `failed`. The interrupts are sent at a sweep of
@@ -870,7 +879,12 @@ async fn an_interrupt_answers_true_only_for_an_attempt_it_stopped() {
     for i in 0..80u64 {
         let input = format!("S{i}");
         let receipt = ws.submit(&sid, &input, &input).await;
-        let generation = receipt["execution_generation"].as_i64().expect("started");
+        let admission = receipt["admission_id"].clone();
+        let Some(generation) = receipt["execution_generation"].as_i64() else {
+            // Queued behind a claim of the session's own (a loaded machine): not started here.
+            turn_ended(&mut ws, &admission).await;
+            continue;
+        };
         tokio::time::sleep(Duration::from_micros((i % 20) * 100)).await;
         let reply = ws
             .call(
@@ -878,13 +892,8 @@ async fn an_interrupt_answers_true_only_for_an_attempt_it_stopped() {
                 json!({"session_id": sid, "execution_generation": generation}),
             )
             .await;
-        let row = {
-            wait_until(&format!("{input} settled"), Duration::from_secs(30), || {
-                home.admission(&input).status == "terminal"
-            })
-            .await;
-            home.admission(&input)
-        };
+        turn_ended(&mut ws, &admission).await;
+        let row = home.admission(&input);
         let outcome = row.outcome.clone().unwrap_or_default();
         match reply["result"]["interrupted"].as_bool() {
             Some(true) => assert_eq!(outcome, "interrupted", "told stopped: {row:?}"),
