@@ -409,6 +409,38 @@ async fn derived_thread(
     Ok((Thread::New { request_id, seed }, key))
 }
 
+/// The input id of a request to a named session, without an Idempotency-Key. Such a session
+/// keeps its own history and its client sends only the new message, so the same text later
+/// ("continue", "yes") is a new input: it was joined to the earlier one and answered with its
+/// old reply. The request is the same request sent again (joined) only while its input is the
+/// principal's latest in the session: the id is the request's hash and the seq of the input it
+/// follows.
+async fn named_base(
+    authority: &Authority,
+    root: &str,
+    principal: &str,
+    request: &[(String, String)],
+) -> Result<String, ChatFailure> {
+    let prefix = format!("chat-{}-s", &thread_key(&Value::Null, request)[..32]);
+    let (r, p) = (root.to_string(), principal.to_string());
+    let latest = authority
+        .shared
+        .db
+        .read(move |c| admissions::latest_of(c, &r, &p))
+        .await?;
+    let Some(latest) = latest else {
+        return Ok(format!("{prefix}0"));
+    };
+    // This request's own input (or a later attempt of it, `-N`): the base it was made under.
+    if let Some(rest) = latest.request_id.strip_prefix(&prefix) {
+        let follows: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if !follows.is_empty() {
+            return Ok(format!("{prefix}{follows}"));
+        }
+    }
+    Ok(format!("{prefix}{}", latest.seq))
+}
+
 /// Times the same request may ask again after its turn ended without an answer.
 const MAX_ATTEMPTS: u32 = 20;
 
@@ -844,8 +876,8 @@ pub async fn chat_completions(
                 next_attempt(authority, &root, &principal, &input_id_of(key)).await?
             }
             (None, None) => {
-                let id = format!("chat-{}", &thread_key(&Value::Null, request)[..32]);
-                next_attempt(authority, &root, &principal, &id).await?
+                let base = named_base(authority, &root, &principal, request).await?;
+                next_attempt(authority, &root, &principal, &base).await?
             }
         };
         let receipt: Receipt = call(

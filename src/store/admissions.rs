@@ -289,6 +289,24 @@ pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<Admissio
 
 /// The admission `principal` made to `session` under `request_id` (its `input_id`), if any: one
 /// descent of the ledger's unique key, however many inputs the session has had.
+/// `principal`'s latest input to `session`.
+pub fn latest_of(
+    conn: &mut SqliteConnection,
+    session: &str,
+    principal: &str,
+) -> Result<Option<AdmissionRow>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(None);
+    };
+    Ok(sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::principal_id.eq(principal))
+        .order(sa::seq.desc())
+        .select(AdmissionRow::as_select())
+        .first(conn)
+        .optional()?)
+}
+
 pub fn by_request(
     conn: &mut SqliteConnection,
     session: &str,

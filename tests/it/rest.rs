@@ -2061,6 +2061,21 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     assert_eq!(named.status, 200, "{}", named.body);
     assert_eq!(session_of(&named), a);
     assert!(asked("what fruit?").to_string().contains("SWORDFISH"));
+    // A named session's client sends only the new message: the same request again at once is
+    // a retry (joined), but the same text after another input is a new input (it was answered
+    // with the earlier reply, and the model never saw it).
+    let in_a = api.with("x-gatehouse-session", &a);
+    let say = |text: &str| json!({"messages": [{"role": "user", "content": text}]});
+    for text in ["continue", "continue", "something else", "continue"] {
+        let r = in_a.post("/v1/chat/completions", say(text)).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(
+        model.reached("continue"),
+        2,
+        "the retry joined, the later one ran"
+    );
+    assert_eq!(model.reached("something else"), 1);
 
     // An Idempotency-Key names one request: used again with other messages, it is a conflict
     // (two completions were run and answered).
