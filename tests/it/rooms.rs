@@ -1629,7 +1629,7 @@ async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
     let model = FakeModel::start(|body| {
         let text = last_user(body);
         if text.starts_with("long") {
-            std::thread::sleep(Duration::from_millis(30));
+            std::thread::sleep(Duration::from_millis(100));
         }
         Reply::Message(
             json!({"role": "assistant", "content": format!("ACK_{text}")}),
