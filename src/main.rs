@@ -242,10 +242,18 @@ fn serve(args: Args) -> ExitCode {
             .await
             .map_err(|e| (e.to_string(), e.is_permanent()))?;
         if let Some(every) = gatehouse::notify::watchdog_interval() {
+            let shared = gateway.shared.clone();
             actix_rt::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 loop {
                     tick.tick().await;
+                    // A daemon whose writer is gone writes nothing more: systemd restarts it.
+                    // (A commit slow on the disk is not that: a restart would not make it
+                    // faster, and would leave the running turns unknown.)
+                    if !shared.db.writer_alive() {
+                        tracing::error!("the database writer is gone: the watchdog is not fed");
+                        break;
+                    }
                     gatehouse::notify::watchdog();
                 }
             });

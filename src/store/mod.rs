@@ -419,7 +419,9 @@ impl<Conn, ST, Site> diesel::RunQueryDsl<Conn> for HotQuery<'_, ST, Site> {}
 type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
-type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> Deliver + Send>;
+/// A write run in a batch's transaction: how to answer it once the batch is committed (or not),
+/// and whether it failed (then the batch's transaction may have ended with it).
+type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> (Deliver, bool) + Send>;
 type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Most writes committed together.
@@ -461,7 +463,24 @@ fn writer_loop(
         let mut committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                 for job in batch.drain(..) {
-                    deliveries.push(job(c));
+                    // A write that panics is answered as not written (its caller's channel is
+                    // dropped) and its batch rolled back: the writer thread goes on (it died,
+                    // and every later write of the process failed).
+                    let Ok((deliver, failed)) =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(c)))
+                    else {
+                        tracing::error!("a write panicked; its batch is rolled back");
+                        return Err(diesel::result::Error::RollbackTransaction);
+                    };
+                    deliveries.push(deliver);
+                    if failed && transaction_ended(c) {
+                        // SQLite rolled the whole batch back with this write (an I/O error, a
+                        // full disk, a ROLLBACK): the writes after it would each commit on their
+                        // own, outside the batch, and be answered that the batch failed. They
+                        // are not run (dropped with the batch: their callers see a storage
+                        // error), and the batch is answered as failed.
+                        return Err(diesel::result::Error::RollbackTransaction);
+                    }
                 }
                 if lost {
                     return Err(diesel::result::Error::RollbackTransaction);
@@ -511,6 +530,38 @@ fn writer_loop(
             }
         }
     }
+}
+
+/// The writer's job for `f`, whose answer goes to `answer` once its batch has committed (or
+/// failed).
+fn write_job<R, F>(f: F, answer: impl FnOnce(Result<R, StoreError>) + Send + 'static) -> WriteJob
+where
+    R: Send + 'static,
+    F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
+{
+    Box::new(move |conn| {
+        let result = f(conn);
+        let failed = result.is_err();
+        let deliver: Deliver = Box::new(move |committed: Result<(), String>| {
+            answer(match (result, committed) {
+                (Ok(r), Ok(())) => Ok(r),
+                (Ok(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
+                (Err(e), _) => Err(e),
+            })
+        });
+        (deliver, failed)
+    })
+}
+
+/// Has the batch's transaction ended under a write that failed? A `BEGIN` fails inside a
+/// transaction; one that succeeds found none, and is rolled back at once. (Asked only after a
+/// failed write: the connection does not say whether it is in a transaction.)
+fn transaction_ended(conn: &mut SqliteConnection) -> bool {
+    if conn.batch_execute("BEGIN").is_err() {
+        return false;
+    }
+    let _ = conn.batch_execute("ROLLBACK");
+    true
 }
 
 /// Let the next commit write the WAL from its beginning again.
@@ -754,6 +805,11 @@ impl Db {
     /// Whether the store can acknowledge writes now; if not, why (in words for an operator):
     /// its file was removed or replaced, another process took the home's authority, or a
     /// commit has been waiting on the disk for longer than [`STALL_AFTER`].
+    /// Is the writer thread still there to take writes?
+    pub fn writer_alive(&self) -> bool {
+        !self.writer.is_closed()
+    }
+
     pub fn health(&self) -> Result<(), String> {
         self.wal.file_health()?;
         if self.wal.deposed.load(Ordering::Relaxed) {
@@ -836,16 +892,8 @@ impl Db {
         use tokio::sync::mpsc::error::TrySendError;
         let started = std::time::Instant::now();
         let (tx, rx) = oneshot::channel();
-        let job: WriteJob = Box::new(move |conn| {
-            let result = f(conn);
-            Box::new(move |committed: Result<(), String>| {
-                let answer = match (result, committed) {
-                    (Ok(r), Ok(())) => Ok(r),
-                    (Ok(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
-                    (Err(e), _) => Err(e),
-                };
-                let _ = tx.send(answer);
-            })
+        let job = write_job(f, move |answer| {
+            let _ = tx.send(answer);
         });
         let waiting = match self.writer.try_send(job) {
             Ok(()) => Ok(None),
@@ -881,15 +929,8 @@ impl Db {
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let job: WriteJob = Box::new(move |conn| {
-            let result = f(conn);
-            Box::new(move |committed: Result<(), String>| {
-                let _ = tx.send(match (result, committed) {
-                    (Ok(r), Ok(())) => Ok(r),
-                    (Ok(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
-                    (Err(e), _) => Err(e),
-                });
-            })
+        let job = write_job(f, move |answer| {
+            let _ = tx.send(answer);
         });
         if let Err(refused) = self.writer.try_send(job) {
             use tokio::sync::mpsc::error::TrySendError;
@@ -900,7 +941,7 @@ impl Db {
             let mut deliver = None;
             let mut committed = conn
                 .immediate_transaction::<_, diesel::result::Error, _>(|c| {
-                    deliver = Some(job(c));
+                    deliver = Some(job(c).0);
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
@@ -1654,6 +1695,116 @@ mod wal_restart_tests {
             .expect("rows")
         });
         assert_eq!(rows, (0..20).step_by(2).collect::<Vec<i64>>());
+    }
+
+    /// A write that panics is answered as not written, and the writer goes on: the thread died
+    /// with it, and every later write of the process failed ("the database writer stopped").
+    #[test]
+    fn a_write_that_panics_leaves_the_writer_working() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let (panicked, after, rows) = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE t (v INTEGER NOT NULL)")?))
+                .await
+                .expect("table");
+            let panicked = db
+                .write(|c| -> Result<(), StoreError> {
+                    diesel::sql_query("INSERT INTO t (v) VALUES (1)").execute(c)?;
+                    panic!("a bug in a write");
+                })
+                .await;
+            let after = db
+                .write(|c| {
+                    diesel::sql_query("INSERT INTO t (v) VALUES (2)").execute(c)?;
+                    Ok(())
+                })
+                .await;
+            let rows = db
+                .read(|c| {
+                    let rows: Vec<testing::Count> =
+                        diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
+                    Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
+                })
+                .await
+                .expect("rows");
+            assert!(db.writer_alive());
+            (panicked.is_err(), after.is_ok(), rows)
+        });
+        assert!(panicked, "the panicked write is not answered as written");
+        assert!(after, "the writer takes writes after it");
+        assert_eq!(rows, [2], "nothing of the panicked write committed");
+    }
+
+    /// A write under which SQLite ends the whole batch's transaction (here a trigger's
+    /// ROLLBACK; an I/O error or a full disk do the same) fails the batch, and no write after it
+    /// commits on its own: they did, each in a transaction of its own, and were answered that
+    /// they had failed.
+    #[test]
+    fn a_write_that_ends_the_batchs_transaction_commits_nothing_after_it() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let (answers, rows) = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| {
+                Ok(c.batch_execute(
+                    "CREATE TABLE t (v INTEGER NOT NULL); CREATE TABLE doom (v INTEGER);
+                     CREATE TRIGGER doom_all BEFORE INSERT ON doom
+                     BEGIN SELECT RAISE(ROLLBACK, 'the batch is rolled back'); END;",
+                )?)
+            })
+            .await
+            .expect("tables");
+            // The writer is held in a batch of its own until every write below is queued
+            // behind it: they are then taken as one batch.
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let (running, runs) = std::sync::mpsc::channel::<()>();
+            let held = db.write(move |_| {
+                let _ = running.send(());
+                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
+            });
+            runs.recv().expect("the writer holds");
+            let write = |sql: &'static str| {
+                db.write(move |c| {
+                    write_tx(c, |c| {
+                        diesel::sql_query(sql).execute(c)?;
+                        Ok(())
+                    })
+                })
+            };
+            let before = write("INSERT INTO t (v) VALUES (1)");
+            let doomed = write("INSERT INTO doom (v) VALUES (0)");
+            let after: Vec<_> = (2..6)
+                .map(|v| {
+                    db.write(move |c| {
+                        write_tx(c, |c| {
+                            diesel::sql_query(format!("INSERT INTO t (v) VALUES ({v})"))
+                                .execute(c)?;
+                            Ok(())
+                        })
+                    })
+                })
+                .collect();
+            open.send(()).expect("open the gate");
+            held.await.expect("the held batch");
+            let mut answers = vec![before.await.is_ok(), doomed.await.is_ok()];
+            for a in futures_util::future::join_all(after).await {
+                answers.push(a.is_ok());
+            }
+            let rows = db
+                .read(|c| {
+                    let rows: Vec<testing::Count> =
+                        diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
+                    Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
+                })
+                .await
+                .expect("rows");
+            (answers, rows)
+        });
+        assert_eq!(answers, [false; 6], "the batch failed whole");
+        assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
     }
 
     /// When the writer cannot take a blocking caller's write (its queue full, or the writer
