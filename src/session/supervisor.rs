@@ -24,7 +24,7 @@ use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_
 use crate::error::{GatewayError, StoreError};
 use crate::store::admissions::{self, AdmissionRow, Claim};
 use crate::store::events::{self, EventRow, Logged, NewEvent};
-use crate::store::messages::{closing_messages, live, NewMessage};
+use crate::store::messages::{closing_messages, live, NewMessage, OpenCalls};
 use crate::store::{prompts as prompt_store, sessions};
 
 /// Pre-serialised notification frames for one connection, in the order they are to be written:
@@ -878,7 +878,7 @@ async fn closing_for(
                 &rows,
                 &note,
                 Some(&admission_id),
-                &unrecorded,
+                OpenCalls::Ended(&unrecorded),
             ))
         })
         .await

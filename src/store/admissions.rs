@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use super::epoch::check_epoch;
 use super::events::{self, Logged, NewEvent};
 use super::messages::{
-    closing_messages, insert_messages, insert_messages_knowing, live, NewMessage,
+    closing_messages, insert_messages, insert_messages_knowing, live, NewMessage, OpenCalls,
 };
 use super::schema::{session_admissions as sa, sessions};
 use super::{hot_sql, Bind};
@@ -860,7 +860,7 @@ pub fn resolve_unknown(
             "[This turn was lost when the gateway stopped unexpectedly and was discarded by an operator. \
              It may have been partially done.]",
             Some(admission_id),
-            &[],
+            OpenCalls::Lost,
         )
         .into_iter()
         .map(|m| NewMessage { session_id: tip.clone(), ..m })

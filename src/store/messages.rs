@@ -186,15 +186,25 @@ fn live_in_order(ordinal: i64) -> _ {
         .order(messages::id.asc())
 }
 
+/// What is known of the tool calls a turn left without a stored result.
+#[derive(Debug, Clone, Copy)]
+pub enum OpenCalls<'a> {
+    /// The turn ended in this process: such a call did not run, unless its result is here (it
+    /// ran, and the write of its result failed).
+    Ended(&'a [NewMessage]),
+    /// The process stopped during the turn: such a call may have run, in part or in full.
+    Lost,
+}
+
 /// What closes a transcript whose turn ended without a reply, so the next input is its own user
-/// message: for every tool call that never got a stored result, the result it had if its write
-/// failed (`unrecorded`: the tool ran, and the model must not be told otherwise), else a stub
-/// that says it did not run; then an assistant note when the tail is a user or tool message.
+/// message: a result for every tool call that never got a stored one (what `open` knows of it:
+/// the model must not be told a tool that ran did not), then an assistant note when the tail is
+/// a user or tool message.
 pub fn closing_messages(
     live: &[MessageRow],
     note: &str,
     admission_id: Option<&str>,
-    unrecorded: &[NewMessage],
+    open: OpenCalls<'_>,
 ) -> Vec<NewMessage> {
     let mut out = Vec::new();
     let Some(last_assistant) = live.iter().rposition(|m| m.role == "assistant") else {
@@ -212,10 +222,13 @@ pub fn closing_messages(
         for call in calls {
             let id = call.get("id").and_then(|v| v.as_str()).unwrap_or_default();
             if !id.is_empty() && !answered.contains(id) {
-                if let Some(result) = unrecorded
-                    .iter()
-                    .find(|m| m.tool_call_id.as_deref() == Some(id))
-                {
+                let ran = match open {
+                    OpenCalls::Ended(results) => results
+                        .iter()
+                        .find(|m| m.tool_call_id.as_deref() == Some(id)),
+                    OpenCalls::Lost => None,
+                };
+                if let Some(result) = ran {
                     out.push(NewMessage {
                         display_kind: Some("unrecorded_result".into()),
                         ..result.clone()
@@ -226,11 +239,21 @@ pub fn closing_messages(
                     .pointer("/function/name")
                     .and_then(|v| v.as_str())
                     .unwrap_or("tool");
+                let content = match open {
+                    OpenCalls::Ended(_) => {
+                        format!(
+                            "[Tool execution cancelled: {name} did not run because the turn ended]"
+                        )
+                    }
+                    OpenCalls::Lost => format!(
+                        "[Tool result lost: the gateway stopped while {name} was running or about \
+                         to run. It may have run, in part or in full: check its effects before \
+                         running it again]"
+                    ),
+                };
                 out.push(NewMessage {
                     role: "tool".into(),
-                    content: Some(format!(
-                        "[Tool execution cancelled: {name} did not run because the turn ended]"
-                    )),
+                    content: Some(content),
                     tool_call_id: Some(id.to_string()),
                     tool_name: Some(name.to_string()),
                     display_kind: Some("stub_result".into()),
@@ -324,7 +347,12 @@ mod tests {
 
     #[test]
     fn closing_a_bare_user_tail_adds_an_assistant_note() {
-        let out = closing_messages(&[row(1, "user", None, None)], "interrupted", None, &[]);
+        let out = closing_messages(
+            &[row(1, "user", None, None)],
+            "interrupted",
+            None,
+            OpenCalls::Ended(&[]),
+        );
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].role, "assistant");
     }
@@ -337,16 +365,32 @@ mod tests {
             row(2, "assistant", Some(calls), None),
             row(3, "tool", None, Some("a")),
         ];
-        let out = closing_messages(&live, "interrupted", None, &[]);
+        let out = closing_messages(&live, "interrupted", None, OpenCalls::Ended(&[]));
         let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["tool", "assistant"]);
         assert_eq!(out[0].tool_call_id.as_deref(), Some("b"));
+        let said = |m: &NewMessage| m.content.clone().unwrap_or_default();
+        assert!(said(&out[0]).contains("did not run"), "{}", said(&out[0]));
+        // A result whose write failed stands for the call: it ran.
+        let ran = NewMessage {
+            role: "tool".into(),
+            content: Some("the output".into()),
+            tool_call_id: Some("b".into()),
+            ..Default::default()
+        };
+        let out = closing_messages(&live, "failed", None, OpenCalls::Ended(&[ran]));
+        assert_eq!(said(&out[0]), "the output");
+        // After a crash nobody knows whether it ran: it is not said that it did not (the
+        // model would run it again).
+        let out = closing_messages(&live, "lost", None, OpenCalls::Lost);
+        assert!(!said(&out[0]).contains("did not run"), "{}", said(&out[0]));
+        assert!(said(&out[0]).contains("may have run"), "{}", said(&out[0]));
     }
 
     #[test]
     fn a_closed_transcript_needs_nothing() {
         let live = [row(1, "user", None, None), row(2, "assistant", None, None)];
-        assert!(closing_messages(&live, "interrupted", None, &[]).is_empty());
+        assert!(closing_messages(&live, "interrupted", None, OpenCalls::Ended(&[])).is_empty());
     }
 
     /// The messages as the lean-messages migration leaves them: every row with its id, a
