@@ -159,9 +159,13 @@ pub struct ModelClient {
 
 impl ModelClient {
     pub fn new(config: ModelClientConfig) -> Self {
+        // `model.connect_timeout_seconds` bounds the connection (it was awc's own 5 s, whatever
+        // was configured); the call's own deadline bounds the wait for the reply, retries
+        // included (awc's request timeout, 20 connect timeouts, cut a slow plain reply short
+        // of `model.timeout_seconds`, and a longer one was cut at 600 s).
         let client = awc::Client::builder()
-            .connector(super::nodelay::connector())
-            .timeout(config.connect_timeout.max(Duration::from_secs(1)) * 20)
+            .connector(super::nodelay::connector(config.connect_timeout))
+            .disable_timeout()
             .disable_redirects()
             .finish();
         Self {
@@ -217,6 +221,9 @@ impl Handler<ChatCall> for ModelClient {
                 return Ok(echo_reply(&call.body));
             }
             let mut cancel = call.cancel.clone();
+            // The timeout bounds the call from here: the wait for a slot of the endpoint is part
+            // of it (a call behind hung ones waited for their timeouts, then had its own whole).
+            let deadline = tokio::time::Instant::now() + call.timeout;
             if sem.available_permits() == 0 {
                 // Every slot of the endpoint is taken (by calls that may hang until their
                 // timeout): this call waits, which an operator should be able to see.
@@ -234,11 +241,15 @@ impl Handler<ChatCall> for ModelClient {
             let permit = tokio::select! {
                 p = sem.acquire_owned() => p.map_err(|_| ModelError::Unavailable)?,
                 _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
+                _ = tokio::time::sleep_until(deadline) => return Err(ModelError::Timeout(format!(
+                    "no request slot of the endpoint within {:?} (model.max_concurrent_requests)",
+                    call.timeout
+                ))),
             };
             let started = std::time::Instant::now();
             let known_plain = plain_only.lock().is_ok_and(|p| p.contains(&key));
             let stream = call.stream && !known_plain;
-            let result = call_with_retries(&client, &config, &call, stream).await;
+            let result = call_with_retries(&client, &config, &call, stream, deadline).await;
             if let Ok((_, fell_back)) = &result {
                 if *fell_back {
                     if let Ok(mut p) = plain_only.lock() {
@@ -277,13 +288,13 @@ async fn call_with_retries(
     config: &ModelClientConfig,
     call: &ChatCall,
     mut stream: bool,
+    deadline: tokio::time::Instant,
 ) -> Result<(ChatResponse, bool), ModelError> {
     let mut attempt = 0u32;
     let asked_to_stream = stream;
     // The timeout bounds the call, retries included: each attempt had it whole, and a model that
     // never answered held its session (and a slot of the endpoint's concurrency) for four times
     // `model.timeout_seconds` (40 minutes by default) before the turn failed.
-    let deadline = tokio::time::Instant::now() + call.timeout;
     loop {
         let mut delivered = false;
         let mut retry_after = None;
@@ -397,6 +408,25 @@ fn request_body(call: &ChatCall, stream: bool) -> serde_json::Result<Vec<u8>> {
     }
 }
 
+/// The first `max` bytes of a response's body (fewer if it ends or fails first).
+async fn head_of<S>(resp: &mut awc::ClientResponse<S>, max: usize) -> Vec<u8>
+where
+    S: futures_util::Stream<Item = Result<bytes::Bytes, awc::error::PayloadError>> + Unpin,
+{
+    use futures_util::StreamExt;
+    let mut out = Vec::new();
+    while out.len() < max {
+        match resp.next().await {
+            Some(Ok(chunk)) => {
+                let take = chunk.len().min(max - out.len());
+                out.extend_from_slice(&chunk[..take]);
+            }
+            _ => break,
+        }
+    }
+    out
+}
+
 async fn one_call(
     client: &awc::Client,
     config: &ModelClientConfig,
@@ -428,7 +458,9 @@ async fn one_call(
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(retry_after_seconds);
-        let bytes = resp.body().limit(64 * 1024).await.unwrap_or_default();
+        // Its head: a longer refusal (a proxy that echoes the request) was read as empty, and a
+        // context overflow it named was taken for another refusal.
+        let bytes = head_of(&mut resp, 64 * 1024).await;
         return Err(classify(status, &String::from_utf8_lossy(&bytes)));
     }
     // HTTP/1.1 allows a body delimited by the connection's close (no length, not chunked), but

@@ -50,12 +50,17 @@ pub fn install_tls_provider() {
 }
 
 /// An awc connector (TLS with the webpki roots for `https://` endpoints) whose TCP connections
-/// have `TCP_NODELAY` set.
-pub fn connector() -> awc::Connector<
+/// have `TCP_NODELAY` set, and whose connection (name resolution and TCP) and TLS handshake each
+/// take at most `connect_timeout`.
+pub fn connector(
+    connect_timeout: std::time::Duration,
+) -> awc::Connector<
     impl Service<ConnectInfo<Uri>, Response = Connection<Uri, TcpStream>, Error = ConnectError> + Clone,
 > {
     install_tls_provider();
     let base = awc::Connector::new();
     let tcp = actix_tls::connect::ConnectorService::default();
     base.connector(NoDelay(tcp))
+        .timeout(connect_timeout)
+        .handshake_timeout(connect_timeout)
 }

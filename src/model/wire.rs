@@ -78,7 +78,9 @@ fn arguments_text(v: &Value) -> String {
 
 /// Parse a non-streaming response body.
 pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
-    if let Some(err) = body.get("error") {
+    // `"error": null` beside an answer is no error (it was taken for one, and the answered
+    // request sent again).
+    if let Some(err) = body.get("error").filter(|e| !e.is_null()) {
         return Err(err.to_string());
     }
     let choice = body
@@ -192,7 +194,7 @@ impl StreamAccumulator {
 
     /// Apply one chunk (`data:` payload already parsed as JSON).
     pub fn apply(&mut self, chunk: &Value) -> Result<ChunkDelta, String> {
-        if let Some(err) = chunk.get("error") {
+        if let Some(err) = chunk.get("error").filter(|e| !e.is_null()) {
             return Err(err.to_string());
         }
         let mut delta_out = ChunkDelta::default();
@@ -309,6 +311,21 @@ impl StreamAccumulator {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// `"error": null` beside an answer is no error: it was taken for one (a malformed reply),
+    /// and the answered request sent again.
+    #[test]
+    fn a_null_error_is_no_error() {
+        let answered = parse_response(&json!({"error": null,
+            "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
+        .expect("an answer");
+        assert_eq!(answered.content.as_deref(), Some("hi"));
+        assert!(parse_response(&json!({"error": {"message": "no"}})).is_err());
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"error": null, "choices":[{"index":0,"delta":{"content":"A"}}]}))
+            .expect("a chunk");
+        assert!(acc.apply(&json!({"error": "boom"})).is_err());
+    }
 
     #[test]
     fn fragments_accumulate_by_index_and_finish_defaults_to_stop() {

@@ -482,6 +482,63 @@ async fn a_call_waiting_for_a_model_slot_is_logged_and_counted() {
     .await;
 }
 
+/// The wait for a request slot is part of the call's time: a call behind one that hangs fails
+/// at its own timeout, not after the other's timeout and then its own whole.
+#[actix_rt::test]
+async fn the_wait_for_a_model_slot_counts_against_the_calls_timeout() {
+    let model = FakeModel::start(|_| Reply::Hang);
+    let (home, d) = Daemon::with_model(
+        &model,
+        json!({"model": {"max_concurrent_requests": 1, "timeout_seconds": 2, "max_retries": 0}}),
+    );
+    let mut ws = d.ws().await;
+    let first = ws.session("first", &home.path).await;
+    let second = ws.session("second", &home.path).await;
+    ws.submit(&first, "HANG1", "HANG1").await;
+    wait_until("HANG1 reaches the model", T, || model.reached("HANG1") == 1).await;
+    let asked = Instant::now();
+    ws.submit(&second, "HANG2", "HANG2").await;
+    wait_until("HANG2 settles", T, || {
+        home.admission("HANG2").status == "terminal"
+    })
+    .await;
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_millis(3500),
+        "the second call took {took:?} with a timeout of 2 s"
+    );
+    let row = home.admission("HANG2");
+    assert_eq!(row.outcome.as_deref(), Some("failed"), "{row:?}");
+    model.release();
+}
+
+/// A refusal whose body is long (a proxy that echoes the request) is read for its head: it
+/// was read as empty, its reason lost (and a context overflow taken for another refusal).
+#[actix_rt::test]
+async fn a_long_refusal_is_read_for_its_head() {
+    fault_case(
+        "long_refusal",
+        |_| {
+            Fault::Status(
+                400,
+                format!(
+                    r#"{{"error":{{"message":"unknown model fake-model-x","echo":"{}"}}}}"#,
+                    "x".repeat(70 * 1024)
+                ),
+            )
+        },
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "unknown model fake-model-x",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
 #[actix_rt::test]
 async fn model_5xx_burst_within_the_retries_recovers() {
     fault_case(
