@@ -1095,7 +1095,10 @@ impl Turn {
             retry: false,
         };
         let summary = match self.ctx.shared.model.send(call).await {
-            Ok(Ok(r)) => r.content.unwrap_or_default(),
+            // A reasoning model served without a reasoning parser thinks in `<think>` blocks:
+            // the summary is what follows them (kept whole, the thoughts went into every later
+            // request, and a cut over the budget could keep only them).
+            Ok(Ok(r)) => split_think(&r.content.unwrap_or_default()).0,
             Ok(Err(ModelError::Interrupted)) => {
                 return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))))
             }

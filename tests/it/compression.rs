@@ -1120,6 +1120,38 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
     );
 }
 
+/// A summary model that thinks in `<think>` blocks (a reasoning model served without a
+/// reasoning parser) has its summary kept without them: the thoughts were stored with it and
+/// sent with every later request.
+#[actix_rt::test]
+async fn a_summary_is_kept_without_its_thinking() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            let thought = format!(
+                "<think>PRIVATE_MUSING {}</think>\n{SUMMARY}",
+                "m".repeat(500)
+            );
+            return Reply::Message(json!({"role": "assistant", "content": thought}), "stop");
+        }
+        ack(body)
+    });
+    let (home, _d, mut ws, sid) = pressure_session(&model, false, "thinking-summary").await;
+    for i in 0..4 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    let child = home.children(&sid).pop().expect("compacted into a child");
+    let contents: Vec<String> = home
+        .transcript(&child)
+        .into_iter()
+        .filter_map(|m| m.content)
+        .collect();
+    assert!(contents.iter().any(|c| c.contains(SUMMARY)), "{contents:?}");
+    assert!(
+        !contents.iter().any(|c| c.contains("PRIVATE_MUSING")),
+        "{contents:?}"
+    );
+}
+
 /// After a compression, a client may name its session by the new tip's id: inputs it pipelines
 /// naming the tip and the root in turn are admitted in the order it sent them. A submit naming
 /// the tip looks its session up first; one naming the followed root went straight to the
