@@ -37,6 +37,10 @@ pub enum StartError {
     Listen(std::io::Error),
     #[error("{0}")]
     Refused(String),
+    /// `gateway.host` did not resolve: the resolver may not be up yet (at boot), so it is
+    /// waited for, and a later start may find it.
+    #[error("{0}")]
+    Resolve(String),
     /// An I/O failure on the home that a later start may not meet (a full disk).
     #[error("{0}")]
     Io(String),
@@ -57,7 +61,7 @@ impl StartError {
                 std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::PermissionDenied
             ),
             StartError::Store(e) => e.is_corrupt(),
-            StartError::Io(_) | StartError::Rooms(_) => false,
+            StartError::Io(_) | StartError::Rooms(_) | StartError::Resolve(_) => false,
         }
     }
 }
@@ -70,7 +74,7 @@ fn listen(host: &str, port: u16) -> Result<std::net::TcpListener, StartError> {
     use std::net::ToSocketAddrs;
     let addrs: Vec<_> = (host, port)
         .to_socket_addrs()
-        .map_err(|e| StartError::Refused(format!("gateway.host {host:?} does not resolve: {e}")))?
+        .map_err(|e| StartError::Resolve(format!("gateway.host {host:?} does not resolve: {e}")))?
         .collect();
     // As the HTTP server would bind itself: reuse the address (a restart does not wait out
     // TIME_WAIT) and a deep accept queue (a burst of clients is queued, not refused).
@@ -118,6 +122,21 @@ async fn listen_waiting(
     let mut _extended = None;
     loop {
         match bind() {
+            // The resolver is not up yet (a boot), or the name not published yet: as an
+            // address not yet on the machine. (A failure to resolve refused the start as for
+            // good, and systemd did not start it again.)
+            Err(StartError::Resolve(e)) if started.elapsed() < wait => {
+                if !warned {
+                    warned = true;
+                    _extended = Some(crate::notify::extend_start_while_alive());
+                    tracing::warn!(
+                        error = %e,
+                        wait_seconds = wait.as_secs_f64(),
+                        "gateway.host does not resolve (yet): waiting for it"
+                    );
+                }
+                tokio::time::sleep(retry.min(wait.saturating_sub(started.elapsed()))).await;
+            }
             Err(StartError::Listen(e))
                 if e.kind() == std::io::ErrorKind::AddrNotAvailable && started.elapsed() < wait =>
             {
@@ -808,5 +827,30 @@ mod tests {
         .await;
         assert!(in_use.is_err());
         assert_eq!(tries, 1, "a port in use is not waited for");
+
+        // A name the resolver does not know yet is waited for, and a start that gave up on it
+        // may be tried again (it refused the start for good).
+        let mut tries = 0;
+        let resolved = super::listen_waiting(
+            || {
+                tries += 1;
+                if tries < 3 {
+                    Err(StartError::Resolve("not yet".into()))
+                } else {
+                    std::net::TcpListener::bind("127.0.0.1:0").map_err(StartError::Listen)
+                }
+            },
+            wait,
+            retry,
+        )
+        .await;
+        assert!(resolved.is_ok(), "{:?}", resolved.err());
+        assert_eq!(tries, 3);
+        let unresolved = super::listen("no-such-host.invalid", 0);
+        let Err(e) = unresolved else {
+            panic!("a name that does not resolve was listened on")
+        };
+        assert!(matches!(e, StartError::Resolve(_)), "{e:?}");
+        assert!(!e.is_permanent(), "{e}");
     }
 }
