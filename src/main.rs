@@ -213,6 +213,12 @@ fn main() -> ExitCode {
 }
 
 fn serve(args: Args) -> ExitCode {
+    // `gatehouse serve /var/lib/gatehouse` would serve the default home (and the named one's
+    // queued work would never run): say so instead.
+    if let Some(extra) = args.rest.first() {
+        eprintln!("gatehouse serve takes no argument {extra:?} (the home is --home DIR)");
+        return ExitCode::from(2);
+    }
     gatehouse::telemetry::init_logging(args.log_json);
     allocator::tune();
     not_dumpable();

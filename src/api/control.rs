@@ -34,14 +34,32 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 
 /// Serve connections until the listener is dropped with the task.
 pub async fn serve(listener: UnixListener, control: Arc<Control>) {
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
+            Ok((mut stream, _)) => {
                 let control = control.clone();
+                let Ok(held) = open.clone().try_acquire_owned() else {
+                    // Each connection holds a descriptor and a task: past the bound it is told
+                    // why, and closed.
+                    actix::spawn(async move {
+                        let r = err(
+                            "busy",
+                            format!("{MAX_CONNECTIONS} control connections are open; try again"),
+                        );
+                        let _ = tokio::time::timeout(
+                            IDLE,
+                            stream.write_all(format!("{r}\n").as_bytes()),
+                        )
+                        .await;
+                    });
+                    continue;
+                };
                 actix::spawn(async move {
                     if let Err(e) = handle(stream, control).await {
                         tracing::debug!(error = %e, "control connection ended");
                     }
+                    drop(held);
                 });
             }
             Err(e) => {
@@ -51,6 +69,12 @@ pub async fn serve(listener: UnixListener, control: Arc<Control>) {
         }
     }
 }
+
+/// Control connections open at once, and how long one may wait for its next request (or for
+/// its reader to take a reply) before it is closed: each held a descriptor and a task for as
+/// long as its client kept it open, however idle.
+const MAX_CONNECTIONS: usize = 64;
+const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Sessions `sessions` lists (the newest first), and `unknown` inputs `pending` lists.
 const LISTED_SESSIONS: i64 = 500;
@@ -69,10 +93,11 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
     let mut reader = BufReader::new(read);
     loop {
         let mut line = Vec::new();
-        let n = (&mut reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut line)
-            .await?;
+        let mut limited = (&mut reader).take(MAX_LINE as u64 + 1);
+        let Ok(n) = tokio::time::timeout(IDLE, limited.read_until(b'\n', &mut line)).await else {
+            return Ok(());
+        };
+        let n = n?;
         if n == 0 {
             return Ok(());
         }
@@ -105,7 +130,11 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
                 Err(e) => err("parse_error", e.to_string()),
             }
         };
-        write.write_all(format!("{reply}\n").as_bytes()).await?;
+        let out = format!("{reply}\n");
+        let Ok(wrote) = tokio::time::timeout(IDLE, write.write_all(out.as_bytes())).await else {
+            return Ok(());
+        };
+        wrote?;
         if !line.ends_with(b"\n") {
             return Ok(());
         }

@@ -195,12 +195,17 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     let listed: Value = serde_json::from_slice(&o.stdout).expect("sessions json");
     assert_eq!(listed["truncated"], false);
     // A stray argument is refused (it is not the home), and help is not an error.
-    let o = cli(&home, &["status", "/var/lib/gatehouse"], "");
-    assert_eq!(o.status.code(), Some(2), "{o:?}");
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("takes no argument"),
-        "{o:?}"
-    );
+    for stray in [
+        &["status", "/var/lib/gatehouse"][..],
+        &["serve", "/var/lib/gatehouse"],
+    ] {
+        let o = cli(&home, stray, "");
+        assert_eq!(o.status.code(), Some(2), "{stray:?}: {o:?}");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("takes no argument"),
+            "{stray:?}: {o:?}"
+        );
+    }
     let o = cli(&home, &["status", "--help"], "");
     assert!(
         o.status.success() && stdout(&o).contains("gatehouse"),
@@ -960,4 +965,46 @@ async fn a_slow_answer_to_an_approval_in_chat_is_taken() {
         !victim.path.join("keep").exists(),
         "the approved command ran: {out}"
     );
+}
+
+/// The control socket holds a bounded number of connections: each held a descriptor and a task
+/// for as long as its client kept it open, however idle. One past the bound is told so and
+/// closed; once one closes, another is served.
+#[actix_rt::test]
+async fn the_control_socket_holds_a_bounded_number_of_connections() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::net::UnixStream;
+    let model = FakeModel::ack();
+    let (home, _d) = Daemon::with_model(&model, json!({}));
+    let socket = home.path.join("gateway.sock");
+    let mut idle: Vec<UnixStream> = (0..64)
+        .map(|_| UnixStream::connect(&socket).expect("connect"))
+        .collect();
+    // Each is being served (its request is answered) before the next is counted.
+    for s in &mut idle {
+        s.write_all(b"{\"method\":\"identify\"}\n").expect("ask");
+        let mut line = String::new();
+        BufReader::new(s.try_clone().expect("clone"))
+            .read_line(&mut line)
+            .expect("answer");
+        assert!(line.contains("ready"), "{line}");
+    }
+    let over = UnixStream::connect(&socket).expect("connect");
+    over.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut line = String::new();
+    BufReader::new(over).read_line(&mut line).expect("told");
+    assert!(line.contains("busy"), "{line}");
+    drop(idle.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match control(&home.path, "identify", json!({})) {
+            Ok(v) if v["state"] == "ready" => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "never served again: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
