@@ -38,7 +38,7 @@ pub enum StartError {
     #[error("{0}")]
     Refused(String),
     /// `gateway.host` did not resolve: the resolver may not be up yet (at boot), so it is
-    /// waited for, and a later start may find it.
+    /// waited for (`gateway.bind_wait_seconds`; a name still unknown then is refused for good).
     #[error("{0}")]
     Resolve(String),
     /// An I/O failure on the home that a later start may not meet (a full disk).
@@ -137,6 +137,13 @@ async fn listen_waiting(
                 }
                 tokio::time::sleep(retry.min(wait.saturating_sub(started.elapsed()))).await;
             }
+            // Still not after the wait: a name that does not exist (a typo), for good.
+            Err(StartError::Resolve(e)) => {
+                return Err(StartError::Refused(format!(
+                    "{e} (waited {:.1} s, gateway.bind_wait_seconds)",
+                    started.elapsed().as_secs_f64()
+                )));
+            }
             Err(StartError::Listen(e))
                 if e.kind() == std::io::ErrorKind::AddrNotAvailable && started.elapsed() < wait =>
             {
@@ -190,6 +197,17 @@ pub struct RunningGateway {
     _lock: HomeLock,
     /// Dropped once the control task has stopped.
     socket: SocketFile,
+}
+
+/// A task stopped when this is dropped, unless taken out (a start that fails stops it).
+struct AbortOnDrop(Option<actix_rt::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
 }
 
 /// The lock file that makes a home one gateway's.
@@ -491,6 +509,18 @@ impl Gateway {
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
+        let socket_path = control::socket_path(&home);
+        let listener = control::bind(&socket_path).map_err(StartError::Listen)?;
+        // From here a failed start removes the socket it bound.
+        let socket = SocketFile::new(socket_path);
+        // Answered from now on: `identify` says `starting` until the gateway serves (a failed
+        // start stops it), while it waits for its address and opens and recovers its store.
+        let (answerer, answers) =
+            tokio::sync::watch::channel(Arc::new(control::Answerer::Starting {
+                version: env!("CARGO_PKG_VERSION"),
+            }));
+        let mut control_task =
+            AbortOnDrop(Some(actix_rt::spawn(control::serve(listener, answers))));
         // Listen before anything durable happens: a start that cannot serve takes no epoch
         // and recovers nothing, and leaves no actor behind.
         let tcp = listen_waiting(
@@ -524,10 +554,6 @@ impl Gateway {
             ));
         }
         check_stop_budget(&config);
-        let socket_path = control::socket_path(&home);
-        let listener = control::bind(&socket_path).map_err(StartError::Listen)?;
-        // From here a failed start removes the socket it bound.
-        let socket = SocketFile::new(socket_path);
         let clock: SharedClock = Arc::new(SystemClock::default());
         // The writer's connection (held), one per reader, the checkpointer's and one spare.
         let db_path = home.join("state.db");
@@ -657,7 +683,11 @@ impl Gateway {
             tickets: tickets.clone(),
             version: env!("CARGO_PKG_VERSION"),
         });
-        let control_task = actix_rt::spawn(control::serve(listener, ctl));
+        answerer.send_replace(Arc::new(control::Answerer::Ready(ctl)));
+        let control_task = control_task
+            .0
+            .take()
+            .ok_or_else(|| StartError::Refused("the control socket's task is gone".into()))?;
         runtime.set_phase(RuntimePhase::Ready);
         crate::notify::ready(&format!("serving {api_origin}"));
         tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
@@ -828,8 +858,9 @@ mod tests {
         assert!(in_use.is_err());
         assert_eq!(tries, 1, "a port in use is not waited for");
 
-        // A name the resolver does not know yet is waited for, and a start that gave up on it
-        // may be tried again (it refused the start for good).
+        // A name the resolver does not know yet is waited for (it refused the start at once,
+        // for good: a resolver that came up late at boot left the daemon down); one it still
+        // does not know after the wait is refused for good.
         let mut tries = 0;
         let resolved = super::listen_waiting(
             || {
@@ -851,6 +882,16 @@ mod tests {
             panic!("a name that does not resolve was listened on")
         };
         assert!(matches!(e, StartError::Resolve(_)), "{e:?}");
-        assert!(!e.is_permanent(), "{e}");
+        let never = super::listen_waiting(
+            || Err(StartError::Resolve("no such name".into())),
+            Duration::from_millis(50),
+            retry,
+        )
+        .await;
+        let Err(e) = never else {
+            panic!("a name that never resolves was listened on")
+        };
+        assert!(e.is_permanent(), "{e}");
+        assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
     }
 }

@@ -32,8 +32,44 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serve connections until the listener is dropped with the task.
-pub async fn serve(listener: UnixListener, control: Arc<Control>) {
+/// Who answers the socket's requests: the gateway while it starts (it says so), then the
+/// running gateway.
+pub enum Answerer {
+    /// The store is not open yet: `identify` says `starting`, anything else is refused.
+    Starting {
+        version: &'static str,
+    },
+    Ready(Arc<Control>),
+}
+
+impl Answerer {
+    async fn dispatch(&self, method: &str, params: Value, same_user: bool) -> Value {
+        match self {
+            Answerer::Ready(control) => control.dispatch(method, params, same_user).await,
+            Answerer::Starting { version } => match method {
+                "identify" => json!({
+                    "state": "starting",
+                    "pid": std::process::id(),
+                    "instance_id": Value::Null,
+                    "api_origin": Value::Null,
+                    "authority_epoch": Value::Null,
+                    "version": version,
+                }),
+                _ => err(
+                    "starting",
+                    "the gateway is starting (its store is being opened and recovered): try \
+                     again shortly",
+                ),
+            },
+        }
+    }
+}
+
+/// Serve connections until the listener is dropped with the task. Each request is answered by
+/// the answerer of the moment: served from the bind, before the store is opened (migrations and
+/// recovery can take a while), the socket's connections waited in the kernel's queue
+/// unanswered until then, and `gatehouse status` failed at its read timeout.
+pub async fn serve(listener: UnixListener, control: tokio::sync::watch::Receiver<Arc<Answerer>>) {
     let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
@@ -84,7 +120,10 @@ fn err(code: &str, message: impl Into<String>) -> Value {
     json!({"error": {"code": code, "message": message.into()}})
 }
 
-async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()> {
+async fn handle(
+    stream: UnixStream,
+    control: tokio::sync::watch::Receiver<Arc<Answerer>>,
+) -> std::io::Result<()> {
     let same_user = stream
         .peer_cred()
         .map(|c| c.uid() == own_uid())
@@ -118,6 +157,7 @@ async fn handle(stream: UnixStream, control: Arc<Control>) -> std::io::Result<()
                         .and_then(|m| m.as_str())
                         .unwrap_or("")
                         .to_string();
+                    let control = control.borrow().clone();
                     match obj.get("params").cloned().unwrap_or(Value::Null) {
                         Value::Null => control.dispatch(&method, json!({}), same_user).await,
                         params @ Value::Object(_) => {

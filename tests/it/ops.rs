@@ -865,13 +865,13 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
 
     home.write_config(&config(
         &model.url,
-        json!({"gateway": {"host": "no-such-host.invalid"}}),
+        json!({"gateway": {"host": "no-such-host.invalid", "bind_wait_seconds": 0.5}}),
     ));
     let (code, stderr) = exit_of(spawn_cli(&home, &["serve"])).await;
     assert_eq!(
         code,
         Some(2),
-        "a host that does not resolve is config: {stderr}"
+        "a host that still does not resolve after the wait is config: {stderr}"
     );
     assert!(stderr.contains("does not resolve"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
@@ -1007,4 +1007,63 @@ async fn the_control_socket_holds_a_bounded_number_of_connections() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The control socket answers while the gateway starts: `identify` says `starting`, and other
+/// requests are refused `starting`. The socket was bound only once the gateway listened (after
+/// waiting for its address) and answered only once its store was opened and recovered: its
+/// connections waited unanswered until then, and `gatehouse status` failed at its timeout.
+#[actix_rt::test]
+async fn the_control_socket_says_starting_while_the_gateway_starts() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    // An address no machine has (TEST-NET-1): the start waits for it, then gives up.
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 3}}),
+    ));
+    let mut child = Command::new(bin())
+        .args(["serve", "--home"])
+        .arg(&home.path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn gatehouse");
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let said = loop {
+        if let Ok(v) = control(&home.path, "identify", json!({})) {
+            break v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the socket never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(said["state"], "starting", "{said}");
+    assert_eq!(said["pid"], child.id());
+    let refused = control(
+        &home.path,
+        "session-ticket",
+        json!({"purpose": "interactive"}),
+    )
+    .expect("an answer");
+    assert_eq!(refused["error"]["code"], "starting", "{refused}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the start never gave up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(2), "an address never had is for good");
+    assert!(
+        !home.path.join("gateway.sock").exists(),
+        "the failed start removed its socket"
+    );
 }
