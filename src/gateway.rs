@@ -47,6 +47,9 @@ pub enum StartError {
     /// The hosted rooms could not start (their store, most likely: a later start may succeed).
     #[error("rooms: {0}")]
     Rooms(String),
+    /// Asked to stop (SIGTERM) before anything durable was done: a clean end.
+    #[error("stopped during the start")]
+    Stopped,
 }
 
 impl StartError {
@@ -61,7 +64,10 @@ impl StartError {
                 std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::PermissionDenied
             ),
             StartError::Store(e) => e.is_corrupt(),
-            StartError::Io(_) | StartError::Rooms(_) | StartError::Resolve(_) => false,
+            StartError::Io(_)
+            | StartError::Rooms(_)
+            | StartError::Resolve(_)
+            | StartError::Stopped => false,
         }
     }
 }
@@ -496,6 +502,19 @@ pub struct Gateway;
 impl Gateway {
     /// Boot a gateway on `home` with `config`. Must run inside an actix system.
     pub async fn start(home: PathBuf, config: Config) -> Result<RunningGateway, StartError> {
+        let (_never, stop) = tokio::sync::watch::channel(false);
+        Self::start_unless_stopped(home, config, stop).await
+    }
+
+    /// [`Gateway::start`], given up ([`StartError::Stopped`]) when `stop` turns true before
+    /// anything durable is done (while it waits for its address, say): a SIGTERM then waited for
+    /// the whole wait, and a start that then failed exited 2 although it was asked to stop. Once
+    /// the store is opened the start goes on to its end (its caller then stops it gracefully).
+    pub async fn start_unless_stopped(
+        home: PathBuf,
+        config: Config,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<RunningGateway, StartError> {
         // Absolute from here on: the home is every session's default cwd, and a relative one
         // (`--home ./gatehouse-home`) would be refused as a cwd by every session create.
         let home = std::path::absolute(&home)
@@ -523,12 +542,14 @@ impl Gateway {
             AbortOnDrop(Some(actix_rt::spawn(control::serve(listener, answers))));
         // Listen before anything durable happens: a start that cannot serve takes no epoch
         // and recovers nothing, and leaves no actor behind.
-        let tcp = listen_waiting(
-            || listen(&config.gateway.host, config.gateway.port),
-            Duration::from_secs_f64(config.gateway.bind_wait_seconds),
-            BIND_RETRY,
-        )
-        .await?;
+        let tcp = tokio::select! {
+            tcp = listen_waiting(
+                || listen(&config.gateway.host, config.gateway.port),
+                Duration::from_secs_f64(config.gateway.bind_wait_seconds),
+                BIND_RETRY,
+            ) => tcp?,
+            _ = stop.wait_for(|stop| *stop) => return Err(StartError::Stopped),
+        };
         if !config.gateway.is_loopback()
             && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys)
         {
@@ -557,6 +578,9 @@ impl Gateway {
         let clock: SharedClock = Arc::new(SystemClock::default());
         // The writer's connection (held), one per reader, the checkpointer's and one spare.
         let db_path = home.join("state.db");
+        if *stop.borrow() {
+            return Err(StartError::Stopped);
+        }
         let pool = store::open_pool(&db_path, 3 + READERS)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
         let (epoch, recovered, to_pump, gateway_id) = {

@@ -244,9 +244,33 @@ fn serve(args: Args) -> ExitCode {
         // once, with no drain, its running turns left `unknown`, and exit status that systemd
         // counts as clean (so it would not restart it).
         let mut hup = watch(SignalKind::hangup(), "SIGHUP")?;
-        let gateway = Gateway::start(args.home.clone(), config)
-            .await
-            .map_err(|e| (e.to_string(), e.is_permanent()))?;
+        // A SIGTERM during the start (a wait for its address) ends it there, cleanly, if it has
+        // done nothing durable yet; else the gateway stops gracefully as soon as it has started.
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let start = Gateway::start_unless_stopped(args.home.clone(), config, stopped);
+        tokio::pin!(start);
+        let started = loop {
+            tokio::select! {
+                started = &mut start => break started,
+                _ = term.recv(), if !*stop.borrow() => {
+                    tracing::info!("SIGTERM during the start: stopping");
+                    stop.send_replace(true);
+                }
+                _ = int.recv(), if !*stop.borrow() => {
+                    tracing::info!("SIGINT during the start: stopping");
+                    stop.send_replace(true);
+                }
+                _ = hup.recv() => tracing::warn!("SIGHUP ignored"),
+            }
+        };
+        let gateway = match started {
+            Err(gatehouse::gateway::StartError::Stopped) => return Ok(()),
+            started => started.map_err(|e| (e.to_string(), e.is_permanent()))?,
+        };
+        if *stop.borrow() {
+            gateway.stop().await;
+            return Ok(());
+        }
         if let Some(every) = gatehouse::notify::watchdog_interval() {
             let shared = gateway.shared.clone();
             actix_rt::spawn(async move {

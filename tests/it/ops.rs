@@ -1009,6 +1009,18 @@ async fn the_control_socket_holds_a_bounded_number_of_connections() {
     }
 }
 
+/// A child process killed if the test ends before it does (a failing assertion left it running).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// The control socket answers while the gateway starts: `identify` says `starting`, and other
 /// requests are refused `starting`. The socket was bound only once the gateway listened (after
 /// waiting for its address) and answered only once its store was opened and recovered: its
@@ -1022,14 +1034,16 @@ async fn the_control_socket_says_starting_while_the_gateway_starts() {
         &model.url,
         json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 3}}),
     ));
-    let mut child = Command::new(bin())
-        .args(["serve", "--home"])
-        .arg(&home.path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn gatehouse");
+    let mut child = Reaped(
+        Command::new(bin())
+            .args(["serve", "--home"])
+            .arg(&home.path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn gatehouse"),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(3);
     let said = loop {
         if let Ok(v) = control(&home.path, "identify", json!({})) {
@@ -1042,7 +1056,7 @@ async fn the_control_socket_says_starting_while_the_gateway_starts() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(said["state"], "starting", "{said}");
-    assert_eq!(said["pid"], child.id());
+    assert_eq!(said["pid"], child.0.id());
     let refused = control(
         &home.path,
         "session-ticket",
@@ -1052,7 +1066,7 @@ async fn the_control_socket_says_starting_while_the_gateway_starts() {
     assert_eq!(refused["error"]["code"], "starting", "{refused}");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
+        if let Some(status) = child.0.try_wait().expect("wait") {
             break status;
         }
         assert!(
@@ -1066,4 +1080,42 @@ async fn the_control_socket_says_starting_while_the_gateway_starts() {
         !home.path.join("gateway.sock").exists(),
         "the failed start removed its socket"
     );
+
+    // A SIGTERM during the wait ends the start there, cleanly: it waited out the whole wait,
+    // then exited 2 as a failed start.
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 60}}),
+    ));
+    let mut child = Reaped(
+        Command::new(bin())
+            .args(["serve", "--home"])
+            .arg(&home.path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn gatehouse"),
+    );
+    wait_until("the start is under way", Duration::from_secs(10), || {
+        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "starting")
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe {
+        libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "the start did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0), "asked to stop, it stopped");
+    assert!(!home.path.join("gateway.sock").exists());
 }
