@@ -127,60 +127,52 @@ async fn listen_waiting(
     // outlast `TimeoutStartSec` and the start be killed, then restarted into the same wait).
     let mut _extended = None;
     loop {
-        match bind() {
-            // The resolver is not up yet (a boot), or the name not published yet: as an
-            // address not yet on the machine. (A failure to resolve refused the start as for
-            // good, and systemd did not start it again.)
-            Err(StartError::Resolve(e)) if started.elapsed() < wait => {
-                if !warned {
-                    warned = true;
-                    _extended = Some(crate::notify::extend_start_while_alive());
-                    tracing::warn!(
-                        error = %e,
-                        wait_seconds = wait.as_secs_f64(),
-                        "gateway.host does not resolve (yet): waiting for it"
-                    );
-                }
-                tokio::time::sleep(retry.min(wait.saturating_sub(started.elapsed()))).await;
-            }
-            // Still not after the wait: a name that does not exist (a typo), for good.
-            Err(StartError::Resolve(e)) => {
-                return Err(StartError::Refused(format!(
-                    "{e} (waited {:.1} s, gateway.bind_wait_seconds)",
-                    started.elapsed().as_secs_f64()
-                )));
-            }
-            Err(StartError::Listen(e))
-                if e.kind() == std::io::ErrorKind::AddrNotAvailable && started.elapsed() < wait =>
-            {
-                if !warned {
-                    warned = true;
-                    _extended = Some(crate::notify::extend_start_while_alive());
-                    tracing::warn!(
-                        error = %e,
-                        wait_seconds = wait.as_secs_f64(),
-                        "gateway.host is not an address of this machine (yet): waiting for it"
-                    );
-                }
-                tokio::time::sleep(retry.min(wait.saturating_sub(started.elapsed()))).await;
-            }
+        let result = bind();
+        // An address not on this machine yet, or a name the resolver does not know yet (it is
+        // not up yet at boot, or the name not published yet): waited for. (A failure to resolve
+        // refused the start for good at once, and systemd did not start it again.)
+        let missing = match &result {
+            Err(StartError::Resolve(e)) => Some((e.clone(), "does not resolve")),
             Err(StartError::Listen(e)) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-                return Err(StartError::Listen(std::io::Error::new(
-                    e.kind(),
-                    format!(
-                        "{e} (not an address of this machine; waited {:.1} s, gateway.bind_wait_seconds)",
-                        started.elapsed().as_secs_f64()
-                    ),
-                )));
+                Some((e.to_string(), "is not an address of this machine"))
             }
-            other => {
-                if warned && other.is_ok() {
+            _ => None,
+        };
+        let waited = started.elapsed();
+        match missing {
+            Some((error, what)) if waited < wait => {
+                if !warned {
+                    warned = true;
+                    _extended = Some(crate::notify::extend_start_while_alive());
+                    tracing::warn!(
+                        %error,
+                        wait_seconds = wait.as_secs_f64(),
+                        "gateway.host {what} (yet): waiting for it"
+                    );
+                }
+                tokio::time::sleep(retry.min(wait.saturating_sub(waited))).await;
+            }
+            // Still missing after the wait: for good (a typo, an address never had).
+            Some((error, what)) => {
+                let why = format!(
+                    "{error} ({what}; waited {:.1} s, gateway.bind_wait_seconds)",
+                    waited.as_secs_f64()
+                );
+                return Err(match result {
+                    Err(StartError::Listen(e)) => {
+                        StartError::Listen(std::io::Error::new(e.kind(), why))
+                    }
+                    _ => StartError::Refused(why),
+                });
+            }
+            None => {
+                if warned && result.is_ok() {
                     tracing::info!(
-                        waited_seconds = started.elapsed().as_secs_f64(),
+                        waited_seconds = waited.as_secs_f64(),
                         "gateway.host's address appeared: listening"
                     );
                 }
-                return other;
+                return result;
             }
         }
     }

@@ -288,25 +288,9 @@ pub fn by_id(conn: &mut SqliteConnection, admission_id: &str) -> Result<Admissio
 }
 
 /// The admission `principal` made to `session` under `request_id` (its `input_id`), if any: one
-/// descent of the ledger's unique key, however many inputs the session has had.
-/// `principal`'s latest input to `session`.
-pub fn latest_of(
-    conn: &mut SqliteConnection,
-    session: &str,
-    principal: &str,
-) -> Result<Option<AdmissionRow>, StoreError> {
-    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
-        return Ok(None);
-    };
-    Ok(sa::table
-        .filter(sa::session_ordinal.eq(ordinal))
-        .filter(sa::principal_id.eq(principal))
-        .order(sa::seq.desc())
-        .select(AdmissionRow::as_select())
-        .first(conn)
-        .optional()?)
-}
-
+/// descent of the ledger's unique key, however many inputs the session has had. (A query of its
+/// own, not a boxed one shared with [`latest_of`]: a room's watcher asks it on every look, and
+/// diesel keeps only unboxed queries prepared.)
 pub fn by_request(
     conn: &mut SqliteConnection,
     session: &str,
@@ -320,6 +304,24 @@ pub fn by_request(
         .filter(sa::session_ordinal.eq(ordinal))
         .filter(sa::principal_id.eq(principal))
         .filter(sa::request_id.eq(request_id))
+        .select(AdmissionRow::as_select())
+        .first(conn)
+        .optional()?)
+}
+
+/// `principal`'s latest input to `session`.
+pub fn latest_of(
+    conn: &mut SqliteConnection,
+    session: &str,
+    principal: &str,
+) -> Result<Option<AdmissionRow>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(None);
+    };
+    Ok(sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::principal_id.eq(principal))
+        .order(sa::seq.desc())
         .select(AdmissionRow::as_select())
         .first(conn)
         .optional()?)

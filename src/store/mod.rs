@@ -1633,6 +1633,18 @@ mod wal_restart_tests {
 
     /// The writes of one group commit are each all or nothing: a failed write's statements are
     /// undone and the others of its batch commit, nested writes included.
+    /// The values in the tests' table `t`, in order.
+    async fn values_of_t(db: &Db) -> Vec<i64> {
+        use diesel::RunQueryDsl;
+        db.read(|c| {
+            let rows: Vec<testing::Count> =
+                diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
+            Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
+        })
+        .await
+        .expect("rows")
+    }
+
     #[test]
     fn a_failed_write_of_a_batch_leaves_the_others_committed() {
         use diesel::RunQueryDsl;
@@ -1686,13 +1698,7 @@ mod wal_restart_tests {
             for (v, a) in answers.iter().enumerate().take(20) {
                 assert_eq!(a.is_ok(), v % 2 == 0, "write {v}: {a:?}");
             }
-            db.read(|c| {
-                let rows: Vec<testing::Count> =
-                    diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
-                Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
-            })
-            .await
-            .expect("rows")
+            values_of_t(&db).await
         });
         assert_eq!(rows, (0..20).step_by(2).collect::<Vec<i64>>());
     }
@@ -1721,14 +1727,7 @@ mod wal_restart_tests {
                     Ok(())
                 })
                 .await;
-            let rows = db
-                .read(|c| {
-                    let rows: Vec<testing::Count> =
-                        diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
-                    Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
-                })
-                .await
-                .expect("rows");
+            let rows = values_of_t(&db).await;
             assert!(db.writer_alive());
             (panicked.is_err(), after.is_ok(), rows)
         });
@@ -1793,14 +1792,7 @@ mod wal_restart_tests {
             for a in futures_util::future::join_all(after).await {
                 answers.push(a.is_ok());
             }
-            let rows = db
-                .read(|c| {
-                    let rows: Vec<testing::Count> =
-                        diesel::sql_query("SELECT v AS n FROM t ORDER BY v").load(c)?;
-                    Ok(rows.into_iter().map(|r| r.n).collect::<Vec<i64>>())
-                })
-                .await
-                .expect("rows");
+            let rows = values_of_t(&db).await;
             (answers, rows)
         });
         assert_eq!(answers, [false; 6], "the batch failed whole");

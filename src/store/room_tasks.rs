@@ -527,21 +527,7 @@ pub fn list_tasks(
     room_id: &str,
     status: Option<TaskStatus>,
 ) -> StoreResult<Vec<TaskView>> {
-    let mut query = room_tasks::table
-        .filter(room_tasks::room_id.eq(room_id))
-        .select(TaskRow::as_select())
-        .into_boxed();
-    if let Some(status) = status {
-        query = query.filter(room_tasks::status.eq(status.as_str()));
-    }
-    let rows: Vec<TaskRow> = query
-        .order((
-            room_tasks::source_event_seq.asc(),
-            room_tasks::created_at.asc(),
-            room_tasks::task_id.asc(),
-        ))
-        .load(conn)?;
-    rows.into_iter().map(|row| row.into_view(false)).collect()
+    Ok(list_tasks_page(conn, room_id, status, None, i64::MAX)?.0)
 }
 
 /// One page of a room's tasks in the room's order: at most `limit` tasks (with `status`, if
