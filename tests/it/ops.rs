@@ -626,7 +626,8 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
 
 /// A `gateway.host` this machine does not have (an interface not up yet at boot) is waited for
 /// up to `gateway.bind_wait_seconds`, then refused for good, naming the setting; the store was
-/// not touched meanwhile.
+/// not touched meanwhile, and the control socket said the daemon was starting. A SIGTERM during
+/// the wait ends the start at once, cleanly.
 #[actix_rt::test]
 async fn an_address_that_never_appears_is_waited_for_then_refused() {
     let model = FakeModel::ack();
@@ -648,6 +649,20 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn gatehouse");
+    // Its control socket answers meanwhile: `identify` says `starting`, other requests are
+    // refused so (it was bound, and answered, only once the start was done).
+    wait_until("identify says starting", Duration::from_secs(1), || {
+        control(&home.path, "identify", json!({}))
+            .is_ok_and(|v| v["state"] == "starting" && v["pid"] == child.id())
+    })
+    .await;
+    let refused = control(
+        &home.path,
+        "session-ticket",
+        json!({"purpose": "interactive"}),
+    )
+    .expect("an answer");
+    assert_eq!(refused["error"]["code"], "starting", "{refused}");
     let (code, stderr) = exit_of(child).await;
     let waited = started.elapsed();
     assert_eq!(code, Some(2), "{stderr}");
@@ -670,6 +685,32 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
         !home.path.join("state.db").exists(),
         "nothing durable happened before the listener"
     );
+    assert!(!home.path.join("gateway.sock").exists());
+
+    // A SIGTERM during the wait ends the start there, cleanly: it waited out the whole wait,
+    // then exited 2 as a failed start.
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 60}}),
+    ));
+    let child = spawn_cli(&home, &["serve"]);
+    wait_until("the start is under way", Duration::from_secs(10), || {
+        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "starting")
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let (code, stderr) = exit_of(child).await;
+    assert_eq!(code, Some(0), "asked to stop, it stopped: {stderr}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(!home.path.join("gateway.sock").exists());
 }
 
 /// A state.db restored from a backup holds an older authority epoch; the next start still takes
@@ -1007,115 +1048,4 @@ async fn the_control_socket_holds_a_bounded_number_of_connections() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// A child process killed if the test ends before it does (a failing assertion left it running).
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-/// The control socket answers while the gateway starts: `identify` says `starting`, and other
-/// requests are refused `starting`. The socket was bound only once the gateway listened (after
-/// waiting for its address) and answered only once its store was opened and recovered: its
-/// connections waited unanswered until then, and `gatehouse status` failed at its timeout.
-#[actix_rt::test]
-async fn the_control_socket_says_starting_while_the_gateway_starts() {
-    let model = FakeModel::ack();
-    let home = Home::new();
-    // An address no machine has (TEST-NET-1): the start waits for it, then gives up.
-    home.write_config(&config(
-        &model.url,
-        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 3}}),
-    ));
-    let mut child = Reaped(
-        Command::new(bin())
-            .args(["serve", "--home"])
-            .arg(&home.path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn gatehouse"),
-    );
-    let deadline = std::time::Instant::now() + Duration::from_secs(3);
-    let said = loop {
-        if let Ok(v) = control(&home.path, "identify", json!({})) {
-            break v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the socket never answered"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(said["state"], "starting", "{said}");
-    assert_eq!(said["pid"], child.0.id());
-    let refused = control(
-        &home.path,
-        "session-ticket",
-        json!({"purpose": "interactive"}),
-    )
-    .expect("an answer");
-    assert_eq!(refused["error"]["code"], "starting", "{refused}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.0.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the start never gave up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert_eq!(status.code(), Some(2), "an address never had is for good");
-    assert!(
-        !home.path.join("gateway.sock").exists(),
-        "the failed start removed its socket"
-    );
-
-    // A SIGTERM during the wait ends the start there, cleanly: it waited out the whole wait,
-    // then exited 2 as a failed start.
-    home.write_config(&config(
-        &model.url,
-        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 60}}),
-    ));
-    let mut child = Reaped(
-        Command::new(bin())
-            .args(["serve", "--home"])
-            .arg(&home.path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn gatehouse"),
-    );
-    wait_until("the start is under way", Duration::from_secs(10), || {
-        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "starting")
-    })
-    .await;
-    let asked = std::time::Instant::now();
-    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
-    unsafe {
-        libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM);
-    }
-    let status = loop {
-        if let Some(status) = child.0.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            asked.elapsed() < Duration::from_secs(10),
-            "the start did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(status.code(), Some(0), "asked to stop, it stopped");
-    assert!(!home.path.join("gateway.sock").exists());
 }

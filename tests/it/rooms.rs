@@ -200,13 +200,19 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
 
 /// A daemon with the `rooms` settings given, a `dev` profile without tools, and a model that
 /// answers each user message with `ACK_<message>`.
-fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
-    let model = FakeModel::start(|body| {
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+/// A model that answers `ACK_<text>`, and never answers `HANG` (until released).
+fn hang_or_ack() -> FakeModel {
+    FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
             "stop",
-        )
-    });
+        ),
+    })
+}
+
+fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
+    let model = hang_or_ack();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -315,21 +321,9 @@ async fn passes(ws: &mut Ws) -> u64 {
 /// rooms, against under 1 ms for the turn itself).
 #[actix_rt::test]
 async fn a_room_task_does_not_pass_the_other_rooms() {
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"profiles": {"dev": {"toolsets": []}},
-               "rooms": {"poll_interval_seconds": 60, "active_poll_interval_seconds": 60,
-                         "max_concurrent_rooms": 16}}),
-    ));
-    let d = Daemon::start(&home);
+    let (model, _home, d) = acking_rooms(
+        json!({"poll_interval_seconds": 60, "active_poll_interval_seconds": 60, "max_concurrent_rooms": 16}),
+    );
     let mut ws = d.ws().await;
     const ROOMS: usize = 8;
     let created = passes(&mut ws).await;
@@ -1485,13 +1479,7 @@ async fn a_disbanded_room_leaves_the_leased_rooms_and_its_disband_is_no_error() 
 /// turn's deadline (38 s at a 40 s deadline), and the hung tasks ended at 1x, 2x, 3x, 4x it.
 #[actix_rt::test]
 async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
+    let model = hang_or_ack();
     let home = Home::new();
     home.write_config(&config(
         &model.url,

@@ -496,8 +496,9 @@ async fn test_expired_local_attempt_defers_without_hydrating_or_resubmitting() {
     assert_eq!(rpc.count("submit"), 0);
 }
 
-#[tokio::test]
-async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline() {
+/// The stored result of a running task whose member replies `reply`, settled as soon as the
+/// reply comes (not at the deadline).
+async fn stored_result_of(reply: &str) -> serde_json::Value {
     let db = db();
     let id = identity("task-1");
     admit(&db, &id, "Inspect the release candidate.");
@@ -507,14 +508,15 @@ async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline()
     let runtime = spec.build(&db);
     runtime.start();
     assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
-    rpc.complete(
-        "task-1",
-        &"é".repeat(MAX_TERMINAL_TEXT_BYTES + 100),
-        "settled",
-    );
+    rpc.complete("task-1", reply, "settled");
     wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
     assert!(runtime.stop(STOP).await);
-    let result = task(&db, &id).result.expect("result");
+    task(&db, &id).result.expect("result")
+}
+
+#[tokio::test]
+async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline() {
+    let result = stored_result_of(&"é".repeat(MAX_TERMINAL_TEXT_BYTES + 100)).await;
     assert_eq!(result["truncated"], true);
     let text = result["text"].as_str().expect("text");
     assert!(text.len() <= MAX_TERMINAL_TEXT_BYTES);
@@ -526,23 +528,7 @@ async fn test_oversized_terminal_reply_is_bounded_without_waiting_for_deadline()
 /// stopping, for good.
 #[tokio::test]
 async fn a_reply_of_control_characters_is_bounded_as_stored() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Dump the binary.");
-    let rpc = rpc(false);
-    let mut spec = Spec::new(&rpc);
-    spec.config.turn_timeout_seconds = 30.0;
-    let runtime = spec.build(&db);
-    runtime.start();
-    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
-    rpc.complete(
-        "task-1",
-        &"\u{1}".repeat(MAX_TERMINAL_TEXT_BYTES),
-        "settled",
-    );
-    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
-    assert!(runtime.stop(STOP).await);
-    let result = task(&db, &id).result.expect("result");
+    let result = stored_result_of(&"\u{1}".repeat(MAX_TERMINAL_TEXT_BYTES)).await;
     assert_eq!(result["truncated"], true);
     let stored = result["text"].to_string().len();
     assert!(stored <= MAX_TERMINAL_TEXT_BYTES + 2, "{stored}");
