@@ -857,12 +857,23 @@ pub fn resolve_unknown(
             .select(sessions::tip_session_id)
             .first(conn)?;
         let transcript = live(conn, &tip)?;
+        // Parked on a question when the process died (its last prompt was closed abandoned at
+        // the boot): the call it asked about, and those after it, never ran. Else a call left
+        // without a result may have been running.
+        let last_resolution: Option<Option<String>> = super::schema::prompts::table
+            .filter(super::schema::prompts::admission_id.eq(admission_id))
+            .filter(super::schema::prompts::execution_generation.eq(generation))
+            .order(super::schema::prompts::opened_at.desc())
+            .select(super::schema::prompts::resolution)
+            .first(conn)
+            .optional()?;
+        let parked = matches!(last_resolution, Some(Some(r)) if r == "abandoned");
         let closing: Vec<NewMessage> = closing_messages(
             &transcript,
             "[This turn was lost when the gateway stopped unexpectedly and was discarded by an operator. \
              It may have been partially done.]",
             Some(admission_id),
-            OpenCalls::Lost,
+            if parked { OpenCalls::Ended(&[]) } else { OpenCalls::Lost },
         )
         .into_iter()
         .map(|m| NewMessage { session_id: tip.clone(), ..m })

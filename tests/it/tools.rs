@@ -1171,6 +1171,63 @@ async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() 
     assert_eq!(home.admission("RM").status, "unknown");
     assert!(v.exists());
     assert_eq!(requests_after_tool(&model, "RM"), 0);
+    // Settled by the operator: the call it was parked on is closed as never run (it waited for
+    // its approval), not as lost.
+    let row = home.admission("RM");
+    ws.ok(
+        "prompt.resolve_unknown",
+        json!({"session_id": sid, "admission_id": row.admission_id,
+               "execution_generation": row.execution_generation}),
+    )
+    .await;
+    let closed = home
+        .transcript(&sid)
+        .into_iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("call_rm"))
+        .and_then(|m| m.content)
+        .expect("the call's result");
+    assert!(closed.contains("did not run"), "{closed}");
+}
+
+/// A crash while a command ran leaves its call without a result; settled by the operator, the
+/// call is not said to have not run (it may have: the next turn's model was told it did not,
+/// and could run it again).
+#[actix_rt::test]
+async fn a_command_running_at_a_crash_is_not_said_to_have_not_run() {
+    let home = Home::new();
+    let model = scripted(vec![(
+        "LONG",
+        terminal("call_long", "touch started.txt && sleep 30"),
+    )]);
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("crash-running", &home.path).await;
+    ws.submit(&sid, "LONG", "LONG").await;
+    wait_until("the command runs", T, || {
+        home.path.join("started.txt").exists()
+    })
+    .await;
+    d.kill();
+    let d2 = Daemon::start(&home);
+    let mut ws = d2.ws().await;
+    ws.ok("session.resume", json!({"session_id": sid})).await;
+    let row = home.admission("LONG");
+    assert_eq!(row.status, "unknown");
+    ws.ok(
+        "prompt.resolve_unknown",
+        json!({"session_id": sid, "admission_id": row.admission_id,
+               "execution_generation": row.execution_generation}),
+    )
+    .await;
+    let closed = home
+        .transcript(&sid)
+        .into_iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("call_long"))
+        .and_then(|m| m.content)
+        .expect("the call's result");
+    assert!(!closed.contains("did not run"), "{closed}");
+    assert!(closed.contains("may have run"), "{closed}");
 }
 
 #[actix_rt::test]
