@@ -141,19 +141,12 @@ impl From<StoreError> for Stop {
 
 /// Run one attempt to its outcome.
 pub async fn run_turn(ctx: TurnCtx) -> TurnOutcome {
-    let cancel = ctx.cancel.clone();
-    let outcome = match Turn::load(ctx).await {
-        Ok(mut turn) => match turn.run().await {
-            Ok(o) | Err(Stop::Outcome(o)) => o,
-        },
-        Err(Stop::Outcome(o)) => o,
+    let mut turn = match Turn::load(ctx).await {
+        Ok(t) => t,
+        Err(Stop::Outcome(o)) => return o,
     };
-    // An interrupt acknowledged before the turn ended wins over a failure that raced it, as it
-    // does over a final answer (`run`): the client was told the turn was interrupted. A model
-    // error that came in the same poll as the interrupt settled `failed`.
-    match outcome {
-        TurnOutcome::Failed { .. } if *cancel.borrow() => interrupted(),
-        other => other,
+    match turn.run().await {
+        Ok(o) | Err(Stop::Outcome(o)) => o,
     }
 }
 
@@ -1239,7 +1232,8 @@ async fn cancelled(rx: &mut watch::Receiver<bool>) {
     }
 }
 
-fn interrupted() -> TurnOutcome {
+/// The outcome of an attempt stopped by an interrupt (or the gateway's stop).
+pub fn interrupted() -> TurnOutcome {
     TurnOutcome::Interrupted {
         reason: "the turn was interrupted".into(),
     }

@@ -20,7 +20,9 @@ use tokio::sync::{oneshot, watch};
 
 use super::prompts::{OpenPrompt, PromptAnswer, PromptKind};
 use super::shared::Shared;
-use crate::agent::turn::{run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_ROWS};
+use crate::agent::turn::{
+    interrupted, run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_ROWS,
+};
 use crate::error::{GatewayError, StoreError};
 use crate::store::admissions::{self, AdmissionRow, Claim};
 use crate::store::events::{self, EventRow, Logged, NewEvent};
@@ -604,6 +606,7 @@ impl SessionSupervisor {
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
         let usage = Arc::new(std::sync::Mutex::new((0i64, 0i64)));
         let unrecorded = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let told = cancel_rx.clone();
         let turn = TurnCtx {
             shared: self.shared.clone(),
             root_id: self.root_id.clone(),
@@ -620,7 +623,13 @@ impl SessionSupervisor {
         let root = self.root_id.clone();
         let admission_id = row.admission_id.clone();
         let fut = async move {
-            let outcome = tracing::Instrument::instrument(run_turn(turn), span).await;
+            let outcome = match tracing::Instrument::instrument(run_turn(turn), span).await {
+                // An interrupt acknowledged before the turn ended wins over a failure that raced
+                // it, as it does over a final answer: the client was told the turn was
+                // interrupted (a model error that came in the same poll settled `failed`).
+                TurnOutcome::Failed { .. } if *told.borrow() => interrupted(),
+                other => other,
+            };
             // Runs on this actor's thread: no interrupt is handled between the turn's last look
             // at its cancel flag and this.
             ended.set(true);
