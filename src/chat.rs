@@ -392,6 +392,10 @@ async fn follow(
                     streamed = true;
                     out(t);
                 }
+                // What was streamed is void: the model is asked again.
+                if payload.get("retry").is_some() && streamed {
+                    out("\n[the model is asked again]\n");
+                }
             }
             "tool.start" => out(&format!(
                 "\n[tool {}: {}]\n",

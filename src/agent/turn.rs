@@ -239,6 +239,18 @@ impl Turn {
         Ok(())
     }
 
+    /// The model is asked again for the same step (`why`): what it streamed for the attempt it
+    /// answered is void. Said among the deltas (`retry`), so a client that showed them can say
+    /// so; the deltas of the two answers ran together, as one.
+    fn streamed_in_vain(&self, why: &str) {
+        if self.ctx.shared.config.model.stream {
+            self.emit(
+                "message.delta",
+                json!({"admission_id": self.ctx.admission_id, "retry": why}),
+            );
+        }
+    }
+
     fn emit(&self, kind: &'static str, payload: Value) {
         self.ctx.sup.do_send(Emit { kind, payload });
     }
@@ -437,6 +449,7 @@ impl Turn {
                     // tool calls, if any, stand for it.
                     if retry.empty < MAX_MODEL_RETRIES {
                         retry.empty += 1;
+                        self.streamed_in_vain("empty_answer");
                         continue;
                     }
                     content = retry.tool_content.take().unwrap_or_default();
@@ -464,6 +477,7 @@ impl Turn {
                 // Asked again before anything is kept; past the retries each bad call's result
                 // says what was wrong.
                 retry.bad_arguments += 1;
+                self.streamed_in_vain("unparsable_tool_arguments");
                 continue;
             }
             if !retry.partial.is_empty() {

@@ -1716,6 +1716,26 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
 
     assert_eq!(answer("BADJSON").as_deref(), Some("DONE_BADJSON"));
     assert_eq!(count("BADJSON"), 2);
+    // A client that showed the streamed attempts is told which ones were void (among the
+    // deltas, in order): two empty answers, one call with bad arguments.
+    let retries = |admission: &Value| {
+        let admission = admission.clone();
+        move |e: &Value| {
+            e["type"] == "message.delta"
+                && e["payload"]["admission_id"] == admission
+                && e["payload"].get("retry").is_some()
+        }
+    };
+    for (id, why, n) in [
+        ("EMPTY", "empty_answer", 2),
+        ("BADJSON", "unparsable_tool_arguments", 1),
+    ] {
+        let admission = json!(home.admission(id).admission_id);
+        for _ in 0..n {
+            let said = ws.event(T, retries(&admission)).await;
+            assert_eq!(said["payload"]["retry"], why, "{said}");
+        }
+    }
     let kept: Vec<String> = home
         .transcript(&sid)
         .iter()
