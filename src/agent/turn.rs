@@ -1105,7 +1105,16 @@ impl Turn {
             // A reasoning model served without a reasoning parser thinks in `<think>` blocks:
             // the summary is what follows them (kept whole, the thoughts went into every later
             // request, and a cut over the budget could keep only them).
-            Ok(Ok(r)) => split_think(&r.content.unwrap_or_default()).0,
+            Ok(Ok(r)) => {
+                let summary = split_think(&r.content.unwrap_or_default()).0;
+                // Cut short by the model's output limit: kept, and said to be (it was taken for
+                // the whole summary).
+                if r.finish_reason == "length" && !summary.trim().is_empty() {
+                    format!("{summary}\n[The summary was cut short by the model's output limit.]")
+                } else {
+                    summary
+                }
+            }
             Ok(Err(ModelError::Interrupted)) => {
                 return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))))
             }

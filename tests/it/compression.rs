@@ -1122,7 +1122,8 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
 
 /// A summary model that thinks in `<think>` blocks (a reasoning model served without a
 /// reasoning parser) has its summary kept without them: the thoughts were stored with it and
-/// sent with every later request.
+/// sent with every later request. One cut short by its output limit says so (it was taken for
+/// the whole summary).
 #[actix_rt::test]
 async fn a_summary_is_kept_without_its_thinking() {
     let model = FakeModel::start(|body| {
@@ -1131,7 +1132,7 @@ async fn a_summary_is_kept_without_its_thinking() {
                 "<think>PRIVATE_MUSING {}</think>\n{SUMMARY}",
                 "m".repeat(500)
             );
-            return Reply::Message(json!({"role": "assistant", "content": thought}), "stop");
+            return Reply::Message(json!({"role": "assistant", "content": thought}), "length");
         }
         ack(body)
     });
@@ -1148,6 +1149,13 @@ async fn a_summary_is_kept_without_its_thinking() {
     assert!(contents.iter().any(|c| c.contains(SUMMARY)), "{contents:?}");
     assert!(
         !contents.iter().any(|c| c.contains("PRIVATE_MUSING")),
+        "{contents:?}"
+    );
+    // It was cut short by its output limit (`finish_reason: length`): kept, and said to be.
+    assert!(
+        contents
+            .iter()
+            .any(|c| c.contains("cut short by the model's output limit")),
         "{contents:?}"
     );
 }
