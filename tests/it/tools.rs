@@ -1173,20 +1173,32 @@ async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() 
     assert_eq!(requests_after_tool(&model, "RM"), 0);
     // Settled by the operator: the call it was parked on is closed as never run (it waited for
     // its approval), not as lost.
-    let row = home.admission("RM");
+    let closed = resolve_and_read(&mut ws, &home, &sid, "RM", "call_rm").await;
+    assert!(closed.contains("did not run"), "{closed}");
+}
+
+/// Settle the unknown input `input_id` as its operator would; the result its call `call_id` was
+/// closed with.
+async fn resolve_and_read(
+    ws: &mut Ws,
+    home: &Home,
+    sid: &str,
+    input_id: &str,
+    call_id: &str,
+) -> String {
+    let row = home.admission(input_id);
+    assert_eq!(row.status, "unknown");
     ws.ok(
         "prompt.resolve_unknown",
         json!({"session_id": sid, "admission_id": row.admission_id,
                "execution_generation": row.execution_generation}),
     )
     .await;
-    let closed = home
-        .transcript(&sid)
+    home.transcript(sid)
         .into_iter()
-        .find(|m| m.tool_call_id.as_deref() == Some("call_rm"))
+        .find(|m| m.tool_call_id.as_deref() == Some(call_id))
         .and_then(|m| m.content)
-        .expect("the call's result");
-    assert!(closed.contains("did not run"), "{closed}");
+        .expect("the call's result")
 }
 
 /// A crash while a command ran leaves its call without a result; settled by the operator, the
@@ -1212,20 +1224,7 @@ async fn a_command_running_at_a_crash_is_not_said_to_have_not_run() {
     let d2 = Daemon::start(&home);
     let mut ws = d2.ws().await;
     ws.ok("session.resume", json!({"session_id": sid})).await;
-    let row = home.admission("LONG");
-    assert_eq!(row.status, "unknown");
-    ws.ok(
-        "prompt.resolve_unknown",
-        json!({"session_id": sid, "admission_id": row.admission_id,
-               "execution_generation": row.execution_generation}),
-    )
-    .await;
-    let closed = home
-        .transcript(&sid)
-        .into_iter()
-        .find(|m| m.tool_call_id.as_deref() == Some("call_long"))
-        .and_then(|m| m.content)
-        .expect("the call's result");
+    let closed = resolve_and_read(&mut ws, &home, &sid, "LONG", "call_long").await;
     assert!(!closed.contains("did not run"), "{closed}");
     assert!(closed.contains("may have run"), "{closed}");
 }
