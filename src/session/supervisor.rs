@@ -636,15 +636,24 @@ impl SessionSupervisor {
             // A storage failure (disk full, database locked) must not strand the row `started`
             // with nothing running it: keep the FIFO held and retry until the store is back.
             let mut backoff = std::time::Duration::from_millis(100);
+            // Both are final once the turn has returned.
+            let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
+            let ran = unrecorded
+                .lock()
+                .map(|mut u| std::mem::take(&mut *u))
+                .unwrap_or_default();
             loop {
-                let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
-                let ran = unrecorded.lock().map(|u| u.clone()).unwrap_or_default();
-                let ended = Ended {
-                    outcome: &outcome,
-                    usage: spent,
-                    unrecorded: ran,
-                };
-                match settle(&shared, &root, &admission_id, generation, ended).await {
+                match settle(
+                    &shared,
+                    &root,
+                    &admission_id,
+                    generation,
+                    &outcome,
+                    spent,
+                    ran.clone(),
+                )
+                .await
+                {
                     Err(
                         e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
                     ) => {
@@ -749,27 +758,17 @@ impl SessionSupervisor {
     }
 }
 
-/// How an attempt ended, as its settlement writes it.
-struct Ended<'a> {
-    outcome: &'a TurnOutcome,
-    /// Token usage of its model calls (prompt, completion).
-    usage: (i64, i64),
-    /// Results of tools that ran but whose write failed.
-    unrecorded: Vec<NewMessage>,
-}
-
+/// Settle the attempt as `outcome`, with the token usage of its model calls (prompt,
+/// completion) and the results of tools that ran but whose write failed (`unrecorded`).
 async fn settle(
     shared: &Arc<Shared>,
     root: &str,
     admission_id: &str,
     generation: i64,
-    ended: Ended<'_>,
+    outcome: &TurnOutcome,
+    usage: (i64, i64),
+    unrecorded: Vec<NewMessage>,
 ) -> Result<Logged<()>, StoreError> {
-    let Ended {
-        outcome,
-        usage,
-        unrecorded,
-    } = ended;
     let (status, closing, result) = match outcome {
         TurnOutcome::Stale => {
             return Err(StoreError::StaleGeneration(
@@ -1463,13 +1462,20 @@ impl SessionSupervisor {
             return Ok(false);
         }
         tracing::info!(session = %self.root_id, %reason, "interrupting the running turn");
-        // The flag first, then the prompts: a released prompt must see the interrupt.
-        let _ = r.cancel.send(true);
+        self.stop_running("interrupted", ctx);
+        Ok(true)
+    }
+
+    /// Tell the running turn to stop, and retire its open prompts as `resolution`. The flag
+    /// first, then the prompts: a released prompt must see the stop.
+    fn stop_running(&mut self, resolution: &str, ctx: &mut Context<Self>) {
+        if let Some(r) = &self.running {
+            let _ = r.cancel.send(true);
+        }
         let open: Vec<String> = self.prompts.keys().cloned().collect();
         for id in open {
-            self.retire_prompt(&id, "interrupted", ctx);
+            self.retire_prompt(&id, resolution, ctx);
         }
-        Ok(true)
     }
 
     /// The claim in flight has answered (and started its attempt, if it claimed one): answer
@@ -1495,13 +1501,7 @@ impl Handler<Drain> for SessionSupervisor {
     fn handle(&mut self, _: Drain, ctx: &mut Context<Self>) -> Self::Result {
         self.draining = true;
         match &self.running {
-            Some(r) => {
-                let _ = r.cancel.send(true);
-                let open: Vec<String> = self.prompts.keys().cloned().collect();
-                for id in open {
-                    self.retire_prompt(&id, "shutdown", ctx);
-                }
-            }
+            Some(_) => self.stop_running("shutdown", ctx),
             // A claim in flight may start an attempt (born cancelled): wait for it to settle.
             None if self.claiming => {}
             None => return Box::pin(async {}),
