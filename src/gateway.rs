@@ -191,20 +191,18 @@ pub struct RunningGateway {
     rooms: Arc<RoomsService>,
     server: actix_web::dev::ServerHandle,
     tickets: Arc<Tickets>,
-    control_task: actix_rt::task::JoinHandle<()>,
+    control_task: AbortOnDrop,
     _lock: HomeLock,
     /// Dropped once the control task has stopped.
     socket: SocketFile,
 }
 
-/// A task stopped when this is dropped, unless taken out (a start that fails stops it).
-struct AbortOnDrop(Option<actix_rt::task::JoinHandle<()>>);
+/// A task stopped when this is dropped (a start that fails stops it).
+struct AbortOnDrop(actix_rt::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-        }
+        self.0.abort();
     }
 }
 
@@ -530,8 +528,7 @@ impl Gateway {
             tokio::sync::watch::channel(Arc::new(control::Answerer::Starting {
                 version: env!("CARGO_PKG_VERSION"),
             }));
-        let mut control_task =
-            AbortOnDrop(Some(actix_rt::spawn(control::serve(listener, answers))));
+        let control_task = AbortOnDrop(actix_rt::spawn(control::serve(listener, answers)));
         // Listen before anything durable happens: a start that cannot serve takes no epoch
         // and recovers nothing, and leaves no actor behind.
         let tcp = tokio::select! {
@@ -700,10 +697,6 @@ impl Gateway {
             version: env!("CARGO_PKG_VERSION"),
         });
         answerer.send_replace(Arc::new(control::Answerer::Ready(ctl)));
-        let control_task = control_task
-            .0
-            .take()
-            .ok_or_else(|| StartError::Refused("the control socket's task is gone".into()))?;
         runtime.set_phase(RuntimePhase::Ready);
         crate::notify::ready(&format!("serving {api_origin}"));
         tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
@@ -764,7 +757,7 @@ impl RunningGateway {
             tracing::warn!("room workers did not stop in time");
         }
         self.tickets.revoke_all();
-        self.control_task.abort();
+        drop(self.control_task);
         drop(self.socket);
         // Clients see 1001 "going away" rather than a five-second wait for them to hang up.
         crate::api::ws::close_all("server stopping");
