@@ -252,15 +252,10 @@ fn serve(args: Args) -> ExitCode {
         let started = loop {
             tokio::select! {
                 started = &mut start => break started,
-                _ = term.recv(), if !*stop.borrow() => {
-                    tracing::info!("SIGTERM during the start: stopping");
+                why = stop_signal(&mut term, &mut int, &mut hup), if !*stop.borrow() => {
+                    tracing::info!("{why} during the start: stopping");
                     stop.send_replace(true);
                 }
-                _ = int.recv(), if !*stop.borrow() => {
-                    tracing::info!("SIGINT during the start: stopping");
-                    stop.send_replace(true);
-                }
-                _ = hup.recv() => tracing::warn!("SIGHUP ignored"),
             }
         };
         let gateway = match started {
@@ -288,16 +283,8 @@ fn serve(args: Args) -> ExitCode {
                 }
             });
         }
-        loop {
-            tokio::select! {
-                _ = term.recv() => break tracing::info!("SIGTERM: stopping"),
-                _ = int.recv() => break tracing::info!("SIGINT: stopping"),
-                _ = hup.recv() => tracing::warn!(
-                    "SIGHUP ignored: the configuration is read only at start; restart the daemon \
-                     to apply a change"
-                ),
-            }
-        }
+        let why = stop_signal(&mut term, &mut int, &mut hup).await;
+        tracing::info!("{why}: stopping");
         gateway.stop().await;
         Ok(())
     });
@@ -542,6 +529,25 @@ fn operator(args: Args) -> ExitCode {
 /// the same user, its children) cannot open its files through `/proc/$PPID/fd` (the ledger,
 /// where an approval could be written), read its environment (the model's key) or trace it. A
 /// root-run daemon's children are root and keep that reach. No core dumps follow.
+/// The next signal that stops the daemon (SIGTERM or SIGINT), by name. There is no reload: a
+/// SIGHUP (often sent for one) is said to be ignored, and waited past.
+async fn stop_signal(
+    term: &mut tokio::signal::unix::Signal,
+    int: &mut tokio::signal::unix::Signal,
+    hup: &mut tokio::signal::unix::Signal,
+) -> &'static str {
+    loop {
+        tokio::select! {
+            _ = term.recv() => return "SIGTERM",
+            _ = int.recv() => return "SIGINT",
+            _ = hup.recv() => tracing::warn!(
+                "SIGHUP ignored: the configuration is read only at start; restart the daemon \
+                 to apply a change"
+            ),
+        }
+    }
+}
+
 fn not_dumpable() {
     // SAFETY: prctl(PR_SET_DUMPABLE, 0) changes only this process's dumpable flag.
     let set = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
