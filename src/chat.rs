@@ -84,22 +84,31 @@ impl Conn {
         if !self.backlog.is_empty() {
             return Some(self.backlog.remove(0));
         }
-        if self.lost {
-            return None;
-        }
-        loop {
-            match self.framed.next().await {
-                Some(Ok(awc::ws::Frame::Text(b))) => return serde_json::from_slice(&b).ok(),
-                Some(Ok(awc::ws::Frame::Ping(p))) => {
-                    let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
-                }
-                Some(Ok(awc::ws::Frame::Close(_))) | Some(Err(_)) | None => {
-                    self.lost = true;
-                    return None;
-                }
-                Some(Ok(_)) => {}
+        while !self.lost {
+            let frame = self.framed.next().await;
+            if let Some(text) = self.take(frame).await {
+                return text;
             }
         }
+        None
+    }
+
+    /// What a frame read off the socket says: a text frame's JSON (`Some(None)` if it is not
+    /// JSON); `None` for anything else. A ping is answered; a close, an error or the end of the
+    /// stream marks the connection lost.
+    async fn take(
+        &mut self,
+        frame: Option<Result<awc::ws::Frame, awc::error::WsProtocolError>>,
+    ) -> Option<Option<Value>> {
+        match frame {
+            Some(Ok(awc::ws::Frame::Text(b))) => return Some(serde_json::from_slice(&b).ok()),
+            Some(Ok(awc::ws::Frame::Ping(p))) => {
+                let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
+            }
+            Some(Ok(awc::ws::Frame::Close(_))) | Some(Err(_)) | None => self.lost = true,
+            Some(Ok(_)) => {}
+        }
+        None
     }
 
     /// The next line of input, while the connection is kept alive: the daemon's pings are
@@ -112,18 +121,11 @@ impl Conn {
             }
             tokio::select! {
                 line = lines.recv() => return line,
-                frame = self.framed.next() => match frame {
-                    Some(Ok(awc::ws::Frame::Text(b))) => {
-                        if let Ok(v) = serde_json::from_slice(&b) {
-                            self.backlog.push(v);
-                        }
+                frame = self.framed.next() => {
+                    if let Some(Some(v)) = self.take(frame).await {
+                        self.backlog.push(v);
                     }
-                    Some(Ok(awc::ws::Frame::Ping(p))) => {
-                        let _ = self.framed.send(awc::ws::Message::Pong(p)).await;
-                    }
-                    Some(Ok(awc::ws::Frame::Close(_))) | Some(Err(_)) | None => self.lost = true,
-                    Some(Ok(_)) => {}
-                },
+                }
             }
         }
     }
