@@ -313,25 +313,12 @@ mod tests {
     /// session's last (it moves at the next claim only).
     #[test]
     fn a_settled_attempt_appends_nothing() {
-        use crate::store::{admissions, testing};
+        use crate::store::testing;
         let (_d, mut c, e, started) = testing::started_turn();
         let g = started.execution_generation.expect("generation");
         let reply = [NewMessage::text("assistant", "step".to_string())];
         append_for_attempt(&mut c, e, "s1", g, &reply, 3.0).expect("running: appended");
-        admissions::settle(
-            &mut c,
-            e,
-            "s1",
-            &started.admission_id,
-            g,
-            "interrupted",
-            "{}",
-            &[],
-            &[],
-            (0, 0),
-            4.0,
-        )
-        .expect("settle");
+        testing::settle_bare(&mut c, e, &started, "interrupted", 4.0);
         let late = append_for_attempt(&mut c, e, "s1", g, &reply, 5.0);
         assert!(
             matches!(late, Err(StoreError::StaleGeneration(_))),

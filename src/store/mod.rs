@@ -1160,6 +1160,32 @@ pub mod testing {
         (dir, c, e, *row)
     }
 
+    /// Settle [`started_turn`]'s `row` as `outcome` at `now`, with nothing else written (no
+    /// closing messages, events or usage).
+    pub fn settle_bare(
+        c: &mut SqliteConnection,
+        epoch: i64,
+        row: &admissions::AdmissionRow,
+        outcome: &str,
+        now: f64,
+    ) {
+        let generation = row.execution_generation.expect("generation");
+        admissions::settle(
+            c,
+            epoch,
+            "s1",
+            &row.admission_id,
+            generation,
+            outcome,
+            "{}",
+            &[],
+            &[],
+            (0, 0),
+            now,
+        )
+        .expect("settle");
+    }
+
     /// A connection on a fresh temp file with foreign keys on, and no schema yet.
     fn fresh() -> (tempfile_dir::TempDir, SqliteConnection) {
         use diesel::Connection;

@@ -215,7 +215,7 @@ pub fn remember(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{admissions, testing};
+    use crate::store::testing;
 
     /// A prompt is recorded open only for the running attempt: another generation, or the same
     /// one once its turn settled, is stale and leaves neither a row nor a request event.
@@ -242,20 +242,7 @@ mod tests {
             Err(StoreError::StaleGeneration(_))
         ));
         assert_eq!(open(&mut c, "a1", g).expect("opened").len(), 1);
-        admissions::settle(
-            &mut c,
-            e,
-            "s1",
-            &row.admission_id,
-            g,
-            "completed",
-            "{}",
-            &[],
-            &[],
-            (0, 0),
-            4.0,
-        )
-        .expect("settle");
+        testing::settle_bare(&mut c, e, &row, "completed", 4.0);
         assert!(matches!(
             open(&mut c, "late", g),
             Err(StoreError::StaleGeneration(_))
