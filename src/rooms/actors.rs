@@ -87,12 +87,19 @@ impl RoomScheduler {
     }
 
     /// Take a fresh read of the bindings: a pending round owes every room a pass; rooms that
-    /// are no longer bound here are owed nothing and lose their actor when idle.
+    /// are no longer bound here are owed nothing and lose their actor when idle. While another
+    /// read is asked for, this one may predate a room poked since it began (a room created
+    /// meanwhile): what that room is owed is left for the later read to settle. Dropping it
+    /// here left a new room's first task queued until the next poll round.
     fn bound(&mut self, bindings: Vec<RoomBinding>) {
         let known: HashSet<&str> = bindings.iter().map(|b| b.room_id.as_str()).collect();
+        let later_read = self.reread;
         if std::mem::take(&mut self.round) {
-            self.owed = known.iter().map(|r| r.to_string()).collect();
-        } else {
+            if !later_read {
+                self.owed.clear();
+            }
+            self.owed.extend(known.iter().map(|r| r.to_string()));
+        } else if !later_read {
             self.owed.retain(|r| known.contains(r.as_str()));
         }
         let busy = &self.busy;

@@ -12,7 +12,9 @@ use tokio::sync::watch;
 use crate::clock::{ManualClock, SharedClock, SystemClock};
 use crate::rooms::config::RoomsConfig;
 use crate::rooms::port::*;
-use crate::rooms::runtime::{RoomBinding, RoomHooks, RoomRuntime, TransportResolver};
+use crate::rooms::runtime::{
+    BindingSource, RoomBinding, RoomHooks, RoomRuntime, TransportResolver,
+};
 use crate::rooms::testing::TestDb;
 use crate::store::leases::{acquire_lease, Lease};
 use crate::store::room_tasks::{
@@ -699,6 +701,8 @@ pub struct Spec {
     pub rpc: Option<Arc<FakeSessionRpc>>,
     pub resolver: Option<TransportResolver>,
     pub bindings: Vec<RoomBinding>,
+    /// Where the bindings are read (instead of the fixed `bindings`).
+    pub source: Option<BindingSource>,
     pub process_generation: Option<String>,
 }
 
@@ -717,6 +721,7 @@ impl Spec {
             rpc: Some(rpc.clone()),
             resolver: None,
             bindings: vec![binding()],
+            source: None,
             process_generation: None,
         }
     }
@@ -731,13 +736,16 @@ impl Spec {
     }
 
     pub fn try_build(self, db: &TestDb) -> Result<RoomRuntime, crate::rooms::RoomsError> {
-        let mut builder =
-            RoomRuntime::builder(db.db.clone(), RoomRuntime::fixed_bindings(self.bindings))
-                .config(self.config)
-                .turn_locks(match self.exclusive_locks {
-                    Some(locks) => locks,
-                    None => Arc::new(self.locks),
-                });
+        let source = match self.source {
+            Some(source) => source,
+            None => RoomRuntime::fixed_bindings(self.bindings),
+        };
+        let mut builder = RoomRuntime::builder(db.db.clone(), source)
+            .config(self.config)
+            .turn_locks(match self.exclusive_locks {
+                Some(locks) => locks,
+                None => Arc::new(self.locks),
+            });
         if let Some(rpc) = self.rpc {
             builder = builder.rpc(rpc);
         }

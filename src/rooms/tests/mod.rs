@@ -2,4 +2,5 @@
 
 mod fakes;
 mod scenarios;
+mod scheduler;
 mod state;
