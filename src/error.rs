@@ -170,6 +170,14 @@ impl From<StoreError> for GatewayError {
 pub type GatewayResult<T> = Result<T, GatewayError>;
 
 impl StoreError {
+    /// The write's fence refused it: this process or attempt no longer owns what it wrote to.
+    pub fn is_stale(&self) -> bool {
+        matches!(
+            self,
+            StoreError::StaleEpoch | StoreError::StaleGeneration(_)
+        )
+    }
+
     /// The database file is not one, or is damaged (SQLite's `SQLITE_NOTADB`, `SQLITE_CORRUPT`):
     /// starting again will not change that.
     pub fn is_corrupt(&self) -> bool {

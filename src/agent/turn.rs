@@ -12,12 +12,12 @@ use tokio::sync::{oneshot, watch};
 
 use super::{compress, tokens, transcript};
 use crate::config::ApprovalMode;
-use crate::error::StoreError;
+use crate::error::{GatewayError, StoreError};
 use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, ToolCall};
-use crate::session::prompts::{OpenPrompt, PromptAnswer, PromptKind};
+use crate::session::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{
-    Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
+    AuditPrompt, Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
 };
 use crate::store::events::{self, NewEvent};
 use crate::store::messages::{self, NewMessage};
@@ -127,15 +127,13 @@ enum Stop {
 
 impl From<StoreError> for Stop {
     fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::StaleEpoch | StoreError::StaleGeneration(_) => {
-                Stop::Outcome(TurnOutcome::Stale)
-            }
-            other => Stop::Outcome(TurnOutcome::Failed {
-                error: other.to_string(),
-                reason: "storage_unavailable",
-            }),
+        if e.is_stale() {
+            return Stop::Outcome(TurnOutcome::Stale);
         }
+        Stop::Outcome(TurnOutcome::Failed {
+            error: e.to_string(),
+            reason: "storage_unavailable",
+        })
     }
 }
 
@@ -813,6 +811,12 @@ impl Turn {
                                      to approve this command: it did not run. Do NOT retry it in this turn.",
                                 ))
                             }
+                            Asked::Unrecorded => {
+                                return ToolResult::Output(blocked(
+                                    "BLOCKED: the user's answer could not be recorded (the gateway's storage \
+                                     failed), so the command did not run. Do NOT retry it in this turn.",
+                                ))
+                            }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "deny" => {
                                 return ToolResult::Output(blocked(
                                     "BLOCKED: Command denied by user. The user has NOT consented to this command. \
@@ -948,7 +952,7 @@ impl Turn {
             .await
         {
             Asked::Cancelled => return ToolResult::Interrupted,
-            Asked::TimedOut | Asked::Unattended => (Vec::new(), true),
+            Asked::TimedOut | Asked::Unattended | Asked::Unrecorded => (Vec::new(), true),
             Asked::Answered(PromptAnswer::Text(t)) | Asked::Answered(PromptAnswer::Choice(t)) => {
                 // Several questions may be answered at once with a JSON list of strings.
                 let many: Option<Vec<String>> = if questions.len() > 1 {
@@ -1036,7 +1040,7 @@ impl Turn {
         let result = tokio::select! {
             biased;
             answer = rx => match answer {
-                Ok(a) => Asked::Answered(a),
+                Ok(a) => return self.take_answer(&prompt_id, a).await,
                 Err(_) => Asked::Cancelled,
             },
             _ = wait => {
@@ -1054,6 +1058,75 @@ impl Turn {
             return Asked::Cancelled;
         }
         result
+    }
+
+    /// Record a human's answer before acting on it, fenced in the store by this attempt's
+    /// generation and the epoch: an answer that cannot be recorded is never acted on, and the
+    /// audit says what the attempt did with it. The answerer is told which.
+    async fn take_answer(&mut self, prompt_id: &str, answer: Answer) -> Asked {
+        let Answer { answer, by, taken } = answer;
+        // The interrupt flag wins over an answer that raced it: the prompt ended interrupted.
+        let interrupted = self.cancelled();
+        let (epoch, root, generation, now) = (
+            self.ctx.shared.epoch,
+            self.ctx.root_id.clone(),
+            self.ctx.generation,
+            self.ctx.shared.now(),
+        );
+        let (id, resolution) = (prompt_id.to_string(), answer.resolution());
+        let written = self
+            .ctx
+            .shared
+            .db
+            .write(move |c| {
+                if interrupted {
+                    prompt_store::record_resolution(c, &id, "interrupted", "gateway", now)
+                } else {
+                    prompt_store::record_answer(
+                        c,
+                        epoch,
+                        &root,
+                        generation,
+                        &id,
+                        &resolution,
+                        &by,
+                        now,
+                    )
+                }
+            })
+            .await;
+        let (asked, told) = match written {
+            Ok(rows) => {
+                self.ctx.sup.do_send(Committed { rows });
+                if interrupted {
+                    (
+                        Asked::Cancelled,
+                        Err(GatewayError::StaleGeneration(format!(
+                            "generation {generation} is being interrupted"
+                        ))),
+                    )
+                } else {
+                    (Asked::Answered(answer), Ok(()))
+                }
+            }
+            Err(e) if interrupted || e.is_stale() => {
+                tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
+                    "an answer came to an attempt that no longer runs: not acted on");
+                (Asked::Cancelled, Err(GatewayError::from(e)))
+            }
+            Err(e) => {
+                tracing::error!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
+                    "an answer could not be recorded: not acted on");
+                // Its audit row says so once the store takes writes again (first resolution wins).
+                self.ctx.sup.do_send(AuditPrompt {
+                    prompt_id: prompt_id.to_string(),
+                    resolution: "storage_unavailable".into(),
+                });
+                (Asked::Unrecorded, Err(GatewayError::from(e)))
+            }
+        };
+        let _ = taken.send(told);
+        asked
     }
 
     async fn compact(&mut self, threshold: u64) -> Result<(), CompactError> {
@@ -1238,6 +1311,8 @@ enum ToolResult {
 
 enum Asked {
     Answered(PromptAnswer),
+    /// Answered, but the answer could not be recorded (the store failed): not acted on.
+    Unrecorded,
     TimedOut,
     /// Not asked: an earlier question of the turn timed out.
     Unattended,

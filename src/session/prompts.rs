@@ -3,11 +3,34 @@
 use serde_json::Value;
 use tokio::sync::oneshot;
 
+use crate::error::GatewayError;
+
 /// How a prompt was answered.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptAnswer {
     Choice(String),
     Text(String),
+}
+
+impl PromptAnswer {
+    /// How the answer is recorded in the prompt audit.
+    pub fn resolution(&self) -> String {
+        match self {
+            PromptAnswer::Choice(c) => format!("choice:{c}"),
+            PromptAnswer::Text(t) if t.is_empty() => "skipped".to_string(),
+            PromptAnswer::Text(_) => "answered".to_string(),
+        }
+    }
+}
+
+/// A human's answer, handed by the supervisor to the attempt that asked. The attempt records it
+/// (fenced by its generation and the epoch) before it acts on it, and says so on `taken`:
+/// `Ok` once it will act on it, else why it will not (its interrupt, a lost fence, the store).
+pub struct Answer {
+    pub answer: PromptAnswer,
+    /// The principal who answered.
+    pub by: String,
+    pub taken: oneshot::Sender<Result<(), GatewayError>>,
 }
 
 /// A prompt waiting for a human, owned by the supervisor until answered or retired.
@@ -19,7 +42,7 @@ pub struct OpenPrompt {
     /// The wire form listed in `session.resume.prompts` and sent as `*.request`.
     pub payload: Value,
     pub choices: Vec<String>,
-    pub responder: oneshot::Sender<PromptAnswer>,
+    pub responder: oneshot::Sender<Answer>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use diesel::sqlite::SqliteConnection;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
-use super::prompts::{OpenPrompt, PromptAnswer, PromptKind};
+use super::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
 use super::shared::Shared;
 use crate::agent::turn::{
     interrupted, run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_ROWS,
@@ -1218,6 +1218,22 @@ impl Handler<RetirePrompt> for SessionSupervisor {
     }
 }
 
+/// From a turn: how a prompt it had taken the answer of ended after all (the answer could not be
+/// recorded). The prompt is no longer open here; only its audit row is.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct AuditPrompt {
+    pub prompt_id: String,
+    pub resolution: String,
+}
+
+impl Handler<AuditPrompt> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: AuditPrompt, ctx: &mut Context<Self>) {
+        self.audit_resolution(m.prompt_id, m.resolution, "gateway".to_string(), ctx);
+    }
+}
+
 /// From a turn: events it committed with a transition of its own (a compaction's
 /// `session.info`, in the compaction's transaction), to be sent to the subscribers in order.
 #[derive(Message)]
@@ -1265,8 +1281,36 @@ pub struct Respond {
 }
 
 impl Handler<Respond> for SessionSupervisor {
-    type Result = Result<Value, GatewayError>;
+    type Result = ResponseFuture<Result<Value, GatewayError>>;
     fn handle(&mut self, m: Respond, ctx: &mut Context<Self>) -> Self::Result {
+        let prompt_id = m.prompt_id.clone();
+        match self.hand_over(m, ctx) {
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+            Ok(None) => Box::pin(std::future::ready(Ok(
+                json!({"status": "already_resolved", "prompt_id": prompt_id}),
+            ))),
+            // `resolved` once the attempt has recorded the answer and will act on it.
+            Ok(Some(taken)) => Box::pin(async move {
+                match taken.await {
+                    Ok(Ok(())) => Ok(json!({"status": "resolved", "prompt_id": prompt_id})),
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(GatewayError::StaleGeneration(
+                        "the attempt ended before it took the answer".into(),
+                    )),
+                }
+            }),
+        }
+    }
+}
+
+impl SessionSupervisor {
+    /// Hand a human's answer to the attempt that asked: what will say whether the attempt took
+    /// it (`None`: the prompt is no longer open).
+    fn hand_over(
+        &mut self,
+        m: Respond,
+        ctx: &mut Context<Self>,
+    ) -> Result<Option<oneshot::Receiver<Result<(), GatewayError>>>, GatewayError> {
         let running = self.running.as_ref().map(|r| r.generation);
         if running != Some(m.generation) || self.draining {
             return Err(GatewayError::StaleGeneration(format!(
@@ -1300,12 +1344,12 @@ impl Handler<Respond> for SessionSupervisor {
             self.retire_prompt(&id, "stale", ctx);
         }
         let Some(p) = self.prompts.get(&m.prompt_id) else {
-            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+            return Ok(None);
         };
         if p.responder.is_closed() {
             // The turn stopped waiting (timeout or interrupt) and has already asked to retire the
             // prompt with the real resolution; this answer changes nothing.
-            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+            return Ok(None);
         }
         if p.kind != m.kind {
             return Err(GatewayError::InvalidParams(format!(
@@ -1326,22 +1370,17 @@ impl Handler<Respond> for SessionSupervisor {
             }
         }
         let Some(p) = self.prompts.remove(&m.prompt_id) else {
-            return Ok(json!({"status": "already_resolved", "prompt_id": m.prompt_id}));
+            return Ok(None);
         };
         self.shared.metrics.prompt_closed();
-        let resolution = match &m.answer {
-            PromptAnswer::Choice(c) => format!("choice:{c}"),
-            PromptAnswer::Text(t) if t.is_empty() => "skipped".to_string(),
-            PromptAnswer::Text(_) => "answered".to_string(),
+        // The attempt records the answer (or how its prompt ended instead) before it acts.
+        let (taken, told) = oneshot::channel();
+        let answer = Answer {
+            answer: m.answer,
+            by: m.by,
+            taken,
         };
-        let delivered = p.responder.send(m.answer).is_ok();
-        self.audit_resolution(m.prompt_id.clone(), resolution, m.by, ctx);
-        let status = if delivered {
-            "resolved"
-        } else {
-            "already_resolved"
-        };
-        Ok(json!({"status": status, "prompt_id": m.prompt_id}))
+        Ok(p.responder.send(answer).is_ok().then_some(told))
     }
 }
 

@@ -80,33 +80,69 @@ pub fn record_resolution(
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
     super::write_tx(conn, |conn| {
-        let Some(row) = prompts::table
-            .filter(prompts::prompt_id.eq(prompt_id))
-            .filter(prompts::resolved_at.is_null())
-            .select(PromptRow::as_select())
-            .first(conn)
-            .optional()?
-        else {
-            return Ok(Vec::new());
-        };
-        diesel::update(
-            prompts::table
-                .filter(prompts::prompt_id.eq(prompt_id))
-                .filter(prompts::resolved_at.is_null()),
-        )
-        .set((
-            prompts::resolved_at.eq(now),
-            prompts::resolution.eq(resolution),
-            prompts::resolved_by.eq(by),
-        ))
-        .execute(conn)?;
-        events::append(
-            conn,
-            &row.session_id,
-            &[settled_event(&row, resolution)],
-            now,
-        )
+        Ok(resolve(conn, prompt_id, resolution, by, now)?.unwrap_or_default())
     })
+}
+
+/// Record a human's answer before the attempt acts on it, fenced: the prompt must still be open
+/// and its attempt the running one (its admission `started` at `generation`, owned by `epoch`),
+/// else `stale_generation` and nothing is written. An answer that commits here is the one the
+/// attempt acts on; one that cannot commit is never acted on.
+#[allow(clippy::too_many_arguments)]
+pub fn record_answer(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    session_id: &str,
+    generation: i64,
+    prompt_id: &str,
+    resolution: &str,
+    by: &str,
+    now: f64,
+) -> Result<Vec<EventRow>, StoreError> {
+    super::write_tx(conn, |conn| {
+        super::admissions::require_running(conn, epoch, session_id, generation)?;
+        resolve(conn, prompt_id, resolution, by, now)?.ok_or_else(|| {
+            StoreError::StaleGeneration(format!("prompt {prompt_id} is no longer open"))
+        })
+    })
+}
+
+/// Resolve the open prompt `prompt_id` and append its `<kind>.settled` event (`None`: it was
+/// not open). Call inside a write transaction.
+fn resolve(
+    conn: &mut SqliteConnection,
+    prompt_id: &str,
+    resolution: &str,
+    by: &str,
+    now: f64,
+) -> Result<Option<Vec<EventRow>>, StoreError> {
+    let Some(row) = prompts::table
+        .filter(prompts::prompt_id.eq(prompt_id))
+        .filter(prompts::resolved_at.is_null())
+        .select(PromptRow::as_select())
+        .first(conn)
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    diesel::update(
+        prompts::table
+            .filter(prompts::prompt_id.eq(prompt_id))
+            .filter(prompts::resolved_at.is_null()),
+    )
+    .set((
+        prompts::resolved_at.eq(now),
+        prompts::resolution.eq(resolution),
+        prompts::resolved_by.eq(by),
+    ))
+    .execute(conn)?;
+    let rows = events::append(
+        conn,
+        &row.session_id,
+        &[settled_event(&row, resolution)],
+        now,
+    )?;
+    Ok(Some(rows))
 }
 
 /// At boot: prompts left open by a previous process ended with it (each with its
@@ -252,5 +288,74 @@ mod tests {
             .load(&mut c)
             .expect("prompts");
         assert_eq!(ids, ["a1"]);
+    }
+
+    /// An answer is recorded only while its prompt is open and its attempt runs, at its
+    /// generation under this epoch: otherwise `stale_generation`, and nothing is written, neither
+    /// the resolution nor a settled event.
+    #[test]
+    fn an_answer_is_recorded_only_for_the_running_attempt() {
+        let (_d, mut c, e, row) = testing::started_turn();
+        let g = row.execution_generation.expect("generation");
+        let payload = serde_json::json!({"prompt_id": "a1"});
+        for id in ["a1", "a2"] {
+            record_open(
+                &mut c,
+                e,
+                id,
+                "s1",
+                &row.admission_id,
+                g,
+                "approval",
+                &payload,
+                3.0,
+            )
+            .expect("opened");
+        }
+        let answer = |c: &mut SqliteConnection, epoch: i64, g: i64, id: &str| {
+            record_answer(c, epoch, "s1", g, id, "choice:once", "alice", 4.0)
+        };
+        let head = |c: &mut SqliteConnection| events::head(c, "s1").expect("head").last_seq;
+        let before = head(&mut c);
+        for (epoch, generation) in [(e, g + 1), (e + 1, g)] {
+            assert!(matches!(
+                answer(&mut c, epoch, generation, "a1"),
+                Err(StoreError::StaleGeneration(_))
+            ));
+        }
+        assert_eq!(head(&mut c), before, "no event for a refused answer");
+        let settled = answer(&mut c, e, g, "a1").expect("recorded");
+        assert_eq!(settled.len(), 1);
+        assert_eq!(settled[0].kind, "approval.settled");
+        // The first resolution wins: a second answer to the same prompt is refused.
+        assert!(matches!(
+            answer(&mut c, e, g, "a1"),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        testing::settle_bare(&mut c, e, &row, "completed", 5.0);
+        assert!(matches!(
+            answer(&mut c, e, g, "a2"),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        let resolved: Vec<(String, Option<String>, Option<String>)> = prompts::table
+            .order(prompts::prompt_id.asc())
+            .select((
+                prompts::prompt_id,
+                prompts::resolution,
+                prompts::resolved_by,
+            ))
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(
+            resolved,
+            [
+                (
+                    "a1".into(),
+                    Some("choice:once".into()),
+                    Some("alice".into())
+                ),
+                ("a2".into(), None, None)
+            ]
+        );
     }
 }

@@ -434,6 +434,65 @@ async fn approval_deny_blocks_the_command_and_tells_the_model() {
     assert_eq!(requests_after_tool(&model, "RM"), 1);
 }
 
+/// The attempt records an answer, fenced in the store, before it acts on it. An answer that
+/// cannot be recorded (another process holds the database's write lock) is refused
+/// `storage_unavailable` and its command never runs; the model is told why, and the audit row
+/// says so once the store takes writes again. The answer used to be acted on at once, with only
+/// its audit written after.
+#[actix_rt::test]
+async fn an_approval_that_cannot_be_recorded_never_runs_the_command() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("unrecorded", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    // The prompt's own row is committed (its request event is sent after the commit).
+    ws.event(T, |e| e["type"] == "approval.request").await;
+    let mut holder =
+        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
+    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"],
+               "prompt_id": p["prompt_id"], "choice": "once"}),
+        "storage_unavailable",
+    )
+    .await;
+    assert!(v.exists(), "an unrecorded approval ran the command");
+    holder.batch_execute("ROLLBACK").expect("release");
+    let row = settled(&home, "RM").await;
+    assert_eq!(
+        row.outcome.as_deref(),
+        Some("completed"),
+        "the loop carries on"
+    );
+    assert!(v.exists(), "an unrecorded approval ran the command");
+    let result = tool_result(&model, "RM");
+    let error = result["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("BLOCKED:") && error.contains("could not be recorded"),
+        "{result}"
+    );
+    let audit: Vec<(Option<String>, Option<String>)> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| (r.resolution, r.resolved_by))
+        .collect();
+    assert_eq!(
+        audit,
+        [(
+            Some("storage_unavailable".to_string()),
+            Some("gateway".to_string())
+        )]
+    );
+}
+
 #[actix_rt::test]
 async fn approval_session_remembers_the_pattern_for_that_session_only() {
     let home = Home::new();
