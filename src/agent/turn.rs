@@ -17,7 +17,7 @@ use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, T
 use crate::session::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{
-    AuditPrompt, Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
+    Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
 };
 use crate::store::events::{self, NewEvent};
 use crate::store::messages::{self, NewMessage};
@@ -813,8 +813,9 @@ impl Turn {
                             }
                             Asked::Unrecorded => {
                                 return ToolResult::Output(blocked(
-                                    "BLOCKED: the user's answer could not be recorded (the gateway's storage \
-                                     failed), so the command did not run. Do NOT retry it in this turn.",
+                                    "BLOCKED: the approval request could not be recorded (the gateway's storage \
+                                     failed), so nobody was asked and the command did not run. Do NOT retry it in \
+                                     this turn.",
                                 ))
                             }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "deny" => {
@@ -952,7 +953,14 @@ impl Turn {
             .await
         {
             Asked::Cancelled => return ToolResult::Interrupted,
-            Asked::TimedOut | Asked::Unattended | Asked::Unrecorded => (Vec::new(), true),
+            Asked::TimedOut | Asked::Unattended => (Vec::new(), true),
+            Asked::Unrecorded => {
+                return ToolResult::Output(
+                    json!({"error": "The question could not be asked: the gateway's storage failed. Use your \
+                                     best judgement and proceed."})
+                    .to_string(),
+                )
+            }
             Asked::Answered(PromptAnswer::Text(t)) | Asked::Answered(PromptAnswer::Choice(t)) => {
                 // Several questions may be answered at once with a JSON list of strings.
                 let many: Option<Vec<String>> = if questions.len() > 1 {
@@ -1013,20 +1021,43 @@ impl Turn {
         if kind == PromptKind::Approval {
             payload["choices"] = json!(choices);
         }
-        let (tx, rx) = oneshot::channel();
-        let open = OpenPrompt {
-            prompt_id: prompt_id.clone(),
-            kind,
-            generation: self.ctx.generation,
-            admission_id: self.ctx.admission_id.clone(),
-            payload,
-            choices,
-            responder: tx,
+        // The prompt is recorded open (fenced: this attempt must be the running one) before
+        // anyone can see it, so every answer has its row to be recorded against.
+        let (epoch, root, admission, generation, now) = (
+            self.ctx.shared.epoch,
+            self.ctx.root_id.clone(),
+            self.ctx.admission_id.clone(),
+            self.ctx.generation,
+            self.ctx.shared.now(),
+        );
+        let (id, open_payload) = (prompt_id.clone(), payload.clone());
+        let opened = self
+            .ctx
+            .shared
+            .db
+            .write(move |c| {
+                prompt_store::record_open(
+                    c,
+                    epoch,
+                    &id,
+                    &root,
+                    &admission,
+                    generation,
+                    kind.as_str(),
+                    &open_payload,
+                    now,
+                )
+            })
+            .await;
+        let mut events = match opened {
+            Ok(rows) => rows,
+            Err(e) if e.is_stale() => return Asked::Cancelled,
+            Err(e) => {
+                tracing::error!(session = %self.ctx.root_id, generation, error = %e,
+                    "a prompt could not be recorded: not asked");
+                return Asked::Unrecorded;
+            }
         };
-        match self.ctx.sup.send(RegisterPrompt(open)).await {
-            Ok(Ok(())) => {}
-            _ => return Asked::Cancelled,
-        }
         let mut cancel = self.ctx.cancel.clone();
         let wait = async {
             if timeout > 0.0 {
@@ -1035,38 +1066,104 @@ impl Turn {
                 std::future::pending::<()>().await;
             }
         };
-        // Biased: an answer that was delivered (the responder was told `resolved`) wins over a
-        // timeout that became ready in the same instant.
-        let result = tokio::select! {
-            biased;
-            answer = rx => match answer {
-                Ok(a) => return self.take_answer(&prompt_id, a).await,
-                Err(_) => Asked::Cancelled,
-            },
-            _ = wait => {
-                self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "timeout".into() });
-                self.unanswered = true;
-                Asked::TimedOut
+        tokio::pin!(wait);
+        loop {
+            let (tx, rx) = oneshot::channel();
+            let open = OpenPrompt {
+                prompt_id: prompt_id.clone(),
+                kind,
+                generation: self.ctx.generation,
+                admission_id: self.ctx.admission_id.clone(),
+                payload: payload.clone(),
+                choices: choices.clone(),
+                responder: tx,
+            };
+            let registered = self
+                .ctx
+                .sup
+                .send(RegisterPrompt {
+                    prompt: open,
+                    events: std::mem::take(&mut events),
+                })
+                .await;
+            match registered {
+                Ok(Ok(())) => {}
+                refused => {
+                    let resolution = match refused {
+                        Ok(Err(resolution)) => resolution,
+                        _ => "turn_ended",
+                    };
+                    self.close_prompt(&prompt_id, resolution).await;
+                    return Asked::Cancelled;
+                }
             }
-            _ = cancelled(&mut cancel) => {
-                self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "interrupted".into() });
-                Asked::Cancelled
+            // Biased: an answer that was delivered (the responder was told `resolved`) wins over
+            // a timeout that became ready in the same instant.
+            let result = tokio::select! {
+                biased;
+                answer = rx => match answer {
+                    Ok(a) => Waited::Answer(a),
+                    Err(_) => Waited::Over(Asked::Cancelled),
+                },
+                _ = &mut wait => {
+                    self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "timeout".into() });
+                    self.unanswered = true;
+                    Waited::Over(Asked::TimedOut)
+                }
+                _ = cancelled(&mut cancel) => {
+                    self.ctx.sup.do_send(RetirePrompt { prompt_id: prompt_id.clone(), resolution: "interrupted".into() });
+                    Waited::Over(Asked::Cancelled)
+                }
+            };
+            match result {
+                Waited::Answer(a) => match self.take_answer(&prompt_id, a).await {
+                    Some(asked) => return asked,
+                    // Not recorded (the store failed; the answerer was told
+                    // `storage_unavailable`): the prompt is open again, for the answer again,
+                    // until its time is up.
+                    None => continue,
+                },
+                // The interrupt flag wins over an answer that raced it.
+                Waited::Over(_) if self.cancelled() => return Asked::Cancelled,
+                Waited::Over(asked) => return asked,
             }
-        };
-        // The interrupt flag wins over an answer that raced it.
-        if self.cancelled() {
-            return Asked::Cancelled;
         }
-        result
+    }
+
+    /// Record how a prompt this attempt opened ended when no one else will: it was refused
+    /// as the attempt stopped. Best effort: a boot closes what is left open.
+    async fn close_prompt(&self, prompt_id: &str, resolution: &'static str) {
+        let (id, now) = (prompt_id.to_string(), self.ctx.shared.now());
+        let closed = self
+            .ctx
+            .shared
+            .db
+            .write(move |c| prompt_store::record_resolution(c, &id, resolution, "gateway", now))
+            .await;
+        match closed {
+            Ok(rows) => self.ctx.sup.do_send(Committed { rows }),
+            Err(e) => {
+                tracing::warn!(session = %self.ctx.root_id, prompt = %prompt_id, error = %e,
+                    "cannot record how a prompt ended; the next start closes it")
+            }
+        }
     }
 
     /// Record a human's answer before acting on it, fenced in the store by this attempt's
     /// generation and the epoch: an answer that cannot be recorded is never acted on, and the
-    /// audit says what the attempt did with it. The answerer is told which.
-    async fn take_answer(&mut self, prompt_id: &str, answer: Answer) -> Asked {
+    /// audit says what the attempt did with it. The answerer is told which. `None`: the store
+    /// could not record it, and the prompt stays open.
+    async fn take_answer(&mut self, prompt_id: &str, answer: Answer) -> Option<Asked> {
         let Answer { answer, by, taken } = answer;
-        // The interrupt flag wins over an answer that raced it: the prompt ended interrupted.
-        let interrupted = self.cancelled();
+        // The interrupt flag wins over an answer that raced it: the prompt ended as the attempt
+        // did (the stop's prompts end `shutdown`).
+        let ended = self.cancelled().then(|| {
+            if self.ctx.shared.runtime.turns_stopping() {
+                "shutdown"
+            } else {
+                "interrupted"
+            }
+        });
         let (epoch, root, generation, now) = (
             self.ctx.shared.epoch,
             self.ctx.root_id.clone(),
@@ -1078,51 +1175,42 @@ impl Turn {
             .ctx
             .shared
             .db
-            .write(move |c| {
-                if interrupted {
-                    prompt_store::record_resolution(c, &id, "interrupted", "gateway", now)
-                } else {
-                    prompt_store::record_answer(
-                        c,
-                        epoch,
-                        &root,
-                        generation,
-                        &id,
-                        &resolution,
-                        &by,
-                        now,
-                    )
-                }
+            .write(move |c| match ended {
+                Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now),
+                None => prompt_store::record_answer(
+                    c,
+                    epoch,
+                    &root,
+                    generation,
+                    &id,
+                    &resolution,
+                    &by,
+                    now,
+                ),
             })
             .await;
         let (asked, told) = match written {
             Ok(rows) => {
                 self.ctx.sup.do_send(Committed { rows });
-                if interrupted {
-                    (
-                        Asked::Cancelled,
+                match ended {
+                    Some(_) => (
+                        Some(Asked::Cancelled),
                         Err(GatewayError::StaleGeneration(format!(
                             "generation {generation} is being interrupted"
                         ))),
-                    )
-                } else {
-                    (Asked::Answered(answer), Ok(()))
+                    ),
+                    None => (Some(Asked::Answered(answer)), Ok(())),
                 }
             }
-            Err(e) if interrupted || e.is_stale() => {
+            Err(e) if ended.is_some() || e.is_stale() => {
                 tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
                     "an answer came to an attempt that no longer runs: not acted on");
-                (Asked::Cancelled, Err(GatewayError::from(e)))
+                (Some(Asked::Cancelled), Err(GatewayError::from(e)))
             }
             Err(e) => {
                 tracing::error!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
-                    "an answer could not be recorded: not acted on");
-                // Its audit row says so once the store takes writes again (first resolution wins).
-                self.ctx.sup.do_send(AuditPrompt {
-                    prompt_id: prompt_id.to_string(),
-                    resolution: "storage_unavailable".into(),
-                });
-                (Asked::Unrecorded, Err(GatewayError::from(e)))
+                    "an answer could not be recorded: not acted on; its prompt stays open");
+                (None, Err(GatewayError::from(e)))
             }
         };
         let _ = taken.send(told);
@@ -1311,12 +1399,18 @@ enum ToolResult {
 
 enum Asked {
     Answered(PromptAnswer),
-    /// Answered, but the answer could not be recorded (the store failed): not acted on.
+    /// Not asked: the prompt could not be recorded (the store failed).
     Unrecorded,
     TimedOut,
     /// Not asked: an earlier question of the turn timed out.
     Unattended,
     Cancelled,
+}
+
+/// How a wait on a prompt ended.
+enum Waited {
+    Answer(Answer),
+    Over(Asked),
 }
 
 async fn cancelled(rx: &mut watch::Receiver<bool>) {

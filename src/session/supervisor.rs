@@ -1160,45 +1160,34 @@ impl Handler<GetLive> for SessionSupervisor {
     }
 }
 
-/// From a turn: a prompt now waits for a human.
+/// From a turn: a prompt now waits for a human. The turn has recorded it open (`events`: its
+/// `<kind>.request`, none when it is opened again after an answer the store could not record).
+/// Refused, with the resolution the turn records for it, when the attempt no longer runs here.
 #[derive(Message)]
-#[rtype(result = "Result<(), ()>")]
-pub struct RegisterPrompt(pub OpenPrompt);
+#[rtype(result = "Result<(), &'static str>")]
+pub struct RegisterPrompt {
+    pub prompt: OpenPrompt,
+    pub events: Vec<EventRow>,
+}
 
 impl Handler<RegisterPrompt> for SessionSupervisor {
-    type Result = Result<(), ()>;
+    type Result = Result<(), &'static str>;
     fn handle(&mut self, m: RegisterPrompt, ctx: &mut Context<Self>) -> Self::Result {
-        let p = m.0;
-        let live = self.running.as_ref().map(|r| r.generation) == Some(p.generation);
-        if !live || self.draining {
-            return Err(());
+        let p = m.prompt;
+        // Committed whatever the answer: subscribers see the request, then how it ended.
+        self.deliver(m.events, ctx);
+        if self.draining {
+            return Err("shutdown");
         }
-        let payload = p.payload.clone();
-        let kind = p.kind.as_str();
-        let (prompt_id, admission_id, generation) =
-            (p.prompt_id.clone(), p.admission_id.clone(), p.generation);
-        let session = self.root_id.clone();
+        let running = self.running.as_ref();
+        if running.map(|r| r.generation) != Some(p.generation) {
+            return Err("turn_ended");
+        }
+        if running.is_some_and(|r| *r.cancel.borrow()) {
+            return Err("interrupted");
+        }
         self.prompts.insert(p.prompt_id.clone(), p);
         self.shared.metrics.prompt_opened();
-        // The `<kind>.request` event is committed with the prompt's audit row.
-        let (now, epoch) = (self.shared.now(), self.shared.epoch);
-        self.write_events(
-            "prompt audit write",
-            move |c| {
-                prompt_store::record_open(
-                    c,
-                    epoch,
-                    &prompt_id,
-                    &session,
-                    &admission_id,
-                    generation,
-                    kind,
-                    &payload,
-                    now,
-                )
-            },
-            ctx,
-        );
         Ok(())
     }
 }
@@ -1215,22 +1204,6 @@ impl Handler<RetirePrompt> for SessionSupervisor {
     type Result = ();
     fn handle(&mut self, m: RetirePrompt, ctx: &mut Context<Self>) {
         self.retire_prompt(&m.prompt_id, &m.resolution, ctx);
-    }
-}
-
-/// From a turn: how a prompt it had taken the answer of ended after all (the answer could not be
-/// recorded). The prompt is no longer open here; only its audit row is.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct AuditPrompt {
-    pub prompt_id: String,
-    pub resolution: String,
-}
-
-impl Handler<AuditPrompt> for SessionSupervisor {
-    type Result = ();
-    fn handle(&mut self, m: AuditPrompt, ctx: &mut Context<Self>) {
-        self.audit_resolution(m.prompt_id, m.resolution, "gateway".to_string(), ctx);
     }
 }
 

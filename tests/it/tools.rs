@@ -434,13 +434,13 @@ async fn approval_deny_blocks_the_command_and_tells_the_model() {
     assert_eq!(requests_after_tool(&model, "RM"), 1);
 }
 
-/// The attempt records an answer, fenced in the store, before it acts on it. An answer that
-/// cannot be recorded (another process holds the database's write lock) is refused
-/// `storage_unavailable` and its command never runs; the model is told why, and the audit row
-/// says so once the store takes writes again. The answer used to be acted on at once, with only
+/// The attempt records an answer, fenced in the store, before it acts on it. An answer the
+/// store cannot record (another process holds the database's write lock) is refused
+/// `storage_unavailable` and not acted on; the prompt stays open, and the same answer given
+/// again once the store takes writes is taken. The answer used to be acted on at once, with only
 /// its audit written after.
 #[actix_rt::test]
-async fn an_approval_that_cannot_be_recorded_never_runs_the_command() {
+async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
     use diesel::connection::SimpleConnection;
     use diesel::{Connection, SqliteConnection};
     let home = Home::new();
@@ -452,45 +452,76 @@ async fn an_approval_that_cannot_be_recorded_never_runs_the_command() {
     let sid = ws.session("unrecorded", &home.path).await;
     ws.submit(&sid, "RM", "RM").await;
     let p = ws.wait_prompt(&sid, "approval").await;
-    // The prompt's own row is committed (its request event is sent after the commit).
-    ws.event(T, |e| e["type"] == "approval.request").await;
     let mut holder =
         SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
     holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
-    ws.refused(
-        "approval.respond",
-        json!({"session_id": sid, "execution_generation": p["execution_generation"],
-               "prompt_id": p["prompt_id"], "choice": "once"}),
-        "storage_unavailable",
-    )
-    .await;
+    let params = json!({"session_id": sid, "execution_generation": p["execution_generation"],
+                        "prompt_id": p["prompt_id"], "choice": "once"});
+    ws.refused("approval.respond", params.clone(), "storage_unavailable")
+        .await;
     assert!(v.exists(), "an unrecorded approval ran the command");
     holder.batch_execute("ROLLBACK").expect("release");
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(
+        snapshot["prompts"][0]["prompt_id"], p["prompt_id"],
+        "the prompt is still open: {snapshot}"
+    );
+    assert!(v.exists(), "an unrecorded approval ran the command");
+    assert_eq!(
+        ws.ok("approval.respond", params).await["status"],
+        "resolved"
+    );
+    let row = settled(&home, "RM").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(!v.exists(), "the recorded approval ran the command");
+    assert_eq!(tool_result(&model, "RM")["exit_code"], 0);
+    let audit: Vec<(Option<String>, Option<String>)> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| (r.resolution, r.resolved_by))
+        .collect();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].0.as_deref(), Some("choice:once"));
+}
+
+/// A prompt is recorded open before anyone is asked: one the store cannot record is never
+/// shown, and its command does not run (the model is told why). It used to be shown from
+/// memory, and its answer refused `stale_generation` with the turn ended `interrupted`.
+#[actix_rt::test]
+async fn an_approval_request_the_store_cannot_record_is_not_asked_and_blocks_the_command() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("unasked", &home.path).await;
+    let mut other =
+        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
+    other
+        .batch_execute(
+            "CREATE TRIGGER no_prompts BEFORE INSERT ON prompts BEGIN SELECT RAISE(ABORT, 'no'); END",
+        )
+        .expect("trigger");
+    ws.submit(&sid, "RM", "RM").await;
     let row = settled(&home, "RM").await;
     assert_eq!(
         row.outcome.as_deref(),
         Some("completed"),
         "the loop carries on"
     );
-    assert!(v.exists(), "an unrecorded approval ran the command");
+    assert!(v.exists(), "a command nobody was asked about ran");
     let result = tool_result(&model, "RM");
     let error = result["error"].as_str().unwrap_or("");
     assert!(
         error.starts_with("BLOCKED:") && error.contains("could not be recorded"),
         "{result}"
     );
-    let audit: Vec<(Option<String>, Option<String>)> = home
-        .prompt_rows(&sid)
-        .into_iter()
-        .map(|r| (r.resolution, r.resolved_by))
-        .collect();
-    assert_eq!(
-        audit,
-        [(
-            Some("storage_unavailable".to_string()),
-            Some("gateway".to_string())
-        )]
-    );
+    assert!(home.prompt_rows(&sid).is_empty());
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snapshot["prompts"], json!([]), "{snapshot}");
 }
 
 #[actix_rt::test]
