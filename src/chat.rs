@@ -111,18 +111,43 @@ impl Conn {
         None
     }
 
-    /// The next line of input, while the connection is kept alive: the daemon's pings are
-    /// answered and its frames kept for later. (Waiting on the terminal alone answered no ping,
-    /// and the daemon closed the connection of a user who took over a minute to answer.)
-    async fn read_line(&mut self, lines: &mut mpsc::UnboundedReceiver<String>) -> Option<String> {
+    /// The operator's answer to the open prompt `prompt_id`: a line of input, or how the prompt
+    /// ended without one (timed out, answered elsewhere, its turn stopped), whichever comes
+    /// first (a terminal left open after the prompt ended waited for a line for good). The
+    /// connection is kept alive meanwhile: the daemon's pings are answered and its frames kept
+    /// for later (waiting on the terminal alone answered no ping, and the daemon closed the
+    /// connection of a user who took over a minute to answer).
+    async fn read_answer(
+        &mut self,
+        lines: &mut mpsc::UnboundedReceiver<String>,
+        prompt_id: &Value,
+    ) -> Read {
+        let ended = |v: &Value| -> Option<String> {
+            let params = v.get("params").filter(|_| v["method"] == "event")?;
+            let settled = params["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with(".settled"));
+            (settled && &params["payload"]["prompt_id"] == prompt_id).then(|| {
+                params["payload"]["resolution"]
+                    .as_str()
+                    .unwrap_or("ended")
+                    .to_string()
+            })
+        };
+        if let Some(resolution) = self.backlog.iter().find_map(ended) {
+            return Read::Ended(resolution);
+        }
         loop {
             if self.lost {
-                return lines.recv().await;
+                return lines.recv().await.map_or(Read::Eof, Read::Line);
             }
             tokio::select! {
-                line = lines.recv() => return line,
+                line = lines.recv() => return line.map_or(Read::Eof, Read::Line),
                 frame = self.framed.next() => {
                     if let Some(Some(v)) = self.take(frame).await {
+                        if let Some(resolution) = ended(&v) {
+                            return Read::Ended(resolution);
+                        }
                         self.backlog.push(v);
                     }
                 }
@@ -425,18 +450,28 @@ async fn follow(
                 ));
                 // A typo is asked again (it denied at once); the end of input denies.
                 let choice = loop {
-                    let Some(line) = conn.read_line(lines).await else {
-                        out("[no more input; denying]\n");
-                        break "deny".to_string();
+                    let line = match conn.read_answer(lines, &payload["prompt_id"]).await {
+                        Read::Line(line) => line,
+                        Read::Eof => {
+                            out("[no more input; denying]\n");
+                            break Some("deny".to_string());
+                        }
+                        Read::Ended(resolution) => {
+                            out(&format!("\n[the approval ended without an answer from here: {resolution}]\n"));
+                            break None;
+                        }
                     };
                     let line = line.trim().to_string();
                     if choices.contains(&line) {
-                        break line;
+                        break Some(line);
                     }
                     out(&format!(
                         "[{line:?} is not one of them] choose one of {}: ",
                         choices.join("/")
                     ));
+                };
+                let Some(choice) = choice else {
+                    continue;
                 };
                 let r = conn
                     .call(
@@ -445,8 +480,12 @@ async fn follow(
                                "execution_generation": payload["execution_generation"], "choice": choice}),
                     )
                     .await;
-                if let Err(e) = r {
-                    out(&format!("[approval not taken: {e}]\n"));
+                match r {
+                    Err(e) => out(&format!("[approval not taken: {e}]\n")),
+                    Ok(r) if r["status"] == "already_resolved" => {
+                        out("[approval not taken: the prompt had already ended]\n")
+                    }
+                    Ok(_) => {}
                 }
             }
             "clarify.request" => {
@@ -467,7 +506,16 @@ async fn follow(
                 } else {
                     "answer (a number picks that choice; anything else is said as is): "
                 });
-                let answer = conn.read_line(lines).await.unwrap_or_default();
+                let answer = match conn.read_answer(lines, &payload["prompt_id"]).await {
+                    Read::Line(line) => line,
+                    Read::Eof => String::new(),
+                    Read::Ended(resolution) => {
+                        out(&format!(
+                            "\n[the question ended without an answer from here: {resolution}]\n"
+                        ));
+                        continue;
+                    }
+                };
                 let answer = match answer.trim().parse::<usize>() {
                     Ok(n) if (1..=listed.len()).contains(&n) => listed[n - 1].clone(),
                     _ => answer,
@@ -479,8 +527,12 @@ async fn follow(
                                "execution_generation": payload["execution_generation"], "answer": answer.trim()}),
                     )
                     .await;
-                if let Err(e) = r {
-                    out(&format!("[answer not taken: {e}]\n"));
+                match r {
+                    Err(e) => out(&format!("[answer not taken: {e}]\n")),
+                    Ok(r) if r["status"] == "already_resolved" => {
+                        out("[answer not taken: the question had already ended]\n")
+                    }
+                    Ok(_) => {}
                 }
             }
             "message.complete" if payload["admission_id"] == admission => {
@@ -498,6 +550,15 @@ async fn follow(
             _ => {}
         }
     }
+}
+
+/// What came first while the operator was asked.
+enum Read {
+    Line(String),
+    /// The end of input.
+    Eof,
+    /// The prompt ended without an answer from here, so (its resolution).
+    Ended(String),
 }
 
 async fn reconnect(home: &Path) -> Result<Conn, String> {

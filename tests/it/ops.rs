@@ -927,85 +927,144 @@ async fn a_relative_home_serves_sessions_and_a_start_that_cannot_listen_takes_no
     );
 }
 
+/// `gatehouse chat` on a turn whose model asks to remove a directory, then answers `DONE`.
+struct ApprovingChat {
+    victim: Home,
+    _model: FakeModel,
+    _home: Home,
+    _daemon: Daemon,
+    chat: std::process::Child,
+    seen: std::sync::Arc<std::sync::Mutex<String>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ApprovingChat {
+    fn start(extra: Value) -> ApprovingChat {
+        use std::io::Read;
+        let victim = Home::new();
+        std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
+        let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
+        let model = FakeModel::start(move |body| {
+            let last_is_user = body["messages"]
+                .as_array()
+                .and_then(|m| m.last())
+                .is_some_and(|m| m["role"] == "user");
+            if last_is_user {
+                Reply::Message(
+                    tool_call("c1", "terminal", json!({"command": cmd})),
+                    "tool_calls",
+                )
+            } else {
+                Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop")
+            }
+        });
+        let home = Home::new();
+        home.write_config(&config(&model.url, extra));
+        let daemon = Daemon::start(&home);
+        let mut chat = spawn_cli(&home, &["chat", "--session", "slow", "remove it"]);
+        let mut stdout = chat.stdout.take().expect("stdout");
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let reader = {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stdout.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if let Ok(mut s) = seen.lock() {
+                        s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    }
+                }
+            })
+        };
+        ApprovingChat {
+            victim,
+            _model: model,
+            _home: home,
+            _daemon: daemon,
+            chat,
+            seen,
+            reader: Some(reader),
+        }
+    }
+
+    fn output(&self) -> String {
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    async fn asked(&self) {
+        wait_until("the approval asked", Duration::from_secs(30), || {
+            self.output().contains("approval needed")
+        })
+        .await;
+    }
+
+    /// Wait for chat to exit (40 s at most); its status and all it printed.
+    async fn ended(&mut self) -> (std::process::ExitStatus, String) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(40);
+        let status = loop {
+            if let Some(status) = self.chat.try_wait().expect("wait") {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.chat.kill();
+                panic!("chat never ended: {}", self.output());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        (status, self.output())
+    }
+
+    fn removed(&self) -> bool {
+        !self.victim.path.join("keep").exists()
+    }
+}
+
 /// An operator who takes longer than the daemon's client timeout to answer an approval in
 /// `gatehouse chat` is heard: the client waited on the terminal alone, answered no ping, and the
 /// daemon closed its connection; the answer was then refused ("connection lost") and the
 /// question never asked again, so the command was denied when the approval timed out.
 #[actix_rt::test]
 async fn a_slow_answer_to_an_approval_in_chat_is_taken() {
-    use std::io::Read;
-    let victim = Home::new();
-    std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
-    let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
-    let model = FakeModel::start(move |body| {
-        let last_is_user = body["messages"]
-            .as_array()
-            .and_then(|m| m.last())
-            .is_some_and(|m| m["role"] == "user");
-        if last_is_user {
-            Reply::Message(
-                tool_call("c1", "terminal", json!({"command": cmd})),
-                "tool_calls",
-            )
-        } else {
-            Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop")
-        }
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
+    let mut c = ApprovingChat::start(
         json!({"gateway": {"client_timeout_seconds": 1, "heartbeat_seconds": 0.2},
                "approvals": {"timeout": 20}}),
-    ));
-    let _d = Daemon::start(&home);
-    let mut chat = spawn_cli(&home, &["chat", "--session", "slow", "remove it"]);
-    let mut stdout = chat.stdout.take().expect("stdout");
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let reader = {
-        let seen = seen.clone();
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stdout.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                if let Ok(mut s) = seen.lock() {
-                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
-                }
-            }
-        })
-    };
-    let asked = || seen.lock().is_ok_and(|s| s.contains("approval needed"));
-    wait_until("the approval asked", Duration::from_secs(30), asked).await;
+    );
+    c.asked().await;
     // The operator reads the command for three client timeouts before answering.
     tokio::time::sleep(Duration::from_secs(3)).await;
     {
-        let mut stdin = chat.stdin.take().expect("stdin");
+        let mut stdin = c.chat.stdin.take().expect("stdin");
         stdin.write_all(b"once\n").expect("answer");
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(40);
-    let status = loop {
-        if let Some(status) = chat.try_wait().expect("wait") {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = chat.kill();
-            panic!(
-                "chat never ended: {}",
-                seen.lock().map(|s| s.clone()).unwrap_or_default()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let _ = reader.join();
-    let out = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    let (status, out) = c.ended().await;
     assert!(status.success(), "{status:?}: {out}");
     assert!(!out.contains("not taken"), "{out}");
     assert!(out.contains("DONE"), "{out}");
+    assert!(c.removed(), "the approved command ran: {out}");
+}
+
+/// An approval that ends while `gatehouse chat` waits for the operator (here it times out) ends
+/// the wait: chat says so and follows the turn to its end, though its input stays open. It
+/// waited for a line for good.
+#[actix_rt::test]
+async fn an_approval_that_times_out_in_chat_ends_the_wait_for_an_answer() {
+    let mut c = ApprovingChat::start(json!({"approvals": {"timeout": 1}}));
+    c.asked().await;
+    // The operator never answers, and the input stays open.
+    let _stdin = c.chat.stdin.take().expect("stdin");
+    let (status, out) = c.ended().await;
+    assert!(status.success(), "{status:?}: {out}");
     assert!(
-        !victim.path.join("keep").exists(),
-        "the approved command ran: {out}"
+        out.contains("the approval ended without an answer from here: timeout"),
+        "{out}"
     );
+    assert!(out.contains("DONE"), "{out}");
+    assert!(!c.removed(), "a timed-out approval ran the command: {out}");
 }
 
 /// The control socket holds a bounded number of connections: each held a descriptor and a task
