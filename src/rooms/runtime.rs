@@ -227,6 +227,10 @@ pub(crate) struct RuntimeState {
     /// room's pass ends after its attempt while any do, so one room with a long queue does not
     /// hold its slot until the queue is empty.
     pub slot_waiters: usize,
+    /// Tasks (room, task) an attempt of which this process is starting: from before its start
+    /// commits until its submission has answered. A stop of such a task is not acknowledged by
+    /// finding no turn of the attempt at the member yet: the attempt's own observation stops it.
+    pub submitting: HashSet<(String, String)>,
 }
 
 pub(crate) struct Inner {

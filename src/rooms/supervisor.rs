@@ -229,6 +229,30 @@ impl Drop for HeldTurn {
     }
 }
 
+/// An attempt of a task being started by this process, until its submission has answered
+/// ([`RuntimeState::submitting`](super::runtime::RuntimeState)); dropping it ends that.
+pub(crate) struct Submitting {
+    runtime: RoomRuntime,
+    key: (String, String),
+}
+
+impl Submitting {
+    fn new(runtime: &RoomRuntime, identity: &crate::store::room_tasks::TaskIdentity) -> Submitting {
+        let key = (identity.room_id.clone(), identity.task_id.clone());
+        runtime.state().submitting.insert(key.clone());
+        Submitting {
+            runtime: runtime.clone(),
+            key,
+        }
+    }
+}
+
+impl Drop for Submitting {
+    fn drop(&mut self) {
+        self.runtime.state().submitting.remove(&self.key);
+    }
+}
+
 impl RoomRuntime {
     /// One pass of one room. Errors are recorded in `status().last_error`, never raised.
     pub async fn process_room(&self, binding: &RoomBinding) {
@@ -1318,6 +1342,15 @@ impl RoomRuntime {
         session_id: Option<&str>,
         task: &TaskView,
     ) -> Result<bool, PortError> {
+        if self
+            .state()
+            .submitting
+            .contains(&(task.identity.room_id.clone(), task.identity.task_id.clone()))
+        {
+            // Being submitted by this process: no turn of it is to be found yet, and one may
+            // be about to start. The attempt's observation stops it once its submission answers.
+            return Ok(false);
+        }
         let Some(session_id) = session_id else {
             // an accepted local turn cannot outlive its session
             return Ok(!port.is_peer());
@@ -1426,13 +1459,17 @@ impl RoomRuntime {
                 self.inner.clock.clone(),
                 head.cancel_generation,
             );
+            let submitting = Submitting::new(self, &head.identity);
             let attempt = self
                 .inner
                 .db
                 .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
                 .await?;
             // The observer's last read when it ended the observation (no second read).
-            let after = match self.execute_attempt(binding, &attempt, &head, turn).await {
+            let after = match self
+                .execute_attempt(binding, &attempt, &head, turn, submitting)
+                .await
+            {
                 Some(after) => after,
                 None => self.read_task(&head.identity).await?,
             };
@@ -1463,11 +1500,14 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         task: &TaskView,
         turn: HeldTurn,
+        submitting: Submitting,
     ) -> Option<TaskView> {
         self.state()
             .current_tasks
             .insert(binding.room_id.clone(), attempt.identity.clone());
-        let last = self.run_attempt(binding, attempt, task, turn).await;
+        let last = self
+            .run_attempt(binding, attempt, task, turn, submitting)
+            .await;
         self.state().current_tasks.remove(&binding.room_id);
         // A slot is free: the task scheduler (`start`) runs a cycle on a poke; the actors' one
         // learns it from the pass's end. Not a round over every room: with 128 rooms that cost
@@ -1484,6 +1524,7 @@ impl RoomRuntime {
         attempt: &TaskAttempt,
         task: &TaskView,
         _turn: HeldTurn,
+        submitting: Submitting,
     ) -> Option<TaskView> {
         let task_id = attempt.identity.task_id.clone();
         let port = match self.transport(binding, task) {
@@ -1519,6 +1560,21 @@ impl RoomRuntime {
             }
         };
         let deadline = self.inner.clock.monotonic() + self.inner.config.turn_timeout_seconds;
+        // A stop (a cancel, the room's disband) that came while the session was opened: nothing
+        // is submitted, and the observation finds no turn of this attempt and completes the stop.
+        // A stop that comes from here on waits for the submission (`submitting`), then stops the
+        // turn submitted; it used to be acknowledged for want of a turn, and the turn submitted
+        // after it ran in full for a task recorded cancelled.
+        let stopped = self.read_task(&attempt.identity).await.is_ok_and(|t| {
+            t.status != TaskStatus::Running
+                || t.execution_generation != attempt.execution_generation
+        });
+        if stopped {
+            drop(submitting);
+            return self
+                .observe(binding, attempt, task, port.as_ref(), &session_id, deadline)
+                .await;
+        }
         let request = SubmitRequest {
             profile: profile.clone(),
             session_id: session_id.clone(),
@@ -1528,7 +1584,9 @@ impl RoomRuntime {
             execution_generation: attempt.execution_generation,
             on_terminal: self.terminal_callback(binding, attempt),
         };
-        match port.submit(request).await {
+        let submitted = port.submit(request).await;
+        drop(submitting);
+        match submitted {
             Ok(()) => {
                 let route = (
                     binding.room_id.clone(),

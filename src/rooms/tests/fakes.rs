@@ -212,6 +212,8 @@ pub struct FakeSessionRpc {
     pub resolve_times: Mutex<Vec<f64>>,
     /// What `ledger_attempt` reads, by task id (a member's own ledger; empty: a port without one).
     pub ledger: Mutex<HashMap<String, LedgerAttempt>>,
+    /// `create` sets the first event, then waits for the second before it makes the session.
+    pub create_gate: Option<(Arc<Event>, Arc<Event>)>,
 }
 
 impl FakeSessionRpc {
@@ -383,9 +385,18 @@ impl SessionPort for FakeSessionRpc {
     fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle> {
         self.assert_lock(&address.profile);
         self.record("create", serde_json::to_value(&address).unwrap_or_default());
-        let session_id =
-            self.add_session_for(&address.profile, &address.title, false, None, Vec::new());
-        ready(Ok(SessionHandle { session_id }))
+        let gate = self.create_gate.clone();
+        Box::pin(async move {
+            if let Some((reached, go)) = gate {
+                reached.set();
+                if !go.wait(Duration::from_secs(10)).await {
+                    return Err(PortError::new("the create gate was never opened"));
+                }
+            }
+            let session_id =
+                self.add_session_for(&address.profile, &address.title, false, None, Vec::new());
+            Ok(SessionHandle { session_id })
+        })
     }
 
     fn resume(&self, session: SessionRef) -> PortFuture<'_, SessionHandle> {

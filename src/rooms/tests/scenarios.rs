@@ -1461,6 +1461,38 @@ async fn test_profile_turn_lock_covers_resolve_submit_and_terminal_observation()
     assert!(!methods.contains(&"history".to_string()));
 }
 
+/// A cancel that comes after an attempt's start and before its submission (the member's room
+/// session being made) is not acknowledged for want of a turn at the member: nothing is
+/// submitted, and the task ends cancelled. It used to be recorded cancelled at once, and the
+/// attempt then submitted its turn, which ran in full.
+#[tokio::test]
+async fn a_cancel_while_an_attempt_opens_its_session_is_never_followed_by_its_turn() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
+    let mut fake = FakeSessionRpc::new(true);
+    fake.create_gate = Some((reached.clone(), go.clone()));
+    let rpc = Arc::new(fake);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(reached.wait(Duration::from_secs(5)).await);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    let view = runtime.cancel(&id, "c1").await.expect("cancel");
+    assert_eq!(
+        view.status,
+        TaskStatus::Stopping,
+        "acknowledged before the attempt was submitted"
+    );
+    go.set();
+    wait_for("the task cancelled", || {
+        status(&db, &id) == TaskStatus::Cancelled
+    })
+    .await;
+    assert_eq!(rpc.count("submit"), 0);
+    assert!(runtime.stop(STOP).await);
+}
+
 #[tokio::test]
 async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
     let db = db();
