@@ -17,6 +17,9 @@ pub(crate) const COUNTS_DOWN_SQL: &str =
 /// The rooms' owners (a later migration).
 pub(crate) const OWNERS_DOWN_SQL: &str =
     include_str!("../../migrations/2026-12-04-000012_room_owners/down.sql");
+/// The pruned tasks' tombstones (a later migration).
+pub(crate) const TOMBSTONES_DOWN_SQL: &str =
+    include_str!("../../migrations/2026-12-05-000016_room_task_tombstones/down.sql");
 
 /// A temporary database, removed on drop.
 pub(crate) struct TestDb {

@@ -18,7 +18,7 @@ use crate::store::rooms::{
     canonical_json, live_room, read_clock, sha256_hex, validate_identifier, RoomStoreError,
     StoreResult,
 };
-use crate::store::rooms_schema::{room_members, room_tasks};
+use crate::store::rooms_schema::{room_members, room_task_tombstones, room_tasks};
 
 /// Largest prompt, in UTF-8 bytes.
 pub const MAX_PROMPT_BYTES: usize = 128 * 1024;
@@ -484,6 +484,16 @@ pub fn admit_task_within(
                 "thread turn is already bound to a different task".into(),
             ));
         }
+        // A pruned task's id: the new task's attempts go on from the old one's generations
+        // (its member knows an attempt by room, task and generation, for good).
+        let tomb = room_task_tombstones::table.find((&identity.room_id, &identity.task_id));
+        let generation: Option<i64> = tomb
+            .select(room_task_tombstones::execution_generation)
+            .first(conn)
+            .optional()?;
+        if generation.is_some() {
+            diesel::delete(tomb).execute(conn)?;
+        }
         diesel::insert_into(room_tasks::table)
             .values((
                 room_tasks::room_id.eq(&identity.room_id),
@@ -494,7 +504,7 @@ pub fn admit_task_within(
                 room_tasks::payload_json.eq(&payload_json),
                 room_tasks::payload_digest.eq(&digest),
                 room_tasks::status.eq(TaskStatus::Queued.as_str()),
-                room_tasks::execution_generation.eq(0_i64),
+                room_tasks::execution_generation.eq(generation.unwrap_or(0)),
                 room_tasks::cancel_generation.eq(0_i64),
                 room_tasks::created_at.eq(now),
                 room_tasks::updated_at.eq(now),

@@ -798,6 +798,8 @@ mod tests {
         let db = TestDb::new();
         let mut conn = db.conn();
         use diesel::connection::SimpleConnection;
+        conn.batch_execute(crate::rooms::testing::TOMBSTONES_DOWN_SQL)
+            .unwrap();
         conn.batch_execute(crate::rooms::testing::OWNERS_DOWN_SQL)
             .unwrap();
         conn.batch_execute(crate::rooms::testing::COUNTS_DOWN_SQL)

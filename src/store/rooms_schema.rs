@@ -89,6 +89,16 @@ diesel::table! {
 }
 
 diesel::table! {
+    /// The last execution generation of each pruned task id, written by a trigger on
+    /// `room_tasks` (`migrations/2026-12-05-000016_room_task_tombstones`).
+    room_task_tombstones (room_id, task_id) {
+        room_id -> Text,
+        task_id -> Text,
+        execution_generation -> BigInt,
+    }
+}
+
+diesel::table! {
     /// The principal that created each room (`migrations/2026-12-04-000012_room_owners`).
     room_owners (room_id) {
         room_id -> Text,

@@ -614,7 +614,7 @@ async fn a_boot_after_a_crash_takes_the_room_over_and_waits_for_the_operator() {
 /// stay idempotent, and the room's counts follow.
 #[actix_rt::test]
 async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
-    let (_model, _home, d) = acking_rooms(json!({"max_ended_tasks_per_room": 2,
+    let (model, _home, d) = acking_rooms(json!({"max_ended_tasks_per_room": 2,
         "prune_interval_seconds": 0.1, "poll_interval_seconds": 0.2}));
     let mut ws = d.ws().await;
     ws.ok(
@@ -660,6 +660,29 @@ async fn the_daemon_prunes_a_rooms_oldest_ended_tasks() {
     assert_eq!(again["idempotent"], true);
     let room = ws.ok("room.get", json!({"room_id": "busy"})).await;
     assert_eq!(room["task_counts"], json!({"settled": 2}), "{room}");
+    // A pruned id admitted again, with the same prompt, is a new task that runs: its attempt is
+    // not the pruned task's (the member's ledger would answer that with the old reply).
+    let asked = |model: &FakeModel| {
+        model
+            .requests()
+            .iter()
+            .filter(|b| last_user(b) == "hi 1")
+            .count()
+    };
+    assert_eq!(asked(&model), 1);
+    let readmitted = ws
+        .ok("room.admit", admit("busy", "t1", "dev", "hi 1", 5))
+        .await;
+    assert_eq!(readmitted["idempotent"], false, "{readmitted}");
+    wait_status(&mut ws, "busy", "t1", "settled").await;
+    assert_eq!(asked(&model), 2);
+    let task = room_tasks(&mut ws, "busy")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "t1")
+        .expect("t1 is kept");
+    assert_eq!(task["execution_generation"], 2, "{task}");
+    assert!(task["result"].to_string().contains("ACK_hi 1"), "{task}");
 }
 
 /// After a crash, the member's parked turn is `unknown` and holds its session until the operator

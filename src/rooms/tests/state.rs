@@ -163,10 +163,16 @@ fn the_count_migration_counts_the_tasks_already_there() {
         handle: "ops".into(),
     }];
     crate::store::rooms::create_room(&mut c, ROOM, ROOM, &members, GW, &clock).unwrap();
-    for (i, task) in ["a", "b", "c"].iter().enumerate() {
-        admit_task(&mut c, &identity(task), &payload(i as i64 + 1), &clock).unwrap();
-    }
-    cancel_task(&mut c, &identity("c"), "c-c", 0, &clock).unwrap();
+    // Rows as that schema held them (today's admission writes tables it did not have).
+    use diesel::connection::SimpleConnection;
+    c.batch_execute(&format!(
+        "INSERT INTO room_tasks (room_id, task_id, thread_id, turn_id, source_event_seq, \
+           payload_json, payload_digest, status, created_at, updated_at) VALUES \
+         ('{ROOM}', 'a', 'th', 'tu-a', 1, '{{}}', 'd', 'queued', 1.0, 1.0), \
+         ('{ROOM}', 'b', 'th', 'tu-b', 2, '{{}}', 'd', 'queued', 1.0, 1.0), \
+         ('{ROOM}', 'c', 'th', 'tu-c', 3, '{{}}', 'd', 'cancelled', 1.0, 1.0);"
+    ))
+    .unwrap();
     c.run_pending_migrations(crate::store::MIGRATIONS).unwrap();
     assert_eq!(
         count_tasks_by_status(&mut c, ROOM).unwrap(),
@@ -187,7 +193,12 @@ fn the_count_migration_counts_the_tasks_already_there() {
     .get_result(&mut c)
     .unwrap();
     assert_eq!(kept, 0);
-    admit_task(&mut c, &identity("d"), &payload(4), &clock).unwrap();
+    c.batch_execute(&format!(
+        "INSERT INTO room_tasks (room_id, task_id, thread_id, turn_id, source_event_seq, \
+           payload_json, payload_digest, status, created_at, updated_at) VALUES \
+         ('{ROOM}', 'd', 'th', 'tu-d', 4, '{{}}', 'd', 'queued', 1.0, 1.0);"
+    ))
+    .unwrap();
 }
 
 fn is_stale_task(result: Result<TaskView, RoomStoreError>) -> bool {
@@ -912,10 +923,14 @@ fn ended_tasks_are_pruned_by_age_and_count_and_nothing_else_is() {
     kept.sort();
     assert_eq!(kept, ["deferred", "queued", "running"]);
     assert_eq!(f.get(&queued).status, TaskStatus::Queued);
-    // A pruned id is a new task.
+    // A pruned id is a new task, whose attempts go on from the pruned task's generations (the
+    // next starts at the one after): a settled e1 ran attempt 1, a cancelled e2 none.
     let again = admit_task(&mut f.db.conn(), &ended[0], &payload(11), &f.clock).unwrap();
     assert!(!again.idempotent);
     assert_eq!(again.status, TaskStatus::Queued);
+    assert_eq!(again.execution_generation, 1);
+    let fresh = admit_task(&mut f.db.conn(), &ended[1], &payload(12), &f.clock).unwrap();
+    assert_eq!(fresh.execution_generation, 0);
 }
 
 /// Pruning walks a room's ended tasks through their index, in the order they ended: never a
