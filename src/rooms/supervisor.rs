@@ -375,7 +375,11 @@ impl RoomRuntime {
     /// unresolved, whenever that is (a stop acknowledged late, an operator's resolution after a
     /// restart), with no caller left waiting on it.
     async fn carry_out_disband(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
+        // A queued or deferred task whose cancel failed is tried again on the next pass: the
+        // room is not retired with it (the store refuses that as well).
         let unresolved = [
+            TaskStatus::Queued,
+            TaskStatus::Deferred,
             TaskStatus::Running,
             TaskStatus::Stopping,
             TaskStatus::Indeterminate,

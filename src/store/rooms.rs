@@ -611,8 +611,9 @@ pub fn begin_disband(
     })
 }
 
-/// Disband a room whose disband fence is up and which has no running, stopping or indeterminate
-/// task. The id is retired for good. Idempotent.
+/// Disband a room whose disband fence is up and all of whose tasks have ended (queued and
+/// deferred ones are cancelled by the disband first: one whose cancel failed would be left
+/// queued in a retired room, never to run nor end). The id is retired for good. Idempotent.
 pub fn disband_room(
     conn: &mut SqliteConnection,
     room_id: &str,
@@ -633,12 +634,18 @@ pub fn disband_room(
         }
         let blocking: i64 = room_tasks::table
             .filter(room_tasks::room_id.eq(room_id))
-            .filter(room_tasks::status.eq_any(["running", "stopping", "indeterminate"]))
+            .filter(room_tasks::status.eq_any([
+                "queued",
+                "deferred",
+                "running",
+                "stopping",
+                "indeterminate",
+            ]))
             .count()
             .get_result(conn)?;
         if blocking > 0 {
             return Err(RoomStoreError::InvalidTransition(
-                "cannot disband a room while tasks are unresolved".into(),
+                "cannot disband a room while tasks have not ended".into(),
             ));
         }
         diesel::update(

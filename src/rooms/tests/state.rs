@@ -945,3 +945,27 @@ fn pruning_reads_a_rooms_ended_tasks_through_their_index() {
         assert!(!plan.contains("TEMP B-TREE"), "{plan}");
     }
 }
+
+/// A room is retired only once every task in it has ended: a queued or deferred task whose
+/// cancel the disband could not make would otherwise be left in a retired room, never to run
+/// nor to end.
+#[test]
+fn a_room_is_not_retired_with_a_task_that_has_not_ended() {
+    let f = Fixture::new();
+    let (deferred, _, lease) = f.indeterminate("deferred");
+    defer_indeterminate_task(&mut f.db.conn(), &deferred, &lease, 1, 0, "gone", &f.clock).unwrap();
+    let queued = f.admit("queued", 2);
+    crate::store::rooms::begin_disband(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    let refused = crate::store::rooms::disband_room(&mut f.db.conn(), ROOM, &f.clock);
+    assert!(
+        matches!(refused, Err(RoomStoreError::InvalidTransition(ref m)) if m.contains("not ended")),
+        "{refused:?}"
+    );
+    cancel_task(&mut f.db.conn(), &queued, "disband", 0, &f.clock).unwrap();
+    let refused = crate::store::rooms::disband_room(&mut f.db.conn(), ROOM, &f.clock);
+    assert!(refused.is_err(), "a deferred task is left: {refused:?}");
+    let cancel = f.get(&deferred).cancel_generation;
+    cancel_task(&mut f.db.conn(), &deferred, "disband", cancel, &f.clock).unwrap();
+    let retired = crate::store::rooms::disband_room(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    assert!(retired.disbanded_at.is_some());
+}
