@@ -1067,6 +1067,9 @@ impl Turn {
             }
         };
         tokio::pin!(wait);
+        // What is shown goes to the supervisor, which hands it back with an answer the store
+        // cannot record (held here as well, it cost every parked session a copy).
+        let mut shown = (payload, choices);
         loop {
             let (tx, rx) = oneshot::channel();
             let open = OpenPrompt {
@@ -1074,8 +1077,8 @@ impl Turn {
                 kind,
                 generation: self.ctx.generation,
                 admission_id: self.ctx.admission_id.clone(),
-                payload: payload.clone(),
-                choices: choices.clone(),
+                payload: shown.0,
+                choices: shown.1,
                 responder: tx,
             };
             let registered = self
@@ -1117,11 +1120,11 @@ impl Turn {
             };
             match result {
                 Waited::Answer(a) => match self.take_answer(&prompt_id, a).await {
-                    Some(asked) => return asked,
+                    Ok(asked) => return asked,
                     // Not recorded (the store failed; the answerer was told
                     // `storage_unavailable`): the prompt is open again, for the answer again,
                     // until its time is up.
-                    None => continue,
+                    Err(again) => shown = again,
                 },
                 // The interrupt flag wins over an answer that raced it.
                 Waited::Over(_) if self.cancelled() => return Asked::Cancelled,
@@ -1151,10 +1154,20 @@ impl Turn {
 
     /// Record a human's answer before acting on it, fenced in the store by this attempt's
     /// generation and the epoch: an answer that cannot be recorded is never acted on, and the
-    /// audit says what the attempt did with it. The answerer is told which. `None`: the store
-    /// could not record it, and the prompt stays open.
-    async fn take_answer(&mut self, prompt_id: &str, answer: Answer) -> Option<Asked> {
-        let Answer { answer, by, taken } = answer;
+    /// audit says what the attempt did with it. The answerer is told which. `Err`: the store
+    /// could not record it, and the prompt stays open (what it shows, to show it again).
+    async fn take_answer(
+        &mut self,
+        prompt_id: &str,
+        answer: Answer,
+    ) -> Result<Asked, (Value, Vec<String>)> {
+        let Answer {
+            answer,
+            by,
+            taken,
+            payload,
+            choices,
+        } = answer;
         // The interrupt flag wins over an answer that raced it: the prompt ended as the attempt
         // did (the stop's prompts end `shutdown`).
         let ended = self.cancelled().then(|| {
@@ -1194,23 +1207,23 @@ impl Turn {
                 self.ctx.sup.do_send(Committed { rows });
                 match ended {
                     Some(_) => (
-                        Some(Asked::Cancelled),
+                        Ok(Asked::Cancelled),
                         Err(GatewayError::StaleGeneration(format!(
                             "generation {generation} is being interrupted"
                         ))),
                     ),
-                    None => (Some(Asked::Answered(answer)), Ok(())),
+                    None => (Ok(Asked::Answered(answer)), Ok(())),
                 }
             }
             Err(e) if ended.is_some() || e.is_stale() => {
                 tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
                     "an answer came to an attempt that no longer runs: not acted on");
-                (Some(Asked::Cancelled), Err(GatewayError::from(e)))
+                (Ok(Asked::Cancelled), Err(GatewayError::from(e)))
             }
             Err(e) => {
                 tracing::error!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
                     "an answer could not be recorded: not acted on; its prompt stays open");
-                (None, Err(GatewayError::from(e)))
+                (Err((payload, choices)), Err(GatewayError::from(e)))
             }
         };
         let _ = taken.send(told);

@@ -31,6 +31,10 @@ pub struct Answer {
     /// The principal who answered.
     pub by: String,
     pub taken: oneshot::Sender<Result<(), GatewayError>>,
+    /// The prompt as it was shown, handed back: an answer the store cannot record opens it
+    /// again (the turn holds no copy of it while it waits).
+    pub payload: Value,
+    pub choices: Vec<String>,
 }
 
 /// A prompt waiting for a human, owned by the supervisor until answered or retired.

@@ -1352,6 +1352,8 @@ impl SessionSupervisor {
             answer: m.answer,
             by: m.by,
             taken,
+            payload: p.payload,
+            choices: p.choices,
         };
         Ok(p.responder.send(answer).is_ok().then_some(told))
     }
