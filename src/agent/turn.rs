@@ -148,9 +148,35 @@ pub async fn run_turn(ctx: TurnCtx) -> TurnOutcome {
     }
 }
 
+/// What a turn uses of its session's row: its launch policy. Not the row, which a parked turn
+/// would hold whole for its lifetime (ids, digest, title, a copy of the system prompt).
+struct Launch {
+    profile: String,
+    model: String,
+    provider: String,
+    base_url: Option<String>,
+    source: String,
+    principal_id: String,
+    cwd: String,
+}
+
+impl From<SessionRow> for Launch {
+    fn from(row: SessionRow) -> Self {
+        Launch {
+            profile: row.profile,
+            model: row.model,
+            provider: row.provider,
+            base_url: row.base_url,
+            source: row.source,
+            principal_id: row.principal_id,
+            cwd: row.cwd,
+        }
+    }
+}
+
 struct Turn {
     ctx: TurnCtx,
-    root: SessionRow,
+    root: Launch,
     tip: String,
     system: String,
     transcript: Vec<NewMessage>,
@@ -202,8 +228,8 @@ impl Turn {
             }));
         }
         let mut turn = Turn {
-            tip: tip_row.id.clone(),
-            root,
+            tip: tip_row.id,
+            root: root.into(),
             system,
             transcript: Vec::new(),
             tools,

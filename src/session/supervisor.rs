@@ -623,13 +623,17 @@ impl SessionSupervisor {
         let root = self.root_id.clone();
         let admission_id = row.admission_id.clone();
         let fut = async move {
-            let outcome = match tracing::Instrument::instrument(run_turn(turn), span).await {
-                // An interrupt acknowledged before the turn ended wins over a failure that raced
-                // it, as it does over a final answer: the client was told the turn was
-                // interrupted (a model error that came in the same poll settled `failed`).
-                TurnOutcome::Failed { .. } if *told.borrow() => interrupted(),
-                other => other,
-            };
+            // Boxed apart from the settlement that follows it: a future is as large as its
+            // largest state, and inline the turn's (its whole life) would carry this block's
+            // settlement steps beside it, a larger allocation for every parked session.
+            let outcome =
+                match tracing::Instrument::instrument(Box::pin(run_turn(turn)), span).await {
+                    // An interrupt acknowledged before the turn ended wins over a failure that raced
+                    // it, as it does over a final answer: the client was told the turn was
+                    // interrupted (a model error that came in the same poll settled `failed`).
+                    TurnOutcome::Failed { .. } if *told.borrow() => interrupted(),
+                    other => other,
+                };
             // Runs on this actor's thread: no interrupt is handled between the turn's last look
             // at its cancel flag and this.
             ended.set(true);
@@ -643,7 +647,7 @@ impl SessionSupervisor {
                 .map(|mut u| std::mem::take(&mut *u))
                 .unwrap_or_default();
             loop {
-                match settle(
+                match Box::pin(settle(
                     &shared,
                     &root,
                     &admission_id,
@@ -651,7 +655,7 @@ impl SessionSupervisor {
                     &outcome,
                     spent,
                     ran.clone(),
-                )
+                ))
                 .await
                 {
                     Err(
