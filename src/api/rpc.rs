@@ -362,8 +362,94 @@ impl Authority {
                 Err(e) => Box::pin(std::future::ready(Err(e))),
             };
         }
+        if let Some(handed) = self.hand_over(&method, &p, &caller) {
+            return handed;
+        }
         let this = self.clone();
         Box::pin(async move { this.call(&method, p, &caller).await })
+    }
+
+    /// An interrupt or an answer to a prompt of a session the caller follows and holds the live
+    /// supervisor of: handed to the supervisor at once, as it is read, like a submit. Behind a
+    /// lookup (a read on the shared readers, then the registry) it waited for other clients'
+    /// reads, and on its connection each one held every later request that changes a session
+    /// until it was answered: an interrupt sent after an answer waited for the answer to be
+    /// recorded (for ever, on a disk that stopped answering).
+    fn hand_over(&self, method: &str, p: &Value, caller: &Caller) -> Option<CallFuture> {
+        if !matches!(
+            method,
+            "session.interrupt" | "approval.respond" | "clarify.respond"
+        ) {
+            return None;
+        }
+        let id = p.get("session_id")?.as_str()?;
+        let sup = followed_supervisor(&caller.subscribed, id)?.clone();
+        let gone = || GatewayError::Internal("session supervisor unavailable".into());
+        let ready = |e| -> CallFuture { Box::pin(std::future::ready(Err(e))) };
+        if method == "session.interrupt" {
+            let p: InterruptParams = match params(p.clone()) {
+                Ok(p) => p,
+                Err(e) => return Some(ready(e)),
+            };
+            let sent = sup.send(Interrupt {
+                generation: p.execution_generation,
+                reason: "client interrupt".into(),
+            });
+            return Some(Box::pin(async move {
+                let done = sent.await.map_err(|_| gone())??;
+                Ok(CallResult::plain(json!({"interrupted": done})))
+            }));
+        }
+        let (kind, generation, prompt_id, answer) = if method == "approval.respond" {
+            match params::<ApprovalParams>(p.clone()) {
+                Ok(p) => (
+                    PromptKind::Approval,
+                    p.execution_generation,
+                    p.prompt_id,
+                    PromptAnswer::Choice(p.choice),
+                ),
+                Err(e) => return Some(ready(e)),
+            }
+        } else {
+            match params::<ClarifyParams>(p.clone()) {
+                Ok(p) => (
+                    PromptKind::Clarify,
+                    p.execution_generation,
+                    p.prompt_id,
+                    PromptAnswer::Text(p.answer),
+                ),
+                Err(e) => return Some(ready(e)),
+            }
+        };
+        let sent = match Self::answer(kind, generation, prompt_id, answer, caller) {
+            Ok(m) => sup.send(m),
+            Err(e) => return Some(ready(e)),
+        };
+        Some(Box::pin(async move {
+            Ok(CallResult::plain(sent.await.map_err(|_| gone())??))
+        }))
+    }
+
+    /// The supervisor's message for an answer to a prompt.
+    fn answer(
+        kind: PromptKind,
+        generation: Value,
+        prompt_id: String,
+        answer: PromptAnswer,
+        caller: &Caller,
+    ) -> GatewayResult<Respond> {
+        let Some(generation) = generation.as_i64() else {
+            return Err(GatewayError::StaleGeneration(
+                "execution_generation must be an integer".into(),
+            ));
+        };
+        Ok(Respond {
+            kind,
+            generation,
+            prompt_id,
+            answer,
+            by: caller.principal.clone(),
+        })
     }
 
     /// `prompt.submit`. The input is handed to its session's supervisor at once when the caller
@@ -671,21 +757,11 @@ impl Authority {
     ) -> GatewayResult<Value> {
         let root = self.root(session_id).await?;
         Self::require_subscribed(caller, &root.id)?;
-        let Some(generation) = generation.as_i64() else {
-            return Err(GatewayError::StaleGeneration(
-                "execution_generation must be an integer".into(),
-            ));
-        };
+        let m = Self::answer(kind, generation, prompt_id, answer, caller)?;
         let sup = self.supervisor(&root.id).await?;
-        sup.send(Respond {
-            kind,
-            generation,
-            prompt_id,
-            answer,
-            by: caller.principal.clone(),
-        })
-        .await
-        .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
+        sup.send(m)
+            .await
+            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
     }
 
     /// Subscribe the caller's connection to `root`'s events; its supervisor (none for a caller

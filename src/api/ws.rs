@@ -707,9 +707,10 @@ impl WsConnection {
         if barrier {
             self.barriers += 1;
         }
-        // A submit handed to its session at once (see `Authority::begin`) is in order already;
-        // any other request that changes a session holds those read after it.
-        let handed_over = method == "prompt.submit"
+        // A submit, an interrupt or an answer handed to its session at once (see
+        // `Authority::begin`) is in order already; any other request that changes a session
+        // holds those read after it.
+        let handed_over = HANDED_OVER.contains(&method.as_str())
             && params
                 .get("session_id")
                 .and_then(Value::as_str)
@@ -813,6 +814,15 @@ const ORDERED: [&str; 6] = [
     "prompt.submit",
     "prompt.cancel",
     "prompt.resolve_unknown",
+    "approval.respond",
+    "clarify.respond",
+    "session.interrupt",
+];
+
+/// Of those, the methods handed to the session's supervisor as they are read when they name a
+/// session the connection follows (see `Authority::begin`).
+const HANDED_OVER: [&str; 4] = [
+    "prompt.submit",
     "approval.respond",
     "clarify.respond",
     "session.interrupt",

@@ -484,6 +484,54 @@ async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
     assert_eq!(audit[0].0.as_deref(), Some("choice:once"));
 }
 
+/// An interrupt sent right behind an answer, on the same connection, reaches the turn at once:
+/// it used to wait until the answer was answered, and the answer waits for the turn to record
+/// it (here until another process lets go of the database's write lock). The interrupt wins:
+/// the command never runs and the turn ends interrupted.
+#[actix_rt::test]
+async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("held", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    let mut holder =
+        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
+    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    let generation = p["execution_generation"].clone();
+    ws.send_raw(
+        json!({"jsonrpc": "2.0", "id": "answer", "method": "approval.respond",
+               "params": {"session_id": sid, "execution_generation": generation,
+                          "prompt_id": p["prompt_id"], "choice": "once"}})
+        .to_string(),
+    )
+    .await;
+    ws.send_raw(
+        json!({"jsonrpc": "2.0", "id": "stop", "method": "session.interrupt",
+               "params": {"session_id": sid, "execution_generation": generation}})
+        .to_string(),
+    )
+    .await;
+    let first = ws.recv_reply().await;
+    assert_eq!(
+        first["id"], "stop",
+        "the interrupt waited for the answer: {first}"
+    );
+    assert_eq!(first["result"]["interrupted"], true, "{first}");
+    holder.batch_execute("ROLLBACK").expect("release");
+    let second = ws.recv_reply().await;
+    assert_eq!(second["id"], "answer", "{second}");
+    let row = settled(&home, "RM").await;
+    assert_eq!(row.outcome.as_deref(), Some("interrupted"), "{row:?}");
+    assert!(v.exists(), "an interrupted turn ran the command");
+}
+
 /// A prompt is recorded open before anyone is asked: one the store cannot record is never
 /// shown, and its command does not run (the model is told why). It used to be shown from
 /// memory, and its answer refused `stale_generation` with the turn ended `interrupted`.
