@@ -271,9 +271,16 @@ pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
     Receipt::of(row, epoch).into_value()
 }
 
-fn pending_view(row: &AdmissionRow, epoch: i64) -> Value {
+/// A pending input in a snapshot: its receipt and its text, of which a long one carries only its
+/// first [`admissions::PENDING_TEXT_CHARS`] characters (`text_truncated`, and `text_chars` the
+/// whole length: the client sent it, and holds it under its `input_id`).
+fn pending_view((row, chars): &(AdmissionRow, i64), epoch: i64) -> Value {
     let mut v = receipt(row, epoch);
     v["text"] = json!(row.text());
+    if *chars > admissions::PENDING_TEXT_CHARS {
+        v["text_truncated"] = json!(true);
+        v["text_chars"] = json!(chars);
+    }
     v
 }
 
@@ -1029,7 +1036,7 @@ impl Authority {
                 diesel::Connection::transaction(c, |c| {
                     let root = sessions::root_of(c, &id)?;
                     let msgs = messages::live(c, &root.tip_session_id)?;
-                    let pending = admissions::pending(c, &root.id)?;
+                    let pending = admissions::pending_previews(c, &root.id)?;
                     let head = crate::store::events::head(c, &root.id)?;
                     Ok::<_, crate::error::StoreError>((root, msgs, pending, head))
                 })

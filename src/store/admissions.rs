@@ -358,6 +358,55 @@ pub fn pending(
         .load(conn)?)
 }
 
+/// How much of a pending input's text a session's snapshot carries, in characters. An input may
+/// be 256 KiB and a session may have 1,000 queued: in full, one snapshot would be a quarter of
+/// a gigabyte, read into memory, built into a frame and sent, on every `session.resume`.
+pub const PENDING_TEXT_CHARS: i64 = 4096;
+
+/// [`pending`] for a snapshot: each row's payload holds at most [`PENDING_TEXT_CHARS`] of its
+/// text (cut in the read: the rest never leaves the database), with the text's whole length in
+/// characters beside it.
+pub fn pending_previews(
+    conn: &mut SqliteConnection,
+    session: &str,
+) -> Result<Vec<(AdmissionRow, i64)>, StoreError> {
+    use diesel::dsl::sql;
+    use diesel::sql_types::{BigInt, Text};
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(Vec::new());
+    };
+    let preview = sql::<Text>(&format!(
+        "json_object('text', substr(json_extract(payload_json, '$.text'), 1, {PENDING_TEXT_CHARS}))"
+    ));
+    let chars = sql::<BigInt>("ifnull(length(json_extract(payload_json, '$.text')), 0)");
+    Ok(sa::table
+        .filter(is_live())
+        .filter(sa::session_ordinal.eq(ordinal))
+        .order(sa::seq.asc())
+        .select((
+            (
+                sa::seq,
+                sa::admission_id,
+                sa::request_id,
+                sa::principal_id,
+                sa::target_session_id,
+                sa::session_ordinal,
+                preview,
+                sa::payload_digest,
+                sa::intent,
+                sa::status,
+                sa::outcome,
+                sa::owner_epoch,
+                sa::execution_generation,
+                sa::result_json,
+                sa::created_at,
+                sa::updated_at,
+            ),
+            chars,
+        ))
+        .load::<(AdmissionRow, i64)>(conn)?)
+}
+
 /// Terminal rows of a session, in seq order (none for a session that does not exist).
 pub fn terminal_of_session(
     conn: &mut SqliteConnection,

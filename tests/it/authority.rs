@@ -744,6 +744,54 @@ async fn the_system_prompt_is_built_once_with_the_session() {
 /// `message.complete` is at or below its `last_sequence`, however fast the session moves.
 /// Before, `last_sequence` was read after the transcript, and a reply settled in between was in
 /// neither the snapshot nor the events after it (5 of 300 snapshots under load).
+/// A snapshot carries a pending input's text up to 4,096 characters, and says when it cut one
+/// (with its whole length): a session of long queued inputs made every `session.resume` a
+/// frame of all of them in full (1,000 inputs of 256 KiB: a quarter of a gigabyte).
+#[actix_rt::test]
+async fn a_snapshot_carries_the_start_of_a_long_pending_input() {
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("long-pending", &home.path).await;
+    ws.submit(&sid, "HANG", "HANG").await;
+    // Multi-byte characters: the cut is by character, never inside one.
+    let long = "é".repeat(10_000);
+    ws.submit(&sid, "LONG", &long).await;
+    ws.submit(&sid, "SHORT", "short").await;
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let pending = snapshot["pending"].as_array().expect("pending");
+    let by_id = |id: &str| {
+        pending
+            .iter()
+            .find(|p| p["input_id"] == id)
+            .unwrap_or_else(|| panic!("{id} is pending: {snapshot}"))
+    };
+    let cut = by_id("LONG");
+    assert_eq!(cut["text"], "é".repeat(4096), "the start of the text");
+    assert_eq!(cut["text_truncated"], true, "{cut}");
+    assert_eq!(cut["text_chars"], 10_000, "{cut}");
+    let whole = by_id("SHORT");
+    assert_eq!(whole["text"], "short");
+    assert!(whole.get("text_truncated").is_none(), "{whole}");
+    // The input itself is whole: the model gets all of it once the FIFO moves on.
+    let running = by_id("HANG");
+    ws.ok(
+        "session.interrupt",
+        json!({"session_id": sid, "execution_generation": running["execution_generation"]}),
+    )
+    .await;
+    wait_until("the long input ran", Duration::from_secs(30), || {
+        model.texts().contains(&long)
+    })
+    .await;
+}
+
 #[actix_rt::test]
 async fn a_resume_snapshot_is_of_one_moment() {
     let model = FakeModel::ack();
