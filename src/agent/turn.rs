@@ -1194,15 +1194,19 @@ impl Turn {
             payload,
             choices,
         } = answer;
-        // The interrupt flag wins over an answer that raced it: the prompt ended as the attempt
-        // did (the stop's prompts end `shutdown`).
-        let ended = self.cancelled().then(|| {
-            if self.ctx.shared.runtime.turns_stopping() {
-                "shutdown"
-            } else {
-                "interrupted"
-            }
-        });
+        // The interrupt flag wins over an answer that raced it: the prompt ends as the attempt
+        // did (the stop's prompts end `shutdown`). Looked at as the write runs, not as it was
+        // asked for: an interrupt that came while the answer waited for the writer (an
+        // interrupt is handed to the session at once) ends the prompt instead of the answer.
+        let stopped = |shared: &Shared, cancel: &watch::Receiver<bool>| {
+            (*cancel.borrow()).then(|| {
+                if shared.runtime.turns_stopping() {
+                    "shutdown"
+                } else {
+                    "interrupted"
+                }
+            })
+        };
         let (epoch, root, generation, now) = (
             self.ctx.shared.epoch,
             self.ctx.root_id.clone(),
@@ -1210,38 +1214,46 @@ impl Turn {
             self.ctx.shared.now(),
         );
         let (id, resolution) = (prompt_id.to_string(), answer.resolution());
+        let (shared, cancel) = (self.ctx.shared.clone(), self.ctx.cancel.clone());
         let written = self
             .ctx
             .shared
             .db
-            .write(move |c| match ended {
-                Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now),
-                None => prompt_store::record_answer(
-                    c,
-                    epoch,
-                    &root,
-                    generation,
-                    &id,
-                    &resolution,
-                    &by,
-                    now,
-                ),
+            .write(move |c| {
+                let ended = stopped(&shared, &cancel);
+                let rows = match ended {
+                    Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now)?,
+                    None => prompt_store::record_answer(
+                        c,
+                        epoch,
+                        &root,
+                        generation,
+                        &id,
+                        &resolution,
+                        &by,
+                        now,
+                    )?,
+                };
+                Ok((rows, ended.is_some()))
             })
             .await;
         let (asked, told) = match written {
-            Ok(rows) => {
+            Ok((rows, ended)) => {
                 self.ctx.sup.do_send(Committed { rows });
-                match ended {
-                    Some(_) => (
+                // Recorded, and the attempt stopped after all (in the instant between the look
+                // and the commit): not acted on, and the answerer is told so.
+                if ended || self.cancelled() {
+                    (
                         Ok(Asked::Cancelled),
                         Err(GatewayError::StaleGeneration(format!(
                             "generation {generation} is being interrupted"
                         ))),
-                    ),
-                    None => (Ok(Asked::Answered(answer)), Ok(())),
+                    )
+                } else {
+                    (Ok(Asked::Answered(answer)), Ok(()))
                 }
             }
-            Err(e) if ended.is_some() || e.is_stale() => {
+            Err(e) if self.cancelled() || e.is_stale() => {
                 tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
                     "an answer came to an attempt that no longer runs: not acted on");
                 (Ok(Asked::Cancelled), Err(GatewayError::from(e)))

@@ -487,7 +487,9 @@ async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
 /// An interrupt sent right behind an answer, on the same connection, reaches the turn at once:
 /// it used to wait until the answer was answered, and the answer waits for the turn to record
 /// it (here until another process lets go of the database's write lock). The interrupt wins:
-/// the command never runs and the turn ends interrupted.
+/// the command never runs, the turn ends interrupted, and neither the answerer nor the audit is
+/// told the answer was taken (the answer, recorded once the lock went, had been said `resolved`
+/// and audited `choice:once`).
 #[actix_rt::test]
 async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
     use diesel::connection::SimpleConnection;
@@ -527,9 +529,21 @@ async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
     holder.batch_execute("ROLLBACK").expect("release");
     let second = ws.recv_reply().await;
     assert_eq!(second["id"], "answer", "{second}");
+    // The answer is not said to be taken: the attempt it was for stopped before acting on it.
+    assert_eq!(
+        second["error"]["data"]["reason"], "stale_generation",
+        "{second}"
+    );
     let row = settled(&home, "RM").await;
     assert_eq!(row.outcome.as_deref(), Some("interrupted"), "{row:?}");
     assert!(v.exists(), "an interrupted turn ran the command");
+    // And the audit says so, not that the command was approved.
+    let audit: Vec<Option<String>> = home
+        .prompt_rows(&sid)
+        .into_iter()
+        .map(|r| r.resolution)
+        .collect();
+    assert_eq!(audit, [Some("interrupted".to_string())]);
 }
 
 /// A prompt is recorded open before anyone is asked: one the store cannot record is never
