@@ -52,6 +52,58 @@ fn victim(home: &Home, name: &str) -> PathBuf {
     p
 }
 
+/// A daemon whose model answers `RM` with a terminal call removing the directory `v`, and a
+/// session (`request_id`) that has submitted `RM` and is parked on its approval `p`.
+struct ParkedOnRm {
+    home: Home,
+    v: PathBuf,
+    model: FakeModel,
+    d: Daemon,
+    ws: Ws,
+    sid: String,
+    p: Value,
+}
+
+async fn parked_on_rm(request_id: &str) -> ParkedOnRm {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session(request_id, &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    ParkedOnRm {
+        home,
+        v,
+        model,
+        d,
+        ws,
+        sid,
+        p,
+    }
+}
+
+/// `RM`'s turn carried on to its final answer without running its command, and the model was
+/// told the command was blocked, and `why`: the tool result it was given.
+async fn assert_blocked(home: &Home, model: &FakeModel, v: &Path, why: &str) -> Value {
+    let row = settled(home, "RM").await;
+    assert_eq!(
+        row.outcome.as_deref(),
+        Some("completed"),
+        "the loop carries on to a final answer"
+    );
+    assert!(v.exists(), "a blocked command ran");
+    let result = tool_result(model, "RM");
+    let error = result["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("BLOCKED:") && error.contains(why),
+        "{result}"
+    );
+    result
+}
+
 /// The tool result the model was given for the turn of user text `text` (the last one).
 fn tool_result(model: &FakeModel, text: &str) -> Value {
     let reqs = model.requests();
@@ -400,32 +452,20 @@ async fn approval_once_runs_the_command_and_does_not_remember_it() {
 
 #[actix_rt::test]
 async fn approval_deny_blocks_the_command_and_tells_the_model() {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("deny", &home.path).await;
-    ws.submit(&sid, "RM", "RM").await;
-    let p = ws.wait_prompt(&sid, "approval").await;
+    let ParkedOnRm {
+        home,
+        v,
+        model,
+        d: _d,
+        mut ws,
+        sid,
+        p,
+    } = parked_on_rm("deny").await;
     assert_eq!(
         respond(&mut ws, &sid, &p, "deny").await["status"],
         "resolved"
     );
-    let row = settled(&home, "RM").await;
-    assert_eq!(
-        row.outcome.as_deref(),
-        Some("completed"),
-        "the loop carries on to a final answer"
-    );
-    assert!(v.exists(), "a denied command never runs");
-    let result = tool_result(&model, "RM");
-    let error = result["error"].as_str().unwrap_or("");
-    assert!(
-        error.starts_with("BLOCKED:") && error.contains("denied"),
-        "{result}"
-    );
+    let result = assert_blocked(&home, &model, &v, "denied").await;
     assert_eq!(
         (result["exit_code"].as_i64(), result["status"].as_str()),
         (Some(-1), Some("blocked"))
@@ -443,15 +483,15 @@ async fn approval_deny_blocks_the_command_and_tells_the_model() {
 async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
     use diesel::connection::SimpleConnection;
     use diesel::{Connection, SqliteConnection};
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("unrecorded", &home.path).await;
-    ws.submit(&sid, "RM", "RM").await;
-    let p = ws.wait_prompt(&sid, "approval").await;
+    let ParkedOnRm {
+        home,
+        v,
+        model,
+        d: _d,
+        mut ws,
+        sid,
+        p,
+    } = parked_on_rm("unrecorded").await;
     let mut holder =
         SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
     holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
@@ -494,15 +534,15 @@ async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
 async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
     use diesel::connection::SimpleConnection;
     use diesel::{Connection, SqliteConnection};
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("held", &home.path).await;
-    ws.submit(&sid, "RM", "RM").await;
-    let p = ws.wait_prompt(&sid, "approval").await;
+    let ParkedOnRm {
+        home,
+        v,
+        model: _model,
+        d: _d,
+        mut ws,
+        sid,
+        p,
+    } = parked_on_rm("held").await;
     let mut holder =
         SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
     holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
@@ -568,19 +608,7 @@ async fn an_approval_request_the_store_cannot_record_is_not_asked_and_blocks_the
         )
         .expect("trigger");
     ws.submit(&sid, "RM", "RM").await;
-    let row = settled(&home, "RM").await;
-    assert_eq!(
-        row.outcome.as_deref(),
-        Some("completed"),
-        "the loop carries on"
-    );
-    assert!(v.exists(), "a command nobody was asked about ran");
-    let result = tool_result(&model, "RM");
-    let error = result["error"].as_str().unwrap_or("");
-    assert!(
-        error.starts_with("BLOCKED:") && error.contains("could not be recorded"),
-        "{result}"
-    );
+    assert_blocked(&home, &model, &v, "could not be recorded").await;
     assert!(home.prompt_rows(&sid).is_empty());
     let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
     assert_eq!(snapshot["prompts"], json!([]), "{snapshot}");
@@ -987,15 +1015,15 @@ async fn a_parked_session_does_not_hold_up_other_sessions() {
 
 #[actix_rt::test]
 async fn only_a_subscribed_connection_may_answer_a_prompt() {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("owner", &home.path).await;
-    ws.submit(&sid, "RM", "RM").await;
-    let p = ws.wait_prompt(&sid, "approval").await;
+    let ParkedOnRm {
+        home,
+        v,
+        model: _model,
+        d,
+        mut ws,
+        sid,
+        p,
+    } = parked_on_rm("owner").await;
     let mut stranger = d.ws().await;
     let params = json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"});
     stranger
@@ -1300,15 +1328,15 @@ async fn interrupting_a_parked_prompt_runs_nothing() {
 
 #[actix_rt::test]
 async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("crash-parked", &home.path).await;
-    ws.submit(&sid, "RM", "RM").await;
-    let p = ws.wait_prompt(&sid, "approval").await;
+    let ParkedOnRm {
+        home,
+        v,
+        model,
+        mut d,
+        ws: _ws,
+        sid,
+        p,
+    } = parked_on_rm("crash-parked").await;
     d.kill();
     let d2 = Daemon::start(&home);
     let mut ws = d2.ws().await;
