@@ -209,9 +209,10 @@ pub struct WsConnection {
     /// Requests in flight that change what the connection follows ([`FOLLOWING`]).
     barriers: usize,
     /// Requests in flight that change a session ([`ORDERED`]) and reach it only after a lookup
-    /// (any but a submit naming a followed root, which is handed over when read): a later
-    /// such request waits until they are answered, so it cannot reach the session before them
-    /// (an approval sent after an interrupt must not run its command first).
+    /// (any but a submit, an interrupt or an answer naming a followed root, which is handed
+    /// over when read: [`HANDED_OVER`]): a later such request waits until they are answered,
+    /// so it cannot reach the session before them (an approval sent after an interrupt must
+    /// not run its command first).
     slow_ordered: usize,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
