@@ -54,6 +54,29 @@ impl LocalSessionPort {
         Self { authority, poll }
     }
 
+    /// Say so, in the log, when an attempt just admitted waits behind an `unknown` turn of its
+    /// member's session: nothing runs there until the operator resolves that turn, and the
+    /// attempt's turn deadline runs meanwhile (each task after it would wait out its own).
+    async fn warn_if_held(&self, request: &SubmitRequest, session: &str) {
+        let id = session.to_string();
+        let held = self
+            .authority
+            .shared
+            .db
+            .read(move |c| admissions::holding_unknown(c, &id))
+            .await;
+        if let Ok(Some(unknown)) = held {
+            tracing::warn!(
+                room = %request.task.room_id,
+                task = %request.task.task_id,
+                session,
+                unknown = %unknown,
+                "a room task waits behind its member's unknown turn, and its deadline runs \
+                 meanwhile: resolve the turn with `gatehouse resolve-unknown {session} {unknown}`"
+            );
+        }
+    }
+
     fn request_id(address: &SessionAddress) -> String {
         format!("room-session/{}/{}", address.profile, address.title)
     }
@@ -305,6 +328,9 @@ impl SessionPort for LocalSessionPort {
                     )))
                 }
             };
+            if row.status == "queued" {
+                self.warn_if_held(&request, &row.target_session_id).await;
+            }
             let db = self.authority.shared.db.clone();
             let poll = self.poll;
             let callback = request.on_terminal.clone();

@@ -407,6 +407,25 @@ pub fn pending_previews(
         .load::<(AdmissionRow, i64)>(conn)?)
 }
 
+/// The admission that holds a session's FIFO as `unknown`, if one does: its earliest (a seek on
+/// the live rows' index).
+pub fn holding_unknown(
+    conn: &mut SqliteConnection,
+    session: &str,
+) -> Result<Option<String>, StoreError> {
+    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
+        return Ok(None);
+    };
+    Ok(sa::table
+        .filter(is_live())
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::status.eq("unknown"))
+        .order(sa::seq.asc())
+        .select(sa::admission_id)
+        .first(conn)
+        .optional()?)
+}
+
 /// Terminal rows of a session, in seq order (none for a session that does not exist).
 pub fn terminal_of_session(
     conn: &mut SqliteConnection,

@@ -784,7 +784,8 @@ async fn a_disband_cut_short_by_a_crash_is_carried_out_after_the_restart() {
 
 /// A stop of a task whose member admission is still queued (here behind the crashed attempt's
 /// `unknown` turn) withdraws that admission: the task is cancelled and its prompt never reaches
-/// the model, even after the operator resolves the turn ahead of it. Before, the stop counted as
+/// the model, even after the operator resolves the turn ahead of it (the log names that turn and
+/// the command that resolves it as soon as the task waits behind it). Before, the stop counted as
 /// acknowledged because nothing of the task was running, the task was recorded cancelled, and
 /// the queued admission ran as soon as the session was free.
 #[actix_rt::test]
@@ -805,6 +806,28 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
     .await;
     let p2 = home.admissions().into_iter().find(is_p2).expect("p2");
     assert_eq!(p2.status, "queued");
+    // The log says what holds it, and what resolves that.
+    let unknown = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.status == "unknown")
+        .expect("p1's unknown turn");
+    let hint = format!(
+        "gatehouse resolve-unknown {} {}",
+        unknown.target_session_id, unknown.admission_id
+    );
+    wait_until(
+        "the log names the turn p2 waits behind",
+        Duration::from_secs(30),
+        || {
+            home.log().lines().any(|line| {
+                line.contains("waits behind its member's unknown turn")
+                    && line.contains("task=p2")
+                    && line.contains(&hint)
+            })
+        },
+    )
+    .await;
     let (ok, out, err) = room_cli(&home, &["room-cancel", "park", "p2"]);
     assert!(ok, "{out}{err}");
     wait_status(&mut ws, "park", "p2", "cancelled").await;
