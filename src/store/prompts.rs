@@ -253,26 +253,35 @@ mod tests {
     use super::*;
     use crate::store::testing;
 
+    /// An approval prompt `id` opened in session `s1` for `row`'s attempt at generation `g`.
+    fn open_in_s1(
+        c: &mut SqliteConnection,
+        epoch: i64,
+        row: &crate::store::admissions::AdmissionRow,
+        id: &str,
+        g: i64,
+    ) -> Result<Vec<EventRow>, StoreError> {
+        let payload = serde_json::json!({"prompt_id": id});
+        record_open(
+            c,
+            epoch,
+            id,
+            "s1",
+            &row.admission_id,
+            g,
+            "approval",
+            &payload,
+            3.0,
+        )
+    }
+
     /// A prompt is recorded open only for the running attempt: another generation, or the same
     /// one once its turn settled, is stale and leaves neither a row nor a request event.
     #[test]
     fn a_prompt_opens_only_for_the_running_attempt() {
         let (_d, mut c, e, row) = testing::started_turn();
         let g = row.execution_generation.expect("generation");
-        let payload = serde_json::json!({"prompt_id": "a1"});
-        let open = |c: &mut SqliteConnection, id: &str, g: i64| {
-            record_open(
-                c,
-                e,
-                id,
-                "s1",
-                &row.admission_id,
-                g,
-                "approval",
-                &payload,
-                3.0,
-            )
-        };
+        let open = |c: &mut SqliteConnection, id: &str, g: i64| open_in_s1(c, e, &row, id, g);
         assert!(matches!(
             open(&mut c, "stale", g + 1),
             Err(StoreError::StaleGeneration(_))
@@ -297,20 +306,8 @@ mod tests {
     fn an_answer_is_recorded_only_for_the_running_attempt() {
         let (_d, mut c, e, row) = testing::started_turn();
         let g = row.execution_generation.expect("generation");
-        let payload = serde_json::json!({"prompt_id": "a1"});
         for id in ["a1", "a2"] {
-            record_open(
-                &mut c,
-                e,
-                id,
-                "s1",
-                &row.admission_id,
-                g,
-                "approval",
-                &payload,
-                3.0,
-            )
-            .expect("opened");
+            open_in_s1(&mut c, e, &row, id, g).expect("opened");
         }
         let answer = |c: &mut SqliteConnection, epoch: i64, g: i64, id: &str| {
             record_answer(c, epoch, "s1", g, id, "choice:once", "alice", 4.0)

@@ -108,27 +108,35 @@ fn sample(samples: &[(String, f64)], key: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {key}"))
 }
 
-#[actix_rt::test]
-async fn chat_and_operator_commands_work_as_child_processes() {
+/// A home of its own holding a directory `keep`, and the command that removes it.
+fn rm_keep() -> (Home, String) {
     let victim = Home::new();
     std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
     let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
-    let model = FakeModel::start(move |body| {
-        let last_is_user = body["messages"]
-            .as_array()
-            .and_then(|m| m.last())
-            .is_some_and(|m| m["role"] == "user");
-        match last_user(body).as_str() {
-            "HANG" => Reply::Hang,
-            "DANGER" if last_is_user => Reply::Message(
-                tool_call("c1", "terminal", json!({"command": cmd})),
-                "tool_calls",
-            ),
-            text => Reply::Message(
-                json!({"role": "assistant", "content": format!("ACK_{text}")}),
-                "stop",
-            ),
-        }
+    (victim, cmd)
+}
+
+/// The model's request ends with the user's turn (not with a tool's result).
+fn asks(body: &Value) -> bool {
+    body["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .is_some_and(|m| m["role"] == "user")
+}
+
+#[actix_rt::test]
+async fn chat_and_operator_commands_work_as_child_processes() {
+    let (victim, cmd) = rm_keep();
+    let model = FakeModel::start(move |body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        "DANGER" if asks(body) => Reply::Message(
+            tool_call("c1", "terminal", json!({"command": cmd})),
+            "tool_calls",
+        ),
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
     });
     let home = Home::new();
     // Before a daemon runs, the CLI says so clearly.
@@ -941,15 +949,9 @@ struct ApprovingChat {
 impl ApprovingChat {
     fn start(extra: Value) -> ApprovingChat {
         use std::io::Read;
-        let victim = Home::new();
-        std::fs::create_dir_all(victim.path.join("keep")).expect("dir");
-        let cmd = format!("rm -rf -- {}", victim.path.join("keep").display());
+        let (victim, cmd) = rm_keep();
         let model = FakeModel::start(move |body| {
-            let last_is_user = body["messages"]
-                .as_array()
-                .and_then(|m| m.last())
-                .is_some_and(|m| m["role"] == "user");
-            if last_is_user {
+            if asks(body) {
                 Reply::Message(
                     tool_call("c1", "terminal", json!({"command": cmd})),
                     "tool_calls",

@@ -807,15 +807,7 @@ async fn a_stopped_task_queued_behind_an_unknown_turn_never_runs_after_the_resol
     let p2 = home.admissions().into_iter().find(is_p2).expect("p2");
     assert_eq!(p2.status, "queued");
     // The log says what holds it, and what resolves that.
-    let unknown = home
-        .admissions()
-        .into_iter()
-        .find(|a| a.status == "unknown")
-        .expect("p1's unknown turn");
-    let hint = format!(
-        "gatehouse resolve-unknown {} {}",
-        unknown.target_session_id, unknown.admission_id
-    );
+    let (_, hint) = unknown_admission(&home);
     wait_until(
         "the log names the turn p2 waits behind",
         Duration::from_secs(30),

@@ -52,6 +52,26 @@ fn victim(home: &Home, name: &str) -> PathBuf {
     p
 }
 
+/// A connection of the test's own holding the database's write lock, until it rolls back.
+fn hold_write_lock(home: &Home) -> diesel::SqliteConnection {
+    use diesel::connection::SimpleConnection;
+    use diesel::Connection;
+    let mut holder =
+        diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+            .expect("open");
+    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    holder
+}
+
+/// A home whose model answers `RM` with a terminal call removing the directory `v` in it.
+fn rm_home() -> (Home, PathBuf, FakeModel) {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
+    home.write_config(&config(&model.url, json!({})));
+    (home, v, model)
+}
+
 /// A daemon whose model answers `RM` with a terminal call removing the directory `v`, and a
 /// session (`request_id`) that has submitted `RM` and is parked on its approval `p`.
 struct ParkedOnRm {
@@ -65,10 +85,7 @@ struct ParkedOnRm {
 }
 
 async fn parked_on_rm(request_id: &str) -> ParkedOnRm {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
+    let (home, v, model) = rm_home();
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session(request_id, &home.path).await;
@@ -482,7 +499,6 @@ async fn approval_deny_blocks_the_command_and_tells_the_model() {
 #[actix_rt::test]
 async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
     use diesel::connection::SimpleConnection;
-    use diesel::{Connection, SqliteConnection};
     let ParkedOnRm {
         home,
         v,
@@ -492,9 +508,7 @@ async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
         sid,
         p,
     } = parked_on_rm("unrecorded").await;
-    let mut holder =
-        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
-    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    let mut holder = hold_write_lock(&home);
     let params = json!({"session_id": sid, "execution_generation": p["execution_generation"],
                         "prompt_id": p["prompt_id"], "choice": "once"});
     ws.refused("approval.respond", params.clone(), "storage_unavailable")
@@ -533,7 +547,6 @@ async fn an_answer_the_store_cannot_record_is_refused_and_can_be_given_again() {
 #[actix_rt::test]
 async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
     use diesel::connection::SimpleConnection;
-    use diesel::{Connection, SqliteConnection};
     let ParkedOnRm {
         home,
         v,
@@ -543,9 +556,7 @@ async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
         sid,
         p,
     } = parked_on_rm("held").await;
-    let mut holder =
-        SqliteConnection::establish(&home.path.join("state.db").to_string_lossy()).expect("open");
-    holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+    let mut holder = hold_write_lock(&home);
     let generation = p["execution_generation"].clone();
     ws.send_raw(
         json!({"jsonrpc": "2.0", "id": "answer", "method": "approval.respond",
@@ -593,10 +604,7 @@ async fn an_interrupt_behind_an_answer_being_recorded_is_not_held_by_it() {
 async fn an_approval_request_the_store_cannot_record_is_not_asked_and_blocks_the_command() {
     use diesel::connection::SimpleConnection;
     use diesel::{Connection, SqliteConnection};
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
+    let (home, v, model) = rm_home();
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session("unasked", &home.path).await;
@@ -976,10 +984,7 @@ async fn prompt_answers_are_fenced_by_the_running_generation() {
 
 #[actix_rt::test]
 async fn a_parked_session_does_not_hold_up_other_sessions() {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
+    let (home, v, model) = rm_home();
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let parked = ws.session("parked", &home.path).await;
@@ -1166,10 +1171,7 @@ async fn interrupt_kills_a_running_command_and_settles_interrupted() {
 
 #[actix_rt::test]
 async fn sigterm_while_parked_on_an_approval_never_runs_the_command() {
-    let home = Home::new();
-    let v = victim(&home, "victim");
-    let model = scripted(vec![("RM", terminal("call_rm", &rm(&v)))]);
-    home.write_config(&config(&model.url, json!({})));
+    let (home, v, model) = rm_home();
     let mut d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session("term", &home.path).await;
