@@ -41,6 +41,9 @@ pub struct RuntimeState {
     pub epoch: i64,
     pub pid: u32,
     pub api_origin: Mutex<String>,
+    /// The last `live_seq` given to a live event: one counter for the process, so that a
+    /// session's live events keep counting up across its supervisor's eviction and revival.
+    live_seq: std::sync::atomic::AtomicU64,
 }
 
 impl RuntimeState {
@@ -52,7 +55,13 @@ impl RuntimeState {
             epoch,
             pid: std::process::id(),
             api_origin: Mutex::new(String::new()),
+            live_seq: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The next `live_seq` (1, 2, 3, … over the process's life, across all sessions).
+    pub fn next_live_seq(&self) -> u64 {
+        self.live_seq.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// The drain has begun: running turns stop at their next step.

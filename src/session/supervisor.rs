@@ -96,7 +96,6 @@ struct Outbox {
     in_flight: usize,
     /// Live events held behind them.
     held: Vec<(&'static str, Value)>,
-    live_seq: u64,
     catching_up: bool,
 }
 
@@ -312,12 +311,11 @@ impl SessionSupervisor {
             return;
         }
         for (kind, payload) in std::mem::take(&mut self.outbox.held) {
-            self.outbox.live_seq += 1;
             let params = json!({
                 "type": kind,
                 "session_id": self.root_id,
                 "after_seq": self.outbox.sent.unwrap_or(0),
-                "live_seq": self.outbox.live_seq,
+                "live_seq": self.shared.runtime.next_live_seq(),
                 "payload": payload,
             });
             self.live_frame(params, frames);

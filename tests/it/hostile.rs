@@ -1431,6 +1431,46 @@ async fn connections_past_the_limit_are_refused_and_the_ticket_kept() {
     normal_request(&mut ws, &sid).await;
 }
 
+/// A session's live events keep counting up across its supervisor's eviction and revival
+/// (`live_seq` is one counter of the process). It was the supervisor's own, and started again
+/// at 1 in the revived one: a client ordering a session's deltas by it put the new ones first.
+#[actix_rt::test]
+async fn live_seq_counts_on_across_an_eviction() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_in_memory": 1}}),
+    ));
+    let d = Daemon::start(&home);
+    let origin = d.origin();
+    let delta = |sid: &str| {
+        let sid = sid.to_string();
+        move |e: &Value| e["type"] == "message.delta" && e["session_id"] == sid.as_str()
+    };
+    let mut ws = d.ws().await;
+    let s0 = ws.session("s0", &home.path).await;
+    ws.submit(&s0, "one", "one").await;
+    let first = ws.event(Duration::from_secs(20), delta(&s0)).await;
+    let first = first["live_seq"].as_u64().expect("a live_seq");
+    wait_until("one", Duration::from_secs(20), || {
+        home.admission("one").status == "terminal"
+    })
+    .await;
+    drop(ws);
+    // Another session, followed, takes the one place in memory: s0's supervisor goes.
+    let mut other = d.ws().await;
+    let s1 = other.session("s1", &home.path).await;
+    other.submit(&s1, "x", "x").await;
+    wait_loaded_at_most(&origin, 1.0, Duration::from_secs(20), "").await;
+    let mut ws = d.ws().await;
+    ws.ok("session.resume", json!({"session_id": s0})).await;
+    ws.submit(&s0, "two", "two").await;
+    let second = ws.event(Duration::from_secs(20), delta(&s0)).await;
+    let second = second["live_seq"].as_u64().expect("a live_seq");
+    assert!(second > first, "live_seq {second} after {first}");
+}
+
 #[actix_rt::test]
 async fn idle_sessions_are_evicted_and_revived_from_the_store() {
     let model = FakeModel::ack();
