@@ -480,12 +480,8 @@ async fn follow(
                                "execution_generation": payload["execution_generation"], "choice": choice}),
                     )
                     .await;
-                match r {
-                    Err(e) => out(&format!("[approval not taken: {e}]\n")),
-                    Ok(r) if r["status"] == "already_resolved" => {
-                        out("[approval not taken: the prompt had already ended]\n")
-                    }
-                    Ok(_) => {}
+                if let Some(why) = not_taken(&r, "approval", "prompt") {
+                    out(&why);
                 }
             }
             "clarify.request" => {
@@ -527,12 +523,8 @@ async fn follow(
                                "execution_generation": payload["execution_generation"], "answer": answer.trim()}),
                     )
                     .await;
-                match r {
-                    Err(e) => out(&format!("[answer not taken: {e}]\n")),
-                    Ok(r) if r["status"] == "already_resolved" => {
-                        out("[answer not taken: the question had already ended]\n")
-                    }
-                    Ok(_) => {}
+                if let Some(why) = not_taken(&r, "answer", "question") {
+                    out(&why);
                 }
             }
             "message.complete" if payload["admission_id"] == admission => {
@@ -549,6 +541,18 @@ async fn follow(
             }
             _ => {}
         }
+    }
+}
+
+/// What to say when the daemon did not take the operator's `what` ("approval", "answer"): it
+/// refused it, or the `prompt` had already ended.
+fn not_taken(reply: &Result<Value, String>, what: &str, prompt: &str) -> Option<String> {
+    match reply {
+        Err(e) => Some(format!("[{what} not taken: {e}]\n")),
+        Ok(r) if r["status"] == "already_resolved" => Some(format!(
+            "[{what} not taken: the {prompt} had already ended]\n"
+        )),
+        Ok(_) => None,
     }
 }
 

@@ -1194,19 +1194,6 @@ impl Turn {
             payload,
             choices,
         } = answer;
-        // The interrupt flag wins over an answer that raced it: the prompt ends as the attempt
-        // did (the stop's prompts end `shutdown`). Looked at as the write runs, not as it was
-        // asked for: an interrupt that came while the answer waited for the writer (an
-        // interrupt is handed to the session at once) ends the prompt instead of the answer.
-        let stopped = |shared: &Shared, cancel: &watch::Receiver<bool>| {
-            (*cancel.borrow()).then(|| {
-                if shared.runtime.turns_stopping() {
-                    "shutdown"
-                } else {
-                    "interrupted"
-                }
-            })
-        };
         let (epoch, root, generation, now) = (
             self.ctx.shared.epoch,
             self.ctx.root_id.clone(),
@@ -1214,13 +1201,23 @@ impl Turn {
             self.ctx.shared.now(),
         );
         let (id, resolution) = (prompt_id.to_string(), answer.resolution());
-        let (shared, cancel) = (self.ctx.shared.clone(), self.ctx.cancel.clone());
+        let (runtime, cancel) = (self.ctx.shared.runtime.clone(), self.ctx.cancel.clone());
         let written = self
             .ctx
             .shared
             .db
             .write(move |c| {
-                let ended = stopped(&shared, &cancel);
+                // The interrupt flag wins over an answer that raced it: the prompt ends as the
+                // attempt did (the stop's prompts end `shutdown`). Looked at as the write runs,
+                // not as it was asked for: an interrupt that came while the answer waited for the
+                // writer (an interrupt is handed to the session at once) ends the prompt instead.
+                let ended = (*cancel.borrow()).then(|| {
+                    if runtime.turns_stopping() {
+                        "shutdown"
+                    } else {
+                        "interrupted"
+                    }
+                });
                 let rows = match ended {
                     Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now)?,
                     None => prompt_store::record_answer(

@@ -271,6 +271,59 @@ pub fn receipt(row: &AdmissionRow, epoch: i64) -> Value {
     Receipt::of(row, epoch).into_value()
 }
 
+/// The requests that ask a running session's supervisor for a change.
+const SESSION_CHANGES: [&str; 3] = ["session.interrupt", "approval.respond", "clarify.respond"];
+
+/// What one of [`SESSION_CHANGES`] asks of the session's supervisor.
+enum SessionChange {
+    Interrupt(i64),
+    Answer {
+        kind: PromptKind,
+        /// Checked when it is sent (after the session's lookup, on that path).
+        generation: Value,
+        prompt_id: String,
+        answer: PromptAnswer,
+    },
+}
+
+/// One of [`SESSION_CHANGES`], parsed: the session it names, and what it asks.
+fn session_change(method: &str, p: Value) -> GatewayResult<(String, SessionChange)> {
+    Ok(match method {
+        "session.interrupt" => {
+            let p: InterruptParams = params(p)?;
+            (
+                p.session_id,
+                SessionChange::Interrupt(p.execution_generation),
+            )
+        }
+        "approval.respond" => {
+            let p: ApprovalParams = params(p)?;
+            let answer = SessionChange::Answer {
+                kind: PromptKind::Approval,
+                generation: p.execution_generation,
+                prompt_id: p.prompt_id,
+                answer: PromptAnswer::Choice(p.choice),
+            };
+            (p.session_id, answer)
+        }
+        "clarify.respond" => {
+            let p: ClarifyParams = params(p)?;
+            let answer = SessionChange::Answer {
+                kind: PromptKind::Clarify,
+                generation: p.execution_generation,
+                prompt_id: p.prompt_id,
+                answer: PromptAnswer::Text(p.answer),
+            };
+            (p.session_id, answer)
+        }
+        other => {
+            return Err(GatewayError::Internal(format!(
+                "{other} asks no change of a session"
+            )))
+        }
+    })
+}
+
 /// A pending input in a snapshot: its receipt and its text, of which a long one carries only its
 /// first [`admissions::PENDING_TEXT_CHARS`] characters (`text_truncated`, and `text_chars` the
 /// whole length: the client sent it, and holds it under its `input_id`).
@@ -383,80 +436,57 @@ impl Authority {
     /// until it was answered: an interrupt sent after an answer waited for the answer to be
     /// recorded (for ever, on a disk that stopped answering).
     fn hand_over(&self, method: &str, p: &Value, caller: &Caller) -> Option<CallFuture> {
-        if !matches!(
-            method,
-            "session.interrupt" | "approval.respond" | "clarify.respond"
-        ) {
+        if !SESSION_CHANGES.contains(&method) {
             return None;
         }
         let id = p.get("session_id")?.as_str()?;
-        let sup = followed_supervisor(&caller.subscribed, id)?.clone();
-        let gone = || GatewayError::Internal("session supervisor unavailable".into());
-        let ready = |e| -> CallFuture { Box::pin(std::future::ready(Err(e))) };
-        if method == "session.interrupt" {
-            let p: InterruptParams = match params(p.clone()) {
-                Ok(p) => p,
-                Err(e) => return Some(ready(e)),
-            };
-            let sent = sup.send(Interrupt {
-                generation: p.execution_generation,
-                reason: "client interrupt".into(),
-            });
-            return Some(Box::pin(async move {
-                let done = sent.await.map_err(|_| gone())??;
-                Ok(CallResult::plain(json!({"interrupted": done})))
-            }));
-        }
-        let (kind, generation, prompt_id, answer) = if method == "approval.respond" {
-            match params::<ApprovalParams>(p.clone()) {
-                Ok(p) => (
-                    PromptKind::Approval,
-                    p.execution_generation,
-                    p.prompt_id,
-                    PromptAnswer::Choice(p.choice),
-                ),
-                Err(e) => return Some(ready(e)),
-            }
-        } else {
-            match params::<ClarifyParams>(p.clone()) {
-                Ok(p) => (
-                    PromptKind::Clarify,
-                    p.execution_generation,
-                    p.prompt_id,
-                    PromptAnswer::Text(p.answer),
-                ),
-                Err(e) => return Some(ready(e)),
-            }
-        };
-        let sent = match Self::answer(kind, generation, prompt_id, answer, caller) {
-            Ok(m) => sup.send(m),
-            Err(e) => return Some(ready(e)),
-        };
-        Some(Box::pin(async move {
-            Ok(CallResult::plain(sent.await.map_err(|_| gone())??))
-        }))
+        let sup = followed_supervisor(&caller.subscribed, id)?;
+        Some(match session_change(method, p.clone()) {
+            Ok((_, change)) => Self::send_change(sup, change, caller),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        })
     }
 
-    /// The supervisor's message for an answer to a prompt.
-    fn answer(
-        kind: PromptKind,
-        generation: Value,
-        prompt_id: String,
-        answer: PromptAnswer,
+    /// Send `change` to the session's supervisor now; its answer. An answer to a prompt whose
+    /// `execution_generation` is not an integer is stale, and sent nowhere.
+    fn send_change(
+        sup: &Addr<SessionSupervisor>,
+        change: SessionChange,
         caller: &Caller,
-    ) -> GatewayResult<Respond> {
-        let Some(generation) = generation.as_i64() else {
-            return Err(GatewayError::StaleGeneration(
-                "execution_generation must be an integer".into(),
-            ));
-        };
-        Ok(Respond {
-            kind,
-            generation,
-            prompt_id,
-            answer,
-            by: caller.principal.clone(),
-        })
+    ) -> CallFuture {
+        let gone = || GatewayError::Internal("session supervisor unavailable".into());
+        match change {
+            SessionChange::Interrupt(generation) => {
+                let sent = sup.send(Interrupt {
+                    generation,
+                    reason: "client interrupt".into(),
+                });
+                Box::pin(async move {
+                    let done = sent.await.map_err(|_| gone())??;
+                    Ok(CallResult::plain(json!({"interrupted": done})))
+                })
+            }
+            SessionChange::Answer {
+                kind,
+                generation,
+                prompt_id,
+                answer,
+            } => {
+                let Some(generation) = generation.as_i64() else {
+                    return Box::pin(std::future::ready(Err(GatewayError::StaleGeneration(
+                        "execution_generation must be an integer".into(),
+                    ))));
+                };
+                let sent = sup.send(Respond {
+                    kind,
+                    generation,
+                    prompt_id,
+                    answer,
+                    by: caller.principal.clone(),
+                });
+                Box::pin(async move { Ok(CallResult::plain(sent.await.map_err(|_| gone())??)) })
+            }
+        }
     }
 
     /// `prompt.submit`. The input is handed to its session's supervisor at once when the caller
@@ -623,49 +653,12 @@ impl Authority {
                     .await?;
                 plain(receipt(&row, self.shared.epoch))
             }
-            "approval.respond" => {
-                let p: ApprovalParams = params(p)?;
-                let answer = PromptAnswer::Choice(p.choice);
-                self.respond(
-                    PromptKind::Approval,
-                    &p.session_id,
-                    p.execution_generation,
-                    p.prompt_id,
-                    answer,
-                    caller,
-                )
-                .await
-                .map(CallResult::plain)
-            }
-            "clarify.respond" => {
-                let p: ClarifyParams = params(p)?;
-                let answer = PromptAnswer::Text(p.answer);
-                self.respond(
-                    PromptKind::Clarify,
-                    &p.session_id,
-                    p.execution_generation,
-                    p.prompt_id,
-                    answer,
-                    caller,
-                )
-                .await
-                .map(CallResult::plain)
-            }
-            "session.interrupt" => {
-                let p: InterruptParams = params(p)?;
-                let root = self.root(&p.session_id).await?;
+            "approval.respond" | "clarify.respond" | "session.interrupt" => {
+                let (session_id, change) = session_change(method, p)?;
+                let root = self.root(&session_id).await?;
                 Self::require_subscribed(caller, &root.id)?;
                 let sup = self.supervisor(&root.id).await?;
-                let done = sup
-                    .send(Interrupt {
-                        generation: p.execution_generation,
-                        reason: "client interrupt".into(),
-                    })
-                    .await
-                    .map_err(|_| {
-                        GatewayError::Internal("session supervisor unavailable".into())
-                    })??;
-                plain(json!({"interrupted": done}))
+                Self::send_change(&sup, change, caller).await
             }
             "session.events.since" => {
                 let p: EventsSinceParams = params(p)?;
@@ -751,24 +744,6 @@ impl Authority {
         })
         .await
         .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
-    }
-
-    async fn respond(
-        &self,
-        kind: PromptKind,
-        session_id: &str,
-        generation: Value,
-        prompt_id: String,
-        answer: PromptAnswer,
-        caller: &Caller,
-    ) -> GatewayResult<Value> {
-        let root = self.root(session_id).await?;
-        Self::require_subscribed(caller, &root.id)?;
-        let m = Self::answer(kind, generation, prompt_id, answer, caller)?;
-        let sup = self.supervisor(&root.id).await?;
-        sup.send(m)
-            .await
-            .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?
     }
 
     /// Subscribe the caller's connection to `root`'s events; its supervisor (none for a caller
@@ -1036,7 +1011,7 @@ impl Authority {
                 diesel::Connection::transaction(c, |c| {
                     let root = sessions::root_of(c, &id)?;
                     let msgs = messages::live(c, &root.tip_session_id)?;
-                    let pending = admissions::pending_previews(c, &root.id)?;
+                    let pending = admissions::pending(c, &root.id)?;
                     let head = crate::store::events::head(c, &root.id)?;
                     Ok::<_, crate::error::StoreError>((root, msgs, pending, head))
                 })

@@ -718,31 +718,22 @@ impl SessionSupervisor {
 
     /// Every way a prompt ends without an answer (timed out, its turn ended or was interrupted,
     /// the stop) comes here: the open-prompts gauge goes down with it (it went down only for a
-    /// time-out, and counted every interrupted prompt open for good).
+    /// time-out, and counted every interrupted prompt open for good), and its audit row records
+    /// how it ended, with its `<kind>.settled` event (an answer is recorded by the attempt it was
+    /// for).
     fn retire_prompt(&mut self, prompt_id: &str, resolution: &str, ctx: &mut Context<Self>) {
-        if self.prompts.remove(prompt_id).is_some() {
-            self.shared.metrics.prompt_closed();
-            self.audit_resolution(
-                prompt_id.to_string(),
-                resolution.to_string(),
-                "gateway".to_string(),
-                ctx,
-            );
+        if self.prompts.remove(prompt_id).is_none() {
+            return;
         }
-    }
-
-    /// Record how a prompt ended, with its `<kind>.settled` event.
-    fn audit_resolution(
-        &mut self,
-        prompt_id: String,
-        resolution: String,
-        by: String,
-        ctx: &mut Context<Self>,
-    ) {
-        let now = self.shared.now();
+        self.shared.metrics.prompt_closed();
+        let (id, resolution, now) = (
+            prompt_id.to_string(),
+            resolution.to_string(),
+            self.shared.now(),
+        );
         self.write_events(
             "prompt audit write",
-            move |c| prompt_store::record_resolution(c, &prompt_id, &resolution, &by, now),
+            move |c| prompt_store::record_resolution(c, &id, &resolution, "gateway", now),
             ctx,
         );
     }

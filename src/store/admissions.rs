@@ -342,31 +342,16 @@ pub fn of_session(
     Ok(row)
 }
 
-/// Non-terminal rows of a session, in seq order (none for a session that does not exist).
-pub fn pending(
-    conn: &mut SqliteConnection,
-    session: &str,
-) -> Result<Vec<AdmissionRow>, StoreError> {
-    let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
-        return Ok(Vec::new());
-    };
-    Ok(sa::table
-        .filter(is_live())
-        .filter(sa::session_ordinal.eq(ordinal))
-        .order(sa::seq.asc())
-        .select(AdmissionRow::as_select())
-        .load(conn)?)
-}
-
 /// How much of a pending input's text a session's snapshot carries, in characters. An input may
 /// be 256 KiB and a session may have 1,000 queued: in full, one snapshot would be a quarter of
 /// a gigabyte, read into memory, built into a frame and sent, on every `session.resume`.
 pub const PENDING_TEXT_CHARS: i64 = 4096;
 
-/// [`pending`] for a snapshot: each row's payload holds at most [`PENDING_TEXT_CHARS`] of its
-/// text (cut in the read: the rest never leaves the database), with the text's whole length in
-/// characters beside it.
-pub fn pending_previews(
+/// Non-terminal rows of a session, in seq order (none for a session that does not exist), as a
+/// snapshot lists them: each row's payload holds at most [`PENDING_TEXT_CHARS`] of its text (cut
+/// in the read: the rest never leaves the database), with the text's whole length in characters
+/// beside it.
+pub fn pending(
     conn: &mut SqliteConnection,
     session: &str,
 ) -> Result<Vec<(AdmissionRow, i64)>, StoreError> {
@@ -1240,7 +1225,7 @@ mod tests {
             pending(&mut c, "s1")
                 .expect("pending")
                 .iter()
-                .map(|r| (r.seq, r.text()))
+                .map(|(r, _)| (r.seq, r.text()))
                 .collect::<Vec<_>>(),
             vec![(7, "two".to_string())]
         );

@@ -1657,8 +1657,6 @@ mod planner_tests {
 mod wal_restart_tests {
     use super::*;
 
-    /// The writes of one group commit are each all or nothing: a failed write's statements are
-    /// undone and the others of its batch commit, nested writes included.
     /// The values in the tests' table `t`, in order.
     async fn values_of_t(db: &Db) -> Vec<i64> {
         use diesel::RunQueryDsl;
@@ -1671,6 +1669,8 @@ mod wal_restart_tests {
         .expect("rows")
     }
 
+    /// The writes of one group commit are each all or nothing: a failed write's statements are
+    /// undone and the others of its batch commit, nested writes included.
     #[test]
     fn a_failed_write_of_a_batch_leaves_the_others_committed() {
         use diesel::RunQueryDsl;

@@ -467,7 +467,7 @@ mod tests {
             admissions::pending(c, id)
                 .expect("pending")
                 .iter()
-                .map(|r| r.seq)
+                .map(|(r, _)| r.seq)
                 .collect()
         };
         assert_eq!(pending(&mut c, "s-a"), [7]);
