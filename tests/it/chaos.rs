@@ -115,12 +115,16 @@ impl Drop for ChaosModel {
     }
 }
 
-/// A loopback URL where nothing listens (connection refused).
-pub fn dead_url() -> String {
+/// A loopback URL where nothing listens (connection refused), and what keeps it so: the port is
+/// the local end of a connection kept open, which no listener may take. (A port freed by
+/// dropping its listener went to the next test that asked for any port: under the whole suite,
+/// now and then, the "dead" model was another test's live server.)
+pub fn dead_url() -> (String, [TcpStream; 2]) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = l.local_addr().expect("addr").port();
-    drop(l);
-    format!("http://127.0.0.1:{port}/v1")
+    let client = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+    let (server, _) = l.accept().expect("accept");
+    let port = client.local_addr().expect("local addr").port();
+    (format!("http://127.0.0.1:{port}/v1"), [client, server])
 }
 
 fn read_request(stream: &TcpStream) -> Option<Value> {

@@ -202,11 +202,12 @@ async fn fault_case_shown(
 
 #[actix_rt::test]
 async fn model_connection_refused_retries_then_fails_the_turn() {
+    let (dead, _held) = dead_url();
     fault_case(
         "connection_refused",
         |_| Fault::Ok("unused".into()),
         json!({}),
-        Some(dead_url()),
+        Some(dead),
         Expect {
             outcome: "failed",
             error: "transient: send:",
