@@ -54,29 +54,6 @@ impl LocalSessionPort {
         Self { authority, poll }
     }
 
-    /// Say so, in the log, when an attempt just admitted waits behind an `unknown` turn of its
-    /// member's session: nothing runs there until the operator resolves that turn, and the
-    /// attempt's turn deadline runs meanwhile (each task after it would wait out its own).
-    async fn warn_if_held(&self, request: &SubmitRequest, session: &str) {
-        let id = session.to_string();
-        let held = self
-            .authority
-            .shared
-            .db
-            .read(move |c| admissions::holding_unknown(c, &id))
-            .await;
-        if let Ok(Some(unknown)) = held {
-            tracing::warn!(
-                room = %request.task.room_id,
-                task = %request.task.task_id,
-                session,
-                unknown = %unknown,
-                "a room task waits behind its member's unknown turn, and its deadline runs \
-                 meanwhile: resolve the turn with `gatehouse resolve-unknown {session} {unknown}`"
-            );
-        }
-    }
-
     fn request_id(address: &SessionAddress) -> String {
         format!("room-session/{}/{}", address.profile, address.title)
     }
@@ -328,9 +305,6 @@ impl SessionPort for LocalSessionPort {
                     )))
                 }
             };
-            if row.status == "queued" {
-                self.warn_if_held(&request, &row.target_session_id).await;
-            }
             let db = self.authority.shared.db.clone();
             let poll = self.poll;
             let callback = request.on_terminal.clone();
@@ -391,6 +365,34 @@ impl SessionPort for LocalSessionPort {
                 .filter(|row| row.is_terminal())
                 .as_ref()
                 .and_then(history_message))
+        })
+    }
+
+    /// An `unknown` turn in the member's session (its lineage's root, whose FIFO it holds):
+    /// nothing starts there until the operator resolves it.
+    fn held(&self, address: SessionAddress) -> PortFuture<'_, Option<String>> {
+        Box::pin(async move {
+            let id = session_id_for(ROOMS_PRINCIPAL, &Self::request_id(&address));
+            let unknown = self
+                .authority
+                .shared
+                .db
+                .read(move |c| -> Result<_, crate::error::StoreError> {
+                    let Some(root) = sessions::find_root(c, &id)? else {
+                        return Ok(None);
+                    };
+                    let unknown = admissions::holding_unknown(c, &root.id)?;
+                    Ok(unknown.map(|admission| (root.id, admission)))
+                })
+                .await
+                .map_err(|e| port_err(e.into()))?;
+            Ok(unknown.map(|(session, admission)| {
+                format!(
+                    "its member's session {session} is held by the unknown turn {admission}, \
+                     which nothing runs behind until the operator resolves it: `gatehouse \
+                     resolve-unknown {session} {admission}`"
+                )
+            }))
         })
     }
 

@@ -253,6 +253,15 @@ pub trait SessionPort: Send + Sync {
     ) -> PortFuture<'_, Option<bool>> {
         Box::pin(async { Ok(None) })
     }
+    /// Why the member's session for `address` would not start a new turn now, if it would
+    /// not: what holds it and what frees it, for the room to say while its next task waits in
+    /// the room (where a cancel ends it at once and no deadline runs) instead of in the member's
+    /// queue. The local port names an `unknown` turn and the `gatehouse resolve-unknown` command
+    /// that frees the session; the default (a peer, whose own gateway reports its sessions)
+    /// knows of nothing.
+    fn held(&self, _address: SessionAddress) -> PortFuture<'_, Option<String>> {
+        Box::pin(async { Ok(None) })
+    }
     /// Live session information.
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo>;
     /// Interrupt the current turn if it is the expected task. `None` means no acknowledgement.

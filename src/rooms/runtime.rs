@@ -454,8 +454,15 @@ impl RoomRuntime {
 
     /// Record an error of room `room_id` (its own last error, and the runtime's).
     pub(crate) fn set_error(&self, room_id: &str, message: String) {
-        tracing::warn!(target: "gatehouse::rooms", room = %room_id, "{message}");
         let mut state = self.state();
+        // A room that stays blocked says why on every pass: the log says it once.
+        if state
+            .room_errors
+            .get(room_id)
+            .is_none_or(|(_, current)| *current != message)
+        {
+            tracing::warn!(target: "gatehouse::rooms", room = %room_id, "{message}");
+        }
         state.errors_recorded += 1;
         let order = state.errors_recorded;
         state

@@ -1457,6 +1457,17 @@ impl RoomRuntime {
             let Some(turn) = self.try_turn(&binding.room_id, &head.payload.target_profile) else {
                 return Ok(());
             };
+            if let Some(held) = self.member_held(binding, &head).await {
+                // The task waits in the room, where a cancel ends it at once and no deadline
+                // runs, not in the member's queue: each task submitted there used to wait out
+                // its whole turn deadline, and fail, until the operator freed the session.
+                drop(turn);
+                self.hold_room(
+                    binding,
+                    format!("task {} waits: {held}", head.identity.task_id),
+                );
+                return Ok(());
+            }
             let lease = self.ensure_lease(binding).await?;
             let (id, clock, cancel) = (
                 head.identity.clone(),
@@ -1493,6 +1504,28 @@ impl RoomRuntime {
                 // (its pass ran its whole queue, however long, while they waited).
                 self.wake_room(&binding.room_id);
                 return Ok(());
+            }
+        }
+    }
+
+    /// What holds the member's session of `task` from starting a turn, if anything does
+    /// ([`SessionPort::held`]). A member that cannot be reached or read is not held: the
+    /// attempt's own start reports that.
+    async fn member_held(&self, binding: &RoomBinding, task: &TaskView) -> Option<String> {
+        let port = self.transport(binding, task).ok()?;
+        let address = SessionAddress {
+            profile: task.payload.target_profile.clone(),
+            title: room_session_title(&binding.room_id),
+            source: ROOM_SESSION_SOURCE.to_string(),
+        };
+        match port.held(address).await {
+            Ok(held) => held,
+            Err(error) => {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %binding.room_id, %error,
+                    "could not read whether the member's session is held"
+                );
+                None
             }
         }
     }

@@ -214,6 +214,8 @@ pub struct FakeSessionRpc {
     pub ledger: Mutex<HashMap<String, LedgerAttempt>>,
     /// `create` sets the first event, then waits for the second before it makes the session.
     pub create_gate: Option<(Arc<Event>, Arc<Event>)>,
+    /// What `held` says holds every member session (`None`: nothing does).
+    pub held: Mutex<Option<String>>,
 }
 
 impl FakeSessionRpc {
@@ -458,6 +460,11 @@ impl SessionPort for FakeSessionRpc {
             Some(state) => Ok(state.history.clone()),
             None => Err(PortError::new("unknown session")),
         })
+    }
+
+    fn held(&self, address: SessionAddress) -> PortFuture<'_, Option<String>> {
+        self.record("held", serde_json::to_value(&address).unwrap_or_default());
+        ready(Ok(lock(&self.held).clone()))
     }
 
     fn ledger_attempt(

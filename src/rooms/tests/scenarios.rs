@@ -1936,3 +1936,75 @@ async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it
     assert!(runtime.status().blocked_rooms.is_empty());
     assert_eq!(rpc.count("submit"), 0);
 }
+
+/// A queued task whose member's session is held (by an `unknown` turn its operator has still to
+/// resolve) waits in the room: nothing is started or submitted, its generation stays, the room
+/// is blocked saying what holds it and how to free it, and the first pass after the session is
+/// freed runs the task. Before, the task was started and submitted into the held session, where
+/// it waited out its turn deadline and failed, and so did each task after it.
+#[tokio::test]
+async fn a_task_for_a_held_member_session_waits_in_its_room() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(true);
+    *lock(&rpc.held) = Some("held by the unknown turn adm-0: resolve it".into());
+    let runtime = Spec::new(&rpc).build(&db);
+    for _ in 0..2 {
+        runtime.process_room(&binding()).await;
+    }
+    let waiting = task(&db, &id);
+    assert_eq!(waiting.status, TaskStatus::Queued);
+    assert_eq!(waiting.execution_generation, 0);
+    assert_eq!(rpc.count("held"), 2);
+    assert_eq!(rpc.count("create") + rpc.count("submit"), 0);
+    let held = runtime.status();
+    assert_eq!(held.blocked_rooms, vec![ROOM_ID.to_string()]);
+    assert_eq!(
+        held.last_error.as_deref(),
+        Some("task task-1 waits: held by the unknown turn adm-0: resolve it")
+    );
+
+    *lock(&rpc.held) = None;
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Settled);
+    assert_eq!(rpc.count("submit"), 1);
+    assert!(runtime.status().blocked_rooms.is_empty());
+}
+
+/// A recovered attempt that waits in its member's queue (admitted, not started) is neither
+/// deferred at its defer deadline nor retried into a second attempt: the room waits for it,
+/// saying where it is queued, and resolves it from the member's ledger once it has run.
+#[tokio::test]
+async fn a_recovered_attempt_queued_in_its_member_is_waited_for_not_deferred() {
+    let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Live {
+            session_id: "member-1".into(),
+            admission_id: "adm-1".into(),
+            started: false,
+        },
+    );
+    runtime.process_room(&binding()).await;
+    clock.set(110.0);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    let waiting = runtime.status();
+    assert_eq!(waiting.blocked_rooms, vec![ROOM_ID.to_string()]);
+    assert!(waiting
+        .last_error
+        .is_some_and(|e| e.contains("adm-1 is queued in session member-1")));
+    let refused = runtime
+        .retry_indeterminate(&id)
+        .await
+        .expect_err("a retry of a queued attempt was taken");
+    assert!(refused.to_string().contains("still active"), "{refused}");
+
+    ledger_says(&rpc, "settled", Some("Ran once."));
+    runtime.process_room(&binding()).await;
+    let settled = task(&db, &id);
+    assert_eq!(settled.status, TaskStatus::Settled);
+    assert_eq!(settled.execution_generation, 1);
+    assert_eq!(rpc.count("submit"), 0);
+}
