@@ -1211,13 +1211,7 @@ impl Turn {
                 // attempt did (the stop's prompts end `shutdown`). Looked at as the write runs,
                 // not as it was asked for: an interrupt that came while the answer waited for the
                 // writer (an interrupt is handed to the session at once) ends the prompt instead.
-                let ended = (*cancel.borrow()).then(|| {
-                    if runtime.turns_stopping() {
-                        "shutdown"
-                    } else {
-                        "interrupted"
-                    }
-                });
+                let ended = stop_resolution(*cancel.borrow(), runtime.turns_stopping());
                 let rows = match ended {
                     Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now)?,
                     None => prompt_store::record_answer(
@@ -1653,9 +1647,24 @@ pub fn system_prompt_for(shared: &Shared, cwd: &str, profile: &str) -> String {
     s
 }
 
+/// How a prompt of an attempt that is stopping ends, as the write of an answer to it finds the
+/// attempt (`None`: it runs on, and the answer is recorded): `shutdown` once the drain has begun,
+/// whether or not its interrupt has reached the attempt yet (the turn stops at its next step all
+/// the same, so an answer recorded then would be audited as acted on when it was not), else
+/// `interrupted` for an interrupted attempt.
+fn stop_resolution(interrupted: bool, draining: bool) -> Option<&'static str> {
+    if draining {
+        Some("shutdown")
+    } else if interrupted {
+        Some("interrupted")
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{pick, strip_think, unique_call_ids};
+    use super::{pick, stop_resolution, strip_think, unique_call_ids};
 
     #[test]
     fn every_call_gets_an_id_of_its_own() {
@@ -1670,6 +1679,18 @@ mod tests {
         unique_call_ids(&mut calls);
         let ids: Vec<&str> = calls.iter().map(|c| c.id.as_str()).collect();
         assert_eq!(ids, ["dup", "call_1", "call_2", "call_0", "call_4", "x"]);
+    }
+
+    /// An answer written once the drain has begun is recorded as the prompt's shutdown even
+    /// before the drain's interrupt reaches the attempt: the turn does not act on it (it stops
+    /// at its next step). Before, it was recorded as the human's choice, for a command that
+    /// never ran.
+    #[test]
+    fn an_answer_written_during_the_drain_is_recorded_as_its_shutdown() {
+        assert_eq!(stop_resolution(false, true), Some("shutdown"));
+        assert_eq!(stop_resolution(true, true), Some("shutdown"));
+        assert_eq!(stop_resolution(true, false), Some("interrupted"));
+        assert_eq!(stop_resolution(false, false), None);
     }
 
     #[test]
