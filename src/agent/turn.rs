@@ -1162,12 +1162,18 @@ impl Turn {
     /// Record how a prompt this attempt opened ended when no one else will: it was refused
     /// as the attempt stopped. Best effort: a boot closes what is left open.
     async fn close_prompt(&self, prompt_id: &str, resolution: &'static str) {
-        let (id, now) = (prompt_id.to_string(), self.ctx.shared.now());
+        let (id, now, epoch) = (
+            prompt_id.to_string(),
+            self.ctx.shared.now(),
+            self.ctx.shared.epoch,
+        );
         let closed = self
             .ctx
             .shared
             .db
-            .write(move |c| prompt_store::record_resolution(c, &id, resolution, "gateway", now))
+            .write(move |c| {
+                prompt_store::record_resolution(c, epoch, &id, resolution, "gateway", now)
+            })
             .await;
         match closed {
             Ok(rows) => self.ctx.sup.do_send(Committed { rows }),
@@ -1213,7 +1219,9 @@ impl Turn {
                 // writer (an interrupt is handed to the session at once) ends the prompt instead.
                 let ended = stop_resolution(*cancel.borrow(), runtime.turns_stopping());
                 let rows = match ended {
-                    Some(ended) => prompt_store::record_resolution(c, &id, ended, "gateway", now)?,
+                    Some(ended) => {
+                        prompt_store::record_resolution(c, epoch, &id, ended, "gateway", now)?
+                    }
                     None => prompt_store::record_answer(
                         c,
                         epoch,

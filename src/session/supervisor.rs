@@ -389,13 +389,17 @@ impl SessionSupervisor {
         }));
     }
 
-    /// A durable event that reports no other state change (tool activity), in its own write.
+    /// A durable event that reports no other state change (tool activity), in its own write,
+    /// fenced by the epoch (a process whose authority another took writes nothing more).
     fn record(&mut self, kind: &str, payload: Value, ctx: &mut Context<Self>) {
-        let (root, now) = (self.root_id.clone(), self.shared.now());
+        let (root, now, epoch) = (self.root_id.clone(), self.shared.now(), self.shared.epoch);
         let event = NewEvent::new(kind, payload);
         self.write_events(
             "event write",
-            move |c| events::append_tx(c, &root, &[event], now),
+            move |c| {
+                crate::store::epoch::check_epoch(c, epoch)?;
+                events::append_tx(c, &root, &[event], now)
+            },
             ctx,
         );
     }
@@ -726,14 +730,15 @@ impl SessionSupervisor {
             return;
         }
         self.shared.metrics.prompt_closed();
-        let (id, resolution, now) = (
+        let (id, resolution, now, epoch) = (
             prompt_id.to_string(),
             resolution.to_string(),
             self.shared.now(),
+            self.shared.epoch,
         );
         self.write_events(
             "prompt audit write",
-            move |c| prompt_store::record_resolution(c, &id, &resolution, "gateway", now),
+            move |c| prompt_store::record_resolution(c, epoch, &id, &resolution, "gateway", now),
             ctx,
         );
     }

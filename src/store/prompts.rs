@@ -71,15 +71,19 @@ fn settled_event(row: &PromptRow, resolution: &str) -> NewEvent {
     )
 }
 
-/// Record how a prompt ended (first resolution wins) and its `<kind>.settled` event.
+/// Record how a prompt ended (first resolution wins) and its `<kind>.settled` event. Fenced by
+/// the epoch: a process whose authority another took records nothing (`stale_epoch`; the new
+/// one closed the prompts it found open at its boot).
 pub fn record_resolution(
     conn: &mut SqliteConnection,
+    epoch: i64,
     prompt_id: &str,
     resolution: &str,
     by: &str,
     now: f64,
 ) -> Result<Vec<EventRow>, StoreError> {
     super::write_tx(conn, |conn| {
+        super::epoch::check_epoch(conn, epoch)?;
         Ok(resolve(conn, prompt_id, resolution, by, now)?.unwrap_or_default())
     })
 }

@@ -2129,3 +2129,65 @@ async fn a_tool_result_that_could_not_be_written_is_not_said_to_have_not_run() {
     assert!(told.contains("FAILWRITE-OUTPUT"), "{told}");
     assert!(!told.contains("did not run"), "{told}");
 }
+
+/// The events recorded for `session`, as `type` names in log order.
+fn event_types(home: &Home, session: &str) -> Vec<String> {
+    use diesel::prelude::*;
+    use gatehouse::store::events::schema::session_event_batches as b;
+    let batches: Vec<String> = b::table
+        .filter(b::session_id.eq(session))
+        .order(b::last_seq.asc())
+        .select(b::events_json)
+        .load(&mut home.db())
+        .expect("event batches");
+    batches
+        .iter()
+        .flat_map(|batch| {
+            serde_json::from_str::<Vec<(String, Value)>>(batch).expect("a batch of events")
+        })
+        .map(|(kind, _)| kind)
+        .collect()
+}
+
+/// A daemon whose authority another process took writes nothing more, tool activity included:
+/// the end of a command that was running when the home's epoch moved on is not recorded (the
+/// log says the write was refused). Before, the deposed daemon still appended the command's
+/// `tool.complete` event to the log the new authority owns.
+#[actix_rt::test]
+async fn a_deposed_daemon_records_no_tool_activity() {
+    use diesel::connection::SimpleConnection;
+    use diesel::Connection;
+    let home = Home::new();
+    let (started, go) = (home.path.join("started"), home.path.join("go"));
+    let command = format!(
+        "touch {}; while [ ! -e {} ]; do sleep 0.05; done",
+        started.display(),
+        go.display()
+    );
+    let model = scripted(vec![("WAIT", terminal("call_wait", &command))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("deposed-tool", &home.path).await;
+    ws.submit(&sid, "WAIT", "WAIT").await;
+    wait_until("the command runs, its start recorded", T, || {
+        started.exists() && event_types(&home, &sid).iter().any(|t| t == "tool.start")
+    })
+    .await;
+    let mut db = diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+        .expect("open state.db");
+    db.batch_execute("PRAGMA busy_timeout = 10000; UPDATE runtime_epoch SET epoch = epoch + 1")
+        .expect("a newer epoch");
+    std::fs::write(&go, "").expect("let the command end");
+    wait_until("the refused write is logged", T, || {
+        home.log().lines().any(|line| {
+            line.contains("event write failed") && line.contains(&sid) && line.contains("epoch")
+        })
+    })
+    .await;
+    let recorded = event_types(&home, &sid);
+    assert!(
+        !recorded.iter().any(|t| t == "tool.complete"),
+        "{recorded:?}"
+    );
+}
