@@ -570,7 +570,8 @@ impl Gateway {
         if *stop.borrow() {
             return Err(StartError::Stopped);
         }
-        let pool = store::open_pool(&db_path, 3 + READERS)?;
+        // The writer, the checkpointer, blocking writes, the readers and the pages' reader.
+        let pool = store::open_pool(&db_path, 4 + READERS)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
         let (epoch, recovered, to_pump, gateway_id) = {
             let mut conn = pool

@@ -726,7 +726,7 @@ impl Authority {
         Ok(self
             .shared
             .db
-            .read(move |c| events::since(c, &root, after, limit))
+            .read_page(move |c| events::since(c, &root, after, limit))
             .await?)
     }
 

@@ -738,12 +738,15 @@ pub struct Db {
     writer: tokio::sync::mpsc::Sender<WriteJob>,
     wal: Arc<WalState>,
     readers: Addr<DbWorker>,
+    /// The reader of clients' pages ([`Db::read_page`]), apart from `readers`.
+    pages: Addr<DbWorker>,
     pool: SqlitePool,
     metrics: Option<std::sync::Arc<crate::telemetry::Metrics>>,
 }
 
 impl Db {
-    /// Start the workers (one writer: SQLite has one; `readers` for snapshots).
+    /// Start the workers (one writer: SQLite has one; `readers` for snapshots; one for clients'
+    /// pages): the pool needs a connection for each, and one for the checkpointer.
     pub fn start(pool: SqlitePool, readers: usize) -> Db {
         let (writer, rx) = tokio::sync::mpsc::channel::<WriteJob>(4096);
         let p = pool.clone();
@@ -757,10 +760,13 @@ impl Db {
         }
         let p = pool.clone();
         let readers = SyncArbiter::start(readers.max(1), move || DbWorker { pool: p.clone() });
+        let p = pool.clone();
+        let pages = SyncArbiter::start(1, move || DbWorker { pool: p.clone() });
         Db {
             writer,
             wal,
             readers,
+            pages,
             pool,
             metrics: None,
         }
@@ -974,6 +980,19 @@ impl Db {
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
         self.run(&self.readers, f).await
+    }
+
+    /// Run a read of a page a client asked for (`session.events.since`, an event stream's
+    /// catch-up) on the one worker kept for them. The readers serve requests in the order they
+    /// came: a client that asks for many pages at once used to queue its reads ahead of other
+    /// clients' resumes and receipts and the sessions' own reads (a revived supervisor's head,
+    /// an answer's lookup), each waiting behind every page. Now pages wait only for pages.
+    pub async fn read_page<R, F>(&self, f: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
+    {
+        self.run(&self.pages, f).await
     }
 
     /// A connection for start-up work that runs before the actors.
@@ -1667,6 +1686,45 @@ mod wal_restart_tests {
         })
         .await
         .expect("rows")
+    }
+
+    /// Clients' pages wait only for pages: while a page read that does not return holds the
+    /// pages' reader, with more pages queued behind it, a read answers at once.
+    #[test]
+    fn a_held_page_read_holds_up_no_other_read() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            let (started, began) = tokio::sync::oneshot::channel::<()>();
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let held = {
+                let db = db.clone();
+                actix_rt::spawn(async move {
+                    db.read_page(move |_| {
+                        let _ = started.send(());
+                        gate.recv().map_err(|e| StoreError::Other(e.to_string()))
+                    })
+                    .await
+                })
+            };
+            began.await.expect("the held page started");
+            let queued: Vec<_> = (0..3)
+                .map(|n| {
+                    let db = db.clone();
+                    actix_rt::spawn(async move { db.read_page(move |_| Ok(n)).await })
+                })
+                .collect();
+            let answered = tokio::time::timeout(Duration::from_secs(5), db.read(|_| Ok(7)))
+                .await
+                .expect("a read waited behind the pages");
+            assert_eq!(answered.expect("the read"), 7);
+            open.send(()).expect("release the held page");
+            held.await.expect("held task").expect("held page");
+            for (n, page) in queued.into_iter().enumerate() {
+                assert_eq!(page.await.expect("page task").expect("page"), n);
+            }
+        });
     }
 
     /// The writes of one group commit are each all or nothing: a failed write's statements are
