@@ -852,13 +852,13 @@ impl Turn {
                             }
                             Asked::Answered(PromptAnswer::Choice(c)) if c == "session" || c == "always" => {
                                 let (root, now) = (self.ctx.root_id.clone(), self.ctx.shared.now());
-                                let principal = self.root.principal_id.clone();
+                                let (principal, epoch) = (self.root.principal_id.clone(), self.ctx.shared.epoch);
                                 let always = c == "always";
                                 let _ = self
                                     .ctx
                                     .shared
                                     .db
-                                    .write(move |conn| prompt_store::remember(conn, &root, &principal, &keys, always, now))
+                                    .write(move |conn| prompt_store::remember(conn, epoch, &root, &principal, &keys, always, now))
                                     .await;
                             }
                             Asked::Answered(_) => {}

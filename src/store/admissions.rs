@@ -733,8 +733,10 @@ pub fn settle(
     })
 }
 
-/// Refuse (`stale_generation`) unless attempt `generation` of root `root` is running: its
-/// admission `started`, owned by this epoch. A session's `runtime_generation` moves at a claim
+/// Refuse unless attempt `generation` of root `root` is running under `epoch`: `stale_epoch` once
+/// another process holds the home (even before its boot has marked this process's attempts
+/// `unknown`), else `stale_generation` unless the attempt's admission is `started`, owned by
+/// this epoch. A session's `runtime_generation` moves at a claim
 /// only, so it still names an attempt that has been settled until the next claim; a write of
 /// the attempt's (its transcript, a compaction) checks the admission itself.
 pub fn require_running(
@@ -743,6 +745,7 @@ pub fn require_running(
     root: &str,
     generation: i64,
 ) -> Result<(), StoreError> {
+    super::epoch::check_epoch(conn, epoch)?;
     let running: i64 = sa::table
         .filter(is_live())
         .filter(sa::target_session_id.eq(root))

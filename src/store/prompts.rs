@@ -220,9 +220,10 @@ pub fn is_approved(
 }
 
 /// Remember approvals of `keys` for the session (and for good, for the session's principal, when
-/// `always`), in one transaction.
+/// `always`), in one transaction, fenced by the epoch.
 pub fn remember(
     conn: &mut SqliteConnection,
+    epoch: i64,
     session_id: &str,
     principal_id: &str,
     keys: &[&str],
@@ -230,6 +231,7 @@ pub fn remember(
     now: f64,
 ) -> Result<(), StoreError> {
     super::write_tx(conn, |conn| {
+        super::epoch::check_epoch(conn, epoch)?;
         for key in keys {
             diesel::insert_or_ignore_into(session_approvals::table)
                 .values((
@@ -303,6 +305,36 @@ mod tests {
         assert_eq!(ids, ["a1"]);
     }
 
+    /// Once another process has taken the home's epoch, this one's prompt writes are refused
+    /// `stale_epoch`, even before that process's boot has marked the attempt `unknown`: no
+    /// prompt opened, no answer recorded (to be acted on), no approval remembered. Before, the
+    /// attempt's `started` row, still owned by the old epoch, let all three through.
+    #[test]
+    fn prompt_writes_are_refused_once_the_epoch_moved_on() {
+        let (_d, mut c, e, row) = testing::started_turn();
+        let g = row.execution_generation.expect("generation");
+        open_in_s1(&mut c, e, &row, "a1", g).expect("opened");
+        crate::store::epoch::begin_epoch(&mut c, "newer", 5.0).expect("a newer epoch");
+        assert!(matches!(
+            open_in_s1(&mut c, e, &row, "a2", g),
+            Err(StoreError::StaleEpoch)
+        ));
+        assert!(matches!(
+            record_answer(&mut c, e, "s1", g, "a1", "choice:always", "alice", 6.0),
+            Err(StoreError::StaleEpoch)
+        ));
+        assert!(matches!(
+            remember(&mut c, e, "s1", "p", &["rm"], true, 6.0),
+            Err(StoreError::StaleEpoch)
+        ));
+        assert!(!is_approved(&mut c, "s1", "p", "rm").expect("read"));
+        let open: Vec<(String, Option<String>)> = prompts::table
+            .select((prompts::prompt_id, prompts::resolution))
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(open, [("a1".to_string(), None)]);
+    }
+
     /// An answer is recorded only while its prompt is open and its attempt runs, at its
     /// generation under this epoch: otherwise `stale_generation`, and nothing is written, neither
     /// the resolution nor a settled event.
@@ -318,12 +350,14 @@ mod tests {
         };
         let head = |c: &mut SqliteConnection| events::head(c, "s1").expect("head").last_seq;
         let before = head(&mut c);
-        for (epoch, generation) in [(e, g + 1), (e + 1, g)] {
-            assert!(matches!(
-                answer(&mut c, epoch, generation, "a1"),
-                Err(StoreError::StaleGeneration(_))
-            ));
-        }
+        assert!(matches!(
+            answer(&mut c, e, g + 1, "a1"),
+            Err(StoreError::StaleGeneration(_))
+        ));
+        assert!(matches!(
+            answer(&mut c, e + 1, g, "a1"),
+            Err(StoreError::StaleEpoch)
+        ));
         assert_eq!(head(&mut c), before, "no event for a refused answer");
         let settled = answer(&mut c, e, g, "a1").expect("recorded");
         assert_eq!(settled.len(), 1);
