@@ -484,6 +484,11 @@ fn start_rooms(
         hub,
         gateway_id: gateway_id.to_string(),
         clock,
+        phase: authority.shared.runtime.clone(),
+        max_prompt_bytes: config
+            .session
+            .max_text_bytes
+            .min(store::room_tasks::MAX_PROMPT_BYTES),
     }))
 }
 

@@ -184,7 +184,16 @@ pub struct RoomsService {
     pub hub: Arc<RoomEventHub>,
     pub gateway_id: String,
     pub clock: SharedClock,
+    /// The process's phase: a draining gateway takes no new room work (`runtime_draining`).
+    pub phase: Arc<crate::session::shared::RuntimeState>,
+    /// The most bytes of a task's prompt: the rooms' own bound, or `session.max_text_bytes`
+    /// when that is smaller (a member's turn is an input of its session).
+    pub max_prompt_bytes: usize,
 }
+
+/// A turn deadline's stop is recorded under a cancel id of this prefix (`deadline:<generation>`):
+/// a client's cancel under such an id would be taken for one, and its task failed as timed out.
+const DEADLINE_CANCEL_PREFIX: &str = "deadline:";
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -288,6 +297,10 @@ impl RoomsService {
                 self.authorize(principal, room_id).await?;
             }
         }
+        // New work waits for the next process; cancels, reads and disbands go on.
+        if matches!(method, "room.create" | "room.admit" | "room.retry") && self.phase.draining() {
+            return Err(GatewayError::RuntimeDraining);
+        }
         match method {
             "room.create" => {
                 let p: CreateRoom = params(p)?;
@@ -350,6 +363,13 @@ impl RoomsService {
             }
             "room.admit" => {
                 let p: AdmitTask = params(p)?;
+                if p.prompt.len() > self.max_prompt_bytes {
+                    return Err(GatewayError::PayloadTooLarge(format!(
+                        "prompt is {} bytes, more than {}",
+                        p.prompt.len(),
+                        self.max_prompt_bytes
+                    )));
+                }
                 let identity = TaskIdentity::new(&p.room_id, &p.task_id, &p.thread_id, &p.turn_id)
                     .map_err(store_error)?;
                 let payload = TaskPayload {
@@ -440,6 +460,12 @@ impl RoomsService {
                     .cancel_id
                     .clone()
                     .ok_or_else(|| GatewayError::InvalidParams("cancel_id is required".into()))?;
+                if cancel_id.trim().starts_with(DEADLINE_CANCEL_PREFIX) {
+                    return Err(GatewayError::InvalidParams(format!(
+                        "cancel_id must not start with {DEADLINE_CANCEL_PREFIX:?}: turn deadlines \
+                         stop tasks under such ids"
+                    )));
+                }
                 let task = self.find(&p.room_id, &p.task_id).await?;
                 let view = self
                     .runtime

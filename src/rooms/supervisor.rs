@@ -2191,35 +2191,48 @@ impl RoomRuntime {
         session_id: &str,
         info: &SessionInfo,
     ) {
-        let action = info.pending_approval.as_ref().filter(|a| a.is_object()).map(|approval| {
-            let mut approval = approval.clone();
-            let narrowed: Vec<serde_json::Value> = approval
-                .get("choices")
-                .and_then(|c| c.as_array())
-                .map(|choices| {
-                    choices
-                        .iter()
-                        .filter(|c| matches!(c.as_str(), Some("once" | "deny")))
+        let action = info
+            .pending_approval
+            .as_ref()
+            .filter(|a| a.is_object())
+            .map(|approval| {
+                let mut approval = approval.clone();
+                let narrowed: Vec<serde_json::Value> = approval
+                    .get("choices")
+                    .and_then(|c| c.as_array())
+                    .map(|choices| {
+                        choices
+                            .iter()
+                            .filter(|c| matches!(c.as_str(), Some("once" | "deny")))
+                            .cloned()
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let choices = if narrowed.is_empty() {
+                    vec![
+                        serde_json::Value::from("once"),
+                        serde_json::Value::from("deny"),
+                    ]
+                } else {
+                    narrowed
+                };
+                approval["choices"] = serde_json::Value::Array(choices);
+                serde_json::json!({
+                    "kind": "approval",
+                    "task_id": task.identity.task_id,
+                    "execution_generation": task.execution_generation,
+                    "run_id": info.run_id,
+                    "session_id": session_id,
+                    // The member's own name for the request: a peer's `request_id`, a local
+                    // session's `prompt_id` (what `approval.respond` names).
+                    "request_id": approval
+                        .get("request_id")
+                        .or_else(|| approval.get("prompt_id"))
                         .cloned()
-                        .collect()
+                        .unwrap_or(serde_json::Value::Null),
+                    "approval": approval,
                 })
-                .unwrap_or_default();
-            let choices = if narrowed.is_empty() {
-                vec![serde_json::Value::from("once"), serde_json::Value::from("deny")]
-            } else {
-                narrowed
-            };
-            approval["choices"] = serde_json::Value::Array(choices);
-            serde_json::json!({
-                "kind": "approval",
-                "task_id": task.identity.task_id,
-                "execution_generation": task.execution_generation,
-                "run_id": info.run_id,
-                "session_id": session_id,
-                "request_id": approval.get("request_id").cloned().unwrap_or(serde_json::Value::Null),
-                "approval": approval,
-            })
-        });
+            });
         let member = task.payload.member_id().to_string();
         let key = (binding.room_id.clone(), member.clone());
         {

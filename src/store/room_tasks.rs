@@ -473,6 +473,23 @@ pub fn admit_task_within(
                 payload.target_profile, identity.room_id
             )));
         }
+        // A member id names the member (its handle) whose profile runs the turn: another
+        // would be reported as waiting on the approvals, and backed off for the failures, of a
+        // member that does not run it.
+        if let Some(member) = &payload.target_member_id {
+            let named: i64 = room_members::table
+                .filter(room_members::room_id.eq(&identity.room_id))
+                .filter(room_members::profile.eq(&payload.target_profile))
+                .filter(room_members::handle.eq(member))
+                .count()
+                .get_result(conn)?;
+            if named == 0 {
+                return Err(RoomStoreError::Validation(format!(
+                    "target_member_id {member:?} is not a member of room {:?} with profile {:?}",
+                    identity.room_id, payload.target_profile
+                )));
+            }
+        }
         let turn_taken: i64 = room_tasks::table
             .filter(room_tasks::room_id.eq(&identity.room_id))
             .filter(room_tasks::thread_id.eq(&identity.thread_id))

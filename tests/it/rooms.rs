@@ -114,6 +114,9 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
         pending["payload"]["action"]["approval"]["choices"],
         json!(["once", "deny"])
     );
+    let action = &pending["payload"]["action"];
+    assert!(action["request_id"].is_string(), "{action}");
+    assert_eq!(action["request_id"], action["approval"]["prompt_id"]);
     assert_eq!(task_status(&mut ws, "room-a", "a1").await, "running");
 
     // Meanwhile the other room's tasks settle.
@@ -1651,4 +1654,117 @@ async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
         "the waiting room's task ran after {before} of the long queue's {tasks}"
     );
     wait_status(&mut ws, "busy", &format!("l{}", tasks - 1), "settled").await;
+}
+
+/// What a client cannot mean is refused, naming why, and changes nothing: a member id that is
+/// not the handle of a member with the task's profile (`invalid_params`; it would be reported
+/// as the member waiting on the approvals of a turn another runs), a prompt over
+/// `session.max_text_bytes` (`payload_too_large`, as `prompt.submit` refuses it; it was
+/// `invalid_params` over the rooms' own bound only), and a cancel under a turn deadline's id
+/// (`deadline:…`; `invalid_params`), which used to fail the running task as timed out. A
+/// member's pending approval names its request (the prompt's id; it was `null`).
+#[actix_rt::test]
+async fn room_requests_a_client_cannot_mean_are_refused() {
+    let model = hang_or_ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"profiles": {"dev": {"toolsets": []}}, "session": {"max_text_bytes": 4096}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "meant", "name": "M",
+               "members": [{"profile": "dev", "handle": "bob"}, {"profile": "default", "handle": "ann"}]}),
+    )
+    .await;
+    for (member, seq) in [("ghost", 1), ("ann", 2)] {
+        let mut p = admit("meant", &format!("m-{member}"), "dev", "hello", seq);
+        p["target_member_id"] = json!(member);
+        let refused = ws.refused("room.admit", p, "invalid_params").await;
+        assert!(refused.to_string().contains(member), "{refused}");
+    }
+    ws.refused(
+        "room.admit",
+        admit("meant", "big", "dev", &"x".repeat(4097), 3),
+        "payload_too_large",
+    )
+    .await;
+    let counts = ws.ok("room.get", json!({"room_id": "meant"})).await;
+    assert_eq!(counts["task_counts"], json!({}), "{counts}");
+
+    let mut hang = admit("meant", "h1", "dev", "HANG", 4);
+    hang["target_member_id"] = json!("bob");
+    ws.ok("room.admit", hang).await;
+    wait_status(&mut ws, "meant", "h1", "running").await;
+    let refused = ws
+        .refused(
+            "room.cancel",
+            json!({"room_id": "meant", "task_id": "h1", "cancel_id": "deadline:1"}),
+            "invalid_params",
+        )
+        .await;
+    assert!(refused.to_string().contains("deadline:"), "{refused}");
+    assert_eq!(task_status(&mut ws, "meant", "h1").await, "running");
+    ws.ok(
+        "room.cancel",
+        json!({"room_id": "meant", "task_id": "h1", "cancel_id": "user-1"}),
+    )
+    .await;
+    wait_status(&mut ws, "meant", "h1", "cancelled").await;
+    let h1 = room_tasks(&mut ws, "meant")
+        .await
+        .into_iter()
+        .find(|t| t["identity"]["task_id"] == "h1")
+        .expect("h1");
+    assert!(!h1.to_string().contains("turn_deadline_exceeded"), "{h1}");
+}
+
+/// A draining gateway takes no new room work (`runtime_draining`, as `prompt.submit` and
+/// `session.create` refuse): not a room, a task or a retry; reads go on. Before, a task admitted
+/// during the drain was committed queued.
+#[actix_rt::test]
+async fn a_draining_gateway_takes_no_new_room_work() {
+    let model = hang_or_ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"profiles": {"dev": {"toolsets": []}}, "gateway": {"drain_grace_seconds": 30}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let room =
+        json!({"room_id": "late", "name": "L", "members": [{"profile": "dev", "handle": "dev"}]});
+    ws.ok("room.create", room).await;
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(d.child.id() as i32, libc::SIGTERM);
+    }
+    wait_until("the gateway drains", Duration::from_secs(10), || {
+        control(&home.path, "identify", json!({})).is_ok_and(|i| i["state"] == "stopping")
+    })
+    .await;
+    ws.refused(
+        "room.admit",
+        admit("late", "t1", "dev", "hello", 1),
+        "runtime_draining",
+    )
+    .await;
+    ws.refused(
+        "room.create",
+        json!({"room_id": "later", "name": "L", "members": [{"profile": "dev", "handle": "dev"}]}),
+        "runtime_draining",
+    )
+    .await;
+    ws.refused(
+        "room.retry",
+        json!({"room_id": "late", "task_id": "t1"}),
+        "runtime_draining",
+    )
+    .await;
+    let late = ws.ok("room.get", json!({"room_id": "late"})).await;
+    assert_eq!(late["task_counts"], json!({}), "{late}");
+    drop(ws);
+    d.kill();
 }
