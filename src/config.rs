@@ -686,6 +686,8 @@ impl Config {
                 "session.max_queued_admissions",
                 self.session.max_queued_admissions.max(0) as u64,
             ),
+            ("session.max_text_bytes", self.session.max_text_bytes as u64),
+            ("model.max_response_bytes", m.max_response_bytes as u64),
         ];
         for (key, v) in at_least_one {
             if v == 0 {
@@ -732,9 +734,23 @@ impl Config {
                 return invalid("terminal.cwd", "expected an absolute directory path");
             }
         }
-        if let Some(url) = &self.model.base_url {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return invalid("model.base_url", "expected an http:// or https:// URL");
+        // Every endpoint a session may be given: a bad one loaded, then failed every session of
+        // its profile (or every compression) when it came to be used.
+        let urls = std::iter::once(("model.base_url".to_string(), &self.model.base_url))
+            .chain(std::iter::once((
+                "auxiliary.compression.base_url".to_string(),
+                &self.auxiliary.compression.base_url,
+            )))
+            .chain(
+                self.profiles
+                    .iter()
+                    .map(|(name, p)| (format!("profiles.{name}.base_url"), &p.base_url)),
+            );
+        for (key, url) in urls {
+            if let Some(url) = url {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return invalid(&key, "expected an http:// or https:// URL");
+                }
             }
         }
         Ok(())
@@ -1004,6 +1020,19 @@ mod tests {
                 "profiles.p.toolsets",
             ),
             ("terminal:\n  cwd: work\n", "terminal.cwd"),
+            ("session:\n  max_text_bytes: 0\n", "session.max_text_bytes"),
+            (
+                "model:\n  max_response_bytes: 0\n",
+                "model.max_response_bytes",
+            ),
+            (
+                "profiles:\n  p:\n    base_url: ftp://x\n",
+                "profiles.p.base_url",
+            ),
+            (
+                "auxiliary:\n  compression:\n    base_url: localhost:9\n",
+                "auxiliary.compression.base_url",
+            ),
         ] {
             match parse(text) {
                 Err(ConfigError::Invalid { key: k, message }) => {
