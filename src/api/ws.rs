@@ -545,12 +545,32 @@ fn is_wide_integer(n: &serde_json::Number) -> bool {
             .is_some_and(|f| f < i64::MIN as f64 || f >= u64::MAX as f64)
 }
 
+/// The id of a frame over the bound, when it is a JSON object with a usable one (else `null`),
+/// so that the refusal answers the request it refuses. Only `id` is kept: the other members,
+/// the frame's bulk, are checked and skipped, never built.
+fn id_of_oversized(text: &str) -> Value {
+    #[derive(serde::Deserialize)]
+    struct IdOnly {
+        #[serde(default)]
+        id: Option<Value>,
+    }
+    match serde_json::from_str::<IdOnly>(text) {
+        Ok(IdOnly {
+            id: Some(id @ Value::String(_)),
+        }) => id,
+        Ok(IdOnly {
+            id: Some(Value::Number(n)),
+        }) if !is_wide_integer(&n) => Value::Number(n),
+        _ => Value::Null,
+    }
+}
+
 /// Decode one text frame into a request (pure: no I/O). On refusal, the id to answer with (the
 /// request's own when it could be read, else `null`) and the typed error.
 pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value, GatewayError)> {
     if text.len() > max_bytes {
         let err = GatewayError::PayloadTooLarge(format!("frame is over {max_bytes} bytes"));
-        return Err((Value::Null, err));
+        return Err((id_of_oversized(text), err));
     }
     let envelope: Envelope = serde_json::from_str(text)
         .map_err(|e| (Value::Null, GatewayError::Parse(e.to_string())))?;
@@ -1063,6 +1083,23 @@ mod tests {
         assert_eq!(
             reason(r#"{"id":"q","method":"m"}"#),
             Err((json!("q"), "invalid_request"))
+        );
+        // A frame over the bound is refused answering its own id, when it has one.
+        let pad = "p".repeat(1 << 20);
+        for (id, answered) in [
+            (json!("big-1"), json!("big-1")),
+            (json!(12), json!(12)),
+            (json!({"x": 1}), Value::Null),
+        ] {
+            let big = json!({"jsonrpc": "2.0", "method": "m", "params": {"text": pad}, "id": id});
+            assert_eq!(
+                reason(&big.to_string()),
+                Err((answered, "payload_too_large"))
+            );
+        }
+        assert_eq!(
+            reason(&format!("{{\"id\":\"cut\",\"pad\":\"{pad}")),
+            Err((Value::Null, "payload_too_large"))
         );
         assert_eq!(
             reason(r#"{"jsonrpc":"2.0","method":"m","id":18446744073709551615}"#).map(|r| r.id),

@@ -539,7 +539,7 @@ fn frame_cases(sid: &str) -> Vec<FrameCase> {
                 .to_string(),
             4001,
             "payload_too_large",
-            Value::Null,
+            json!(13),
         ),
     ]
 }
