@@ -1,7 +1,8 @@
-//! Bounding terminal text: replies are cut to 64 KiB on a character boundary, with a notice;
-//! errors to 4 KiB. The bound is of the text as stored, inside a JSON string (a control
-//! character takes six bytes there): a reply of 40,000 control characters was 64 KiB as text and
-//! 390 KiB stored, over the store's bound, and the task's result could never be recorded.
+//! Bounding terminal text: replies are cut to 64 KiB of UTF-8 on a character boundary, with a
+//! notice; errors to 4 KiB. The store's bound on a result is sized for the longest reply and
+//! error stored whole ([`crate::store::room_tasks::MAX_RESULT_BYTES`]: inside a JSON string a
+//! control character takes six bytes), so a reply under the bound is never cut for what its
+//! characters take once escaped (a 40,000-byte reply of newlines was cut to half).
 
 /// Largest reply text, in UTF-8 bytes (notice included).
 pub const MAX_TERMINAL_TEXT_BYTES: usize = 65536;
@@ -11,34 +12,17 @@ pub const MAX_TERMINAL_ERROR_BYTES: usize = 4096;
 pub const TRUNCATION_NOTICE: &str =
     "\n\n[Reply truncated. Ask the Bot to share the full result as a file.]";
 
-/// The bytes `c` takes inside a JSON string as serde_json writes it.
-fn escaped_len(c: char) -> usize {
-    match c {
-        '"' | '\\' | '\n' | '\r' | '\t' | '\u{8}' | '\u{c}' => 2,
-        c if (c as u32) < 0x20 => 6,
-        c => c.len_utf8(),
-    }
-}
-
-/// The bytes `text` takes inside a JSON string.
-pub fn stored_len(text: &str) -> usize {
-    text.chars().map(escaped_len).sum()
-}
-
-/// Cut `text` so that it takes at most `limit` bytes inside a JSON string, the notice included.
+/// Cut `text` to at most `limit` UTF-8 bytes, the notice included, on a character boundary.
 /// Returns the text and whether it was cut.
 pub fn bound_text(text: &str, limit: usize) -> (String, bool) {
-    if text.len() <= limit && stored_len(text) <= limit {
+    if text.len() <= limit {
         return (text.to_string(), false);
     }
-    let room = limit.saturating_sub(stored_len(TRUNCATION_NOTICE));
-    let (mut end, mut used) = (0, 0);
-    for (at, c) in text.char_indices() {
-        used += escaped_len(c);
-        if used > room {
-            break;
-        }
-        end = at + c.len_utf8();
+    let mut end = limit
+        .saturating_sub(TRUNCATION_NOTICE.len())
+        .min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
     }
     let mut out = String::with_capacity(end + TRUNCATION_NOTICE.len());
     out.push_str(&text[..end]);
@@ -86,27 +70,32 @@ mod tests {
         assert!(cut.len() > MAX_TERMINAL_TEXT_BYTES - TRUNCATION_NOTICE.len() - 4);
     }
 
-    /// The bound is of the text as stored: a reply of control characters, quotes and
-    /// backslashes takes no more than the bound inside its JSON string, and the result of the
-    /// longest reply with the longest error fits the store's bound.
+    /// The bound is of the text's UTF-8 bytes, whatever its characters take once escaped: a
+    /// reply under it is kept whole, and the longest reply and error of the characters that
+    /// take the most stored (control characters, six bytes each) fit the store's bound.
     #[test]
-    fn the_bound_is_of_the_text_as_stored() {
+    fn the_bound_is_of_the_texts_bytes_and_the_store_holds_the_longest() {
         for reply in ["\u{1}", "\"", "\\", "\n", "é\u{7}"] {
-            let text = reply.repeat(MAX_TERMINAL_TEXT_BYTES);
-            let (cut, truncated) = bound_text(&text, MAX_TERMINAL_TEXT_BYTES);
-            assert!(truncated);
-            let stored = serde_json::Value::from(cut.as_str()).to_string().len() - 2;
-            assert_eq!(stored, stored_len(&cut), "{reply:?}");
-            assert!(stored <= MAX_TERMINAL_TEXT_BYTES, "{reply:?}: {stored}");
-            assert!(stored > MAX_TERMINAL_TEXT_BYTES - 8, "{reply:?}: {stored}");
+            let under = reply.repeat(MAX_TERMINAL_TEXT_BYTES / reply.len());
+            assert_eq!(
+                bound_text(&under, MAX_TERMINAL_TEXT_BYTES),
+                (under.clone(), false)
+            );
+            let (cut, truncated) = bound_text(&format!("{under}xx"), MAX_TERMINAL_TEXT_BYTES);
+            assert!(truncated, "{reply:?}");
+            assert!(cut.len() <= MAX_TERMINAL_TEXT_BYTES, "{reply:?}");
+            assert!(cut.len() > MAX_TERMINAL_TEXT_BYTES - 4, "{reply:?}");
         }
-        let short = "\u{1}".repeat(100);
-        assert_eq!(bound_text(&short, 1000), (short.clone(), false));
         let result = bounded_result(
             "m",
-            &"\u{1}".repeat(MAX_TERMINAL_TEXT_BYTES),
-            Some(&"\u{2}".repeat(MAX_TERMINAL_ERROR_BYTES)),
+            &"\u{1}".repeat(MAX_TERMINAL_TEXT_BYTES + 1),
+            Some(&"\u{2}".repeat(MAX_TERMINAL_ERROR_BYTES + 1)),
         );
-        assert!(result.to_string().len() <= crate::store::room_tasks::MAX_RESULT_BYTES);
+        let stored = crate::store::rooms::canonical_json(&result).len();
+        assert!(stored > 6 * MAX_TERMINAL_TEXT_BYTES, "{stored}");
+        assert!(
+            stored <= crate::store::room_tasks::MAX_RESULT_BYTES,
+            "{stored}"
+        );
     }
 }

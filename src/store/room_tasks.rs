@@ -23,7 +23,9 @@ use crate::store::rooms_schema::{room_members, room_task_tombstones, room_tasks}
 /// Largest prompt, in UTF-8 bytes.
 pub const MAX_PROMPT_BYTES: usize = 128 * 1024;
 /// Largest stored result, in canonical JSON bytes.
-pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+/// The longest result stored: a 64 KiB reply and a 4 KiB error whose every character is a control
+/// character (six bytes inside a JSON string), with room to spare.
+pub const MAX_RESULT_BYTES: usize = 512 * 1024;
 
 /// The identity of one room task (one member's turn).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
