@@ -1918,28 +1918,42 @@ async fn a_retired_rooms_error_leaves_the_runtimes_last_error() {
     assert_eq!(runtime.status().last_error, None);
 }
 
-/// An abandoned local attempt that its member's ledger holds as `unknown` keeps its room waiting
-/// for the member's operator, past the defer deadline (deferring would only queue the room's next
-/// task behind it), and resolves at the first pass after the operator has.
-#[tokio::test]
-async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it() {
+/// [`abandoned_local_attempt`] whose member's ledger says `ledger` of it, passed before and
+/// after its defer deadline: still indeterminate, its room blocked with an error that says
+/// `says`.
+async fn held_past_its_defer(ledger: LedgerAttempt, says: &str) -> Abandoned {
     let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
-    lock(&rpc.ledger).insert(
-        "task-1".into(),
-        LedgerAttempt::Unresolved {
-            session_id: "member-1".into(),
-            admission_id: "adm-1".into(),
-        },
-    );
+    lock(&rpc.ledger).insert("task-1".into(), ledger);
     runtime.process_room(&binding()).await;
     clock.set(110.0);
     runtime.process_room(&binding()).await;
     assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
     let waiting = runtime.status();
     assert_eq!(waiting.blocked_rooms, vec![ROOM_ID.to_string()]);
-    assert!(waiting
-        .last_error
-        .is_some_and(|e| e.contains("gatehouse resolve-unknown member-1 adm-1")));
+    assert!(
+        waiting
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(says)),
+        "{:?}",
+        waiting.last_error
+    );
+    (db, clock, id, rpc, runtime)
+}
+
+/// An abandoned local attempt that its member's ledger holds as `unknown` keeps its room waiting
+/// for the member's operator, past the defer deadline (deferring would only queue the room's next
+/// task behind it), and resolves at the first pass after the operator has.
+#[tokio::test]
+async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it() {
+    let (db, _clock, id, rpc, runtime) = held_past_its_defer(
+        LedgerAttempt::Unresolved {
+            session_id: "member-1".into(),
+            admission_id: "adm-1".into(),
+        },
+        "gatehouse resolve-unknown member-1 adm-1",
+    )
+    .await;
     ledger_says(&rpc, "interrupted", None);
     runtime.process_room(&binding()).await;
     assert_eq!(status(&db, &id), TaskStatus::Failed);
@@ -1987,24 +2001,15 @@ async fn a_task_for_a_held_member_session_waits_in_its_room() {
 /// saying where it is queued, and resolves it from the member's ledger once it has run.
 #[tokio::test]
 async fn a_recovered_attempt_queued_in_its_member_is_waited_for_not_deferred() {
-    let (db, clock, id, rpc, runtime) = abandoned_local_attempt(0.5);
-    lock(&rpc.ledger).insert(
-        "task-1".into(),
+    let (db, _clock, id, rpc, runtime) = held_past_its_defer(
         LedgerAttempt::Live {
             session_id: "member-1".into(),
             admission_id: "adm-1".into(),
             started: false,
         },
-    );
-    runtime.process_room(&binding()).await;
-    clock.set(110.0);
-    runtime.process_room(&binding()).await;
-    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
-    let waiting = runtime.status();
-    assert_eq!(waiting.blocked_rooms, vec![ROOM_ID.to_string()]);
-    assert!(waiting
-        .last_error
-        .is_some_and(|e| e.contains("adm-1 is queued in session member-1")));
+        "adm-1 is queued in session member-1",
+    )
+    .await;
     let refused = runtime
         .retry_indeterminate(&id)
         .await
