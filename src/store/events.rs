@@ -533,16 +533,23 @@ pub fn spawn_pruner(
             if batches > 0 {
                 tracing::debug!(batches, "pruned session events");
             }
-            // Chat-completion thread records age out with the events.
+            // Chat-completion thread records and ended prompts age out with the events.
             if retention.max_age_seconds > 0.0 {
-                loop {
-                    let before = clock.now() - retention.max_age_seconds;
-                    match db.write(move |c| super::threads::prune(c, before)).await {
-                        Ok(true) => {}
-                        Ok(false) => break,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot prune chat threads");
-                            break;
+                type Prune = fn(&mut SqliteConnection, f64) -> Result<bool, StoreError>;
+                let aging: [(&str, Prune); 2] = [
+                    ("chat threads", super::threads::prune),
+                    ("ended prompts", super::prompts::prune),
+                ];
+                for (what, prune) in aging {
+                    loop {
+                        let before = clock.now() - retention.max_age_seconds;
+                        match db.write(move |c| prune(c, before)).await {
+                            Ok(true) => {}
+                            Ok(false) => break,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot prune {what}");
+                                break;
+                            }
                         }
                     }
                 }

@@ -177,6 +177,26 @@ pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, S
     })
 }
 
+/// Ended prompts pruned by one transaction, at most.
+const PRUNE_BATCH: i64 = 4096;
+
+/// Delete up to a batch of the prompts that ended before `before` (their audit rows: the events
+/// that reported them are pruned by then); whether more may be left. Open prompts are kept
+/// however old.
+pub fn prune(conn: &mut SqliteConnection, before: f64) -> Result<bool, StoreError> {
+    super::write_tx(conn, |conn| {
+        let old: Vec<String> = prompts::table
+            .filter(prompts::resolved_at.is_not_null())
+            .filter(prompts::resolved_at.lt(before))
+            .order(prompts::resolved_at.asc())
+            .select(prompts::prompt_id)
+            .limit(PRUNE_BATCH)
+            .load(conn)?;
+        diesel::delete(prompts::table.filter(prompts::prompt_id.eq_any(&old))).execute(conn)?;
+        Ok(old.len() as i64 == PRUNE_BATCH)
+    })
+}
+
 pub fn for_session(
     conn: &mut SqliteConnection,
     session_id: &str,
@@ -333,6 +353,48 @@ mod tests {
             .load(&mut c)
             .expect("prompts");
         assert_eq!(open, [("a1".to_string(), None)]);
+    }
+
+    /// The pruner deletes the prompts that ended before its cutoff, through their index, and
+    /// keeps the open ones however old.
+    #[test]
+    fn ended_prompts_age_out_and_open_ones_stay() {
+        let (_d, mut c, e, row) = testing::started_turn();
+        let g = row.execution_generation.expect("generation");
+        for id in ["old", "new", "open"] {
+            open_in_s1(&mut c, e, &row, id, g).expect("opened");
+        }
+        record_resolution(&mut c, e, "old", "timeout", "gateway", 10.0).expect("old ended");
+        record_resolution(&mut c, e, "new", "timeout", "gateway", 30.0).expect("new ended");
+        assert!(!prune(&mut c, 20.0).expect("prune"), "one batch");
+        let kept: Vec<String> = prompts::table
+            .order(prompts::prompt_id.asc())
+            .select(prompts::prompt_id)
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(kept, ["new", "open"]);
+        assert!(!prune(&mut c, 1e12).expect("prune"));
+        let kept: Vec<String> = prompts::table
+            .select(prompts::prompt_id)
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(kept, ["open"]);
+        #[derive(diesel::QueryableByName)]
+        struct Plan {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            detail: String,
+        }
+        let plan: Vec<Plan> = diesel::sql_query(
+            "EXPLAIN QUERY PLAN SELECT prompt_id FROM prompts WHERE resolved_at IS NOT NULL \
+             AND resolved_at < 20.0 ORDER BY resolved_at LIMIT 4096",
+        )
+        .load(&mut c)
+        .expect("plan");
+        assert!(
+            plan.iter().any(|p| p.detail.contains("prompts_resolved")),
+            "{:?}",
+            plan.iter().map(|p| &p.detail).collect::<Vec<_>>()
+        );
     }
 
     /// An answer is recorded only while its prompt is open and its attempt runs, at its
