@@ -746,11 +746,7 @@ impl RoomRuntime {
         room_id: &str,
         create: bool,
     ) -> Result<Option<String>, PortError> {
-        let address = SessionAddress {
-            profile: profile.to_string(),
-            title: room_session_title(room_id),
-            source: ROOM_SESSION_SOURCE.to_string(),
-        };
+        let address = Self::member_address(profile, room_id);
         let handle = match port.resolve_and_resume(address.clone()).await? {
             Some(live) => live,
             None if create => port.create(address).await?,
@@ -760,6 +756,15 @@ impl RoomRuntime {
             return Err(PortError::new("session adapter returned no session_id"));
         }
         Ok(Some(handle.session_id))
+    }
+
+    /// Where `profile`'s room session of room `room_id` lives.
+    fn member_address(profile: &str, room_id: &str) -> SessionAddress {
+        SessionAddress {
+            profile: profile.to_string(),
+            title: room_session_title(room_id),
+            source: ROOM_SESSION_SOURCE.to_string(),
+        }
     }
 
     fn session_ref(profile: &str, session_id: &str) -> SessionRef {
@@ -778,11 +783,7 @@ impl RoomRuntime {
         task: &TaskView,
     ) -> Result<Probe, PortError> {
         let profile = &task.payload.target_profile;
-        let address = SessionAddress {
-            profile: profile.clone(),
-            title: room_session_title(&binding.room_id),
-            source: ROOM_SESSION_SOURCE.to_string(),
-        };
+        let address = Self::member_address(profile, &binding.room_id);
         let Some(found) = port.resolve_exact(address).await? else {
             return Ok(Probe::default());
         };
@@ -1513,11 +1514,7 @@ impl RoomRuntime {
     /// attempt's own start reports that.
     async fn member_held(&self, binding: &RoomBinding, task: &TaskView) -> Option<String> {
         let port = self.transport(binding, task).ok()?;
-        let address = SessionAddress {
-            profile: task.payload.target_profile.clone(),
-            title: room_session_title(&binding.room_id),
-            source: ROOM_SESSION_SOURCE.to_string(),
-        };
+        let address = Self::member_address(&task.payload.target_profile, &binding.room_id);
         match port.held(address).await {
             Ok(held) => held,
             Err(error) => {

@@ -185,16 +185,24 @@ const PRUNE_BATCH: i64 = 4096;
 /// however old.
 pub fn prune(conn: &mut SqliteConnection, before: f64) -> Result<bool, StoreError> {
     super::write_tx(conn, |conn| {
-        let old: Vec<String> = prompts::table
-            .filter(prompts::resolved_at.is_not_null())
-            .filter(prompts::resolved_at.lt(before))
-            .order(prompts::resolved_at.asc())
-            .select(prompts::prompt_id)
-            .limit(PRUNE_BATCH)
-            .load(conn)?;
+        let old: Vec<String> = ended_before(before).load(conn)?;
         diesel::delete(prompts::table.filter(prompts::prompt_id.eq_any(&old))).execute(conn)?;
         Ok(old.len() as i64 == PRUNE_BATCH)
     })
+}
+
+/// The ids of the oldest batch of prompts that ended before `before` (a seek on
+/// `prompts_resolved`).
+fn ended_before(
+    before: f64,
+) -> prompts::BoxedQuery<'static, diesel::sqlite::Sqlite, diesel::sql_types::Text> {
+    prompts::table
+        .filter(prompts::resolved_at.is_not_null())
+        .filter(prompts::resolved_at.lt(before))
+        .order(prompts::resolved_at.asc())
+        .select(prompts::prompt_id)
+        .limit(PRUNE_BATCH)
+        .into_boxed()
 }
 
 pub fn for_session(
@@ -379,21 +387,11 @@ mod tests {
             .load(&mut c)
             .expect("prompts");
         assert_eq!(kept, ["open"]);
-        #[derive(diesel::QueryableByName)]
-        struct Plan {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            detail: String,
-        }
-        let plan: Vec<Plan> = diesel::sql_query(
-            "EXPLAIN QUERY PLAN SELECT prompt_id FROM prompts WHERE resolved_at IS NOT NULL \
-             AND resolved_at < 20.0 ORDER BY resolved_at LIMIT 4096",
-        )
-        .load(&mut c)
-        .expect("plan");
+        let sql = testing::sql_of(&ended_before(20.0));
+        let plan = testing::query_plan(&mut c, &sql);
         assert!(
-            plan.iter().any(|p| p.detail.contains("prompts_resolved")),
-            "{:?}",
-            plan.iter().map(|p| &p.detail).collect::<Vec<_>>()
+            plan.iter().any(|d| d.contains("prompts_resolved")),
+            "{sql}: {plan:?}"
         );
     }
 
