@@ -981,15 +981,10 @@ async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
 /// refused in SQL, and it says so on `/readyz` instead of staying ready while it refuses all.
 #[actix_rt::test]
 async fn a_daemon_whose_authority_was_taken_is_not_ready() {
-    use diesel::connection::SimpleConnection;
-    use diesel::{Connection, SqliteConnection};
     let mut s = stored("deposed").await;
     let origin = s._daemon.origin();
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
-    SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy())
-        .expect("open state.db")
-        .batch_execute("UPDATE runtime_epoch SET epoch = epoch + 1")
-        .expect("a newer epoch");
+    s.home.move_epoch_on();
     let sid = s.sid.clone();
     s.ws.refused(
         "prompt.submit",

@@ -44,6 +44,18 @@ impl Home {
         SqliteConnection::establish(&url).expect("open state.db read-only")
     }
 
+    /// As another process taking the home's authority would: its epoch moves on (waiting for
+    /// the daemon's write lock if it holds it).
+    pub fn move_epoch_on(&self) {
+        use diesel::connection::SimpleConnection;
+        SqliteConnection::establish(&self.path.join("state.db").to_string_lossy())
+            .expect("open state.db")
+            .batch_execute(
+                "PRAGMA busy_timeout = 10000; UPDATE runtime_epoch SET epoch = epoch + 1",
+            )
+            .expect("a newer epoch");
+    }
+
     pub fn admissions(&self) -> Vec<AdmissionRow> {
         session_admissions::table
             .order(session_admissions::seq.asc())

@@ -2132,20 +2132,11 @@ async fn a_tool_result_that_could_not_be_written_is_not_said_to_have_not_run() {
 
 /// The events recorded for `session`, as `type` names in log order.
 fn event_types(home: &Home, session: &str) -> Vec<String> {
-    use diesel::prelude::*;
-    use gatehouse::store::events::schema::session_event_batches as b;
-    let batches: Vec<String> = b::table
-        .filter(b::session_id.eq(session))
-        .order(b::last_seq.asc())
-        .select(b::events_json)
-        .load(&mut home.db())
-        .expect("event batches");
-    batches
-        .iter()
-        .flat_map(|batch| {
-            serde_json::from_str::<Vec<(String, Value)>>(batch).expect("a batch of events")
-        })
-        .map(|(kind, _)| kind)
+    gatehouse::store::events::since(&mut home.db(), session, 0, 10_000)
+        .expect("the event log")
+        .events
+        .into_iter()
+        .map(|e| e.kind)
         .collect()
 }
 
@@ -2155,8 +2146,6 @@ fn event_types(home: &Home, session: &str) -> Vec<String> {
 /// `tool.complete` event to the log the new authority owns.
 #[actix_rt::test]
 async fn a_deposed_daemon_records_no_tool_activity() {
-    use diesel::connection::SimpleConnection;
-    use diesel::Connection;
     let home = Home::new();
     let (started, go) = (home.path.join("started"), home.path.join("go"));
     let command = format!(
@@ -2174,10 +2163,7 @@ async fn a_deposed_daemon_records_no_tool_activity() {
         started.exists() && event_types(&home, &sid).iter().any(|t| t == "tool.start")
     })
     .await;
-    let mut db = diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
-        .expect("open state.db");
-    db.batch_execute("PRAGMA busy_timeout = 10000; UPDATE runtime_epoch SET epoch = epoch + 1")
-        .expect("a newer epoch");
+    home.move_epoch_on();
     std::fs::write(&go, "").expect("let the command end");
     wait_until("the refused write is logged", T, || {
         home.log().lines().any(|line| {
