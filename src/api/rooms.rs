@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use crate::clock::SharedClock;
 use crate::error::{GatewayError, GatewayResult};
 use crate::rooms::db::RoomsDb;
+use crate::rooms::port::AnswerOutcome;
 use crate::rooms::runtime::{
     RoomBinding, RoomHooks, RoomRuntime, RoomsError, RoomsStatus, DISBAND_CANCEL_ID,
 };
@@ -253,6 +254,24 @@ struct TaskRef {
     cancel_id: Option<String>,
 }
 
+/// `room.respond`: the room's owner answers the approval a member's attempt waits on (a
+/// `room.pending_action`), naming the attempt as the event did.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RespondToMember {
+    room_id: String,
+    task_id: String,
+    /// The task's execution generation; one that is not an integer is stale (as for
+    /// `approval.respond`).
+    execution_generation: Value,
+    request_id: String,
+    choice: String,
+}
+
+/// What a room's owner may answer for a member: this one command, or not. An approval that
+/// outlived the attempt (`session`, `always`) would let the member run later commands unasked.
+const ROOM_CHOICES: [&str; 2] = ["once", "deny"];
+
 fn params<T: for<'de> Deserialize<'de>>(p: Value) -> GatewayResult<T> {
     serde_json::from_value(p).map_err(|e| GatewayError::InvalidParams(e.to_string()))
 }
@@ -483,6 +502,45 @@ impl RoomsService {
                     .await
                     .map_err(room_error)?;
                 Ok(task_view(&view))
+            }
+            "room.respond" => {
+                let p: RespondToMember = params(p)?;
+                if !ROOM_CHOICES.contains(&p.choice.as_str()) {
+                    return Err(GatewayError::InvalidParams(format!(
+                        "choice must be one of {ROOM_CHOICES:?}: a member is approved for one \
+                         command at a time"
+                    )));
+                }
+                if p.request_id.is_empty() {
+                    return Err(GatewayError::InvalidParams(
+                        "request_id must not be empty".into(),
+                    ));
+                }
+                let task = self.find(&p.room_id, &p.task_id).await?;
+                let Some(generation) = p.execution_generation.as_i64() else {
+                    return Err(GatewayError::StaleGeneration(
+                        "execution_generation must be an integer".into(),
+                    ));
+                };
+                let by = principal.unwrap_or(OPERATOR);
+                let outcome = self
+                    .runtime
+                    .answer_approval(&task.identity, generation, &p.request_id, &p.choice, by)
+                    .await
+                    .map_err(room_error)?;
+                let status = match outcome {
+                    AnswerOutcome::Resolved => "resolved",
+                    AnswerOutcome::AlreadyResolved => "already_resolved",
+                    AnswerOutcome::Stale(m) => return Err(GatewayError::StaleGeneration(m)),
+                    AnswerOutcome::Refused(m) => return Err(GatewayError::InvalidParams(m)),
+                };
+                tracing::info!(
+                    target: "gatehouse::rooms", room = %p.room_id, task = %p.task_id,
+                    generation, request = %p.request_id, choice = %p.choice, by, status,
+                    "member approval answered"
+                );
+                Ok(json!({"status": status, "request_id": p.request_id,
+                          "task_id": p.task_id, "execution_generation": generation}))
             }
             "room.disband" => {
                 let p: RoomRef = params(p)?;

@@ -10,14 +10,15 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::port::{
-    HistoryMessage, InterruptReply, InterruptRequest, LedgerAttempt, PortError, PortFuture,
-    SessionAddress, SessionHandle, SessionInfo, SessionPort, SessionRef, SubmitRequest,
-    TerminalReceipt,
+    AnswerOutcome, ApprovalAnswer, HistoryMessage, InterruptReply, InterruptRequest, LedgerAttempt,
+    PortError, PortFuture, SessionAddress, SessionHandle, SessionInfo, SessionPort, SessionRef,
+    SubmitRequest, TerminalReceipt,
 };
 use crate::api::rpc::{session_id_for, Authority, Caller};
 use crate::error::GatewayError;
+use crate::session::prompts::{PromptAnswer, PromptKind};
 use crate::session::supervisor::{
-    CancelQueued, GetLive, Interrupt, LiveView, SessionSupervisor, Submit,
+    CancelQueued, GetLive, Interrupt, LiveView, Respond, SessionSupervisor, Submit,
 };
 use crate::store::admissions::{self, AdmissionRow};
 use crate::store::room_tasks::TaskIdentity;
@@ -525,6 +526,48 @@ impl SessionPort for LocalSessionPort {
                 interrupted: Some(done),
                 status: Some(if done { "interrupted" } else { "ending" }.into()),
             }))
+        })
+    }
+
+    fn answer(&self, answer: ApprovalAnswer) -> PortFuture<'_, AnswerOutcome> {
+        Box::pin(async move {
+            let (sup, live) = self.live(&answer.session.session_id).await?;
+            let attempt = input_id(
+                &answer.task.room_id,
+                &answer.task.task_id,
+                answer.execution_generation,
+            );
+            // The running turn and its input, from one look at the supervisor: the session's
+            // generation sent below names exactly the turn whose input was compared, and the
+            // supervisor refuses it once another turn runs.
+            let (Some((_, generation)), Some(running)) = (live.running, live.running_input) else {
+                return Ok(AnswerOutcome::Stale(
+                    "the member's session runs no turn".into(),
+                ));
+            };
+            if running != attempt {
+                return Ok(AnswerOutcome::Stale(format!(
+                    "the member's running turn is not attempt {} of task {}",
+                    answer.execution_generation, answer.task.task_id
+                )));
+            }
+            let reply = sup
+                .send(Respond {
+                    kind: PromptKind::Approval,
+                    generation,
+                    prompt_id: answer.request_id,
+                    answer: PromptAnswer::Choice(answer.choice),
+                    by: answer.by,
+                })
+                .await
+                .map_err(|e| PortError::new(e.to_string()))?;
+            Ok(match reply {
+                Ok(taken) if taken["status"] == "resolved" => AnswerOutcome::Resolved,
+                Ok(_) => AnswerOutcome::AlreadyResolved,
+                Err(GatewayError::StaleGeneration(m)) => AnswerOutcome::Stale(m),
+                Err(GatewayError::InvalidParams(m)) => AnswerOutcome::Refused(m),
+                Err(e) => return Err(port_err(e)),
+            })
         })
     }
 }

@@ -166,6 +166,35 @@ pub struct InterruptRequest {
     pub expected_task_id: String,
 }
 
+/// A human's answer to the approval a member's attempt waits on (`room.respond`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalAnswer {
+    pub session: SessionRef,
+    /// The attempt answered about: its task and the task's execution generation.
+    pub task: TaskIdentity,
+    pub execution_generation: i64,
+    /// The member's name for the request (a `room.pending_action`'s `request_id`).
+    pub request_id: String,
+    /// `once` or `deny`: a room's member is never approved beyond the one command.
+    pub choice: String,
+    /// Who answered, recorded with the prompt's resolution.
+    pub by: String,
+}
+
+/// How a member took an [`ApprovalAnswer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AnswerOutcome {
+    /// The attempt recorded the answer and acts on it.
+    Resolved,
+    /// The request had already ended (answered, timed out, or its turn stopped waiting).
+    AlreadyResolved,
+    /// The member's running turn is not the attempt answered about, or is being stopped.
+    Stale(String),
+    /// Refused as asked: not an approval, a choice the request does not offer, a transport
+    /// that takes no answers.
+    Refused(String),
+}
+
 /// Reply to an interrupt.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct InterruptReply {
@@ -266,6 +295,16 @@ pub trait SessionPort: Send + Sync {
     fn info(&self, session: SessionRef) -> PortFuture<'_, SessionInfo>;
     /// Interrupt the current turn if it is the expected task. `None` means no acknowledgement.
     fn interrupt(&self, request: InterruptRequest) -> PortFuture<'_, Option<InterruptReply>>;
+    /// Hand a human's answer to the approval the member's running turn waits on, only if that
+    /// turn is exactly the attempt answered about. The default (a peer, whose protocol carries
+    /// no answers) refuses it.
+    fn answer(&self, _answer: ApprovalAnswer) -> PortFuture<'_, AnswerOutcome> {
+        Box::pin(async {
+            Ok(AnswerOutcome::Refused(
+                "this member's transport takes no answers to its approvals".into(),
+            ))
+        })
+    }
     /// True for a member on another gateway (recovery probes and stop acknowledgements differ).
     fn is_peer(&self) -> bool {
         false

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use crate::rooms::bound::{bound_text, bounded_result, MAX_TERMINAL_ERROR_BYTES};
 use crate::rooms::port::{
-    room_session_title, HistoryMessage, InterruptRequest, LedgerAttempt, PortError, SessionAddress,
-    SessionInfo, SessionPort, SessionRef, SubmitRequest, TerminalCallback, TerminalReceipt,
-    TurnGuard, ROOM_SESSION_SOURCE,
+    room_session_title, AnswerOutcome, ApprovalAnswer, HistoryMessage, InterruptRequest,
+    LedgerAttempt, PortError, SessionAddress, SessionInfo, SessionPort, SessionRef, SubmitRequest,
+    TerminalCallback, TerminalReceipt, TurnGuard, ROOM_SESSION_SOURCE,
 };
 use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
 use crate::store::leases::{acquire_lease, release_lease, renew_lease, Lease};
@@ -21,7 +21,7 @@ use crate::store::room_tasks::{
     complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, first_task, get_task,
     list_tasks, recover_room, requeue_not_admitted_task, resolve_indeterminate_cancellation,
     resolve_indeterminate_task, settle_stopping_task, settle_task, start_task, Settlement,
-    SettlementStatus, TaskAttempt, TaskStatus, TaskView,
+    SettlementStatus, TaskAttempt, TaskIdentity, TaskStatus, TaskView,
 };
 use crate::store::rooms::{disband_room, get_room, validate_identifier, RoomStoreError};
 
@@ -2179,6 +2179,56 @@ impl RoomRuntime {
 
     // ---------------------------------------------------------------------------------------
     // Pending approvals
+
+    /// A human's answer (`once` or `deny`) to the approval a running task's member waits on.
+    /// Only the exact attempt answered about takes it: the task must be running under
+    /// `execution_generation`, and the member's running turn must be that attempt's input (the
+    /// member's session fences its own generation in turn); anything else is
+    /// [`AnswerOutcome::Stale`] and reaches no command.
+    pub async fn answer_approval(
+        &self,
+        identity: &TaskIdentity,
+        execution_generation: i64,
+        request_id: &str,
+        choice: &str,
+        by: &str,
+    ) -> Result<AnswerOutcome, RoomsError> {
+        let task = self.read_task(identity).await?;
+        if task.status != TaskStatus::Running {
+            return Ok(AnswerOutcome::Stale(format!(
+                "task {} is {}: none of its attempts waits on an answer",
+                identity.task_id, task.status
+            )));
+        }
+        if task.execution_generation != execution_generation {
+            return Ok(AnswerOutcome::Stale(format!(
+                "attempt {execution_generation} of task {} is not its running one ({})",
+                identity.task_id, task.execution_generation
+            )));
+        }
+        let binding = self
+            .binding_for(&identity.room_id)
+            .await
+            .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room is unavailable".into()))?;
+        let port = self.transport(&binding, &task)?;
+        let profile = &task.payload.target_profile;
+        let address = Self::member_address(profile, &identity.room_id);
+        let Some(found) = port.resolve_exact(address).await? else {
+            return Ok(AnswerOutcome::Stale(format!(
+                "the member {} has no session in this room",
+                task.payload.member_id()
+            )));
+        };
+        let answer = ApprovalAnswer {
+            session: Self::session_ref(profile, &found.session_id),
+            task: identity.clone(),
+            execution_generation,
+            request_id: request_id.to_string(),
+            choice: choice.to_string(),
+            by: by.to_string(),
+        };
+        Ok(port.answer(answer).await?)
+    }
 
     /// Report a pending approval (choices narrowed to once/deny) or its absence, on change.
     fn report_pending(

@@ -959,6 +959,11 @@ async fn access_control_is_per_connection_and_per_principal() {
             json!({"room_id": "mine", "task_id": "t1", "cancel_id": "c"}),
         ),
         ("room.retry", json!({"room_id": "mine", "task_id": "t1"})),
+        (
+            "room.respond",
+            json!({"room_id": "mine", "task_id": "t1", "execution_generation": 1,
+                   "request_id": "p", "choice": "once"}),
+        ),
         ("room.disband", json!({"room_id": "mine"})),
         (
             "room.create",

@@ -498,6 +498,145 @@ async fn park_a_task(ws: &mut Ws) {
     assert_eq!(task_status(ws, "park", "p2").await, "queued");
 }
 
+/// The `room.pending_action` of `room` whose action is `task`'s.
+async fn pending_for(ws: &mut Ws, room: &str, task: &str) -> Value {
+    let e = ws
+        .event(Duration::from_secs(30), |e| {
+            e["room_id"] == room
+                && e["type"] == "room.pending_action"
+                && e["payload"]["action"]["task_id"] == task
+        })
+        .await;
+    e["payload"]["action"].clone()
+}
+
+/// A member's approval is its room owner's to answer (`room.respond`), for the exact attempt
+/// the room reported and for that one command (`once` or `deny`). Before, nobody could answer
+/// it (the member's session is the rooms principal's, so `approval.respond` was refused) and
+/// the task waited out its turn deadline, its command denied.
+#[actix_rt::test]
+async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
+    let victim = Home::new();
+    let (model, home, d) = parking_rooms(&victim, 300.0);
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "ask", "name": "Ask", "members": [{"profile": "ops", "handle": "ops"}]}),
+    )
+    .await;
+    ws.ok("room.admit", admit("ask", "t1", "ops", "PARK now", 1))
+        .await;
+    let action = pending_for(&mut ws, "ask", "t1").await;
+    let (request, generation) = (
+        action["request_id"].clone(),
+        action["execution_generation"].clone(),
+    );
+    let answer = |task: &str, generation: &Value, choice: &str| {
+        json!({"room_id": "ask", "task_id": task, "execution_generation": generation,
+               "request_id": request, "choice": choice})
+    };
+    // Refused, and nothing runs: a choice that would outlive the command, another attempt of
+    // the task, a generation that is no integer, a task the room does not have.
+    for choice in ["always", "session", "yes"] {
+        ws.refused(
+            "room.respond",
+            answer("t1", &generation, choice),
+            "invalid_params",
+        )
+        .await;
+    }
+    let next = json!(generation.as_i64().expect("generation") + 1);
+    for stale in [next, json!("1")] {
+        ws.refused(
+            "room.respond",
+            answer("t1", &stale, "once"),
+            "stale_generation",
+        )
+        .await;
+    }
+    ws.refused(
+        "room.respond",
+        answer("t9", &generation, "once"),
+        "not_found",
+    )
+    .await;
+    assert!(victim.path.join("keep").exists(), "nothing was approved");
+    assert_eq!(task_status(&mut ws, "ask", "t1").await, "running");
+
+    // The attempt reported, once: its command runs and the task settles on the member's reply.
+    let taken = ws
+        .ok("room.respond", answer("t1", &generation, "once"))
+        .await;
+    assert_eq!(taken["status"], "resolved", "{taken}");
+    wait_status(&mut ws, "ask", "t1", "settled").await;
+    assert!(
+        !victim.path.join("keep").exists(),
+        "the approved command ran"
+    );
+    ws.event(Duration::from_secs(10), |e| {
+        e["room_id"] == "ask"
+            && e["type"] == "room.pending_action"
+            && e["payload"]["action"].is_null()
+    })
+    .await;
+    // Too late once the attempt has ended.
+    ws.refused(
+        "room.respond",
+        answer("t1", &generation, "once"),
+        "stale_generation",
+    )
+    .await;
+
+    // Denied: the next task's command never runs, and the task settles all the same.
+    std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
+    ws.ok("room.admit", admit("ask", "t2", "ops", "PARK now", 2))
+        .await;
+    let action = pending_for(&mut ws, "ask", "t2").await;
+    let denied = json!({"room_id": "ask", "task_id": "t2",
+                        "execution_generation": action["execution_generation"],
+                        "request_id": action["request_id"], "choice": "deny"});
+    let taken = ws.ok("room.respond", denied).await;
+    assert_eq!(taken["status"], "resolved", "{taken}");
+    wait_status(&mut ws, "ask", "t2", "settled").await;
+    assert!(
+        victim.path.join("keep").exists(),
+        "the denied command never ran"
+    );
+    assert_eq!(model.reached("PARK now"), 2, "each attempt ran once");
+
+    // Each answer is recorded as the owner's, against its prompt.
+    let answers: Vec<(Option<String>, Option<String>)> = {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::prompts;
+        prompts::table
+            .filter(prompts::kind.eq("approval"))
+            .order(prompts::opened_at)
+            .select((prompts::resolution, prompts::resolved_by))
+            .load(&mut home.db())
+            .expect("prompts")
+    };
+    let owner: String = {
+        use diesel::prelude::*;
+        use gatehouse::store::rooms_schema::room_owners;
+        room_owners::table
+            .find("ask")
+            .select(room_owners::principal)
+            .first(&mut home.db())
+            .expect("owner")
+    };
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    assert_eq!(answers[0].1.as_deref(), Some(owner.as_str()), "{answers:?}");
+    assert_eq!(answers[1].1.as_deref(), Some(owner.as_str()), "{answers:?}");
+    assert!(
+        answers[0].0.as_deref().is_some_and(|r| r.contains("once")),
+        "{answers:?}"
+    );
+    assert!(
+        answers[1].0.as_deref().is_some_and(|r| r.contains("deny")),
+        "{answers:?}"
+    );
+}
+
 /// [`parking_rooms`] with a long defer, [`park_a_task`], then a crash: the member's parked turn
 /// is left `started`, to be found `unknown` by the next boot.
 async fn park_a_task_and_crash(victim: &Home) -> (FakeModel, Home) {
