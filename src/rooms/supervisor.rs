@@ -1076,9 +1076,12 @@ impl RoomRuntime {
                             task.cancel_generation,
                         );
                         let task_id = id.clone();
+                        // Resolved as the member ended it; the room says so once, as for every
+                        // terminal commit (`room.task`).
                         if probe.status() == Some("cancelled") {
                             let cancel_id = format!("remote-cancel:{generation}");
-                            self.inner
+                            let view = self
+                                .inner
                                 .db
                                 .write(move |c| {
                                     resolve_indeterminate_cancellation(
@@ -1092,11 +1095,15 @@ impl RoomRuntime {
                                     )
                                 })
                                 .await?;
+                            if !view.idempotent {
+                                self.publish_terminal(binding, &view);
+                            }
                             continue;
                         }
                         if let Some(receipt) = &probe.receipt {
                             let settlement = settlement_from_history(receipt);
-                            self.inner
+                            let view = self
+                                .inner
                                 .db
                                 .write(move |c| {
                                     resolve_indeterminate_task(
@@ -1110,6 +1117,9 @@ impl RoomRuntime {
                                     )
                                 })
                                 .await?;
+                            if !view.idempotent {
+                                self.publish_terminal(binding, &view);
+                            }
                             continue;
                         }
                         if probe.active_for(&id.task_id) {

@@ -593,6 +593,72 @@ async fn test_peer_recovery_probe_is_bounded_by_attempt_and_stale_age() {
     assert_eq!(status(&db, &id), TaskStatus::Deferred);
 }
 
+/// A peer member's attempt left indeterminate is resolved by the room's probe as the member
+/// ended it, and the room says so once (`room.task`, on every terminal commit): settled from its
+/// exact receipt, cancelled when the member cancelled it. Before, both were committed in
+/// silence.
+#[tokio::test]
+async fn a_peer_attempt_the_rooms_probe_resolves_is_published_once() {
+    for (remote, want) in [
+        (None, TaskStatus::Settled),
+        (Some("cancelled"), TaskStatus::Cancelled),
+    ] {
+        let db = db();
+        let clock = ManualClock::new(100.0);
+        let id = identity("task-1");
+        admit_to(
+            &db,
+            &id,
+            PROFILE,
+            "Inspect the release candidate.",
+            1,
+            &clock,
+        );
+        let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+        clock.set(102.0);
+        let mut peer = FakeSessionRpc::new(false);
+        peer.peer = true;
+        let receipt = crate::rooms::port::HistoryMessage {
+            role: "assistant".into(),
+            task_id: Some("task-1".into()),
+            execution_generation: Some(attempt.execution_generation),
+            status: Some("settled".into()),
+            message_id: Some("m-1".into()),
+            content: "Finished once.".into(),
+        };
+        let history = if remote.is_none() {
+            vec![receipt]
+        } else {
+            Vec::new()
+        };
+        peer.add_session(false, Some("task-1"), history);
+        *lock(&peer.info_status) = remote.map(str::to_string);
+        let peer = Arc::new(peer);
+        let member = peer.clone();
+        let hooks = Arc::new(RecordingHooks::default());
+        let mut spec = Spec::new(&rpc(true)).manual(&clock);
+        spec.hooks = Some(hooks.clone());
+        spec.resolver = Some(Arc::new(move |_b: &RoomBinding, _t: &TaskView| {
+            Ok(member.clone() as Arc<dyn SessionPort>)
+        }));
+        let runtime = spec.build(&db);
+        let recovery = lease_for(&db, runtime.process_generation(), 30.0, &clock);
+        recover_room(&mut db.conn(), &recovery, &clock).unwrap();
+        assert!(!runtime
+            .reconcile_indeterminate(&binding(), &recovery)
+            .await
+            .unwrap());
+        assert_eq!(status(&db, &id), want);
+        assert_eq!(hooks.published_statuses(), vec![want], "{remote:?}");
+        // Nothing is left to resolve, nor to say again.
+        assert!(!runtime
+            .reconcile_indeterminate(&binding(), &recovery)
+            .await
+            .unwrap());
+        assert_eq!(hooks.published_statuses(), vec![want], "{remote:?}");
+    }
+}
+
 #[tokio::test]
 async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() {
     let db = db();
