@@ -378,6 +378,13 @@ impl RoomsService {
                 let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
                 v["state"] = json!(state);
                 v["task_counts"] = json!(counts);
+                // What its members wait on now, as `room.pending_action` last said it.
+                v["pending_actions"] = self
+                    .runtime
+                    .pending_actions(&p.room_id)
+                    .into_iter()
+                    .map(|(member, action)| json!({"member_id": member, "action": action}))
+                    .collect();
                 Ok(v)
             }
             "room.admit" => {

@@ -434,6 +434,20 @@ impl RoomRuntime {
         self.forget_pending_of(room_id, view);
     }
 
+    /// What room `room_id`'s members wait on now (`room.pending_action`'s latest non-null
+    /// actions, by member): for a client that was not following the room when it was said.
+    pub fn pending_actions(&self, room_id: &str) -> Vec<(String, serde_json::Value)> {
+        let mut pending: Vec<(String, serde_json::Value)> = self
+            .state()
+            .pending_actions
+            .iter()
+            .filter(|((room, _), _)| room == room_id)
+            .filter_map(|((_, member), action)| Some((member.clone(), action.clone()?)))
+            .collect();
+        pending.sort_by(|a, b| a.0.cmp(&b.0));
+        pending
+    }
+
     fn forget_pending_of(&self, room_id: &str, view: &TaskView) {
         let member = view.payload.member_id().to_string();
         let key = (room_id.to_string(), member.clone());

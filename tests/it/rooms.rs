@@ -527,6 +527,13 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
     ws.ok("room.admit", admit("ask", "t1", "ops", "PARK now", 1))
         .await;
     let action = pending_for(&mut ws, "ask", "t1").await;
+    // A client that was not following the room when it was said finds it in the room.
+    let mut late = d.ws().await;
+    let room = late.ok("room.get", json!({"room_id": "ask"})).await;
+    assert_eq!(
+        room["pending_actions"],
+        json!([{"member_id": "ops", "action": action}])
+    );
     let (request, generation) = (
         action["request_id"].clone(),
         action["execution_generation"].clone(),
@@ -579,6 +586,8 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
             && e["payload"]["action"].is_null()
     })
     .await;
+    let room = late.ok("room.get", json!({"room_id": "ask"})).await;
+    assert_eq!(room["pending_actions"], json!([]), "{room}");
     // Too late once the attempt has ended.
     ws.refused(
         "room.respond",
