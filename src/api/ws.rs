@@ -555,13 +555,63 @@ fn id_of_oversized(text: &str) -> Value {
         id: Option<Value>,
     }
     match serde_json::from_str::<IdOnly>(text) {
-        Ok(IdOnly {
-            id: Some(id @ Value::String(_)),
-        }) => id,
-        Ok(IdOnly {
-            id: Some(Value::Number(n)),
-        }) if !is_wide_integer(&n) => Value::Number(n),
+        Ok(IdOnly { id: Some(id) }) => usable_id(id),
         _ => Value::Null,
+    }
+}
+
+/// `id` when it can answer a request (a string, or a number in the 64-bit range), else `null`.
+fn usable_id(id: Value) -> Value {
+    match id {
+        Value::String(_) => id,
+        Value::Number(ref n) if !is_wide_integer(n) => id,
+        _ => Value::Null,
+    }
+}
+
+/// The id of a message whose fragments passed the bound before it ended, read from the part
+/// received, member by member, as far as it is whole (the rest never came, and is not waited
+/// for). An `id` counts only once what follows it (the next member, or the object's end) was
+/// received: a number cut short would be another id. The last one read wins, as in a whole
+/// message; `null` when none was.
+fn id_of_prefix(bytes: &[u8]) -> Value {
+    /// The value at the start of `bytes`, and what follows it.
+    fn value<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<(T, &[u8])> {
+        let mut stream = serde_json::Deserializer::from_slice(bytes).into_iter::<T>();
+        let value = stream.next()?.ok()?;
+        Some((value, bytes.get(stream.byte_offset()..)?.trim_ascii_start()))
+    }
+    let mut id = Value::Null;
+    let Some(mut rest) = bytes.trim_ascii_start().strip_prefix(b"{") else {
+        return id;
+    };
+    loop {
+        let Some((key, after)) = value::<String>(rest.trim_ascii_start()) else {
+            return id;
+        };
+        let Some(after) = after.strip_prefix(b":") else {
+            return id;
+        };
+        let after = after.trim_ascii_start();
+        let after = if key == "id" {
+            let Some((read, after)) = value::<Value>(after) else {
+                return id;
+            };
+            if !matches!(after.first(), Some(b',' | b'}')) {
+                return id;
+            }
+            id = usable_id(read);
+            after
+        } else {
+            let Some((serde::de::IgnoredAny, after)) = value(after) else {
+                return id;
+            };
+            after
+        };
+        match after.strip_prefix(b",") {
+            Some(next) => rest = next,
+            None => return id,
+        }
     }
 }
 
@@ -990,12 +1040,14 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsConnection {
                 };
                 buf.extend_from_slice(&bytes);
                 if buf.len() > self.max_frame {
+                    // Answered with its id when the part received names it.
+                    let id = id_of_prefix(buf);
                     self.partial = None;
                     let err = GatewayError::PayloadTooLarge(format!(
                         "message is over {} bytes",
                         self.max_frame
                     ));
-                    ctx.text(error_frame(Value::Null, &err));
+                    ctx.text(error_frame(id, &err));
                     return;
                 }
                 if last {
@@ -1138,6 +1190,36 @@ mod tests {
 
     /// A reply frame written from its parts is, byte for byte, the one built as a value and
     /// written out, for awkward ids and results; so is any value written into one buffer.
+    /// A message refused part way through its fragments answers the id of the part received,
+    /// once that id is whole: a number is whole only when what follows it came too.
+    #[test]
+    fn an_oversized_messages_id_is_read_from_the_part_received() {
+        for (prefix, id) in [
+            (
+                r#"{"jsonrpc":"2.0","id":"big","params":{"text":"aaaa"#,
+                json!("big"),
+            ),
+            (
+                r#" { "i\u0064" : 12 , "method": "m", "params": [1, 2, {"#,
+                json!(12),
+            ),
+            (r#"{"extra":{"nested":[1,"}"]},"id":7}"#, json!(7)),
+            (r#"{"id":1,"id":"second","params":"#, json!("second")),
+            // Cut short, or after nothing of it.
+            (r#"{"jsonrpc":"2.0","id":12"#, Value::Null),
+            (r#"{"jsonrpc":"2.0","id":"bi"#, Value::Null),
+            (r#"{"jsonrpc":"2.0","params":{"text":"aaaa"#, Value::Null),
+            (r#"{"id":true,"params":"#, Value::Null),
+            (r#"{"id":18446744073709551616,"params":"#, Value::Null),
+            (r#"{"id":1,"id":{"x":1},"params":"#, Value::Null),
+            (r#"[{"id":1},"#, Value::Null),
+            ("\u{feff}{\"id\":1,", Value::Null),
+            ("", Value::Null),
+        ] {
+            assert_eq!(id_of_prefix(prefix.as_bytes()), id, "{prefix}");
+        }
+    }
+
     #[test]
     fn a_result_frame_is_the_reply_written_from_its_value() {
         let ids = [

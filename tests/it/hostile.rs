@@ -659,7 +659,8 @@ async fn hostile_raw_frames_close_or_refuse_and_the_daemon_keeps_serving() {
     assert_eq!(v["id"], "frag");
     assert_eq!(v["result"]["session_id"], sid, "{v}");
 
-    // fragmented_over_limit: the pieces together exceed the limit → payload_too_large in-band.
+    // fragmented_over_limit: the pieces together exceed the limit → payload_too_large in-band,
+    // answering the id the part received names (none here, then one).
     let chunk = vec![b' '; 3000];
     raw.frame(false, 0x1, b"{");
     raw.frame(false, 0x0, &chunk);
@@ -667,6 +668,22 @@ async fn hostile_raw_frames_close_or_refuse_and_the_daemon_keeps_serving() {
     let v = raw.reply();
     assert_eq!(
         v["error"]["data"]["reason"], "payload_too_large",
+        "fragmented_over_limit: {v}"
+    );
+    assert_eq!(v["id"], Value::Null, "fragmented_over_limit: {v}");
+    let pad = vec![b'a'; 3000];
+    raw.frame(
+        false,
+        0x1,
+        br#"{"jsonrpc":"2.0","id":"big","method":"m","params":{"text":""#,
+    );
+    raw.frame(false, 0x0, &pad);
+    raw.frame(false, 0x0, &pad);
+    raw.frame(true, 0x0, br#""}}"#);
+    let v = raw.reply();
+    assert_eq!(
+        (&v["id"], &v["error"]["data"]["reason"]),
+        (&json!("big"), &json!("payload_too_large")),
         "fragmented_over_limit: {v}"
     );
     raw.text(msg.as_bytes());
