@@ -495,6 +495,10 @@ async fn one_call(
                 })?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
+        // `"error": null` beside an answer is no error.
+        if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
+            return Err(classify_in_band(&error.to_string()));
+        }
         return parse_response(&v).map_err(ModelError::Malformed);
     }
     let mut parser = SseParser::new();
@@ -549,7 +553,7 @@ async fn one_call(
             }
             let chunk: Value = serde_json::from_str(&data)
                 .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
-            let delta = acc.apply(&chunk).map_err(|e| classify_stream_error(&e))?;
+            let delta = acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
             if let Some(sink) = &call.deltas {
                 if let Some(text) = delta.content {
                     *delivered = true;
@@ -588,12 +592,63 @@ fn retry_after_seconds(value: &str) -> Option<Duration> {
 /// is taken as ended without its `[DONE]`.
 const FINISHED_GRACE: Duration = Duration::from_secs(2);
 
-fn classify_stream_error(e: &str) -> ModelError {
-    let lower = e.to_lowercase();
-    if OVERFLOW_PHRASES.iter().any(|p| lower.contains(p)) {
-        ModelError::ContextOverflow(e.to_string())
+/// What an error the model reports in its body says, by class (checked in this order).
+const RATE_PHRASES: &[&str] = &["rate limit", "rate_limit", "too many requests", "quota"];
+const AUTH_PHRASES: &[&str] = &[
+    "unauthorized",
+    "unauthenticated",
+    "authentication",
+    "invalid api key",
+    "invalid_api_key",
+    "incorrect api key",
+    "permission denied",
+    "permission_denied",
+    "forbidden",
+];
+const SERVER_PHRASES: &[&str] = &[
+    "connection lost",
+    "connection reset",
+    "connection closed",
+    "overloaded",
+    "server_error",
+    "server error",
+    "internal error",
+    "internal_error",
+    "timed out",
+    "timeout",
+    "temporarily unavailable",
+    "service unavailable",
+];
+
+/// Classify an error the model reported in its body (a stream's `{"error": …}` event, or a
+/// plain reply's `error`), given as its JSON text: by its own status when it carries one
+/// (`code` or `status`, 400–599), as an HTTP error of that status; else by what it says. Only a
+/// server-side failure (a connection lost, reset or closed, an overloaded or failing server, a
+/// time-out) or a rate limit is asked again: a bad key or an unknown model would fail the same
+/// way on every try, each one a request.
+fn classify_in_band(error: &str) -> ModelError {
+    let v: Value = serde_json::from_str(error).unwrap_or_else(|_| Value::String(error.into()));
+    let status = ["code", "status"]
+        .iter()
+        .filter_map(|k| v.get(k))
+        .find_map(|c| c.as_u64().or_else(|| c.as_str()?.trim().parse().ok()))
+        .filter(|s| (400..600).contains(s));
+    if let Some(status) = status {
+        return classify(status as u16, error);
+    }
+    let lower = error.to_lowercase();
+    let says = |phrases: &[&str]| phrases.iter().any(|p| lower.contains(p));
+    let snippet: String = error.chars().take(500).collect();
+    if says(OVERFLOW_PHRASES) {
+        ModelError::ContextOverflow(snippet)
+    } else if says(RATE_PHRASES) {
+        ModelError::RateLimited(snippet)
+    } else if says(AUTH_PHRASES) {
+        ModelError::Auth(snippet)
+    } else if says(SERVER_PHRASES) {
+        ModelError::Transient(format!("model error: {snippet}"))
     } else {
-        ModelError::Transient(format!("stream error: {e}"))
+        ModelError::Client(format!("model error: {snippet}"))
     }
 }
 
@@ -622,6 +677,72 @@ fn echo_reply(body: &Value) -> ChatResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error the model reports in its body is classed by its own status, else by what it
+    /// says; only a failing server and a rate limit are asked again.
+    #[test]
+    fn an_error_in_the_body_is_classed_as_its_status_or_words_say() {
+        let class = |error: serde_json::Value| {
+            let e = classify_in_band(&error.to_string());
+            (e.class(), e.retryable())
+        };
+        for (error, want) in [
+            (
+                serde_json::json!({"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}),
+                ("auth", false),
+            ),
+            (
+                serde_json::json!({"message": "nope", "code": 401}),
+                ("auth", false),
+            ),
+            (
+                serde_json::json!({"message": "slow down", "code": "429"}),
+                ("rate_limited", true),
+            ),
+            (
+                serde_json::json!({"message": "Rate limit reached for requests"}),
+                ("rate_limited", true),
+            ),
+            (
+                serde_json::json!({"message": "The model `x` does not exist", "code": "model_not_found"}),
+                ("client", false),
+            ),
+            (
+                serde_json::json!({"message": "bad", "status": 404}),
+                ("client", false),
+            ),
+            (
+                serde_json::json!({"message": "upstream failed", "code": 502}),
+                ("transient", true),
+            ),
+            (
+                serde_json::json!({"message": "The server had an error", "type": "server_error", "code": null}),
+                ("transient", true),
+            ),
+            (
+                serde_json::json!({"type": "overloaded_error", "message": "Overloaded"}),
+                ("transient", true),
+            ),
+            (
+                serde_json::json!("connection reset by peer"),
+                ("transient", true),
+            ),
+            (
+                serde_json::json!({"message": "This model's maximum context length is 8192 tokens", "code": "context_length_exceeded"}),
+                ("context_overflow", false),
+            ),
+            (
+                serde_json::json!({"message": "too long", "code": 413}),
+                ("context_overflow", false),
+            ),
+            (
+                serde_json::json!({"message": "something odd"}),
+                ("client", false),
+            ),
+        ] {
+            assert_eq!(class(error.clone()), want, "{error}");
+        }
+    }
 
     #[test]
     fn classification_checks_overflow_before_generic_client_errors() {

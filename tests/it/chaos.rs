@@ -48,6 +48,8 @@ pub enum Fault {
     Drip(Duration),
     /// An SSE event whose data is not JSON.
     Malformed,
+    /// A stream whose one event is this error object (`{"error": …}`), then `[DONE]`.
+    SseError(Value),
     /// A streamed answer of about this many bytes of content.
     Huge(usize),
     /// A non-streamed JSON body of about this many bytes (Content-Length set).
@@ -306,6 +308,12 @@ fn answer(
         Fault::Drip(every) => {
             stream.write_all(SSE_HEAD.as_bytes())?;
             hold(stream, stop, Duration::from_secs(60), Some(every))
+        }
+        Fault::SseError(error) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &format!("data: {}\n\n", json!({"error": error})))?;
+            chunk(stream, "data: [DONE]\n\n")?;
+            stream.write_all(b"0\r\n\r\n")
         }
         Fault::Malformed => {
             stream.write_all(SSE_HEAD.as_bytes())?;

@@ -665,6 +665,66 @@ async fn model_auth_failure_is_not_retried() {
     .await;
 }
 
+/// An error the model reports inside a stream is classed as an HTTP error would be: a bad key
+/// is not asked again (it was, as "transient", three times here), a failing server is.
+#[actix_rt::test]
+async fn model_errors_in_the_stream_are_retried_only_when_the_server_failed() {
+    fault_case(
+        "sse_invalid_key",
+        |_| {
+            Fault::SseError(json!({"message": "Incorrect API key provided",
+                                   "type": "invalid_request_error", "code": "invalid_api_key"}))
+        },
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "authentication failed",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+    fault_case(
+        "sse_server_error",
+        |_| Fault::SseError(json!({"message": "The server had an error", "type": "server_error"})),
+        json!({}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "server_error",
+            attempts: Some(3),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+/// A plain reply that is an error (HTTP 200 with `error`) is classed by what it says too: it
+/// was taken for an unreadable answer and asked three times.
+#[actix_rt::test]
+async fn a_plain_reply_that_is_an_error_is_classed_by_what_it_says() {
+    fault_case(
+        "json_model_not_found",
+        |_| {
+            Fault::Status(
+                200,
+                r#"{"error":{"message":"The model `x` does not exist","code":"model_not_found"}}"#
+                    .into(),
+            )
+        },
+        json!({"model": {"stream": false}}),
+        None,
+        Expect {
+            outcome: "failed",
+            error: "does not exist",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
 // ---------- storage faults ----------
 
 /// Limit the size of files the daemon may write (its "disk"), or lift the limit.
