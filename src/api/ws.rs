@@ -112,6 +112,16 @@ pub async fn ws_route(
                 "too many open connections (gateway.max_connections = {})", cfg.max_connections)}}),
             ));
     };
+    // No credential at all is refused as such (401) before anything else is asked of the
+    // request: there is no ticket to keep for a retry.
+    let ticket = offered
+        .iter()
+        .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
+    if ticket.is_none() && !req.headers().contains_key("authorization") {
+        return Ok(HttpResponse::Unauthorized().json(
+            json!({"error": {"reason": "permission_denied", "message": "a ticket subprotocol or API key is required"}}),
+        ));
+    }
     // The rest of the request is checked before the ticket is spent too: a client refused for
     // a missing subprotocol or a stripped handshake header can retry with the same ticket.
     if !offered.iter().any(|p| p == SUBPROTOCOL) {
@@ -123,9 +133,6 @@ pub async fn ws_route(
             json!({"error": {"reason": "invalid_request", "message": format!("not a WebSocket upgrade: {e}")}}),
         ));
     }
-    let ticket = offered
-        .iter()
-        .find_map(|p| p.strip_prefix(TICKET_PREFIX).map(str::to_string));
     let credential = match ticket {
         Some(_) => Credential::ticket(&state.auth),
         None => Credential::of(&state.auth, &req),
@@ -142,13 +149,9 @@ pub async fn ws_route(
         None => match state.bearer_principal(&req) {
             Some(p) => p,
             None => {
-                let message = if req.headers().contains_key("authorization") {
-                    "the API key or token is not valid"
-                } else {
-                    "a ticket subprotocol or API key is required"
-                };
-                return Ok(HttpResponse::Unauthorized()
-                    .json(json!({"error": {"reason": "permission_denied", "message": message}})));
+                return Ok(HttpResponse::Unauthorized().json(
+                    json!({"error": {"reason": "permission_denied", "message": "the API key or token is not valid"}}),
+                ));
             }
         },
     };

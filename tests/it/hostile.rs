@@ -769,6 +769,13 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
         401,
         "permission_denied",
     );
+    // No credential at all, nor any subprotocol: refused as unauthenticated (it was a 400).
+    refused(
+        "no_credential_no_subprotocol",
+        raw_upgrade(&origin, &[], &[]),
+        401,
+        "permission_denied",
+    );
     refused(
         "ticket_unknown",
         raw_upgrade(&origin, &p("bogus"), &[]),
