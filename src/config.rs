@@ -294,6 +294,15 @@ impl Default for ApprovalsConfig {
     }
 }
 
+/// `clarify.timeout`: the older name of `agent.clarify_timeout`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct LegacyClarify {
+    timeout: Option<f64>,
+    #[serde(flatten)]
+    extra: Extra,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct AgentConfig {
@@ -522,6 +531,7 @@ impl Config {
         // Deserialize section by section so an error names its key.
         let obj = raw.as_object().cloned().unwrap_or_default();
         let mut config = Config::default();
+        let mut legacy_clarify = None;
         for (key, value) in obj {
             let k = key.as_str();
             match k {
@@ -538,10 +548,34 @@ impl Config {
                 "http" => config.http = section(k, value)?,
                 "profiles" => config.profiles = section(k, value)?,
                 "rooms" => config.rooms = section(k, value)?,
+                // The older name of `agent.clarify_timeout`, which wins when set (configs
+                // written for the system this gateway replaces carry it).
+                "clarify" => {
+                    let legacy: LegacyClarify = section(k, value)?;
+                    if let Some(timeout) = legacy.timeout {
+                        if !(timeout.is_finite() && (MIN_SECONDS..=MAX_SECONDS).contains(&timeout))
+                        {
+                            return Err(ConfigError::Invalid {
+                                key: "clarify.timeout".into(),
+                                message: format!(
+                                    "expected {MIN_SECONDS} to {MAX_SECONDS} seconds (every wait \
+                                     for an answer is bounded)"
+                                ),
+                            });
+                        }
+                        legacy_clarify = Some(timeout);
+                    }
+                    for (rest, v) in legacy.extra {
+                        config.extra.insert(format!("clarify.{rest}"), v);
+                    }
+                }
                 _ => {
                     config.extra.insert(key, value);
                 }
             }
+        }
+        if let Some(timeout) = legacy_clarify {
+            config.agent.clarify_timeout = timeout;
         }
         Ok(config)
     }
@@ -1096,15 +1130,30 @@ mod tests {
             }
         }
         // Every wait for an answer is bounded (an approval fails closed when it runs out).
-        for text in [
-            "approvals:\n  timeout: 0\n",
-            "agent:\n  clarify_timeout: 0\n",
+        for (text, key) in [
+            ("approvals:\n  timeout: 0\n", "approvals.timeout"),
+            ("agent:\n  clarify_timeout: 0\n", "agent.clarify_timeout"),
+            ("clarify:\n  timeout: -1\n", "clarify.timeout"),
         ] {
-            assert!(
-                matches!(parse(text), Err(ConfigError::Invalid { .. })),
-                "{text}"
-            );
+            match parse(text) {
+                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{text}"),
+                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
+            }
         }
+    }
+
+    /// `clarify.timeout`, the older name of `agent.clarify_timeout`, wins when set (it was
+    /// warned about as unknown, and a clarify waited an hour); what else is under `clarify` is
+    /// warned about as unknown.
+    #[test]
+    fn the_older_clarify_timeout_wins() {
+        let c = parse("agent:\n  clarify_timeout: 120\nclarify:\n  timeout: 30\n  other: 1\n")
+            .expect("config");
+        assert_eq!(c.agent.clarify_timeout, 30.0);
+        assert_eq!(c.unknown_keys(), vec!["clarify.other".to_string()]);
+        let c = parse("agent:\n  clarify_timeout: 120\n").expect("config");
+        assert_eq!(c.agent.clarify_timeout, 120.0);
+        assert!(c.unknown_keys().is_empty());
     }
 
     #[test]
