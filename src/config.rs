@@ -229,6 +229,8 @@ pub struct TerminalConfig {
     pub cwd: Option<PathBuf>,
     pub timeout: f64,
     pub output_cap: usize,
+    /// Background processes (`background: true`) that may run at once; 0 refuses them.
+    pub max_background: usize,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -239,6 +241,7 @@ impl Default for TerminalConfig {
             cwd: None,
             timeout: 180.0,
             output_cap: 50_000,
+            max_background: 8,
             extra: Extra::new(),
         }
     }

@@ -23,7 +23,10 @@ use crate::session::registry::{DrainAll, PumpSessions, SessionRegistry};
 use crate::session::{RuntimePhase, RuntimeState, Shared};
 use crate::store::{self, admissions, epoch, prompts, Db};
 use crate::telemetry::Metrics;
-use crate::tools::TerminalTool;
+use crate::tools::{StopBackground, TerminalTool};
+
+/// Where background processes' logs go, in the home.
+pub const BACKGROUND_LOGS: &str = "background";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -624,7 +627,10 @@ impl Gateway {
             db,
             epoch,
             model,
-            terminal: TerminalTool::start_on_own_arbiter(),
+            terminal: TerminalTool::start_on_own_arbiter(
+                config.terminal.max_background,
+                home.join(BACKGROUND_LOGS),
+            ),
             runtime: runtime.clone(),
             clock: clock.clone(),
             metrics,
@@ -761,6 +767,10 @@ impl RunningGateway {
         }
         if !self.rooms.stop(rooms).await {
             tracing::warn!("room workers did not stop in time");
+        }
+        // What the turns left running outlives them, not the gateway.
+        if let Ok(n @ 1..) = self.shared.terminal.send(StopBackground).await {
+            tracing::info!(n, "background processes killed");
         }
         self.tickets.revoke_all();
         drop(self.control_task);

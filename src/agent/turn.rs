@@ -24,7 +24,7 @@ use crate::store::messages::{self, NewMessage};
 use crate::store::prompts as prompt_store;
 use crate::store::sessions::{self, Compaction, SessionRow};
 use crate::tools::guard::{names_gateway_process, touches_gateway_state};
-use crate::tools::{self, danger, CommandSpec, RunCommand};
+use crate::tools::{self, danger, CommandSpec, RunCommand, StartBackground};
 
 /// How an attempt ended.
 #[derive(Debug, Clone)]
@@ -882,6 +882,9 @@ impl Turn {
         spec.output_cap = cfg.terminal.output_cap;
         spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
         spec.env_remove = vec!["ANTHROPIC_API_KEY".into(), "NOTIFY_SOCKET".into()];
+        if args.get("background").and_then(Value::as_bool) == Some(true) {
+            return self.background(spec).await;
+        }
         let outcome = self
             .ctx
             .shared
@@ -899,6 +902,47 @@ impl Turn {
             }
             Ok(Ok(o)) if o.interrupted => ToolResult::Interrupted,
             Ok(Ok(o)) => ToolResult::Output(o.to_tool_json(timeout.ceil() as u64)),
+            Ok(Err(e)) => ToolResult::Output(
+                json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
+            ),
+            Err(_) => ToolResult::Output(
+                json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"})
+                    .to_string(),
+            ),
+        }
+    }
+
+    /// Start an approved command to run on after this call (a server, a watcher): its output
+    /// goes to a log the result names, and it runs until it ends, is killed, or the gateway
+    /// stops.
+    async fn background(&mut self, spec: CommandSpec) -> ToolResult {
+        let started = self
+            .ctx
+            .shared
+            .terminal
+            .send(StartBackground { spec })
+            .await;
+        match started {
+            Ok(Ok(b)) => {
+                let log = b.log.to_string_lossy();
+                ToolResult::Output(
+                    json!({
+                        "output": "Background process started",
+                        "session_id": b.id,
+                        "pid": b.pid,
+                        "exit_code": 0,
+                        "error": null,
+                        "log": log,
+                        "note": format!(
+                            "It runs on in the background. Its output (stdout and stderr) goes to \
+                             {log}: read it with the terminal tool (tail -n 50 {log}). Stop it with \
+                             kill -- -{}.",
+                            b.pid
+                        ),
+                    })
+                    .to_string(),
+                )
+            }
             Ok(Err(e)) => ToolResult::Output(
                 json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
             ),

@@ -6,6 +6,9 @@ pub mod guard;
 pub mod redact;
 pub mod terminal;
 
+use std::collections::HashMap;
+use std::path::PathBuf;
+
 use actix::prelude::*;
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -28,7 +31,8 @@ pub fn schema(name: &str) -> Option<Value> {
                     "properties": {
                         "command": {"type": "string", "description": "The command line to run."},
                         "timeout": {"type": "integer", "description": "Seconds before the command is killed (at most the gateway's limit, which is also the default)."},
-                        "workdir": {"type": "string", "description": "Working directory, absolute or under the session's (defaults to the session's)."}
+                        "workdir": {"type": "string", "description": "Working directory, absolute or under the session's (defaults to the session's)."},
+                        "background": {"type": "boolean", "description": "Start the command and return at once, leaving it running (a server, a watcher); its output goes to a log file the result names, and the result gives its pid."}
                     },
                     "required": ["command"]
                 }
@@ -64,17 +68,29 @@ pub fn schema(name: &str) -> Option<Value> {
     }
 }
 
-/// Runs terminal commands on its own arbiter so child processes never share a session's thread.
-pub struct TerminalTool;
+/// Runs terminal commands on its own arbiter so child processes never share a session's thread,
+/// and keeps the background processes it started (`background: true`) until they end.
+pub struct TerminalTool {
+    /// Live background processes: their process group, by id.
+    background: HashMap<String, libc::pid_t>,
+    /// How many may live at once (`terminal.max_background`).
+    max_background: usize,
+    /// Where their logs go.
+    logs: PathBuf,
+}
 
 impl Actor for TerminalTool {
     type Context = Context<Self>;
 }
 
 impl TerminalTool {
-    pub fn start_on_own_arbiter() -> Addr<TerminalTool> {
+    pub fn start_on_own_arbiter(max_background: usize, logs: PathBuf) -> Addr<TerminalTool> {
         let arbiter = Arbiter::new();
-        TerminalTool::start_in_arbiter(&arbiter.handle(), |_| TerminalTool)
+        TerminalTool::start_in_arbiter(&arbiter.handle(), move |_| TerminalTool {
+            background: HashMap::new(),
+            max_background,
+            logs,
+        })
     }
 }
 
@@ -93,5 +109,87 @@ impl Handler<RunCommand> for TerminalTool {
 
     fn handle(&mut self, m: RunCommand, _: &mut Context<Self>) -> Self::Result {
         Box::pin(terminal::run_command(m.spec, m.cancel))
+    }
+}
+
+/// A background process started: its id, its shell's pid (which is its process group), and its
+/// log.
+#[derive(Debug, Clone)]
+pub struct BackgroundStarted {
+    pub id: String,
+    pub pid: u32,
+    pub log: PathBuf,
+}
+
+/// Start a command to run on after the call returns (`background: true`).
+pub struct StartBackground {
+    pub spec: CommandSpec,
+}
+
+impl Message for StartBackground {
+    type Result = Result<BackgroundStarted, TerminalError>;
+}
+
+impl Handler<StartBackground> for TerminalTool {
+    type Result = Result<BackgroundStarted, TerminalError>;
+
+    fn handle(&mut self, m: StartBackground, ctx: &mut Context<Self>) -> Self::Result {
+        if self.background.len() >= self.max_background {
+            return Err(TerminalError::TooManyBackground(self.max_background));
+        }
+        let id = format!("bg-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let log = self.logs.join(format!("{id}.log"));
+        let file = open_log(&self.logs, &log).map_err(TerminalError::Log)?;
+        let (pid, run) = terminal::spawn_background(&m.spec, file, terminal::BACKGROUND_LOG_CAP)?;
+        let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
+        self.background.insert(id.clone(), pgid);
+        tracing::info!(id = %id, pid, command = %m.spec.command, "background process started");
+        let ended = id.clone();
+        ctx.spawn(run.into_actor(self).map(move |code, act, _| {
+            act.background.remove(&ended);
+            tracing::info!(id = %ended, pid, exit_code = ?code, "background process ended");
+        }));
+        Ok(BackgroundStarted { id, pid, log })
+    }
+}
+
+/// The logs' directory (the daemon's user's only) and a new log in it, which only that user
+/// may read: a command's output may hold what it printed of secrets.
+fn open_log(dir: &std::path::Path, log: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(log)
+}
+
+/// Kill every background process still running (the gateway stops); how many there were.
+pub struct StopBackground;
+
+impl Message for StopBackground {
+    type Result = usize;
+}
+
+impl Handler<StopBackground> for TerminalTool {
+    type Result = usize;
+
+    fn handle(&mut self, _: StopBackground, _: &mut Context<Self>) -> usize {
+        let n = self.background.len();
+        for (id, pgid) in self.background.drain() {
+            // Never our own group (0) nor init (1): each is the group its shell was made.
+            if pgid > 1 {
+                // SAFETY: killpg has no memory-safety preconditions.
+                unsafe {
+                    libc::killpg(pgid, libc::SIGKILL);
+                }
+            }
+            tracing::info!(id = %id, "background process killed: the gateway stops");
+        }
+        n
     }
 }

@@ -145,6 +145,13 @@ pub enum TerminalError {
     Spawn(#[source] io::Error),
     #[error("failed to wait for shell: {0}")]
     Wait(#[source] io::Error),
+    #[error(
+        "{0} background processes are running already (terminal.max_background): stop one \
+         first (kill -- -PID)"
+    )]
+    TooManyBackground(usize),
+    #[error("cannot open the background process's log: {0}")]
+    Log(#[source] io::Error),
 }
 
 /// Runs `spec.command` and collects its output.
@@ -260,6 +267,77 @@ pub async fn run_command(
         truncated,
         started: true,
     })
+}
+
+/// The most of a background process's output its log keeps; what comes after is read and
+/// dropped (the process never blocks on a full pipe), and the log says so.
+pub const BACKGROUND_LOG_CAP: u64 = 16 << 20;
+
+/// Starts `spec.command` to run on after its call returns (`background: true`), in its own
+/// process group, with its output (stdout and stderr, in arrival order) written to `log`, at
+/// most `cap` bytes of it. `spec.timeout` does not apply. Returns the shell's pid and what
+/// drives the process to its end: it pumps the output and reaps the shell, and gives the exit
+/// code (`None` if it could not be read). Dropping it kills the shell.
+pub fn spawn_background(
+    spec: &CommandSpec,
+    log: std::fs::File,
+    cap: u64,
+) -> Result<(u32, impl std::future::Future<Output = Option<i32>>), TerminalError> {
+    use tokio::io::AsyncWriteExt;
+    if !spec.cwd.is_dir() {
+        return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
+    }
+    let env = build_env(std::env::vars_os(), spec);
+    let mut child = spawn_shell(spec, &env)?;
+    let pid = child
+        .id()
+        .ok_or_else(|| TerminalError::Spawn(io::Error::other("the shell exited at once")))?;
+    let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
+    let run = async move {
+        let mut log = tokio::fs::File::from_std(log);
+        let (mut out_buf, mut err_buf) = (vec![0u8; READ_CHUNK], vec![0u8; READ_CHUNK]);
+        let mut written = 0u64;
+        let mut log_ok = true;
+        loop {
+            let (from_stdout, read) = tokio::select! {
+                r = read_some(&mut stdout, &mut out_buf), if stdout.is_some() => (true, r),
+                r = read_some(&mut stderr, &mut err_buf), if stderr.is_some() => (false, r),
+                else => break,
+            };
+            let n = match read {
+                Ok(n) if n > 0 => n,
+                // The end of one pipe (or an error reading it): the other may go on.
+                _ => {
+                    if from_stdout {
+                        stdout = None;
+                    } else {
+                        stderr = None;
+                    }
+                    continue;
+                }
+            };
+            let data = if from_stdout {
+                &out_buf[..n]
+            } else {
+                &err_buf[..n]
+            };
+            if written < cap {
+                let keep = usize::try_from(cap - written).unwrap_or(usize::MAX).min(n);
+                if log_ok {
+                    log_ok = log.write_all(&data[..keep]).await.is_ok();
+                }
+                if log_ok && keep < n {
+                    let notice =
+                        format!("\n[log capped at {cap} bytes: later output is dropped]\n");
+                    log_ok = log.write_all(notice.as_bytes()).await.is_ok();
+                }
+            }
+            written = written.saturating_add(n as u64);
+        }
+        let _ = log.flush().await;
+        child.wait().await.ok().map(exit_code_of)
+    };
+    Ok((pid, run))
 }
 
 /// Caps `text` to `cap` characters, keeping the first 40 % and the last
@@ -813,6 +891,28 @@ mod tests {
             out.to_tool_json(180),
             r#"{"output":"hello\noops","exit_code":0,"error":null}"#
         );
+    }
+
+    /// A background process's output (both pipes) goes to its log up to the cap, then a notice:
+    /// what follows is read and dropped, so the process is never blocked on a full pipe and
+    /// runs to its end.
+    #[tokio::test]
+    async fn a_background_log_keeps_its_cap_and_says_so() {
+        let dir = TempDir::new("bg");
+        let run_to_end = |command: &str, name: &str| {
+            let log = dir.path().join(name);
+            let file = std::fs::File::create(&log).unwrap();
+            let (pid, run) = spawn_background(&spec(command, &dir), file, 1000).unwrap();
+            assert!(pid > 1);
+            async move { (run.await, std::fs::read_to_string(&log).unwrap()) }
+        };
+        let (code, text) = run_to_end("echo on-stderr >&2; exit 3", "err.log").await;
+        assert_eq!((code, text.as_str()), (Some(3), "on-stderr\n"));
+        let command = "head -c 300000 /dev/zero | tr '\\0' x; echo last";
+        let (code, text) = run_to_end(command, "big.log").await;
+        assert_eq!(code, Some(0), "it ran to its end");
+        let notice = "\n[log capped at 1000 bytes: later output is dropped]\n";
+        assert_eq!(text, format!("{}{notice}", "x".repeat(1000)));
     }
 
     #[tokio::test]

@@ -141,6 +141,19 @@ fn requests_after_tool(model: &FakeModel, text: &str) -> usize {
         .count()
 }
 
+/// Is process `pid` running (a zombie is not)?
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next())
+                .map(|st| st != "Z")
+        })
+        .unwrap_or(false)
+}
+
 async fn settled(home: &Home, input_id: &str) -> gatehouse::store::admissions::AdmissionRow {
     wait_until(&format!("{input_id} settled"), T, || {
         home.admission(input_id).status == "terminal"
@@ -1115,17 +1128,6 @@ async fn interrupt_kills_a_running_command_and_settles_interrupted() {
         asked.elapsed()
     );
     assert_eq!(row.outcome.as_deref(), Some("interrupted"));
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| {
-                s.rsplit(')')
-                    .next()
-                    .and_then(|rest| rest.split_whitespace().next())
-                    .map(|st| st != "Z")
-            })
-            .unwrap_or(false)
-    };
     wait_until("the sleep to be killed", Duration::from_secs(5), || {
         !alive(pid)
     })
@@ -2176,4 +2178,60 @@ async fn a_deposed_daemon_records_no_tool_activity() {
         !recorded.iter().any(|t| t == "tool.complete"),
         "{recorded:?}"
     );
+}
+
+/// `background: true` starts the command and returns at once with its pid and log: it runs on
+/// after its turn, its output reaches the log, at most `terminal.max_background` run at once,
+/// and a graceful stop kills it. Before, the flag was ignored: the command ran in the
+/// foreground until `terminal.timeout` killed it, and the turn waited for it.
+#[actix_rt::test]
+async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
+    let bg = |id: &str| {
+        tool_call(
+            id,
+            "terminal",
+            json!({"command": "echo bg-up; exec sleep 600", "background": true}),
+        )
+    };
+    let model = scripted(vec![("BG", bg("call_bg")), ("BG2", bg("call_bg2"))]);
+    let (home, mut d) = Daemon::with_model(
+        &model,
+        json!({"terminal": {"max_background": 1, "timeout": 30}}),
+    );
+    let mut ws = d.ws().await;
+    let sid = ws.session("bg", &home.path).await;
+    let asked = std::time::Instant::now();
+    ws.submit(&sid, "BG", "BG").await;
+    let row = settled(&home, "BG").await;
+    assert_eq!(row.outcome.as_deref(), Some("completed"));
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "the turn waited for its background command: {:?}",
+        asked.elapsed()
+    );
+    let started = tool_result(&model, "BG");
+    assert_eq!(started["output"], "Background process started", "{started}");
+    assert_eq!(started["exit_code"], 0, "{started}");
+    let pid = started["pid"].as_i64().expect("pid") as i32;
+    let log = PathBuf::from(started["log"].as_str().expect("log"));
+    assert!(log.starts_with(&home.path), "{}", log.display());
+    wait_until("the background output in its log", T, || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("bg-up"))
+    })
+    .await;
+    assert!(alive(pid), "the background process runs on after its turn");
+    // One at a time here: the next is refused, and runs nothing.
+    ws.submit(&sid, "BG2", "BG2").await;
+    settled(&home, "BG2").await;
+    let refused = tool_result(&model, "BG2");
+    assert!(
+        refused["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("terminal.max_background")),
+        "{refused}"
+    );
+    assert_eq!(refused["exit_code"], -1, "{refused}");
+    // The gateway's graceful stop kills it.
+    assert_eq!(d.term(), Some(0));
+    wait_until("the background process killed", T, || !alive(pid)).await;
 }
