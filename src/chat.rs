@@ -499,6 +499,8 @@ async fn follow(
                 }
                 out(if listed.is_empty() {
                     "answer: "
+                } else if payload["multi_select"] == true {
+                    "answer (numbers separated by commas pick those choices): "
                 } else {
                     "answer (a number picks that choice; anything else is said as is): "
                 });

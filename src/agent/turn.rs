@@ -996,15 +996,31 @@ impl Turn {
                 })
                 .unwrap_or_default()
         };
+        // Several choices may be picked where the model asks for it (`multi_select`), of a
+        // question that offers choices; a batch's question keeps the id the model gave it.
+        let multi = |q: &Value| q.get("multi_select").and_then(Value::as_bool) == Some(true);
+        let mut ids: Vec<String> = Vec::new();
+        let mut multis: Vec<bool> = Vec::new();
         let batch = args.get("questions").and_then(|q| q.as_array()).is_some();
         if let Some(list) = args.get("questions").and_then(|q| q.as_array()) {
             for q in list.iter().take(5) {
                 if let Some(text) = q.get("question").and_then(|t| t.as_str()) {
-                    questions.push((text.to_string(), flatten_choices(q.get("choices"))));
+                    let choices = flatten_choices(q.get("choices"));
+                    multis.push(multi(q) && !choices.is_empty());
+                    ids.push(
+                        q.get("id")
+                            .and_then(Value::as_str)
+                            .filter(|id| !id.trim().is_empty())
+                            .map_or_else(|| format!("q{}", questions.len()), str::to_string),
+                    );
+                    questions.push((text.to_string(), choices));
                 }
             }
         } else if let Some(text) = args.get("question").and_then(|t| t.as_str()) {
-            questions.push((text.to_string(), flatten_choices(args.get("choices"))));
+            let choices = flatten_choices(args.get("choices"));
+            multis.push(multi(args) && !choices.is_empty());
+            ids.push("q0".into());
+            questions.push((text.to_string(), choices));
         }
         if questions.is_empty() {
             return ToolResult::Output(
@@ -1014,8 +1030,8 @@ impl Turn {
         let payload = json!({
             "question": questions[0].0,
             "choices": questions[0].1,
-            "questions": questions.iter().enumerate().map(|(i, (q, c))| json!({"id": format!("q{i}"), "question": q, "choices": c})).collect::<Vec<_>>(),
-            "multi_select": false,
+            "questions": questions.iter().enumerate().map(|(i, (q, c))| json!({"id": ids[i], "question": q, "choices": c, "multi_select": multis[i]})).collect::<Vec<_>>(),
+            "multi_select": multis[0],
         });
         let timeout = self.ctx.shared.config.agent.clarify_timeout;
         let (answers, timed_out): (Vec<String>, bool) = match self
@@ -1041,14 +1057,24 @@ impl Turn {
                 (many.unwrap_or_else(|| vec![t]), false)
             }
         };
+        // A multi-select answer is the list of the choices picked; any other, one text.
+        let response = |i: usize, c: &[String]| -> Value {
+            let typed = answers.get(i).map_or("", String::as_str);
+            if multis[i] {
+                Value::from(pick_many(typed, c))
+            } else {
+                Value::from(pick(typed, c))
+            }
+        };
         if !batch {
             let (q, c) = &questions[0];
             let response = if timed_out {
-                "The user did not provide a response within the time limit. Use your best judgement to make the \
-                 choice and proceed."
-                    .to_string()
+                Value::from(
+                    "The user did not provide a response within the time limit. Use your best \
+                     judgement to make the choice and proceed.",
+                )
             } else {
-                pick(answers.first().map_or("", String::as_str), c)
+                response(0, c)
             };
             return ToolResult::Output(
                 json!({"question": q, "choices_offered": c, "user_response": response}).to_string(),
@@ -1058,8 +1084,8 @@ impl Turn {
             .iter()
             .enumerate()
             .map(|(i, (q, c))| {
-                json!({"id": format!("q{i}"), "question": q, "choices_offered": c,
-                       "user_response": pick(answers.get(i).map_or("", String::as_str), c)})
+                json!({"id": ids[i], "question": q, "choices_offered": c,
+                       "user_response": response(i, c)})
             })
             .collect();
         let mut out = json!({"responses": responses});
@@ -1539,6 +1565,32 @@ const ONCE_ONLY_RULES: &[&str] = &[
 
 /// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
 /// choice's label in any case picks it as offered, anything else is the user's own words.
+/// The choices a multi-select answer picks, in the order typed: numbers or labels, separated by
+/// commas (`1,3`, `blue, green`), or numbers by spaces (`1 3`), or a JSON list of them. What
+/// is typed and is no choice is kept as typed; an empty answer picks nothing.
+fn pick_many(answer: &str, choices: &[String]) -> Vec<String> {
+    let typed = answer.trim();
+    let parts: Vec<String> = if let Ok(list) = serde_json::from_str::<Vec<Value>>(typed) {
+        list.iter()
+            .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
+            .collect()
+    } else if typed.contains(',') {
+        typed.split(',').map(str::to_string).collect()
+    } else if typed.split_whitespace().all(|w| w.parse::<usize>().is_ok()) {
+        typed.split_whitespace().map(str::to_string).collect()
+    } else {
+        vec![typed.to_string()]
+    };
+    let mut picked: Vec<String> = Vec::new();
+    for part in parts.iter().filter(|p| !p.trim().is_empty()) {
+        let one = pick(part, choices).trim().to_string();
+        if !picked.contains(&one) {
+            picked.push(one);
+        }
+    }
+    picked
+}
+
 fn pick(answer: &str, choices: &[String]) -> String {
     let typed = answer.trim();
     let typed = typed.strip_suffix(" (Recommended)").unwrap_or(typed).trim();
@@ -1716,7 +1768,7 @@ fn stop_resolution(interrupted: bool, draining: bool) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, stop_resolution, strip_think, unique_call_ids};
+    use super::{pick, pick_many, stop_resolution, strip_think, unique_call_ids};
 
     #[test]
     fn every_call_gets_an_id_of_its_own() {
@@ -1757,6 +1809,21 @@ mod tests {
         assert_eq!(pick("0", &choices), "0");
         assert_eq!(pick("teal, please", &choices), "teal, please");
         assert_eq!(pick("2", &[]), "2");
+    }
+
+    /// A multi-select answer picks several, by numbers or labels, in the order typed.
+    #[test]
+    fn a_multi_select_answer_picks_each_choice_named() {
+        let choices: Vec<String> = ["RED", "GREEN", "BLUE"].map(String::from).to_vec();
+        let many = |typed: &str| pick_many(typed, &choices);
+        assert_eq!(many("1,3"), ["RED", "BLUE"]);
+        assert_eq!(many(" 3 1 "), ["BLUE", "RED"]);
+        assert_eq!(many("green, Red,green"), ["GREEN", "RED"]);
+        assert_eq!(many(r#"["2", "blue"]"#), ["GREEN", "BLUE"]);
+        assert_eq!(many("2, teal"), ["GREEN", "teal"]);
+        assert_eq!(many("dark blue"), ["dark blue"]);
+        assert!(many("").is_empty());
+        assert!(many(" , ").is_empty());
     }
 
     /// The claim's bounded read gives up on a transcript with more live messages than its

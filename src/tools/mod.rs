@@ -48,6 +48,7 @@ pub fn schema(name: &str) -> Option<Value> {
                     "properties": {
                         "question": {"type": "string"},
                         "choices": {"type": "array", "items": {"type": "string"}},
+                        "multi_select": {"type": "boolean", "description": "The user may pick several of the choices (the answer is then their list)."},
                         "questions": {
                             "type": "array",
                             "items": {
@@ -55,7 +56,8 @@ pub fn schema(name: &str) -> Option<Value> {
                                 "properties": {
                                     "id": {"type": "string"},
                                     "question": {"type": "string"},
-                                    "choices": {"type": "array", "items": {"type": "string"}}
+                                    "choices": {"type": "array", "items": {"type": "string"}},
+                                    "multi_select": {"type": "boolean"}
                                 },
                                 "required": ["question"]
                             }

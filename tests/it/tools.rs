@@ -762,7 +762,15 @@ async fn clarify_answers_reach_the_tool_result() {
         "clarify",
         json!({"questions": [{"question": "Pick a color", "choices": ["BLUE", "GREEN"]}]}),
     );
-    let model = scripted(vec![("ASK", single), ("BATCH", batch)]);
+    let many = tool_call(
+        "call_m",
+        "clarify",
+        json!({"questions": [
+            {"id": "colors", "question": "Which colors?", "choices": ["RED", "GREEN", "BLUE"], "multi_select": true},
+            {"question": "Sure?", "multi_select": true},
+        ]}),
+    );
+    let model = scripted(vec![("ASK", single), ("BATCH", batch), ("MANY", many)]);
     let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("clarify", &home.path).await;
@@ -792,6 +800,23 @@ async fn clarify_answers_reach_the_tool_result() {
     let result = tool_result(&model, "BATCH");
     assert_eq!(result["responses"][0]["user_response"], "GREEN", "{result}");
     assert!(result.get("timed_out").is_none());
+    // Several picked where the model asks for it, and a question keeps the id it was given.
+    ws.submit(&sid, "MANY", "MANY").await;
+    let p = ws.wait_prompt(&sid, "clarify").await;
+    assert_eq!(p["multi_select"], true, "{p}");
+    assert_eq!(p["questions"][0]["id"], "colors", "{p}");
+    answer(&mut ws, &sid, &p, r#"["1,3", "yes"]"#).await;
+    settled(&home, "MANY").await;
+    let result = tool_result(&model, "MANY");
+    assert_eq!(
+        result["responses"],
+        json!([
+            {"id": "colors", "question": "Which colors?", "choices_offered": ["RED", "GREEN", "BLUE"],
+             "user_response": ["RED", "BLUE"]},
+            {"id": "q1", "question": "Sure?", "choices_offered": [], "user_response": "yes"},
+        ]),
+        "{result}"
+    );
 }
 
 #[actix_rt::test]
