@@ -71,6 +71,8 @@ commands:
   room-retry ROOM TASK                retry an indeterminate or deferred room task
   room-cancel ROOM TASK               cancel a room task
   room-disband ROOM                   cancel a room's open tasks and retire the room
+  room-respond ROOM TASK GENERATION REQUEST once|deny
+                                      answer the approval a room's member waits on (rooms lists them)
 
 The home is --home, else $GATEHOUSE_HOME, else $XDG_STATE_HOME/gatehouse (~/.local/state/gatehouse).";
 
@@ -197,7 +199,7 @@ fn main() -> ExitCode {
     match args.command.as_str() {
         "serve" => serve(args),
         "status" | "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry"
-        | "room-cancel" | "room-disband" => operator(args),
+        | "room-cancel" | "room-disband" | "room-respond" => operator(args),
         "chat" => chat(args),
         "key" => key(args),
         "bench" => bench(args),
@@ -377,6 +379,21 @@ fn operator(args: Args) -> ExitCode {
                 json!({"room_id": room, "task_id": task}),
             )
         }
+        "room-respond" => {
+            let [room, task, generation, request, choice] = args.rest.as_slice() else {
+                eprintln!("usage: gatehouse room-respond ROOM TASK GENERATION REQUEST once|deny");
+                return ExitCode::from(2);
+            };
+            let Ok(generation) = generation.parse::<i64>() else {
+                eprintln!("gatehouse room-respond: GENERATION must be a number (rooms lists it)");
+                return ExitCode::from(2);
+            };
+            (
+                "room-respond",
+                json!({"room_id": room, "task_id": task, "execution_generation": generation,
+                       "request_id": request, "choice": choice}),
+            )
+        }
         "room-disband" => {
             let [room] = args.rest.as_slice() else {
                 eprintln!("usage: gatehouse room-disband ROOM");
@@ -487,6 +504,18 @@ fn operator(args: Args) -> ExitCode {
                     r["members"],
                     r["task_counts"]
                 );
+                for p in r["pending_actions"].as_array().cloned().unwrap_or_default() {
+                    let a = &p["action"];
+                    println!(
+                        "  member {} waits on an approval of {}\n    answer: gatehouse room-respond {} {} {} {} once|deny",
+                        p["member_id"].as_str().unwrap_or(""),
+                        a["approval"]["command"],
+                        r["room_id"].as_str().unwrap_or(""),
+                        a["task_id"].as_str().unwrap_or(""),
+                        a["execution_generation"],
+                        a["request_id"].as_str().unwrap_or(""),
+                    );
+                }
             }
             let st = &reply["status"];
             println!(
@@ -503,6 +532,13 @@ fn operator(args: Args) -> ExitCode {
                 "{} {}",
                 reply["room_id"].as_str().unwrap_or(""),
                 reply["state"].as_str().unwrap_or("")
+            );
+        }
+        "room-respond" => {
+            println!(
+                "{} {}",
+                reply["request_id"].as_str().unwrap_or(""),
+                reply["status"].as_str().unwrap_or("")
             );
         }
         "room-retry" | "room-cancel" => {

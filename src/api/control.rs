@@ -324,7 +324,9 @@ impl Control {
                     Err(e) => err(e.reason(), e.detail()),
                 }
             }
-            "rooms" | "room-retry" | "room-cancel" | "room-disband" if same_user => {
+            "rooms" | "room-retry" | "room-cancel" | "room-disband" | "room-respond"
+                if same_user =>
+            {
                 let Some(rooms) = self.authority.rooms.get() else {
                     return err("unavailable", "hosted rooms are not running");
                 };
@@ -332,6 +334,7 @@ impl Control {
                     "rooms" => rooms.list().await,
                     "room-retry" => rooms.call("room.retry", params, None, |_| {}).await,
                     "room-disband" => rooms.call("room.disband", params, None, |_| {}).await,
+                    "room-respond" => rooms.call("room.respond", params, None, |_| {}).await,
                     _ => {
                         let mut p = params;
                         if p.get("cancel_id").is_none() {
@@ -344,14 +347,14 @@ impl Control {
                 result.unwrap_or_else(|e| err(e.reason(), e.detail()))
             }
             "sessions" | "pending" | "resolve-unknown" | "rooms" | "room-retry" | "room-cancel"
-            | "room-disband" => err(
+            | "room-disband" | "room-respond" => err(
                 "permission_denied",
                 "operator commands need the daemon's user",
             ),
             other => {
                 json!({"error": {"code": "unknown_method", "message": format!("unknown method: {other}"),
                 "supported": ["identify", "session-ticket", "status", "sessions", "pending", "resolve-unknown",
-                    "rooms", "room-retry", "room-cancel", "room-disband"]}})
+                    "rooms", "room-retry", "room-cancel", "room-disband", "room-respond"]}})
             }
         }
     }

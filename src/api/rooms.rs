@@ -678,6 +678,20 @@ impl RoomsService {
             })
             .await
             .map_err(store_error)?;
+        // What each room's members wait on now (to answer with `room-respond`).
+        let rooms: Vec<Value> = rooms
+            .into_iter()
+            .map(|mut r| {
+                let room = r["room_id"].as_str().unwrap_or_default().to_string();
+                r["pending_actions"] = self
+                    .runtime
+                    .pending_actions(&room)
+                    .into_iter()
+                    .map(|(member, action)| json!({"member_id": member, "action": action}))
+                    .collect();
+                r
+            })
+            .collect();
         Ok(json!({"gateway_id": self.gateway_id, "rooms": rooms, "status": self.runtime.status()}))
     }
 

@@ -596,16 +596,37 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
     )
     .await;
 
-    // Denied: the next task's command never runs, and the task settles all the same.
+    // Denied, by the operator (on the control socket, which lists what members wait on): the
+    // next task's command never runs, and the task settles all the same.
     std::fs::create_dir_all(victim.path.join("keep")).expect("victim dir");
     ws.ok("room.admit", admit("ask", "t2", "ops", "PARK now", 2))
         .await;
     let action = pending_for(&mut ws, "ask", "t2").await;
-    let denied = json!({"room_id": "ask", "task_id": "t2",
-                        "execution_generation": action["execution_generation"],
-                        "request_id": action["request_id"], "choice": "deny"});
-    let taken = ws.ok("room.respond", denied).await;
-    assert_eq!(taken["status"], "resolved", "{taken}");
+    let listed = control(&home.path, "rooms", json!({})).expect("rooms");
+    assert_eq!(
+        listed["rooms"][0]["pending_actions"],
+        json!([{"member_id": "ops", "action": action}]),
+        "{listed}"
+    );
+    let cli = |args: &[&str]| {
+        let o = std::process::Command::new(bin())
+            .args(args)
+            .arg("--home")
+            .arg(&home.path)
+            .output()
+            .expect("gatehouse");
+        assert!(o.status.success(), "{args:?}: {o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let (generation, request) = (
+        action["execution_generation"].to_string(),
+        action["request_id"].as_str().expect("request").to_string(),
+    );
+    let answer_line = format!("gatehouse room-respond ask t2 {generation} {request} once|deny");
+    let listing = cli(&["rooms"]);
+    assert!(listing.contains(&answer_line), "{listing}");
+    let taken = cli(&["room-respond", "ask", "t2", &generation, &request, "deny"]);
+    assert_eq!(taken.trim(), format!("{request} resolved"));
     wait_status(&mut ws, "ask", "t2", "settled").await;
     assert!(
         victim.path.join("keep").exists(),
@@ -613,7 +634,7 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
     );
     assert_eq!(model.reached("PARK now"), 2, "each attempt ran once");
 
-    // Each answer is recorded as the owner's, against its prompt.
+    // Each answer is recorded as who gave it, against its prompt: the owner, then the operator.
     let answers: Vec<(Option<String>, Option<String>)> = {
         use diesel::prelude::*;
         use gatehouse::store::schema::prompts;
@@ -635,7 +656,7 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
     };
     assert_eq!(answers.len(), 2, "{answers:?}");
     assert_eq!(answers[0].1.as_deref(), Some(owner.as_str()), "{answers:?}");
-    assert_eq!(answers[1].1.as_deref(), Some(owner.as_str()), "{answers:?}");
+    assert_eq!(answers[1].1.as_deref(), Some("operator"), "{answers:?}");
     assert!(
         answers[0].0.as_deref().is_some_and(|r| r.contains("once")),
         "{answers:?}"
