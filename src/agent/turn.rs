@@ -735,6 +735,7 @@ impl Turn {
         }
         let shared = self.ctx.shared.clone();
         let cfg = &shared.config;
+        let background = args.get("background").and_then(Value::as_bool) == Some(true);
         let (hardline, mut matched) = danger::assess(&command);
         if let Some(m) = hardline {
             return ToolResult::Output(blocked(&format!(
@@ -821,6 +822,8 @@ impl Turn {
                             "descriptions": descriptions,
                             "pattern_key": first.key,
                             "pattern_keys": keys,
+                            // Left running after its call, when approved.
+                            "background": background,
                         });
                         let timeout = cfg.approvals.timeout;
                         match self.ask(PromptKind::Approval, payload, choices, timeout).await {
@@ -882,7 +885,7 @@ impl Turn {
         spec.output_cap = cfg.terminal.output_cap;
         spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
         spec.env_remove = vec!["ANTHROPIC_API_KEY".into(), "NOTIFY_SOCKET".into()];
-        if args.get("background").and_then(Value::as_bool) == Some(true) {
+        if background {
             return self.background(spec).await;
         }
         let outcome = self

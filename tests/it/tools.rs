@@ -2218,13 +2218,38 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
             json!({"command": "echo bg-up; exec sleep 600", "background": true}),
         )
     };
-    let model = scripted(vec![("BG", bg("call_bg")), ("BG2", bg("call_bg2"))]);
+    let target = Home::new();
+    let kept = victim(&target, "keep");
+    let dangerous = tool_call(
+        "call_rm",
+        "terminal",
+        json!({"command": format!("{}; exec sleep 600", rm(&kept)), "background": true}),
+    );
+    let model = scripted(vec![
+        ("BGRM", dangerous),
+        ("BG", bg("call_bg")),
+        ("BG2", bg("call_bg2")),
+    ]);
     let (home, mut d) = Daemon::with_model(
         &model,
         json!({"terminal": {"max_background": 1, "timeout": 30}}),
     );
     let mut ws = d.ws().await;
     let sid = ws.session("bg", &home.path).await;
+    // Approved as any other command, and the approval says it would be left running.
+    ws.submit(&sid, "BGRM", "BGRM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["background"], true, "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "BGRM").await;
+    let blocked = tool_result(&model, "BGRM");
+    assert!(
+        blocked["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("denied")),
+        "{blocked}"
+    );
+    assert!(kept.exists(), "the denied command never ran");
     let asked = std::time::Instant::now();
     ws.submit(&sid, "BG", "BG").await;
     let row = settled(&home, "BG").await;
