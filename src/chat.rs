@@ -442,8 +442,13 @@ async fn follow(
                             .collect()
                     })
                     .unwrap_or_default();
+                let left_running = if payload["background"] == true {
+                    " (left running in the background)"
+                } else {
+                    ""
+                };
                 out(&format!(
-                    "\n[approval needed: {} — {}]\nchoose one of {}: ",
+                    "\n[approval needed: {}{left_running} — {}]\nchoose one of {}: ",
                     payload["command"].as_str().unwrap_or(""),
                     payload["description"].as_str().unwrap_or(""),
                     choices.join("/")
