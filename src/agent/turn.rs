@@ -764,6 +764,11 @@ impl Turn {
         if names_gateway_process(&command, std::process::id()) {
             matched.push(danger::GATEWAY_PROCESS);
         }
+        // A process left running outlives the turn and its time limit: a human says so each
+        // time (an approval of the command for the session does not cover it).
+        if background {
+            matched.push(danger::BACKGROUND);
+        }
         if let Some(first) = matched.first() {
             let keys: Vec<&'static str> = matched.iter().map(|m| m.key).collect();
             let mut descriptions: Vec<&'static str> = Vec::new();
@@ -1010,12 +1015,16 @@ impl Turn {
                 if let Some(text) = q.get("question").and_then(|t| t.as_str()) {
                     let choices = flatten_choices(q.get("choices"));
                     multis.push(multi(q) && !choices.is_empty());
-                    ids.push(
-                        q.get("id")
-                            .and_then(Value::as_str)
-                            .filter(|id| !id.trim().is_empty())
-                            .map_or_else(|| format!("q{}", questions.len()), str::to_string),
-                    );
+                    // Each question's id is its own (answers are told apart by it).
+                    let mut id = q
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .filter(|id| !id.trim().is_empty() && !ids.iter().any(|i| i == id))
+                        .map_or_else(|| format!("q{}", questions.len()), str::to_string);
+                    while ids.contains(&id) {
+                        id.push('_');
+                    }
+                    ids.push(id);
                     questions.push((text.to_string(), choices));
                 }
             }
@@ -1559,20 +1568,25 @@ fn blocked(message: &str) -> String {
 }
 
 /// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the
-/// gateway's own state or process, where what one approval lets through is not one kind of act.
+/// gateway's own state or process, where what one approval lets through is not one kind of act,
+/// or leave a process running past the call.
 const ONCE_ONLY_RULES: &[&str] = &[
     danger::GATEWAY_STATE.key,
     danger::GATEWAY_PROCESS.key,
+    danger::BACKGROUND.key,
     "self_termination",
 ];
 
-/// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
-/// choice's label in any case picks it as offered, anything else is the user's own words.
 /// The choices a multi-select answer picks, in the order typed: numbers or labels, separated by
 /// commas (`1,3`, `blue, green`), or numbers by spaces (`1 3`), or a JSON list of them. What
 /// is typed and is no choice is kept as typed; an empty answer picks nothing.
 fn pick_many(answer: &str, choices: &[String]) -> Vec<String> {
     let typed = answer.trim();
+    // A choice whose label has a comma in it ("Yes, please") is one choice.
+    let whole = pick(typed, choices);
+    if choices.contains(&whole) {
+        return vec![whole];
+    }
     let parts: Vec<String> = if let Ok(list) = serde_json::from_str::<Vec<Value>>(typed) {
         list.iter()
             .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
@@ -1594,6 +1608,8 @@ fn pick_many(answer: &str, choices: &[String]) -> Vec<String> {
     picked
 }
 
+/// A typed answer to a question offering `choices`: a number picks that choice (1-based), a
+/// choice's label in any case picks it as offered, anything else is the user's own words.
 fn pick(answer: &str, choices: &[String]) -> String {
     let typed = answer.trim();
     let typed = typed.strip_suffix(" (Recommended)").unwrap_or(typed).trim();
@@ -1827,6 +1843,9 @@ mod tests {
         assert_eq!(many("dark blue"), ["dark blue"]);
         assert!(many("").is_empty());
         assert!(many(" , ").is_empty());
+        let polite: Vec<String> = ["Yes, please", "No"].map(String::from).to_vec();
+        assert_eq!(pick_many("yes, please", &polite), ["Yes, please"]);
+        assert_eq!(pick_many("1,2", &polite), ["Yes, please", "No"]);
     }
 
     /// The claim's bounded read gives up on a transcript with more live messages than its

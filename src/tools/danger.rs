@@ -39,6 +39,13 @@ pub const GATEWAY_PROCESS: DangerMatch = DangerMatch {
     description: "reaches into the gateway's own process (its open files, environment or signals)",
 };
 
+/// Not a pattern: a command the model asks to leave running after its call (`background:
+/// true`), with no time limit, whatever it is: asked about one at a time.
+pub const BACKGROUND: DangerMatch = DangerMatch {
+    key: "background_process",
+    description: "leaves a process running after the call, with no time limit",
+};
+
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DangerMatch {

@@ -79,6 +79,8 @@ pub struct TerminalTool {
     max_background: usize,
     /// Where their logs go.
     logs: PathBuf,
+    /// The gateway stops: no new one starts.
+    closed: bool,
 }
 
 impl Actor for TerminalTool {
@@ -92,6 +94,7 @@ impl TerminalTool {
             background: HashMap::new(),
             max_background,
             logs,
+            closed: false,
         })
     }
 }
@@ -136,13 +139,24 @@ impl Handler<StartBackground> for TerminalTool {
     type Result = Result<BackgroundStarted, TerminalError>;
 
     fn handle(&mut self, m: StartBackground, ctx: &mut Context<Self>) -> Self::Result {
+        if self.closed {
+            return Err(TerminalError::Stopping);
+        }
         if self.background.len() >= self.max_background {
             return Err(TerminalError::TooManyBackground(self.max_background));
         }
         let id = format!("bg-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let log = self.logs.join(format!("{id}.log"));
         let file = open_log(&self.logs, &log).map_err(TerminalError::Log)?;
-        let (pid, run) = terminal::spawn_background(&m.spec, file, terminal::BACKGROUND_LOG_CAP)?;
+        let (pid, run) =
+            match terminal::spawn_background(&m.spec, file, terminal::BACKGROUND_LOG_CAP) {
+                Ok(started) => started,
+                Err(e) => {
+                    // Nothing ran: no log of it is left.
+                    let _ = std::fs::remove_file(&log);
+                    return Err(e);
+                }
+            };
         let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
         self.background.insert(id.clone(), pgid);
         tracing::info!(id = %id, pid, command = %m.spec.command, "background process started");
@@ -158,11 +172,14 @@ impl Handler<StartBackground> for TerminalTool {
 /// The logs' directory (the daemon's user's only) and a new log in it, which only that user
 /// may read: a command's output may hold what it printed of secrets.
 fn open_log(dir: &std::path::Path, log: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::PermissionsExt;
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    // Also when it was there already (made by hand, or under another umask).
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -181,6 +198,8 @@ impl Handler<StopBackground> for TerminalTool {
     type Result = usize;
 
     fn handle(&mut self, _: StopBackground, _: &mut Context<Self>) -> usize {
+        // A turn still finishing its tool call past the drain starts nothing that would be left.
+        self.closed = true;
         let n = self.background.len();
         for (id, pgid) in self.background.drain() {
             // Never our own group (0) nor init (1): each is the group its shell was made.

@@ -152,6 +152,8 @@ pub enum TerminalError {
     TooManyBackground(usize),
     #[error("cannot open the background process's log: {0}")]
     Log(#[source] io::Error),
+    #[error("the gateway is stopping: no background process starts now")]
+    Stopping,
 }
 
 /// Runs `spec.command` and collects its output.
@@ -269,6 +271,9 @@ pub async fn run_command(
     })
 }
 
+/// How often a background process's group is looked at once its shell has ended.
+const GROUP_POLL: Duration = Duration::from_secs(1);
+
 /// The most of a background process's output its log keeps; what comes after is read and
 /// dropped (the process never blocks on a full pipe), and the log says so.
 pub const BACKGROUND_LOG_CAP: u64 = 16 << 20;
@@ -277,7 +282,8 @@ pub const BACKGROUND_LOG_CAP: u64 = 16 << 20;
 /// process group, with its output (stdout and stderr, in arrival order) written to `log`, at
 /// most `cap` bytes of it. `spec.timeout` does not apply. Returns the shell's pid and what
 /// drives the process to its end: it pumps the output and reaps the shell, and gives the exit
-/// code (`None` if it could not be read). Dropping it kills the shell.
+/// code (`None` if it could not be read) once the shell has ended and no process is left in its
+/// group. Dropping it kills the shell.
 pub fn spawn_background(
     spec: &CommandSpec,
     log: std::fs::File,
@@ -297,7 +303,7 @@ pub fn spawn_background(
         let mut log = tokio::fs::File::from_std(log);
         let (mut out_buf, mut err_buf) = (vec![0u8; READ_CHUNK], vec![0u8; READ_CHUNK]);
         let mut written = 0u64;
-        let mut log_ok = true;
+        let (mut log_ok, mut capped) = (true, false);
         loop {
             let (from_stdout, read) = tokio::select! {
                 r = read_some(&mut stdout, &mut out_buf), if stdout.is_some() => (true, r),
@@ -321,21 +327,32 @@ pub fn spawn_background(
             } else {
                 &err_buf[..n]
             };
-            if written < cap {
-                let keep = usize::try_from(cap - written).unwrap_or(usize::MAX).min(n);
-                if log_ok {
-                    log_ok = log.write_all(&data[..keep]).await.is_ok();
-                }
-                if log_ok && keep < n {
-                    let notice =
-                        format!("\n[log capped at {cap} bytes: later output is dropped]\n");
-                    log_ok = log.write_all(notice.as_bytes()).await.is_ok();
-                }
+            let keep = usize::try_from(cap.saturating_sub(written))
+                .unwrap_or(usize::MAX)
+                .min(n);
+            if log_ok && keep > 0 {
+                log_ok = log.write_all(&data[..keep]).await.is_ok();
+            }
+            // Said once, at the first byte dropped (also when the cap fell between two reads).
+            if log_ok && keep < n && !capped {
+                capped = true;
+                let notice = format!("\n[log capped at {cap} bytes: later output is dropped]\n");
+                log_ok = log.write_all(notice.as_bytes()).await.is_ok();
             }
             written = written.saturating_add(n as u64);
         }
         let _ = log.flush().await;
-        child.wait().await.ok().map(exit_code_of)
+        let code = child.wait().await.ok().map(exit_code_of);
+        // What the shell left running in its group (a server it started with `&`, its output
+        // sent elsewhere) is still the background process: it ends when the group does. Until
+        // then the group's id names no other process, so a kill of the group reaches only it.
+        if let Ok(group) = libc::pid_t::try_from(pid) {
+            // SAFETY: signal 0 only checks whether a process of the group exists.
+            while group > 1 && unsafe { libc::killpg(group, 0) } == 0 {
+                tokio::time::sleep(GROUP_POLL).await;
+            }
+        }
+        code
     };
     Ok((pid, run))
 }
@@ -912,6 +929,12 @@ mod tests {
         let (code, text) = run_to_end(command, "big.log").await;
         assert_eq!(code, Some(0), "it ran to its end");
         let notice = "\n[log capped at 1000 bytes: later output is dropped]\n";
+        assert_eq!(text, format!("{}{notice}", "x".repeat(1000)));
+        // Exactly the cap: nothing dropped, nothing said; past it by a later write, said once.
+        let exact = "head -c 1000 /dev/zero | tr '\\0' x";
+        assert_eq!(run_to_end(exact, "exact.log").await.1, "x".repeat(1000));
+        let later = format!("{exact}; echo more; echo more");
+        let (_, text) = run_to_end(&later, "later.log").await;
         assert_eq!(text, format!("{}{notice}", "x".repeat(1000)));
     }
 

@@ -154,6 +154,24 @@ fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
+/// Is a process of group `pgid` running (zombies are not)?
+fn group_alive(pgid: i32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        std::fs::read_to_string(e.path().join("stat"))
+            .ok()
+            .and_then(|s| {
+                let mut fields = s.rsplit_once(')')?.1.split_whitespace();
+                let state = fields.next()?;
+                let group = fields.nth(1)?.parse::<i32>().ok()?;
+                Some(state != "Z" && group == pgid)
+            })
+            .unwrap_or(false)
+    })
+}
+
 async fn settled(home: &Home, input_id: &str) -> gatehouse::store::admissions::AdmissionRow {
     wait_until(&format!("{input_id} settled"), T, || {
         home.admission(input_id).status == "terminal"
@@ -768,6 +786,7 @@ async fn clarify_answers_reach_the_tool_result() {
         json!({"questions": [
             {"id": "colors", "question": "Which colors?", "choices": ["RED", "GREEN", "BLUE"], "multi_select": true},
             {"question": "Sure?", "multi_select": true},
+            {"id": "colors", "question": "Again?"},
         ]}),
     );
     let model = scripted(vec![("ASK", single), ("BATCH", batch), ("MANY", many)]);
@@ -805,7 +824,7 @@ async fn clarify_answers_reach_the_tool_result() {
     let p = ws.wait_prompt(&sid, "clarify").await;
     assert_eq!(p["multi_select"], true, "{p}");
     assert_eq!(p["questions"][0]["id"], "colors", "{p}");
-    answer(&mut ws, &sid, &p, r#"["1,3", "yes"]"#).await;
+    answer(&mut ws, &sid, &p, r#"["1,3", "yes", "no"]"#).await;
     settled(&home, "MANY").await;
     let result = tool_result(&model, "MANY");
     assert_eq!(
@@ -814,6 +833,8 @@ async fn clarify_answers_reach_the_tool_result() {
             {"id": "colors", "question": "Which colors?", "choices_offered": ["RED", "GREEN", "BLUE"],
              "user_response": ["RED", "BLUE"]},
             {"id": "q1", "question": "Sure?", "choices_offered": [], "user_response": "yes"},
+            // An id given twice is the first's: the second is told apart.
+            {"id": "q2", "question": "Again?", "choices_offered": [], "user_response": "no"},
         ]),
         "{result}"
     );
@@ -2205,9 +2226,10 @@ async fn a_deposed_daemon_records_no_tool_activity() {
     );
 }
 
-/// `background: true` starts the command and returns at once with its pid and log: it runs on
-/// after its turn, its output reaches the log, at most `terminal.max_background` run at once,
-/// and a graceful stop kills it. Before, the flag was ignored: the command ran in the
+/// `background: true` starts the command, once a human approved that start (each one, whatever
+/// the command), and returns at once with its pid and log: it runs on after its turn (also what
+/// its shell left running in its group once the shell ended), its output reaches the log, at
+/// most `terminal.max_background` run at once, and a graceful stop kills it. Before, the flag was ignored: the command ran in the
 /// foreground until `terminal.timeout` killed it, and the turn waited for it.
 #[actix_rt::test]
 async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
@@ -2215,7 +2237,8 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
         tool_call(
             id,
             "terminal",
-            json!({"command": "echo bg-up; exec sleep 600", "background": true}),
+            // The shell ends at once; what it left running in its group is the process.
+            json!({"command": "echo bg-up; sleep 600 >/dev/null 2>&1 &", "background": true}),
         )
     };
     let target = Home::new();
@@ -2252,6 +2275,11 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
     assert!(kept.exists(), "the denied command never ran");
     let asked = std::time::Instant::now();
     ws.submit(&sid, "BG", "BG").await;
+    // However harmless the command, a process left running is asked about, one at a time.
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    assert_eq!(p["pattern_keys"], json!(["background_process"]), "{p}");
+    respond(&mut ws, &sid, &p, "once").await;
     let row = settled(&home, "BG").await;
     assert_eq!(row.outcome.as_deref(), Some("completed"));
     assert!(
@@ -2269,9 +2297,15 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
         std::fs::read_to_string(&log).is_ok_and(|t| t.contains("bg-up"))
     })
     .await;
-    assert!(alive(pid), "the background process runs on after its turn");
-    // One at a time here: the next is refused, and runs nothing.
+    assert!(
+        group_alive(pid),
+        "the background process runs on after its turn"
+    );
+    // One at a time here, also once its shell has ended: the next is refused, and runs nothing.
+    wait_until("the background shell ended", T, || !alive(pid)).await;
     ws.submit(&sid, "BG2", "BG2").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    respond(&mut ws, &sid, &p, "once").await;
     settled(&home, "BG2").await;
     let refused = tool_result(&model, "BG2");
     assert!(
@@ -2282,6 +2316,7 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
     );
     assert_eq!(refused["exit_code"], -1, "{refused}");
     // The gateway's graceful stop kills it.
+    assert!(group_alive(pid));
     assert_eq!(d.term(), Some(0));
-    wait_until("the background process killed", T, || !alive(pid)).await;
+    wait_until("the background process killed", T, || !group_alive(pid)).await;
 }
