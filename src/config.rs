@@ -553,6 +553,8 @@ impl Config {
                 "rooms" => config.rooms = section(k, value)?,
                 // The older name of `agent.clarify_timeout`, which wins when set (configs
                 // written for the system this gateway replaces carry it).
+                // (`clarify:` with nothing under it says nothing.)
+                "clarify" if value.is_null() => {}
                 "clarify" => {
                     let legacy: LegacyClarify = section(k, value)?;
                     if let Some(timeout) = legacy.timeout {
@@ -1154,9 +1156,14 @@ mod tests {
             .expect("config");
         assert_eq!(c.agent.clarify_timeout, 30.0);
         assert_eq!(c.unknown_keys(), vec!["clarify.other".to_string()]);
-        let c = parse("agent:\n  clarify_timeout: 120\n").expect("config");
-        assert_eq!(c.agent.clarify_timeout, 120.0);
-        assert!(c.unknown_keys().is_empty());
+        for text in [
+            "agent:\n  clarify_timeout: 120\n",
+            "agent:\n  clarify_timeout: 120\nclarify:\n",
+        ] {
+            let c = parse(text).expect("config");
+            assert_eq!(c.agent.clarify_timeout, 120.0, "{text}");
+            assert!(c.unknown_keys().is_empty(), "{text}");
+        }
     }
 
     #[test]

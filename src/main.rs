@@ -504,16 +504,24 @@ fn operator(args: Args) -> ExitCode {
                     r["members"],
                     r["task_counts"]
                 );
+                // What a peer member sent is printed without the control characters it may hold.
+                let plain = |v: &Value| -> String {
+                    v.as_str()
+                        .map_or_else(|| v.to_string(), str::to_string)
+                        .chars()
+                        .map(|c| if c.is_control() { '?' } else { c })
+                        .collect()
+                };
                 for p in r["pending_actions"].as_array().cloned().unwrap_or_default() {
                     let a = &p["action"];
                     println!(
                         "  member {} waits on an approval of {}\n    answer: gatehouse room-respond {} {} {} {} once|deny",
-                        p["member_id"].as_str().unwrap_or(""),
-                        a["approval"]["command"],
-                        r["room_id"].as_str().unwrap_or(""),
-                        a["task_id"].as_str().unwrap_or(""),
+                        plain(&p["member_id"]),
+                        plain(&a["approval"]["command"]),
+                        plain(&r["room_id"]),
+                        plain(&a["task_id"]),
                         a["execution_generation"],
-                        a["request_id"].as_str().unwrap_or(""),
+                        plain(&a["request_id"]),
                     );
                 }
             }

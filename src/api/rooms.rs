@@ -523,6 +523,23 @@ impl RoomsService {
                         "request_id must not be empty".into(),
                     ));
                 }
+                // What an answer lets run is its owner's to approve: a room with no owner
+                // recorded (made before owners were) is answered by the operator only.
+                if let Some(who) = principal {
+                    let id = p.room_id.clone();
+                    let owner = self
+                        .db
+                        .run(move |c| rooms::room_owner(c, &id))
+                        .await
+                        .map_err(store_error)?;
+                    if owner.as_deref() != Some(who) {
+                        return Err(GatewayError::PermissionDenied(format!(
+                            "hosted room {} has no owner of record: its members' approvals are \
+                             answered by the operator (gatehouse room-respond)",
+                            p.room_id
+                        )));
+                    }
+                }
                 let task = self.find(&p.room_id, &p.task_id).await?;
                 let Some(generation) = p.execution_generation.as_i64() else {
                     return Err(GatewayError::StaleGeneration(

@@ -576,7 +576,9 @@ fn usable_id(id: Value) -> Value {
 /// received, member by member, as far as it is whole (the rest never came, and is not waited
 /// for). An `id` counts only once what follows it (the next member, or the object's end) was
 /// received: a number cut short would be another id. The last one read wins, as in a whole
-/// message; `null` when none was.
+/// message, and none does when the last one was cut off; `null` when none was. (An `id` in the
+/// part never received cannot be seen: a message naming its id twice may be answered under the
+/// first.)
 fn id_of_prefix(bytes: &[u8]) -> Value {
     /// The value at the start of `bytes`, and what follows it.
     fn value<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<(T, &[u8])> {
@@ -592,16 +594,17 @@ fn id_of_prefix(bytes: &[u8]) -> Value {
         let Some((key, after)) = value::<String>(rest.trim_ascii_start()) else {
             return id;
         };
+        // An `id` whose value was cut off would have been the id (the last one wins): none is.
         let Some(after) = after.strip_prefix(b":") else {
-            return id;
+            return if key == "id" { Value::Null } else { id };
         };
         let after = after.trim_ascii_start();
         let after = if key == "id" {
             let Some((read, after)) = value::<Value>(after) else {
-                return id;
+                return Value::Null;
             };
             if !matches!(after.first(), Some(b',' | b'}')) {
-                return id;
+                return Value::Null;
             }
             id = usable_id(read);
             after
@@ -1215,6 +1218,10 @@ mod tests {
             (r#"{"id":true,"params":"#, Value::Null),
             (r#"{"id":18446744073709551616,"params":"#, Value::Null),
             (r#"{"id":1,"id":{"x":1},"params":"#, Value::Null),
+            // A later id cut off would have been the id: the earlier one is not.
+            (r#"{"id":1,"id":2"#, Value::Null),
+            (r#"{"id":"a","id":"b"#, Value::Null),
+            (r#"{"id":1,"id""#, Value::Null),
             (r#"[{"id":1},"#, Value::Null),
             ("\u{feff}{\"id\":1,", Value::Null),
             ("", Value::Null),

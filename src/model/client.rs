@@ -495,8 +495,14 @@ async fn one_call(
                 })?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
-        // `"error": null` beside an answer is no error.
-        if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
+        // `"error": null` (or an empty one) beside an answer is no error.
+        let answered = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        let no_error =
+            |e: &Value| e.is_null() || (answered && e.as_object().is_some_and(|o| o.is_empty()));
+        if let Some(error) = v.get("error").filter(|e| !no_error(e)) {
             return Err(classify_in_band(&error.to_string()));
         }
         return parse_response(&v).map_err(ModelError::Malformed);
@@ -616,8 +622,8 @@ const SERVER_PHRASES: &[&str] = &[
     "internal_error",
     "timed out",
     "timeout",
-    "temporarily unavailable",
-    "service unavailable",
+    "unavailable",
+    "try again",
 ];
 
 /// Classify an error the model reported in its body (a stream's `{"error": …}` event, or a
@@ -738,6 +744,10 @@ mod tests {
             (
                 serde_json::json!({"message": "something odd"}),
                 ("client", false),
+            ),
+            (
+                serde_json::json!({"message": "The service is currently unavailable"}),
+                ("transient", true),
             ),
         ] {
             assert_eq!(class(error.clone()), want, "{error}");

@@ -665,6 +665,22 @@ async fn the_rooms_owner_answers_its_members_approval_for_that_attempt_only() {
         answers[1].0.as_deref().is_some_and(|r| r.contains("deny")),
         "{answers:?}"
     );
+    // A room with no owner of record (made before owners were) is answered by the operator
+    // only: every principal may use such a room, but not approve what its members run.
+    {
+        use diesel::connection::SimpleConnection;
+        use diesel::Connection;
+        diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+            .expect("open state.db")
+            .batch_execute("PRAGMA busy_timeout = 10000; DELETE FROM room_owners")
+            .expect("owner gone");
+    }
+    ws.refused(
+        "room.respond",
+        answer("t1", &json!(1), "once"),
+        "permission_denied",
+    )
+    .await;
 }
 
 /// [`parking_rooms`] with a long defer, [`park_a_task`], then a crash: the member's parked turn
