@@ -971,6 +971,9 @@ impl RoomRuntime {
             if !view.idempotent {
                 self.publish_terminal(&binding, &view);
             }
+            // Resolved: the room's queue goes on at once (as after every other resolution).
+            self.state().blocked.remove(&room_id);
+            self.wake_room(&room_id);
             return Ok(view);
         }
         if probe.status() == Some("cancelled") {
@@ -993,6 +996,8 @@ impl RoomRuntime {
             if !view.idempotent {
                 self.publish_terminal(&binding, &view);
             }
+            self.state().blocked.remove(&room_id);
+            self.wake_room(&room_id);
             return Ok(view);
         }
         if probe.active_for(&task.identity.task_id) {

@@ -917,10 +917,18 @@ async fn test_retry_reconciles_terminal_remote_cancellation_without_new_generati
     rpc.add_session(false, Some("task-1"), Vec::new());
     *lock(&rpc.info_status) = Some("cancelled".into());
     let runtime = Spec::new(&rpc).manual(&clock).build(&db);
+    // The room's pass had found the attempt still active and blocked the room.
+    runtime.state().blocked.insert(ROOM_ID.into());
     let cancelled = runtime.retry_indeterminate(&id).await.unwrap();
     assert_eq!(cancelled.status, TaskStatus::Cancelled);
     assert_eq!(cancelled.execution_generation, attempt.execution_generation);
     assert_eq!(rpc.count("submit"), 0);
+    // Resolved, the room is no longer blocked (its queue went on only at the next poll).
+    assert!(
+        !runtime.status().blocked_rooms.contains(&ROOM_ID.to_string()),
+        "{:?}",
+        runtime.status().blocked_rooms
+    );
 }
 
 #[tokio::test]
