@@ -1491,9 +1491,12 @@ impl RoomRuntime {
                 .db
                 .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
                 .await?;
+            // The task as started: a member's transport is chosen for this attempt (a peer's
+            // takes only the attempt it was made for, and was made for the queued one).
+            let started = started_view(&head, &attempt);
             // The observer's last read when it ended the observation (no second read).
             let after = match self
-                .execute_attempt(binding, &attempt, &head, turn, submitting)
+                .execute_attempt(binding, &attempt, &started, turn, submitting)
                 .await
             {
                 Some(after) => after,
@@ -2302,5 +2305,19 @@ impl RoomRuntime {
         self.inner
             .hooks
             .pending_action(&binding.room_id, &member, action.as_ref());
+    }
+}
+
+/// `head` (read queued) as `start_task` left it: running `attempt`, under its lease.
+fn started_view(head: &TaskView, attempt: &TaskAttempt) -> TaskView {
+    TaskView {
+        status: TaskStatus::Running,
+        execution_generation: attempt.execution_generation,
+        cancel_generation: attempt.cancel_generation,
+        run_gateway_id: Some(attempt.lease.gateway_id.clone()),
+        run_process_generation: Some(attempt.lease.process_generation.clone()),
+        run_lease_generation: Some(attempt.lease.lease_generation),
+        idempotent: false,
+        ..head.clone()
     }
 }

@@ -573,6 +573,8 @@ pub struct TerminalPeerClient {
     pub status_generation: Mutex<i64>,
     pub status_value: Mutex<String>,
     pub history_calls: AtomicUsize,
+    /// The dispatches it was sent (each refused as ambiguous).
+    pub dispatches: Mutex<Vec<PeerDispatch>>,
 }
 
 impl TerminalPeerClient {
@@ -584,6 +586,7 @@ impl TerminalPeerClient {
             status_generation: Mutex::new(execution_generation),
             status_value: Mutex::new("interrupted".into()),
             history_calls: AtomicUsize::new(0),
+            dispatches: Mutex::new(Vec::new()),
         }
     }
 }
@@ -595,7 +598,8 @@ impl PeerClient for TerminalPeerClient {
         }))))
     }
 
-    fn dispatch(&self, _request: PeerDispatch) -> PeerFuture<'_, PeerDispatchReply> {
+    fn dispatch(&self, request: PeerDispatch) -> PeerFuture<'_, PeerDispatchReply> {
+        lock(&self.dispatches).push(request);
         Box::pin(std::future::ready(Err(PeerError::ambiguous(
             "dispatch is not expected",
         ))))

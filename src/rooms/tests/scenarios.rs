@@ -280,6 +280,27 @@ async fn test_transport_resolver_selects_member_transport_without_forking_state(
     assert!(selected.count("submit") >= 1);
 }
 
+/// A queued task for a member on another gateway is dispatched to it, for the attempt its start
+/// made. Before, the member's transport was chosen for the task as read queued (the previous
+/// generation), refused every attempt as another one's, and the task stayed queued for good.
+#[tokio::test]
+async fn a_peer_members_task_is_dispatched_for_the_attempt_its_start_made() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Ask the peer.");
+    let client = Arc::new(TerminalPeerClient::new("task-1", 1));
+    let mut spec = Spec::new(&rpc(false));
+    spec.resolver = Some(peer_resolver(client.clone()));
+    let runtime = spec.build(&db);
+    runtime.run_cycle().await;
+    let sent: Vec<(String, i64)> = lock(&client.dispatches)
+        .iter()
+        .map(|d| (d.task_id.clone(), d.execution_generation))
+        .collect();
+    assert_eq!(sent, vec![("task-1".to_string(), 1)]);
+    assert_ne!(status(&db, &id), TaskStatus::Queued);
+}
+
 #[tokio::test]
 async fn test_not_admitted_peer_task_stays_queued_with_exponential_capped_retry() {
     let db = db();
@@ -925,7 +946,10 @@ async fn test_retry_reconciles_terminal_remote_cancellation_without_new_generati
     assert_eq!(rpc.count("submit"), 0);
     // Resolved, the room is no longer blocked (its queue went on only at the next poll).
     assert!(
-        !runtime.status().blocked_rooms.contains(&ROOM_ID.to_string()),
+        !runtime
+            .status()
+            .blocked_rooms
+            .contains(&ROOM_ID.to_string()),
         "{:?}",
         runtime.status().blocked_rooms
     );
