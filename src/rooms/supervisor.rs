@@ -1486,11 +1486,34 @@ impl RoomRuntime {
                 head.cancel_generation,
             );
             let submitting = Submitting::new(self, &head.identity);
-            let attempt = self
+            let attempt = match self
                 .inner
                 .db
                 .write(move |c| start_task(c, &id, &lease, cancel, clock.as_ref()))
-                .await?;
+                .await
+            {
+                Ok(attempt) => attempt,
+                Err(
+                    error @ (RoomStoreError::StaleTask(_) | RoomStoreError::InvalidTransition(_)),
+                ) => {
+                    // A cancel of the head, or an earlier task admitted, since the head was read:
+                    // a race lost, not the room's error. The queue is read again; a head that
+                    // did not move refuses its start for a reason of the room's own.
+                    let room = binding.room_id.clone();
+                    let now = self
+                        .inner
+                        .db
+                        .run(move |c| first_task(c, &room, TaskStatus::Queued))
+                        .await?;
+                    let moved = now.as_ref().map(|t| (&t.identity, t.cancel_generation))
+                        != Some((&head.identity, head.cancel_generation));
+                    if moved {
+                        continue;
+                    }
+                    return Err(error.into());
+                }
+                Err(error) => return Err(error.into()),
+            };
             // The task as started: a member's transport is chosen for this attempt (a peer's
             // takes only the attempt it was made for, and was made for the queued one).
             let started = started_view(&head, &attempt);

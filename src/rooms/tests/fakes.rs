@@ -216,6 +216,8 @@ pub struct FakeSessionRpc {
     pub create_gate: Option<(Arc<Event>, Arc<Event>)>,
     /// What `held` says holds every member session (`None`: nothing does).
     pub held: Mutex<Option<String>>,
+    /// Runs (once) when `held` is asked: between the room's read of its head and its start.
+    pub on_held: Mutex<Option<Hook>>,
 }
 
 impl FakeSessionRpc {
@@ -464,6 +466,10 @@ impl SessionPort for FakeSessionRpc {
 
     fn held(&self, address: SessionAddress) -> PortFuture<'_, Option<String>> {
         self.record("held", serde_json::to_value(&address).unwrap_or_default());
+        let hook = lock(&self.on_held).take();
+        if let Some(hook) = hook {
+            hook();
+        }
         ready(Ok(lock(&self.held).clone()))
     }
 

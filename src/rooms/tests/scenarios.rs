@@ -301,6 +301,42 @@ async fn a_peer_members_task_is_dispatched_for_the_attempt_its_start_made() {
     assert_ne!(status(&db, &id), TaskStatus::Queued);
 }
 
+/// A cancel of the head that lands between the room's read of it and its start is a race the
+/// start lost, not the room's error: the pass goes on to the next task. Before, the pass ended
+/// there with "task cancel generation changed" as the room's and the runtime's last error.
+#[tokio::test]
+async fn a_head_cancelled_as_it_starts_is_passed_over_in_silence() {
+    let db = db();
+    let (first, second) = (identity("task-1"), identity("task-2"));
+    admit(&db, &first, "Cancelled as it starts.");
+    admit_to(
+        &db,
+        &second,
+        PROFILE,
+        "Runs next.",
+        2,
+        &SystemClock::default(),
+    );
+    let rpc = rpc(true);
+    let (rooms_db, cancelled) = (db.db.clone(), first.clone());
+    *lock(&rpc.on_held) = Some(Box::new(move || {
+        let mut c = rooms_db.conn().expect("conn");
+        crate::store::room_tasks::cancel_task(
+            &mut c,
+            &cancelled,
+            "user-cancel",
+            0,
+            &SystemClock::default(),
+        )
+        .expect("cancelled");
+    }));
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.run_cycle().await;
+    assert_eq!(status(&db, &first), TaskStatus::Cancelled);
+    assert_eq!(status(&db, &second), TaskStatus::Settled);
+    assert_eq!(runtime.status().last_error, None);
+}
+
 #[tokio::test]
 async fn test_not_admitted_peer_task_stays_queued_with_exponential_capped_retry() {
     let db = db();
