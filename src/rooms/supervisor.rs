@@ -2085,6 +2085,18 @@ impl RoomRuntime {
                 generation = attempt.execution_generation, %reported,
                 "terminal report ignored: the attempt is being stopped, or is stale"
             ),
+            // A late report of an attempt that ended (its stop acknowledged, then the idle room
+            // let its lease go before the member's turn said so): fenced, as it should be, and
+            // nothing the room need say.
+            Err(error)
+                if (error.is_fence() || is_lease_loss(&error)) && self.attempt_ended(attempt) =>
+            {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
+                    generation = attempt.execution_generation, %reported, %error,
+                    "terminal report ignored: the attempt had ended"
+                );
+            }
             Err(error) if error.is_fence() || is_lease_loss(&error) => {
                 self.fenced(binding, task_id, &error)
             }

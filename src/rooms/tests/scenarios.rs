@@ -1656,6 +1656,41 @@ async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
     assert_eq!(rpc.count("interrupt"), 0);
 }
 
+/// The member's report of an attempt whose stop was acknowledged, coming after the room let
+/// its lease go, is fenced in silence: the attempt had ended. Before, it was recorded as the
+/// room's error ("fenced: driver lease is stale").
+#[tokio::test]
+async fn a_late_report_of_a_cancelled_attempt_is_no_room_error() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let report = {
+        let states = lock(&rpc.states);
+        states
+            .values()
+            .find_map(|s| s.on_terminal.clone())
+            .expect("a turn's callback")
+    };
+    let cancelled = runtime.cancel(&id, "user-cancel").await.unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    assert!(runtime.stop(STOP).await);
+    let lease = crate::store::leases::get_lease(&mut db.conn(), ROOM_ID).unwrap();
+    assert!(
+        lease.is_some_and(|l| l.released_at.is_some()),
+        "the lease was let go"
+    );
+    report(TerminalReceipt {
+        status: "interrupted".into(),
+        ..Default::default()
+    });
+    assert_eq!(runtime.status().last_error, None);
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+}
+
 #[tokio::test]
 async fn restarted_runtime_observes_its_own_running_attempt_again() {
     let db = db();
