@@ -775,6 +775,51 @@ impl RoomRuntime {
         }
     }
 
+    /// Stop `task`'s attempt as its turn deadline does (a stop under `deadline:<generation>`,
+    /// which fails the task as timed out once the member acknowledges); whether it is resolved
+    /// (else the stop stays pending, and the room says so).
+    async fn stop_at_deadline(
+        &self,
+        binding: &RoomBinding,
+        lease: &Lease,
+        task: &TaskView,
+    ) -> Result<bool, RoomsError> {
+        let generation = task.execution_generation;
+        let cancel_id = format!("deadline:{generation}");
+        let (id, clock, cancel) = (
+            task.identity.clone(),
+            self.inner.clock.clone(),
+            task.cancel_generation,
+        );
+        let stopping = self
+            .inner
+            .db
+            .write(move |c| {
+                crate::store::room_tasks::begin_task_stop(
+                    c,
+                    &id,
+                    &cancel_id,
+                    cancel,
+                    Some(generation),
+                    clock.as_ref(),
+                )
+            })
+            .await?;
+        match self.finish_stop(binding, lease, &stopping).await? {
+            StopOutcome::Resolved => Ok(true),
+            StopOutcome::Pending => {
+                self.set_error(
+                    &binding.room_id,
+                    format!(
+                        "task {} exceeded its deadline; stop remains pending",
+                        task.identity.task_id
+                    ),
+                );
+                Ok(false)
+            }
+        }
+    }
+
     /// Live probe of a local session: resolve and info only (no resume, no history, no submit).
     async fn live_probe(
         &self,
@@ -999,6 +1044,21 @@ impl RoomRuntime {
                 drop(turn);
                 self.state().inspected.insert(key.clone());
                 match probe {
+                    // Still running, past its turn deadline: an attempt of this process left
+                    // indeterminate when its lease lapsed mid-turn (a clock jump, a long stall)
+                    // is held to its deadline all the same, not waited for without end.
+                    Ok(probe)
+                        if probe.active_for(&id.task_id)
+                            && task.started_at.is_some_and(|at| {
+                                self.now() >= at + self.inner.config.turn_timeout_seconds
+                            }) =>
+                    {
+                        if self.stop_at_deadline(binding, lease, &task).await? {
+                            continue;
+                        }
+                        self.state().blocked.insert(binding.room_id.clone());
+                        return Ok(true);
+                    }
                     Ok(probe) if probe.active_for(&id.task_id) => {
                         if let Some(LedgerAttempt::Live {
                             session_id,

@@ -716,6 +716,51 @@ async fn a_peer_attempt_the_rooms_probe_resolves_is_published_once() {
     }
 }
 
+/// An attempt of this process left indeterminate while its member still runs it (its lease
+/// lapsed mid-turn: a clock jump, a long stall) is held to its turn deadline: waited for within
+/// it, then stopped and failed as timed out. Before, the room waited for it without end.
+#[tokio::test]
+async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(&db, &id, PROFILE, "Hang.", 1, &clock);
+    start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    let rpc = rpc(false);
+    rpc.add_session(true, Some("task-1"), Vec::new());
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.turn_timeout_seconds = 60.0;
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    let recovery = lease_for(&db, runtime.process_generation(), 300.0, &clock);
+    recover_room(&mut db.conn(), &recovery, &clock).unwrap();
+    runtime.adopt_lease(recovery.clone());
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    // Within its deadline, the room waits for it.
+    assert!(runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert_eq!(rpc.count("interrupt"), 0);
+    clock.set(161.0);
+    assert!(!runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert_eq!(rpc.count("interrupt"), 1);
+    let failed = task(&db, &id);
+    assert_eq!(failed.status, TaskStatus::Failed);
+    assert_eq!(
+        failed.result.as_ref().map(|r| r["reason_code"].clone()),
+        Some(json!("turn_deadline_exceeded")),
+        "{:?}",
+        failed.result
+    );
+    assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
+}
+
 #[tokio::test]
 async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() {
     let db = db();
