@@ -81,21 +81,74 @@ pub struct TerminalTool {
     logs: PathBuf,
     /// The gateway stops: no new one starts.
     closed: bool,
+    /// How long the log of a process that has ended is kept (`None`: for good).
+    log_max_age: Option<std::time::Duration>,
 }
+
+/// How often ended processes' old logs are looked for.
+const LOG_PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl Actor for TerminalTool {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // What boots left (a crash's, or a stop's killed processes') ages out too.
+        self.prune_logs();
+        ctx.run_interval(LOG_PRUNE_EVERY, |act, _| act.prune_logs());
+    }
 }
 
 impl TerminalTool {
-    pub fn start_on_own_arbiter(max_background: usize, logs: PathBuf) -> Addr<TerminalTool> {
+    pub fn start_on_own_arbiter(
+        max_background: usize,
+        logs: PathBuf,
+        log_max_age: Option<std::time::Duration>,
+    ) -> Addr<TerminalTool> {
         let arbiter = Arbiter::new();
         TerminalTool::start_in_arbiter(&arbiter.handle(), move |_| TerminalTool {
             background: HashMap::new(),
             max_background,
             logs,
             closed: false,
+            log_max_age,
         })
+    }
+
+    /// Remove the logs of processes that are not running, last written longer ago than
+    /// `log_max_age` (a log is written while its process runs).
+    fn prune_logs(&mut self) {
+        let Some(max_age) = self.log_max_age else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(&self.logs) else {
+            return;
+        };
+        let mut removed = 0usize;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(id) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".log"))
+            else {
+                continue;
+            };
+            if self.background.contains_key(id) {
+                continue;
+            }
+            let old = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > max_age);
+            if old && std::fs::remove_file(&path).is_ok() {
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            tracing::info!(removed, "old background process logs removed");
+        }
     }
 }
 

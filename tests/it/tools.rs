@@ -2229,7 +2229,8 @@ async fn a_deposed_daemon_records_no_tool_activity() {
 /// `background: true` starts the command, once a human approved that start (each one, whatever
 /// the command), and returns at once with its pid and log: it runs on after its turn (also what
 /// its shell left running in its group once the shell ended), its output reaches the log, at
-/// most `terminal.max_background` run at once, and a graceful stop kills it. Before, the flag was ignored: the command ran in the
+/// most `terminal.max_background` run at once, and a graceful stop kills it. Logs of processes
+/// that ended age out with the events. Before, the flag was ignored: the command ran in the
 /// foreground until `terminal.timeout` killed it, and the turn waited for it.
 #[actix_rt::test]
 async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
@@ -2253,10 +2254,27 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
         ("BG", bg("call_bg")),
         ("BG2", bg("call_bg2")),
     ]);
-    let (home, mut d) = Daemon::with_model(
-        &model,
+    let home = Home::new();
+    // Logs of processes from before this boot: an old one ages out, a recent one is kept.
+    let logs = home.path.join("background");
+    std::fs::create_dir_all(&logs).expect("logs");
+    let (old_log, recent_log) = (logs.join("bg-old.log"), logs.join("bg-recent.log"));
+    for log in [&old_log, &recent_log] {
+        std::fs::write(log, "earlier output\n").expect("log");
+    }
+    let aged = Command::new("touch")
+        .args(["-d", "2000-01-01"])
+        .arg(&old_log)
+        .status()
+        .expect("touch");
+    assert!(aged.success());
+    home.write_config(&config(
+        &model.url,
         json!({"terminal": {"max_background": 1, "timeout": 30}}),
-    );
+    ));
+    let mut d = Daemon::start(&home);
+    wait_until("the old log removed", T, || !old_log.exists()).await;
+    assert!(recent_log.exists(), "a recent log is kept");
     let mut ws = d.ws().await;
     let sid = ws.session("bg", &home.path).await;
     // Approved as any other command, and the approval says it would be left running.
