@@ -1576,14 +1576,14 @@ impl RoomRuntime {
             };
             // The task as started: a member's transport is chosen for this attempt (a peer's
             // takes only the attempt it was made for, and was made for the queued one).
-            let started = started_view(&head, &attempt);
+            let started = started_view(head, &attempt);
             // The observer's last read when it ended the observation (no second read).
             let after = match self
                 .execute_attempt(binding, &attempt, &started, turn, submitting)
                 .await
             {
                 Some(after) => after,
-                None => self.read_task(&head.identity).await?,
+                None => self.read_task(&started.identity).await?,
             };
             if !(after.status.is_terminal() || after.status == TaskStatus::Deferred) {
                 // Left stopping or unresolved: the room's next pass takes it up at once.
@@ -2404,7 +2404,7 @@ impl RoomRuntime {
 }
 
 /// `head` (read queued) as `start_task` left it: running `attempt`, under its lease.
-fn started_view(head: &TaskView, attempt: &TaskAttempt) -> TaskView {
+fn started_view(head: TaskView, attempt: &TaskAttempt) -> TaskView {
     TaskView {
         status: TaskStatus::Running,
         execution_generation: attempt.execution_generation,
@@ -2413,6 +2413,6 @@ fn started_view(head: &TaskView, attempt: &TaskAttempt) -> TaskView {
         run_process_generation: Some(attempt.lease.process_generation.clone()),
         run_lease_generation: Some(attempt.lease.lease_generation),
         idempotent: false,
-        ..head.clone()
+        ..head
     }
 }
