@@ -775,6 +775,30 @@ impl RoomRuntime {
         }
     }
 
+    /// The durable intent to stop attempt `generation` of a task at its turn deadline: a stop
+    /// under `deadline:<generation>`, which fails the task as timed out once completed.
+    async fn begin_deadline_stop(
+        &self,
+        identity: &TaskIdentity,
+        generation: i64,
+        cancel_generation: i64,
+    ) -> Result<TaskView, RoomStoreError> {
+        let (id, clock) = (identity.clone(), self.inner.clock.clone());
+        self.inner
+            .db
+            .write(move |c| {
+                crate::store::room_tasks::begin_task_stop(
+                    c,
+                    &id,
+                    &format!("deadline:{generation}"),
+                    cancel_generation,
+                    Some(generation),
+                    clock.as_ref(),
+                )
+            })
+            .await
+    }
+
     /// Stop `task`'s attempt as its turn deadline does (a stop under `deadline:<generation>`,
     /// which fails the task as timed out once the member acknowledges); whether it is resolved
     /// (else the stop stays pending, and the room says so).
@@ -784,26 +808,12 @@ impl RoomRuntime {
         lease: &Lease,
         task: &TaskView,
     ) -> Result<bool, RoomsError> {
-        let generation = task.execution_generation;
-        let cancel_id = format!("deadline:{generation}");
-        let (id, clock, cancel) = (
-            task.identity.clone(),
-            self.inner.clock.clone(),
-            task.cancel_generation,
-        );
         let stopping = self
-            .inner
-            .db
-            .write(move |c| {
-                crate::store::room_tasks::begin_task_stop(
-                    c,
-                    &id,
-                    &cancel_id,
-                    cancel,
-                    Some(generation),
-                    clock.as_ref(),
-                )
-            })
+            .begin_deadline_stop(
+                &task.identity,
+                task.execution_generation,
+                task.cancel_generation,
+            )
             .await?;
         match self.finish_stop(binding, lease, &stopping).await? {
             StopOutcome::Resolved => Ok(true),
@@ -1993,25 +2003,8 @@ impl RoomRuntime {
                 _ => return Some(current),
             }
             if self.inner.clock.monotonic() >= deadline {
-                let cancel_id = format!("deadline:{generation}");
-                let (id, clock, cancel) = (
-                    attempt.identity.clone(),
-                    self.inner.clock.clone(),
-                    current.cancel_generation,
-                );
                 let begun = self
-                    .inner
-                    .db
-                    .write(move |c| {
-                        crate::store::room_tasks::begin_task_stop(
-                            c,
-                            &id,
-                            &cancel_id,
-                            cancel,
-                            Some(generation),
-                            clock.as_ref(),
-                        )
-                    })
+                    .begin_deadline_stop(&attempt.identity, generation, current.cancel_generation)
                     .await;
                 match begun {
                     Ok(_)

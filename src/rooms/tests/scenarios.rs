@@ -33,6 +33,25 @@ fn rpc(auto_complete: bool) -> Arc<FakeSessionRpc> {
     Arc::new(FakeSessionRpc::new(auto_complete))
 }
 
+/// Task `task-1` ("Inspect the release candidate.") started at 100 s under an old process's
+/// lease of one second, the clock now at 102 s.
+fn left_by_an_old_process() -> (TestDb, ManualClock, TaskIdentity, TaskAttempt) {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    clock.set(102.0);
+    (db, clock, id, attempt)
+}
+
 /// An attempt started under an old process's lease (`ttl` seconds from the clock's now).
 fn start_old_attempt(
     db: &TestDb,
@@ -603,19 +622,7 @@ async fn a_reply_under_the_bound_is_stored_whole() {
 
 #[tokio::test]
 async fn test_peer_recovery_probe_is_bounded_by_attempt_and_stale_age() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    start_old_attempt(&db, &id, 1.0, &clock);
-    clock.set(102.0);
+    let (db, clock, id, _attempt) = left_by_an_old_process();
     // the peer member: every probe starts with one resolve, recorded with the clock's time
     let mut peer = FakeSessionRpc::new(false);
     peer.peer = true;
@@ -660,19 +667,7 @@ async fn a_peer_attempt_the_rooms_probe_resolves_is_published_once() {
         (None, TaskStatus::Settled),
         (Some("cancelled"), TaskStatus::Cancelled),
     ] {
-        let db = db();
-        let clock = ManualClock::new(100.0);
-        let id = identity("task-1");
-        admit_to(
-            &db,
-            &id,
-            PROFILE,
-            "Inspect the release candidate.",
-            1,
-            &clock,
-        );
-        let attempt = start_old_attempt(&db, &id, 1.0, &clock);
-        clock.set(102.0);
+        let (db, clock, id, attempt) = left_by_an_old_process();
         let mut peer = FakeSessionRpc::new(false);
         peer.peer = true;
         let receipt = crate::rooms::port::HistoryMessage {
@@ -930,19 +925,7 @@ async fn test_active_recovered_turn_is_never_resubmitted() {
 
 #[tokio::test]
 async fn test_retry_cannot_advance_generation_while_original_attempt_is_active() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
-    clock.set(102.0);
+    let (db, clock, id, attempt) = left_by_an_old_process();
     recover_elsewhere(&db, &clock);
     let rpc = rpc(false);
     let session = rpc.add_session(true, Some("task-1"), Vec::new());
@@ -964,19 +947,7 @@ async fn test_retry_cannot_advance_generation_while_original_attempt_is_active()
 
 #[tokio::test]
 async fn test_retry_uses_runtime_session_id_returned_by_resume() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    start_old_attempt(&db, &id, 1.0, &clock);
-    clock.set(102.0);
+    let (db, clock, id, _attempt) = left_by_an_old_process();
     recover_elsewhere(&db, &clock);
     let rpc = rpc(false);
     let stored = rpc.add_session(false, Some("task-1"), Vec::new());
@@ -1001,19 +972,7 @@ async fn test_retry_uses_runtime_session_id_returned_by_resume() {
 
 #[tokio::test]
 async fn test_retry_reconciles_terminal_remote_cancellation_without_new_generation() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
-    clock.set(102.0);
+    let (db, clock, id, attempt) = left_by_an_old_process();
     recover_elsewhere(&db, &clock);
     let rpc = rpc(false);
     rpc.add_session(false, Some("task-1"), Vec::new());
