@@ -342,6 +342,14 @@ mod tests {
         for own in ["cat config.yaml", "ls *.db", "rm -f -- *", "cat ./state.db"] {
             assert!(!touches(own, workspace), "{own}");
         }
+        // A background process's log, as its call's result names it, is read unasked.
+        for log in [
+            "tail -n 50 /srv/u/.local/state/gatehouse/background/bg-0123456789ab.log",
+            "cat ~/.local/state/gatehouse/background/bg-0123456789ab.log",
+        ] {
+            assert!(!touches(log, elsewhere), "{log}");
+            assert!(!touches(log, workspace), "{log}");
+        }
         // The home reached by moving first, or by the user's home when it is the gateway's
         // (a service user's), or through a brace group in the directory part.
         let service =
