@@ -523,6 +523,7 @@ impl RoomsService {
                         "request_id must not be empty".into(),
                     ));
                 }
+                let task = self.find(&p.room_id, &p.task_id).await?;
                 // What an answer lets run is its owner's to approve: a room with no owner
                 // recorded (made before owners were) is answered by the operator only.
                 if let Some(who) = principal {
@@ -540,7 +541,6 @@ impl RoomsService {
                         )));
                     }
                 }
-                let task = self.find(&p.room_id, &p.task_id).await?;
                 let Some(generation) = p.execution_generation.as_i64() else {
                     return Err(GatewayError::StaleGeneration(
                         "execution_generation must be an integer".into(),

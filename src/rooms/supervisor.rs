@@ -2107,7 +2107,12 @@ impl RoomRuntime {
     /// stopped by something else, such as the drain of a graceful stop: the attempt is over and
     /// is never run again, so its task fails with the reason (while the lease is still held,
     /// which is why a graceful stop drains the members before it stops the rooms).
-    fn on_terminal(&self, binding: &RoomBinding, attempt: &TaskAttempt, receipt: TerminalReceipt) {
+    pub(crate) fn on_terminal(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        receipt: TerminalReceipt,
+    ) {
         let task_id = &attempt.identity.task_id;
         let reported = receipt.status.clone();
         let committed = if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
@@ -2148,6 +2153,21 @@ impl RoomRuntime {
                     target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
                     generation = attempt.execution_generation, %reported, %error,
                     "terminal report ignored: the attempt had ended"
+                );
+            }
+            // A report of an attempt made under a lease the room has since taken again (this
+            // process's own lease lapsed mid-turn): the attempt is the new lease's to resolve
+            // (its recovery, its deadline's stop), and the new lease is no less the room's.
+            Err(error)
+                if (error.is_fence() || is_lease_loss(&error))
+                    && self.lease(&binding.room_id).is_some_and(|held| {
+                        held.lease_generation != attempt.lease.lease_generation
+                    }) =>
+            {
+                tracing::debug!(
+                    target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
+                    generation = attempt.execution_generation, %reported, %error,
+                    "terminal report ignored: its attempt's lease was taken again since"
                 );
             }
             Err(error) if error.is_fence() || is_lease_loss(&error) => {

@@ -126,10 +126,16 @@ impl TerminalTool {
         let mut removed = 0usize;
         for entry in entries.flatten() {
             let path = entry.path();
+            // Only the logs this tool names (`bg-` and 12 hex digits): nothing else put there.
             let Some(id) = path
                 .file_name()
                 .and_then(|n| n.to_str())
                 .and_then(|n| n.strip_suffix(".log"))
+                .filter(|id| {
+                    id.strip_prefix("bg-").is_some_and(|hex| {
+                        hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit())
+                    })
+                })
             else {
                 continue;
             };

@@ -347,8 +347,7 @@ pub fn spawn_background(
         // sent elsewhere) is still the background process: it ends when the group does. Until
         // then the group's id names no other process, so a kill of the group reaches only it.
         if let Ok(group) = libc::pid_t::try_from(pid) {
-            // SAFETY: signal 0 only checks whether a process of the group exists.
-            while group > 1 && unsafe { libc::killpg(group, 0) } == 0 {
+            while group > 1 && group_running(group) {
                 tokio::time::sleep(GROUP_POLL).await;
             }
         }
@@ -631,6 +630,32 @@ impl GroupGuard {
             }
         }
     }
+}
+
+/// Does a process of group `pgid` run (a zombie does not: one nobody reaps, under an init that
+/// does not, would hold its background process's slot for good)? As `/proc` shows it; a group
+/// that cannot be read is taken as ended.
+fn group_running(pgid: libc::pid_t) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let numeric = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
+        numeric
+            && std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|stat| {
+                    // After the command name: state, ppid, pgrp.
+                    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+                    let state = fields.next()?;
+                    let group = fields.nth(1)?.parse::<libc::pid_t>().ok()?;
+                    Some(group == pgid && !matches!(state, "Z" | "X"))
+                })
+                .unwrap_or(false)
+    })
 }
 
 /// How many times the walk for a killed command's descendants is repeated at most (each walk
@@ -936,6 +961,46 @@ mod tests {
         let later = format!("{exact}; echo more; echo more");
         let (_, text) = run_to_end(&later, "later.log").await;
         assert_eq!(text, format!("{}{notice}", "x".repeat(1000)));
+    }
+
+    /// A group whose only process is a zombie runs nothing, though signal 0 still finds it (a
+    /// background process's slot would be held for good under an init that does not reap).
+    #[test]
+    fn a_group_of_zombies_runs_nothing() {
+        use std::os::unix::process::CommandExt;
+        let spawn = |script: &str| {
+            std::process::Command::new("sh")
+                .args(["-c", script])
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        };
+        let mut running = spawn("exec sleep 30");
+        let group = running.id() as libc::pid_t;
+        assert!(group_running(group));
+        running.kill().unwrap();
+        running.wait().unwrap();
+        assert!(!group_running(group));
+        let mut zombie = spawn("exit 0");
+        let group = zombie.id() as libc::pid_t;
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{group}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.trim_start().chars().next())
+                })
+                .flatten()
+        };
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while state() != Some('Z') {
+            assert!(std::time::Instant::now() < until, "never a zombie");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: signal 0 sends nothing.
+        assert_eq!(unsafe { libc::killpg(group, 0) }, 0, "signal 0 finds it");
+        assert!(!group_running(group));
+        zombie.wait().unwrap();
     }
 
     #[tokio::test]

@@ -2255,19 +2255,26 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
         ("BG2", bg("call_bg2")),
     ]);
     let home = Home::new();
-    // Logs of processes from before this boot: an old one ages out, a recent one is kept.
+    // Logs of processes from before this boot: an old one ages out, a recent one is kept, and
+    // an old file the tool did not name is left alone.
     let logs = home.path.join("background");
     std::fs::create_dir_all(&logs).expect("logs");
-    let (old_log, recent_log) = (logs.join("bg-old.log"), logs.join("bg-recent.log"));
-    for log in [&old_log, &recent_log] {
+    let (old_log, recent_log, other) = (
+        logs.join("bg-0000000000a1.log"),
+        logs.join("bg-0000000000a2.log"),
+        logs.join("notes.log"),
+    );
+    for log in [&old_log, &recent_log, &other] {
         std::fs::write(log, "earlier output\n").expect("log");
     }
-    let aged = Command::new("touch")
-        .args(["-d", "2000-01-01"])
-        .arg(&old_log)
-        .status()
-        .expect("touch");
-    assert!(aged.success());
+    for aged in [&old_log, &other] {
+        let touched = Command::new("touch")
+            .args(["-d", "2000-01-01"])
+            .arg(aged)
+            .status()
+            .expect("touch");
+        assert!(touched.success());
+    }
     home.write_config(&config(
         &model.url,
         json!({"terminal": {"max_background": 1, "timeout": 30}}),
@@ -2275,6 +2282,7 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
     let mut d = Daemon::start(&home);
     wait_until("the old log removed", T, || !old_log.exists()).await;
     assert!(recent_log.exists(), "a recent log is kept");
+    assert!(other.exists(), "a file the tool did not name is kept");
     let mut ws = d.ws().await;
     let sid = ws.session("bg", &home.path).await;
     // Approved as any other command, and the approval says it would be left running.

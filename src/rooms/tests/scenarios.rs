@@ -720,7 +720,7 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
     let clock = ManualClock::new(100.0);
     let id = identity("task-1");
     admit_to(&db, &id, PROFILE, "Hang.", 1, &clock);
-    start_old_attempt(&db, &id, 1.0, &clock);
+    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
     clock.set(102.0);
     let rpc = rpc(false);
     rpc.add_session(true, Some("task-1"), Vec::new());
@@ -740,11 +740,31 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
         .unwrap());
     assert_eq!(rpc.count("interrupt"), 0);
     clock.set(161.0);
+    // The member's turn reports its end (as interrupted) before the stop has completed: a
+    // report of an attempt made under a lease the room has taken again since, which the
+    // deadline's stop resolves, and no error of the room's.
+    let reported = {
+        let (rt, attempt) = (runtime.clone(), attempt.clone());
+        move || {
+            let receipt = TerminalReceipt {
+                status: "interrupted".into(),
+                ..Default::default()
+            };
+            rt.on_terminal(&binding(), &attempt, receipt);
+        }
+    };
+    *lock(&rpc.on_interrupt) = Some(Box::new(reported));
     assert!(!runtime
         .reconcile_indeterminate(&binding(), &recovery)
         .await
         .unwrap());
     assert_eq!(rpc.count("interrupt"), 1);
+    assert_eq!(runtime.status().last_error, None);
+    assert_eq!(
+        runtime.lease(ROOM_ID).map(|l| l.lease_generation),
+        Some(recovery.lease_generation),
+        "the room keeps its lease"
+    );
     let failed = task(&db, &id);
     assert_eq!(failed.status, TaskStatus::Failed);
     assert_eq!(
