@@ -566,6 +566,13 @@ impl RoomRuntime {
         self.wake_observers(room_id);
     }
 
+    /// A task of room `room_id` was resolved outside its pass: the room is no longer blocked on
+    /// it, and its queue goes on at once (not at the next poll).
+    fn resume_room(&self, room_id: &str) {
+        self.state().blocked.remove(room_id);
+        self.wake_room(room_id);
+    }
+
     /// Wake the room's observers only.
     pub(crate) fn wake_observers(&self, room_id: &str) {
         let mut observers = lock(&self.inner.room_observers);
@@ -930,8 +937,7 @@ impl RoomRuntime {
                 Self::refuse_active(&task, &probe)?;
                 if let Some(ended) = probe.settled() {
                     let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
-                    self.state().blocked.remove(&room_id);
-                    self.wake_room(&room_id);
+                    self.resume_room(&room_id);
                     return Ok(view);
                 }
             }
@@ -940,8 +946,7 @@ impl RoomRuntime {
                 .db
                 .write(move |c| requeue_deferred_task(c, &id, &lease, exec, cancel, clock.as_ref()))
                 .await?;
-            self.state().blocked.remove(&room_id);
-            self.wake_room(&room_id);
+            self.resume_room(&room_id);
             return Ok(view);
         }
         let port = self.transport(&binding, &task)?;
@@ -971,9 +976,7 @@ impl RoomRuntime {
             if !view.idempotent {
                 self.publish_terminal(&binding, &view);
             }
-            // Resolved: the room's queue goes on at once (as after every other resolution).
-            self.state().blocked.remove(&room_id);
-            self.wake_room(&room_id);
+            self.resume_room(&room_id);
             return Ok(view);
         }
         if probe.status() == Some("cancelled") {
@@ -996,8 +999,7 @@ impl RoomRuntime {
             if !view.idempotent {
                 self.publish_terminal(&binding, &view);
             }
-            self.state().blocked.remove(&room_id);
-            self.wake_room(&room_id);
+            self.resume_room(&room_id);
             return Ok(view);
         }
         if probe.active_for(&task.identity.task_id) {
@@ -1011,8 +1013,7 @@ impl RoomRuntime {
         Self::refuse_unknown(&task, &probe)?;
         if let Some(LedgerAttempt::Ended(ended)) = probe.ledger {
             let view = self.resolve_ended(&binding, &lease, &task, ended).await?;
-            self.state().blocked.remove(&room_id);
-            self.wake_room(&room_id);
+            self.resume_room(&room_id);
             return Ok(view);
         }
         let view = self
@@ -1022,8 +1023,7 @@ impl RoomRuntime {
                 requeue_indeterminate_task(c, &id, &lease, exec, cancel, clock.as_ref())
             })
             .await?;
-        self.state().blocked.remove(&room_id);
-        self.wake_room(&room_id);
+        self.resume_room(&room_id);
         Ok(view)
     }
 

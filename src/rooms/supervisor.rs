@@ -2143,31 +2143,22 @@ impl RoomRuntime {
                 generation = attempt.execution_generation, %reported,
                 "terminal report ignored: the attempt is being stopped, or is stale"
             ),
-            // A late report of an attempt that ended (its stop acknowledged, then the idle room
-            // let its lease go before the member's turn said so): fenced, as it should be, and
-            // nothing the room need say.
-            Err(error)
-                if (error.is_fence() || is_lease_loss(&error)) && self.attempt_ended(attempt) =>
-            {
-                tracing::debug!(
-                    target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
-                    generation = attempt.execution_generation, %reported, %error,
-                    "terminal report ignored: the attempt had ended"
-                );
-            }
-            // A report of an attempt made under a lease the room has since taken again (this
-            // process's own lease lapsed mid-turn): the attempt is the new lease's to resolve
-            // (its recovery, its deadline's stop), and the new lease is no less the room's.
+            // Fenced, as it should be, and nothing the room need say: a late report of an
+            // attempt made under a lease the room has since taken again (this process's own
+            // lease lapsed mid-turn: the attempt is the new lease's to resolve, by its recovery
+            // or its deadline's stop, and the new lease is no less the room's), or of one that
+            // ended (its stop acknowledged, then the idle room let its lease go before the
+            // member's turn said so).
             Err(error)
                 if (error.is_fence() || is_lease_loss(&error))
-                    && self.lease(&binding.room_id).is_some_and(|held| {
+                    && (self.lease(&binding.room_id).is_some_and(|held| {
                         held.lease_generation != attempt.lease.lease_generation
-                    }) =>
+                    }) || self.attempt_ended(attempt)) =>
             {
                 tracing::debug!(
                     target: "gatehouse::rooms", room = %binding.room_id, task = %task_id,
                     generation = attempt.execution_generation, %reported, %error,
-                    "terminal report ignored: its attempt's lease was taken again since"
+                    "terminal report ignored: its attempt's lease was taken again, or it had ended"
                 );
             }
             Err(error) if error.is_fence() || is_lease_loss(&error) => {
