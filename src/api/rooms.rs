@@ -287,10 +287,14 @@ impl RoomsService {
     }
 
     /// Refuse `principal` a room another principal created (`None`: the operator, on the control
-    /// socket, who may use every room).
-    async fn authorize(&self, principal: Option<&str>, room_id: &str) -> GatewayResult<()> {
+    /// socket, who may use every room); the room's recorded owner, as read for a principal.
+    async fn authorize(
+        &self,
+        principal: Option<&str>,
+        room_id: &str,
+    ) -> GatewayResult<Option<String>> {
         if principal.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let id = room_id.to_string();
         let owner = self
@@ -298,7 +302,17 @@ impl RoomsService {
             .run(move |c| rooms::room_owner(c, &id))
             .await
             .map_err(store_error)?;
-        owned_by(room_id, owner.as_deref(), principal)
+        owned_by(room_id, owner.as_deref(), principal)?;
+        Ok(owner)
+    }
+
+    /// What room `room_id`'s members wait on now, as `room.pending_action` last said it.
+    fn pending_actions(&self, room_id: &str) -> Value {
+        self.runtime
+            .pending_actions(room_id)
+            .into_iter()
+            .map(|(member, action)| json!({"member_id": member, "action": action}))
+            .collect()
     }
 
     /// Dispatch a `room.*` method for `principal` (`None`: the operator); `subscribe` is called
@@ -311,9 +325,11 @@ impl RoomsService {
         principal: Option<&str>,
         subscribe: impl Fn(&str),
     ) -> GatewayResult<Value> {
+        // The owner of the room named, as read for a principal.
+        let mut owner = None;
         if method != "room.create" {
             if let Some(room_id) = p.get("room_id").and_then(Value::as_str) {
-                self.authorize(principal, room_id).await?;
+                owner = self.authorize(principal, room_id).await?;
             }
         }
         // New work waits for the next process; cancels, reads and disbands go on.
@@ -378,13 +394,7 @@ impl RoomsService {
                 let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
                 v["state"] = json!(state);
                 v["task_counts"] = json!(counts);
-                // What its members wait on now, as `room.pending_action` last said it.
-                v["pending_actions"] = self
-                    .runtime
-                    .pending_actions(&p.room_id)
-                    .into_iter()
-                    .map(|(member, action)| json!({"member_id": member, "action": action}))
-                    .collect();
+                v["pending_actions"] = self.pending_actions(&p.room_id);
                 Ok(v)
             }
             "room.admit" => {
@@ -527,12 +537,6 @@ impl RoomsService {
                 // What an answer lets run is its owner's to approve: a room with no owner
                 // recorded (made before owners were) is answered by the operator only.
                 if let Some(who) = principal {
-                    let id = p.room_id.clone();
-                    let owner = self
-                        .db
-                        .run(move |c| rooms::room_owner(c, &id))
-                        .await
-                        .map_err(store_error)?;
                     if owner.as_deref() != Some(who) {
                         return Err(GatewayError::PermissionDenied(format!(
                             "hosted room {} has no owner of record: its members' approvals are \
@@ -700,12 +704,7 @@ impl RoomsService {
             .into_iter()
             .map(|mut r| {
                 let room = r["room_id"].as_str().unwrap_or_default().to_string();
-                r["pending_actions"] = self
-                    .runtime
-                    .pending_actions(&room)
-                    .into_iter()
-                    .map(|(member, action)| json!({"member_id": member, "action": action}))
-                    .collect();
+                r["pending_actions"] = self.pending_actions(&room);
                 r
             })
             .collect();
