@@ -910,13 +910,8 @@ impl Turn {
             }
             Ok(Ok(o)) if o.interrupted => ToolResult::Interrupted,
             Ok(Ok(o)) => ToolResult::Output(o.to_tool_json(timeout.ceil() as u64)),
-            Ok(Err(e)) => ToolResult::Output(
-                json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
-            ),
-            Err(_) => ToolResult::Output(
-                json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"})
-                    .to_string(),
-            ),
+            Ok(Err(e)) => ToolResult::Output(not_run(&e.to_string())),
+            Err(_) => ToolResult::Output(not_run("terminal tool unavailable")),
         }
     }
 
@@ -951,13 +946,8 @@ impl Turn {
                     .to_string(),
                 )
             }
-            Ok(Err(e)) => ToolResult::Output(
-                json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
-            ),
-            Err(_) => ToolResult::Output(
-                json!({"output": "", "exit_code": -1, "error": "terminal tool unavailable"})
-                    .to_string(),
-            ),
+            Ok(Err(e)) => ToolResult::Output(not_run(&e.to_string())),
+            Err(_) => ToolResult::Output(not_run("terminal tool unavailable")),
         }
     }
 
@@ -1561,6 +1551,11 @@ pub fn interrupted() -> TurnOutcome {
     TurnOutcome::Interrupted {
         reason: "the turn was interrupted".into(),
     }
+}
+
+/// The result of a command the terminal tool could not run (`error` says why).
+fn not_run(error: &str) -> String {
+    json!({"output": "", "exit_code": -1, "error": error}).to_string()
 }
 
 fn blocked(message: &str) -> String {
