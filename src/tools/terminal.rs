@@ -636,26 +636,47 @@ impl GroupGuard {
 /// does not, would hold its background process's slot for good)? As `/proc` shows it; a group
 /// that cannot be read is taken as ended.
 fn group_running(pgid: libc::pid_t) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    entries.flatten().any(|entry| {
-        let numeric = entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
-        numeric
-            && std::fs::read_to_string(entry.path().join("stat"))
-                .ok()
-                .and_then(|stat| {
-                    // After the command name: state, ppid, pgrp.
-                    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-                    let state = fields.next()?;
-                    let group = fields.nth(1)?.parse::<libc::pid_t>().ok()?;
-                    Some(group == pgid && !matches!(state, "Z" | "X"))
-                })
-                .unwrap_or(false)
-    })
+    processes().any(|p| p.pgrp == pgid && p.running())
+}
+
+/// A process as `/proc/<pid>/stat` shows it, as far as this module reads it.
+struct ProcStat {
+    pid: libc::pid_t,
+    state: char,
+    ppid: libc::pid_t,
+    pgrp: libc::pid_t,
+}
+
+impl ProcStat {
+    fn read(pid: libc::pid_t) -> Option<ProcStat> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // `pid (comm) state ppid pgrp ...`: comm may hold anything, so read after its last `)`.
+        let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+        let state = fields.next()?.chars().next()?;
+        let ppid = fields.next()?.parse().ok()?;
+        let pgrp = fields.next()?.parse().ok()?;
+        Some(ProcStat {
+            pid,
+            state,
+            ppid,
+            pgrp,
+        })
+    }
+
+    /// Not a zombie (nor dead).
+    fn running(&self) -> bool {
+        !matches!(self.state, 'Z' | 'X')
+    }
+}
+
+/// Every process `/proc` lists now (none if it cannot be read).
+fn processes() -> impl Iterator<Item = ProcStat> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<libc::pid_t>().ok())
+        .filter_map(ProcStat::read)
 }
 
 /// How many times the walk for a killed command's descendants is repeated at most (each walk
@@ -665,29 +686,9 @@ const MAX_TREE_WALKS: usize = 16;
 /// Every live process descended from `root`, as `/proc` shows them now (none if it cannot be
 /// read: the group's kill still stands).
 fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let mut children: HashMap<libc::pid_t, Vec<libc::pid_t>> = HashMap::new();
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<libc::pid_t>().ok())
-        else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`: comm may hold anything, so read after its last `)`.
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<libc::pid_t>().ok());
-        if let Some(ppid) = ppid {
-            children.entry(ppid).or_default().push(pid);
-        }
+    for p in processes() {
+        children.entry(p.ppid).or_default().push(p.pid);
     }
     let mut out = HashSet::new();
     let mut next = vec![root];
@@ -896,13 +897,7 @@ mod tests {
             return io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
         }
         // A zombie is dead for our purposes (the reaper may be slow).
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(stat) => stat
-                .rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().chars().next())
-                .is_some_and(|state| !matches!(state, Some('Z' | 'X'))),
-            Err(_) => false,
-        }
+        ProcStat::read(pid).is_some_and(|p| p.running())
     }
 
     async fn wait_until(mut cond: impl FnMut() -> bool, limit: Duration) -> bool {
@@ -983,15 +978,7 @@ mod tests {
         assert!(!group_running(group));
         let mut zombie = spawn("exit 0");
         let group = zombie.id() as libc::pid_t;
-        let state = || {
-            std::fs::read_to_string(format!("/proc/{group}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .map(|(_, r)| r.trim_start().chars().next())
-                })
-                .flatten()
-        };
+        let state = || ProcStat::read(group).map(|p| p.state);
         let until = std::time::Instant::now() + Duration::from_secs(10);
         while state() != Some('Z') {
             assert!(std::time::Instant::now() < until, "never a zombie");
