@@ -1506,14 +1506,7 @@ impl RoomRuntime {
     async fn run_queued(&self, binding: &RoomBinding) -> Result<(), RoomsError> {
         self.state().turn_yielded.remove(&binding.room_id);
         loop {
-            let room = binding.room_id.clone();
-            // The head alone: a long queue is not read (and parsed) for every task it starts.
-            let head = self
-                .inner
-                .db
-                .run(move |c| first_task(c, &room, TaskStatus::Queued))
-                .await?;
-            let Some(head) = head else {
+            let Some(head) = self.queued_head(&binding.room_id).await? else {
                 return Ok(());
             };
             let route = (
@@ -1569,12 +1562,7 @@ impl RoomRuntime {
                     // A cancel of the head, or an earlier task admitted, since the head was read:
                     // a race lost, not the room's error. The queue is read again; a head that
                     // did not move refuses its start for a reason of the room's own.
-                    let room = binding.room_id.clone();
-                    let now = self
-                        .inner
-                        .db
-                        .run(move |c| first_task(c, &room, TaskStatus::Queued))
-                        .await?;
+                    let now = self.queued_head(&binding.room_id).await?;
                     let moved = now.as_ref().map(|t| (&t.identity, t.cancel_generation))
                         != Some((&head.identity, head.cancel_generation));
                     if moved {
@@ -1613,6 +1601,16 @@ impl RoomRuntime {
                 return Ok(());
             }
         }
+    }
+
+    /// The task next in room `room_id`'s queue: the head alone (a long queue is not read, and
+    /// parsed, for every task it starts).
+    async fn queued_head(&self, room_id: &str) -> Result<Option<TaskView>, RoomStoreError> {
+        let room = room_id.to_string();
+        self.inner
+            .db
+            .run(move |c| first_task(c, &room, TaskStatus::Queued))
+            .await
     }
 
     /// What holds the member's session of `task` from starting a turn, if anything does
