@@ -426,6 +426,89 @@ fn check_stop_budget(config: &Config) {
 }
 
 /// Build and start the hosted-room runtime over the local session port.
+/// What opening and recovering the store found.
+struct Opened {
+    pool: store::SqlitePool,
+    epoch: i64,
+    recovered: usize,
+    to_pump: Vec<String>,
+    gateway_id: String,
+}
+
+/// Open the store (bringing its schema up to date), take the next authority epoch, settle what
+/// the last process left `started` as `unknown`, close its prompts, and find the sessions with
+/// queued work. Blocking: it may wait on a migration or on another process's write lock.
+fn open_and_recover(
+    db_path: &Path,
+    home: &Path,
+    instance_id: &str,
+    now: f64,
+    configured_id: Option<String>,
+) -> Result<Opened, StartError> {
+    // The writer, the checkpointer, blocking writes, the readers and the pages' reader.
+    let pool = store::open_pool(db_path, 4 + READERS)?;
+    let mut conn = pool
+        .get()
+        .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
+    let taken = read_epoch_mark(home);
+    let epoch = epoch::begin_epoch_above(&mut conn, instance_id, now, taken)?;
+    let recovered = epoch::recover_started(&mut conn, epoch, now)?;
+    prompts::close_abandoned(&mut conn, now)?;
+    let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
+    let gateway_id = match configured_id {
+        Some(id) => id,
+        None => epoch::meta_get_or_create(&mut conn, "gateway_id", || {
+            format!("gw-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+        })?,
+    };
+    drop(conn);
+    Ok(Opened {
+        pool,
+        epoch,
+        recovered,
+        to_pump,
+        gateway_id,
+    })
+}
+
+/// The listener's answers while the store opens and recovers: `/healthz` 200, `/readyz` 503
+/// `starting`, anything else 503 `starting` (come back in a second). Stopped on drop (a failed
+/// start) or by [`StartingHttp::stop`] before the gateway's own server takes the listener.
+struct StartingHttp(actix_web::dev::ServerHandle);
+
+impl StartingHttp {
+    fn serve(tcp: &std::net::TcpListener, max_connections: usize) -> Result<Self, StartError> {
+        let listener = tcp.try_clone().map_err(StartError::Listen)?;
+        let server = HttpServer::new(|| App::new().configure(crate::api::http::starting_routes))
+            .workers(1)
+            .disable_signals()
+            .shutdown_timeout(0)
+            .max_connections(max_connections)
+            .listen(listener)
+            .map_err(StartError::Listen)?
+            .run();
+        let handle = server.handle();
+        actix_rt::spawn(async move {
+            if let Err(e) = server.await {
+                tracing::warn!(error = %e, "the starting listener stopped");
+            }
+        });
+        Ok(StartingHttp(handle))
+    }
+
+    /// Stop answering, and wait until the listener is let go.
+    async fn stop(self) {
+        self.0.stop(false).await;
+    }
+}
+
+impl Drop for StartingHttp {
+    fn drop(&mut self) {
+        // Sent at once; a failed start does not wait for it.
+        drop(self.0.stop(false));
+    }
+}
+
 fn start_rooms(
     config: &Config,
     pool: store::SqlitePool,
@@ -578,27 +661,31 @@ impl Gateway {
         if *stop.borrow() {
             return Err(StartError::Stopped);
         }
-        // The writer, the checkpointer, blocking writes, the readers and the pages' reader.
-        let pool = store::open_pool(&db_path, 4 + READERS)?;
+        // Meanwhile the listener answers too: alive, not ready, everything else `starting`.
+        let starting = StartingHttp::serve(&tcp, config.gateway.max_connections)?;
         let instance_id = uuid::Uuid::new_v4().simple().to_string();
-        let (epoch, recovered, to_pump, gateway_id) = {
-            let mut conn = pool
-                .get()
-                .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
-            let now = clock.now();
-            let taken = read_epoch_mark(&home);
-            let epoch = epoch::begin_epoch_above(&mut conn, &instance_id, now, taken)?;
-            let recovered = epoch::recover_started(&mut conn, epoch, now)?;
-            prompts::close_abandoned(&mut conn, now)?;
-            let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
-            let gateway_id = match &config.gateway.id {
-                Some(id) => id.clone(),
-                None => epoch::meta_get_or_create(&mut conn, "gateway_id", || {
-                    format!("gw-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-                })?,
-            };
-            (epoch, recovered, to_pump, gateway_id)
+        // Off this thread, which answers the control socket and the listener meanwhile (a
+        // migration can take a while, another process may hold the write lock).
+        let Opened {
+            pool,
+            epoch,
+            recovered,
+            to_pump,
+            gateway_id,
+        } = {
+            let (home, instance_id, now) = (home.clone(), instance_id.clone(), clock.now());
+            let configured = config.gateway.id.clone();
+            actix_rt::task::spawn_blocking(move || {
+                open_and_recover(&db_path, &home, &instance_id, now, configured)
+            })
+            .await
+            .map_err(|e| {
+                StartError::Store(crate::error::StoreError::Other(format!(
+                    "opening the store stopped: {e}"
+                )))
+            })??
         };
+        let db_path = home.join("state.db");
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
         write_epoch_mark(&home, epoch);
         let metrics = Arc::new(Metrics::default());
@@ -678,6 +765,7 @@ impl Gateway {
                 clock.clone(),
             )),
         });
+        starting.stop().await;
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .on_connect(crate::api::ws::on_connect)
             .workers(2)

@@ -67,6 +67,31 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// The routes answered while the daemon opens and recovers its store, before it serves: alive,
+/// not ready, and every other request refused `starting` (503, `Retry-After`).
+pub fn starting_routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/healthz", web::get().to(healthz))
+        .route("/healthz", web::head().to(healthz))
+        .route(
+            "/readyz",
+            web::get().to(|| async {
+                HttpResponse::ServiceUnavailable()
+                    .content_type("text/plain")
+                    .body(format!("{}\n", RuntimePhase::Starting.as_str()))
+            }),
+        )
+        .default_service(web::to(|| async {
+            auth::ApiError {
+                status: actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
+                reason: "starting",
+                message: "the gateway is starting (opening and recovering its store); retry \
+                          shortly"
+                    .into(),
+            }
+            .error_response()
+        }));
+}
+
 pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
     if state.auth.metrics_require_key {
         if let Err(e) = auth::authenticate(&state, &req) {

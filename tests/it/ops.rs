@@ -632,6 +632,79 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
     );
 }
 
+/// While the store opens and recovers (here waiting for another process's write lock, as a
+/// start waits on a long migration), the control socket says `starting` and the listener
+/// answers: `/healthz` 200, `/readyz` 503 `starting`, the API 503 `starting` with a
+/// `Retry-After`. Once the lock is let go the start goes on to ready. Before, neither answered
+/// until the start was done: both ran on the thread that opening the store blocked.
+#[actix_rt::test]
+async fn the_socket_and_the_listener_answer_while_the_store_opens() {
+    use diesel::connection::SimpleConnection;
+    use diesel::Connection;
+    let model = FakeModel::ack();
+    let home = Home::new();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    drop(taken);
+    home.write_config(&config(&model.url, json!({"gateway": {"port": port}})));
+    assert_eq!(Daemon::start(&home).term(), Some(0), "{}", home.log());
+    let mut holder =
+        diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+            .expect("open state.db");
+    holder
+        .batch_execute("BEGIN IMMEDIATE")
+        .expect("the write lock");
+    let child = spawn_cli(&home, &["serve"]);
+    wait_until("identify says starting", Duration::from_secs(3), || {
+        control(&home.path, "identify", json!({}))
+            .is_ok_and(|v| v["state"] == "starting" && v["pid"] == child.id())
+    })
+    .await;
+    let origin = format!("http://127.0.0.1:{port}");
+    assert_eq!(
+        http_get(&format!("{origin}/healthz")).await,
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        http_get(&format!("{origin}/readyz")).await,
+        (503, "starting\n".into())
+    );
+    let resp = awc::Client::new()
+        .post(format!("{origin}/v1/chat/completions"))
+        .send_json(&json!({"model": "default", "messages": []}))
+        .await;
+    let mut resp = resp.expect("an answer");
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    let body: Value = resp.json().await.expect("a JSON refusal");
+    assert_eq!(body["error"]["reason"], "starting", "{body}");
+    assert!(
+        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "starting"),
+        "still waiting for the lock"
+    );
+
+    holder.batch_execute("COMMIT").expect("let go");
+    wait_until("ready", Duration::from_secs(30), || {
+        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "ready")
+    })
+    .await;
+    assert_eq!(
+        http_get(&format!("{origin}/readyz")).await,
+        (200, "ready\n".into())
+    );
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let (code, stderr) = exit_of(child).await;
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
 /// A `gateway.host` this machine does not have (an interface not up yet at boot) is waited for
 /// up to `gateway.bind_wait_seconds`, then refused for good, naming the setting; the store was
 /// not touched meanwhile, and the control socket said the daemon was starting. A SIGTERM during
