@@ -237,12 +237,14 @@ pub struct WsConnection {
 }
 
 /// What the outbox handed a connection and the connection has not yet written: frames and
-/// their bytes; and how many frames it has written in all (whether it makes progress).
+/// their bytes; and how many frames it has written in all and how many heartbeats it has run
+/// (whether it makes progress).
 #[derive(Default)]
 struct Outbound {
     frames: AtomicUsize,
     bytes: AtomicUsize,
     written: AtomicUsize,
+    ticks: AtomicUsize,
 }
 
 impl Outbound {
@@ -269,9 +271,11 @@ fn batch_bytes(m: &PushEvent) -> usize {
 /// `gateway.outbound_queue_bytes` bytes (a frame may be a whole reply: 30 turns of 6 MB to a
 /// client that did not read held 900 MiB under the frame bound alone) the client is told why
 /// (1008) and disconnected, so a slow consumer never grows memory without bound and never
-/// silently misses events. The outbox also watches that frames handed over get written: the
-/// connection's own heartbeat cannot run while its writer is blocked, so a client that neither
-/// reads nor answers is cut off here after `gateway.client_timeout_seconds` without progress.
+/// silently misses events. The outbox also watches that the connection makes progress (writes
+/// the frames handed over, runs its heartbeat): the connection's own heartbeat cannot run while
+/// its writer is blocked, by events or by replies to requests the client sent without reading
+/// them, so a client that stopped reading is cut off here after
+/// `gateway.client_timeout_seconds` without progress.
 struct Outbox {
     conn: Addr<WsConnection>,
     conn_id: u64,
@@ -283,9 +287,9 @@ struct Outbox {
     /// How often progress is checked, and how long it may stall.
     heartbeat: Duration,
     client_timeout: Duration,
-    /// Frames written as of the last check, and since when that count has not moved while
-    /// frames were waiting.
-    seen_written: usize,
+    /// Frames written and heartbeats run as of the last check, and since when neither has
+    /// moved.
+    seen_progress: usize,
     stalled_since: Option<Instant>,
 }
 
@@ -296,10 +300,13 @@ impl Actor for Outbox {
         // Its own mailbox only buffers a burst until it forwards (it never blocks).
         ctx.set_mailbox_capacity(self.limit.max(1024));
         ctx.run_interval(self.heartbeat, |act, ctx| {
-            let written = act.pending.written.load(Ordering::SeqCst);
-            let waiting = act.pending.frames.load(Ordering::SeqCst) > 0;
-            if written != act.seen_written || !waiting {
-                act.seen_written = written;
+            let progress = act
+                .pending
+                .written
+                .load(Ordering::SeqCst)
+                .wrapping_add(act.pending.ticks.load(Ordering::SeqCst));
+            if progress != act.seen_progress {
+                act.seen_progress = progress;
                 act.stalled_since = None;
                 return;
             }
@@ -928,13 +935,15 @@ impl Actor for WsConnection {
             cut: false,
             heartbeat: self.heartbeat,
             client_timeout: self.client_timeout,
-            seen_written: 0,
+            seen_progress: 0,
             stalled_since: None,
         }
         .start();
         self.outbox = Some(outbox.clone().recipient());
         self.outbox_actor = Some(outbox);
         ctx.run_interval(self.heartbeat, |act, ctx| {
+            // Seen by the outbox: this connection still runs (its writer is not blocked).
+            act.pending.ticks.fetch_add(1, Ordering::SeqCst);
             let close = if act.last_seen.elapsed() > act.client_timeout {
                 Some((
                     ws::CloseCode::Away,

@@ -1417,6 +1417,57 @@ async fn a_consumer_that_stopped_reading_is_cut_off_after_the_client_timeout() {
     cut_off_before_the_end(&mut slow);
 }
 
+/// A client that sends requests and stops reading their replies (no events waiting) is cut off
+/// after the client timeout too. Before, only event frames were watched: with the socket full
+/// of replies the connection's heartbeat stopped running, and the connection, its slot and its
+/// buffered replies were held for as long as the client kept it open.
+#[actix_rt::test]
+async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_timeout() {
+    let model = FakeModel::start(|body| {
+        let text = if last_user(body).starts_with("BIG") {
+            "b".repeat(4 << 20)
+        } else {
+            "ok".into()
+        };
+        Reply::Message(json!({"role": "assistant", "content": text}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": 2},
+               "model": {"max_response_bytes": 64 << 20}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("big", &home.path).await;
+    ws.submit(&sid, "BIG", "BIG").await;
+    drop(ws);
+    wait_until("the BIG turn settles", Duration::from_secs(60), || {
+        home.admission("BIG").status == "terminal"
+    })
+    .await;
+    // The session's whole log, 4 MiB, asked for ten times over: far more than the socket holds.
+    let mut stalled = RawWs::connect(&home.path, &d.origin());
+    let resume = json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}});
+    stalled.text(resume.to_string().as_bytes());
+    assert!(stalled.reply()["result"].is_object());
+    for i in 0..10 {
+        let since = json!({"jsonrpc": "2.0", "id": i, "method": "session.events.since",
+                           "params": {"session_id": sid, "last_sequence": 0}});
+        stalled.text(since.to_string().as_bytes());
+    }
+    wait_until("the stall is noticed", Duration::from_secs(30), || {
+        home.log()
+            .contains("nothing written for the client timeout")
+    })
+    .await;
+    let (_, ending, took) = read_to_the_end(&mut stalled, "message.complete");
+    assert!(took < Duration::from_secs(20), "the connection stayed open");
+    assert!(matches!(ending, None | Some(1008)), "{ending:?}");
+    let mut ws = Ws::connect(&home.path, &d.origin()).await;
+    normal_request(&mut ws, &sid).await;
+}
+
 #[actix_rt::test]
 async fn connections_past_the_limit_are_refused_and_the_ticket_kept() {
     let model = FakeModel::ack();
