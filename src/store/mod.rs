@@ -421,7 +421,7 @@ type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
 /// A write run in a batch's transaction: how to answer it once the batch is committed (or not),
 /// and whether it failed (then the batch's transaction may have ended with it).
-type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> (Deliver, bool) + Send>;
+type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> Deliver + Send>;
 type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Most writes committed together.
@@ -466,14 +466,17 @@ fn writer_loop(
                     // A write that panics is answered as not written (its caller's channel is
                     // dropped) and its batch rolled back: the writer thread goes on (it died,
                     // and every later write of the process failed).
-                    let Ok((deliver, failed)) =
+                    let Ok(deliver) =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(c)))
                     else {
                         tracing::error!("a write panicked; its batch is rolled back");
                         return Err(diesel::result::Error::RollbackTransaction);
                     };
                     deliveries.push(deliver);
-                    if failed && transaction_ended(c) {
+                    // Asked after every write, failed or not: one that met an error and went on
+                    // (a step it may do without, a claim answered apart from its admission)
+                    // may have had the batch's transaction ended under it all the same.
+                    if transaction_ended(c) {
                         // SQLite rolled the whole batch back with this write (an I/O error, a
                         // full disk, a ROLLBACK): the writes after it would each commit on their
                         // own, outside the batch, and be answered that the batch failed. They
@@ -541,7 +544,6 @@ where
 {
     Box::new(move |conn| {
         let result = f(conn);
-        let failed = result.is_err();
         let deliver: Deliver = Box::new(move |committed: Result<(), String>| {
             answer(match (result, committed) {
                 (Ok(r), Ok(())) => Ok(r),
@@ -549,15 +551,16 @@ where
                 (Err(e), _) => Err(e),
             })
         });
-        (deliver, failed)
+        deliver
     })
 }
 
-/// Has the batch's transaction ended under a write that failed? A `BEGIN` fails inside a
-/// transaction; one that succeeds found none, and is rolled back at once. (Asked only after a
-/// failed write: the connection does not say whether it is in a transaction.)
+/// Has the batch's transaction ended under a write? A `BEGIN` fails inside a transaction; one
+/// that succeeds found none, and is rolled back at once. (The connection does not say whether
+/// it is in a transaction; the `BEGIN` is kept prepared, and refused before it does anything.)
 fn transaction_ended(conn: &mut SqliteConnection) -> bool {
-    if conn.batch_execute("BEGIN").is_err() {
+    use diesel::RunQueryDsl;
+    if hot_sql!("BEGIN", &[]).execute(conn).is_err() {
         return false;
     }
     let _ = conn.batch_execute("ROLLBACK");
@@ -947,7 +950,7 @@ impl Db {
             let mut deliver = None;
             let mut committed = conn
                 .immediate_transaction::<_, diesel::result::Error, _>(|c| {
-                    deliver = Some(job(c).0);
+                    deliver = Some(job(c));
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
@@ -1826,10 +1829,28 @@ mod wal_restart_tests {
     /// they had failed.
     #[test]
     fn a_write_that_ends_the_batchs_transaction_commits_nothing_after_it() {
+        let (answers, rows) = a_batch_with_a_doomed_write(false);
+        assert_eq!(answers, [false; 6], "the batch failed whole");
+        assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
+    }
+
+    /// The same when the write under which the transaction ended went on as if nothing had
+    /// happened (a step it may do without, a claim answered apart from its admission): the
+    /// writes after it each committed in a transaction of their own, answered as failed.
+    #[test]
+    fn a_write_that_goes_on_after_its_transaction_ended_commits_nothing_after_it() {
+        let (answers, rows) = a_batch_with_a_doomed_write(true);
+        assert_eq!(answers, [false; 6], "the batch failed whole");
+        assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
+    }
+
+    /// A batch of six writes whose second ends the batch's transaction (and answers its error,
+    /// or goes on when `swallowed`): whether each was answered as written, and what committed.
+    fn a_batch_with_a_doomed_write(swallowed: bool) -> (Vec<bool>, Vec<i64>) {
         use diesel::RunQueryDsl;
         let dir = testing::tempfile_dir::TempDir::new();
         let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
-        let (answers, rows) = actix_rt::System::new().block_on(async {
+        actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
             db.write(|c| {
                 Ok(c.batch_execute(
@@ -1858,7 +1879,16 @@ mod wal_restart_tests {
                 })
             };
             let before = write("INSERT INTO t (v) VALUES (1)");
-            let doomed = write("INSERT INTO doom (v) VALUES (0)");
+            let doomed = db.write(move |c| {
+                let ended = write_tx(c, |c| {
+                    diesel::sql_query("INSERT INTO doom (v) VALUES (0)").execute(c)?;
+                    Ok::<_, StoreError>(())
+                });
+                if swallowed {
+                    return Ok(());
+                }
+                ended
+            });
             let after: Vec<_> = (2..6)
                 .map(|v| {
                     db.write(move |c| {
@@ -1878,9 +1908,7 @@ mod wal_restart_tests {
             }
             let rows = values_of_t(&db).await;
             (answers, rows)
-        });
-        assert_eq!(answers, [false; 6], "the batch failed whole");
-        assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
+        })
     }
 
     /// When the writer cannot take a blocking caller's write (its queue full, or the writer
