@@ -1255,6 +1255,16 @@ impl Handler<Respond> for SessionSupervisor {
     type Result = ResponseFuture<Result<Value, GatewayError>>;
     fn handle(&mut self, m: Respond, ctx: &mut Context<Self>) -> Self::Result {
         let prompt_id = m.prompt_id.clone();
+        // An answer is kept in the transcript and sent with every later request, as an input
+        // is: it is bounded as one.
+        let max = self.shared.config.session.max_text_bytes;
+        if let PromptAnswer::Text(text) = &m.answer {
+            if text.len() > max {
+                return Box::pin(std::future::ready(Err(GatewayError::PayloadTooLarge(
+                    format!("answer is over {max} bytes (session.max_text_bytes)"),
+                ))));
+            }
+        }
         match self.hand_over(m, ctx) {
             Err(e) => Box::pin(std::future::ready(Err(e))),
             Ok(None) => Box::pin(std::future::ready(Ok(

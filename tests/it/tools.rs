@@ -840,6 +840,40 @@ async fn clarify_answers_reach_the_tool_result() {
     );
 }
 
+/// An answer longer than `session.max_text_bytes` is refused `payload_too_large`, as an input
+/// that long is, and the prompt stays open for one that fits. Before, it was taken whole: kept
+/// in the transcript and sent with every later model request.
+#[actix_rt::test]
+async fn a_clarify_answer_over_the_text_bound_is_refused() {
+    let ask = tool_call("call_q", "clarify", json!({"question": "Why?"}));
+    let model = scripted(vec![("ASK", ask)]);
+    let (home, d) = Daemon::with_model(&model, json!({"session": {"max_text_bytes": 1024}}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("clarify-bound", &home.path).await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    let p = ws.wait_prompt(&sid, "clarify").await;
+    let params = |text: String| {
+        json!({"session_id": sid, "execution_generation": p["execution_generation"],
+               "prompt_id": p["prompt_id"], "answer": text})
+    };
+    let refused = ws
+        .refused(
+            "clarify.respond",
+            params("x".repeat(1025)),
+            "payload_too_large",
+        )
+        .await;
+    assert!(refused.to_string().contains("1024"), "{refused}");
+    assert_eq!(home.admission("ASK").status, "started", "still waiting");
+    assert_eq!(
+        ws.ok("clarify.respond", params("y".repeat(1024))).await["status"],
+        "resolved"
+    );
+    settled(&home, "ASK").await;
+    let result = tool_result(&model, "ASK");
+    assert_eq!(result["user_response"], "y".repeat(1024), "{result}");
+}
+
 #[actix_rt::test]
 async fn clarify_skip_is_an_empty_answer() {
     let model = scripted(vec![(
