@@ -264,12 +264,28 @@ pub struct Since {
     pub has_more: bool,
 }
 
-/// Up to `limit` events of `session` with `seq > after`, oldest first, read in one snapshot.
+/// The most bytes of stored events one page reads (at least one batch is read, whatever its
+/// size): a page of 500 whole replies of several MiB each was read, held and sent at once.
+pub const PAGE_BYTES: i64 = 8 << 20;
+
+/// Up to `limit` events of `session` with `seq > after`, oldest first, read in one snapshot;
+/// `has_more` when `limit` or [`PAGE_BYTES`] cut it short.
 pub fn since(
     conn: &mut SqliteConnection,
     session: &str,
     after: i64,
     limit: i64,
+) -> Result<Since, StoreError> {
+    since_within(conn, session, after, limit, PAGE_BYTES)
+}
+
+/// [`since`], reading batches of events of at most `max_bytes` in all (at least one).
+pub fn since_within(
+    conn: &mut SqliteConnection,
+    session: &str,
+    after: i64,
+    limit: i64,
+    max_bytes: i64,
 ) -> Result<Since, StoreError> {
     let limit = limit.max(1);
     let after = after.max(0);
@@ -288,11 +304,31 @@ pub fn since(
         let start = after.max(h.pruned_through);
         // Only the first batch can hold events at or below `start`, and every batch holds at
         // least one event: `limit + 2` batches hold `limit + 1` events when there are that many.
-        let stored: Vec<(i64, String, f64)> = batches::table
+        // Their sizes first (read from the rows' headers): as many as fit in `max_bytes`.
+        let sizes: Vec<(i64, i64)> = batches::table
             .filter(batches::session_ordinal.eq(ordinal))
             .filter(batches::last_seq.gt(start))
             .order(batches::last_seq.asc())
             .limit(limit + 2)
+            .select((
+                batches::last_seq,
+                diesel::dsl::sql::<diesel::sql_types::BigInt>("octet_length(events_json)"),
+            ))
+            .load(conn)?;
+        let (mut bytes, mut through, mut cut) = (0i64, start, false);
+        for (i, (last_seq, size)) in sizes.iter().enumerate() {
+            if i > 0 && bytes.saturating_add(*size) > max_bytes {
+                cut = true;
+                break;
+            }
+            bytes = bytes.saturating_add(*size);
+            through = *last_seq;
+        }
+        let stored: Vec<(i64, String, f64)> = batches::table
+            .filter(batches::session_ordinal.eq(ordinal))
+            .filter(batches::last_seq.gt(start))
+            .filter(batches::last_seq.le(through))
+            .order(batches::last_seq.asc())
             .select((
                 batches::first_seq,
                 batches::events_json,
@@ -319,7 +355,7 @@ pub fn since(
                 }
             }
         }
-        let has_more = events.len() as i64 > limit;
+        let has_more = cut || events.len() as i64 > limit;
         events.truncate(limit as usize);
         let last_sequence = events
             .last()
@@ -609,6 +645,47 @@ mod tests {
 
     fn ev(n: i64) -> NewEvent {
         NewEvent::new("tool.start", json!({ "n": n }))
+    }
+
+    /// A page reads at most `max_bytes` of stored events (at least one batch), says `has_more`
+    /// when that cut it short, and the next page goes on from where it ended: every event once.
+    #[test]
+    fn a_page_is_bounded_in_bytes() {
+        let (_d, mut c) = setup();
+        let big = |n: i64| {
+            NewEvent::new(
+                "message.complete",
+                json!({"n": n, "text": "x".repeat(1000)}),
+            )
+        };
+        for n in 1..=5 {
+            append_tx(&mut c, "s1", &[big(n)], 1.0).expect("append");
+        }
+        append_tx(&mut c, "s1", &[ev(6), ev(7)], 1.0).expect("append");
+        let mut seen = Vec::new();
+        let mut pages = Vec::new();
+        let mut after = 0;
+        loop {
+            let s = since_within(&mut c, "s1", after, 500, 2500).expect("since");
+            pages.push(s.events.len());
+            seen.extend(s.events.iter().map(|e| e.seq));
+            after = s.last_sequence;
+            if !s.has_more {
+                break;
+            }
+        }
+        assert_eq!(
+            pages,
+            [2, 2, 3],
+            "two events of 1 KB, then the last with the small batch"
+        );
+        assert_eq!(seen, (1..=7).collect::<Vec<_>>());
+        // One batch over the bound is still read whole (a page always moves on).
+        let s = since_within(&mut c, "s1", 0, 500, 10).expect("since");
+        assert_eq!((s.events.len(), s.last_sequence, s.has_more), (1, 1, true));
+        // The default bound holds every event here.
+        let s = since(&mut c, "s1", 0, 500).expect("since");
+        assert_eq!((s.events.len(), s.has_more), (7, false));
     }
 
     #[test]
