@@ -141,12 +141,27 @@ async fn handle(
             return Ok(());
         }
         let reply = if line.len() > MAX_LINE {
-            let r = err(
+            // The rest of the line is read and let go, a bounded piece at a time: the
+            // connection stays usable for the next request.
+            let mut ended = line.ends_with(b"\n");
+            while !ended {
+                let mut rest = Vec::new();
+                let mut limited = (&mut reader).take(MAX_LINE as u64);
+                let Ok(n) = tokio::time::timeout(IDLE, limited.read_until(b'\n', &mut rest)).await
+                else {
+                    return Ok(());
+                };
+                if n? == 0 {
+                    break;
+                }
+                ended = rest.ends_with(b"\n");
+            }
+            // At the end of its input the answer is the last: the loop below stops there.
+            line = if ended { b"\n".to_vec() } else { Vec::new() };
+            err(
                 "payload_too_large",
                 format!("a request line is limited to {MAX_LINE} bytes"),
-            );
-            write.write_all(format!("{r}\n").as_bytes()).await?;
-            return Ok(());
+            )
         } else if !line.ends_with(b"\n") {
             err("invalid_request", "a request must end with a newline")
         } else {

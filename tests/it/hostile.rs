@@ -1139,12 +1139,23 @@ async fn hostile_control_socket_lines_get_typed_errors() {
             false,
             "payload_too_large",
         ),
+        (
+            "line_far_over_limit",
+            format!(
+                "{{\"method\":\"identify\",\"pad\":\"{}\"}}\n",
+                "x".repeat(300_000)
+            )
+            .into_bytes(),
+            false,
+            "payload_too_large",
+        ),
     ];
     for (name, bytes, close_write, code) in cases {
         let (v, mut s) = control_raw(&home.path, &bytes, close_write);
         assert_eq!(v["error"]["code"], code, "{name}: {v}");
-        if !close_write && code != "payload_too_large" {
-            // The same connection stays usable.
+        if !close_write {
+            // The same connection stays usable (after a line over the bound too: before, the
+            // connection was closed after the answer).
             s.write_all(b"{\"method\":\"identify\"}\n").expect("write");
             let mut line = String::new();
             BufReader::new(s).read_line(&mut line).expect("line");
