@@ -74,9 +74,18 @@ pub struct GatewayConfig {
 }
 
 impl GatewayConfig {
-    /// Does the listener stay on this host?
+    /// Does the listener stay on this host? `localhost`, or a loopback address (all of
+    /// 127.0.0.0/8, `::1`, an IPv4 loopback written as IPv6), bracketed or not.
     pub fn is_loopback(&self) -> bool {
-        matches!(self.host.as_str(), "127.0.0.1" | "localhost" | "::1")
+        let host = self.host.trim();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        host.eq_ignore_ascii_case("localhost")
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.to_canonical().is_loopback())
     }
 
     /// Is `cwd` (absolute, existing) inside one of `allowed_cwd_roots`? Always true when none
@@ -933,6 +942,42 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(text, Path::new("config.yaml"))
+    }
+
+    /// Loopback is decided by the address, not its spelling: every 127/8 address, `::1`
+    /// written in full, an IPv4 loopback as IPv6. Before, only three strings were, and
+    /// `127.0.0.2` with no key configured was refused as a public listener.
+    #[test]
+    fn a_loopback_listener_is_known_by_its_address() {
+        let on = |host: &str| {
+            GatewayConfig {
+                host: host.into(),
+                ..Default::default()
+            }
+            .is_loopback()
+        };
+        for host in [
+            "127.0.0.1",
+            "127.0.0.2",
+            "localhost",
+            "LocalHost",
+            "::1",
+            "0:0:0:0:0:0:0:1",
+            "[::1]",
+            "::ffff:127.0.0.1",
+        ] {
+            assert!(on(host), "{host}");
+        }
+        for host in [
+            "0.0.0.0",
+            "::",
+            "192.168.1.2",
+            "example.com",
+            "128.0.0.1",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(!on(host), "{host}");
+        }
     }
 
     #[test]

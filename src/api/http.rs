@@ -42,7 +42,7 @@ fn loopback_host(req: &HttpRequest) -> bool {
     name.eq_ignore_ascii_case("localhost")
         || name
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 pub async fn healthz() -> HttpResponse {
@@ -219,7 +219,20 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         web::get().to(metrics),
         web::head().to(metrics),
     ))
-    .route("/api/ws", web::get().to(super::ws::ws_route))
+    .service(
+        web::resource("/api/ws")
+            .route(web::get().to(super::ws::ws_route))
+            .default_service(web::to(|| async {
+                let refusal = super::auth::ApiError::new(
+                    actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+                    "method_not_allowed",
+                    "the WebSocket is opened with GET",
+                );
+                HttpResponse::MethodNotAllowed()
+                    .insert_header(("allow", "GET"))
+                    .json(refusal.body())
+            })),
+    )
     .configure(super::rest::routes)
     .default_service(web::to(no_such_route));
 }

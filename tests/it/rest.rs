@@ -607,6 +607,14 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
         r.headers.get("allow").and_then(|v| v.to_str().ok()),
         Some("POST")
     );
+    // The WebSocket's route too (it was an empty 405).
+    let r = Api::new(&d, "not-a-key").raw("POST", "/api/ws", None).await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_refusal(&r.body, "method_not_allowed");
+    assert_eq!(
+        r.headers.get("allow").and_then(|v| v.to_str().ok()),
+        Some("GET")
+    );
     // Authentication comes first: without credentials a wrong method is a 401.
     let anonymous = Api::anonymous(&d);
     let r = anonymous.get("/v1/sessions").await;
