@@ -141,12 +141,17 @@ impl RoomsConfig {
             self.unavailable_retry_min_seconds,
             self.unavailable_retry_max_seconds,
         );
-        if !(min.is_finite() && max.is_finite() && min > 0.0 && min <= max)
-            || max > crate::config::MAX_SECONDS
-        {
-            return Err(RoomsConfigError(
-                "unavailable retry bounds are invalid".into(),
-            ));
+        let most = crate::config::MAX_SECONDS;
+        if !(min.is_finite() && min > 0.0 && min <= most) {
+            return Err(RoomsConfigError(format!(
+                "unavailable_retry_min_seconds must be more than 0 and at most {most} seconds"
+            )));
+        }
+        if !(max.is_finite() && min <= max && max <= most) {
+            return Err(RoomsConfigError(format!(
+                "unavailable_retry_max_seconds must be at least unavailable_retry_min_seconds \
+                 ({min}) and at most {most} seconds"
+            )));
         }
         Ok(())
     }
@@ -182,7 +187,16 @@ mod tests {
             .validate()
             .unwrap_err()
             .to_string()
-            .contains("unavailable retry bounds"));
+            .contains("unavailable_retry_max_seconds must be at least"));
+        let config = RoomsConfig {
+            unavailable_retry_min_seconds: 0.0,
+            ..Default::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("unavailable_retry_min_seconds must be more than 0"));
         let config = RoomsConfig {
             lease_ttl_seconds: 0.0,
             ..Default::default()
