@@ -808,7 +808,7 @@ pub async fn chat_completions(
             (thread, Some(key))
         }
     };
-    let snap: SessionSnapshot = match thread {
+    let mut snap: SessionSnapshot = match thread {
         Thread::Existing(root) => {
             let root = authority.owned_root(&root, &principal).await?;
             // A session runs under the profile it was created with; a request for another is
@@ -844,6 +844,10 @@ pub async fn chat_completions(
             })?
         }
     };
+    // From here only its id, its pending inputs and its model are read, for as long as the turn
+    // takes (up to `http.completion_timeout_seconds`): its transcript, which may be the whole
+    // conversation the request carried, is let go now, as the request's own messages were.
+    drop(std::mem::take(&mut snap.messages));
     let root = snap.session_id.clone();
     let snap_root = root.clone();
     // Every refusal from here on names the session the request reached (and its input, once
