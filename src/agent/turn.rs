@@ -1358,6 +1358,11 @@ impl Turn {
             }
             return Err(CompactError::Nothing);
         };
+        // A stop that began since the loop's last look (the gateway's drain tells turns to stop
+        // before each session hears it) asks no summary: no model call follows a stop.
+        if self.cancelled() {
+            return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))));
+        }
         let aux = &cfg.auxiliary.compression;
         let model = aux.model.clone().unwrap_or_else(|| self.root.model.clone());
         let provider = aux
