@@ -581,6 +581,11 @@ impl SessionSupervisor {
                     tracing::error!(session = %act.root_id, admission = %row.admission_id, generation, error = %e,
                         "could not queue the claimed input again");
                     act.begin_turn(row, generation, None, ctx);
+                    // Told to stop before its first step: the drain's grace is for turns that
+                    // were running, and this one was put back for not having begun.
+                    if let Some(running) = &act.running {
+                        let _ = running.cancel.send(true);
+                    }
                 }
             }
             act.answer_held_interrupts(ctx);
