@@ -914,16 +914,28 @@ pub fn resolve_unknown(
             .first(conn)?;
         let transcript = live(conn, &tip)?;
         // Parked on a question when the process died (its last prompt was closed abandoned at
-        // the boot): the call it asked about, and those after it, never ran. Else a call left
-        // without a result may have been running.
-        let last_resolution: Option<Option<String>> = super::schema::prompts::table
+        // the boot, and nothing of the turn was recorded after it opened): the call it asked
+        // about, and those after it, never ran. Else a call left without a result may have been
+        // running: one after a prompt that timed out, say, whose resolution was not yet written
+        // (the turn goes on without waiting for it), when the process died.
+        let last_prompt: Option<(Option<String>, f64)> = super::schema::prompts::table
             .filter(super::schema::prompts::admission_id.eq(admission_id))
             .filter(super::schema::prompts::execution_generation.eq(generation))
             .order(super::schema::prompts::opened_at.desc())
-            .select(super::schema::prompts::resolution)
+            .select((
+                super::schema::prompts::resolution,
+                super::schema::prompts::opened_at,
+            ))
             .first(conn)
             .optional()?;
-        let parked = matches!(last_resolution, Some(Some(r)) if r == "abandoned");
+        let parked = match last_prompt {
+            Some((Some(resolution), opened_at)) if resolution == "abandoned" => {
+                !transcript.iter().any(|m| {
+                    m.admission_id.as_deref() == Some(admission_id) && m.timestamp > opened_at
+                })
+            }
+            _ => false,
+        };
         let closing: Vec<NewMessage> = closing_messages(
             &transcript,
             "[This turn was lost when the gateway stopped unexpectedly and was discarded by an operator. \
@@ -1525,6 +1537,76 @@ mod tests {
             claim(&mut c, e2, "s1", 5.0).map(|l| l.value),
             Ok(Claim::Started(_))
         ));
+    }
+
+    /// A turn parked on a question when the process died: the call it asked about never ran,
+    /// and its stub says so. A turn whose question timed out and went on (its timeout not yet
+    /// written when the process died, so the boot closed the prompt abandoned) to a command:
+    /// that command may have run, and its stub says that. Before, both said "did not run".
+    #[test]
+    fn a_lost_turn_after_a_prompt_it_went_past_may_have_run_its_calls() {
+        use crate::store::messages::{append_for_attempt, live, NewMessage};
+        use crate::store::prompts::{close_abandoned, record_open};
+        for went_on in [false, true] {
+            let (_d, mut c, e) = setup();
+            let a = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+                .expect("a")
+                .value
+                .0;
+            let Claim::Started(_) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
+                panic!("no claim")
+            };
+            let calls = serde_json::json!([
+                {"id": "ask", "type": "function", "function": {"name": "clarify", "arguments": "{}"}},
+                {"id": "run", "type": "function", "function": {"name": "terminal", "arguments": "{}"}},
+            ]);
+            let assistant = NewMessage {
+                role: "assistant".into(),
+                tool_calls: Some(calls.to_string()),
+                admission_id: Some(a.admission_id.clone()),
+                ..Default::default()
+            };
+            append_for_attempt(&mut c, e, "s1", 1, &[assistant], 2.1).expect("calls");
+            let payload = serde_json::json!({"question": "?"});
+            record_open(
+                &mut c,
+                e,
+                "q1",
+                "s1",
+                &a.admission_id,
+                1,
+                "clarify",
+                &payload,
+                2.2,
+            )
+            .expect("prompt");
+            if went_on {
+                let timed_out = NewMessage {
+                    role: "tool".into(),
+                    content: Some("timed out".into()),
+                    tool_call_id: Some("ask".into()),
+                    tool_name: Some("clarify".into()),
+                    admission_id: Some(a.admission_id.clone()),
+                    ..Default::default()
+                };
+                append_for_attempt(&mut c, e, "s1", 1, &[timed_out], 2.3).expect("result");
+            }
+            let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
+            epoch::recover_started(&mut c, e2, 3.0).expect("sweep");
+            assert_eq!(close_abandoned(&mut c, 3.0).expect("close"), 1);
+            resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0).expect("resolve");
+            let stub = live(&mut c, "s1")
+                .expect("live")
+                .into_iter()
+                .find(|m| m.tool_call_id.as_deref() == Some("run"))
+                .and_then(|m| m.content)
+                .expect("the command's stub");
+            if went_on {
+                assert!(stub.contains("may have run"), "{stub}");
+            } else {
+                assert!(stub.contains("did not run"), "{stub}");
+            }
+        }
     }
 
     #[test]
