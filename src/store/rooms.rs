@@ -287,8 +287,9 @@ pub fn create_room(
             .count()
             .get_result(conn)?;
         if active >= MAX_ACTIVE_ROOMS {
-            return Err(RoomStoreError::InvalidTransition(format!(
-                "at most {MAX_ACTIVE_ROOMS} hosted rooms may be active"
+            // Full, as a room's queue is (`session_busy`): nothing wrong with the request.
+            return Err(RoomStoreError::Full(format!(
+                "at most {MAX_ACTIVE_ROOMS} hosted rooms may be active: disband one first"
             )));
         }
         diesel::insert_into(rooms::table)
@@ -764,7 +765,12 @@ mod tests {
             create_room(&mut conn, &format!("r{i}"), "R", &members(), "gw-a", &clock).unwrap();
         }
         let err = create_room(&mut conn, "one-more", "R", &members(), "gw-a", &clock).unwrap_err();
-        assert!(matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("at most")));
+        assert!(matches!(err, RoomStoreError::Full(ref m) if m.contains("at most")));
+        assert_eq!(
+            crate::api::rooms::store_error(err).reason(),
+            "session_busy",
+            "a capacity refusal, not a bad request"
+        );
         begin_disband(&mut conn, "r7", &clock).unwrap();
         assert!(create_room(&mut conn, "one-more", "R", &members(), "gw-a", &clock).is_err());
         disband_room(&mut conn, "r7", &clock).unwrap();
