@@ -426,6 +426,14 @@ fn check_stop_budget(config: &Config) {
 }
 
 /// Build and start the hosted-room runtime over the local session port.
+/// The API's origin on `addr`.
+fn origin_of(addr: std::net::SocketAddr) -> String {
+    match addr {
+        std::net::SocketAddr::V6(a) => format!("http://[{}]:{}", a.ip(), a.port()),
+        std::net::SocketAddr::V4(a) => format!("http://{}:{}", a.ip(), a.port()),
+    }
+}
+
 /// What opening and recovering the store found.
 struct Opened {
     pool: store::SqlitePool,
@@ -615,10 +623,15 @@ impl Gateway {
         let socket = SocketFile::new(socket_path);
         // Answered from now on: `identify` says `starting` until the gateway serves (a failed
         // start stops it), while it waits for its address and opens and recovers its store.
-        let (answerer, answers) =
-            tokio::sync::watch::channel(Arc::new(control::Answerer::Starting {
+        let instance_id = uuid::Uuid::new_v4().simple().to_string();
+        let starting = |api_origin: Option<String>| {
+            Arc::new(control::Answerer::Starting {
                 version: env!("CARGO_PKG_VERSION"),
-            }));
+                instance_id: instance_id.clone(),
+                api_origin,
+            })
+        };
+        let (answerer, answers) = tokio::sync::watch::channel(starting(None));
         let control_task = AbortOnDrop(actix_rt::spawn(control::serve(listener, answers)));
         // Listen before anything durable happens: a start that cannot serve takes no epoch
         // and recovers nothing, and leaves no actor behind.
@@ -630,6 +643,7 @@ impl Gateway {
             ) => tcp?,
             _ = stop.wait_for(|stop| *stop) => return Err(StartError::Stopped),
         };
+        answerer.send_replace(starting(tcp.local_addr().ok().map(origin_of)));
         if !config.gateway.is_loopback()
             && !crate::api::auth::any_api_key(&home, &config.gateway.api_keys)
         {
@@ -662,8 +676,7 @@ impl Gateway {
             return Err(StartError::Stopped);
         }
         // Meanwhile the listener answers too: alive, not ready, everything else `starting`.
-        let starting = StartingHttp::serve(&tcp, config.gateway.max_connections)?;
-        let instance_id = uuid::Uuid::new_v4().simple().to_string();
+        let early_http = StartingHttp::serve(&tcp, config.gateway.max_connections)?;
         // Off this thread, which answers the control socket and the listener meanwhile (a
         // migration can take a while, another process may hold the write lock).
         let Opened {
@@ -765,7 +778,7 @@ impl Gateway {
                 clock.clone(),
             )),
         });
-        starting.stop().await;
+        early_http.stop().await;
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .on_connect(crate::api::ws::on_connect)
             .workers(2)
@@ -780,10 +793,7 @@ impl Gateway {
             .first()
             .copied()
             .ok_or_else(|| StartError::Refused("no listening address".into()))?;
-        let api_origin = match addr {
-            std::net::SocketAddr::V6(a) => format!("http://[{}]:{}", a.ip(), a.port()),
-            std::net::SocketAddr::V4(a) => format!("http://{}:{}", a.ip(), a.port()),
-        };
+        let api_origin = origin_of(addr);
         if let Ok(mut o) = runtime.api_origin.lock() {
             *o = api_origin.clone();
         }

@@ -38,6 +38,10 @@ pub enum Answerer {
     /// The store is not open yet: `identify` says `starting`, anything else is refused.
     Starting {
         version: &'static str,
+        /// This process's instance, the one it will serve as.
+        instance_id: String,
+        /// Known once the listener is bound.
+        api_origin: Option<String>,
     },
     Ready(Arc<Control>),
 }
@@ -46,12 +50,17 @@ impl Answerer {
     async fn dispatch(&self, method: &str, params: Value, same_user: bool) -> Value {
         match self {
             Answerer::Ready(control) => control.dispatch(method, params, same_user).await,
-            Answerer::Starting { version } => match method {
+            Answerer::Starting {
+                version,
+                instance_id,
+                api_origin,
+            } => match method {
+                // The epoch is taken only once the store is open: null until then.
                 "identify" => json!({
                     "state": "starting",
                     "pid": std::process::id(),
-                    "instance_id": Value::Null,
-                    "api_origin": Value::Null,
+                    "instance_id": instance_id,
+                    "api_origin": api_origin,
                     "authority_epoch": Value::Null,
                     "version": version,
                 }),

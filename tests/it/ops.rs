@@ -635,8 +635,9 @@ async fn a_start_on_a_file_that_is_not_a_database_is_refused_for_good() {
 /// While the store opens and recovers (here waiting for another process's write lock, as a
 /// start waits on a long migration), the control socket says `starting` and the listener
 /// answers: `/healthz` 200, `/readyz` 503 `starting`, the API 503 `starting` with a
-/// `Retry-After`. Once the lock is let go the start goes on to ready. Before, neither answered
-/// until the start was done: both ran on the thread that opening the store blocked.
+/// `Retry-After`; `identify` names the instance and origin it will serve as. Once the lock is
+/// let go the start goes on to ready. Before, neither answered until the start was done: both
+/// ran on the thread that opening the store blocked (and `identify` said null for both).
 #[actix_rt::test]
 async fn the_socket_and_the_listener_answer_while_the_store_opens() {
     use diesel::connection::SimpleConnection;
@@ -655,12 +656,18 @@ async fn the_socket_and_the_listener_answer_while_the_store_opens() {
         .batch_execute("BEGIN IMMEDIATE")
         .expect("the write lock");
     let child = spawn_cli(&home, &["serve"]);
+    let origin = format!("http://127.0.0.1:{port}");
+    // Its instance and its origin are said already (its epoch is taken with the store).
+    let mut starting = Value::Null;
     wait_until("identify says starting", Duration::from_secs(3), || {
-        control(&home.path, "identify", json!({}))
-            .is_ok_and(|v| v["state"] == "starting" && v["pid"] == child.id())
+        starting = control(&home.path, "identify", json!({})).unwrap_or_default();
+        starting["state"] == "starting"
+            && starting["pid"] == child.id()
+            && starting["api_origin"] == origin
     })
     .await;
-    let origin = format!("http://127.0.0.1:{port}");
+    assert!(starting["instance_id"].is_string(), "{starting}");
+    assert!(starting["authority_epoch"].is_null(), "{starting}");
     assert_eq!(
         http_get(&format!("{origin}/healthz")).await,
         (200, "ok\n".into())
@@ -689,10 +696,14 @@ async fn the_socket_and_the_listener_answer_while_the_store_opens() {
     );
 
     holder.batch_execute("COMMIT").expect("let go");
+    let mut ready = Value::Null;
     wait_until("ready", Duration::from_secs(30), || {
-        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "ready")
+        ready = control(&home.path, "identify", json!({})).unwrap_or_default();
+        ready["state"] == "ready"
     })
     .await;
+    assert_eq!(ready["instance_id"], starting["instance_id"], "{ready}");
+    assert_eq!(ready["api_origin"], origin, "{ready}");
     assert_eq!(
         http_get(&format!("{origin}/readyz")).await,
         (200, "ready\n".into())
