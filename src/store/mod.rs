@@ -73,7 +73,8 @@ unsafe extern "C" fn enable_qpsg(
     _api: *const libsqlite3_sys::sqlite3_api_routines,
 ) -> std::ffi::c_int {
     // SAFETY: `db` is the connection SQLite is opening; the option takes an int and an optional
-    // out-pointer (null: not wanted).
+    // out-pointer (null: not wanted). The hooks are plain functions that take no argument of
+    // their own (null) and only set a flag of the calling thread.
     unsafe {
         libsqlite3_sys::sqlite3_db_config(
             db,
@@ -81,8 +82,28 @@ unsafe extern "C" fn enable_qpsg(
             1 as std::ffi::c_int,
             std::ptr::null_mut::<std::ffi::c_int>(),
         );
+        libsqlite3_sys::sqlite3_commit_hook(db, Some(note_commit), std::ptr::null_mut());
+        libsqlite3_sys::sqlite3_rollback_hook(db, Some(note_rollback), std::ptr::null_mut());
     }
     libsqlite3_sys::SQLITE_OK
+}
+
+thread_local! {
+    /// Has a transaction of a connection used on this thread ended (committed or rolled back,
+    /// explicitly or by SQLite after an error) since the flag was last cleared? The writer
+    /// clears it as its batch begins and reads it after each write of the batch: one that ended
+    /// the batch's transaction is seen at once, whatever the write answered.
+    static TRANSACTION_ENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+unsafe extern "C" fn note_commit(_: *mut std::ffi::c_void) -> std::ffi::c_int {
+    TRANSACTION_ENDED.with(|ended| ended.set(true));
+    // Zero: the commit goes ahead.
+    0
+}
+
+unsafe extern "C" fn note_rollback(_: *mut std::ffi::c_void) {
+    TRANSACTION_ENDED.with(|ended| ended.set(true));
 }
 
 /// Every pooled connection: WAL with `synchronous = FULL` (an acknowledged commit survives power
@@ -421,7 +442,7 @@ type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
 /// A write run in a batch's transaction: how to answer it once the batch is committed (or not),
 /// and whether it failed (then the batch's transaction may have ended with it).
-type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> Deliver + Send>;
+type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> (Deliver, bool) + Send>;
 type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Most writes committed together.
@@ -462,21 +483,24 @@ fn writer_loop(
             .store(process_ms().max(1), Ordering::Relaxed);
         let mut committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
+                TRANSACTION_ENDED.with(|ended| ended.set(false));
                 for job in batch.drain(..) {
                     // A write that panics is answered as not written (its caller's channel is
                     // dropped) and its batch rolled back: the writer thread goes on (it died,
                     // and every later write of the process failed).
-                    let Ok(deliver) =
+                    let Ok((deliver, failed)) =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(c)))
                     else {
                         tracing::error!("a write panicked; its batch is rolled back");
                         return Err(diesel::result::Error::RollbackTransaction);
                     };
                     deliveries.push(deliver);
-                    // Asked after every write, failed or not: one that met an error and went on
-                    // (a step it may do without, a claim answered apart from its admission)
-                    // may have had the batch's transaction ended under it all the same.
-                    if transaction_ended(c) {
+                    // After every write, failed or not: one that met an error and went on (a
+                    // step it may do without, a claim answered apart from its admission) may
+                    // have had the batch's transaction ended under it all the same. SQLite's
+                    // hooks say so for nothing; a failed write is also asked the connection.
+                    let ended = TRANSACTION_ENDED.with(|ended| ended.get());
+                    if ended || (failed && transaction_ended(c)) {
                         // SQLite rolled the whole batch back with this write (an I/O error, a
                         // full disk, a ROLLBACK): the writes after it would each commit on their
                         // own, outside the batch, and be answered that the batch failed. They
@@ -544,6 +568,7 @@ where
 {
     Box::new(move |conn| {
         let result = f(conn);
+        let failed = result.is_err();
         let deliver: Deliver = Box::new(move |committed: Result<(), String>| {
             answer(match (result, committed) {
                 (Ok(r), Ok(())) => Ok(r),
@@ -551,13 +576,13 @@ where
                 (Err(e), _) => Err(e),
             })
         });
-        deliver
+        (deliver, failed)
     })
 }
 
-/// Has the batch's transaction ended under a write? A `BEGIN` fails inside a transaction; one
-/// that succeeds found none, and is rolled back at once. (The connection does not say whether
-/// it is in a transaction; the `BEGIN` is kept prepared, and refused before it does anything.)
+/// Has the batch's transaction ended under a write that failed? A `BEGIN` fails inside a
+/// transaction; one that succeeds found none, and is rolled back at once. (The connection does
+/// not say whether it is in a transaction; the `BEGIN` is kept prepared.)
 fn transaction_ended(conn: &mut SqliteConnection) -> bool {
     use diesel::RunQueryDsl;
     if hot_sql!("BEGIN", &[]).execute(conn).is_err() {
@@ -950,7 +975,7 @@ impl Db {
             let mut deliver = None;
             let mut committed = conn
                 .immediate_transaction::<_, diesel::result::Error, _>(|c| {
-                    deliver = Some(job(c));
+                    deliver = Some(job(c).0);
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
