@@ -58,6 +58,27 @@ impl Drop for Slot {
 pub struct ConnSocket(Arc<OwnedFd>);
 
 impl ConnSocket {
+    /// How many bytes the client's end has acknowledged in all (`TCP_INFO`), when the kernel
+    /// says: it grows while the client reads, even while one frame takes long to go out.
+    pub(crate) fn bytes_acked(&self) -> Option<u64> {
+        // SAFETY: `tcp_info` is plain data (all integers): zeroes are a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) on a descriptor we own, into a buffer of `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.0.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        };
+        // An older kernel fills less of the structure.
+        let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + 8;
+        (rc == 0 && len as usize >= needed).then_some(info.tcpi_bytes_acked)
+    }
+
     pub(crate) fn shutdown(&self) {
         // SAFETY: shutdown(2) on a descriptor we own; it only ends the connection.
         unsafe {
@@ -161,6 +182,7 @@ pub async fn ws_route(
         conn_id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
         subscribed: Subscriptions::default(),
         last_seen: Instant::now(),
+        seen_acked: 0,
         max_frame: cfg.max_frame_bytes,
         max_followed: cfg.max_sessions_per_connection,
         heartbeat: Duration::from_secs_f64(cfg.heartbeat_seconds.max(0.1)),
@@ -200,6 +222,8 @@ pub struct WsConnection {
     conn_id: u64,
     subscribed: Subscriptions,
     last_seen: Instant,
+    /// The bytes the client had acknowledged at the last heartbeat.
+    seen_acked: u64,
     max_frame: usize,
     /// Most sessions the connection may follow (`gateway.max_sessions_per_connection`): each
     /// one followed keeps its supervisor in memory for as long as the connection lives.
@@ -300,11 +324,15 @@ impl Actor for Outbox {
         // Its own mailbox only buffers a burst until it forwards (it never blocks).
         ctx.set_mailbox_capacity(self.limit.max(1024));
         ctx.run_interval(self.heartbeat, |act, ctx| {
+            // A client still reading a large frame acknowledges its bytes meanwhile (the
+            // connection neither writes more nor ticks until that frame is out).
+            let acked = act.socket.as_ref().and_then(ConnSocket::bytes_acked);
             let progress = act
                 .pending
                 .written
                 .load(Ordering::SeqCst)
-                .wrapping_add(act.pending.ticks.load(Ordering::SeqCst));
+                .wrapping_add(act.pending.ticks.load(Ordering::SeqCst))
+                .wrapping_add(acked.unwrap_or(0) as usize);
             if progress != act.seen_progress {
                 act.seen_progress = progress;
                 act.stalled_since = None;
@@ -944,6 +972,14 @@ impl Actor for WsConnection {
         ctx.run_interval(self.heartbeat, |act, ctx| {
             // Seen by the outbox: this connection still runs (its writer is not blocked).
             act.pending.ticks.fetch_add(1, Ordering::SeqCst);
+            // A client that took in bytes since the last look is there: it may have had no
+            // chance to answer a ping queued behind a large frame it was still reading.
+            if let Some(acked) = act.socket.as_ref().and_then(ConnSocket::bytes_acked) {
+                if acked != act.seen_acked {
+                    act.seen_acked = acked;
+                    act.last_seen = Instant::now();
+                }
+            }
             let close = if act.last_seen.elapsed() > act.client_timeout {
                 Some((
                     ws::CloseCode::Away,

@@ -1479,6 +1479,106 @@ async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_t
     normal_request(&mut ws, &sid).await;
 }
 
+/// A client on a slow link that takes a reply longer than the client timeout to read, but
+/// reads it, keeps its connection: it acknowledges bytes all along. Before, the connection
+/// neither wrote more nor ran its heartbeat until the frame was out, and was closed for not
+/// answering the pings queued behind it (or cut as a stalled consumer).
+#[actix_rt::test]
+async fn a_client_reading_a_large_reply_slowly_keeps_its_connection() {
+    use std::os::fd::AsRawFd;
+    let mib = 12;
+    let model = FakeModel::start(move |body| {
+        let text = if last_user(body).starts_with("BIG") {
+            "b".repeat(mib << 20)
+        } else {
+            "ok".into()
+        };
+        Reply::Message(json!({"role": "assistant", "content": text}), "stop")
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": 1},
+               "model": {"max_response_bytes": 64 << 20}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("slow-link", &home.path).await;
+    ws.submit(&sid, "BIG", "BIG").await;
+    drop(ws);
+    wait_until("the BIG turn settles", Duration::from_secs(60), || {
+        home.admission("BIG").status == "terminal"
+    })
+    .await;
+    let mut slow = RawWs::connect(&home.path, &d.origin());
+    // A small receive window, as on a slow link: the reply waits on the daemon's side.
+    let small: libc::c_int = 128 << 10;
+    // SAFETY: setsockopt(2) on the test's own socket, with an int option value.
+    unsafe {
+        libc::setsockopt(
+            slow.stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    let resume = json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}});
+    slow.text(resume.to_string().as_bytes());
+    // Read the reply's frame at about 2.5 MB/s: some five seconds for its 12 MiB.
+    let started = std::time::Instant::now();
+    let mut left = loop {
+        let mut header = [0u8; 2];
+        slow.stream.read_exact(&mut header).expect("a frame");
+        if header[0] & 0x0f == 0x1 {
+            assert_eq!(header[1] & 0x7f, 127, "a large frame");
+            let mut len = [0u8; 8];
+            slow.stream.read_exact(&mut len).expect("its length");
+            break u64::from_be_bytes(len) as usize;
+        }
+        // A ping sent before the reply: answered.
+        let mut payload = vec![0u8; usize::from(header[1] & 0x7f)];
+        slow.stream
+            .read_exact(&mut payload)
+            .expect("a control frame");
+        if header[0] & 0x0f == 0x9 {
+            slow.frame(true, 0xA, &payload);
+        }
+    };
+    assert!(left > mib << 20, "{left}");
+    let mut reply = Vec::with_capacity(left);
+    let mut chunk = vec![0u8; 256 << 10];
+    while left > 0 {
+        let n = slow
+            .stream
+            .read(&mut chunk[..left.min(256 << 10)])
+            .expect("read");
+        assert!(n > 0, "the connection ended after {} bytes", reply.len());
+        reply.extend_from_slice(&chunk[..n]);
+        left -= n;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let took = started.elapsed();
+    assert!(
+        took > Duration::from_secs(2),
+        "slower than the client timeout: {took:?}"
+    );
+    let reply: Value = serde_json::from_slice(&reply).expect("the reply");
+    assert_eq!(reply["id"], "r");
+    assert!(reply["result"].is_object(), "{}", &reply.to_string()[..200]);
+    // The same connection still answers.
+    let again = json!({"jsonrpc": "2.0", "id": "again", "method": "session.events.since",
+                       "params": {"session_id": sid, "last_sequence": 0, "limit": 1}});
+    slow.text(again.to_string().as_bytes());
+    let answer = slow.reply();
+    assert_eq!(answer["id"], "again", "{answer}");
+    assert!(
+        !home.log().contains("slow consumer") && !home.log().contains("stopped answering pings"),
+        "{}",
+        home.log()
+    );
+}
+
 #[actix_rt::test]
 async fn connections_past_the_limit_are_refused_and_the_ticket_kept() {
     let model = FakeModel::ack();
