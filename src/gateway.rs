@@ -425,7 +425,6 @@ fn check_stop_budget(config: &Config) {
     }
 }
 
-/// Build and start the hosted-room runtime over the local session port.
 /// The API's origin on `addr`.
 fn origin_of(addr: std::net::SocketAddr) -> String {
     match addr {
@@ -450,7 +449,7 @@ fn open_and_recover(
     db_path: &Path,
     home: &Path,
     instance_id: &str,
-    now: f64,
+    clock: &dyn crate::clock::Clock,
     configured_id: Option<String>,
 ) -> Result<Opened, StartError> {
     // The writer, the checkpointer, blocking writes, the readers and the pages' reader.
@@ -458,6 +457,8 @@ fn open_and_recover(
     let mut conn = pool
         .get()
         .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
+    // The start's time is after the schema's migration, which may have taken a while.
+    let now = clock.now();
     let taken = read_epoch_mark(home);
     let epoch = epoch::begin_epoch_above(&mut conn, instance_id, now, taken)?;
     let recovered = epoch::recover_started(&mut conn, epoch, now)?;
@@ -487,7 +488,10 @@ struct StartingHttp(actix_web::dev::ServerHandle);
 impl StartingHttp {
     fn serve(tcp: &std::net::TcpListener, max_connections: usize) -> Result<Self, StartError> {
         let listener = tcp.try_clone().map_err(StartError::Listen)?;
+        // Every answer closes its connection: one kept alive would be cut when the gateway's
+        // own server takes the listener, and a client's retry on it lost.
         let server = HttpServer::new(|| App::new().configure(crate::api::http::starting_routes))
+            .keep_alive(actix_web::http::KeepAlive::Disabled)
             .workers(1)
             .disable_signals()
             .shutdown_timeout(0)
@@ -517,6 +521,7 @@ impl Drop for StartingHttp {
     }
 }
 
+/// Build and start the hosted-room runtime over the local session port.
 fn start_rooms(
     config: &Config,
     pool: store::SqlitePool,
@@ -676,7 +681,10 @@ impl Gateway {
             return Err(StartError::Stopped);
         }
         // Meanwhile the listener answers too: alive, not ready, everything else `starting`.
-        let early_http = StartingHttp::serve(&tcp, config.gateway.max_connections)?;
+        // Optional: without it the listener's clients wait in its queue, as they did before.
+        let early_http = StartingHttp::serve(&tcp, config.gateway.max_connections)
+            .map_err(|e| tracing::warn!(error = %e, "cannot answer HTTP while starting"))
+            .ok();
         // Off this thread, which answers the control socket and the listener meanwhile (a
         // migration can take a while, another process may hold the write lock).
         let Opened {
@@ -686,10 +694,10 @@ impl Gateway {
             to_pump,
             gateway_id,
         } = {
-            let (home, instance_id, now) = (home.clone(), instance_id.clone(), clock.now());
+            let (home, instance_id, clock) = (home.clone(), instance_id.clone(), clock.clone());
             let configured = config.gateway.id.clone();
             actix_rt::task::spawn_blocking(move || {
-                open_and_recover(&db_path, &home, &instance_id, now, configured)
+                open_and_recover(&db_path, &home, &instance_id, clock.as_ref(), configured)
             })
             .await
             .map_err(|e| {
@@ -778,7 +786,9 @@ impl Gateway {
                 clock.clone(),
             )),
         });
-        early_http.stop().await;
+        if let Some(early_http) = early_http {
+            early_http.stop().await;
+        }
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .on_connect(crate::api::ws::on_connect)
             .workers(2)

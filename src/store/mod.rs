@@ -58,10 +58,13 @@ pub fn install_planner_stability() {
         // SAFETY: registers a C entry point that SQLite calls with each new connection's handle;
         // the entry point only sets a per-connection option on that handle.
         let rc = unsafe { libsqlite3_sys::sqlite3_auto_extension(Some(enable_qpsg)) };
-        if rc != libsqlite3_sys::SQLITE_OK {
+        if rc == libsqlite3_sys::SQLITE_OK {
+            HOOKED.store(true, Ordering::Relaxed);
+        } else {
             tracing::warn!(
                 code = rc,
-                "cannot enable the SQLite planner stability guarantee"
+                "cannot enable the SQLite planner stability guarantee and transaction hooks \
+                 (the writer asks the connection after every write instead)"
             );
         }
     });
@@ -87,6 +90,9 @@ unsafe extern "C" fn enable_qpsg(
     }
     libsqlite3_sys::SQLITE_OK
 }
+
+/// Are the commit and rollback hooks set on every connection (see [`TRANSACTION_ENDED`])?
+static HOOKED: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// Has a transaction of a connection used on this thread ended (committed or rolled back,
@@ -499,8 +505,13 @@ fn writer_loop(
                     // step it may do without, a claim answered apart from its admission) may
                     // have had the batch's transaction ended under it all the same. SQLite's
                     // hooks say so for nothing; a failed write is also asked the connection.
-                    let ended = TRANSACTION_ENDED.with(|ended| ended.get());
-                    if ended || (failed && transaction_ended(c)) {
+                    let ended = if HOOKED.load(Ordering::Relaxed) {
+                        TRANSACTION_ENDED.with(|ended| ended.get())
+                            || (failed && transaction_ended(c))
+                    } else {
+                        transaction_ended(c)
+                    };
+                    if ended {
                         // SQLite rolled the whole batch back with this write (an I/O error, a
                         // full disk, a ROLLBACK): the writes after it would each commit on their
                         // own, outside the batch, and be answered that the batch failed. They
