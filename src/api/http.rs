@@ -223,14 +223,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         web::resource("/api/ws")
             .route(web::get().to(super::ws::ws_route))
             .default_service(web::to(|| async {
-                let refusal = super::auth::ApiError::new(
-                    actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
-                    "method_not_allowed",
-                    "the WebSocket is opened with GET",
-                );
-                HttpResponse::MethodNotAllowed()
-                    .insert_header(("allow", "GET"))
-                    .json(refusal.body())
+                method_not_allowed("GET", "the WebSocket is opened with GET")
             })),
     )
     .configure(super::rest::routes)
@@ -244,15 +237,20 @@ fn probe(path: &str, get: actix_web::Route, head: actix_web::Route) -> actix_web
         .route(get)
         .route(head)
         .default_service(web::to(|| async {
-            let refusal = super::auth::ApiError::new(
-                actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "this route answers GET and HEAD only",
-            );
-            HttpResponse::MethodNotAllowed()
-                .insert_header(("allow", "GET, HEAD"))
-                .json(refusal.body())
+            method_not_allowed("GET, HEAD", "this route answers GET and HEAD only")
         }))
+}
+
+/// 405 with the methods the route answers, in the API's JSON error body.
+fn method_not_allowed(allow: &'static str, message: &'static str) -> HttpResponse {
+    let refusal = super::auth::ApiError::new(
+        actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        message,
+    );
+    HttpResponse::MethodNotAllowed()
+        .insert_header(("allow", allow))
+        .json(refusal.body())
 }
 
 /// Outside `/v1` nothing needs authentication to be told it does not exist: 404 with the same

@@ -1315,12 +1315,8 @@ async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
     normal_request(&mut ws, &sid).await;
 }
 
-/// A daemon whose model answers `BIG…` with `mib` MiB of text, a session, and a consumer that
-/// follows it and then never reads again.
-async fn big_replies_and_a_stalled_reader(
-    gateway: Value,
-    mib: usize,
-) -> (FakeModel, Home, Daemon, String, RawWs) {
+/// A model that answers `BIG…` with `mib` MiB of text (anything else `ok`), and a home.
+fn big_model(mib: usize) -> (FakeModel, Home) {
     let model = FakeModel::start(move |body| {
         let text = if last_user(body).starts_with("BIG") {
             "b".repeat(mib << 20)
@@ -1329,7 +1325,16 @@ async fn big_replies_and_a_stalled_reader(
         };
         Reply::Message(json!({"role": "assistant", "content": text}), "stop")
     });
-    let home = Home::new();
+    (model, Home::new())
+}
+
+/// A daemon whose model answers `BIG…` with `mib` MiB of text, a session, and a consumer that
+/// follows it and then never reads again.
+async fn big_replies_and_a_stalled_reader(
+    gateway: Value,
+    mib: usize,
+) -> (FakeModel, Home, Daemon, String, RawWs) {
+    let (model, home) = big_model(mib);
     home.write_config(&config(
         &model.url,
         json!({"gateway": gateway, "model": {"max_response_bytes": 64 << 20}}),
@@ -1428,24 +1433,13 @@ async fn a_consumer_that_stopped_reading_is_cut_off_after_the_client_timeout() {
     cut_off_before_the_end(&mut slow);
 }
 
-/// A client that sends requests and stops reading their replies (no events waiting) is cut off
-/// after the client timeout too. Before, only event frames were watched: with the socket full
-/// of replies the connection's heartbeat stopped running, and the connection, its slot and its
-/// buffered replies were held for as long as the client kept it open.
-#[actix_rt::test]
-async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_timeout() {
-    let model = FakeModel::start(|body| {
-        let text = if last_user(body).starts_with("BIG") {
-            "b".repeat(4 << 20)
-        } else {
-            "ok".into()
-        };
-        Reply::Message(json!({"role": "assistant", "content": text}), "stop")
-    });
-    let home = Home::new();
+/// A daemon (heartbeat 0.2 s, `client_timeout` s) with a session whose one turn, settled, was
+/// answered `mib` MiB of text.
+async fn a_settled_big_reply(mib: usize, client_timeout: u64) -> (FakeModel, Home, Daemon, String) {
+    let (model, home) = big_model(mib);
     home.write_config(&config(
         &model.url,
-        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": 2},
+        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": client_timeout},
                "model": {"max_response_bytes": 64 << 20}}),
     ));
     let d = Daemon::start(&home);
@@ -1457,6 +1451,16 @@ async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_t
         home.admission("BIG").status == "terminal"
     })
     .await;
+    (model, home, d, sid)
+}
+
+/// A client that sends requests and stops reading their replies (no events waiting) is cut off
+/// after the client timeout too. Before, only event frames were watched: with the socket full
+/// of replies the connection's heartbeat stopped running, and the connection, its slot and its
+/// buffered replies were held for as long as the client kept it open.
+#[actix_rt::test]
+async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_timeout() {
+    let (_model, home, d, sid) = a_settled_big_reply(4, 2).await;
     // The session's whole log, 4 MiB, asked for ten times over: far more than the socket holds.
     let mut stalled = RawWs::connect(&home.path, &d.origin());
     let resume = json!({"jsonrpc": "2.0", "id": "r", "method": "session.resume", "params": {"session_id": sid}});
@@ -1487,29 +1491,7 @@ async fn a_client_that_stopped_reading_its_replies_is_cut_off_after_the_client_t
 async fn a_client_reading_a_large_reply_slowly_keeps_its_connection() {
     use std::os::fd::AsRawFd;
     let mib = 12;
-    let model = FakeModel::start(move |body| {
-        let text = if last_user(body).starts_with("BIG") {
-            "b".repeat(mib << 20)
-        } else {
-            "ok".into()
-        };
-        Reply::Message(json!({"role": "assistant", "content": text}), "stop")
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": 1},
-               "model": {"max_response_bytes": 64 << 20}}),
-    ));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("slow-link", &home.path).await;
-    ws.submit(&sid, "BIG", "BIG").await;
-    drop(ws);
-    wait_until("the BIG turn settles", Duration::from_secs(60), || {
-        home.admission("BIG").status == "terminal"
-    })
-    .await;
+    let (_model, home, d, sid) = a_settled_big_reply(mib, 1).await;
     let mut slow = RawWs::connect(&home.path, &d.origin());
     // A small receive window, as on a slow link: the reply waits on the daemon's side.
     let small: libc::c_int = 128 << 10;
