@@ -389,7 +389,11 @@ impl RoomsService {
                     .map_err(store_error)?;
                 let room =
                     room.ok_or_else(|| GatewayError::NotFound(format!("no room {}", p.room_id)))?;
-                subscribe(&room.room_id);
+                // A retired room says nothing more: following it would only keep the caller's
+                // mailbox until the connection closes.
+                if room.disbanded_at.is_none() {
+                    subscribe(&room.room_id);
+                }
                 let state = room_state(&room);
                 let mut v = serde_json::to_value(room).unwrap_or(Value::Null);
                 v["state"] = json!(state);
@@ -460,19 +464,22 @@ impl RoomsService {
                 let page = self
                     .db
                     .run(move |c| {
-                        let Some(_) = rooms::get_room(c, &id)? else {
+                        let Some(room) = rooms::get_room(c, &id)? else {
                             return Ok(None);
                         };
                         room_tasks::list_tasks_page(c, &id, status, after.as_deref(), limit)
-                            .map(Some)
+                            .map(|page| Some((page, room.disbanded_at.is_some())))
                     })
                     .await
                     .map_err(store_error)?;
-                // No room, no events to follow (and nothing kept for a name a client made up).
-                let Some((tasks, mut more)) = page else {
+                // No room, no events to follow (and nothing kept for a name a client made up),
+                // nor for a retired room.
+                let Some(((tasks, mut more), retired)) = page else {
                     return Err(GatewayError::NotFound(format!("no room {}", p.room_id)));
                 };
-                subscribe(&p.room_id);
+                if !retired {
+                    subscribe(&p.room_id);
+                }
                 let mut views = Vec::with_capacity(tasks.len());
                 let mut bytes = 0;
                 for task in &tasks {

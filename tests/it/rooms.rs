@@ -1152,6 +1152,35 @@ async fn a_closed_connection_stops_following_its_rooms() {
     drop(home);
 }
 
+/// A retired (disbanded) room is not followed by a connection that reads it: it says nothing
+/// more. Before, `room.get` and `room.tasks` on it made the connection follow it again, after
+/// its retirement had let go of its followers, until the connection closed.
+#[actix_rt::test]
+async fn a_retired_room_is_not_followed_again() {
+    let (_model, home, d) = acking_rooms(json!({}));
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "gone", "name": "gone", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    ws.ok("room.disband", json!({"room_id": "gone"})).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let room = ws.ok("room.get", json!({"room_id": "gone"})).await;
+        if !room["disbanded_at"].is_null() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{room}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ws.ok("room.get", json!({"room_id": "gone"})).await;
+    ws.ok("room.tasks", json!({"room_id": "gone"})).await;
+    let status = ws.ok("room.status", json!({})).await;
+    assert_eq!(status["followed_rooms"], 0, "{status}");
+    drop(home);
+}
+
 /// A room's queue is bounded: past `rooms.max_queued_tasks_per_room` a new task is refused
 /// (`session_busy`), while a replay of an admitted one is still answered.
 #[actix_rt::test]
