@@ -34,8 +34,8 @@ fn rpc(auto_complete: bool) -> Arc<FakeSessionRpc> {
 }
 
 /// Task `task-1` ("Inspect the release candidate.") started at 100 s under an old process's
-/// lease of one second, the clock now at 102 s.
-fn left_by_an_old_process() -> (TestDb, ManualClock, TaskIdentity, TaskAttempt) {
+/// lease of one second, the clock still at 100 s.
+fn started_by_an_old_process() -> (TestDb, ManualClock, TaskIdentity, TaskAttempt) {
     let db = db();
     let clock = ManualClock::new(100.0);
     let id = identity("task-1");
@@ -48,6 +48,12 @@ fn left_by_an_old_process() -> (TestDb, ManualClock, TaskIdentity, TaskAttempt) 
         &clock,
     );
     let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    (db, clock, id, attempt)
+}
+
+/// [`started_by_an_old_process`], the clock now at 102 s (the old lease lapsed).
+fn left_by_an_old_process() -> (TestDb, ManualClock, TaskIdentity, TaskAttempt) {
+    let (db, clock, id, attempt) = started_by_an_old_process();
     clock.set(102.0);
     (db, clock, id, attempt)
 }
@@ -1327,18 +1333,7 @@ async fn test_completion_wins_a_race_with_unacknowledged_stop() {
 
 #[tokio::test]
 async fn test_restart_harvests_completion_before_retrying_durable_stop() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    let (db, clock, id, attempt) = started_by_an_old_process();
     let stopping = begin_task_cancel(
         &mut db.conn(),
         &id,
@@ -1375,18 +1370,7 @@ async fn test_restart_harvests_completion_before_retrying_durable_stop() {
 
 #[tokio::test]
 async fn test_restart_acknowledges_inactive_local_stop_without_memory_marker() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    let attempt = start_old_attempt(&db, &id, 1.0, &clock);
+    let (db, clock, id, attempt) = started_by_an_old_process();
     begin_task_cancel(
         &mut db.conn(),
         &id,
