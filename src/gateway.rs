@@ -675,7 +675,6 @@ impl Gateway {
         }
         check_stop_budget(&config);
         let clock: SharedClock = Arc::new(SystemClock::default());
-        // The writer's connection (held), one per reader, the checkpointer's and one spare.
         let db_path = home.join("state.db");
         if *stop.borrow() {
             return Err(StartError::Stopped);
@@ -694,10 +693,11 @@ impl Gateway {
             to_pump,
             gateway_id,
         } = {
-            let (home, instance_id, clock) = (home.clone(), instance_id.clone(), clock.clone());
+            let (path, home) = (db_path.clone(), home.clone());
+            let (instance_id, clock) = (instance_id.clone(), clock.clone());
             let configured = config.gateway.id.clone();
             actix_rt::task::spawn_blocking(move || {
-                open_and_recover(&db_path, &home, &instance_id, clock.as_ref(), configured)
+                open_and_recover(&path, &home, &instance_id, clock.as_ref(), configured)
             })
             .await
             .map_err(|e| {
@@ -706,7 +706,6 @@ impl Gateway {
                 )))
             })??
         };
-        let db_path = home.join("state.db");
         tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
         write_epoch_mark(&home, epoch);
         let metrics = Arc::new(Metrics::default());

@@ -70,26 +70,31 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// The routes answered while the daemon opens and recovers its store, before it serves: alive,
 /// not ready, and every other request refused `starting` (503, `Retry-After`).
 pub fn starting_routes(cfg: &mut web::ServiceConfig) {
-    cfg.route("/healthz", web::get().to(healthz))
-        .route("/healthz", web::head().to(healthz))
-        .route(
-            "/readyz",
-            web::get().to(|| async {
-                HttpResponse::ServiceUnavailable()
-                    .content_type("text/plain")
-                    .body(format!("{}\n", RuntimePhase::Starting.as_str()))
-            }),
+    cfg.service(probe(
+        "/healthz",
+        web::get().to(healthz),
+        web::head().to(healthz),
+    ))
+    .service(probe(
+        "/readyz",
+        web::get().to(not_ready_yet),
+        web::head().to(not_ready_yet),
+    ))
+    .default_service(web::to(|| async {
+        auth::ApiError::new(
+            actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
+            "starting",
+            "the gateway is starting (opening and recovering its store); retry shortly",
         )
-        .default_service(web::to(|| async {
-            auth::ApiError {
-                status: actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
-                reason: "starting",
-                message: "the gateway is starting (opening and recovering its store); retry \
-                          shortly"
-                    .into(),
-            }
-            .error_response()
-        }));
+        .error_response()
+    }));
+}
+
+/// `/readyz` while the store opens: 503, `starting`.
+async fn not_ready_yet() -> HttpResponse {
+    HttpResponse::ServiceUnavailable()
+        .content_type("text/plain")
+        .body(format!("{}\n", RuntimePhase::Starting.as_str()))
 }
 
 pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
