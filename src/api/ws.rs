@@ -262,13 +262,15 @@ pub struct WsConnection {
 
 /// What the outbox handed a connection and the connection has not yet written: frames and
 /// their bytes; and how many frames it has written in all and how many heartbeats it has run
-/// (whether it makes progress).
+/// (whether it makes progress), and the bytes its client had acknowledged at the outbox's last
+/// look (whether the client takes them in).
 #[derive(Default)]
 struct Outbound {
     frames: AtomicUsize,
     bytes: AtomicUsize,
     written: AtomicUsize,
     ticks: AtomicUsize,
+    acked: AtomicU64,
 }
 
 impl Outbound {
@@ -326,13 +328,19 @@ impl Actor for Outbox {
         ctx.run_interval(self.heartbeat, |act, ctx| {
             // A client still reading a large frame acknowledges its bytes meanwhile (the
             // connection neither writes more nor ticks until that frame is out).
-            let acked = act.socket.as_ref().and_then(ConnSocket::bytes_acked);
+            // Read here only: the connection's heartbeat reads what this saw.
+            let acked = act
+                .socket
+                .as_ref()
+                .and_then(ConnSocket::bytes_acked)
+                .unwrap_or(0);
+            act.pending.acked.store(acked, Ordering::SeqCst);
             let progress = act
                 .pending
                 .written
                 .load(Ordering::SeqCst)
                 .wrapping_add(act.pending.ticks.load(Ordering::SeqCst))
-                .wrapping_add(acked.unwrap_or(0) as usize);
+                .wrapping_add(acked as usize);
             if progress != act.seen_progress {
                 act.seen_progress = progress;
                 act.stalled_since = None;
@@ -974,11 +982,10 @@ impl Actor for WsConnection {
             act.pending.ticks.fetch_add(1, Ordering::SeqCst);
             // A client that took in bytes since the last look is there: it may have had no
             // chance to answer a ping queued behind a large frame it was still reading.
-            if let Some(acked) = act.socket.as_ref().and_then(ConnSocket::bytes_acked) {
-                if acked != act.seen_acked {
-                    act.seen_acked = acked;
-                    act.last_seen = Instant::now();
-                }
+            let acked = act.pending.acked.load(Ordering::SeqCst);
+            if acked != act.seen_acked {
+                act.seen_acked = acked;
+                act.last_seen = Instant::now();
             }
             let close = if act.last_seen.elapsed() > act.client_timeout {
                 Some((
