@@ -448,7 +448,7 @@ type Job = Box<dyn FnOnce(&mut SqliteConnection) + Send>;
 /// A write: runs inside the batch transaction and returns how to answer once the batch commits.
 /// A write run in a batch's transaction: how to answer it once the batch is committed (or not),
 /// and whether it failed (then the batch's transaction may have ended with it).
-type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> (Deliver, bool) + Send>;
+type WriteJob = Box<dyn FnOnce(&mut SqliteConnection) -> Deliver + Send>;
 type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Most writes committed together.
@@ -494,7 +494,7 @@ fn writer_loop(
                     // A write that panics is answered as not written (its caller's channel is
                     // dropped) and its batch rolled back: the writer thread goes on (it died,
                     // and every later write of the process failed).
-                    let Ok((deliver, failed)) =
+                    let Ok(deliver) =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(c)))
                     else {
                         tracing::error!("a write panicked; its batch is rolled back");
@@ -504,10 +504,9 @@ fn writer_loop(
                     // After every write, failed or not: one that met an error and went on (a
                     // step it may do without, a claim answered apart from its admission) may
                     // have had the batch's transaction ended under it all the same. SQLite's
-                    // hooks say so for nothing; a failed write is also asked the connection.
+                    // hooks say so for nothing; without them the connection is asked.
                     let ended = if HOOKED.load(Ordering::Relaxed) {
                         TRANSACTION_ENDED.with(|ended| ended.get())
-                            || (failed && transaction_ended(c))
                     } else {
                         transaction_ended(c)
                     };
@@ -579,7 +578,6 @@ where
 {
     Box::new(move |conn| {
         let result = f(conn);
-        let failed = result.is_err();
         let deliver: Deliver = Box::new(move |committed: Result<(), String>| {
             answer(match (result, committed) {
                 (Ok(r), Ok(())) => Ok(r),
@@ -587,13 +585,14 @@ where
                 (Err(e), _) => Err(e),
             })
         });
-        (deliver, failed)
+        deliver
     })
 }
 
-/// Has the batch's transaction ended under a write that failed? A `BEGIN` fails inside a
-/// transaction; one that succeeds found none, and is rolled back at once. (The connection does
-/// not say whether it is in a transaction; the `BEGIN` is kept prepared.)
+/// Has the batch's transaction ended under a write (asked when SQLite's hooks could not be
+/// set)? A `BEGIN` fails inside a transaction; one that succeeds found none, and is rolled back
+/// at once. (The connection does not say whether it is in a transaction; the `BEGIN` is kept
+/// prepared.)
 fn transaction_ended(conn: &mut SqliteConnection) -> bool {
     use diesel::RunQueryDsl;
     if hot_sql!("BEGIN", &[]).execute(conn).is_err() {
@@ -986,7 +985,7 @@ impl Db {
             let mut deliver = None;
             let mut committed = conn
                 .immediate_transaction::<_, diesel::result::Error, _>(|c| {
-                    deliver = Some(job(c).0);
+                    deliver = Some(job(c));
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
