@@ -184,12 +184,7 @@ pub async fn run_command(
         pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
         reaped: false,
     };
-    let mut pipes = Pipes {
-        stdout: child.stdout.take(),
-        stderr: child.stderr.take(),
-        out_buf: vec![0; READ_CHUNK],
-        err_buf: vec![0; READ_CHUNK],
-    };
+    let mut pipes = Pipes::of(&mut child);
     let mut collector = Collector::new(spec.output_cap);
 
     let start = Instant::now();
@@ -298,35 +293,14 @@ pub fn spawn_background(
     let pid = child
         .id()
         .ok_or_else(|| TerminalError::Spawn(io::Error::other("the shell exited at once")))?;
-    let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
+    let mut pipes = Pipes::of(&mut child);
     let run = async move {
         let mut log = tokio::fs::File::from_std(log);
-        let (mut out_buf, mut err_buf) = (vec![0u8; READ_CHUNK], vec![0u8; READ_CHUNK]);
         let mut written = 0u64;
         let (mut log_ok, mut capped) = (true, false);
-        loop {
-            let (from_stdout, read) = tokio::select! {
-                r = read_some(&mut stdout, &mut out_buf), if stdout.is_some() => (true, r),
-                r = read_some(&mut stderr, &mut err_buf), if stderr.is_some() => (false, r),
-                else => break,
-            };
-            let n = match read {
-                Ok(n) if n > 0 => n,
-                // The end of one pipe (or an error reading it): the other may go on.
-                _ => {
-                    if from_stdout {
-                        stdout = None;
-                    } else {
-                        stderr = None;
-                    }
-                    continue;
-                }
-            };
-            let data = if from_stdout {
-                &out_buf[..n]
-            } else {
-                &err_buf[..n]
-            };
+        while pipes.is_open() {
+            let data = pipes.read_chunk().await;
+            let n = data.len();
             let keep = usize::try_from(cap.saturating_sub(written))
                 .unwrap_or(usize::MAX)
                 .min(n);
@@ -716,20 +690,38 @@ struct Pipes {
 }
 
 impl Pipes {
+    /// The child's output pipes, taken from it.
+    fn of(child: &mut Child) -> Pipes {
+        Pipes {
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            out_buf: vec![0; READ_CHUNK],
+            err_buf: vec![0; READ_CHUNK],
+        }
+    }
+
     fn is_open(&self) -> bool {
         self.stdout.is_some() || self.stderr.is_some()
     }
 
-    /// Reads one chunk from whichever pipe is ready. Cancel safe. Pending
-    /// forever when both pipes are closed.
-    async fn pump(&mut self, collector: &mut Collector) {
+    /// Reads one chunk from whichever pipe is ready (empty when that pipe ended or failed: it
+    /// is closed, the other may go on). Cancel safe. Pending forever when both pipes are closed.
+    async fn read_chunk(&mut self) -> &[u8] {
         tokio::select! {
             read = read_some(&mut self.stdout, &mut self.out_buf) => {
-                accept(read, &mut self.stdout, &self.out_buf, collector);
+                accept(read, &mut self.stdout, &self.out_buf)
             }
             read = read_some(&mut self.stderr, &mut self.err_buf) => {
-                accept(read, &mut self.stderr, &self.err_buf, collector);
+                accept(read, &mut self.stderr, &self.err_buf)
             }
+        }
+    }
+
+    /// Reads one chunk into `collector` (see [`Pipes::read_chunk`]).
+    async fn pump(&mut self, collector: &mut Collector) {
+        let chunk = self.read_chunk().await;
+        if !chunk.is_empty() {
+            collector.push(chunk);
         }
     }
 }
@@ -744,10 +736,15 @@ async fn read_some<R: AsyncRead + Unpin>(
     }
 }
 
-fn accept<R>(read: io::Result<usize>, slot: &mut Option<R>, buf: &[u8], collector: &mut Collector) {
+/// What a read of `slot` into `buf` gave: its bytes, or none when the pipe ended or failed
+/// (then closed).
+fn accept<'a, R>(read: io::Result<usize>, slot: &mut Option<R>, buf: &'a [u8]) -> &'a [u8] {
     match read {
-        Ok(n) if n > 0 => collector.push(buf.get(..n).unwrap_or(buf)),
-        _ => *slot = None,
+        Ok(n) if n > 0 => buf.get(..n).unwrap_or(buf),
+        _ => {
+            *slot = None;
+            &[]
+        }
     }
 }
 
