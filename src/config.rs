@@ -436,6 +436,21 @@ pub struct SessionLimits {
     pub extra: Extra,
 }
 
+impl SessionLimits {
+    /// `text` (named `what` in the refusal) within `max_text_bytes`, the bound of anything kept
+    /// in a transcript and sent with every later model request: an input, an answer, a message
+    /// of a seeded conversation.
+    pub fn check_text(&self, what: &str, text: &str) -> Result<(), crate::error::GatewayError> {
+        let max = self.max_text_bytes;
+        if text.len() > max {
+            return Err(crate::error::GatewayError::PayloadTooLarge(format!(
+                "{what} is over {max} bytes"
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for SessionLimits {
     fn default() -> Self {
         Self {

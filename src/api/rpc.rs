@@ -532,13 +532,7 @@ impl Authority {
         if p.text.trim().is_empty() {
             return Err(GatewayError::InvalidParams("text is empty".into()));
         }
-        let max = self.shared.config.session.max_text_bytes;
-        if p.text.len() > max {
-            return Err(GatewayError::PayloadTooLarge(format!(
-                "text is over {max} bytes"
-            )));
-        }
-        Ok(())
+        self.shared.config.session.check_text("text", &p.text)
     }
 
     /// Hand the input to `sup` now; the answer is its admission's receipt.

@@ -1262,12 +1262,9 @@ impl Handler<Respond> for SessionSupervisor {
         let prompt_id = m.prompt_id.clone();
         // An answer is kept in the transcript and sent with every later request, as an input
         // is: it is bounded as one.
-        let max = self.shared.config.session.max_text_bytes;
         if let PromptAnswer::Text(text) = &m.answer {
-            if text.len() > max {
-                return Box::pin(std::future::ready(Err(GatewayError::PayloadTooLarge(
-                    format!("answer is over {max} bytes (session.max_text_bytes)"),
-                ))));
+            if let Err(e) = self.shared.config.session.check_text("answer", text) {
+                return Box::pin(std::future::ready(Err(e)));
             }
         }
         match self.hand_over(m, ctx) {
