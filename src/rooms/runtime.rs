@@ -422,16 +422,22 @@ impl RoomRuntime {
 
     /// A terminal commit (settled, failed, deferred) made by the runtime: published, and the
     /// member's pending approval, if it was this task's, reported gone (the attempt that asked
-    /// for it is over, however it ended).
+    /// for it is over, however it ended). Said once: a commit that replayed an identical
+    /// earlier one (`idempotent`) was said then.
     pub(crate) fn publish_terminal(&self, binding: &RoomBinding, view: &TaskView) {
-        self.inner.hooks.publish_terminal(binding, view);
-        self.forget_pending_of(&binding.room_id, view);
+        if !view.idempotent {
+            self.inner.hooks.publish_terminal(binding, view);
+            self.forget_pending_of(&binding.room_id, view);
+        }
     }
 
     /// A cancellation committed: published, and the task's pending approval reported gone.
+    /// Said once, as [`RoomRuntime::publish_terminal`].
     pub(crate) fn publish_cancelled(&self, room_id: &str, view: &TaskView) {
-        self.inner.hooks.task_cancelled(room_id, view);
-        self.forget_pending_of(room_id, view);
+        if !view.idempotent {
+            self.inner.hooks.task_cancelled(room_id, view);
+            self.forget_pending_of(room_id, view);
+        }
     }
 
     /// What room `room_id`'s members wait on now (`room.pending_action`'s latest non-null
@@ -827,9 +833,7 @@ impl RoomRuntime {
                         .await;
                     match result {
                         Ok(view) => {
-                            if !view.idempotent {
-                                self.publish_cancelled(&identity.room_id, &view);
-                            }
+                            self.publish_cancelled(&identity.room_id, &view);
                             self.wake_room(&identity.room_id);
                             return Ok(view);
                         }
@@ -973,9 +977,7 @@ impl RoomRuntime {
                     )
                 })
                 .await?;
-            if !view.idempotent {
-                self.publish_terminal(&binding, &view);
-            }
+            self.publish_terminal(&binding, &view);
             self.resume_room(&room_id);
             return Ok(view);
         }
@@ -996,9 +998,7 @@ impl RoomRuntime {
                     )
                 })
                 .await?;
-            if !view.idempotent {
-                self.publish_terminal(&binding, &view);
-            }
+            self.publish_terminal(&binding, &view);
             self.resume_room(&room_id);
             return Ok(view);
         }

@@ -713,9 +713,7 @@ impl RoomRuntime {
                         .write(move |c| settle_task(c, &attempt, &settlement, clock.as_ref()))
                         .await
                     {
-                        if !view.idempotent {
-                            self.publish_terminal(binding, &view);
-                        }
+                        self.publish_terminal(binding, &view);
                     }
                 }
                 continue;
@@ -960,9 +958,7 @@ impl RoomRuntime {
                 })
                 .await?
         };
-        if !view.idempotent {
-            self.publish_terminal(binding, &view);
-        }
+        self.publish_terminal(binding, &view);
         Ok(view)
     }
 
@@ -1165,9 +1161,7 @@ impl RoomRuntime {
                                     )
                                 })
                                 .await?;
-                            if !view.idempotent {
-                                self.publish_terminal(binding, &view);
-                            }
+                            self.publish_terminal(binding, &view);
                             continue;
                         }
                         if let Some(receipt) = &probe.receipt {
@@ -1187,9 +1181,7 @@ impl RoomRuntime {
                                     )
                                 })
                                 .await?;
-                            if !view.idempotent {
-                                self.publish_terminal(binding, &view);
-                            }
+                            self.publish_terminal(binding, &view);
                             continue;
                         }
                         if probe.active_for(&id.task_id) {
@@ -1227,9 +1219,7 @@ impl RoomRuntime {
                     )
                 })
                 .await?;
-            if !view.idempotent {
-                self.publish_terminal(binding, &view);
-            }
+            self.publish_terminal(binding, &view);
         }
         self.state().blocked.remove(&binding.room_id);
         Ok(false)
@@ -1375,9 +1365,7 @@ impl RoomRuntime {
                 settle_stopping_task(c, &id, &current, exec, cancel, &settlement, clock.as_ref())
             })
             .await?;
-        if !view.idempotent {
-            self.publish_terminal(binding, &view);
-        }
+        self.publish_terminal(binding, &view);
         Ok(view)
     }
 
@@ -1413,9 +1401,7 @@ impl RoomRuntime {
             .db
             .write(move |c| complete_task_cancel(c, &id, &cancel_id, cancel, clock.as_ref()))
             .await?;
-        if !view.idempotent {
-            self.publish_cancelled(&binding.room_id, &view);
-        }
+        self.publish_cancelled(&binding.room_id, &view);
         Ok(())
     }
 
@@ -2281,9 +2267,7 @@ impl RoomRuntime {
             }
             Err(error) => return Err(error),
         };
-        if !view.idempotent {
-            self.publish_terminal(binding, &view);
-        }
+        self.publish_terminal(binding, &view);
         Ok(view)
     }
 
