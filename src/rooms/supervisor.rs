@@ -522,7 +522,8 @@ impl RoomRuntime {
 
     /// Release the room's lease, if this runtime holds one that would now need renewing. A
     /// release refused (the lease lapsed, the room's authority moved, a task started meanwhile)
-    /// leaves the lease to expire.
+    /// leaves the lease to expire. The lease leaves the status's leased rooms once its release
+    /// is committed, not before: the status never shows a room let go whose row still holds it.
     async fn let_go_of_lease(&self, binding: &RoomBinding) {
         let Some(lease) = self.lease(&binding.room_id) else {
             return;
@@ -530,8 +531,7 @@ impl RoomRuntime {
         if self.lease_fresh(&lease) {
             return;
         }
-        self.state().leases.remove(&binding.room_id);
-        let clock = self.inner.clock.clone();
+        let (clock, generation) = (self.inner.clock.clone(), lease.lease_generation);
         let released = self
             .inner
             .db
@@ -539,6 +539,14 @@ impl RoomRuntime {
             .await;
         if let Err(error) = released {
             tracing::debug!(room = %binding.room_id, %error, "an idle room's lease was left to expire");
+        }
+        let mut state = self.state();
+        if state
+            .leases
+            .get(&binding.room_id)
+            .is_some_and(|held| held.lease_generation == generation)
+        {
+            state.leases.remove(&binding.room_id);
         }
     }
 
