@@ -515,6 +515,14 @@ impl RoomRuntime {
         Ok(lease)
     }
 
+    /// How often a wait that must keep the room's lease looks at it: a quarter of the TTL, so
+    /// the renewal (due once half the TTL is gone) comes at most three quarters in, leaving a
+    /// stalled machine at least a quarter of the TTL before the lease lapses. At a third, the
+    /// renewal came two thirds in: one third of slack.
+    fn renewal_tick(&self) -> Duration {
+        Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 4.0)
+    }
+
     /// Does `lease` need no renewal yet (less than half its TTL gone)?
     fn lease_fresh(&self, lease: &Lease) -> bool {
         self.now() < lease.expires_at - self.inner.config.lease_ttl_seconds / 2.0
@@ -1742,7 +1750,7 @@ impl RoomRuntime {
     }
 
     /// Wait for `profile`'s turn lock (an operator's retry probing its task's member), renewing
-    /// the room's lease every third of its TTL and checking that it is still `held`; `None` once
+    /// the room's lease as [`Self::renewal_tick`] says and checking that it is still `held`; `None` once
     /// it is lost or replaced (a lapsed lease is taken again under a new generation, which fences
     /// what the waiter would commit under the old one). Scheduler passes never wait here: they
     /// take the lock with [`Self::try_turn`] and end when it is held.
@@ -1753,7 +1761,7 @@ impl RoomRuntime {
         held: &Lease,
     ) -> Option<HeldTurn> {
         let mut lock = self.inner.locks.lock(profile.to_string());
-        let every = Duration::from_secs_f64(self.inner.config.lease_ttl_seconds / 3.0);
+        let every = self.renewal_tick();
         loop {
             tokio::select! {
                 guard = &mut lock => break Some(self.held(&binding.room_id, profile, guard)),
@@ -1915,14 +1923,14 @@ impl RoomRuntime {
     ) -> Option<TaskView> {
         let task_id = attempt.identity.task_id.clone();
         let generation = attempt.execution_generation;
-        // Each round renews the lease when half its TTL is gone: a pause longer than a third of
-        // it would let a long turn's lease lapse between two rounds (its settlement then fenced
-        // out, and the task recovered as indeterminate, then deferred).
+        // Each round renews the lease when half its TTL is gone (see `renewal_tick`): a longer
+        // pause would let a long turn's lease lapse between two rounds (its settlement then
+        // fenced out, and the task recovered as indeterminate, then deferred).
         let poll = self
             .inner
             .config
             .active_poll_interval_seconds
-            .min(self.inner.config.lease_ttl_seconds / 3.0);
+            .min(self.renewal_tick().as_secs_f64());
         let profile = task.payload.target_profile.clone();
         // Subscribed before the first check: the member's terminal report wakes it, and a report
         // that lands between a check and the pause must end that pause, not wait out the poll.
