@@ -58,6 +58,18 @@ pub enum Fault {
 
 type Plan = dyn Fn(&Value, usize) -> Fault + Send + Sync;
 
+thread_local! {
+    /// When the connection of the request being planned was accepted (set on its thread).
+    static ACCEPTED_AT: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// When the connection of the request a plan is deciding was accepted: the moment the client
+/// had sent it, give or take the accept, where the plan runs only once its thread has been
+/// spawned and the whole body read (long after, on a loaded machine).
+pub fn accepted_at() -> Option<Instant> {
+    ACCEPTED_AT.with(|at| at.get())
+}
+
 pub struct ChaosModel {
     pub url: String,
     attempts: Arc<Mutex<HashMap<String, usize>>>,
@@ -85,8 +97,12 @@ impl ChaosModel {
                     return;
                 }
                 let Ok(stream) = stream else { continue };
+                let accepted = Instant::now();
                 let (a, s, plan) = (a.clone(), s.clone(), plan.clone());
-                std::thread::spawn(move || serve(stream, &a, &s, &*plan));
+                std::thread::spawn(move || {
+                    ACCEPTED_AT.with(|at| at.set(Some(accepted)));
+                    serve(stream, &a, &s, &*plan)
+                });
             }
         });
         ChaosModel {

@@ -752,18 +752,36 @@ impl Ws {
 
     /// Poll `session.resume` until an open prompt of `kind` shows.
     pub async fn wait_prompt(&mut self, session: &str, kind: &str) -> Value {
+        let snap = self
+            .resume_when(session, &format!("a {kind} prompt"), |snap| {
+                snap["prompts"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|p| p["kind"] == kind))
+            })
+            .await;
+        snap["prompts"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["kind"] == kind))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Poll `session.resume` until its snapshot satisfies `pred` (30 s at most); the snapshot.
+    pub async fn resume_when(
+        &mut self,
+        session: &str,
+        what: &str,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let snap = self
                 .ok("session.resume", json!({"session_id": session}))
                 .await;
-            if let Some(p) = snap["prompts"]
-                .as_array()
-                .and_then(|a| a.iter().find(|p| p["kind"] == kind))
-            {
-                return p.clone();
+            if pred(&snap) {
+                return snap;
             }
-            assert!(Instant::now() < deadline, "no {kind} prompt: {snap}");
+            assert!(Instant::now() < deadline, "no {what}: {snap}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

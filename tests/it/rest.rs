@@ -1216,7 +1216,7 @@ async fn chat_completions_speak_the_openai_wire_format() {
     let home = Home::new();
     home.write_config(&keyed(
         &model,
-        json!({"http": {"completion_timeout_seconds": 1.5}}),
+        json!({"http": {"completion_timeout_seconds": 3}}),
     ));
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);

@@ -1033,7 +1033,7 @@ async fn a_room_keeps_its_tasks_while_its_members_session_is_held_by_an_unknown_
 }
 
 /// A member's turns run one at a time across rooms. A room whose task waits for the member while
-/// another room's turn holds it (here parked on an approval until its deadline, four lease TTLs)
+/// another room's turn holds it (here parked on an approval until its deadline, three lease TTLs)
 /// keeps its lease the whole wait, so its own attempt is not fenced when it finally runs: it
 /// settles through its observation, never lost to a lapsed lease and recovered as indeterminate.
 #[actix_rt::test]
@@ -1044,7 +1044,7 @@ async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
         &model,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"turn_timeout_seconds": 4, "lease_ttl_seconds": 1, "poll_interval_seconds": 0.2,
+            "rooms": {"turn_timeout_seconds": 6, "lease_ttl_seconds": 2, "poll_interval_seconds": 0.2,
                       "active_poll_interval_seconds": 0.05, "max_concurrent_rooms": 2},
         }),
     );
@@ -1073,7 +1073,7 @@ async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
 }
 
 /// A room whose crashed attempt is probed on every pass waits for its member's turn lock while
-/// another room's turn holds it (parked until its deadline, four lease TTLs): its lease is
+/// another room's turn holds it (parked until its deadline, three lease TTLs): its lease is
 /// renewed the whole wait, so once the operator has resolved the member's turn, the probe's
 /// resolution commits under it. Before, the lease lapsed in the wait and the resolution was
 /// fenced as a lease loss.
@@ -1085,7 +1085,7 @@ async fn a_probe_waiting_for_its_member_behind_another_room_keeps_its_lease() {
         &model.url,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"turn_timeout_seconds": 4, "lease_ttl_seconds": 1, "indeterminate_defer_seconds": 300,
+            "rooms": {"turn_timeout_seconds": 6, "lease_ttl_seconds": 2, "indeterminate_defer_seconds": 300,
                       "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
                       "max_concurrent_rooms": 2},
         }),

@@ -710,13 +710,14 @@ async fn approval_timeout_denies_fail_closed() {
             ("call_rm2", "terminal", json!({"command": rm(&v2)})),
         ]),
     )]);
-    home.write_config(&config(&model.url, json!({"approvals": {"timeout": 1}})));
+    home.write_config(&config(&model.url, json!({"approvals": {"timeout": 2}})));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session("timeout", &home.path).await;
     ws.submit(&sid, "RM", "RM").await;
     let p = ws.wait_prompt(&sid, "approval").await;
-    // Waiting out the configured one-second approval timeout.
+    // Waiting out the configured two-second approval timeout (long enough for the poll above
+    // to see the prompt on a loaded machine).
     let row = settled(&home, "RM").await;
     assert_eq!(row.outcome.as_deref(), Some("completed"));
     assert!(v.exists(), "silence is not consent");
@@ -912,7 +913,7 @@ async fn clarify_timeout_gives_the_sentinel_and_the_turn_continues() {
     let home = Home::new();
     home.write_config(&config(
         &model.url,
-        json!({"agent": {"clarify_timeout": 1}}),
+        json!({"agent": {"clarify_timeout": 2}}),
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
@@ -920,7 +921,7 @@ async fn clarify_timeout_gives_the_sentinel_and_the_turn_continues() {
     ws.submit(&sid, "ASK", "ASK").await;
     ws.submit(&sid, "BATCH", "BATCH").await;
     ws.wait_prompt(&sid, "clarify").await;
-    // Waiting out the configured one-second clarify timeout, twice.
+    // Waiting out the configured two-second clarify timeout, twice.
     wait_until("both turns", T, || all_terminal(&home)).await;
     assert_eq!(home.admission("ASK").outcome.as_deref(), Some("completed"));
     assert_eq!(

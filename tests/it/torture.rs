@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use gatehouse::store::admissions::AdmissionRow;
 use serde_json::json;
 
-use crate::chaos::{ChaosModel, Fault};
+use crate::chaos::{accepted_at, ChaosModel, Fault};
 use crate::helpers::*;
 
 /// xorshift64*: small, seeded, deterministic.
@@ -89,7 +89,8 @@ impl Kind {
     }
 }
 
-/// One model request as the fake model saw it: last user text, after a tool result?, when.
+/// One model request as the fake model saw it: last user text, after a tool result?, when its
+/// connection was accepted.
 #[derive(Clone)]
 struct Seen {
     text: String,
@@ -130,7 +131,7 @@ fn torture_model(victims: PathBuf, log: Arc<Mutex<ModelLog>>) -> ChaosModel {
             l.seen.push(Seen {
                 text: text.clone(),
                 after_tool: tool,
-                at: Instant::now(),
+                at: accepted_at().unwrap_or_else(Instant::now),
             });
             let distinct: HashSet<&String> = users.iter().collect();
             if distinct.len() != users.len() {
@@ -506,7 +507,7 @@ impl Torture {
     /// After a SIGTERM: compare the ledger before the signal with the ledger after the exit.
     fn check_term(&self, before: &[AdmissionRow], stopping_seen: Instant) {
         // The drain reaches running turns just after the phase flips; allow for a loaded machine.
-        let slack = Duration::from_millis(250);
+        let slack = Duration::from_millis(500);
         let after = self.rows();
         let before: HashMap<&str, &AdmissionRow> = before
             .iter()

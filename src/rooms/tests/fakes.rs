@@ -738,7 +738,7 @@ impl Spec {
     pub fn new(rpc: &Arc<FakeSessionRpc>) -> Self {
         Self {
             config: RoomsConfig {
-                lease_ttl_seconds: 0.4,
+                lease_ttl_seconds: 5.0,
                 poll_interval_seconds: 0.01,
                 ..Default::default()
             },

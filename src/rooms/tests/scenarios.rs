@@ -1810,18 +1810,24 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     admit(&db, &id, "Inspect the release candidate.");
     let rpc = rpc(false);
     let mut spec = Spec::new(&rpc);
-    spec.config.lease_ttl_seconds = 0.3;
+    // A TTL long enough that a loaded machine's stall does not lapse it between renewals.
+    spec.config.lease_ttl_seconds = 2.0;
     spec.config.active_poll_interval_seconds = 60.0;
     let runtime = spec.build(&db);
     runtime.start();
     wait_for("submitted", || rpc.count("submit") == 1).await;
-    // Four TTLs of work.
-    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    // Over two TTLs of work.
+    tokio::time::sleep(std::time::Duration::from_millis(4200)).await;
     assert_eq!(status(&db, &id), TaskStatus::Running);
     rpc.complete("task-1", "done", "settled");
     wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
     assert!(runtime.stop(STOP).await);
-    assert_eq!(runtime.status().lease_losses, 0);
+    let status = runtime.status();
+    assert_eq!(status.lease_losses, 0);
+    assert!(
+        status.lease_renewals >= 2,
+        "renewed while the turn ran: {status:?}"
+    );
 }
 
 /// What [`abandoned_local_attempt`] sets up: the store, its clock, the task, its member's fake
