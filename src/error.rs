@@ -27,6 +27,10 @@ pub enum StoreError {
     UnknownExecution(String),
     #[error("session_busy: {0}")]
     SessionBusy(String),
+    /// A session's stored launch policy does not parse (a damaged or edited store): nothing
+    /// of the session runs until it is repaired (clients are answered `storage_unavailable`).
+    #[error("corrupt policy: {0}")]
+    CorruptPolicy(String),
     #[error("storage: {0}")]
     Database(#[from] diesel::result::Error),
     #[error("storage pool: {0}")]

@@ -1738,9 +1738,11 @@ pub fn split_think(text: &str) -> (String, String) {
     (out.trim().to_string(), thoughts)
 }
 
-/// Tools the model sees: the session's frozen list, limited to tools this gateway has.
+/// Tools the model sees: the session's frozen list, limited to tools this gateway has. A claim
+/// checked the list before the turn began; one found damaged since gives no tool.
 fn enabled_tools(_shared: &Shared, root: &SessionRow) -> Vec<String> {
     root.toolsets()
+        .unwrap_or_default()
         .into_iter()
         .filter(|t| tools::KNOWN_TOOLS.contains(&t.as_str()))
         .collect()

@@ -1035,7 +1035,7 @@ impl Authority {
                 "provider": root.provider,
                 "base_url": root.base_url,
                 "cwd": root.cwd,
-                "toolsets": root.toolsets(),
+                "toolsets": root.toolsets()?,
                 "profile": root.profile,
                 "title": root.title,
             },

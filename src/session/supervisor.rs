@@ -511,6 +511,10 @@ impl SessionSupervisor {
             Err(StoreError::UnknownExecution(m)) => {
                 tracing::info!(session = %self.root_id, "FIFO held: {m}");
             }
+            Err(StoreError::CorruptPolicy(m)) => {
+                tracing::error!(session = %self.root_id,
+                    "FIFO held: {m}; its inputs stay queued until the store is repaired and the gateway restarted");
+            }
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
                 // for the next submit or boot.

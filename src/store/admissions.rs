@@ -550,7 +550,8 @@ pub fn claim_next(
 ) -> Result<(Logged<Claim>, bool), StoreError> {
     super::write_tx(conn, |conn| {
         check_epoch(conn, epoch)?;
-        let ordinal = super::sessions::ordinal(conn, session)?;
+        // A session whose stored policy is damaged starts nothing: its inputs stay queued.
+        let ordinal = super::sessions::ordinal_of_intact(conn, session)?;
         // Three seeks on the live rows' index (session, status, seq), however deep the queue.
         let in_status = |status: &'static str| {
             sa::table

@@ -43,9 +43,35 @@ pub struct SessionRow {
 }
 
 impl SessionRow {
-    pub fn toolsets(&self) -> Vec<String> {
-        serde_json::from_str(&self.toolsets_json).unwrap_or_default()
+    /// The session's frozen toolsets; a stored value that is not a list of names is refused
+    /// (fail closed: it is not read as "no tools", nor as anything else).
+    pub fn toolsets(&self) -> Result<Vec<String>, StoreError> {
+        parse_toolsets(&self.id, &self.toolsets_json)
     }
+}
+
+/// A session's stored toolsets (`toolsets_json`), or [`StoreError::CorruptPolicy`].
+pub fn parse_toolsets(session: &str, stored: &str) -> Result<Vec<String>, StoreError> {
+    serde_json::from_str(stored).map_err(|e| {
+        StoreError::CorruptPolicy(format!(
+            "session {session}: its stored toolsets are not a list of names ({e})"
+        ))
+    })
+}
+
+/// The session's ordinal, once its launch policy is found intact: what a claim checks before
+/// it starts anything of the session (one read of the row either way).
+pub fn ordinal_of_intact(conn: &mut SqliteConnection, id: &str) -> Result<i64, StoreError> {
+    let (ordinal, toolsets): (i64, String) = hot_sql!(
+        "SELECT ordinal, toolsets_json FROM sessions WHERE id = ?",
+        &[Bind::Text(id)]
+    )
+    .returning::<(diesel::sql_types::BigInt, diesel::sql_types::Text)>()
+    .get_result(conn)
+    .optional()?
+    .ok_or_else(|| StoreError::NotFound(format!("no session {id}")))?;
+    parse_toolsets(id, &toolsets)?;
+    Ok(ordinal)
 }
 
 /// The frozen launch policy of a new session.

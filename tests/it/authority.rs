@@ -585,6 +585,70 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
     .await;
 }
 
+/// A session whose stored launch policy is damaged (its toolsets no longer parse) runs nothing:
+/// `session.resume` is refused `storage_unavailable`, an input sent to it is admitted and stays
+/// queued, with no model request, while other sessions run. Repaired, it runs after a restart,
+/// once. Before, the damaged list was read as "no tools", and the input ran under it.
+#[actix_rt::test]
+async fn a_session_whose_stored_policy_is_damaged_runs_nothing() {
+    use diesel::prelude::*;
+    use gatehouse::store::schema::sessions;
+    let model = FakeModel::ack();
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("damaged", &home.path).await;
+    let healthy = ws.session("healthy", &home.path).await;
+    let db_path = home.path.join("state.db").to_string_lossy().to_string();
+    let set_toolsets = |value: &str| {
+        let mut db = SqliteConnection::establish(&db_path).expect("open state.db");
+        let updated = diesel::update(sessions::table.filter(sessions::id.eq(&sid)))
+            .set(sessions::toolsets_json.eq(value))
+            .execute(&mut db)
+            .expect("set the stored toolsets");
+        assert_eq!(updated, 1);
+    };
+    let intact: String = sessions::table
+        .filter(sessions::id.eq(&sid))
+        .select(sessions::toolsets_json)
+        .first(&mut home.db())
+        .expect("the stored toolsets");
+    set_toolsets("{\"not\": \"a list\"");
+    ws.refused(
+        "session.resume",
+        json!({"session_id": sid}),
+        "storage_unavailable",
+    )
+    .await;
+    // Its claim was tried in the admission's own transaction, and refused.
+    let queued = ws.submit(&sid, "D1", "D1").await;
+    assert_eq!(queued["status"], "queued", "{queued}");
+    ws.submit(&healthy, "H1", "H1").await;
+    wait_until("H1", Duration::from_secs(30), || {
+        home.admission("H1").status == "terminal"
+    })
+    .await;
+    assert_eq!(home.admission("D1").status, "queued");
+    assert_eq!(model.reached("D1"), 0, "nothing of the session ran");
+    assert!(
+        home.log()
+            .contains("stored toolsets are not a list of names"),
+        "the refusal is logged"
+    );
+    drop(ws);
+    assert_eq!(d.term(), Some(0));
+
+    set_toolsets(&intact);
+    let d = Daemon::start(&home);
+    wait_until("D1 after the repair", Duration::from_secs(30), || {
+        home.admission("D1").status == "terminal"
+    })
+    .await;
+    assert_eq!(home.admission("D1").outcome.as_deref(), Some("completed"));
+    assert_eq!(model.reached("D1"), 1);
+    let mut ws = d.ws().await;
+    ws.ok("session.resume", json!({"session_id": sid})).await;
+}
+
 #[actix_rt::test]
 async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
     let model = FakeModel::start(|body| {
