@@ -619,6 +619,20 @@ impl Config {
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
         }
+        // The gateway's id is written into each room it creates and read back to find the rooms
+        // it drives: an id a room could not hold (spaces, other characters) failed every
+        // `room.create`, and one with spaces around it was trimmed there but not where the
+        // rooms were looked up, so its rooms were never driven.
+        if let Some(id) = &self.gateway.id {
+            let held = crate::store::rooms::validate_identifier("gateway.id", id);
+            if held.ok().as_deref() != Some(id.as_str()) {
+                return invalid(
+                    "gateway.id",
+                    "expected 1-128 characters of letters, digits, '.', '_', ':' or '-', \
+                     starting with a letter or digit",
+                );
+            }
+        }
         // A model provider with nowhere to send requests would fail every turn.
         let endpoint = self.default_endpoint();
         if endpoint.provider != "echo" && endpoint.base_url.is_none() {
@@ -1082,6 +1096,15 @@ mod tests {
         assert!(err.contains("compression.threshold"), "{err}");
         let err = parse("- a\n- b\n").unwrap_err().to_string();
         assert!(err.contains("mapping"), "{err}");
+        // A gateway id a room could not hold, or one with spaces around it.
+        for id in ["\" gw-a \"", "gw a", "\"\"", "-gw"] {
+            match parse(&format!("gateway:\n  id: {id}\n")) {
+                Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "gateway.id", "{id}"),
+                other => panic!("{id}: expected an invalid gateway.id, got {other:?}"),
+            }
+        }
+        let c = parse("gateway:\n  id: gw-a.1_b:2\n").expect("a good id");
+        assert_eq!(c.gateway.id.as_deref(), Some("gw-a.1_b:2"));
     }
 
     #[test]

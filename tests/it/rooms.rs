@@ -225,6 +225,31 @@ fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
     (model, home, d)
 }
 
+/// A configured `gateway.id` is the authority of the rooms this gateway creates, and the rooms
+/// under it are driven here (a start refuses an id a room could not hold: see config's tests).
+#[actix_rt::test]
+async fn a_configured_gateway_id_drives_its_rooms() {
+    let model = hang_or_ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"id": "gw-configured.1"}, "profiles": {"dev": {"toolsets": []}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let room = ws
+        .ok(
+            "room.create",
+            json!({"room_id": "named", "name": "Named", "members": [{"profile": "dev", "handle": "dev"}]}),
+        )
+        .await;
+    assert_eq!(room["authority_gateway_id"], "gw-configured.1", "{room}");
+    ws.ok("room.admit", admit("named", "n1", "dev", "hello n1", 1))
+        .await;
+    wait_status(&mut ws, "named", "n1", "settled").await;
+    assert_eq!(model.reached("hello n1"), 1);
+}
+
 /// A room task settles as soon as its member's turn does: the member's supervisor signals the
 /// settlement to the room's session port, and the room supervisor is woken by its report, so
 /// neither poll interval (a minute each here) stands between a turn and its task's settlement.
