@@ -568,6 +568,7 @@ async fn a_crash_leaves_unknown_work_that_holds_the_fifo_until_resolved() {
         vec!["LOST".to_string(), "F1".to_string()],
         "separate user messages"
     );
+    assert_eq!(roles(f1), ["user", "assistant", "user"], "LOST is closed");
     let order: Vec<String> = model
         .texts()
         .into_iter()
@@ -651,6 +652,19 @@ async fn a_session_whose_stored_policy_is_damaged_runs_nothing() {
 
 #[actix_rt::test]
 async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
+    a_graceful_stop_interrupts_the_running_turn(libc::SIGTERM).await;
+}
+
+/// SIGINT (Ctrl-C in a terminal) stops as gracefully as SIGTERM.
+#[actix_rt::test]
+async fn sigint_stops_as_gracefully_as_sigterm() {
+    a_graceful_stop_interrupts_the_running_turn(libc::SIGINT).await;
+}
+
+/// A stop by `signal` while a turn runs: it exits 0, the running input settles interrupted,
+/// the one behind it stays queued and runs after the restart, after the interrupted one's
+/// closing message (never sent again).
+async fn a_graceful_stop_interrupts_the_running_turn(signal: libc::c_int) {
     let model = FakeModel::start(|body| {
         if last_user(body) == "SLOW" {
             Reply::Hang
@@ -670,7 +684,7 @@ async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
     })
     .await;
     ws.submit(&sid, "AFTER", "AFTER").await;
-    assert_eq!(d.term(), Some(0), "a graceful stop exits 0");
+    assert_eq!(d.stop_with(signal), Some(0), "a graceful stop exits 0");
     let slow = home.admission("SLOW");
     assert_eq!(
         (slow.status.as_str(), slow.outcome.as_deref()),
@@ -699,6 +713,11 @@ async fn sigterm_interrupts_the_running_turn_and_followers_run_after_restart() {
     assert_eq!(
         user_texts(after),
         vec!["SLOW".to_string(), "AFTER".to_string()]
+    );
+    assert_eq!(
+        roles(after),
+        ["user", "assistant", "user"],
+        "SLOW is closed"
     );
 }
 

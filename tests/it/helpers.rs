@@ -305,6 +305,20 @@ pub fn user_texts(body: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The roles of a request's messages after the system prompt, in order.
+pub fn roles(body: &Value) -> Vec<String> {
+    body["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .filter_map(|m| m["role"].as_str())
+                .filter(|r| *r != "system")
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 pub fn tool_call(id: &str, name: &str, args: Value) -> Value {
     json!({"role": "assistant", "content": null, "tool_calls": [
         {"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]})
@@ -530,9 +544,14 @@ impl Daemon {
 
     /// SIGTERM; returns the exit code.
     pub fn term(&mut self) -> Option<i32> {
+        self.stop_with(libc::SIGTERM)
+    }
+
+    /// Send `signal` and wait for the exit (60 s at most); the exit code.
+    pub fn stop_with(&mut self, signal: libc::c_int) -> Option<i32> {
         // SAFETY: sending a signal to our own child process.
         unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
+            libc::kill(self.child.id() as i32, signal);
         }
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -541,7 +560,7 @@ impl Daemon {
             }
             assert!(
                 Instant::now() < deadline,
-                "gatehouse did not stop on SIGTERM"
+                "gatehouse did not stop on signal {signal}"
             );
             std::thread::sleep(Duration::from_millis(20));
         }

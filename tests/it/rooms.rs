@@ -1962,9 +1962,8 @@ async fn room_requests_a_client_cannot_mean_are_refused() {
     assert!(!h1.to_string().contains("turn_deadline_exceeded"), "{h1}");
 }
 
-/// A draining gateway takes no new room work (`runtime_draining`, as `prompt.submit` and
-/// `session.create` refuse): not a room, a task or a retry; reads go on. Before, a task admitted
-/// during the drain was committed queued.
+/// A draining gateway takes no new work (`runtime_draining`): not an input, a session, a room, a
+/// task or a retry; reads go on. Before, a task admitted during the drain was committed queued.
 #[actix_rt::test]
 async fn a_draining_gateway_takes_no_new_room_work() {
     let model = hang_or_ack();
@@ -1978,6 +1977,7 @@ async fn a_draining_gateway_takes_no_new_room_work() {
     let room =
         json!({"room_id": "late", "name": "L", "members": [{"profile": "dev", "handle": "dev"}]});
     ws.ok("room.create", room).await;
+    let sid = ws.session("before", &home.path).await;
     // SAFETY: signalling our own child.
     unsafe {
         libc::kill(d.child.id() as i32, libc::SIGTERM);
@@ -1986,6 +1986,19 @@ async fn a_draining_gateway_takes_no_new_room_work() {
         control(&home.path, "identify", json!({})).is_ok_and(|i| i["state"] == "stopping")
     })
     .await;
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "late-input", "text": "hello"}),
+        "runtime_draining",
+    )
+    .await;
+    ws.refused(
+        "session.create",
+        json!({"request_id": "after", "cwd": home.path.to_string_lossy()}),
+        "runtime_draining",
+    )
+    .await;
+    assert!(home.admissions().is_empty(), "nothing was admitted");
     ws.refused(
         "room.admit",
         admit("late", "t1", "dev", "hello", 1),

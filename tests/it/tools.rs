@@ -342,6 +342,64 @@ async fn streamed_tool_call_fragments_are_concatenated_by_index() {
     assert_eq!(result["exit_code"], 0);
 }
 
+/// A stream's content split over frames is kept whole; a stream that ends (`[DONE]`) without any
+/// finish_reason has finished with `stop`; the usage a frame with choices carries counts toward
+/// the session's totals, for every request of the turn.
+#[actix_rt::test]
+async fn split_content_a_missing_finish_reason_and_usage_beside_choices() {
+    use diesel::prelude::*;
+    use gatehouse::store::schema::sessions;
+    let model = FakeModel::start(|body| {
+        let frame = |delta: Value, finish: Value, usage: Value| {
+            let mut f = json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+            if !usage.is_null() {
+                f["usage"] = usage;
+            }
+            f.to_string()
+        };
+        if !after_tool(body) {
+            return Reply::Sse(vec![frame(
+                json!({"role": "assistant", "tool_calls": tool_call("call_u", "terminal", json!({"command": "echo u"}))["tool_calls"]}),
+                json!("tool_calls"),
+                json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),
+            )]);
+        }
+        Reply::Sse(vec![
+            frame(
+                json!({"role": "assistant", "content": "A"}),
+                Value::Null,
+                Value::Null,
+            ),
+            frame(json!({"content": "B"}), Value::Null, Value::Null),
+            frame(
+                json!({"content": "C"}),
+                Value::Null,
+                json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}),
+            ),
+        ])
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("frames", &home.path).await;
+    ws.submit(&sid, "FRAMES", "FRAMES").await;
+    assert_eq!(
+        settled(&home, "FRAMES").await.outcome.as_deref(),
+        Some("completed")
+    );
+    let last = home.transcript(&sid).pop().expect("a reply");
+    assert_eq!(
+        (last.role.as_str(), last.content.as_deref()),
+        ("assistant", Some("ABC"))
+    );
+    assert_eq!(last.finish_reason.as_deref(), Some("stop"));
+    let totals: (i64, i64) = sessions::table
+        .filter(sessions::id.eq(&sid))
+        .select((sessions::prompt_tokens, sessions::completion_tokens))
+        .first(&mut home.db())
+        .expect("the session's totals");
+    assert_eq!(totals, (12, 5), "both requests' usage");
+}
+
 #[actix_rt::test]
 async fn reasoning_is_streamed_stored_and_sent_back() {
     // Round 1 streams its reasoning in two fragments with a tool call; round 2 answers plainly
