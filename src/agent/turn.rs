@@ -352,14 +352,18 @@ impl Turn {
             // Preflight: compress before a request that would pass the threshold (not again in
             // a turn whose summary failed: the request goes as it is, and an overflow says
             // whether it fits; after "nothing to compact", again once the transcript has grown,
-            // or a turn that began with nothing to compact grew without bound).
+            // or a turn that began with nothing to compact grew without bound). After a tool
+            // round, the usage the model reported counts too (the post-tool trigger): a
+            // provider's tokens can outnumber the estimate's characters by four.
+            let reported = retry.reported_before_tools.take();
             if cfg.compression.enabled
                 && !retry.compaction_failed
                 && retry
                     .nothing_to_compact_at
                     .is_none_or(|len| self.transcript.len() > len)
                 && self.compressions < max_compressions
-                && tokens::estimate_request(&wire, tools.as_ref()) >= threshold
+                && (reported.is_some_and(|r| r >= threshold)
+                    || tokens::estimate_request(&wire, tools.as_ref()) >= threshold)
                 && self.transcript.len()
                     > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
             {
@@ -522,9 +526,15 @@ impl Turn {
                 .tool_calls
                 .iter()
                 .any(|c| self.tool_named(&c.function.name).is_some());
+            let reported = response.usage.map(|u| {
+                u.prompt_tokens
+                    .max(0)
+                    .saturating_add(u.completion_tokens.max(0)) as u64
+            });
             if let Some(outcome) = self.run_tools(response).await? {
                 return Ok(outcome);
             }
+            retry.reported_before_tools = reported;
             retry.unknown_rounds = if known { 0 } else { retry.unknown_rounds + 1 };
             if retry.unknown_rounds >= MAX_MODEL_RETRIES {
                 return Ok(TurnOutcome::Failed {
@@ -1657,6 +1667,9 @@ struct Retries {
     compaction_failed: bool,
     /// The transcript's length when a preflight compaction found nothing to compact.
     nothing_to_compact_at: Option<usize>,
+    /// The tokens the model reported for the response whose tool calls just ran (prompt plus
+    /// completion): the next request holds at least that much, whatever the estimate says.
+    reported_before_tools: Option<u64>,
 }
 
 impl Retries {

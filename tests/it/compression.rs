@@ -127,6 +127,59 @@ async fn tool_session(
     (home, d, ws, sid)
 }
 
+/// After a tool round, the tokens the model reported for the response that called the tools
+/// count toward the threshold (the post-tool trigger): a provider whose tokens outnumber the
+/// estimate (a quarter of the characters) is compacted before the next request, not sent it
+/// whole. Before, only the estimate was compared, and the request after the tools went as it was.
+#[actix_rt::test]
+async fn reported_usage_after_a_tool_round_compacts_before_the_next_request() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return summary_reply();
+        }
+        let text = last_user(body);
+        if text == "BIG" && !after_tool(body) {
+            let call = tool_call("call_big", "terminal", json!({"command": "echo big"}));
+            return Reply::Sse(vec![json!({
+                "choices": [{"index": 0, "delta": call, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 30000, "completion_tokens": 20, "total_tokens": 30020},
+            })
+            .to_string()]);
+        }
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", tag(&text))}),
+            "stop",
+        )
+    });
+    // The estimate of this short conversation is far under the threshold.
+    let (home, _d, mut ws, sid) = tool_session(&model, 20_000, (1, 2), "reported").await;
+    for i in 0..3 {
+        let id = format!("S{i}");
+        ws.submit(&sid, &id, &id).await;
+        wait_until(&id, T, || home.admission(&id).status == "terminal").await;
+    }
+    assert!(summaries(&model).is_empty(), "nothing compacted yet");
+    ws.submit(&sid, "BIG", "BIG").await;
+    wait_until("BIG", T, || home.admission("BIG").status == "terminal").await;
+    assert_eq!(home.admission("BIG").outcome.as_deref(), Some("completed"));
+    let requests = model.requests();
+    let at = |pred: &dyn Fn(&Value) -> bool| requests.iter().position(pred);
+    let called = at(&|b| !is_summary(b) && last_user(b) == "BIG" && !after_tool(b));
+    let summary = at(&|b| is_summary(b));
+    let after = at(&|b| !is_summary(b) && after_tool(b));
+    assert!(
+        called < summary && summary < after && called.is_some(),
+        "the summary between the call and the request after the tools: {called:?} {summary:?} {after:?}"
+    );
+    assert_eq!(summaries(&model).len(), 1);
+    let after = &requests[after.unwrap_or_default()];
+    assert!(
+        mentions(after, SUMMARY),
+        "the request after the tools is the compacted one"
+    );
+    assert!(!mentions(after, "ACK_S0"), "the middle is summarised away");
+}
+
 async fn run(ws: &mut Ws, home: &Home, sid: &str, i: usize) {
     let id = format!("P{i}");
     ws.submit(sid, &id, &pressure(i)).await;
