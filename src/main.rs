@@ -527,11 +527,12 @@ fn operator(args: Args) -> ExitCode {
             }
             let st = &reply["status"];
             println!(
-                "runtime running={} cycles={} leased={} blocked={} last_error={}",
+                "runtime running={} cycles={} leased={} blocked={} waiting={} last_error={}",
                 st["running"],
                 st["cycles"],
                 st["leased_rooms"],
                 st["blocked_rooms"],
+                st["waiting_rooms"],
                 st["last_error"]
             );
         }

@@ -187,6 +187,12 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
                 st.blocked_rooms.len() as u64,
             ),
             (
+                "gatehouse_rooms_waiting",
+                "Rooms with work waiting for a scheduler slot (rooms.max_concurrent_rooms).",
+                "gauge",
+                st.waiting_rooms as u64,
+            ),
+            (
                 "gatehouse_room_cycles_total",
                 "Room scheduler cycles.",
                 "counter",

@@ -148,6 +148,9 @@ pub struct RoomsStatus {
     pub current_tasks: Vec<TaskIdentity>,
     pub leased_rooms: Vec<String>,
     pub blocked_rooms: Vec<String>,
+    /// Rooms with work waiting for one of the `max_concurrent_rooms` slots (a count over the
+    /// gateway, as `passes` is).
+    pub waiting_rooms: usize,
     /// The last error of any room (the operator's view); see [`RoomsStatus::visible_to`].
     pub last_error: Option<String>,
     /// Each room's last error, oldest first (not sent: [`RoomsStatus::visible_to`] picks from it).
@@ -649,6 +652,7 @@ impl RoomRuntime {
             current_tasks,
             leased_rooms,
             blocked_rooms: state.blocked.iter().cloned().collect(),
+            waiting_rooms: state.slot_waiters,
             last_error: room_errors.last().map(|(_, _, message)| message.clone()),
             room_errors: room_errors
                 .into_iter()

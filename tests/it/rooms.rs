@@ -250,6 +250,80 @@ async fn a_configured_gateway_id_drives_its_rooms() {
     assert_eq!(model.reached("hello n1"), 1);
 }
 
+/// At most `rooms.max_concurrent_rooms` rooms run at once in the gateway's scheduler: with two
+/// slots, three rooms whose members hang (three profiles: no member's turn lock is shared) run
+/// two tasks, and the third room waits for a slot (`waiting_rooms`, a gauge on /metrics too)
+/// until one of the two tasks ends.
+#[actix_rt::test]
+async fn at_most_max_concurrent_rooms_run_at_once() {
+    let model = hang_or_ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"profiles": {"p1": {"toolsets": []}, "p2": {"toolsets": []}, "p3": {"toolsets": []}},
+               "rooms": {"max_concurrent_rooms": 2, "poll_interval_seconds": 0.05}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    for i in 1..=3 {
+        let (room, profile) = (format!("r{i}"), format!("p{i}"));
+        ws.ok(
+            "room.create",
+            json!({"room_id": room, "name": room, "members": [{"profile": profile, "handle": profile}]}),
+        )
+        .await;
+        ws.ok(
+            "room.admit",
+            admit(&room, &format!("t{i}"), &profile, "HANG", 1),
+        )
+        .await;
+    }
+    let status = status_when(&mut ws, "two rooms running and one waiting", |s| {
+        s["current_tasks"].as_array().map_or(0, Vec::len) == 2 && s["waiting_rooms"] == 1
+    })
+    .await;
+    wait_until("two turns at the model", Duration::from_secs(30), || {
+        model.reached("HANG") == 2
+    })
+    .await;
+    assert_eq!(
+        metric(&d.origin(), "gatehouse_rooms_waiting").await,
+        1.0,
+        "{status}"
+    );
+    let running: Vec<(String, String)> = status["current_tasks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let field = |k: &str| t[k].as_str().unwrap_or_default().to_string();
+            (field("room_id"), field("task_id"))
+        })
+        .collect();
+    let waiting = (1..=3)
+        .map(|i| (format!("r{i}"), format!("t{i}")))
+        .find(|task| !running.contains(task))
+        .expect("a room not running");
+    assert_eq!(task_status(&mut ws, &waiting.0, &waiting.1).await, "queued");
+    assert_eq!(model.reached("HANG"), 2, "the third waits for a slot");
+
+    // One of the two ends: its slot goes to the room that waited.
+    let (room, task) = &running[0];
+    ws.ok(
+        "room.cancel",
+        json!({"room_id": room, "task_id": task, "cancel_id": "free-a-slot"}),
+    )
+    .await;
+    wait_until(
+        "the third turn at the model",
+        Duration::from_secs(30),
+        || model.reached("HANG") == 3,
+    )
+    .await;
+    wait_status(&mut ws, &waiting.0, &waiting.1, "running").await;
+    model.release();
+}
+
 /// A room task settles as soon as its member's turn does: the member's supervisor signals the
 /// settlement to the room's session port, and the room supervisor is woken by its report, so
 /// neither poll interval (a minute each here) stands between a turn and its task's settlement.
