@@ -98,4 +98,17 @@ mod tests {
             "{stored}"
         );
     }
+
+    /// An error is cut to its own, smaller bound, with the notice, and marked truncated, even
+    /// when the reply beside it is short (the result's bound alone would have let it through).
+    #[test]
+    fn a_long_error_is_cut_to_its_own_bound() {
+        let result = bounded_result("m", "short", Some(&"e".repeat(100_000)));
+        let error = result["error"].as_str().unwrap_or_default();
+        assert!(error.len() <= MAX_TERMINAL_ERROR_BYTES, "{}", error.len());
+        assert!(error.len() > MAX_TERMINAL_ERROR_BYTES - TRUNCATION_NOTICE.len() - 4);
+        assert!(error.ends_with(TRUNCATION_NOTICE));
+        assert_eq!(result["text"], "short");
+        assert_eq!(result["truncated"], true);
+    }
 }

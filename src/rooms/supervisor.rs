@@ -2354,26 +2354,7 @@ impl RoomRuntime {
             .filter(|a| a.is_object())
             .map(|approval| {
                 let mut approval = approval.clone();
-                let narrowed: Vec<serde_json::Value> = approval
-                    .get("choices")
-                    .and_then(|c| c.as_array())
-                    .map(|choices| {
-                        choices
-                            .iter()
-                            .filter(|c| matches!(c.as_str(), Some("once" | "deny")))
-                            .cloned()
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let choices = if narrowed.is_empty() {
-                    vec![
-                        serde_json::Value::from("once"),
-                        serde_json::Value::from("deny"),
-                    ]
-                } else {
-                    narrowed
-                };
-                approval["choices"] = serde_json::Value::Array(choices);
+                approval["choices"] = serde_json::Value::Array(room_approval_choices(&approval));
                 serde_json::json!({
                     "kind": "approval",
                     "task_id": task.identity.task_id,
@@ -2416,5 +2397,27 @@ fn started_view(head: TaskView, attempt: &TaskAttempt) -> TaskView {
         run_lease_generation: Some(attempt.lease.lease_generation),
         idempotent: false,
         ..head
+    }
+}
+
+/// The choices a room offers for a member's approval: its `once` and `deny`, in the member's
+/// order (a room answers for one attempt: never for the session, nor always); both when the
+/// member offered neither.
+pub(crate) fn room_approval_choices(approval: &serde_json::Value) -> Vec<serde_json::Value> {
+    let narrowed: Vec<serde_json::Value> = approval
+        .get("choices")
+        .and_then(|c| c.as_array())
+        .map(|choices| {
+            choices
+                .iter()
+                .filter(|c| matches!(c.as_str(), Some("once" | "deny")))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    if narrowed.is_empty() {
+        vec!["once".into(), "deny".into()]
+    } else {
+        narrowed
     }
 }

@@ -324,6 +324,50 @@ async fn at_most_max_concurrent_rooms_run_at_once() {
     model.release();
 }
 
+/// `room.tasks` with a `status` lists that status's tasks only, in room order; a status that is
+/// none is `invalid_params`.
+#[actix_rt::test]
+async fn room_tasks_filters_by_status() {
+    let (model, _home, d) = acking_rooms(json!({}));
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "sorted", "name": "S", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    for (seq, (task, prompt)) in [("t1", "HANG"), ("t2", "two"), ("t3", "three")]
+        .into_iter()
+        .enumerate()
+    {
+        ws.ok(
+            "room.admit",
+            admit("sorted", task, "dev", prompt, seq as i64 + 1),
+        )
+        .await;
+    }
+    wait_status(&mut ws, "sorted", "t1", "running").await;
+    let ids = |page: &Value| -> Vec<String> {
+        page["tasks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| {
+                t["identity"]["task_id"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect()
+    };
+    let of = |status: &str| json!({"room_id": "sorted", "status": status});
+    assert_eq!(ids(&ws.ok("room.tasks", of("queued")).await), ["t2", "t3"]);
+    assert_eq!(ids(&ws.ok("room.tasks", of("running")).await), ["t1"]);
+    assert!(ids(&ws.ok("room.tasks", of("settled")).await).is_empty());
+    ws.refused("room.tasks", of("bogus"), "invalid_params")
+        .await;
+    model.release();
+}
+
 /// A room task settles as soon as its member's turn does: the member's supervisor signals the
 /// settlement to the room's session port, and the room supervisor is woken by its report, so
 /// neither poll interval (a minute each here) stands between a turn and its task's settlement.

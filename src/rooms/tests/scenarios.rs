@@ -2206,3 +2206,28 @@ async fn a_recovered_attempt_queued_in_its_member_is_waited_for_not_deferred() {
     assert_eq!(settled.execution_generation, 1);
     assert_eq!(rpc.count("submit"), 0);
 }
+
+/// A room offers a member's approval as `once` and `deny` only, in the member's order, and both
+/// when the member offered neither (only inputs already in once-then-deny order were tested).
+#[test]
+fn a_rooms_approval_offers_once_and_deny_in_the_members_order() {
+    use crate::rooms::supervisor::room_approval_choices;
+    let offered = |choices: serde_json::Value| room_approval_choices(&json!({"choices": choices}));
+    assert_eq!(
+        offered(json!(["once", "session", "always", "deny"])),
+        [json!("once"), json!("deny")]
+    );
+    assert_eq!(
+        offered(json!(["deny", "always", "once"])),
+        [json!("deny"), json!("once")]
+    );
+    assert_eq!(
+        offered(json!(["session", "always"])),
+        [json!("once"), json!("deny")]
+    );
+    assert_eq!(offered(json!("once")), [json!("once"), json!("deny")]);
+    assert_eq!(
+        room_approval_choices(&json!({})),
+        [json!("once"), json!("deny")]
+    );
+}

@@ -301,6 +301,29 @@ fn start_requires_the_head_of_room_order_and_nothing_blocking() {
     );
 }
 
+/// A task earlier in the room that is indeterminate, then stopping, blocks the next start as a
+/// running one does (only the running case was tested).
+#[test]
+fn an_indeterminate_or_stopping_task_blocks_the_next_start() {
+    let f = Fixture::new();
+    let (first, _attempt, lease) = f.indeterminate("task-1");
+    let second = f.admit("task-2", 2);
+    let refused = |f: &Fixture, what: &str| {
+        let err = start_task(&mut f.db.conn(), &second, &lease, 0, &f.clock).unwrap_err();
+        assert!(
+            matches!(err, RoomStoreError::InvalidTransition(ref m) if m.contains("recovery must resolve")),
+            "{what}: {err:?}"
+        );
+    };
+    refused(&f, "indeterminate");
+    let stopping = begin_task_cancel(&mut f.db.conn(), &first, "cancel-1", 0, &f.clock).unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    refused(&f, "stopping");
+    complete_task_cancel(&mut f.db.conn(), &first, "cancel-1", 1, &f.clock).unwrap();
+    let attempt = start_task(&mut f.db.conn(), &second, &lease, 0, &f.clock).unwrap();
+    assert_eq!(attempt.identity, second);
+}
+
 #[test]
 fn start_needs_an_active_lease_and_no_disband_fence() {
     let f = Fixture::new();
