@@ -202,6 +202,11 @@ pub struct FakeSessionRpc {
     pub interrupt_attempts: AtomicUsize,
     /// The next submits fail as provably not admitted.
     pub not_admitted_failures: AtomicUsize,
+    /// The next submits are admitted by the member, then answered with an error (as when the
+    /// connection drops after the request was sent): the room cannot tell that it was admitted.
+    pub ambiguous_submit_failures: AtomicUsize,
+    /// What the next creates answer instead of a session, in order.
+    pub create_failures: Mutex<std::collections::VecDeque<PortError>>,
     pub attempted_generations: Mutex<Vec<i64>>,
     /// Turns of these profiles keep running.
     pub waiting_profiles: HashSet<String>,
@@ -389,6 +394,9 @@ impl SessionPort for FakeSessionRpc {
     fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle> {
         self.assert_lock(&address.profile);
         self.record("create", serde_json::to_value(&address).unwrap_or_default());
+        if let Some(error) = lock(&self.create_failures).pop_front() {
+            return ready(Err(error));
+        }
         let gate = self.create_gate.clone();
         Box::pin(async move {
             if let Some((reached, go)) = gate {
@@ -439,6 +447,14 @@ impl SessionPort for FakeSessionRpc {
             state.on_terminal = Some(request.on_terminal.clone());
         }
         self.submitted.set();
+        let ambiguous = self.ambiguous_submit_failures.load(Ordering::SeqCst);
+        if ambiguous > 0 {
+            self.ambiguous_submit_failures
+                .store(ambiguous - 1, Ordering::SeqCst);
+            return ready(Err(PortError::new(
+                "connection reset after the request was sent",
+            )));
+        }
         let auto = self.auto_complete && !self.waiting_profiles.contains(&request.profile);
         if auto || self.complete_rooms.contains(&request.task.room_id) {
             self.complete(&request.task.task_id, "Finished once.", "settled");

@@ -2231,3 +2231,74 @@ fn a_rooms_approval_offers_once_and_deny_in_the_members_order() {
         [json!("once"), json!("deny")]
     );
 }
+
+/// A session that cannot be opened fails the attempt before anything is submitted: the task
+/// ends `failed` under the settlement `failure:<task>:<generation>` with the error as its
+/// result, and the room says why. Nothing was submitted.
+#[tokio::test]
+async fn a_session_that_cannot_be_opened_fails_the_task_before_submit() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(true);
+    lock(&rpc.create_failures).push_back(crate::rooms::port::PortError::new("profile is gone"));
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.run_cycle().await;
+    let view = task(&db, &id);
+    assert_eq!(view.status, TaskStatus::Failed);
+    assert_eq!(view.settlement_id.as_deref(), Some("failure:task-1:1"));
+    assert_eq!(view.result, Some(json!({"error": "profile is gone"})));
+    assert_eq!(rpc.count("submit"), 0);
+    let error = runtime.status().last_error.unwrap_or_default();
+    assert!(error.contains("task task-1 failed"), "{error}");
+}
+
+/// A member that provably did not admit the session's opening leaves the task queued for a
+/// later attempt (it is not failed, and nothing was submitted).
+#[tokio::test]
+async fn a_session_open_not_admitted_leaves_the_task_queued() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(true);
+    lock(&rpc.create_failures).push_back(crate::rooms::port::PortError::not_admitted(
+        "peer refused the connection",
+    ));
+    let clock = ManualClock::new(100.0);
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.unavailable_retry_min_seconds = 2.0;
+    let runtime = spec.build(&db);
+    runtime.run_cycle().await;
+    assert_eq!(status(&db, &id), TaskStatus::Queued);
+    assert_eq!(rpc.count("submit"), 0);
+    clock.advance(2.0);
+    runtime.run_cycle().await;
+    assert_eq!(status(&db, &id), TaskStatus::Settled);
+    assert_eq!(rpc.count("submit"), 1);
+}
+
+/// A submit answered with an error the member may have admitted anyway is never sent again:
+/// the task stays running, observed, and settles with the member's turn.
+#[tokio::test]
+async fn an_ambiguous_submit_is_observed_and_never_resubmitted() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    rpc.ambiguous_submit_failures.store(1, Ordering::SeqCst);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    wait_for("the error reported", || {
+        runtime
+            .status()
+            .last_error
+            .is_some_and(|e| e.contains("observation failed after submit"))
+    })
+    .await;
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    rpc.complete("task-1", "done", "settled");
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(rpc.count("submit"), 1, "never sent again");
+}
