@@ -1396,6 +1396,107 @@ mod tests {
         assert_eq!(hex(&[]), "");
     }
 
+    /// Once a newer epoch is taken, every write of the ledger, the sessions and the transcript
+    /// that an old process might still send is refused `stale_epoch` and changes nothing (only
+    /// the admission, the settlement, the prompts and the events had a test of their own).
+    #[test]
+    fn every_write_of_an_old_epoch_is_refused_and_changes_nothing() {
+        use crate::store::messages::NewMessage;
+        use crate::store::sessions;
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
+        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
+            .expect("b")
+            .value;
+        assert!(matches!(
+            claim(&mut c, e, "s1", 2.0).map(|l| l.value),
+            Ok(Claim::Started(_))
+        ));
+        epoch::begin_epoch(&mut c, "newer", 3.0).expect("a newer epoch");
+        let state = |c: &mut SqliteConnection| {
+            let rows: Vec<(String, String, Option<String>, Option<i64>)> = sa::table
+                .order(sa::seq.asc())
+                .select((
+                    sa::admission_id,
+                    sa::status,
+                    sa::outcome,
+                    sa::execution_generation,
+                ))
+                .load(c)
+                .expect("ledger");
+            let sessions: Vec<(String, i64, String)> = crate::store::schema::sessions::table
+                .order(crate::store::schema::sessions::id.asc())
+                .select((
+                    crate::store::schema::sessions::id,
+                    crate::store::schema::sessions::runtime_generation,
+                    crate::store::schema::sessions::tip_session_id,
+                ))
+                .load(c)
+                .expect("sessions");
+            let messages: i64 = crate::store::schema::messages::table
+                .count()
+                .get_result(c)
+                .expect("messages");
+            (rows, sessions, messages)
+        };
+        let before = state(&mut c);
+        let stale = |what: &str, r: Result<(), StoreError>| {
+            assert!(matches!(r, Err(StoreError::StaleEpoch)), "{what}: {r:?}");
+        };
+        stale("claim", claim(&mut c, e, "s1", 3.0).map(|_| ()));
+        stale(
+            "cancel",
+            cancel(&mut c, e, "s1", &b.admission_id, 3.0).map(|_| ()),
+        );
+        stale(
+            "unclaim",
+            unclaim(&mut c, e, "s1", &a.admission_id, 1, 3.0).map(|_| ()),
+        );
+        stale(
+            "resolve_unknown",
+            resolve_unknown(&mut c, e, "s1", &a.admission_id, 1, 3.0).map(|_| ()),
+        );
+        let new = sessions::NewSession {
+            id: "s2".into(),
+            principal_id: "p".into(),
+            request_id: "s2".into(),
+            request_digest: "d".into(),
+            source: "cli".into(),
+            model: "m".into(),
+            provider: "custom".into(),
+            base_url: None,
+            cwd: "/".into(),
+            toolsets_json: "[]".into(),
+            profile: "default".into(),
+            title: None,
+            system_prompt: None,
+            seed: Vec::new(),
+        };
+        stale(
+            "create_or_get",
+            sessions::create_or_get(&mut c, e, &new, 3.0).map(|_| ()),
+        );
+        let reply = [NewMessage::text("assistant", "late")];
+        stale(
+            "append_for_attempt",
+            crate::store::messages::append_for_attempt(&mut c, e, "s1", 1, &reply, 3.0).map(|_| ()),
+        );
+        let compaction = sessions::Compaction {
+            root_id: "s1".into(),
+            old_tip: "s1".into(),
+            child_id: Some("s1-child".into()),
+            system_prompt: None,
+            messages: vec![NewMessage::text("user", "summary")],
+        };
+        stale(
+            "commit_compaction",
+            sessions::commit_compaction(&mut c, e, 1, &compaction, 3.0).map(|_| ()),
+        );
+        assert_eq!(state(&mut c), before, "nothing changed");
+    }
+
     #[test]
     fn admit_is_idempotent_and_conflicts_on_other_text() {
         let (_d, mut c, e) = setup();
