@@ -519,6 +519,81 @@ mod tests {
         assert_eq!(clear_old_tool_output(&out, 1), out);
     }
 
+    /// The summary stands as a message of its own when its role clashes with neither side:
+    /// `user` after a head that ends with the assistant or a tool, `assistant` after a user, and
+    /// the other role when the first tail message has the one it would take.
+    #[test]
+    fn a_standalone_summary_takes_the_role_that_clashes_with_neither_side() {
+        let roles_of = |head: Vec<NewMessage>, tail: Vec<NewMessage>| -> Vec<String> {
+            let p = Plan {
+                head,
+                middle: vec![m("user", "M")],
+                tail,
+            };
+            let out = assemble(&p, "FACTS");
+            let summary = out
+                .iter()
+                .find(|x| x.display_kind.as_deref() == Some(SUMMARY_KIND))
+                .expect("a summary of its own");
+            assert!(summary
+                .content
+                .as_deref()
+                .is_some_and(|c| c.contains("FACTS")));
+            out.iter().map(|x| x.role.clone()).collect()
+        };
+        assert_eq!(
+            roles_of(vec![m("user", "P0")], vec![m("user", "P2")]),
+            ["user", "assistant", "user"]
+        );
+        assert_eq!(
+            roles_of(
+                vec![m("user", "P0"), m("assistant", "A0")],
+                vec![m("assistant", "A1")]
+            ),
+            ["user", "assistant", "user", "assistant"]
+        );
+        assert_eq!(
+            roles_of(vec![call("c"), result("c")], vec![m("assistant", "A1")]),
+            ["assistant", "tool", "user", "assistant"]
+        );
+        // After a tool result, before a user message: `user` would clash with the tail, and
+        // `assistant` clashes with neither.
+        assert_eq!(
+            roles_of(vec![call("c"), result("c")], vec![m("user", "P2")]),
+            ["assistant", "tool", "assistant", "user"]
+        );
+    }
+
+    /// A long turn is put to the summary model as its first 2,000 and last 800 characters, and
+    /// a call's arguments as their first 400.
+    #[test]
+    fn long_turns_and_arguments_are_clipped_in_the_summary_request() {
+        let long = format!(
+            "{}{}{}",
+            "h".repeat(2000),
+            "m".repeat(2000),
+            "t".repeat(800)
+        );
+        let mut asked = call("q");
+        asked.tool_calls = Some(
+            json!([{"id": "q", "type": "function",
+                    "function": {"name": "terminal", "arguments": "a".repeat(1000)}}])
+            .to_string(),
+        );
+        let body = summary_request("s", &[m("user", &long), asked], None, 3_200);
+        let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+        let clipped = format!("{}...[truncated]...{}", "h".repeat(2000), "t".repeat(800));
+        assert!(text.contains(&format!("[USER]: {clipped}\n")), "{text}");
+        assert!(!text.contains('m'.to_string().repeat(10).as_str()));
+        assert!(text.contains(&format!("terminal({})", "a".repeat(400))));
+        assert!(!text.contains(&"a".repeat(401)));
+        // At 3,000 characters a turn is kept whole.
+        let whole = "w".repeat(3000);
+        let body = summary_request("s", &[m("user", &whole)], None, 3_200);
+        let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+        assert!(text.contains(&format!("[USER]: {whole}\n")));
+    }
+
     #[test]
     fn the_summary_request_carries_the_middle() {
         let body = summary_request("summary", &[m("user", "hello"), call("q")], None, 3_200);

@@ -370,6 +370,40 @@ async fn preflight_compression_rotates_into_a_child_session() {
         .find(|b| tag(&last_user(b)) == "P4")
         .expect("P4 request");
     assert!(mentions(&p4, SUMMARY));
+    // The system prompt: rebuilt once, by the compaction (the note added), stored on the child
+    // and sent byte for byte from then on; the root keeps the one it was built with.
+    let system = |b: &Value| -> String {
+        assert_eq!(b["messages"][0]["role"], "system", "{b}");
+        b["messages"][0]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let main = main_requests(&model);
+    let of = |t: &str| {
+        main.iter()
+            .find(|b| tag(&last_user(b)) == t)
+            .map(system)
+            .unwrap_or_default()
+    };
+    let (first, compacted) = (of("P0"), of("P3"));
+    assert_eq!(of("P2"), first);
+    assert!(
+        compacted.starts_with(&first) && compacted.contains("[Note: earlier turns"),
+        "{compacted}"
+    );
+    assert_eq!(of("P4"), compacted);
+    let stored = |id: &str| -> Option<String> {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::sessions;
+        sessions::table
+            .filter(sessions::id.eq(id))
+            .select(sessions::system_prompt)
+            .first(&mut home.db())
+            .expect("a session")
+    };
+    assert_eq!(stored(&root), Some(first));
+    assert_eq!(stored(&child), Some(compacted));
     let snap = ws.ok("session.resume", json!({"session_id": root})).await;
     assert_eq!(snap["session_id"], root);
     assert_eq!(snap["stored_session_id"], child);

@@ -1500,6 +1500,37 @@ async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() 
     assert!(closed.contains("did not run"), "{closed}");
 }
 
+/// A question open at a crash is gone after it, and its answer is refused `stale_generation`,
+/// as an approval's is: the answer reaches no turn, and nothing is asked of the model.
+#[actix_rt::test]
+async fn a_crash_while_a_question_is_open_makes_its_answer_stale() {
+    let model = scripted(vec![(
+        "ASK",
+        tool_call("call_q", "clarify", json!({"question": "Which one?"})),
+    )]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("crash-asking", &home.path).await;
+    ws.submit(&sid, "ASK", "ASK").await;
+    let q = ws.wait_prompt(&sid, "clarify").await;
+    d.kill();
+    let d2 = Daemon::start(&home);
+    let mut ws = d2.ws().await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["prompts"], json!([]));
+    ws.refused(
+        "clarify.respond",
+        json!({"session_id": sid, "execution_generation": q["execution_generation"],
+               "prompt_id": q["prompt_id"], "answer": "the first"}),
+        "stale_generation",
+    )
+    .await;
+    assert_eq!(home.admission("ASK").status, "unknown");
+    assert_eq!(requests_after_tool(&model, "ASK"), 0);
+}
+
 /// Settle the unknown input `input_id` as its operator would; the result its call `call_id` was
 /// closed with.
 async fn resolve_and_read(
