@@ -2302,3 +2302,34 @@ async fn an_ambiguous_submit_is_observed_and_never_resubmitted() {
     assert!(runtime.stop(STOP).await);
     assert_eq!(rpc.count("submit"), 1, "never sent again");
 }
+
+/// A member turn that ends `cancelled` while its task is still `running` (stopped by something
+/// other than this room, such as the member's own drain) fails the task with that reason: the
+/// attempt is over and never runs again. (The reference ignores such a report and leaves the
+/// task to its deadline; this gateway settles it at once, as a graceful stop needs.)
+#[tokio::test]
+async fn a_member_turn_cancelled_elsewhere_fails_its_running_task() {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(false);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    rpc.complete("task-1", "", "cancelled");
+    wait_for("failed", || status(&db, &id) == TaskStatus::Failed).await;
+    assert!(runtime.stop(STOP).await);
+    let view = task(&db, &id);
+    let error = view
+        .result
+        .as_ref()
+        .and_then(|r| r["error"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("the member's turn was cancelled"),
+        "{view:?}"
+    );
+    assert_eq!(rpc.count("submit"), 1, "never run again");
+}
