@@ -198,6 +198,55 @@ fn user_tags(rows: &[gatehouse::store::messages::MessageRow]) -> Vec<String> {
         .collect()
 }
 
+/// With no `context_length` configured, a session's window is what `models_dev_cache.json` in
+/// the home lists for its provider and model: four exchanges compact a session whose model it
+/// gives a 4K window (the summary's budget following that window), and, without the file, the
+/// same four leave it alone (the 128K default).
+#[actix_rt::test]
+async fn the_models_cache_gives_a_session_its_window() {
+    let model = summarising_model();
+    let mut children = Vec::new();
+    for cached in [true, false] {
+        let home = Home::new();
+        home.write_config(&config(
+            &model.url,
+            json!({
+                "compression": {"protect_first_n": 1, "protect_last_n": 2},
+                "auxiliary": {"compression": {"model": "summary"}},
+            }),
+        ));
+        if cached {
+            let cache = json!({"custom": {"models": {
+                "fake-model": {"limit": {"context": 4000, "output": 1000}},
+                "other-model": {"limit": {"context": 1_000_000}},
+            }}});
+            std::fs::write(home.path.join("models_dev_cache.json"), cache.to_string())
+                .expect("the cache");
+        }
+        let d = Daemon::start(&home);
+        let mut ws = d.ws().await;
+        let sid = ws
+            .create("cached", &home.path, json!({"toolsets": []}))
+            .await["session_id"]
+            .as_str()
+            .expect("sid")
+            .to_string();
+        for i in 0..4 {
+            run(&mut ws, &home, &sid, i).await;
+        }
+        children.push(home.children(&sid).len());
+    }
+    assert_eq!(
+        children,
+        [1, 0],
+        "compacted with the cache's 4K window only"
+    );
+    let sums = summaries(&model);
+    assert_eq!(sums.len(), 1);
+    // 5 % of the cache's 4K window is 200 tokens, twice over.
+    assert_eq!(sums[0]["max_tokens"], 400);
+}
+
 /// A profile's model compacts at its own window, not the default model's: the same four
 /// exchanges compact a session on a profile whose model has a 4K window, and leave one on the
 /// default model (1M) alone.
