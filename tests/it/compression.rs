@@ -1342,3 +1342,123 @@ async fn inputs_pipelined_by_tip_and_root_are_admitted_in_the_order_sent() {
         .collect();
     assert_eq!(admitted, expected, "admitted in another order than sent");
 }
+
+/// A stop after a compaction committed, while the compacting turn's request hangs: the child
+/// persists (one, the root ended by compression, no second summary), the compacting input is
+/// never sent to the main model again, the inputs queued behind it run on the child after the
+/// restart (their rows in the child, the summary in their requests, the compacted middle not),
+/// and the child's transcript from before the stop is a prefix of the one after. Graceful: the
+/// compacting input settles interrupted and the queue runs on its own. Crash: it is unknown and
+/// holds the queue until the operator resolves it.
+async fn inputs_behind_a_compaction_run_on_the_child_after(crash: bool) {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if tag(&last_user(body)) == "P3" {
+            Reply::Hang
+        } else {
+            ack(body)
+        }
+    });
+    let (home, mut d, mut ws, root) = pressure_session(&model, false, "restarted").await;
+    for i in 0..3 {
+        run(&mut ws, &home, &root, i).await;
+    }
+    ws.submit(&root, "P3", &pressure(3)).await;
+    let compacting = |m: &FakeModel| {
+        main_requests(m)
+            .iter()
+            .filter(|b| tag(&last_user(b)) == "P3")
+            .count()
+    };
+    wait_until("P3 at the main model, compacted", T, || {
+        compacting(&model) == 1
+    })
+    .await;
+    let child = home.children(&root).pop().expect("the child");
+    for f in ["F1", "F2"] {
+        ws.submit(&root, f, f).await;
+    }
+    let before: Vec<(i64, Option<String>)> = home
+        .transcript(&child)
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    drop(ws);
+    if crash {
+        d.kill();
+    } else {
+        assert_eq!(d.term(), Some(0));
+    }
+    model.release();
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let p3 = home.admission("P3");
+    if crash {
+        assert_eq!(p3.status, "unknown");
+        assert_eq!(
+            home.admission("F1").status,
+            "queued",
+            "held by the unknown P3"
+        );
+        ws.ok("session.resume", json!({"session_id": root})).await;
+        ws.ok(
+            "prompt.resolve_unknown",
+            json!({"session_id": root, "admission_id": p3.admission_id,
+                   "execution_generation": p3.execution_generation}),
+        )
+        .await;
+    } else {
+        assert_eq!(
+            (p3.status.as_str(), p3.outcome.as_deref()),
+            ("terminal", Some("interrupted"))
+        );
+    }
+    wait_until("the followers", T, || all_terminal(&home)).await;
+    for f in ["F1", "F2"] {
+        assert_eq!(
+            home.admission(f).outcome.as_deref(),
+            Some("completed"),
+            "{f}"
+        );
+    }
+    assert_eq!(
+        home.children(&root),
+        std::slice::from_ref(&child),
+        "still one child"
+    );
+    assert_eq!(home.end_reason(&root).as_deref(), Some("compression"));
+    assert_eq!(summaries(&model).len(), 1, "the summary was made once");
+    assert_eq!(compacting(&model), 1, "P3 was never sent again");
+    let child_users = user_tags(&home.all_messages(&child));
+    assert!(
+        child_users.ends_with(&["P3".to_string(), "F1".to_string(), "F2".to_string()]),
+        "{child_users:?}"
+    );
+    assert!(!user_tags(&home.all_messages(&root)).contains(&"F1".to_string()));
+    let f1 = main_requests(&model)
+        .into_iter()
+        .find(|b| last_user(b) == "F1")
+        .expect("F1's request");
+    assert!(mentions(&f1, SUMMARY), "the summary, not the middle");
+    assert!(!mentions(&f1, "P1 u"), "the compacted middle is not sent");
+    let after: Vec<(i64, Option<String>)> = home
+        .transcript(&child)
+        .iter()
+        .map(|m| (m.id, m.content.clone()))
+        .collect();
+    assert_eq!(&after[..before.len()], &before[..], "a verbatim prefix");
+    let snap = ws.ok("session.resume", json!({"session_id": root})).await;
+    let shown = snap["messages"].to_string();
+    assert!(shown.contains(SUMMARY) && shown.contains("ACK_F1") && shown.contains("ACK_F2"));
+}
+
+#[actix_rt::test]
+async fn inputs_behind_a_compaction_run_on_the_child_after_a_graceful_restart() {
+    inputs_behind_a_compaction_run_on_the_child_after(false).await;
+}
+
+#[actix_rt::test]
+async fn inputs_behind_a_compaction_run_on_the_child_after_a_crash() {
+    inputs_behind_a_compaction_run_on_the_child_after(true).await;
+}
