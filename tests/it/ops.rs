@@ -1202,3 +1202,95 @@ async fn the_control_socket_holds_a_bounded_number_of_connections() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Without `--home`, the home is `$GATEHOUSE_HOME`, else `$XDG_STATE_HOME/gatehouse`, made 0700;
+/// its control socket is 0600 from the moment it can be reached (bound in a private directory,
+/// nothing of which is left), a stale socket left by a crash is replaced, and with no model
+/// configured, `OPENAI_BASE_URL` is where the turns go.
+#[actix_rt::test]
+async fn the_home_and_its_socket_are_the_users_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let model = FakeModel::ack();
+    let base = Home::new();
+    let mode = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    for by_env in ["GATEHOUSE_HOME", "XDG_STATE_HOME"] {
+        let (value, home) = match by_env {
+            "GATEHOUSE_HOME" => (base.path.join("own"), base.path.join("own")),
+            _ => (base.path.join("state"), base.path.join("state/gatehouse")),
+        };
+        let start = || {
+            let mut child = Command::new(bin())
+                .arg("serve")
+                .env_remove("GATEHOUSE_HOME")
+                .env_remove("XDG_STATE_HOME")
+                .env(by_env, &value)
+                .env("OPENAI_BASE_URL", &model.url)
+                .env("OPENAI_API_KEY", "loopback-only")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(
+                    std::fs::File::create(base.path.join(format!("{by_env}.log"))).expect("log"),
+                )
+                .spawn()
+                .expect("spawn gatehouse");
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                if let Ok(v) = control(&home, "identify", json!({})) {
+                    if v["state"] == "ready" {
+                        return Daemon {
+                            child,
+                            home: home.clone(),
+                            identify: v,
+                        };
+                    }
+                }
+                assert!(
+                    child.try_wait().ok().flatten().is_none(),
+                    "{by_env}: exited before ready"
+                );
+                assert!(std::time::Instant::now() < deadline, "{by_env}: not ready");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        let mut d = start();
+        assert_eq!(mode(&home), 0o700, "{by_env}");
+        assert_eq!(mode(&home.join("gateway.sock")), 0o600, "{by_env}");
+        let left: Vec<String> = std::fs::read_dir(&home)
+            .expect("the home")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(".gateway.sock"))
+            .collect();
+        assert!(left.is_empty(), "{by_env}: {left:?}");
+        d.kill();
+        assert!(
+            home.join("gateway.sock").exists(),
+            "a crash leaves its socket"
+        );
+        let d = start();
+        assert_eq!(mode(&home.join("gateway.sock")), 0o600, "{by_env}");
+        let mut ws = d.ws().await;
+        let sid = ws.session(by_env, &base.path).await;
+        ws.submit(&sid, by_env, "hello").await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while model
+            .requests()
+            .iter()
+            .filter(|b| last_user(b) == "hello")
+            .count()
+            != usize::from(by_env == "XDG_STATE_HOME") + 1
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{by_env}: the turn never reached the model: {}",
+                std::fs::read_to_string(base.path.join(format!("{by_env}.log")))
+                    .unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
