@@ -22,31 +22,16 @@ pub struct Control {
     pub version: &'static str,
 }
 
-/// Bind the socket with mode 0600, replacing a stale one. It is bound in a directory of its own
-/// that only this user may enter, made 0600 there, then moved into place: bound at its own name,
-/// it stood for a moment with the mode the umask gave it, open to whoever that let write to it.
+/// Bind the socket (replacing a stale one) with mode 0600. Bound, it has the umask's mode until
+/// the `chmod`; no other user can reach it meanwhile, as the start refuses a home that group or
+/// others may enter.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::DirBuilderExt;
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("the control socket's path has no file name"))?;
-    let private = path.with_file_name(format!(
-        ".{}.{}.d",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    // Left by an earlier process of the same pid (pids are reused across boots).
-    let _ = std::fs::remove_dir_all(&private);
-    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
-    let staged = private.join(name);
-    let bound = UnixListener::bind(&staged).and_then(|listener| {
-        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
-        // Replaces a stale socket in one step.
-        std::fs::rename(&staged, path)?;
-        Ok(listener)
-    });
-    let _ = std::fs::remove_dir_all(&private);
-    bound
+    if path.exists() {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
 }
 
 /// Who answers the socket's requests: the gateway while it starts (it says so), then the

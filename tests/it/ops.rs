@@ -1204,8 +1204,7 @@ async fn the_control_socket_holds_a_bounded_number_of_connections() {
 }
 
 /// Without `--home`, the home is `$GATEHOUSE_HOME`, else `$XDG_STATE_HOME/gatehouse`, made 0700;
-/// its control socket is 0600 from the moment it can be reached (bound in a private directory,
-/// nothing of which is left), a stale socket left by a crash is replaced, and with no model
+/// its control socket is 0600, a stale socket left by a crash is replaced, and with no model
 /// configured, `OPENAI_BASE_URL` is where the turns go.
 #[actix_rt::test]
 async fn the_home_and_its_socket_are_the_users_alone() {
@@ -1259,13 +1258,6 @@ async fn the_home_and_its_socket_are_the_users_alone() {
         let mut d = start();
         assert_eq!(mode(&home), 0o700, "{by_env}");
         assert_eq!(mode(&home.join("gateway.sock")), 0o600, "{by_env}");
-        let left: Vec<String> = std::fs::read_dir(&home)
-            .expect("the home")
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n.starts_with(".gateway.sock"))
-            .collect();
-        assert!(left.is_empty(), "{by_env}: {left:?}");
         d.kill();
         assert!(
             home.join("gateway.sock").exists(),
