@@ -150,9 +150,16 @@ impl RoomScheduler {
     }
 
     /// Tell the passes how many rooms owed a pass wait for a slot.
+    /// Count the rooms that wait for a slot with work to do (or not yet looked at): owed a pass,
+    /// not in one, and not found idle by their last pass since anything woke them.
     fn count_waiters(&self) {
-        let waiting = self.owed.iter().filter(|r| !self.busy.contains(*r)).count();
-        self.runtime.state().slot_waiters = waiting;
+        let mut state = self.runtime.state();
+        let waiting = self
+            .owed
+            .iter()
+            .filter(|r| !self.busy.contains(*r) && !state.idle_rooms.contains(*r))
+            .count();
+        state.slot_waiters = waiting;
     }
 }
 

@@ -226,10 +226,15 @@ pub(crate) struct RuntimeState {
     /// after that attempt (and is owed again), so a room with a long queue does not keep the
     /// member from the rooms that waited.
     pub turn_yielded: HashSet<String>,
-    /// Rooms owed a pass that wait for a scheduler slot (as the scheduler last counted them): a
-    /// room's pass ends after its attempt while any do, so one room with a long queue does not
-    /// hold its slot until the queue is empty.
+    /// Rooms owed a pass that wait for a scheduler slot (as the scheduler last counted them),
+    /// not counting those whose last pass found nothing to do and that nothing has woken since:
+    /// a room's pass ends after its attempt while any wait, so one room with a long queue does
+    /// not hold its slot until the queue is empty (nor give it up to rooms that only get the
+    /// poll round's look).
     pub slot_waiters: usize,
+    /// Rooms whose last pass found nothing to do, until something wakes them (a task admitted,
+    /// a member's report, a stop or a retry: [`RoomRuntime::wake_room`]).
+    pub idle_rooms: HashSet<String>,
     /// Tasks (room, task) an attempt of which this process is starting: from before its start
     /// commits until its submission has answered. A stop of such a task is not acknowledged by
     /// finding no turn of the attempt at the member yet: the attempt's own observation stops it.
@@ -505,6 +510,7 @@ impl RoomRuntime {
             state.inspected.retain(|(room, _, _)| room != room_id);
             state.backoff.retain(|(room, _), _| room != room_id);
             state.pending_actions.retain(|(room, _), _| room != room_id);
+            state.idle_rooms.remove(room_id);
             state.leases.remove(room_id)
         };
         self.inner.hooks.room_retired(room_id);
@@ -570,6 +576,7 @@ impl RoomRuntime {
     /// A round per task cost every room a pass: with 128 rooms, a room task took 41 ms of the
     /// daemon's CPU, 23 ms once it woke only its own room (the task's own turn costs under 1 ms).
     pub fn wake_room(&self, room_id: &str) {
+        self.state().idle_rooms.remove(room_id);
         lock(&self.inner.poked).insert(room_id.to_string());
         self.inner.poke.send_modify(|n| *n = n.wrapping_add(1));
         self.wake_observers(room_id);

@@ -316,9 +316,12 @@ impl RoomRuntime {
         // before it starts anything.
         if counts.idle() {
             self.let_go_of_lease(binding).await;
-            self.state().blocked.remove(&binding.room_id);
+            let mut state = self.state();
+            state.blocked.remove(&binding.room_id);
+            state.idle_rooms.insert(binding.room_id.clone());
             return Ok(());
         }
+        self.state().idle_rooms.remove(&binding.room_id);
         if counts.has(TaskStatus::Running) && !self.inspect_abandoned_attempts(binding).await? {
             return Ok(());
         }

@@ -253,7 +253,8 @@ async fn a_configured_gateway_id_drives_its_rooms() {
 /// At most `rooms.max_concurrent_rooms` rooms run at once in the gateway's scheduler: with two
 /// slots, three rooms whose members hang (three profiles: no member's turn lock is shared) run
 /// two tasks, and the third room waits for a slot (`waiting_rooms`, a gauge on /metrics too)
-/// until one of the two tasks ends.
+/// until one of the two tasks ends. A room with nothing to do is not counted waiting, though
+/// each poll round owes it a look.
 #[actix_rt::test]
 async fn at_most_max_concurrent_rooms_run_at_once() {
     let model = hang_or_ack();
@@ -265,6 +266,16 @@ async fn at_most_max_concurrent_rooms_run_at_once() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
+    let before = passes(&mut ws).await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "idle", "name": "idle", "members": [{"profile": "p1", "handle": "p1"}]}),
+    )
+    .await;
+    status_when(&mut ws, "the idle room's first pass", |s| {
+        s["passes"].as_u64().unwrap_or(0) > before
+    })
+    .await;
     for i in 1..=3 {
         let (room, profile) = (format!("r{i}"), format!("p{i}"));
         ws.ok(
@@ -286,6 +297,13 @@ async fn at_most_max_concurrent_rooms_run_at_once() {
         model.reached("HANG") == 2
     })
     .await;
+    // Poll rounds go by (each owes every room a look): the idle room is still not waiting.
+    let cycles = status["cycles"].as_u64().unwrap_or(0);
+    let status = status_when(&mut ws, "ten more cycles", |s| {
+        s["cycles"].as_u64().unwrap_or(0) > cycles + 10
+    })
+    .await;
+    assert_eq!(status["waiting_rooms"], 1, "{status}");
     assert_eq!(
         metric(&d.origin(), "gatehouse_rooms_waiting").await,
         1.0,
