@@ -207,6 +207,9 @@ pub(crate) struct RuntimeState {
     pub passes: u64,
     pub cursor: usize,
     pub leases: HashMap<String, Lease>,
+    /// Rooms whose lease this runtime is releasing (no longer its to use, still its in the row
+    /// until the release is written): the status counts them leased.
+    pub releasing: HashSet<String>,
     pub recovered: HashSet<(String, i64)>,
     pub blocked: BTreeSet<String>,
     /// Each room's last error, with the order it was recorded in (the newest is the runtime's
@@ -643,8 +646,14 @@ impl RoomRuntime {
     pub fn status(&self) -> RoomsStatus {
         let state = self.state();
         let current_tasks: Vec<TaskIdentity> = state.current_tasks.values().cloned().collect();
-        let mut leased_rooms: Vec<String> = state.leases.keys().cloned().collect();
-        leased_rooms.sort();
+        let leased_rooms: Vec<String> = state
+            .leases
+            .keys()
+            .chain(&state.releasing)
+            .cloned()
+            .collect::<BTreeSet<String>>()
+            .into_iter()
+            .collect();
         let mut room_errors: Vec<(u64, String, String)> = state
             .room_errors
             .iter()

@@ -533,8 +533,10 @@ impl RoomRuntime {
 
     /// Release the room's lease, if this runtime holds one that would now need renewing. A
     /// release refused (the lease lapsed, the room's authority moved, a task started meanwhile)
-    /// leaves the lease to expire. The lease leaves the status's leased rooms once its release
-    /// is committed, not before: the status never shows a room let go whose row still holds it.
+    /// leaves the lease to expire. The lease is no longer this runtime's to use from the start
+    /// of its release (work that comes meanwhile takes a fresh one, after it), but the status
+    /// counts it leased until the release is written: it never shows a room let go whose row
+    /// still holds the lease.
     async fn let_go_of_lease(&self, binding: &RoomBinding) {
         let Some(lease) = self.lease(&binding.room_id) else {
             return;
@@ -542,22 +544,20 @@ impl RoomRuntime {
         if self.lease_fresh(&lease) {
             return;
         }
-        let (clock, generation) = (self.inner.clock.clone(), lease.lease_generation);
+        {
+            let mut state = self.state();
+            state.leases.remove(&binding.room_id);
+            state.releasing.insert(binding.room_id.clone());
+        }
+        let clock = self.inner.clock.clone();
         let released = self
             .inner
             .db
             .write(move |c| release_lease(c, &lease, clock.as_ref()))
             .await;
+        self.state().releasing.remove(&binding.room_id);
         if let Err(error) = released {
             tracing::debug!(room = %binding.room_id, %error, "an idle room's lease was left to expire");
-        }
-        let mut state = self.state();
-        if state
-            .leases
-            .get(&binding.room_id)
-            .is_some_and(|held| held.lease_generation == generation)
-        {
-            state.leases.remove(&binding.room_id);
         }
     }
 
