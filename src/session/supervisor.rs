@@ -513,7 +513,7 @@ impl SessionSupervisor {
             }
             Err(StoreError::CorruptPolicy(m)) => {
                 tracing::error!(session = %self.root_id,
-                    "FIFO held: {m}; its inputs stay queued until the store is repaired and the gateway restarted");
+                    "FIFO held: {m}; its inputs stay queued until the store is repaired (then the next submit or start runs them)");
             }
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
