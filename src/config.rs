@@ -240,6 +240,8 @@ pub struct TerminalConfig {
     pub output_cap: usize,
     /// Background processes (`background: true`) that may run at once; 0 refuses them.
     pub max_background: usize,
+    /// How long an ended background process's log is kept (0: for good).
+    pub log_retention_seconds: f64,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -251,6 +253,7 @@ impl Default for TerminalConfig {
             timeout: 180.0,
             output_cap: 50_000,
             max_background: 8,
+            log_retention_seconds: 7.0 * 24.0 * 3600.0,
             extra: Extra::new(),
         }
     }
@@ -693,6 +696,10 @@ impl Config {
             ("gateway.drain_grace_seconds", g.drain_grace_seconds),
             ("gateway.bind_wait_seconds", g.bind_wait_seconds),
             ("events.retention_seconds", self.events.retention_seconds),
+            (
+                "terminal.log_retention_seconds",
+                self.terminal.log_retention_seconds,
+            ),
             ("http.max_wait_seconds", h.max_wait_seconds),
         ];
         for (key, v) in zero_or_more {
@@ -1206,6 +1213,10 @@ mod tests {
             (
                 "gateway:\n  heartbeat_seconds: 1e-12\n",
                 "gateway.heartbeat_seconds",
+            ),
+            (
+                "terminal:\n  log_retention_seconds: -1\n",
+                "terminal.log_retention_seconds",
             ),
         ] {
             match parse(text) {

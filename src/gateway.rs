@@ -737,9 +737,10 @@ impl Gateway {
             terminal: TerminalTool::start_on_own_arbiter(
                 config.terminal.max_background,
                 home.join(BACKGROUND_LOGS),
-                // As long as the events that reported the calls that started them.
-                (config.events.retention_seconds > 0.0)
-                    .then(|| Duration::from_secs_f64(config.events.retention_seconds)),
+                // Its own setting: tied to the events' retention, a log was kept for good
+                // whenever the events were kept by count alone (`events.retention_seconds: 0`).
+                (config.terminal.log_retention_seconds > 0.0)
+                    .then(|| Duration::from_secs_f64(config.terminal.log_retention_seconds)),
             ),
             runtime: runtime.clone(),
             clock: clock.clone(),

@@ -273,3 +273,44 @@ impl Handler<StopBackground> for TerminalTool {
         n
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    /// An ended background process's log is removed once older than the retention (and with
+    /// none set, never); a file the tool did not name is left alone whatever its age.
+    #[test]
+    fn ended_logs_age_out_after_their_retention_only() {
+        let dir = std::env::temp_dir().join(format!("gatehouse-logs-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let week = Duration::from_secs(7 * 24 * 3600);
+        let write = |name: &str, age: Duration| {
+            let path = dir.join(name);
+            let file = std::fs::File::create(&path).expect("a log");
+            file.set_modified(SystemTime::now() - age).expect("its age");
+            path
+        };
+        let old = write("bg-0123456789ab.log", week + Duration::from_secs(3600));
+        let fresh = write("bg-abcdefabcdef.log", Duration::from_secs(60));
+        let other = write("notes.log", 4 * week);
+        let mut tool = TerminalTool {
+            background: HashMap::new(),
+            max_background: 8,
+            logs: dir.clone(),
+            closed: false,
+            log_max_age: None,
+        };
+        tool.prune_logs();
+        assert!(
+            old.exists() && fresh.exists() && other.exists(),
+            "kept for good"
+        );
+        tool.log_max_age = Some(week);
+        tool.prune_logs();
+        assert!(!old.exists(), "past the retention");
+        assert!(fresh.exists() && other.exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
