@@ -443,15 +443,21 @@ pub fn all_with_status(
 }
 
 /// The ledger's counts by status (and outcome for settled rows), for metrics and status,
-/// without reading settled history again on every call. Every row up to the oldest live row is
-/// settled and stays settled (nothing changes a terminal row), so those rows are counted once
-/// and kept here; each call reads only the rows after that mark, normally the last few, since
-/// live rows are recent. (A row left `unknown` for long holds the mark back until resolved.)
+/// without reading settled history again on every call. Each row is read once, when it is new;
+/// a settled row never changes, so it is counted then and kept here; a row live then is kept by
+/// its sequence and looked up again only once it has left the live rows (through their partial
+/// index), to count its settlement. So a call reads the rows written since the last one, the
+/// live rows, and those settled since. (It used to count the rows up to the oldest live one
+/// and read every row after it on each call: one input left `unknown` for weeks made every
+/// scrape of `/metrics` read the whole ledger written since.)
 #[derive(Debug, Default)]
 pub struct LedgerTally {
-    /// Rows with `seq <= through` are settled and counted in `settled`.
-    through: i64,
+    /// Every row with `seq <= scanned` has been read once.
+    scanned: i64,
+    /// The settled rows among them, by outcome.
     settled: std::collections::BTreeMap<Option<String>, i64>,
+    /// The rows among them that were live when last read: their settlement is yet to count.
+    live: std::collections::BTreeSet<i64>,
 }
 
 impl LedgerTally {
@@ -460,44 +466,49 @@ impl LedgerTally {
         &mut self,
         conn: &mut SqliteConnection,
     ) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
-        use diesel::dsl::{count_star, max, min};
+        type Row = (i64, String, Option<String>);
         conn.transaction(|conn| {
-            let oldest_live: Option<i64> = sa::table
-                .filter(is_live())
-                .select(min(sa::seq))
-                .get_result(conn)?;
-            let mark = match oldest_live {
-                Some(seq) => seq - 1,
-                None => sa::table
-                    .select(max(sa::seq))
-                    .get_result::<Option<i64>>(conn)?
-                    .unwrap_or(0),
-            };
-            if mark > self.through {
-                let newly: Vec<(Option<String>, i64)> = sa::table
-                    .filter(sa::seq.gt(self.through))
-                    .filter(sa::seq.le(mark))
-                    .group_by(sa::outcome)
-                    .select((sa::outcome, count_star()))
-                    .load(conn)?;
-                for (outcome, n) in newly {
-                    *self.settled.entry(outcome).or_insert(0) += n;
+            let fresh: Vec<Row> = sa::table
+                .filter(sa::seq.gt(self.scanned))
+                .select((sa::seq, sa::status, sa::outcome))
+                .load(conn)?;
+            let mut settled = self.settled.clone();
+            let mut live = self.live.clone();
+            let mut scanned = self.scanned;
+            for (seq, status, outcome) in fresh {
+                scanned = scanned.max(seq);
+                if status == "terminal" {
+                    *settled.entry(outcome).or_insert(0) += 1;
+                } else {
+                    live.insert(seq);
                 }
-                self.through = mark;
             }
-            let mut all: std::collections::BTreeMap<(String, Option<String>), i64> = self
-                .settled
+            let now: Vec<Row> = sa::table
+                .filter(is_live())
+                .select((sa::seq, sa::status, sa::outcome))
+                .load(conn)?;
+            let still: std::collections::BTreeSet<i64> = now.iter().map(|r| r.0).collect();
+            let gone: Vec<i64> = live.difference(&still).copied().collect();
+            for chunk in gone.chunks(500) {
+                let outcomes: Vec<Option<String>> = sa::table
+                    .filter(sa::seq.eq_any(chunk))
+                    .select(sa::outcome)
+                    .load(conn)?;
+                for outcome in outcomes {
+                    *settled.entry(outcome).or_insert(0) += 1;
+                }
+            }
+            let mut all: std::collections::BTreeMap<(String, Option<String>), i64> = settled
                 .iter()
                 .map(|(o, n)| (("terminal".to_string(), o.clone()), *n))
                 .collect();
-            let tail: Vec<(String, Option<String>, i64)> = sa::table
-                .filter(sa::seq.gt(self.through))
-                .group_by((sa::status, sa::outcome))
-                .select((sa::status, sa::outcome, count_star()))
-                .load(conn)?;
-            for (status, outcome, n) in tail {
-                *all.entry((status, outcome)).or_insert(0) += n;
+            for (_, status, outcome) in now {
+                *all.entry((status, outcome)).or_insert(0) += 1;
             }
+            // Kept only once the whole snapshot was read (a failed read counts nothing twice).
+            self.settled = settled;
+            self.live = still;
+            self.scanned = scanned;
             Ok(all.into_iter().map(|((s, o), n)| (s, o, n)).collect())
         })
     }
@@ -1260,7 +1271,7 @@ mod tests {
     }
 
     /// The kept tally matches a full count of the ledger at every step: rows settling out of
-    /// order, a live row holding the mark back, and the mark moving past rows counted before.
+    /// order, live rows among settled ones, and their settlements counted once they come.
     #[test]
     fn the_ledger_tally_matches_a_full_count_without_rereading_settled_rows() {
         let (_d, mut c, e) = setup();
@@ -1296,8 +1307,9 @@ mod tests {
             check(&mut c, &mut tally);
         }
         assert_eq!(
-            tally.through, 0,
-            "the started row of s2 is the oldest live row"
+            tally.live.len(),
+            2,
+            "s2's started and queued rows are the only ones kept to read again"
         );
         cancel(&mut c, e, "s2", &queued, 2.0).expect("cancel queued");
         check(&mut c, &mut tally);
@@ -1323,7 +1335,8 @@ mod tests {
             .expect("max")
             .unwrap_or(0);
         assert_eq!(
-            tally.through, newest,
+            (tally.scanned, tally.live.len()),
+            (newest, 0),
             "everything is settled and counted once"
         );
         one_turn(&mut c, e, "after");
