@@ -1471,25 +1471,9 @@ mod tests {
             "resolve_unknown",
             resolve_unknown(&mut c, e, "s1", &a.admission_id, 1, 3.0).map(|_| ()),
         );
-        let new = sessions::NewSession {
-            id: "s2".into(),
-            principal_id: "p".into(),
-            request_id: "s2".into(),
-            request_digest: "d".into(),
-            source: "cli".into(),
-            model: "m".into(),
-            provider: "custom".into(),
-            base_url: None,
-            cwd: "/".into(),
-            toolsets_json: "[]".into(),
-            profile: "default".into(),
-            title: None,
-            system_prompt: None,
-            seed: Vec::new(),
-        };
         stale(
             "create_or_get",
-            sessions::create_or_get(&mut c, e, &new, 3.0).map(|_| ()),
+            sessions::create_or_get(&mut c, e, &testing::new_session("s2"), 3.0).map(|_| ()),
         );
         let reply = [NewMessage::text("assistant", "late")];
         stale(

@@ -1389,7 +1389,12 @@ pub mod testing {
             .expect("session of an older schema");
             return;
         }
-        let new = super::sessions::NewSession {
+        super::sessions::create_or_get(conn, epoch, &new_session(id), 1.0).expect("session");
+    }
+
+    /// A session of principal `p` with no tools, its request id its own id.
+    pub fn new_session(id: &str) -> super::sessions::NewSession {
+        super::sessions::NewSession {
             id: id.into(),
             principal_id: "p".into(),
             request_id: id.into(),
@@ -1404,8 +1409,7 @@ pub mod testing {
             title: None,
             system_prompt: None,
             seed: Vec::new(),
-        };
-        super::sessions::create_or_get(conn, epoch, &new, 1.0).expect("session");
+        }
     }
 
     /// A tiny self-cleaning temp dir (keeps the dependency list short).

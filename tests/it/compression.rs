@@ -90,10 +90,7 @@ async fn pressure_session(
     home.write_config(&pressure_config(&model.url, in_place));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws.create(name, &home.path, json!({"toolsets": []})).await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless(name, &home.path).await;
     (home, d, ws, sid)
 }
 
@@ -225,12 +222,7 @@ async fn the_models_cache_gives_a_session_its_window() {
         }
         let d = Daemon::start(&home);
         let mut ws = d.ws().await;
-        let sid = ws
-            .create("cached", &home.path, json!({"toolsets": []}))
-            .await["session_id"]
-            .as_str()
-            .expect("sid")
-            .to_string();
+        let sid = ws.toolless("cached", &home.path).await;
         for i in 0..4 {
             run(&mut ws, &home, &sid, i).await;
         }
@@ -484,12 +476,7 @@ async fn in_place_compression_soft_archives_the_old_rows() {
     home.write_config(&pressure_config(&model.url, true));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("in-place", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("in-place", &home.path).await;
     for i in 0..3 {
         run(&mut ws, &home, &sid, i).await;
     }
@@ -561,12 +548,7 @@ async fn an_overflow_error_compresses_and_retries_the_same_step() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("overflow", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("overflow", &home.path).await;
     run(&mut ws, &home, &sid, 0).await;
     run(&mut ws, &home, &sid, 1).await;
     assert!(
@@ -631,18 +613,8 @@ async fn repeated_overflow_trips_the_breaker_and_the_session_stays_usable() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("breaker", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
-    let other = ws
-        .create("bystander", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("breaker", &home.path).await;
+    let other = ws.toolless("bystander", &home.path).await;
     for i in 0..6 {
         let id = format!("M{i}");
         ws.submit(&sid, &id, &format!("M{i} short message number {i}"))
@@ -737,12 +709,7 @@ async fn a_crash_during_the_summary_call_leaves_the_transcript_intact() {
     home.write_config(&pressure_config(&model.url, false));
     let mut d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let root = ws
-        .create("crash", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let root = ws.toolless("crash", &home.path).await;
     for i in 0..3 {
         run(&mut ws, &home, &root, i).await;
     }
@@ -822,12 +789,7 @@ async fn the_latest_user_message_is_never_summarised_away() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("tail-user", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("tail-user", &home.path).await;
     for i in 0..3 {
         run(&mut ws, &home, &sid, i).await;
     }
@@ -874,12 +836,7 @@ async fn a_summary_is_not_summarised_again_when_nothing_new_can_be_compacted() {
     ));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("no-progress", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("no-progress", &home.path).await;
     for i in 0..6 {
         let id = format!("M{i}");
         ws.submit(&sid, &id, &format!("M{i} {}", "m".repeat(100)))
@@ -1029,12 +986,7 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
     home.write_config(&cfg);
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
-    let sid = ws
-        .create("attempts", &home.path, json!({"toolsets": []}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
+    let sid = ws.toolless("attempts", &home.path).await;
     for i in 0..3 {
         run(&mut ws, &home, &sid, i).await;
     }

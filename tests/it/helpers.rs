@@ -753,6 +753,14 @@ impl Ws {
         self.ok("session.create", params).await
     }
 
+    /// Create a session without tools; its id.
+    pub async fn toolless(&mut self, request_id: &str, cwd: &Path) -> String {
+        self.create(request_id, cwd, json!({"toolsets": []})).await["session_id"]
+            .as_str()
+            .expect("session id")
+            .to_string()
+    }
+
     /// Create a session with default params; its id.
     pub async fn session(&mut self, request_id: &str, cwd: &Path) -> String {
         self.create(request_id, cwd, json!({})).await["session_id"]
