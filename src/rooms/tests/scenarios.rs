@@ -234,9 +234,7 @@ async fn test_queued_task_routes_profile_and_credentials_without_overrides() {
 
 #[tokio::test]
 async fn test_worker_settles_without_any_client_transport() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let runtime = Spec::new(&rpc(true)).build(&db);
     runtime.start();
     wait_for("settled and cycled", || {
@@ -250,9 +248,7 @@ async fn test_worker_settles_without_any_client_transport() {
 
 #[tokio::test]
 async fn test_policy_hooks_prepare_and_publish_terminal_idempotently() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let hooks = Arc::new(RecordingHooks::default());
     let mut spec = Spec::new(&rpc(true));
     spec.hooks = Some(hooks.clone());
@@ -277,9 +273,7 @@ async fn test_policy_hooks_prepare_and_publish_terminal_idempotently() {
 
 #[tokio::test]
 async fn test_transport_resolver_selects_member_transport_without_forking_state() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let selected = rpc(true);
     let resolutions: Arc<Mutex<Vec<(RoomBinding, TaskIdentity, String)>>> = Arc::default();
     let (seen, chosen) = (resolutions.clone(), selected.clone());
@@ -479,9 +473,7 @@ async fn test_bounded_scheduler_eventually_runs_later_room() {
 
 #[tokio::test]
 async fn test_existing_canonical_session_is_resumed_not_duplicated() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(true);
     let session_id = rpc.add_session(false, None, Vec::new());
     let runtime = Spec::new(&rpc).build(&db);
@@ -581,9 +573,7 @@ async fn test_expired_local_attempt_defers_without_hydrating_or_resubmitting() {
 /// The stored result of a running task whose member replies `reply`, settled as soon as the
 /// reply comes (not at the deadline).
 async fn stored_result_of(reply: &str) -> serde_json::Value {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let mut spec = Spec::new(&rpc);
     spec.config.turn_timeout_seconds = 30.0;
@@ -784,9 +774,7 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
 
 #[tokio::test]
 async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let hooks = Arc::new(RecordingHooks::default());
     let mut spec = Spec::new(&rpc);
@@ -931,9 +919,7 @@ async fn test_retry_ignores_late_receipt_from_prior_execution_generation() {
 
 #[tokio::test]
 async fn test_active_recovered_turn_is_never_resubmitted() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     start_old_attempt(&db, &id, 10.0, &SystemClock::default());
     let rpc = rpc(false);
     rpc.add_session(true, Some("task-1"), Vec::new());
@@ -1128,9 +1114,7 @@ async fn test_offline_member_defers_then_healthy_task_runs_and_retry_is_fenced()
 
 #[tokio::test]
 async fn test_post_submit_observation_failure_preserves_recoverable_outcome() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     rpc.history_failures.store(1, Ordering::SeqCst);
     let runtime = Spec::new(&rpc).build(&db);
@@ -1158,9 +1142,7 @@ async fn test_post_submit_observation_failure_preserves_recoverable_outcome() {
 
 #[tokio::test]
 async fn test_cancellation_is_persisted_before_interrupt_and_fences_late_result() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     let observed: Arc<Mutex<Vec<TaskStatus>>> = Arc::default();
@@ -1184,9 +1166,7 @@ async fn test_cancellation_is_persisted_before_interrupt_and_fences_late_result(
 
 #[tokio::test]
 async fn test_transient_remote_stop_failure_stays_pending_and_retries() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let retry_allowed = Arc::new(Event::default());
     rpc.interrupt_failures.store(1, Ordering::SeqCst);
@@ -1220,9 +1200,7 @@ fn running_under_runtime(
 
 #[tokio::test]
 async fn test_provisional_stopping_response_does_not_acknowledge_cancellation() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let (runtime, attempt) = running_under_runtime(&db, &rpc);
     let session = rpc.add_session(true, Some("task-1"), Vec::new());
@@ -1259,9 +1237,7 @@ fn peer_runtime(
 
 #[tokio::test]
 async fn test_peer_terminal_status_acknowledges_durable_stop_on_retry() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let client = Arc::new(TerminalPeerClient::new("task-1", 1));
     let (runtime, lease, attempt) = peer_runtime(&db, &client);
     assert_eq!(attempt.execution_generation, client.execution_generation);
@@ -1284,9 +1260,7 @@ async fn test_peer_terminal_status_acknowledges_durable_stop_on_retry() {
 
 #[tokio::test]
 async fn test_peer_terminal_status_must_match_exact_task_attempt() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let client = Arc::new(TerminalPeerClient::new("task-1", 1));
     *lock(&client.status_task_id) = "different-task".into();
     let (runtime, _lease, attempt) = peer_runtime(&db, &client);
@@ -1307,9 +1281,7 @@ async fn test_peer_terminal_status_must_match_exact_task_attempt() {
 
 #[tokio::test]
 async fn test_completion_wins_a_race_with_unacknowledged_stop() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
@@ -1391,9 +1363,7 @@ async fn test_restart_acknowledges_inactive_local_stop_without_memory_marker() {
 
 #[tokio::test]
 async fn test_stop_resumes_persisted_session_before_reading_runtime_history() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let (runtime, attempt) = running_under_runtime(&db, &rpc);
     let stored = rpc.add_session(false, Some("task-1"), Vec::new());
@@ -1421,9 +1391,7 @@ async fn test_stop_resumes_persisted_session_before_reading_runtime_history() {
 
 #[tokio::test]
 async fn test_pending_local_approval_is_reported_with_safe_choices() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, _id) = one_queued_task();
     let rpc = rpc(false);
     let hooks = Arc::new(RecordingHooks::default());
     let mut spec = Spec::new(&rpc);
@@ -1461,9 +1429,7 @@ async fn test_pending_local_approval_is_reported_with_safe_choices() {
 async fn a_stopped_tasks_pending_approval_is_reported_gone() {
     // The stop is acknowledged at once and nothing observes the member again: the approval the
     // stopped attempt asked for must still be reported gone (the room showed it forever).
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let hooks = Arc::new(RecordingHooks::default());
     let mut spec = Spec::new(&rpc);
@@ -1494,9 +1460,7 @@ async fn a_stopped_tasks_pending_approval_is_reported_gone() {
 
 #[tokio::test]
 async fn test_cancel_never_interrupts_a_newer_task_in_the_same_session() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
@@ -1551,9 +1515,7 @@ async fn test_status_reports_room_blocked_on_unresolved_indeterminate_task() {
 
 #[tokio::test]
 async fn test_authority_loss_stops_terminal_commit() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let mut spec = Spec::new(&rpc);
     spec.config.lease_ttl_seconds = 30.0;
@@ -1581,9 +1543,7 @@ async fn test_authority_loss_stops_terminal_commit() {
 
 #[tokio::test]
 async fn test_profile_turn_lock_covers_resolve_submit_and_terminal_observation() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let locks = RecordingTurnLocks::default();
     let mut fake = FakeSessionRpc::new(true);
     fake.required_lock = Some(locks.clone());
@@ -1619,9 +1579,7 @@ async fn test_profile_turn_lock_covers_resolve_submit_and_terminal_observation()
 /// attempt then submitted its turn, which ran in full.
 #[tokio::test]
 async fn a_cancel_while_an_attempt_opens_its_session_is_never_followed_by_its_turn() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
     let mut fake = FakeSessionRpc::new(true);
     fake.create_gate = Some((reached.clone(), go.clone()));
@@ -1647,9 +1605,7 @@ async fn a_cancel_while_an_attempt_opens_its_session_is_never_followed_by_its_tu
 
 #[tokio::test]
 async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
@@ -1669,9 +1625,7 @@ async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
 /// room's error ("fenced: driver lease is stale").
 #[tokio::test]
 async fn a_late_report_of_a_cancelled_attempt_is_no_room_error() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
@@ -1701,9 +1655,7 @@ async fn a_late_report_of_a_cancelled_attempt_is_no_room_error() {
 
 #[tokio::test]
 async fn restarted_runtime_observes_its_own_running_attempt_again() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let mut spec = Spec::new(&rpc);
     spec.config.lease_ttl_seconds = 30.0;
@@ -1805,9 +1757,7 @@ fn every_seed_scenario_has_a_test() {
 /// to be fenced out, and the attempt recovered as indeterminate).
 #[tokio::test]
 async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let mut spec = Spec::new(&rpc);
     // A TTL long enough that a loaded machine's stall does not lapse it between renewals.
@@ -2151,9 +2101,7 @@ async fn an_unresolved_member_turn_holds_its_room_until_its_operator_resolves_it
 /// it waited out its turn deadline and failed, and so did each task after it.
 #[tokio::test]
 async fn a_task_for_a_held_member_session_waits_in_its_room() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(true);
     *lock(&rpc.held) = Some("held by the unknown turn adm-0: resolve it".into());
     let runtime = Spec::new(&rpc).build(&db);
@@ -2237,9 +2185,7 @@ fn a_rooms_approval_offers_once_and_deny_in_the_members_order() {
 /// result, and the room says why. Nothing was submitted.
 #[tokio::test]
 async fn a_session_that_cannot_be_opened_fails_the_task_before_submit() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(true);
     lock(&rpc.create_failures).push_back(crate::rooms::port::PortError::new("profile is gone"));
     let runtime = Spec::new(&rpc).build(&db);
@@ -2257,9 +2203,7 @@ async fn a_session_that_cannot_be_opened_fails_the_task_before_submit() {
 /// later attempt (it is not failed, and nothing was submitted).
 #[tokio::test]
 async fn a_session_open_not_admitted_leaves_the_task_queued() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(true);
     lock(&rpc.create_failures).push_back(crate::rooms::port::PortError::not_admitted(
         "peer refused the connection",
@@ -2281,9 +2225,7 @@ async fn a_session_open_not_admitted_leaves_the_task_queued() {
 /// the task stays running, observed, and settles with the member's turn.
 #[tokio::test]
 async fn an_ambiguous_submit_is_observed_and_never_resubmitted() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     rpc.ambiguous_submit_failures.store(1, Ordering::SeqCst);
     let runtime = Spec::new(&rpc).build(&db);
@@ -2309,9 +2251,7 @@ async fn an_ambiguous_submit_is_observed_and_never_resubmitted() {
 /// task to its deadline; this gateway settles it at once, as a graceful stop needs.)
 #[tokio::test]
 async fn a_member_turn_cancelled_elsewhere_fails_its_running_task() {
-    let db = db();
-    let id = identity("task-1");
-    admit(&db, &id, "Inspect the release candidate.");
+    let (db, id) = one_queued_task();
     let rpc = rpc(false);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
@@ -2332,4 +2272,12 @@ async fn a_member_turn_cancelled_elsewhere_fails_its_running_task() {
         "{view:?}"
     );
     assert_eq!(rpc.count("submit"), 1, "never run again");
+}
+
+/// A store with one room and its one task, `task-1`, queued.
+fn one_queued_task() -> (TestDb, TaskIdentity) {
+    let db = db();
+    let id = identity("task-1");
+    admit(&db, &id, "Inspect the release candidate.");
+    (db, id)
 }
