@@ -105,6 +105,11 @@ impl RoomScheduler {
         let busy = &self.busy;
         self.supervisors
             .retain(|r, _| known.contains(r.as_str()) || busy.contains(r));
+        // A room no longer driven here (retired, or its authority moved) is nobody's idle room.
+        self.runtime
+            .state()
+            .idle_rooms
+            .retain(|r| known.contains(r.as_str()));
         self.bindings = bindings;
     }
 

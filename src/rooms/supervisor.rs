@@ -308,7 +308,17 @@ impl RoomRuntime {
         // Which steps have work, from the counts the store keeps per room and status (one read,
         // where each step would list its tasks). A task that changes state after this read
         // wakes the room (admission, cancellation, retry), so its work gets the next pass.
-        let mut counts = self.task_counts(binding).await?;
+        // The room is marked idle before the read, and the mark kept only if the read finds
+        // nothing to do: a wake after the read (a task admitted meanwhile) takes it off, where
+        // a mark made after the lease's release (a write away) outlived the wake before it.
+        self.state().idle_rooms.insert(binding.room_id.clone());
+        let mut counts = match self.task_counts(binding).await {
+            Ok(counts) => counts,
+            Err(e) => {
+                self.state().idle_rooms.remove(&binding.room_id);
+                return Err(e.into());
+            }
+        };
         // A room with nothing to do renews no lease: renewing kept every idle room writing a
         // commit each half lease TTL for as long as it stayed idle. It keeps the lease it holds
         // while that needs no renewal (a task soon after the last one takes no new lease), then
@@ -316,9 +326,7 @@ impl RoomRuntime {
         // before it starts anything.
         if counts.idle() {
             self.let_go_of_lease(binding).await;
-            let mut state = self.state();
-            state.blocked.remove(&binding.room_id);
-            state.idle_rooms.insert(binding.room_id.clone());
+            self.state().blocked.remove(&binding.room_id);
             return Ok(());
         }
         self.state().idle_rooms.remove(&binding.room_id);
