@@ -301,6 +301,13 @@ pub fn release_lease(
         if row.released_at.is_some() {
             return Ok(ReleaseOutcome { idempotent: true });
         }
+        // Renewed since this lease was read (the same generation, a later expiry): whoever
+        // renewed it holds it now, and it is theirs to release.
+        if row.expires_at != lease.expires_at {
+            return Err(RoomStoreError::StaleLease(
+                "driver lease was renewed after it was read".into(),
+            ));
+        }
         if row.expires_at <= now {
             return Err(RoomStoreError::StaleLease(
                 "driver lease expired before release".into(),
@@ -476,6 +483,29 @@ mod tests {
             release_lease(&mut conn, &lease, &clock),
             Err(RoomStoreError::StaleLease(ref m)) if m.contains("stale")
         ));
+    }
+
+    /// A lease renewed after it was read (same generation, later expiry) is not released by
+    /// the reader: the renewer holds it (a room's idle pass and an operator's retry raced so).
+    #[test]
+    fn a_lease_renewed_since_it_was_read_is_not_released() {
+        let db = TestDb::with_room("room-1", "gw-a");
+        let mut conn = db.conn();
+        let clock = ManualClock::new(100.0);
+        let read = acquire_lease(&mut conn, "room-1", "gw-a", 1, "proc-a", 30.0, &clock).unwrap();
+        clock.set(110.0);
+        let renewed = renew_lease(&mut conn, &read, 30.0, &clock).unwrap();
+        assert_eq!(renewed.lease_generation, read.lease_generation);
+        assert!(matches!(
+            release_lease(&mut conn, &read, &clock),
+            Err(RoomStoreError::StaleLease(ref m)) if m.contains("renewed")
+        ));
+        require_active_lease(&mut conn, &renewed, &clock).unwrap();
+        assert!(
+            !release_lease(&mut conn, &renewed, &clock)
+                .unwrap()
+                .idempotent
+        );
     }
 
     #[test]
