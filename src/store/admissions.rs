@@ -443,10 +443,10 @@ pub fn all_with_status(
 }
 
 /// The ledger's counts by status (and outcome for settled rows), for metrics and status,
-/// without reading settled history again on every call. Each row is read once, when it is new;
-/// a settled row never changes, so it is counted then and kept here; a row live then is kept by
-/// its sequence and looked up again only once it has left the live rows (through their partial
-/// index), to count its settlement. So a call reads the rows written since the last one, the
+/// without reading settled history again on every call. Each row is counted once, when it is
+/// new; a settled row never changes, so it is counted then (by SQL) and kept here; a row live
+/// then is kept by its sequence and looked up again only once it has left the live rows
+/// (through their partial index), to count its settlement. So a call reads the rows written since the last one, the
 /// live rows, and those settled since. (It used to count the rows up to the oldest live one
 /// and read every row after it on each call: one input left `unknown` for weeks made every
 /// scrape of `/metrics` read the whole ledger written since.)
@@ -466,21 +466,27 @@ impl LedgerTally {
         &mut self,
         conn: &mut SqliteConnection,
     ) -> Result<Vec<(String, Option<String>, i64)>, StoreError> {
+        use diesel::dsl::{count_star, max};
         type Row = (i64, String, Option<String>);
         conn.transaction(|conn| {
-            let fresh: Vec<Row> = sa::table
+            // The rows new since the last call: the settled ones counted by SQL (the first
+            // call's are the whole ledger), the live ones found among the live rows below.
+            // (Grouped by status too, not filtered on it: the sequence's range is the only
+            // constraint, so SQLite reads that range and no index of every settled row.)
+            let newly: Vec<(String, Option<String>, i64)> = sa::table
                 .filter(sa::seq.gt(self.scanned))
-                .select((sa::seq, sa::status, sa::outcome))
+                .group_by((sa::status, sa::outcome))
+                .select((sa::status, sa::outcome, count_star()))
                 .load(conn)?;
+            let scanned = sa::table
+                .select(max(sa::seq))
+                .get_result::<Option<i64>>(conn)?
+                .unwrap_or(0)
+                .max(self.scanned);
             let mut settled = self.settled.clone();
-            let mut live = self.live.clone();
-            let mut scanned = self.scanned;
-            for (seq, status, outcome) in fresh {
-                scanned = scanned.max(seq);
+            for (status, outcome, n) in newly {
                 if status == "terminal" {
-                    *settled.entry(outcome).or_insert(0) += 1;
-                } else {
-                    live.insert(seq);
+                    *settled.entry(outcome).or_insert(0) += n;
                 }
             }
             let now: Vec<Row> = sa::table
@@ -488,7 +494,8 @@ impl LedgerTally {
                 .select((sa::seq, sa::status, sa::outcome))
                 .load(conn)?;
             let still: std::collections::BTreeSet<i64> = now.iter().map(|r| r.0).collect();
-            let gone: Vec<i64> = live.difference(&still).copied().collect();
+            // Live when last read, and no longer: settled since.
+            let gone: Vec<i64> = self.live.difference(&still).copied().collect();
             for chunk in gone.chunks(500) {
                 let outcomes: Vec<Option<String>> = sa::table
                     .filter(sa::seq.eq_any(chunk))
@@ -1162,6 +1169,23 @@ mod tests {
                 (QUEUED_BOUNDS.replace('?', "1"), true),
                 open,
                 true,
+            ),
+            (
+                "the tally's rows new since its last count",
+                sql(&sa::table
+                    .filter(sa::seq.gt(1))
+                    .group_by((sa::status, sa::outcome))
+                    .select((sa::status, sa::outcome, diesel::dsl::count_star()))),
+                "INTEGER PRIMARY KEY (rowid>?)",
+                false,
+            ),
+            (
+                "the tally's live rows",
+                sql(&sa::table
+                    .filter(is_live())
+                    .select((sa::seq, sa::status, sa::outcome))),
+                "INDEX session_admissions_open",
+                false,
             ),
         ];
         for (what, (sql, cached), index, hot) in cases {
