@@ -154,15 +154,22 @@ impl RoomScheduler {
         self.count_waiters();
     }
 
-    /// Tell the passes how many rooms owed a pass wait for a slot.
-    /// Count the rooms that wait for a slot with work to do (or not yet looked at): owed a pass,
-    /// not in one, and not found idle by their last pass since anything woke them.
+    /// Tell the passes how many rooms wait for a slot with work they could start (or not yet
+    /// looked at): owed a pass and not in one; not found idle by their last pass since anything
+    /// woke them; not blocked on an unresolved attempt; not waiting for a member's turn lock
+    /// that another room's turn holds (its release wakes them). A room with a long queue ends
+    /// its pass between tasks only for these.
     fn count_waiters(&self) {
         let mut state = self.runtime.state();
         let waiting = self
             .owed
             .iter()
-            .filter(|r| !self.busy.contains(*r) && !state.idle_rooms.contains(*r))
+            .filter(|r| {
+                !self.busy.contains(*r)
+                    && !state.idle_rooms.contains(*r)
+                    && !state.blocked.contains(*r)
+                    && !state.turn_waiters.values().any(|rooms| rooms.contains(*r))
+            })
             .count();
         state.slot_waiters = waiting;
     }
