@@ -219,7 +219,7 @@ pub(crate) struct RuntimeState {
     pub current_tasks: BTreeMap<String, TaskIdentity>,
     pub inspected: HashSet<(String, String, i64)>,
     pub backoff: HashMap<(String, String), Backoff>,
-    pub pending_actions: HashMap<(String, String), Option<serde_json::Value>>,
+    pub pending_actions: HashMap<(String, String), serde_json::Value>,
     pub lease_renewals: u64,
     pub lease_losses: u64,
     /// Rooms whose pass found their member's turn lock held (by profile): their queued head
@@ -459,7 +459,7 @@ impl RoomRuntime {
             .pending_actions
             .iter()
             .filter(|((room, _), _)| room == room_id)
-            .filter_map(|((_, member), action)| Some((member.clone(), action.clone()?)))
+            .map(|((_, member), action)| (member.clone(), action.clone()))
             .collect();
         pending.sort_by(|a, b| a.0.cmp(&b.0));
         pending
@@ -473,12 +473,11 @@ impl RoomRuntime {
             let of_this_task = state
                 .pending_actions
                 .get(&key)
-                .and_then(Option::as_ref)
                 .is_some_and(|action| action["task_id"] == view.identity.task_id.as_str());
             if !of_this_task {
                 return;
             }
-            state.pending_actions.insert(key, None);
+            state.pending_actions.remove(&key);
         }
         self.inner.hooks.pending_action(room_id, &member, None);
     }

@@ -2386,10 +2386,15 @@ impl RoomRuntime {
         let key = (binding.room_id.clone(), member.clone());
         {
             let mut state = self.state();
-            if state.pending_actions.get(&key) == Some(&action) {
+            // Nothing waited on is no entry (a member's entry stayed, empty, for the room's
+            // life): the same answer twice is said once either way.
+            if state.pending_actions.get(&key) == action.as_ref() {
                 return;
             }
-            state.pending_actions.insert(key, action.clone());
+            match &action {
+                Some(action) => state.pending_actions.insert(key, action.clone()),
+                None => state.pending_actions.remove(&key),
+            };
         }
         self.inner
             .hooks
