@@ -146,8 +146,9 @@ impl SessionRegistry {
             .take(excess * 2 + 1)
             .collect();
         self.shared.metrics.eviction_swept(candidates.len());
+        // `None`: the supervisor is gone (it stopped, or panicked), its mailbox closed.
         let asks = candidates.into_iter().map(|(k, a)| async move {
-            let idle = a.send(IsIdle).await.unwrap_or(false);
+            let idle = a.send(IsIdle).await.ok();
             (k, idle)
         });
         let fut = futures_util::future::join_all(asks);
@@ -156,6 +157,16 @@ impl SessionRegistry {
             act.sweeping = false;
             let mut left = act.sessions.len().saturating_sub(act.max_loaded());
             for (k, idle) in answers {
+                let Some(idle) = idle else {
+                    // Nothing to let go of, nor to ask again: its entry went on counting as a
+                    // loaded session, and stayed until the session was asked for again.
+                    if act.sessions.get(&k).is_some_and(|a| !a.connected()) {
+                        act.sessions.remove(&k);
+                        act.forget(&k);
+                        left = left.saturating_sub(1);
+                    }
+                    continue;
+                };
                 if idle && left > 0 {
                     if let Some(a) = act.sessions.remove(&k) {
                         act.forget(&k);
