@@ -1067,6 +1067,13 @@ mod tests {
         Ok(claim_next(c, epoch, session, now)?.0)
     }
 
+    /// Inputs `a` then `b` of session `s1`, admitted queued.
+    fn two_queued(c: &mut SqliteConnection, e: i64) -> (AdmissionRow, AdmissionRow) {
+        let (a, _) = admit(c, e, "p", "s1", "a", "A", 10, 1.0).expect("a").value;
+        let (b, _) = admit(c, e, "p", "s1", "b", "B", 10, 1.0).expect("b").value;
+        (a, b)
+    }
+
     fn setup() -> (testing::tempfile_dir::TempDir, SqliteConnection, i64) {
         let (d, mut conn) = testing::conn();
         let e = epoch::begin_epoch(&mut conn, "i", 1.0).expect("epoch");
@@ -1441,12 +1448,7 @@ mod tests {
         use crate::store::messages::NewMessage;
         use crate::store::sessions;
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
-            .expect("a")
-            .value;
-        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
-            .expect("b")
-            .value;
+        let (a, b) = two_queued(&mut c, e);
         assert!(matches!(
             claim(&mut c, e, "s1", 2.0).map(|l| l.value),
             Ok(Claim::Started(_))
@@ -1554,12 +1556,7 @@ mod tests {
     #[test]
     fn claims_are_fifo_one_at_a_time_and_settles_are_fenced() {
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
-            .expect("a")
-            .value;
-        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
-            .expect("b")
-            .value;
+        let (a, b) = two_queued(&mut c, e);
         let Claim::Started(first) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
@@ -1777,12 +1774,7 @@ mod tests {
     #[test]
     fn only_queued_rows_cancel() {
         let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
-            .expect("a")
-            .value;
-        let (b, _) = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
-            .expect("b")
-            .value;
+        let (a, b) = two_queued(&mut c, e);
         claim(&mut c, e, "s1", 2.0).expect("claim");
         assert!(matches!(
             cancel(&mut c, e, "s1", &a.admission_id, 2.0),

@@ -11,6 +11,16 @@ use serde_json::{json, Value};
 
 use crate::helpers::*;
 
+/// A daemon on `model`, a session of it named `name`, and the input `input` (its text the
+/// same) submitted there.
+async fn submitted(model: &FakeModel, name: &str, input: &str) -> (Home, Daemon, Ws, String) {
+    let (home, d) = Daemon::with_model(model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session(name, &home.path).await;
+    ws.submit(&sid, input, input).await;
+    (home, d, ws, sid)
+}
+
 const T: Duration = Duration::from_secs(30);
 
 /// A model that answers a user text from `script` with that assistant message (a tool call), then
@@ -203,10 +213,7 @@ async fn two_tool_calls_in_one_response_run_in_order_before_the_next_request() {
         ("call_two", "terminal", json!({"command": "echo two"})),
     ]);
     let model = scripted(vec![("TWO", two)]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("two", &home.path).await;
-    ws.submit(&sid, "TWO", "TWO").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "two", "TWO").await;
     let row = settled(&home, "TWO").await;
     assert_eq!(row.outcome.as_deref(), Some("completed"));
     let reqs = model.requests();
@@ -322,10 +329,7 @@ async fn streamed_tool_call_fragments_are_concatenated_by_index() {
         );
         Reply::Sse(events)
     });
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("frag", &home.path).await;
-    ws.submit(&sid, "FRAG", "FRAG").await;
+    let (home, _d, _ws, _sid) = submitted(&model, "frag", "FRAG").await;
     assert_eq!(
         settled(&home, "FRAG").await.outcome.as_deref(),
         Some("completed")
@@ -378,10 +382,7 @@ async fn split_content_a_missing_finish_reason_and_usage_beside_choices() {
             ),
         ])
     });
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("frames", &home.path).await;
-    ws.submit(&sid, "FRAMES", "FRAMES").await;
+    let (home, _d, _ws, sid) = submitted(&model, "frames", "FRAMES").await;
     assert_eq!(
         settled(&home, "FRAMES").await.outcome.as_deref(),
         Some("completed")
@@ -433,10 +434,7 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
             ),
         ])
     });
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("reason", &home.path).await;
-    ws.submit(&sid, "THINK", "THINK").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "reason", "THINK").await;
     let delta = ws
         .event(Duration::from_secs(20), |e| {
             e["type"] == "message.delta" && e["payload"]["reasoning"].is_string()
@@ -849,10 +847,7 @@ async fn clarify_answers_reach_the_tool_result() {
         ]}),
     );
     let model = scripted(vec![("ASK", single), ("BATCH", batch), ("MANY", many)]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("clarify", &home.path).await;
-    ws.submit(&sid, "ASK", "ASK").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "clarify", "ASK").await;
     let p = ws.wait_prompt(&sid, "clarify").await;
     assert_eq!(p["question"], "Pick a color");
     assert_eq!(p["choices"], json!(["BLUE", "GREEN"]));
@@ -939,10 +934,7 @@ async fn clarify_skip_is_an_empty_answer() {
         "ASK",
         tool_call("call_q", "clarify", json!({"question": "Anything else?"})),
     )]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("skip", &home.path).await;
-    ws.submit(&sid, "ASK", "ASK").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "skip", "ASK").await;
     let p = ws.wait_prompt(&sid, "clarify").await;
     assert_eq!(answer(&mut ws, &sid, &p, "").await["status"], "resolved");
     assert_eq!(
@@ -1803,10 +1795,7 @@ async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
     );
     let huge = terminal("call_huge", &format!("echo {}", "x".repeat(70_000)));
     let model = scripted(vec![("MANY", many), ("HUGE", huge)]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("many", &home.path).await;
-    ws.submit(&sid, "MANY", "MANY").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "many", "MANY").await;
     assert_eq!(
         settled(&home, "MANY").await.outcome.as_deref(),
         Some("completed")
@@ -1863,10 +1852,7 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
         ("LEDGER", terminal("call_db", "cp state.db stolen.db")),
         ("PLAIN", terminal("call_plain", "echo fine > notes.txt")),
     ]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("own", &home.path).await;
-    ws.submit(&sid, "LEDGER", "LEDGER").await;
+    let (home, _d, mut ws, sid) = submitted(&model, "own", "LEDGER").await;
     let p = ws.wait_prompt(&sid, "approval").await;
     assert!(
         p["pattern_keys"].to_string().contains("gateway_state"),
@@ -1908,10 +1894,7 @@ async fn identical_tool_calls_in_one_response_run_once() {
         ("call_c", "terminal", json!({"command": "echo other"})),
     ]);
     let model = scripted(vec![("TWICE", twice)]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("twice", &home.path).await;
-    ws.submit(&sid, "TWICE", "TWICE").await;
+    let (home, _d, _ws, _sid) = submitted(&model, "twice", "TWICE").await;
     assert_eq!(
         settled(&home, "TWICE").await.outcome.as_deref(),
         Some("completed")
@@ -2189,10 +2172,7 @@ async fn secrets_in_a_commands_output_are_masked() {
             "printf 'API_KEY=sk-proj-abcdefghijklmnopqrstuvwxyz012345\\nplain line\\n'",
         ),
     )]);
-    let (home, d) = Daemon::with_model(&model, json!({}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("env", &home.path).await;
-    ws.submit(&sid, "ENV", "ENV").await;
+    let (home, _d, _ws, sid) = submitted(&model, "env", "ENV").await;
     settled(&home, "ENV").await;
     let out = tool_result(&model, "ENV");
     assert_eq!(
