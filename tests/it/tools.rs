@@ -1500,12 +1500,7 @@ async fn a_crash_while_a_question_is_open_makes_its_answer_stale() {
         "ASK",
         tool_call("call_q", "clarify", json!({"question": "Which one?"})),
     )]);
-    let home = Home::new();
-    home.write_config(&config(&model.url, json!({})));
-    let mut d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("crash-asking", &home.path).await;
-    ws.submit(&sid, "ASK", "ASK").await;
+    let (home, mut d, mut ws, sid) = submitted(&model, "crash-asking", "ASK").await;
     let q = ws.wait_prompt(&sid, "clarify").await;
     d.kill();
     let d2 = Daemon::start(&home);
