@@ -70,24 +70,16 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// The routes answered while the daemon opens and recovers its store, before it serves: alive,
 /// not ready, and every other request refused `starting` (503, `Retry-After`).
 pub fn starting_routes(cfg: &mut web::ServiceConfig) {
-    cfg.service(probe(
-        "/healthz",
-        web::get().to(healthz),
-        web::head().to(healthz),
-    ))
-    .service(probe(
-        "/readyz",
-        web::get().to(not_ready_yet),
-        web::head().to(not_ready_yet),
-    ))
-    .default_service(web::to(|| async {
-        auth::ApiError::new(
-            actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
-            "starting",
-            "the gateway is starting (opening and recovering its store); retry shortly",
-        )
-        .error_response()
-    }));
+    cfg.service(probe("/healthz", healthz))
+        .service(probe("/readyz", not_ready_yet))
+        .default_service(web::to(|| async {
+            auth::ApiError::new(
+                actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
+                "starting",
+                "the gateway is starting (opening and recovering its store); retry shortly",
+            )
+            .error_response()
+        }));
 }
 
 /// `/readyz` while the store opens: 503, `starting`.
@@ -215,38 +207,31 @@ fn push_metric(body: &mut String, name: &str, help: &str, kind: &str, value: u64
 }
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.service(probe(
-        "/healthz",
-        web::get().to(healthz),
-        web::head().to(healthz),
-    ))
-    .service(probe(
-        "/readyz",
-        web::get().to(readyz),
-        web::head().to(readyz),
-    ))
-    .service(probe(
-        "/metrics",
-        web::get().to(metrics),
-        web::head().to(metrics),
-    ))
-    .service(
-        web::resource("/api/ws")
-            .route(web::get().to(super::ws::ws_route))
-            .default_service(web::to(|| async {
-                method_not_allowed("GET", "the WebSocket is opened with GET")
-            })),
-    )
-    .configure(super::rest::routes)
-    .default_service(web::to(no_such_route));
+    cfg.service(probe("/healthz", healthz))
+        .service(probe("/readyz", readyz))
+        .service(probe("/metrics", metrics))
+        .service(
+            web::resource("/api/ws")
+                .route(web::get().to(super::ws::ws_route))
+                .default_service(web::to(|| async {
+                    method_not_allowed("GET", "the WebSocket is opened with GET")
+                })),
+        )
+        .configure(super::rest::routes)
+        .default_service(web::to(no_such_route));
 }
 
 /// A probe route (`/healthz`, `/readyz`, `/metrics`): GET, and HEAD for checkers that ask only
 /// for the status (answered the same, without the body); any other method is 405 with `Allow`.
-fn probe(path: &str, get: actix_web::Route, head: actix_web::Route) -> actix_web::Resource {
+fn probe<F, Args>(path: &str, handler: F) -> actix_web::Resource
+where
+    F: actix_web::Handler<Args> + Clone,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
     web::resource(path)
-        .route(get)
-        .route(head)
+        .route(web::get().to(handler.clone()))
+        .route(web::head().to(handler))
         .default_service(web::to(|| async {
             method_not_allowed("GET, HEAD", "this route answers GET and HEAD only")
         }))
