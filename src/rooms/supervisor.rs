@@ -1761,10 +1761,10 @@ impl RoomRuntime {
     }
 
     /// Wait for `profile`'s turn lock (an operator's retry probing its task's member), renewing
-    /// the room's lease as [`Self::renewal_tick`] says and checking that it is still `held`; `None` once
-    /// it is lost or replaced (a lapsed lease is taken again under a new generation, which fences
-    /// what the waiter would commit under the old one). Scheduler passes never wait here: they
-    /// take the lock with [`Self::try_turn`] and end when it is held.
+    /// the room's lease as [`Self::renewal_tick`] says and checking that it is still `held`;
+    /// `None` once it is lost or replaced (a lapsed lease is taken again under a new generation,
+    /// which fences what the waiter would commit under the old one). Scheduler passes never
+    /// wait here: they take the lock with [`Self::try_turn`] and end when it is held.
     async fn lock_renewing(
         &self,
         binding: &RoomBinding,

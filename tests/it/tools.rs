@@ -1473,10 +1473,7 @@ async fn a_crash_while_parked_leaves_no_open_prompt_and_old_answers_are_stale() 
         p,
     } = parked_on_rm("crash-parked").await;
     d.kill();
-    let d2 = Daemon::start(&home);
-    let mut ws = d2.ws().await;
-    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
-    assert_eq!(snap["prompts"], json!([]));
+    let (_d2, mut ws) = restarted_with_no_prompt(&home, &sid).await;
     ws.refused(
         "approval.respond",
         json!({"session_id": sid, "execution_generation": p["execution_generation"], "prompt_id": p["prompt_id"], "choice": "once"}),
@@ -1503,10 +1500,7 @@ async fn a_crash_while_a_question_is_open_makes_its_answer_stale() {
     let (home, mut d, mut ws, sid) = submitted(&model, "crash-asking", "ASK").await;
     let q = ws.wait_prompt(&sid, "clarify").await;
     d.kill();
-    let d2 = Daemon::start(&home);
-    let mut ws = d2.ws().await;
-    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
-    assert_eq!(snap["prompts"], json!([]));
+    let (_d2, mut ws) = restarted_with_no_prompt(&home, &sid).await;
     ws.refused(
         "clarify.respond",
         json!({"session_id": sid, "execution_generation": q["execution_generation"],
@@ -1516,6 +1510,16 @@ async fn a_crash_while_a_question_is_open_makes_its_answer_stale() {
     .await;
     assert_eq!(home.admission("ASK").status, "unknown");
     assert_eq!(requests_after_tool(&model, "ASK"), 0);
+}
+
+/// A new daemon on `home` after a crash, and a connection that has resumed `sid` and found no
+/// open prompt in its snapshot.
+async fn restarted_with_no_prompt(home: &Home, sid: &str) -> (Daemon, Ws) {
+    let d = Daemon::start(home);
+    let mut ws = d.ws().await;
+    let snap = ws.ok("session.resume", json!({"session_id": sid})).await;
+    assert_eq!(snap["prompts"], json!([]));
+    (d, ws)
 }
 
 /// Settle the unknown input `input_id` as its operator would; the result its call `call_id` was
