@@ -499,29 +499,28 @@ impl Daemon {
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
         tweak(&mut cmd);
-        let mut child = cmd.spawn().expect("spawn gatehouse");
+        let child = cmd.spawn().expect("spawn gatehouse");
+        Self::when_ready(child, &home.path, || home.log())
+    }
+
+    /// The daemon `child`, serving `home`, once it says it is ready (within a minute); `log`
+    /// gives what it wrote, for a failure.
+    pub fn when_ready(mut child: Child, home: &Path, log: impl Fn() -> String) -> Daemon {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "gatehouse exited with {status} before ready:\n{}",
-                    home.log()
-                );
+                panic!("gatehouse exited with {status} before ready:\n{}", log());
             }
-            if let Ok(v) = control(&home.path, "identify", json!({})) {
+            if let Ok(v) = control(home, "identify", json!({})) {
                 if v["state"] == "ready" {
                     return Daemon {
                         child,
-                        home: home.path.clone(),
+                        home: home.to_path_buf(),
                         identify: v,
                     };
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "gatehouse not ready:\n{}",
-                home.log()
-            );
+            assert!(Instant::now() < deadline, "gatehouse not ready:\n{}", log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }

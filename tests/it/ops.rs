@@ -1221,8 +1221,9 @@ async fn the_home_and_its_socket_are_the_users_alone() {
             "GATEHOUSE_HOME" => (base.path.join("own"), base.path.join("own")),
             _ => (base.path.join("state"), base.path.join("state/gatehouse")),
         };
+        let log = base.path.join(format!("{by_env}.log"));
         let start = || {
-            let mut child = Command::new(bin())
+            let child = Command::new(bin())
                 .arg("serve")
                 .env_remove("GATEHOUSE_HOME")
                 .env_remove("XDG_STATE_HOME")
@@ -1231,29 +1232,15 @@ async fn the_home_and_its_socket_are_the_users_alone() {
                 .env("OPENAI_API_KEY", "loopback-only")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
-                .stderr(
-                    std::fs::File::create(base.path.join(format!("{by_env}.log"))).expect("log"),
-                )
+                .stderr(std::fs::File::create(&log).expect("log"))
                 .spawn()
                 .expect("spawn gatehouse");
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
-            loop {
-                if let Ok(v) = control(&home, "identify", json!({})) {
-                    if v["state"] == "ready" {
-                        return Daemon {
-                            child,
-                            home: home.clone(),
-                            identify: v,
-                        };
-                    }
-                }
-                assert!(
-                    child.try_wait().ok().flatten().is_none(),
-                    "{by_env}: exited before ready"
-                );
-                assert!(std::time::Instant::now() < deadline, "{by_env}: not ready");
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            Daemon::when_ready(child, &home, || {
+                format!(
+                    "{by_env}: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
         };
         let mut d = start();
         assert_eq!(mode(&home), 0o700, "{by_env}");
@@ -1279,8 +1266,7 @@ async fn the_home_and_its_socket_are_the_users_alone() {
             assert!(
                 std::time::Instant::now() < deadline,
                 "{by_env}: the turn never reached the model: {}",
-                std::fs::read_to_string(base.path.join(format!("{by_env}.log")))
-                    .unwrap_or_default()
+                std::fs::read_to_string(&log).unwrap_or_default()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
