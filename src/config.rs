@@ -173,6 +173,7 @@ impl Default for ModelConfig {
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(default)]
 pub struct AuxiliaryConfig {
+    #[serde(deserialize_with = "null_as_default")]
     pub compression: AuxModelConfig,
     #[serde(flatten)]
     pub extra: Extra,
@@ -484,6 +485,13 @@ pub struct ProfileConfig {
 /// (`gateway.port`), found by reading each of the section's keys alone (every section has
 /// defaults for the keys it is not given).
 fn section<T: serde::de::DeserializeOwned>(key: &str, value: Value) -> Result<T, ConfigError> {
+    // A section written with nothing under it (`model:` whose keys are all commented out, as
+    // the example invites) is its defaults, as an absent one is: it stopped the start before.
+    let value = if value.is_null() {
+        Value::Object(Default::default())
+    } else {
+        value
+    };
     match serde_json::from_value::<T>(value.clone()) {
         Ok(v) => Ok(v),
         Err(e) => {
@@ -504,6 +512,15 @@ fn section<T: serde::de::DeserializeOwned>(key: &str, value: Value) -> Result<T,
     }
 }
 
+/// A nested section written with nothing under it (`auxiliary.compression:`) is its defaults.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 /// A stored key digest as it is compared: `sha256:` prefix and surrounding blanks dropped,
 /// lower case (`gateway.api_keys` entries and the keys file's lines).
 pub fn normalise_digest(stored: &str) -> String {
@@ -519,6 +536,14 @@ pub const MAX_SECONDS: f64 = 315_360_000.0;
 /// The shortest a positive duration may be: each becomes a timer's period or a timeout, and one
 /// that rounds to zero nanoseconds panicked a timer (`1e-10` passed as positive) or spun one.
 pub const MIN_SECONDS: f64 = 0.001;
+
+/// Most model requests in flight at once (the semaphore holds at most `usize::MAX >> 3`).
+pub const MAX_CONCURRENT_REQUESTS: usize = 65_536;
+
+/// Bounds of `terminal.output_cap` (characters of a command's output kept for the model; up to
+/// four times as many bytes are buffered while a command runs).
+pub const MIN_OUTPUT_CAP: usize = 256;
+pub const MAX_OUTPUT_CAP: usize = 4_000_000;
 
 impl Config {
     /// Load `home/config.yaml`; a missing file is the default config.
@@ -576,7 +601,14 @@ impl Config {
                 "session" => config.session = section(k, value)?,
                 "events" => config.events = section(k, value)?,
                 "http" => config.http = section(k, value)?,
-                "profiles" => config.profiles = section(k, value)?,
+                // A profile with nothing under it is a profile of defaults.
+                "profiles" => {
+                    let profiles: BTreeMap<String, Option<ProfileConfig>> = section(k, value)?;
+                    config.profiles = profiles
+                        .into_iter()
+                        .map(|(name, p)| (name, p.unwrap_or_default()))
+                        .collect();
+                }
                 "rooms" => config.rooms = section(k, value)?,
                 // The older name of `agent.clarify_timeout`, which wins when set (configs
                 // written for the system this gateway replaces carry it).
@@ -647,6 +679,27 @@ impl Config {
                 ),
             );
         }
+        // The same for each profile (its provider, else the default's; its endpoint, else the
+        // default's, as a session of it is given) and for the summary model (its provider and
+        // endpoint, else the session's): they loaded, then failed every turn of the profile.
+        for (name, p) in &self.profiles {
+            let provider = p.provider.as_deref().unwrap_or(&endpoint.provider);
+            if provider != "echo" && p.base_url.is_none() && endpoint.base_url.is_none() {
+                return invalid(
+                    &format!("profiles.{name}.base_url"),
+                    &format!("provider {provider:?} needs a base_url (or model.base_url)"),
+                );
+            }
+        }
+        let aux = &self.auxiliary.compression;
+        if let Some(provider) = aux.provider.as_deref() {
+            if provider != "echo" && aux.base_url.is_none() && endpoint.base_url.is_none() {
+                return invalid(
+                    "auxiliary.compression.base_url",
+                    &format!("provider {provider:?} needs a base_url (or model.base_url)"),
+                );
+            }
+        }
         // A key is listed by its SHA-256 (`gatehouse key create` prints one): anything else
         // (the key itself, a truncated hash) would match nothing while it still counted as
         // "a key is configured".
@@ -680,8 +733,18 @@ impl Config {
         if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
             return invalid("compression.max_attempts", "expected 1 to 10");
         }
-        if self.model.max_concurrent_requests == 0 {
-            return invalid("model.max_concurrent_requests", "expected at least 1");
+        // Past the semaphore's most permits the first model call panicked.
+        if !(1..=MAX_CONCURRENT_REQUESTS).contains(&self.model.max_concurrent_requests) {
+            return invalid(
+                "model.max_concurrent_requests",
+                &format!("expected 1 to {MAX_CONCURRENT_REQUESTS}"),
+            );
+        }
+        if !(MIN_OUTPUT_CAP..=MAX_OUTPUT_CAP).contains(&self.terminal.output_cap) {
+            return invalid(
+                "terminal.output_cap",
+                &format!("expected {MIN_OUTPUT_CAP} to {MAX_OUTPUT_CAP} characters"),
+            );
         }
         if let Err(e) = self.rooms.validate() {
             return invalid("rooms", &e.0);
@@ -745,6 +808,32 @@ impl Config {
                     key,
                     &format!("expected {MIN_SECONDS} to {MAX_SECONDS} seconds"),
                 );
+            }
+        }
+        // Below these the value was raised to them where it was used, silently: refused here,
+        // as every other value out of range is.
+        let floors = [
+            (
+                "model.connect_timeout_seconds",
+                m.connect_timeout_seconds,
+                0.1,
+            ),
+            ("model.idle_timeout_seconds", m.idle_timeout_seconds, 0.1),
+            ("gateway.heartbeat_seconds", g.heartbeat_seconds, 0.1),
+            (
+                "auxiliary.compression.timeout",
+                self.auxiliary.compression.timeout,
+                1.0,
+            ),
+            (
+                "gateway.outbound_queue_frames",
+                g.outbound_queue_frames as f64,
+                16.0,
+            ),
+        ];
+        for (key, v, floor) in floors {
+            if v < floor {
+                return invalid(key, &format!("expected at least {floor}"));
             }
         }
         if self.agent.max_iterations == 0 {
@@ -1087,6 +1176,45 @@ mod tests {
         assert!(err.contains("`model.base_url`"), "{err}");
         assert!(parse("model:\n  provider: custom\n  base_url: http://127.0.0.1:9/v1\n").is_ok());
         assert!(parse("model:\n  provider: echo\n").is_ok());
+        // A profile or the summary model naming a provider, with no endpoint of its own or by
+        // default: it loaded, then failed each of its turns.
+        for (text, key) in [
+            (
+                "profiles:\n  x:\n    provider: custom\n",
+                "profiles.x.base_url",
+            ),
+            (
+                "auxiliary:\n  compression:\n    provider: custom\n",
+                "auxiliary.compression.base_url",
+            ),
+        ] {
+            match parse(text) {
+                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{text}"),
+                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
+            }
+        }
+        let with_default =
+            "model:\n  provider: custom\n  base_url: http://127.0.0.1:9/v1\nprofiles:\n  x:\n    provider: custom\n";
+        assert!(parse(with_default).is_ok());
+        assert!(parse(
+            "profiles:\n  x:\n    provider: custom\n    base_url: http://127.0.0.1:9/v1\n"
+        )
+        .is_ok());
+    }
+
+    /// A section with nothing under it (its keys commented out) is its defaults, at the top
+    /// level, nested, and as a profile: each stopped the start before.
+    #[test]
+    fn an_empty_section_is_its_defaults() {
+        let c = parse(
+            "model:\n  # provider: custom\ngateway:\nauxiliary:\n  compression:\nrooms:\nprofiles:\n  plain:\n",
+        )
+        .expect("loads");
+        assert_eq!(c.model.max_concurrent_requests, 64);
+        assert_eq!(c.auxiliary.compression.timeout, 120.0);
+        assert_eq!(c.rooms, crate::rooms::RoomsConfig::default());
+        assert!(c.profiles["plain"].model.is_none());
+        assert!(c.unknown_keys().is_empty(), "{:?}", c.unknown_keys());
     }
 
     #[test]
@@ -1161,6 +1289,24 @@ mod tests {
             (
                 "auxiliary:\n  compression:\n    base_url: localhost:9\n",
                 "auxiliary.compression.base_url",
+            ),
+            // Values that were raised where they were used, or panicked there.
+            (
+                "model:\n  max_concurrent_requests: 1000000000000000000\n",
+                "model.max_concurrent_requests",
+            ),
+            ("terminal:\n  output_cap: 0\n", "terminal.output_cap"),
+            (
+                "model:\n  idle_timeout_seconds: 0.01\n",
+                "model.idle_timeout_seconds",
+            ),
+            (
+                "auxiliary:\n  compression:\n    timeout: 0.5\n",
+                "auxiliary.compression.timeout",
+            ),
+            (
+                "gateway:\n  outbound_queue_frames: 8\n",
+                "gateway.outbound_queue_frames",
             ),
         ] {
             match parse(text) {
