@@ -706,7 +706,21 @@ impl Gateway {
                 )))
             })??
         };
-        tracing::info!(epoch, instance = %instance_id, recovered, "authority epoch taken");
+        tracing::info!(
+            epoch,
+            instance = %instance_id,
+            version = env!("CARGO_PKG_VERSION"),
+            "authority epoch taken"
+        );
+        if recovered > 0 {
+            // Work that was running when the last process died: each holds its session until
+            // an operator resolves it (never run again).
+            tracing::warn!(
+                recovered,
+                "inputs left running by the last process are now unknown; list them with \
+                 `gatehouse pending`, settle each with `gatehouse resolve-unknown`"
+            );
+        }
         write_epoch_mark(&home, epoch);
         let metrics = Arc::new(Metrics::default());
         let db = Db::start(pool.clone(), READERS as usize).with_metrics(metrics.clone());

@@ -346,7 +346,15 @@ impl Control {
                     .resolve_unknown(&row.target_session_id, &admission, generation)
                     .await
                 {
-                    Ok(r) => receipt(&r, shared.epoch),
+                    Ok(r) => {
+                        tracing::info!(
+                            session = %row.target_session_id,
+                            admission = %admission,
+                            outcome = ?r.outcome,
+                            "operator resolved an unknown input"
+                        );
+                        receipt(&r, shared.epoch)
+                    }
                     Err(e) => err(e.reason(), e.detail()),
                 }
             }
@@ -356,6 +364,14 @@ impl Control {
                 let Some(rooms) = self.authority.rooms.get() else {
                     return err("unavailable", "hosted rooms are not running");
                 };
+                if matches!(method, "room-retry" | "room-cancel") {
+                    tracing::info!(
+                        command = method,
+                        room = params.get("room_id").and_then(|r| r.as_str()).unwrap_or(""),
+                        task = params.get("task_id").and_then(|t| t.as_str()).unwrap_or(""),
+                        "operator command"
+                    );
+                }
                 let result = match method {
                     "rooms" => rooms.list().await,
                     "room-retry" => rooms.call("room.retry", params, None, |_| {}).await,

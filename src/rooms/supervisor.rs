@@ -496,6 +496,10 @@ impl RoomRuntime {
                         return Ok(renewed);
                     }
                     Err(error) if is_lease_loss(&error) => {
+                        tracing::warn!(
+                            room = %binding.room_id,
+                            "room lease lost on renewal (it expired, or another driver holds it)"
+                        );
                         let mut state = self.state();
                         state.lease_losses += 1;
                         state.leases.remove(&binding.room_id);
