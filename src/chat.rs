@@ -266,7 +266,7 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
              provider; --session NAME starts one with the model configured now]\n",
         );
     }
-    held_by_unknown(&snap, &session_id, None)?;
+    held_by_unknown(&snap, &opts.home, &session_id, None)?;
     let mut lines = stdin_lines();
     let interactive = opts.text.is_none();
     let mut first = opts.text.clone();
@@ -301,7 +301,27 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
 /// Refuse to go on in a session held by an input whose outcome is unknown (other than
 /// `mine`): nothing queued behind it runs until an operator settles it, so waiting would be for
 /// good.
-fn held_by_unknown(snap: &Value, session_id: &str, mine: Option<&str>) -> Result<(), String> {
+/// The operator's command that settles `admission`, naming this home (under a service user the
+/// default home is another one).
+fn settle_command(home: &Path, session_id: &str, admission: &str) -> String {
+    let home = home.display().to_string();
+    let plain = home
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/._-+:,@".contains(&b));
+    let home = if plain {
+        home
+    } else {
+        format!("'{}'", home.replace('\'', r"'\''"))
+    };
+    format!("gatehouse resolve-unknown {session_id} {admission} --home {home}")
+}
+
+fn held_by_unknown(
+    snap: &Value,
+    home: &Path,
+    session_id: &str,
+    mine: Option<&str>,
+) -> Result<(), String> {
     let held = snap["pending"].as_array().and_then(|pending| {
         pending
             .iter()
@@ -316,8 +336,8 @@ fn held_by_unknown(snap: &Value, session_id: &str, mine: Option<&str>) -> Result
     Err(format!(
         "session {session_id} is held by input {admission}, which was running when the daemon \
          stopped: its outcome is unknown, it will not run again, and nothing after it runs until \
-         it is settled.{queued} Check what it did, then settle it with: \
-         gatehouse resolve-unknown {session_id} {admission}"
+         it is settled.{queued} Check what it did, then settle it with: {}",
+        settle_command(home, session_id, admission)
     ))
 }
 
@@ -346,7 +366,7 @@ async fn submit(
                 let snap = conn
                     .call("session.resume", json!({"session_id": session_id}))
                     .await?;
-                held_by_unknown(&snap, session_id, None)?;
+                held_by_unknown(&snap, home, session_id, None)?;
                 reconnected = true;
             }
             Err(e) => return Err(e),
@@ -371,7 +391,7 @@ async fn follow(
             let snap = conn
                 .call("session.resume", json!({"session_id": session_id}))
                 .await?;
-            held_by_unknown(&snap, session_id, Some(admission))?;
+            held_by_unknown(&snap, home, session_id, Some(admission))?;
             // A question asked while the connection was down is asked again here; what was
             // streamed meanwhile is lost, so the reply is printed whole when it completes.
             for prompt in snap["prompts"].as_array().into_iter().flatten() {
@@ -397,8 +417,8 @@ async fn follow(
                 // no completion will come. Only an operator can settle it.
                 return Err(format!(
                     "input {admission} was running when the daemon stopped; its outcome is unknown and it \
-                     will not run again. Check what it did, then settle it with: \
-                     gatehouse resolve-unknown {session_id} {admission}"
+                     will not run again. Check what it did, then settle it with: {}",
+                    settle_command(home, session_id, admission)
                 ));
             }
             if r["status"] == "terminal" {
@@ -490,44 +510,33 @@ async fn follow(
                 }
             }
             "clarify.request" => {
-                let choices = payload["choices"].as_array().cloned().unwrap_or_default();
-                let listed: Vec<String> = choices
-                    .iter()
-                    .filter_map(|c| c.as_str().map(str::to_string))
-                    .collect();
-                out(&format!(
-                    "\n[question: {}]\n",
-                    payload["question"].as_str().unwrap_or("")
-                ));
-                for (i, choice) in listed.iter().enumerate() {
-                    out(&format!("  {}. {choice}\n", i + 1));
-                }
-                out(if listed.is_empty() {
-                    "answer: "
-                } else if payload["multi_select"] == true {
-                    "answer (numbers separated by commas pick those choices): "
-                } else {
-                    "answer (a number picks that choice; anything else is said as is): "
-                });
-                let answer = match conn.read_answer(lines, &payload["prompt_id"]).await {
-                    Read::Line(line) => line,
-                    Read::Eof => String::new(),
-                    Read::Ended(resolution) => {
-                        out(&format!(
-                            "\n[the question ended without an answer from here: {resolution}]\n"
-                        ));
-                        continue;
+                // A batch of questions is asked one after the other and answered with the list
+                // of answers (only the first used to be shown, and the others went unanswered).
+                let batch: Vec<Value> = payload["questions"]
+                    .as_array()
+                    .filter(|q| q.len() > 1)
+                    .cloned()
+                    .unwrap_or_else(|| vec![payload.clone()]);
+                let mut answers = Vec::with_capacity(batch.len());
+                for question in &batch {
+                    match ask_question(conn, lines, &payload["prompt_id"], question).await {
+                        Some(answer) => answers.push(answer),
+                        None => break,
                     }
-                };
-                let answer = match answer.trim().parse::<usize>() {
-                    Ok(n) if (1..=listed.len()).contains(&n) => listed[n - 1].clone(),
-                    _ => answer,
+                }
+                if answers.len() < batch.len() {
+                    continue;
+                }
+                let answer = if batch.len() > 1 {
+                    Value::from(answers).to_string()
+                } else {
+                    answers.pop().unwrap_or_default()
                 };
                 let r = conn
                     .call(
                         "clarify.respond",
                         json!({"session_id": session_id, "prompt_id": payload["prompt_id"],
-                               "execution_generation": payload["execution_generation"], "answer": answer.trim()}),
+                               "execution_generation": payload["execution_generation"], "answer": answer}),
                     )
                     .await;
                 if let Some(why) = not_taken(&r, "answer", "question") {
@@ -564,6 +573,51 @@ fn not_taken(reply: &Result<Value, String>, what: &str, prompt: &str) -> Option<
 }
 
 /// What came first while the operator was asked.
+/// Ask one clarify `question` (its text, choices and `multi_select`) and read its answer: a
+/// number picks that choice; the end of input is an empty answer. `None`: the prompt ended
+/// without an answer from here.
+async fn ask_question(
+    conn: &mut Conn,
+    lines: &mut mpsc::UnboundedReceiver<String>,
+    prompt_id: &Value,
+    question: &Value,
+) -> Option<String> {
+    let listed: Vec<String> = question["choices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str().map(str::to_string))
+        .collect();
+    out(&format!(
+        "\n[question: {}]\n",
+        question["question"].as_str().unwrap_or("")
+    ));
+    for (i, choice) in listed.iter().enumerate() {
+        out(&format!("  {}. {choice}\n", i + 1));
+    }
+    out(if listed.is_empty() {
+        "answer: "
+    } else if question["multi_select"] == true {
+        "answer (numbers separated by commas pick those choices): "
+    } else {
+        "answer (a number picks that choice; anything else is said as is): "
+    });
+    let answer = match conn.read_answer(lines, prompt_id).await {
+        Read::Line(line) => line,
+        Read::Eof => String::new(),
+        Read::Ended(resolution) => {
+            out(&format!(
+                "\n[the question ended without an answer from here: {resolution}]\n"
+            ));
+            return None;
+        }
+    };
+    Some(match answer.trim().parse::<usize>() {
+        Ok(n) if (1..=listed.len()).contains(&n) => listed[n - 1].clone(),
+        _ => answer.trim().to_string(),
+    })
+}
+
 enum Read {
     Line(String),
     /// The end of input.

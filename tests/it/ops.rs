@@ -124,6 +124,43 @@ fn asks(body: &Value) -> bool {
         .is_some_and(|m| m["role"] == "user")
 }
 
+/// `gatehouse chat` asks each question of a clarify batch and answers with the list of answers
+/// (it showed the first question only, and the others went unanswered).
+#[actix_rt::test]
+async fn chat_asks_every_question_of_a_clarify_batch() {
+    let model = FakeModel::start(|body| {
+        if asks(body) {
+            let questions = json!({"questions": [
+                {"question": "FIRST?"},
+                {"question": "SECOND?", "choices": ["red", "blue"]}]});
+            Reply::Message(tool_call("q", "clarify", questions), "tool_calls")
+        } else {
+            Reply::Message(json!({"role": "assistant", "content": "DONE"}), "stop")
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let _d = Daemon::start(&home);
+    let o = cli(&home, &["chat", "--session", "ask", "ASK"], "alpha\n2\n");
+    let out = stdout(&o);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        out.contains("FIRST?") && out.contains("SECOND?") && out.contains("2. blue"),
+        "{out}"
+    );
+    assert!(out.contains("DONE"), "{out}");
+    let result = model
+        .requests()
+        .iter()
+        .flat_map(|b| b["messages"].as_array().cloned().unwrap_or_default())
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str().map(str::to_string))
+        .expect("the clarify result went back to the model");
+    let result: Value = serde_json::from_str(&result).expect("a JSON result");
+    assert_eq!(result["responses"][0]["user_response"], "alpha", "{result}");
+    assert_eq!(result["responses"][1]["user_response"], "blue", "{result}");
+}
+
 #[actix_rt::test]
 async fn chat_and_operator_commands_work_as_child_processes() {
     let (victim, cmd) = rm_keep();
@@ -470,6 +507,8 @@ fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(status.code(), Some(1), "{err}");
     let (row, command) = unknown_admission(&home);
+    // Naming this home: under a service user the default home is another one.
+    let command = format!("{command} --home {}", home.path.display());
     assert!(err.contains(&command), "{err}");
     // Chat into the held session says why nothing would run, and admits nothing (it waited
     // silently, for good).
