@@ -831,7 +831,9 @@ impl Turn {
                             ]
                         };
                         let payload = json!({
-                            "command": command,
+                            // Shown with its secrets masked: the prompt goes to the event log,
+                            // every follower and each snapshot (what runs is the command itself).
+                            "command": tools::redact::redact(&command),
                             "workdir": cwd.to_string_lossy(),
                             "description": first.description,
                             "descriptions": descriptions,
@@ -872,12 +874,21 @@ impl Turn {
                                 let (root, now) = (self.ctx.root_id.clone(), self.ctx.shared.now());
                                 let (principal, epoch) = (self.root.principal_id.clone(), self.ctx.shared.epoch);
                                 let always = c == "always";
-                                let _ = self
+                                let remembered = self
                                     .ctx
                                     .shared
                                     .db
                                     .write(move |conn| prompt_store::remember(conn, epoch, &root, &principal, &keys, always, now))
                                     .await;
+                                // The command runs (it was approved); a like one is asked again.
+                                if let Err(e) = remembered {
+                                    tracing::warn!(
+                                        session = %self.ctx.root_id,
+                                        choice = %c,
+                                        error = %e,
+                                        "an approval could not be remembered: it covers this command only"
+                                    );
+                                }
                             }
                             Asked::Answered(_) => {}
                         }

@@ -218,7 +218,12 @@ impl Handler<StartBackground> for TerminalTool {
             };
         let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
         self.background.insert(id.clone(), pgid);
-        tracing::info!(id = %id, pid, command = %m.spec.command, "background process started");
+        tracing::info!(
+            id = %id,
+            pid,
+            command = %redact::redact(&m.spec.command),
+            "background process started"
+        );
         let ended = id.clone();
         ctx.spawn(run.into_actor(self).map(move |code, act, _| {
             act.background.remove(&ended);

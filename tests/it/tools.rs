@@ -493,6 +493,44 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
     );
 }
 
+/// The approval prompt shows the command with its secrets masked (it reaches the event log,
+/// every follower and each snapshot); the command that runs once approved is the one the model
+/// sent, secret and all.
+#[actix_rt::test]
+async fn an_approval_prompt_masks_the_secrets_of_its_command() {
+    let home = Home::new();
+    let v = victim(&home, "victim");
+    let secret = "ghp_0123456789abcdefghijklmnopqrstuvwxyzAB";
+    let kept = home.path.join("kept");
+    let command = format!("echo {secret} > {} && {}", kept.display(), rm(&v));
+    let model = scripted(vec![("RM", terminal("call_rm", &command))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("masked", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    let shown = p["command"].as_str().expect("command");
+    assert!(!shown.contains(secret), "{shown}");
+    assert!(shown.contains("ghp_") && shown.contains(&rm(&v)), "{shown}");
+    let snapshot = ws.ok("session.resume", json!({"session_id": sid})).await;
+    let prompts = snapshot["prompts"].to_string();
+    assert!(
+        prompts.contains("ghp_") && !prompts.contains(secret),
+        "{prompts}"
+    );
+    respond(&mut ws, &sid, &p, "once").await;
+    assert_eq!(
+        settled(&home, "RM").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(!v.exists(), "the approved command ran");
+    assert_eq!(
+        std::fs::read_to_string(&kept).expect("written").trim(),
+        secret
+    );
+}
+
 #[actix_rt::test]
 async fn approval_once_runs_the_command_and_does_not_remember_it() {
     let home = Home::new();
