@@ -283,7 +283,8 @@ static SHELL_RULE_DEFS: &[RuleDef] = &[RuleDef {
     // Command position: the start, a separator (`;`, `&`, `|`; a line break reads as `;`), `$(`,
     // a backtick, a subshell's `(` or a group's `{ ` (not `$((`, `((` or `${`), then any of the
     // keywords and wrappers that run what follows.
-    pattern: r#"(?:^|[;&|`]|\$\(|(?:^|[^$(])\(|(?:^|[^$])\{\s)\s*(?:(?:then|do|else|eval|exec|sudo|command|env|nohup|xargs|time)\s+)*['"]?(?:\$[({a-z_]|`)"#,
+    // A wrapper may bring flags and numbers of its own (`nice -n 5 $x`, `timeout 5 $x`).
+    pattern: r#"(?:^|[;&|`]|\$\(|(?:^|[^$(])\(|(?:^|[^$])\{\s)\s*(?:(?:then|do|else|eval|exec|sudo|doas|command|env|nohup|xargs|time|nice|timeout|setsid|stdbuf|ionice|chrt|taskset|flock|unshare|nsenter|systemd-run|pkexec|runuser|fakeroot|proot|firejail|busybox|watch|strace|ltrace|valgrind)(?:\s+(?:-\S+|\d\S*))*\s+)*['"]?(?:\$[({a-z_]|`)"#,
 }];
 
 static HARDLINE_DEFS: &[RuleDef] = &[
@@ -389,13 +390,42 @@ fn matches(rule: &Rule) -> DangerMatch {
 /// The texts a command is checked as: normalized, and normalized again with every quote and
 /// backslash removed, as the shell removes them (`'rm' -rf /`, `r""m`, `r\m` run `rm`). A rule
 /// that matches either matches the command.
-fn variants(command: &str) -> [String; 2] {
+///
+/// A third text, when it differs, reads the words the shell builds from a brace list or `$IFS`:
+/// `{rm,-rf,~}` and `rm${IFS}-rf${IFS}~` run `rm -rf ~`, and no rule saw a command there.
+fn variants(command: &str) -> Vec<String> {
     let normalized = normalize(command);
-    let unquoted = normalized
+    let unquoted: String = normalized
         .chars()
         .filter(|c| !matches!(c, '\'' | '"' | '\\'))
         .collect();
-    [normalized, unquoted]
+    let expanded = expanded_words(&unquoted);
+    let mut texts = vec![normalized, unquoted];
+    if let Some(expanded) = expanded {
+        texts.push(expanded);
+    }
+    texts
+}
+
+/// `text` with each brace list (`{a,b,c}`, with no blank inside and not a `${…}`) written as
+/// its words and each `$IFS` as a blank; `None` when there is neither.
+fn expanded_words(text: &str) -> Option<String> {
+    static PATTERNS: OnceLock<Option<(Regex, Regex)>> = OnceLock::new();
+    let (braces, ifs) = PATTERNS
+        .get_or_init(|| {
+            let braces = Regex::new(r"(^|[^$])\{([^{}\s]*,[^{}\s]*)\}").ok()?;
+            let ifs = Regex::new(r"\$\{ifs\}|\$ifs\b").ok()?;
+            Some((braces, ifs))
+        })
+        .as_ref()?;
+    if !(braces.is_match(text) || ifs.is_match(text)) {
+        return None;
+    }
+    let spaced = ifs.replace_all(text, " ");
+    let words = braces.replace_all(&spaced, |c: &regex::Captures| {
+        format!("{} {} ", &c[1], c[2].replace(',', " "))
+    });
+    Some(words.into_owned())
 }
 
 /// The normalized command as the shell reads its separators: inside single quotes nothing is
@@ -465,7 +495,7 @@ pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
     (first_match(hardline_rules(), &texts), detect_all_in(&texts))
 }
 
-fn detect_all_in(texts: &[String; 2]) -> Vec<DangerMatch> {
+fn detect_all_in(texts: &[String]) -> Vec<DangerMatch> {
     let mut found: Vec<DangerMatch> = Vec::new();
     for rule in rules().iter().chain(hardline_rules()) {
         if !found.iter().any(|m| m.key == rule.def.key)
@@ -619,6 +649,15 @@ mod tests {
         ("( $x -rf d )", "dynamic_command"),
         ("{ $x -rf d; }", "dynamic_command"),
         ("time $x -rf d", "dynamic_command"),
+        ("x=rm; nice -n 5 $x -rf d", "dynamic_command"),
+        ("timeout 5 $x -rf d", "dynamic_command"),
+        ("setsid $x -rf d", "dynamic_command"),
+        ("stdbuf -ol \"$x\" -rf d", "dynamic_command"),
+        // Words the shell builds from a brace list or $IFS.
+        ("{rm,-rf,/tmp/victim}", "delete_root_path"),
+        ("{rm,-rf,build}", "recursive_delete"),
+        ("rm${IFS}-rf${IFS}build", "recursive_delete"),
+        ("rm$IFS-rf$IFS/tmp/victim", "delete_root_path"),
         // shred, crontab_remove
         ("shred -u secrets.txt", "shred"),
         ("crontab -r", "crontab_remove"),
@@ -698,6 +737,12 @@ mod tests {
     ];
 
     const NOT_MATCHING: &[&str] = &[
+        "cp config.{yaml,bak}",
+        "mkdir -p src/{api,store}",
+        "rm notes.{txt,bak}",
+        "nice -n 5 make $target",
+        "timeout 5 cargo test $args",
+        "echo \"$IFS\" | od -c",
         "ls -la",
         "rm file.txt",
         "rm -f build/out.o",
@@ -886,6 +931,11 @@ mod tests {
         ("'rm' -rf /", "rm_root"),
         ("r\"\"m -rf /", "rm_root"),
         ("r\\m -rf /", "rm_root"),
+        // Words the shell builds from a brace list or $IFS.
+        ("{rm,-rf,~}", "rm_home"),
+        ("{'rm',-rf,/}", "rm_root"),
+        ("rm${IFS}-rf${IFS}/", "rm_root"),
+        ("ls; {rm,-rf,/etc}", "rm_system_dir"),
     ];
 
     const NOT_HARDLINE: &[&str] = &[
