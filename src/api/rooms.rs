@@ -467,8 +467,15 @@ impl RoomsService {
                         let Some(room) = rooms::get_room(c, &id)? else {
                             return Ok(None);
                         };
-                        room_tasks::list_tasks_page(c, &id, status, after.as_deref(), limit)
-                            .map(|page| Some((page, room.disbanded_at.is_some())))
+                        room_tasks::list_tasks_page(
+                            c,
+                            &id,
+                            status,
+                            after.as_deref(),
+                            limit,
+                            TASKS_PAGE_BYTES as i64,
+                        )
+                        .map(|page| Some((page, room.disbanded_at.is_some())))
                     })
                     .await
                     .map_err(store_error)?;

@@ -556,21 +556,24 @@ pub fn list_tasks(
     room_id: &str,
     status: Option<TaskStatus>,
 ) -> StoreResult<Vec<TaskView>> {
-    Ok(list_tasks_page(conn, room_id, status, None, i64::MAX)?.0)
+    Ok(list_tasks_page(conn, room_id, status, None, i64::MAX, i64::MAX)?.0)
 }
 
 /// One page of a room's tasks in the room's order: at most `limit` tasks (with `status`, if
-/// given) after the task `after`, and whether more follow.
+/// given) after the task `after`, and whether more follow. The page also ends before the task
+/// that would take its stored prompts and results past `max_bytes` (it holds one task at
+/// least): the sizes are read first, so a page of large tasks is never loaded whole (a
+/// thousand prompts of 128 KiB each were, before the reply was cut).
 pub fn list_tasks_page(
     conn: &mut SqliteConnection,
     room_id: &str,
     status: Option<TaskStatus>,
     after: Option<&str>,
     limit: i64,
+    max_bytes: i64,
 ) -> StoreResult<(Vec<TaskView>, bool)> {
     let mut query = room_tasks::table
         .filter(room_tasks::room_id.eq(room_id))
-        .select(TaskRow::as_select())
         .into_boxed();
     if let Some(status) = status {
         query = query.filter(room_tasks::status.eq(status.as_str()));
@@ -601,16 +604,48 @@ pub fn list_tasks_page(
                     .and(room_tasks::task_id.gt(id))),
         );
     }
-    let mut rows: Vec<TaskRow> = query
+    let sizes: Vec<(String, i64)> = query
         .order((
             room_tasks::source_event_seq.asc(),
             room_tasks::created_at.asc(),
             room_tasks::task_id.asc(),
         ))
         .limit(limit.saturating_add(1))
+        .select((
+            room_tasks::task_id,
+            diesel::dsl::sql::<diesel::sql_types::BigInt>(
+                "octet_length(payload_json) + coalesce(octet_length(result_json), 0)",
+            ),
+        ))
         .load(conn)?;
-    let more = rows.len() as i64 > limit;
-    rows.truncate(usize::try_from(limit).unwrap_or(0));
+    let mut more = sizes.len() as i64 > limit;
+    let (mut bytes, mut kept) = (0i64, Vec::new());
+    for (task_id, size) in sizes.into_iter().take(usize::try_from(limit).unwrap_or(0)) {
+        if !kept.is_empty() && bytes.saturating_add(size) > max_bytes {
+            more = true;
+            break;
+        }
+        bytes = bytes.saturating_add(size);
+        kept.push(task_id);
+    }
+    let mut rows: Vec<TaskRow> = Vec::with_capacity(kept.len());
+    // In chunks well under SQLite's limit of bound parameters.
+    for ids in kept.chunks(500) {
+        rows.extend(
+            room_tasks::table
+                .filter(room_tasks::room_id.eq(room_id))
+                .filter(room_tasks::task_id.eq_any(ids))
+                .select(TaskRow::as_select())
+                .load::<TaskRow>(conn)?,
+        );
+    }
+    // The page's order is the one its ids were read in.
+    let at: std::collections::HashMap<&str, usize> = kept
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (id.as_str(), i))
+        .collect();
+    rows.sort_by_key(|row| at.get(row.task_id.as_str()).copied().unwrap_or(usize::MAX));
     let tasks = rows
         .into_iter()
         .map(|row| row.into_view(false))

@@ -252,6 +252,29 @@ fn admit_validates_and_respects_the_disband_fence() {
     ));
 }
 
+/// A page ends before the task that would take its stored prompts past the byte budget, with
+/// one task at least, and goes on from there; the rows past the cut are never loaded.
+#[test]
+fn a_page_of_tasks_is_cut_by_the_bytes_it_holds() {
+    let f = Fixture::new();
+    for (task, seq) in [("a", 1), ("b", 2), ("c", 3)] {
+        let mut p = payload(seq);
+        p.prompt = task.repeat(100_000);
+        admit_task(&mut f.db.conn(), &identity(task), &p, &f.clock).unwrap();
+    }
+    let page = |after: Option<&str>, max_bytes: i64| {
+        let (tasks, more) =
+            list_tasks_page(&mut f.db.conn(), ROOM, None, after, 10, max_bytes).unwrap();
+        let ids: Vec<String> = tasks.into_iter().map(|t| t.identity.task_id).collect();
+        (ids, more)
+    };
+    assert_eq!(page(None, 250_000), (vec!["a".into(), "b".into()], true));
+    assert_eq!(page(Some("b"), 250_000), (vec!["c".into()], false));
+    // One task however large.
+    assert_eq!(page(None, 1), (vec!["a".into()], true));
+    assert_eq!(page(None, i64::MAX).0.len(), 3);
+}
+
 #[test]
 fn tasks_list_in_room_order_and_reads_verify_the_payload_digest() {
     let f = Fixture::new();
