@@ -865,21 +865,23 @@ impl Authority {
                 "cwd {cwd:?} must be an absolute, existing directory"
             )));
         }
-        if !cfg.gateway.cwd_allowed(cwd_path) {
-            return Err(GatewayError::PermissionDenied(format!(
-                "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
-            )));
-        }
-        // The directory that was checked is the one kept: a symlink on the way retargeted later
-        // does not move the session's tools elsewhere.
-        let cwd = match cwd_path.canonicalize() {
-            Ok(real) => real.to_string_lossy().into_owned(),
+        // The path is resolved once, and the directory checked is the one kept: a symlink on the
+        // way retargeted later (or between the check and the resolution, as it could be when
+        // each resolved it) does not move the session's tools elsewhere.
+        let real = match cwd_path.canonicalize() {
+            Ok(real) => real,
             Err(e) => {
                 return Err(GatewayError::InvalidParams(format!(
                     "cwd {cwd:?} cannot be resolved: {e}"
                 )))
             }
         };
+        if !cfg.gateway.cwd_allowed(&real) {
+            return Err(GatewayError::PermissionDenied(format!(
+                "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
+            )));
+        }
+        let cwd = real.to_string_lossy().into_owned();
         let endpoint = cfg.default_endpoint();
         let model = p
             .model
