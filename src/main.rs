@@ -615,6 +615,14 @@ fn default_sigpipe() {
 fn key(args: Args) -> ExitCode {
     use gatehouse::api::auth;
     let new_home = !args.home.exists();
+    // Only a new key makes a home: listing or revoking under a mistyped --home made one.
+    if new_home && args.rest.first().map(String::as_str) != Some("create") {
+        eprintln!(
+            "gatehouse: no home at {} (no key was created there)",
+            args.home.display()
+        );
+        return ExitCode::from(1);
+    }
     if let Err(e) = gatehouse::gateway::prepare_home(&args.home) {
         eprintln!("gatehouse: {e}");
         return ExitCode::from(1);

@@ -1545,6 +1545,16 @@ async fn every_route_refuses_missing_wrong_and_revoked_keys() {
     let fresh = Home {
         path: elsewhere.path.join("never-used"),
     };
+    // Listing or revoking there makes no home (it did).
+    for words in [&["key", "list"][..], &["key", "revoke", "x"]] {
+        let out = cli(&fresh, words);
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("no home at"),
+            "{out:?}"
+        );
+        assert!(!fresh.path.exists(), "{words:?} made the home");
+    }
     let out = cli(&fresh, &["key", "create", "x"]);
     assert!(out.status.success(), "{out:?}");
     assert!(
