@@ -11,7 +11,8 @@ pub struct Expiring {
     ttl: f64,
     clock: SharedClock,
     key: fn(&str) -> String,
-    /// `key(secret)` → `(expires_at, principal)`.
+    /// `key(secret)` → `(expiry on the monotonic clock, principal)`: a step of the wall clock
+    /// neither lengthens nor shortens a secret's life.
     map: Mutex<HashMap<String, (f64, String)>>,
 }
 
@@ -43,20 +44,19 @@ impl Expiring {
             uuid::Uuid::new_v4().simple(),
             uuid::Uuid::new_v4().simple()
         );
-        let now = self.clock.now();
-        let expires = now + self.ttl;
+        let now = self.clock.monotonic();
         if let Ok(mut m) = self.map.lock() {
             m.retain(|_, (exp, _)| *exp > now);
-            m.insert((self.key)(&secret), (expires, principal.to_string()));
+            m.insert((self.key)(&secret), (now + self.ttl, principal.to_string()));
         }
-        (secret, expires)
+        (secret, self.clock.now() + self.ttl)
     }
 
     /// The principal of an unexpired secret, which stays valid.
     pub fn principal(&self, secret: &str) -> Option<String> {
         let m = self.map.lock().ok()?;
         let (expires, principal) = m.get(&(self.key)(secret))?;
-        (*expires > self.clock.now()).then(|| principal.clone())
+        (*expires > self.clock.monotonic()).then(|| principal.clone())
     }
 
     /// Take a secret out (it is spent whether or not it had expired): its principal.
@@ -65,7 +65,7 @@ impl Expiring {
         let (expires, principal) = m
             .remove(&(self.key)(secret))
             .ok_or(TicketRefusal::Unknown)?;
-        if expires <= self.clock.now() {
+        if expires <= self.clock.monotonic() {
             return Err(TicketRefusal::Expired);
         }
         Ok(principal)
@@ -122,5 +122,42 @@ mod tests {
         clock.advance(61.0);
         assert_eq!(t.redeem(&b), Err(TicketRefusal::Expired));
         assert_eq!(t.redeem("nope"), Err(TicketRefusal::Unknown));
+    }
+
+    /// A clock whose wall reading is set apart from its monotonic one.
+    struct Stepped {
+        wall: std::sync::Mutex<f64>,
+        mono: std::sync::Mutex<f64>,
+    }
+
+    impl crate::clock::Clock for Stepped {
+        fn now(&self) -> f64 {
+            self.wall.lock().map_or(0.0, |w| *w)
+        }
+        fn monotonic(&self) -> f64 {
+            self.mono.lock().map_or(0.0, |m| *m)
+        }
+    }
+
+    /// A step of the wall clock neither ends a ticket early nor keeps it alive past its minute
+    /// (expiry was read on the wall clock).
+    #[test]
+    fn a_wall_clock_step_does_not_move_a_tickets_expiry() {
+        let clock = Arc::new(Stepped {
+            wall: std::sync::Mutex::new(10_000.0),
+            mono: std::sync::Mutex::new(5.0),
+        });
+        let step = |wall: f64, mono: f64| {
+            *clock.wall.lock().unwrap() += wall;
+            *clock.mono.lock().unwrap() += mono;
+        };
+        let t = Tickets::new(60.0, clock.clone());
+        let (a, exp) = t.mint("uid:1");
+        assert_eq!(exp, 10_060.0, "the expiry shown is on the wall clock");
+        let (b, _) = t.mint("uid:1");
+        step(7200.0, 1.0);
+        assert_eq!(t.redeem(&a), Ok("uid:1".to_string()));
+        step(-10_800.0, 60.0);
+        assert_eq!(t.redeem(&b), Err(TicketRefusal::Expired));
     }
 }
