@@ -57,8 +57,9 @@ impl Answerer {
                 instance_id,
                 api_origin,
             } => match method {
-                // The epoch is taken only once the store is open: null until then.
-                "identify" => json!({
+                // The epoch is taken only once the store is open: null until then. `status`
+                // says `starting` too (a monitor could not tell it from a daemon that is down).
+                "identify" | "status" => json!({
                     "state": "starting",
                     "pid": std::process::id(),
                     "instance_id": instance_id,

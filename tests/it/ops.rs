@@ -802,6 +802,8 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
     )
     .expect("an answer");
     assert_eq!(refused["error"]["code"], "starting", "{refused}");
+    let status = control(&home.path, "status", json!({})).expect("an answer");
+    assert_eq!(status["state"], "starting", "{status}");
     let (code, stderr) = exit_of(child).await;
     let waited = started.elapsed();
     assert_eq!(code, Some(2), "{stderr}");
