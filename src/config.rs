@@ -88,15 +88,14 @@ impl GatewayConfig {
                 .is_ok_and(|ip| ip.to_canonical().is_loopback())
     }
 
-    /// Is `cwd` (absolute, existing) inside one of `allowed_cwd_roots`? Always true when none
-    /// are configured. Both sides are canonicalised, so `..` and symlinks cannot escape a root.
+    /// Is `cwd`, already resolved (canonical: no `..`, no symlink), inside one of
+    /// `allowed_cwd_roots`? Always true when none are configured. The roots are resolved too, so
+    /// `..` and symlinks cannot escape one; `cwd` is not resolved again, so what is checked is
+    /// what the caller keeps.
     pub fn cwd_allowed(&self, cwd: &Path) -> bool {
         if self.allowed_cwd_roots.is_empty() {
             return true;
         }
-        let Ok(cwd) = cwd.canonicalize() else {
-            return false;
-        };
         self.allowed_cwd_roots.iter().any(|root| {
             root.canonicalize()
                 .map(|root| cwd.starts_with(root))
@@ -537,7 +536,8 @@ pub const MAX_SECONDS: f64 = 315_360_000.0;
 /// that rounds to zero nanoseconds panicked a timer (`1e-10` passed as positive) or spun one.
 pub const MIN_SECONDS: f64 = 0.001;
 
-/// Most model requests in flight at once (the semaphore holds at most `usize::MAX >> 3`).
+/// Most model requests in flight at once per endpoint: far above any real server's, and far
+/// below the semaphore's own limit (`usize::MAX >> 3`, past which the first call panicked).
 pub const MAX_CONCURRENT_REQUESTS: usize = 65_536;
 
 /// Bounds of `terminal.output_cap` (characters of a command's output kept for the model; up to
@@ -679,27 +679,6 @@ impl Config {
                 ),
             );
         }
-        // The same for each profile (its provider, else the default's; its endpoint, else the
-        // default's, as a session of it is given) and for the summary model (its provider and
-        // endpoint, else the session's): they loaded, then failed every turn of the profile.
-        for (name, p) in &self.profiles {
-            let provider = p.provider.as_deref().unwrap_or(&endpoint.provider);
-            if provider != "echo" && p.base_url.is_none() && endpoint.base_url.is_none() {
-                return invalid(
-                    &format!("profiles.{name}.base_url"),
-                    &format!("provider {provider:?} needs a base_url (or model.base_url)"),
-                );
-            }
-        }
-        let aux = &self.auxiliary.compression;
-        if let Some(provider) = aux.provider.as_deref() {
-            if provider != "echo" && aux.base_url.is_none() && endpoint.base_url.is_none() {
-                return invalid(
-                    "auxiliary.compression.base_url",
-                    &format!("provider {provider:?} needs a base_url (or model.base_url)"),
-                );
-            }
-        }
         // A key is listed by its SHA-256 (`gatehouse key create` prints one): anything else
         // (the key itself, a truncated hash) would match nothing while it still counted as
         // "a key is configured".
@@ -733,7 +712,7 @@ impl Config {
         if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
             return invalid("compression.max_attempts", "expected 1 to 10");
         }
-        // Past the semaphore's most permits the first model call panicked.
+        // A huge value (past the semaphore's most permits) made the first model call panic.
         if !(1..=MAX_CONCURRENT_REQUESTS).contains(&self.model.max_concurrent_requests) {
             return invalid(
                 "model.max_concurrent_requests",
@@ -820,6 +799,11 @@ impl Config {
             ),
             ("model.idle_timeout_seconds", m.idle_timeout_seconds, 0.1),
             ("gateway.heartbeat_seconds", g.heartbeat_seconds, 0.1),
+            (
+                "gateway.client_timeout_seconds",
+                g.client_timeout_seconds,
+                0.2,
+            ),
             (
                 "auxiliary.compression.timeout",
                 self.auxiliary.compression.timeout,
@@ -927,6 +911,41 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// Endpoints that are missing unless each session brings its own, for a warning at start:
+    /// a profile naming a provider other than echo with no `base_url` of its own or by default
+    /// (a session of it fails each turn unless `session.create` gives one), and the summary
+    /// model naming one (a compression fails unless the session has an endpoint).
+    pub fn endpoint_warnings(&self) -> Vec<String> {
+        let endpoint = self.default_endpoint();
+        if endpoint.base_url.is_some() {
+            return Vec::new();
+        }
+        let mut out: Vec<String> = self
+            .profiles
+            .iter()
+            .filter_map(|(name, p)| {
+                let provider = p.provider.as_deref().unwrap_or(&endpoint.provider);
+                (provider != "echo" && p.base_url.is_none()).then(|| {
+                    format!(
+                        "profiles.{name}: provider {provider:?} has no base_url (nor \
+                         model.base_url): its sessions fail each turn unless created with one"
+                    )
+                })
+            })
+            .collect();
+        let aux = &self.auxiliary.compression;
+        if let Some(provider) = aux.provider.as_deref() {
+            if provider != "echo" && aux.base_url.is_none() {
+                out.push(format!(
+                    "auxiliary.compression: provider {provider:?} has no base_url (nor \
+                     model.base_url): compressions use the session's endpoint, and fail where \
+                     it has none"
+                ));
+            }
+        }
+        out
     }
 
     /// Every unknown key, dotted (`gateway.multiplex_profiles`), for a one-time warning.
@@ -1177,29 +1196,24 @@ mod tests {
         assert!(parse("model:\n  provider: custom\n  base_url: http://127.0.0.1:9/v1\n").is_ok());
         assert!(parse("model:\n  provider: echo\n").is_ok());
         // A profile or the summary model naming a provider, with no endpoint of its own or by
-        // default: it loaded, then failed each of its turns.
-        for (text, key) in [
-            (
-                "profiles:\n  x:\n    provider: custom\n",
-                "profiles.x.base_url",
-            ),
-            (
-                "auxiliary:\n  compression:\n    provider: custom\n",
-                "auxiliary.compression.base_url",
-            ),
-        ] {
-            match parse(text) {
-                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{text}"),
-                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
-            }
-        }
+        // default, loads (a session may be created with its own) and is warned about.
+        let c = parse(
+            "profiles:\n  x:\n    provider: custom\n  y:\n    provider: echo\n  z:\n    provider: custom\n    base_url: http://127.0.0.1:9/v1\nauxiliary:\n  compression:\n    provider: custom\n",
+        )
+        .expect("loads");
+        let warned = c.endpoint_warnings();
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert!(warned[0].starts_with("profiles.x:"), "{warned:?}");
+        assert!(
+            warned[1].starts_with("auxiliary.compression:"),
+            "{warned:?}"
+        );
         let with_default =
             "model:\n  provider: custom\n  base_url: http://127.0.0.1:9/v1\nprofiles:\n  x:\n    provider: custom\n";
-        assert!(parse(with_default).is_ok());
-        assert!(parse(
-            "profiles:\n  x:\n    provider: custom\n    base_url: http://127.0.0.1:9/v1\n"
-        )
-        .is_ok());
+        assert!(parse(with_default)
+            .expect("loads")
+            .endpoint_warnings()
+            .is_empty());
     }
 
     /// A section with nothing under it (its keys commented out) is its defaults, at the top

@@ -619,6 +619,9 @@ impl Gateway {
         if config.terminal.cwd.is_none() {
             config.terminal.cwd = Some(default_workspace(&home)?);
         }
+        for warning in config.endpoint_warnings() {
+            tracing::warn!("{warning}");
+        }
         for key in config.unknown_keys() {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
