@@ -298,9 +298,6 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
     Ok(end)
 }
 
-/// Refuse to go on in a session held by an input whose outcome is unknown (other than
-/// `mine`): nothing queued behind it runs until an operator settles it, so waiting would be for
-/// good.
 /// The operator's command that settles `admission`, naming this home (under a service user the
 /// default home is another one).
 fn settle_command(home: &Path, session_id: &str, admission: &str) -> String {
@@ -316,6 +313,9 @@ fn settle_command(home: &Path, session_id: &str, admission: &str) -> String {
     format!("gatehouse resolve-unknown {session_id} {admission} --home {home}")
 }
 
+/// Refuse to go on in a session held by an input whose outcome is unknown (other than
+/// `mine`): nothing queued behind it runs until an operator settles it, so waiting would be for
+/// good.
 fn held_by_unknown(
     snap: &Value,
     home: &Path,
@@ -572,7 +572,6 @@ fn not_taken(reply: &Result<Value, String>, what: &str, prompt: &str) -> Option<
     }
 }
 
-/// What came first while the operator was asked.
 /// Ask one clarify `question` (its text, choices and `multi_select`) and read its answer: a
 /// number picks that choice; the end of input is an empty answer. `None`: the prompt ended
 /// without an answer from here.
@@ -618,6 +617,7 @@ async fn ask_question(
     })
 }
 
+/// What came first while the operator was asked.
 enum Read {
     Line(String),
     /// The end of input.
