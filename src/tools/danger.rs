@@ -408,12 +408,16 @@ fn variants(command: &str) -> Vec<String> {
 }
 
 /// `text` with each brace list (`{a,b,c}`, with no blank inside and not a `${…}`) written as
-/// its words and each `$IFS` as a blank; `None` when there is neither.
+/// the words the shell makes of it (`pre{a,b}post` is `prea preb` … each with the text around
+/// it), and each `$IFS` as a blank; `None` when there is neither.
 fn expanded_words(text: &str) -> Option<String> {
     static PATTERNS: OnceLock<Option<(Regex, Regex)>> = OnceLock::new();
     let (braces, ifs) = PATTERNS
         .get_or_init(|| {
-            let braces = Regex::new(r"(^|[^$])\{([^{}\s]*,[^{}\s]*)\}").ok()?;
+            let braces = Regex::new(
+                r"(^|[\s;&|(`])([^\s;&|(){}`$]*)\{([^{}\s$]*,[^{}\s]*)\}([^\s;&|()`{}]*)",
+            )
+            .ok()?;
             let ifs = Regex::new(r"\$\{ifs\}|\$ifs\b").ok()?;
             Some((braces, ifs))
         })
@@ -423,7 +427,12 @@ fn expanded_words(text: &str) -> Option<String> {
     }
     let spaced = ifs.replace_all(text, " ");
     let words = braces.replace_all(&spaced, |c: &regex::Captures| {
-        format!("{} {} ", &c[1], c[2].replace(',', " "))
+        let (pre, post) = (&c[2], &c[4]);
+        let words: Vec<String> = c[3]
+            .split(',')
+            .map(|item| format!("{pre}{item}{post}"))
+            .collect();
+        format!("{}{}", &c[1], words.join(" "))
     });
     Some(words.into_owned())
 }
@@ -936,9 +945,14 @@ mod tests {
         ("{'rm',-rf,/}", "rm_root"),
         ("rm${IFS}-rf${IFS}/", "rm_root"),
         ("ls; {rm,-rf,/etc}", "rm_system_dir"),
+        ("r{m,} -rf /", "rm_root"),
     ];
 
     const NOT_HARDLINE: &[&str] = &[
+        "rm -rf ~/{.cache,.npm}",
+        "rm -rf $HOME/{a,b}",
+        "rm -rf /var/{log/app,cache/app}",
+        "rm -rf /opt/{a,b}",
         "rm -rf /tmp/x/gated-removal",
         "rm -rf -- '/tmp/a b'",
         "rm -rf /tmp/*",
