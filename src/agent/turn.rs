@@ -657,7 +657,9 @@ impl Turn {
             if self.cancelled() {
                 return Ok(Some(interrupted()));
             }
-            self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&call.function.arguments, 2000)}));
+            // Shown with secrets masked, as the command's prompt and output are.
+            let shown = tools::redact::redact(&call.function.arguments);
+            self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&shown, 2000)}));
             let (result, stopped) = match self
                 .execute(&call.function.name, &call.function.arguments)
                 .await

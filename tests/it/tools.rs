@@ -519,6 +519,10 @@ async fn an_approval_prompt_masks_the_secrets_of_its_command() {
         prompts.contains("ghp_") && !prompts.contains(secret),
         "{prompts}"
     );
+    // So is the call's `tool.start` (the transcript keeps the model's call as it made it).
+    let start = ws.event(T, |e| e["type"] == "tool.start").await;
+    let args = start["payload"]["arguments"].to_string();
+    assert!(args.contains("ghp_") && !args.contains(secret), "{args}");
     respond(&mut ws, &sid, &p, "once").await;
     assert_eq!(
         settled(&home, "RM").await.outcome.as_deref(),
