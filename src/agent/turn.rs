@@ -912,7 +912,20 @@ impl Turn {
         spec.timeout = Duration::from_secs_f64(timeout);
         spec.output_cap = cfg.terminal.output_cap;
         spec.env_remove_prefixes = vec!["GATEHOUSE_".into(), "OPENAI_".into()];
-        spec.env_remove = vec!["ANTHROPIC_API_KEY".into(), "NOTIFY_SOCKET".into()];
+        // What systemd hands the daemon alone: its notify socket and watchdog, sockets it
+        // passed, and where its credentials are.
+        spec.env_remove = [
+            "ANTHROPIC_API_KEY",
+            "NOTIFY_SOCKET",
+            "WATCHDOG_USEC",
+            "WATCHDOG_PID",
+            "LISTEN_FDS",
+            "LISTEN_PID",
+            "LISTEN_FDNAMES",
+            "CREDENTIALS_DIRECTORY",
+        ]
+        .map(String::from)
+        .to_vec();
         if background {
             return self.background(spec).await;
         }

@@ -493,6 +493,40 @@ async fn reasoning_is_streamed_stored_and_sent_back() {
     );
 }
 
+/// A command sees the daemon's environment without what is the daemon's alone: the gateway's
+/// own variables, and what systemd hands the service (its credentials directory, watchdog and
+/// passed sockets).
+#[actix_rt::test]
+async fn a_command_does_not_see_the_daemons_own_variables() {
+    let home = Home::new();
+    let model = scripted(vec![("ENV", terminal("call_env", "env"))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start_with_env(
+        &home,
+        &[
+            (
+                "CREDENTIALS_DIRECTORY",
+                "/run/credentials/gatehouse.service",
+            ),
+            ("LISTEN_FDNAMES", "api"),
+            ("GATEHOUSE_PROBE", "1"),
+            ("KEPT_FOR_COMMANDS", "yes"),
+        ],
+    );
+    let mut ws = d.ws().await;
+    let sid = ws.session("env", &home.path).await;
+    ws.submit(&sid, "ENV", "ENV").await;
+    settled(&home, "ENV").await;
+    let result = tool_result(&model, "ENV").to_string();
+    assert!(result.contains("KEPT_FOR_COMMANDS=yes"), "{result}");
+    for name in ["CREDENTIALS_DIRECTORY", "LISTEN_FDNAMES", "GATEHOUSE_PROBE"] {
+        assert!(
+            !result.contains(name),
+            "{name} reached the command: {result}"
+        );
+    }
+}
+
 /// The approval prompt shows the command with its secrets masked (it reaches the event log,
 /// every follower and each snapshot); the command that runs once approved is the one the model
 /// sent, secret and all.
