@@ -614,13 +614,18 @@ fn default_sigpipe() {
 /// `HOME/api_keys` (the daemon re-reads it when it changes: no restart needed).
 fn key(args: Args) -> ExitCode {
     use gatehouse::api::auth;
+    let words: Vec<&str> = args.rest.iter().map(String::as_str).collect();
+    if !matches!(
+        words.as_slice(),
+        ["create"] | ["create", _] | ["list"] | ["revoke", _]
+    ) {
+        eprintln!("usage: gatehouse key create [NAME] | key list | key revoke NAME|SHA256-PREFIX");
+        return ExitCode::from(2);
+    }
     let new_home = !args.home.exists();
     // Only a new key makes a home: listing or revoking under a mistyped --home made one.
-    if new_home && args.rest.first().map(String::as_str) != Some("create") {
-        eprintln!(
-            "gatehouse: no home at {} (no key was created there)",
-            args.home.display()
-        );
+    if new_home && words.first() != Some(&"create") {
+        eprintln!("gatehouse: no home at {}", args.home.display());
         return ExitCode::from(1);
     }
     if let Err(e) = gatehouse::gateway::prepare_home(&args.home) {
@@ -634,7 +639,6 @@ fn key(args: Args) -> ExitCode {
             args.home.display()
         );
     }
-    let words: Vec<&str> = args.rest.iter().map(String::as_str).collect();
     let result = match words.as_slice() {
         ["create"] | ["create", _] => {
             let default = format!("key-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
