@@ -496,13 +496,22 @@ impl RoomRuntime {
                         return Ok(renewed);
                     }
                     Err(error) if is_lease_loss(&error) => {
-                        tracing::warn!(
-                            room = %binding.room_id,
-                            "room lease lost on renewal (it expired, or another driver holds it)"
-                        );
                         let mut state = self.state();
-                        state.lease_losses += 1;
-                        state.leases.remove(&binding.room_id);
+                        // An idle pass of this runtime may have released the lease while the
+                        // renewal was on its way (the release leaves the runtime's hands first):
+                        // that is not a loss.
+                        let held = state
+                            .leases
+                            .get(&binding.room_id)
+                            .is_some_and(|l| l.lease_generation == lease.lease_generation);
+                        if held {
+                            tracing::warn!(
+                                room = %binding.room_id,
+                                "room lease lost on renewal (it expired, or another driver holds it)"
+                            );
+                            state.lease_losses += 1;
+                            state.leases.remove(&binding.room_id);
+                        }
                     }
                     Err(error) => return Err(error),
                 }
