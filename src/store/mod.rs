@@ -582,7 +582,25 @@ where
             answer(match (result, committed) {
                 (Ok(r), Ok(())) => Ok(r),
                 (Ok(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
-                (Err(e), _) => Err(e),
+                // A refusal read from the batch's own writes (a conflict with an admission made
+                // earlier in it, a claim or cancel that found a row it changed) is not true once
+                // the batch is rolled back: answered as the storage failure it is, so the caller
+                // tries again instead of taking a refusal for a state that never was. What holds
+                // whatever the batch did (another process's epoch, bad input, the store's own
+                // errors) is answered as it is.
+                (
+                    Err(
+                        e @ (StoreError::StaleEpoch
+                        | StoreError::InvalidParams(_)
+                        | StoreError::CorruptPolicy(_)
+                        | StoreError::Database(_)
+                        | StoreError::Pool(_)
+                        | StoreError::Other(_)),
+                    ),
+                    _,
+                ) => Err(e),
+                (Err(_), Err(e)) => Err(StoreError::Other(format!("commit failed: {e}"))),
+                (Err(e), Ok(())) => Err(e),
             })
         });
         deliver
@@ -1881,6 +1899,70 @@ mod wal_restart_tests {
         let (answers, rows) = a_batch_with_a_doomed_write(true);
         assert_eq!(answers, [false; 6], "the batch failed whole");
         assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
+    }
+
+    /// A refusal a write read from an earlier write of its batch is answered as a storage
+    /// failure when the batch is rolled back: the state it was refused for never was (it was
+    /// answered as the refusal, `admission_conflict` here, and the caller did not try again).
+    #[test]
+    fn a_refusal_read_from_a_rolled_back_batch_is_a_storage_failure() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let (first, second, rows) = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| {
+                Ok(c.batch_execute(
+                    "CREATE TABLE t (v INTEGER NOT NULL); CREATE TABLE doom (v INTEGER);
+                     CREATE TRIGGER doom_all BEFORE INSERT ON doom
+                     BEGIN SELECT RAISE(ROLLBACK, 'the batch is rolled back'); END;",
+                )?)
+            })
+            .await
+            .expect("tables");
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let (running, runs) = std::sync::mpsc::channel::<()>();
+            let held = db.write(move |_| {
+                let _ = running.send(());
+                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
+            });
+            runs.recv().expect("the writer holds");
+            let first = db.write(|c| {
+                write_tx(c, |c| {
+                    diesel::sql_query("INSERT INTO t (v) VALUES (1)").execute(c)?;
+                    Ok(())
+                })
+            });
+            // Refused for what the first write did.
+            let second = db.write(|c| {
+                let seen =
+                    diesel::sql_query("INSERT INTO t (v) SELECT 2 WHERE EXISTS (SELECT 1 FROM t)")
+                        .execute(c)?;
+                if seen > 0 {
+                    return Err(StoreError::AdmissionConflict(
+                        "the first write's row".into(),
+                    ));
+                }
+                Ok(())
+            });
+            let doomed = db.write(|c| {
+                write_tx(c, |c| {
+                    diesel::sql_query("INSERT INTO doom (v) VALUES (0)").execute(c)?;
+                    Ok::<_, StoreError>(())
+                })
+            });
+            open.send(()).expect("open the gate");
+            held.await.expect("the held batch");
+            let (first, second) = (first.await, second.await);
+            assert!(doomed.await.is_err());
+            (first, second, values_of_t(&db).await)
+        });
+        assert!(first.is_err());
+        assert!(
+            matches!(second, Err(StoreError::Other(ref m)) if m.contains("commit failed")),
+            "{second:?}"
+        );
+        assert_eq!(rows, Vec::<i64>::new(), "nothing of the batch committed");
     }
 
     /// A batch of six writes whose second ends the batch's transaction (and answers its error,
