@@ -508,12 +508,21 @@ impl SessionSupervisor {
                     self.pump(ctx);
                 }
             }
+            // A pump asked for while this claim was in flight (a `resolve_unknown` that freed
+            // the session, say, committed after the claim read it) claims again: else the
+            // queued inputs waited for the next submit or restart.
             Err(StoreError::UnknownExecution(m)) => {
                 tracing::info!(session = %self.root_id, "FIFO held: {m}");
+                if std::mem::take(&mut self.pump_again) {
+                    self.pump(ctx);
+                }
             }
             Err(StoreError::CorruptPolicy(m)) => {
                 tracing::error!(session = %self.root_id,
                     "FIFO held: {m}; its inputs stay queued until the store is repaired (then the next submit or start runs them)");
+                if std::mem::take(&mut self.pump_again) {
+                    self.pump(ctx);
+                }
             }
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
@@ -525,7 +534,12 @@ impl SessionSupervisor {
                 tracing::error!(session = %self.root_id, error = %e, ?wait, "claim failed; retrying");
                 ctx.run_later(wait, |act, ctx| act.pump(ctx));
             }
-            Err(e) => tracing::error!(session = %self.root_id, error = %e, "claim failed"),
+            Err(e) => {
+                tracing::error!(session = %self.root_id, error = %e, "claim failed");
+                if std::mem::take(&mut self.pump_again) {
+                    self.pump(ctx);
+                }
+            }
         }
         // A drain that arrived during the claim waits for it; with nothing started it is done.
         // Not while a claimed row is being put back (`requeue`): that write answers the drain,
