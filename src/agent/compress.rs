@@ -56,13 +56,17 @@ pub fn plan(
         kept += 1;
         end -= 1;
     }
+    // The tail keeps one message at least, whatever `last_n` (at 0 the running turn's latest
+    // results were summarised and the transcript ended on the summary).
+    let last_n = last_n.max(1);
     end = end.min(n.saturating_sub(last_n));
     if end <= start {
         end = n.saturating_sub(last_n);
     }
     // The latest user message is what the model must answer: it always stays verbatim in the
-    // tail, however small `last_n` or the budget.
-    if let Some(last_user) = t.iter().rposition(|m| m.role == "user") {
+    // tail, however small `last_n` or the budget. An earlier summary stored as a user message
+    // is not it (taken for it, it kept everything after it from being summarised again).
+    if let Some(last_user) = t.iter().rposition(|m| m.role == "user" && !is_summary(m)) {
         if last_user >= start {
             end = end.min(last_user);
         }
@@ -75,10 +79,7 @@ pub fn plan(
         return None;
     }
     // Only an earlier summary in the middle: summarising it again would shrink nothing.
-    if t[start..end]
-        .iter()
-        .all(|m| m.display_kind.as_deref() == Some(SUMMARY_KIND))
-    {
+    if t[start..end].iter().all(is_summary) {
         return None;
     }
     Some(Plan {
@@ -86,6 +87,15 @@ pub fn plan(
         middle: t[start..end].to_vec(),
         tail: t[end..].to_vec(),
     })
+}
+
+/// Is `m` an earlier summary: stored as its own message, or merged into the message it was put
+/// before (which then starts with [`SUMMARY_PREFIX`])?
+fn is_summary(m: &NewMessage) -> bool {
+    m.display_kind.as_deref() == Some(SUMMARY_KIND)
+        || m.content
+            .as_deref()
+            .is_some_and(|c| c.starts_with(SUMMARY_PREFIX))
 }
 
 /// Tool results longer than this, outside the protected tail, become one line before compaction.
@@ -98,9 +108,24 @@ pub const OLD_TOOL_OUTPUT_CHARS: usize = 200;
 /// second pass changes nothing. Applies to what the summary model is sent and to what is kept.
 pub fn clear_old_tool_output(t: &[NewMessage], protect_last_n: usize) -> Vec<NewMessage> {
     let old = t.len().saturating_sub(protect_last_n.saturating_mul(3));
-    // Each call's tool name and arguments, by call id.
+    // Each result's call (its tool name and arguments), found by id among the calls of the
+    // assistant message before it: ids repeat across responses (a provider that sends none
+    // gets `call_0` for every response's first call), and one map of the whole transcript
+    // named the last such call for every result.
+    let mut call_of: Vec<Option<(String, Value)>> = vec![None; old];
     let mut calls: std::collections::HashMap<String, (String, Value)> = Default::default();
-    for m in &t[..old] {
+    for (i, m) in t[..old].iter().enumerate() {
+        if m.role == "tool" {
+            call_of[i] = m
+                .tool_call_id
+                .as_deref()
+                .and_then(|id| calls.get(id))
+                .cloned();
+            continue;
+        }
+        if m.role == "assistant" {
+            calls.clear();
+        }
         let Some(list) = m.tool_calls.as_deref() else {
             continue;
         };
@@ -120,7 +145,7 @@ pub fn clear_old_tool_output(t: &[NewMessage], protect_last_n: usize) -> Vec<New
         }
     }
     let mut out = t.to_vec();
-    for m in out[..old].iter_mut() {
+    for (m, call) in out[..old].iter_mut().zip(&call_of) {
         if m.role != "tool" {
             continue;
         }
@@ -131,7 +156,7 @@ pub fn clear_old_tool_output(t: &[NewMessage], protect_last_n: usize) -> Vec<New
         if chars <= OLD_TOOL_OUTPUT_CHARS {
             continue;
         }
-        let call = m.tool_call_id.as_deref().and_then(|id| calls.get(id));
+        let call = call.as_ref();
         let name = call
             .map(|(n, _)| n.as_str())
             .or(m.tool_name.as_deref())
@@ -517,6 +542,75 @@ mod tests {
             && a.tool_call_id == b.tool_call_id
             && a.tool_calls == b.tool_calls));
         assert_eq!(clear_old_tool_output(&out, 1), out);
+    }
+
+    /// Each cleared result names the call of its own response: ids repeat across responses (a
+    /// provider that sends none gets `call_0` for each response's first call), and every result
+    /// was named after the last call with its id.
+    #[test]
+    fn a_cleared_result_names_the_call_of_its_own_response() {
+        let big = json!({"output": "x\n".repeat(200), "exit_code": 0}).to_string();
+        let mut t = vec![m("user", "P0")];
+        for command in ["ls", "rm -rf build", "cat cfg"] {
+            t.push(terminal_call("call_0", command));
+            t.push(tool_output("call_0", "terminal", big.clone()));
+        }
+        t.push(m("user", "P1"));
+        let out = clear_old_tool_output(&t, 0);
+        for (i, command) in [(2, "ls"), (4, "rm -rf build"), (6, "cat cfg")] {
+            assert_eq!(
+                out[i].content.as_deref(),
+                Some(format!("[terminal] ran `{command}` -> exit 0, 200 lines output").as_str())
+            );
+        }
+    }
+
+    /// After a compaction that stored its summary as a user message (the head ended on a tool
+    /// result, the tail began with a call), the summary is not taken for the latest user message:
+    /// it kept the rest of the turn from ever being summarised again.
+    #[test]
+    fn a_summary_stored_as_a_user_message_is_not_the_message_to_answer() {
+        let mut t = vec![m("user", "P0"), call("a"), result("a")];
+        t.push(NewMessage {
+            display_kind: Some(SUMMARY_KIND.into()),
+            ..m("user", &format!("{SUMMARY_PREFIX}\nS"))
+        });
+        for i in 0..8 {
+            let id = format!("c{i}");
+            t.push(call(&id));
+            t.push(result(&id));
+        }
+        let p = plan(&t, 3, 2, 0).expect("a plan");
+        assert!(p.middle.len() > 1, "{p:?}");
+    }
+
+    /// A summary merged into the message after it counts as a summary: alone in the middle, it
+    /// is not summarised again.
+    #[test]
+    fn a_lone_merged_summary_is_not_compacted_again() {
+        let t = vec![
+            m("user", "P0"),
+            m("assistant", &format!("{SUMMARY_PREFIX}\nS\n\nA0")),
+            m("user", "P1"),
+            call("a"),
+            result("a"),
+            call("b"),
+            result("b"),
+        ];
+        assert!(plan(&t, 1, 2, 0).is_none());
+    }
+
+    /// The tail keeps the last message at least, even with `protect_last_n` 0.
+    #[test]
+    fn the_tail_is_never_empty() {
+        let mut t = vec![m("user", "P0")];
+        for i in 0..6 {
+            let id = format!("c{i}");
+            t.push(call(&id));
+            t.push(result(&id));
+        }
+        let p = plan(&t, 1, 0, 0).expect("a plan");
+        assert!(!p.tail.is_empty(), "{p:?}");
     }
 
     /// The summary stands as a message of its own when its role clashes with neither side:
