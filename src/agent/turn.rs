@@ -182,6 +182,10 @@ struct Turn {
     transcript: Vec<NewMessage>,
     tools: Vec<String>,
     compressions: u32,
+    /// The transcript's length after a compaction that only cleared old tool output (no
+    /// summary): a preflight clears again only once the turn has added `2 × protect_last_n`
+    /// messages since (each one committed a copy of the whole transcript: one per tool round).
+    cleared_at: Option<usize>,
     /// A question of this turn (an approval, a clarify) timed out unanswered.
     unanswered: bool,
 }
@@ -235,6 +239,7 @@ impl Turn {
             tools,
             ctx,
             compressions: 0,
+            cleared_at: None,
             unanswered: false,
         };
         turn.transcript = transcript;
@@ -367,8 +372,12 @@ impl Turn {
                 && self.transcript.len()
                     > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
             {
-                match self.compact(threshold).await {
-                    Ok(()) => continue,
+                match self.compact(threshold, true).await {
+                    Ok(()) => {
+                        // Shorter now: the next look is not put off by an earlier "nothing".
+                        retry.nothing_to_compact_at = None;
+                        continue;
+                    }
                     Err(CompactError::Stop(s)) => return Err(*s),
                     Err(CompactError::Nothing) => {
                         tracing::debug!("preflight compression found nothing to compact");
@@ -394,8 +403,21 @@ impl Turn {
                             reason: "context_overflow",
                         });
                     }
-                    match self.compact(threshold).await {
-                        Ok(()) => continue,
+                    // A summary that failed in this turn is not asked for again (it is asked
+                    // once per turn): the turn fails here.
+                    if retry.compaction_failed {
+                        return Ok(TurnOutcome::Failed {
+                            error: format!(
+                                "context_overflow: {detail}; the summary failed earlier in this turn"
+                            ),
+                            reason: "context_overflow",
+                        });
+                    }
+                    match self.compact(threshold, false).await {
+                        Ok(()) => {
+                            retry.nothing_to_compact_at = None;
+                            continue;
+                        }
                         Err(CompactError::Stop(s)) => return Err(*s),
                         Err(e @ (CompactError::Failed(_) | CompactError::Nothing)) => {
                             return Ok(TurnOutcome::Failed {
@@ -1375,7 +1397,10 @@ impl Turn {
         asked
     }
 
-    async fn compact(&mut self, threshold: u64) -> Result<(), CompactError> {
+    /// Compact the transcript: summarise its middle, else clear old tool output. A `preflight`
+    /// clear waits for the turn to have grown since the last one (see `cleared_at`); one for
+    /// an overflow does not.
+    async fn compact(&mut self, threshold: u64, preflight: bool) -> Result<(), CompactError> {
         let cfg = &self.ctx.shared.config;
         let c = &cfg.compression;
         let tail_budget = (threshold as f64 * 0.2) as usize;
@@ -1389,8 +1414,13 @@ impl Turn {
                     .iter()
                     .zip(&self.transcript)
                     .any(|(a, b)| a.content != b.content);
-            if cleared {
-                return self.commit_compacted(pruned, self.system.clone()).await;
+            let recently = self
+                .cleared_at
+                .is_some_and(|at| self.transcript.len() < at + 2 * c.protect_last_n.max(1));
+            if cleared && !(preflight && recently) {
+                self.commit_compacted(pruned, self.system.clone()).await?;
+                self.cleared_at = Some(self.transcript.len());
+                return Ok(());
             }
             return Err(CompactError::Nothing);
         };

@@ -1013,6 +1013,43 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
     );
 }
 
+/// A summary that failed before a request is not asked for again when that request overflows:
+/// the turn fails then (it asked a second time, as long again, and likely failing again).
+#[actix_rt::test]
+async fn an_overflow_after_a_failed_summary_fails_the_turn_without_asking_again() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            Reply::Status(500, json!({"error": {"message": "summariser down"}}))
+        } else if tag(&last_user(body)) == "P3" {
+            overflow()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&pressure_config(&model.url, false));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("failed-once", &home.path).await;
+    for i in 0..3 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    ws.submit(&sid, "P3", &pressure(3)).await;
+    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
+    let row = home.admission("P3");
+    assert_eq!(row.outcome.as_deref(), Some("failed"));
+    assert_eq!(summaries(&model).len(), 1, "asked once");
+    let result: Value =
+        serde_json::from_str(row.result_json.as_deref().unwrap_or("null")).expect("result");
+    assert_eq!(result["reason"], "context_overflow");
+    assert!(
+        result["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("the summary failed earlier in this turn")),
+        "{result}"
+    );
+}
+
 /// A summary that fails is asked for once, not retried, and not again after the turn's tool
 /// rounds: the turn goes on as it is.
 #[actix_rt::test]
@@ -1121,6 +1158,69 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
     assert!(wire_chars(&last) < 40_000);
     let children = home.children(&sid);
     assert!(!children.is_empty(), "the cleared transcript was committed");
+}
+
+/// Clearing old tool output with nothing to summarise commits a copy of the transcript (a new
+/// child session): a turn of many tool rounds clears again only once it has added
+/// `2 × protect_last_n` messages since, not on every round (one child per round, each a copy
+/// of the whole transcript, before).
+#[actix_rt::test]
+async fn clearing_old_tool_output_waits_for_the_turn_to_grow() {
+    const ROUNDS: usize = 12;
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            return summary_reply();
+        }
+        if last_user(body) != "MANY" {
+            return ack(body);
+        }
+        let results = body["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        if results < ROUNDS {
+            return Reply::Message(
+                tool_call(
+                    &format!("m{results}"),
+                    "terminal",
+                    json!({"command": "head -c 2000 /dev/zero | tr '\\0' x"}),
+                ),
+                "tool_calls",
+            );
+        }
+        Reply::Message(json!({"role": "assistant", "content": "DONE_MANY"}), "stop")
+    });
+    let (home, _d, mut ws, sid) = tool_session(&model, 1000, (2, 2), "rounds").await;
+    for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
+        ws.submit(&sid, id, text).await;
+        wait_until(id, T, || home.admission(id).status == "terminal").await;
+        assert_eq!(
+            home.admission(id).outcome.as_deref(),
+            Some("completed"),
+            "{id}"
+        );
+    }
+    assert!(summaries(&model).is_empty(), "nothing to summarise");
+    let last = main_requests(&model).last().cloned().expect("a request");
+    assert!(
+        mentions(&last, "[terminal] ran `head -c 2000 /dev/zero"),
+        "old output is one line"
+    );
+    // A clear every second round at most, from the fourth (the last six messages are kept):
+    // each makes the next session of the lineage.
+    let lineage: i64 = {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::sessions;
+        sessions::table
+            .filter(sessions::root_id.eq(&sid))
+            .count()
+            .get_result(&mut home.db())
+            .expect("lineage")
+    };
+    // (Ten, clearing on every round: 9 copies of the transcript for 12 rounds.)
+    assert!(
+        (2..=7).contains(&lineage),
+        "{lineage} sessions in the lineage"
+    );
 }
 
 /// A turn that finds nothing to compact at first (its calls and their results cannot be split,
