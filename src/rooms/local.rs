@@ -234,7 +234,7 @@ impl SessionPort for LocalSessionPort {
                 .authority
                 .call("session.create", params, &Self::caller())
                 .await
-                .map_err(port_err)?;
+                .map_err(create_refusal)?;
             let result = r.result.into_value();
             let id = result["session_id"]
                 .as_str()
@@ -579,6 +579,21 @@ pub fn port(authority: Authority, poll: Duration) -> Arc<dyn SessionPort> {
 
 /// Did the member's ledger refuse the admission before anything could commit? A storage
 /// failure (a commit that failed, the writer gone) leaves it unknown.
+/// A member session that could not be opened for a passing reason (the gateway draining, the
+/// store failing, too many requests): no input of the attempt was admitted, so the task is
+/// queued again for a later attempt. It was failed for good, so a task that a pass started as
+/// the gateway began a graceful stop never ran after the restart. A refusal that another try
+/// would meet again (a profile that is not configured) still fails the task.
+fn create_refusal(error: GatewayError) -> PortError {
+    match error {
+        GatewayError::RuntimeDraining
+        | GatewayError::StorageUnavailable
+        | GatewayError::RateLimited(_)
+        | GatewayError::Internal(_) => PortError::not_admitted(error.to_string()),
+        other => port_err(other),
+    }
+}
+
 fn refused_before_commit(error: &GatewayError) -> bool {
     !matches!(
         error,
@@ -589,6 +604,19 @@ fn refused_before_commit(error: &GatewayError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_create_refused_for_a_passing_reason_admitted_nothing() {
+        for passing in [
+            GatewayError::RuntimeDraining,
+            GatewayError::StorageUnavailable,
+            GatewayError::RateLimited("busy".into()),
+        ] {
+            assert!(create_refusal(passing).not_admitted);
+        }
+        let lasting = GatewayError::InvalidParams("unknown profile \"ops\"".into());
+        assert!(!create_refusal(lasting).not_admitted);
+    }
     use crate::rooms::supervisor::{settlement_from_history, settlement_from_receipt};
 
     fn row(outcome: &str, result: Value) -> AdmissionRow {
