@@ -462,14 +462,6 @@ impl RoomRuntime {
         &self,
         binding: &RoomBinding,
     ) -> Result<Lease, RoomStoreError> {
-        self.ensure_lease_inner(binding, false).await
-    }
-
-    async fn ensure_lease_inner(
-        &self,
-        binding: &RoomBinding,
-        force_renew: bool,
-    ) -> Result<Lease, RoomStoreError> {
         let ttl = self.inner.config.lease_ttl_seconds;
         let clock = self.inner.clock.clone();
         let existing = self.lease(&binding.room_id);
@@ -477,7 +469,7 @@ impl RoomRuntime {
             let same_authority = lease.gateway_id == binding.gateway_id
                 && lease.authority_epoch == binding.authority_epoch;
             if same_authority {
-                if !force_renew && self.lease_fresh(&lease) {
+                if self.lease_fresh(&lease) {
                     return Ok(lease);
                 }
                 let current = lease.clone();
@@ -1980,7 +1972,10 @@ impl RoomRuntime {
             match current.status {
                 TaskStatus::Running => {}
                 TaskStatus::Stopping => {
-                    let lease = match self.ensure_lease_inner(binding, true).await {
+                    // Renewed when due, not on every look: a member that never acknowledges
+                    // its stop made four commits a second on the writer every session shares,
+                    // for as long as the stop was pending.
+                    let lease = match self.ensure_lease(binding).await {
                         Ok(lease) => lease,
                         Err(error) => {
                             self.fenced(binding, &task_id, &error);

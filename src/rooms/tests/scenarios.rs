@@ -865,6 +865,36 @@ async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     assert_eq!(stuck.cancel_id.as_deref(), Some("user-stop"));
 }
 
+/// A stop the member never acknowledges is asked again at each look, but the lease is renewed
+/// only when due: every look renewed it, a commit on the shared writer four times a second for
+/// as long as the stop was pending.
+#[tokio::test]
+async fn a_pending_stop_renews_the_lease_only_when_due() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    *lock(&rpc.interrupt_status) = Some("stopping".into());
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.active_poll_interval_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 300.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    let stopping = runtime.cancel(&id, "user-stop").await.unwrap();
+    assert_eq!(stopping.status, TaskStatus::Stopping);
+    let before = runtime.status().lease_renewals;
+    // Twenty looks at the member's turn after the stop (each reads its history).
+    let looked = || rpc.count("history");
+    let asked = looked();
+    wait_for("looked again", || looked() >= asked + 20).await;
+    let renewed = runtime.status().lease_renewals - before;
+    assert!(runtime.stop(STOP).await);
+    assert!(
+        renewed <= 1,
+        "{renewed} renewals while the stop was pending"
+    );
+}
+
 #[tokio::test]
 async fn test_retry_ignores_late_receipt_from_prior_execution_generation() {
     let db = db();
