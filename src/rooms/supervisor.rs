@@ -647,13 +647,15 @@ impl RoomRuntime {
                         )
                         .await;
                     }
-                    Ok(None) => self.set_error(
-                        &binding.room_id,
-                        format!(
-                            "task {} is running but its room session is gone",
-                            task.identity.task_id
-                        ),
-                    ),
+                    // No member session: nothing of the attempt was admitted (an input needs
+                    // its session), so the task is queued again. The attempt whose opening
+                    // failed could not record its failure (the store failed too), and the task
+                    // was left running, renewed on every pass, until a cancel.
+                    Ok(None) => {
+                        let error = PortError::not_admitted("its member session was never opened");
+                        self.requeue_not_admitted(binding, &attempt, &task, error)
+                            .await;
+                    }
                     Err(error) => self.set_error(
                         &binding.room_id,
                         format!(

@@ -865,6 +865,25 @@ async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     assert_eq!(stuck.cancel_id.as_deref(), Some("user-stop"));
 }
 
+/// A task left running under this process's own lease with no member session (its opening
+/// failed, and so did the write of that failure) is queued again and runs: nothing of it was
+/// admitted. It stayed running, its lease renewed on every pass, until someone cancelled it.
+#[tokio::test]
+async fn an_own_attempt_whose_session_was_never_opened_is_queued_again() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    let (runtime, attempt) = running_under_runtime(&db, &rpc);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    assert!(runtime.stop(STOP).await);
+    let after = task(&db, &id);
+    assert!(
+        after.execution_generation > attempt.execution_generation,
+        "a new attempt ran: {after:?}"
+    );
+}
+
 /// A stop the member never acknowledges is asked again at each look, but the lease is renewed
 /// only when due: every look renewed it, a commit on the shared writer four times a second for
 /// as long as the stop was pending.
