@@ -459,7 +459,7 @@ const WAL_RESTART_FRAMES: i64 = 16_384;
 
 fn writer_loop(
     pool: SqlitePool,
-    mut rx: tokio::sync::mpsc::Receiver<WriteJob>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<WriteJob>,
     wal: Arc<WalState>,
 ) {
     // The writer keeps one connection (and so one warm statement cache) for as long as it works.
@@ -791,7 +791,12 @@ fn observe_write<R>(wal: &WalState, result: &Result<R, StoreError>) {
 
 #[derive(Clone)]
 pub struct Db {
-    writer: tokio::sync::mpsc::Sender<WriteJob>,
+    /// The writer's queue. It has no bound of its own: every write's caller waits for its
+    /// answer, and callers are bounded where they ask (a connection's requests in flight, a
+    /// session's one turn, a room's one pass). A bounded queue, once full, let writes asked
+    /// for one after the other wait for room in the order their tasks were first polled,
+    /// which an actor does not fix: two inputs of one session could be admitted out of order.
+    writer: tokio::sync::mpsc::UnboundedSender<WriteJob>,
     wal: Arc<WalState>,
     readers: Addr<DbWorker>,
     /// The reader of clients' pages ([`Db::read_page`]), apart from `readers`.
@@ -804,7 +809,7 @@ impl Db {
     /// Start the workers (one writer: SQLite has one; `readers` for snapshots; one for clients'
     /// pages): the pool needs a connection for each, and one for the checkpointer.
     pub fn start(pool: SqlitePool, readers: usize) -> Db {
-        let (writer, rx) = tokio::sync::mpsc::channel::<WriteJob>(4096);
+        let (writer, rx) = tokio::sync::mpsc::unbounded_channel::<WriteJob>();
         let p = pool.clone();
         let wal = Arc::new(WalState::default());
         let flag = wal.clone();
@@ -941,8 +946,8 @@ impl Db {
     ///
     /// The write is queued when this is called, not when the answer is first awaited: writes
     /// asked for one after the other commit in that order even when the tasks awaiting them
-    /// are first polled in another (an actor polls its tasks in no fixed order). Only when
-    /// the writer's queue is full does the write wait for room, in the order of those waits.
+    /// are first polled in another (an actor polls its tasks in no fixed order), however long
+    /// the writer's queue.
     pub fn write<R, F>(
         &self,
         f: F,
@@ -951,24 +956,16 @@ impl Db {
         R: Send + 'static,
         F: FnOnce(&mut SqliteConnection) -> Result<R, StoreError> + Send + 'static,
     {
-        use tokio::sync::mpsc::error::TrySendError;
         let started = std::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         let job = write_job(f, move |answer| {
             let _ = tx.send(answer);
         });
-        let waiting = match self.writer.try_send(job) {
-            Ok(()) => Ok(None),
-            Err(TrySendError::Full(job)) => Ok(Some((self.writer.clone(), job))),
-            Err(TrySendError::Closed(_)) => Err(()),
-        };
+        let queued = self.writer.send(job).is_ok();
         let (metrics, wal) = (self.metrics.clone(), self.wal.clone());
         async move {
-            let stopped = || StoreError::Pool("the database writer stopped".into());
-            match waiting {
-                Ok(None) => {}
-                Ok(Some((writer, job))) => writer.send(job).await.map_err(|_| stopped())?,
-                Err(()) => return Err(stopped()),
+            if !queued {
+                return Err(StoreError::Pool("the database writer stopped".into()));
             }
             let result = rx
                 .await
@@ -983,7 +980,7 @@ impl Db {
     }
 
     /// [`Db::write`] for a caller on a thread that may block (never an async task's: it blocks
-    /// its thread until the commit). When the writer's queue is full, the write runs in a
+    /// its thread until the commit). When the writer is gone, the write runs in a
     /// transaction of its own on a pooled connection instead (waiting for the write lock).
     pub fn write_blocking<R, F>(&self, f: F) -> Result<R, StoreError>
     where
@@ -994,9 +991,7 @@ impl Db {
         let job = write_job(f, move |answer| {
             let _ = tx.send(answer);
         });
-        if let Err(refused) = self.writer.try_send(job) {
-            use tokio::sync::mpsc::error::TrySendError;
-            let (TrySendError::Full(job) | TrySendError::Closed(job)) = refused;
+        if let Err(tokio::sync::mpsc::error::SendError(job)) = self.writer.send(job) {
             // As the writer runs a job, in a transaction of one.
             self.wal.file_health().map_err(StoreError::Other)?;
             let mut conn = self.blocking_conn()?;
@@ -1901,6 +1896,63 @@ mod wal_restart_tests {
         assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
     }
 
+    /// Writes asked for one after the other commit in that order however many are queued
+    /// before them and whichever of their answers is awaited first: past 4,096 queued writes
+    /// they waited for room in the order they were first awaited, and a session's second input
+    /// could be admitted before its first.
+    #[test]
+    fn writes_commit_in_the_order_asked_behind_a_long_queue() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let order = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| {
+                Ok(c.batch_execute(
+                    "CREATE TABLE t (n INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL)",
+                )?)
+            })
+            .await
+            .expect("table");
+            let (open, gate) = std::sync::mpsc::channel::<()>();
+            let (running, runs) = std::sync::mpsc::channel::<()>();
+            let held = db.write(move |_| {
+                let _ = running.send(());
+                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
+            });
+            runs.recv().expect("the writer holds");
+            let queued: Vec<_> = (0..4200).map(|_| db.write(|_| Ok(()))).collect();
+            let insert = |v: &'static str| {
+                db.write(move |c| {
+                    diesel::sql_query(format!("INSERT INTO t (v) VALUES ('{v}')")).execute(c)?;
+                    Ok(())
+                })
+            };
+            let (first, second) = (insert("first"), insert("second"));
+            open.send(()).expect("open the gate");
+            // The second answer is awaited first.
+            let second = actix_rt::spawn(second);
+            tokio::task::yield_now().await;
+            let first = actix_rt::spawn(first);
+            held.await.expect("the held batch");
+            futures_util::future::join_all(queued).await;
+            second.await.expect("joined").expect("second");
+            first.await.expect("joined").expect("first");
+            db.read(|c| {
+                #[derive(diesel::QueryableByName)]
+                struct Row {
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    v: String,
+                }
+                let rows: Vec<Row> = diesel::sql_query("SELECT v FROM t ORDER BY n").load(c)?;
+                Ok(rows.into_iter().map(|r| r.v).collect::<Vec<_>>())
+            })
+            .await
+            .expect("rows")
+        });
+        assert_eq!(order, ["first", "second"]);
+    }
+
     /// A refusal a write read from an earlier write of its batch is answered as a storage
     /// failure when the batch is rolled back: the state it was refused for never was (it was
     /// answered as the refusal, `admission_conflict` here, and the caller did not try again).
@@ -2032,8 +2084,7 @@ mod wal_restart_tests {
         })
     }
 
-    /// When the writer cannot take a blocking caller's write (its queue full, or the writer
-    /// gone), the write runs as the writer would run it, in an immediate transaction of its own:
+    /// When the writer cannot take a blocking caller's write (it is gone), the write runs as the writer would run it, in an immediate transaction of its own:
     /// committed before the answer when it succeeds, undone when it fails, and not counted among
     /// the writer's commits.
     #[test]
@@ -2048,7 +2099,7 @@ mod wal_restart_tests {
                 .await
                 .expect("table");
             // A writer that takes nothing more: every write is refused by its queue.
-            let (closed, gone) = tokio::sync::mpsc::channel::<WriteJob>(1);
+            let (closed, gone) = tokio::sync::mpsc::unbounded_channel::<WriteJob>();
             drop(gone);
             db.writer = closed;
             db
