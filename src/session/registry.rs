@@ -97,7 +97,16 @@ impl SessionRegistry {
                     .idle_to
                     .get_or_insert_with(|| Arc::new(ctx.address().recipient()))
                     .clone();
-                actix::Supervisor::start(move |_| SessionSupervisor::new(shared, id, registry))
+                actix::Supervisor::start(move |ctx: &mut Context<SessionSupervisor>| {
+                    // No bound of its own (0), set before anyone holds its address: every
+                    // sender is bounded where it asks (a connection's 256 requests in flight, a
+                    // room's one pass). Its bound, once reached, parked a connection's sender,
+                    // and the requests it sent next waited for room in the order their tasks
+                    // were polled: an input pipelined behind another could be admitted first,
+                    // an interrupt reach the turn ahead of the answer sent before it.
+                    ctx.set_mailbox_capacity(0);
+                    SessionSupervisor::new(shared, id, registry)
+                })
             }
         };
         self.sessions.insert(root_id.to_string(), addr.clone());

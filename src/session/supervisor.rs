@@ -917,7 +917,6 @@ impl Actor for SessionSupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.set_mailbox_capacity(1024);
         if self.outbox.sent.is_none() {
             // Where the log stands, before any message is handled: later events follow it.
             let (shared, root) = (self.shared.clone(), self.root_id.clone());
