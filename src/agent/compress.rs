@@ -65,8 +65,12 @@ pub fn plan(
     }
     // The latest user message is what the model must answer: it always stays verbatim in the
     // tail, however small `last_n` or the budget. An earlier summary stored as a user message
-    // is not it (taken for it, it kept everything after it from being summarised again).
-    if let Some(last_user) = t.iter().rposition(|m| m.role == "user" && !is_summary(m)) {
+    // of its own is not it (taken for it, it kept everything after it from being summarised
+    // again); a user message a summary was merged into is (it is the question asked).
+    if let Some(last_user) = t
+        .iter()
+        .rposition(|m| m.role == "user" && m.display_kind.as_deref() != Some(SUMMARY_KIND))
+    {
         if last_user >= start {
             end = end.min(last_user);
         }
@@ -598,6 +602,33 @@ mod tests {
             result("b"),
         ];
         assert!(plan(&t, 1, 2, 0).is_none());
+    }
+
+    /// The user message a summary was merged into is still the message to answer: it stays in
+    /// the tail of the next compaction.
+    #[test]
+    fn a_user_message_with_a_merged_summary_stays_the_message_to_answer() {
+        let mut t = vec![m("user", "P0"), m("assistant", "A0")];
+        t.push(m("user", &format!("{SUMMARY_PREFIX}\nS\n\nQUESTION")));
+        for i in 0..8 {
+            let id = format!("c{i}");
+            t.push(call(&id));
+            t.push(result(&id));
+        }
+        // Nothing before it but the head: nothing to summarise (the question was summarised
+        // away, its text sent as an earlier summary).
+        assert_eq!(plan(&t, 2, 2, 0), None);
+        // With a turn before it, that turn is the middle, and the question heads the tail.
+        t.splice(2..2, [m("user", "P1"), m("assistant", "A1")]);
+        let p = plan(&t, 2, 2, 0).expect("a plan");
+        assert_eq!(p.middle.len(), 2, "{p:?}");
+        assert!(
+            p.tail[0]
+                .content
+                .as_deref()
+                .is_some_and(|c| c.ends_with("QUESTION")),
+            "{p:?}"
+        );
     }
 
     /// The tail keeps the last message at least, even with `protect_last_n` 0.
