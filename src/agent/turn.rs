@@ -372,7 +372,7 @@ impl Turn {
                 && self.transcript.len()
                     > cfg.compression.protect_first_n + cfg.compression.protect_last_n + 1
             {
-                match self.compact(threshold, true).await {
+                match self.compact(threshold, true, true).await {
                     Ok(()) => {
                         // Shorter now: the next look is not put off by an earlier "nothing".
                         retry.nothing_to_compact_at = None;
@@ -404,19 +404,20 @@ impl Turn {
                         });
                     }
                     // A summary that failed in this turn is not asked for again (it is asked
-                    // once per turn): the turn fails here.
-                    if retry.compaction_failed {
-                        return Ok(TurnOutcome::Failed {
-                            error: format!(
-                                "context_overflow: {detail}; the summary failed earlier in this turn"
-                            ),
-                            reason: "context_overflow",
-                        });
-                    }
-                    match self.compact(threshold, false).await {
+                    // once per turn): old tool output may still be cleared, else the turn fails.
+                    let summarise = !retry.compaction_failed;
+                    match self.compact(threshold, false, summarise).await {
                         Ok(()) => {
                             retry.nothing_to_compact_at = None;
                             continue;
+                        }
+                        Err(CompactError::Nothing) if !summarise => {
+                            return Ok(TurnOutcome::Failed {
+                                error: format!(
+                                    "context_overflow: {detail}; the summary failed earlier in this turn"
+                                ),
+                                reason: "context_overflow",
+                            })
                         }
                         Err(CompactError::Stop(s)) => return Err(*s),
                         Err(e @ (CompactError::Failed(_) | CompactError::Nothing)) => {
@@ -1397,16 +1398,22 @@ impl Turn {
         asked
     }
 
-    /// Compact the transcript: summarise its middle, else clear old tool output. A `preflight`
-    /// clear waits for the turn to have grown since the last one (see `cleared_at`); one for
-    /// an overflow does not.
-    async fn compact(&mut self, threshold: u64, preflight: bool) -> Result<(), CompactError> {
+    /// Compact the transcript: summarise its middle (when `summarise`), else clear old tool
+    /// output. A `preflight` clear waits for the turn to have grown since the last one (see
+    /// `cleared_at`); one for an overflow does not.
+    async fn compact(
+        &mut self,
+        threshold: u64,
+        preflight: bool,
+        summarise: bool,
+    ) -> Result<(), CompactError> {
         let cfg = &self.ctx.shared.config;
         let c = &cfg.compression;
         let tail_budget = (threshold as f64 * 0.2) as usize;
         let pruned = compress::clear_old_tool_output(&self.transcript, c.protect_last_n);
-        let Some(plan) = compress::plan(&pruned, c.protect_first_n, c.protect_last_n, tail_budget)
-        else {
+        let plan = compress::plan(&pruned, c.protect_first_n, c.protect_last_n, tail_budget)
+            .filter(|_| summarise);
+        let Some(plan) = plan else {
             // Nothing to summarise (too few messages, or only an earlier summary), but old tool
             // output cleared is still room won: kept, without a summary request.
             let cleared = pruned.len() == self.transcript.len()
@@ -1503,7 +1510,10 @@ impl Turn {
                 self.system
             )
         };
-        self.commit_compacted(compacted, system).await
+        self.commit_compacted(compacted, system).await?;
+        // Shorter than when old output was last cleared: the next clear need not wait for it.
+        self.cleared_at = None;
+        Ok(())
     }
 
     /// Commit `compacted` as the live transcript (with `system`): in place, or rotated into a
