@@ -577,8 +577,6 @@ pub fn port(authority: Authority, poll: Duration) -> Arc<dyn SessionPort> {
     Arc::new(LocalSessionPort::new(authority, poll))
 }
 
-/// Did the member's ledger refuse the admission before anything could commit? A storage
-/// failure (a commit that failed, the writer gone) leaves it unknown.
 /// A member session that could not be opened for a passing reason (the gateway draining, the
 /// store failing, too many requests): no input of the attempt was admitted, so the task is
 /// queued again for a later attempt. It was failed for good, so a task that a pass started as
@@ -594,6 +592,8 @@ fn create_refusal(error: GatewayError) -> PortError {
     }
 }
 
+/// Did the member's ledger refuse the admission before anything could commit? A storage
+/// failure (a commit that failed, the writer gone) leaves it unknown.
 fn refused_before_commit(error: &GatewayError) -> bool {
     !matches!(
         error,
