@@ -1914,13 +1914,7 @@ mod wal_restart_tests {
             })
             .await
             .expect("table");
-            let (open, gate) = std::sync::mpsc::channel::<()>();
-            let (running, runs) = std::sync::mpsc::channel::<()>();
-            let held = db.write(move |_| {
-                let _ = running.send(());
-                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
-            });
-            runs.recv().expect("the writer holds");
+            let (open, held) = hold_writer(&db);
             let queued: Vec<_> = (0..4200).map(|_| db.write(|_| Ok(()))).collect();
             let insert = |v: &'static str| {
                 db.write(move |c| {
@@ -1963,22 +1957,8 @@ mod wal_restart_tests {
         let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
         let (first, second, rows) = actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
-            db.write(|c| {
-                Ok(c.batch_execute(
-                    "CREATE TABLE t (v INTEGER NOT NULL); CREATE TABLE doom (v INTEGER);
-                     CREATE TRIGGER doom_all BEFORE INSERT ON doom
-                     BEGIN SELECT RAISE(ROLLBACK, 'the batch is rolled back'); END;",
-                )?)
-            })
-            .await
-            .expect("tables");
-            let (open, gate) = std::sync::mpsc::channel::<()>();
-            let (running, runs) = std::sync::mpsc::channel::<()>();
-            let held = db.write(move |_| {
-                let _ = running.send(());
-                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
-            });
-            runs.recv().expect("the writer holds");
+            doom_tables(&db).await;
+            let (open, held) = hold_writer(&db);
             let first = db.write(|c| {
                 write_tx(c, |c| {
                     diesel::sql_query("INSERT INTO t (v) VALUES (1)").execute(c)?;
@@ -2017,6 +1997,38 @@ mod wal_restart_tests {
         assert_eq!(rows, Vec::<i64>::new(), "nothing of the batch committed");
     }
 
+    /// The tables of the batch tests: `t`, and `doom`, whose every insert rolls the whole
+    /// transaction back (as an I/O error or a full disk do).
+    async fn doom_tables(db: &Db) {
+        db.write(|c| {
+            Ok(c.batch_execute(
+                "CREATE TABLE t (v INTEGER NOT NULL); CREATE TABLE doom (v INTEGER);
+                 CREATE TRIGGER doom_all BEFORE INSERT ON doom
+                 BEGIN SELECT RAISE(ROLLBACK, 'the batch is rolled back'); END;",
+            )?)
+        })
+        .await
+        .expect("tables");
+    }
+
+    /// Hold the writer in a batch of its own until the sender is used (the writes asked for
+    /// meanwhile are then taken as one batch); the held write's answer.
+    fn hold_writer(
+        db: &Db,
+    ) -> (
+        std::sync::mpsc::Sender<()>,
+        impl std::future::Future<Output = Result<(), StoreError>>,
+    ) {
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let (running, runs) = std::sync::mpsc::channel::<()>();
+        let held = db.write(move |_| {
+            let _ = running.send(());
+            gate.recv().map_err(|e| StoreError::Other(e.to_string()))
+        });
+        runs.recv().expect("the writer holds");
+        (open, held)
+    }
+
     /// A batch of six writes whose second ends the batch's transaction (and answers its error,
     /// or goes on when `swallowed`): whether each was answered as written, and what committed.
     fn a_batch_with_a_doomed_write(swallowed: bool) -> (Vec<bool>, Vec<i64>) {
@@ -2025,24 +2037,10 @@ mod wal_restart_tests {
         let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
         actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
-            db.write(|c| {
-                Ok(c.batch_execute(
-                    "CREATE TABLE t (v INTEGER NOT NULL); CREATE TABLE doom (v INTEGER);
-                     CREATE TRIGGER doom_all BEFORE INSERT ON doom
-                     BEGIN SELECT RAISE(ROLLBACK, 'the batch is rolled back'); END;",
-                )?)
-            })
-            .await
-            .expect("tables");
+            doom_tables(&db).await;
             // The writer is held in a batch of its own until every write below is queued
             // behind it: they are then taken as one batch.
-            let (open, gate) = std::sync::mpsc::channel::<()>();
-            let (running, runs) = std::sync::mpsc::channel::<()>();
-            let held = db.write(move |_| {
-                let _ = running.send(());
-                gate.recv().map_err(|e| StoreError::Other(e.to_string()))
-            });
-            runs.recv().expect("the writer holds");
+            let (open, held) = hold_writer(&db);
             let write = |sql: &'static str| {
                 db.write(move |c| {
                     write_tx(c, |c| {

@@ -987,13 +987,7 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.toolless("attempts", &home.path).await;
-    for i in 0..3 {
-        run(&mut ws, &home, &sid, i).await;
-    }
-    ws.submit(&sid, "P3", &pressure(3)).await;
-    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
-    let row = home.admission("P3");
-    assert_eq!(row.outcome.as_deref(), Some("failed"));
+    let result = fourth_pressed_input_overflows(&home, &mut ws, &sid).await;
     assert_eq!(summaries(&model).len(), 1);
     assert_eq!(
         main_requests(&model)
@@ -1002,9 +996,6 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
             .count(),
         1
     );
-    let result: Value =
-        serde_json::from_str(row.result_json.as_deref().unwrap_or("null")).expect("result");
-    assert_eq!(result["reason"], "context_overflow");
     assert!(
         result["error"]
             .as_str()
@@ -1013,8 +1004,24 @@ async fn max_attempts_bounds_the_compressions_of_one_turn() {
     );
 }
 
+/// Inputs P0–P2, then P3, which fails `context_overflow`: its result.
+async fn fourth_pressed_input_overflows(home: &Home, ws: &mut Ws, sid: &str) -> Value {
+    for i in 0..3 {
+        run(ws, home, sid, i).await;
+    }
+    ws.submit(sid, "P3", &pressure(3)).await;
+    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
+    let row = home.admission("P3");
+    assert_eq!(row.outcome.as_deref(), Some("failed"));
+    let result: Value =
+        serde_json::from_str(row.result_json.as_deref().unwrap_or("null")).expect("result");
+    assert_eq!(result["reason"], "context_overflow");
+    result
+}
+
 /// A summary that failed before a request is not asked for again when that request overflows:
-/// the turn fails then (it asked a second time, as long again, and likely failing again).
+/// with no old tool output to clear, the turn fails then (it asked a second time, as long again,
+/// and likely failing again).
 #[actix_rt::test]
 async fn an_overflow_after_a_failed_summary_fails_the_turn_without_asking_again() {
     let model = FakeModel::start(|body| {
@@ -1031,17 +1038,8 @@ async fn an_overflow_after_a_failed_summary_fails_the_turn_without_asking_again(
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.toolless("failed-once", &home.path).await;
-    for i in 0..3 {
-        run(&mut ws, &home, &sid, i).await;
-    }
-    ws.submit(&sid, "P3", &pressure(3)).await;
-    wait_until("P3", T, || home.admission("P3").status == "terminal").await;
-    let row = home.admission("P3");
-    assert_eq!(row.outcome.as_deref(), Some("failed"));
+    let result = fourth_pressed_input_overflows(&home, &mut ws, &sid).await;
     assert_eq!(summaries(&model).len(), 1, "asked once");
-    let result: Value =
-        serde_json::from_str(row.result_json.as_deref().unwrap_or("null")).expect("result");
-    assert_eq!(result["reason"], "context_overflow");
     assert!(
         result["error"]
             .as_str()
@@ -1100,16 +1098,15 @@ async fn a_failing_summary_is_asked_once_per_turn() {
     );
 }
 
-/// A turn whose transcript has nothing to summarise (the latest user message sits right after
-/// the protected head) still clears old tool output when it passes the threshold, and goes on
-/// without a summary request instead of overflowing.
-#[actix_rt::test]
-async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
-    let model = FakeModel::start(|body| {
+/// A model that answers `MANY` with `rounds` terminal calls, one a response, the n-th printing
+/// `bytes` bytes of the n-th letter, then `DONE_MANY`; it refuses a request of more than
+/// `most_chars` characters as too long. It acks anything else.
+fn many_rounds_model(rounds: usize, bytes: usize, most_chars: usize) -> FakeModel {
+    FakeModel::start(move |body| {
         if is_summary(body) {
             return summary_reply();
         }
-        if wire_chars(body) > 40_000 {
+        if wire_chars(body) > most_chars {
             return Reply::Status(
                 400,
                 json!({"error": {"message": "too long", "code": "context_length_exceeded"}}),
@@ -1121,21 +1118,25 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
         let results = body["messages"]
             .as_array()
             .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
-        if results < 6 {
+        if results < rounds {
+            let letter = (b'a' + results as u8) as char;
             return Reply::Message(
                 tool_call(
                     &format!("m{results}"),
                     "terminal",
-                    json!({"command": format!("head -c 8000 /dev/zero | tr '\\0' {}", (b'a' + results as u8) as char)}),
+                    json!({"command": format!("head -c {bytes} /dev/zero | tr '\\0' {letter}")}),
                 ),
                 "tool_calls",
             );
         }
         Reply::Message(json!({"role": "assistant", "content": "DONE_MANY"}), "stop")
-    });
-    let (home, _d, mut ws, sid) = tool_session(&model, 6000, (2, 1), "many").await;
+    })
+}
+
+/// `HI`, then `MANY`, each completed.
+async fn hi_then_many(home: &Home, ws: &mut Ws, sid: &str) {
     for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
-        ws.submit(&sid, id, text).await;
+        ws.submit(sid, id, text).await;
         wait_until(id, T, || home.admission(id).status == "terminal").await;
         assert_eq!(
             home.admission(id).outcome.as_deref(),
@@ -1143,6 +1144,16 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
             "{id}"
         );
     }
+}
+
+/// A turn whose transcript has nothing to summarise (the latest user message sits right after
+/// the protected head) still clears old tool output when it passes the threshold, and goes on
+/// without a summary request instead of overflowing.
+#[actix_rt::test]
+async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
+    let model = many_rounds_model(6, 8000, 40_000);
+    let (home, _d, mut ws, sid) = tool_session(&model, 6000, (2, 1), "many").await;
+    hi_then_many(&home, &mut ws, &sid).await;
     assert!(summaries(&model).is_empty(), "nothing to summarise");
     let last = main_requests(&model).last().cloned().expect("a request");
     assert_eq!(
@@ -1166,39 +1177,9 @@ async fn old_tool_output_is_cleared_when_nothing_can_be_summarised() {
 /// of the whole transcript, before).
 #[actix_rt::test]
 async fn clearing_old_tool_output_waits_for_the_turn_to_grow() {
-    const ROUNDS: usize = 12;
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            return summary_reply();
-        }
-        if last_user(body) != "MANY" {
-            return ack(body);
-        }
-        let results = body["messages"]
-            .as_array()
-            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
-        if results < ROUNDS {
-            return Reply::Message(
-                tool_call(
-                    &format!("m{results}"),
-                    "terminal",
-                    json!({"command": "head -c 2000 /dev/zero | tr '\\0' x"}),
-                ),
-                "tool_calls",
-            );
-        }
-        Reply::Message(json!({"role": "assistant", "content": "DONE_MANY"}), "stop")
-    });
+    let model = many_rounds_model(12, 2000, usize::MAX);
     let (home, _d, mut ws, sid) = tool_session(&model, 1000, (2, 2), "rounds").await;
-    for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
-        ws.submit(&sid, id, text).await;
-        wait_until(id, T, || home.admission(id).status == "terminal").await;
-        assert_eq!(
-            home.admission(id).outcome.as_deref(),
-            Some("completed"),
-            "{id}"
-        );
-    }
+    hi_then_many(&home, &mut ws, &sid).await;
     assert!(summaries(&model).is_empty(), "nothing to summarise");
     let last = main_requests(&model).last().cloned().expect("a request");
     assert!(
