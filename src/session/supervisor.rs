@@ -501,28 +501,24 @@ impl SessionSupervisor {
         if claim.is_ok() {
             self.claim_failures = 0;
         }
-        match claim {
-            Ok(Claim::Started(row)) => self.start_turn(*row, start, ctx),
-            Ok(Claim::Idle) | Ok(Claim::Busy) => {
-                if std::mem::take(&mut self.pump_again) {
-                    self.pump(ctx);
-                }
+        // Whether a pump asked for while this claim was in flight claims again now: after any
+        // answer but a start or a retry already planned (a `resolve_unknown` that freed the
+        // session, say, committed after the claim read it; else the queued inputs waited for
+        // the next submit or restart).
+        let again = match claim {
+            Ok(Claim::Started(row)) => {
+                self.start_turn(*row, start, ctx);
+                false
             }
-            // A pump asked for while this claim was in flight (a `resolve_unknown` that freed
-            // the session, say, committed after the claim read it) claims again: else the
-            // queued inputs waited for the next submit or restart.
+            Ok(Claim::Idle) | Ok(Claim::Busy) => true,
             Err(StoreError::UnknownExecution(m)) => {
                 tracing::info!(session = %self.root_id, "FIFO held: {m}");
-                if std::mem::take(&mut self.pump_again) {
-                    self.pump(ctx);
-                }
+                true
             }
             Err(StoreError::CorruptPolicy(m)) => {
                 tracing::error!(session = %self.root_id,
                     "FIFO held: {m}; its inputs stay queued until the store is repaired (then the next submit or start runs them)");
-                if std::mem::take(&mut self.pump_again) {
-                    self.pump(ctx);
-                }
+                true
             }
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
@@ -533,13 +529,15 @@ impl SessionSupervisor {
                 self.claim_failures = self.claim_failures.saturating_add(1);
                 tracing::error!(session = %self.root_id, error = %e, ?wait, "claim failed; retrying");
                 ctx.run_later(wait, |act, ctx| act.pump(ctx));
+                false
             }
             Err(e) => {
                 tracing::error!(session = %self.root_id, error = %e, "claim failed");
-                if std::mem::take(&mut self.pump_again) {
-                    self.pump(ctx);
-                }
+                true
             }
+        };
+        if again && std::mem::take(&mut self.pump_again) {
+            self.pump(ctx);
         }
         // A drain that arrived during the claim waits for it; with nothing started it is done.
         // Not while a claimed row is being put back (`requeue`): that write answers the drain,
