@@ -732,8 +732,8 @@ impl Gateway {
         store::spawn_checkpointer(&db, &db_path, Duration::from_millis(100));
         let m = &config.model;
         let model = ModelClient::start_on_own_arbiter(ModelClientConfig {
-            connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds.max(0.1)),
-            idle_timeout: Duration::from_secs_f64(m.idle_timeout_seconds.max(0.1)),
+            connect_timeout: Duration::from_secs_f64(m.connect_timeout_seconds),
+            idle_timeout: Duration::from_secs_f64(m.idle_timeout_seconds),
             max_concurrent: m.max_concurrent_requests,
             max_retries: m.max_retries,
             max_response_bytes: m.max_response_bytes,

@@ -1459,7 +1459,7 @@ impl Turn {
             stream: false,
             deltas: None,
             cancel: self.ctx.cancel.clone(),
-            timeout: Duration::from_secs_f64(aux.timeout.max(1.0)),
+            timeout: Duration::from_secs_f64(aux.timeout),
             retry: false,
         };
         let summary = match self.ctx.shared.model.send(call).await {
