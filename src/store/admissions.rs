@@ -446,10 +446,10 @@ pub fn all_with_status(
 /// without reading settled history again on every call. Each row is counted once, when it is
 /// new; a settled row never changes, so it is counted then (by SQL) and kept here; a row live
 /// then is kept by its sequence and looked up again only once it has left the live rows
-/// (through their partial index), to count its settlement. So a call reads the rows written since the last one, the
-/// live rows, and those settled since. (It used to count the rows up to the oldest live one
-/// and read every row after it on each call: one input left `unknown` for weeks made every
-/// scrape of `/metrics` read the whole ledger written since.)
+/// (through their partial index), to count its settlement. So a call reads the rows written
+/// since the last one, the live rows, and those settled since. (It used to count the rows up
+/// to the oldest live one and read every row after it on each call: one input left `unknown`
+/// for weeks made every scrape of `/metrics` read the whole ledger written since.)
 #[derive(Debug, Default)]
 pub struct LedgerTally {
     /// Every row with `seq <= scanned` has been read once.

@@ -2082,9 +2082,9 @@ mod wal_restart_tests {
         })
     }
 
-    /// When the writer cannot take a blocking caller's write (it is gone), the write runs as the writer would run it, in an immediate transaction of its own:
-    /// committed before the answer when it succeeds, undone when it fails, and not counted among
-    /// the writer's commits.
+    /// When the writer cannot take a blocking caller's write (it is gone), the write runs as the
+    /// writer would run it, in an immediate transaction of its own: committed before the answer
+    /// when it succeeds, undone when it fails, and not counted among the writer's commits.
     #[test]
     fn a_write_the_writer_cannot_take_runs_in_a_transaction_of_its_own() {
         use diesel::RunQueryDsl;
