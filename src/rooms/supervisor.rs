@@ -752,9 +752,12 @@ impl RoomRuntime {
                 }
                 continue;
             }
-            // Running now: the pass ends quietly. Queued behind another turn, it is recovered as
-            // indeterminate, and the room waits for it there, saying so.
-            if probe.running(&task.identity.task_id) {
+            // Running now, within its deadline: the pass ends quietly. Queued behind another
+            // turn, it is recovered as indeterminate, and the room waits for it there, saying so.
+            // Past its deadline the pass goes on to take the lease and recover it, and the
+            // recovered attempt is stopped (`reconcile_indeterminate`): ending the pass here
+            // held the room for as long as the member's turn ran.
+            if probe.running(&task.identity.task_id) && !self.past_deadline(&task) {
                 return Ok(false);
             }
         }
@@ -829,6 +832,13 @@ impl RoomRuntime {
                 )
             })
             .await
+    }
+
+    /// Whether `task`'s attempt has run past its turn deadline (by the store's clock, from its
+    /// start: the measure that holds across processes).
+    fn past_deadline(&self, task: &TaskView) -> bool {
+        task.started_at
+            .is_some_and(|at| self.now() >= at + self.inner.config.turn_timeout_seconds)
     }
 
     /// Stop `task`'s attempt as its turn deadline does (a stop under `deadline:<generation>`,
@@ -1087,12 +1097,7 @@ impl RoomRuntime {
                     // Still running, past its turn deadline: an attempt of this process left
                     // indeterminate when its lease lapsed mid-turn (a clock jump, a long stall)
                     // is held to its deadline all the same, not waited for without end.
-                    Ok(probe)
-                        if probe.active_for(&id.task_id)
-                            && task.started_at.is_some_and(|at| {
-                                self.now() >= at + self.inner.config.turn_timeout_seconds
-                            }) =>
-                    {
+                    Ok(probe) if probe.active_for(&id.task_id) && self.past_deadline(&task) => {
                         if self.stop_at_deadline(binding, lease, &task).await? {
                             continue;
                         }
@@ -1217,6 +1222,15 @@ impl RoomRuntime {
                                 .await?;
                             self.publish_terminal(binding, &view);
                             continue;
+                        }
+                        // Still active past its turn deadline: stopped, as a local member's
+                        // attempt is (it blocked the room for as long as the peer ran it).
+                        if probe.active_for(&id.task_id) && self.past_deadline(&task) {
+                            if self.stop_at_deadline(binding, lease, &task).await? {
+                                continue;
+                            }
+                            self.state().blocked.insert(binding.room_id.clone());
+                            return Ok(true);
                         }
                         if probe.active_for(&id.task_id) {
                             self.state().blocked.insert(binding.room_id.clone());
@@ -1959,6 +1973,19 @@ impl RoomRuntime {
             }
             let current = match self.read_task(&attempt.identity).await {
                 Ok(current) => current,
+                // Past the deadline, with the task unreadable, the watch ends: it gives back
+                // the member's turn lock and the pass's slot, and a later pass, reading the task
+                // again, begins the deadline's stop (`reattach_own_attempts`). Retrying here
+                // held both for as long as the reads failed.
+                Err(error) if self.inner.clock.monotonic() >= deadline => {
+                    self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {task_id} exceeded its deadline and cannot be read to stop                              it: {error}"
+                        ),
+                    );
+                    return None;
+                }
                 Err(error) => {
                     self.set_error(
                         &binding.room_id,

@@ -772,6 +772,94 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
     assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
 }
 
+/// An attempt of a dead process that its member still runs is held to its turn deadline, local
+/// member or peer: past it the room takes its lease, recovers the attempt and stops it. Before,
+/// every pass ended at the probe that found it running, before the lease and recovery, for as
+/// long as the member's turn ran (an approval nobody answers: for good).
+#[tokio::test]
+async fn an_abandoned_attempt_still_running_is_held_to_its_deadline() {
+    for peer in [false, true] {
+        let (db, clock, id, _attempt) = left_by_an_old_process();
+        let mut member = FakeSessionRpc::new(false);
+        member.peer = peer;
+        let member = Arc::new(member);
+        member.add_session(true, Some("task-1"), Vec::new());
+        let mut spec = Spec::new(&member).manual(&clock);
+        spec.config.turn_timeout_seconds = 60.0;
+        spec.config.lease_ttl_seconds = 30.0;
+        let runtime = spec.build(&db);
+        // Within its deadline the room waits for it, and takes no lease.
+        runtime.process_room(&binding()).await;
+        assert_eq!(status(&db, &id), TaskStatus::Running, "peer {peer}");
+        assert!(runtime.lease(ROOM_ID).is_none(), "peer {peer}");
+        clock.set(161.0);
+        runtime.process_room(&binding()).await;
+        let failed = task(&db, &id);
+        assert_eq!(failed.status, TaskStatus::Failed, "peer {peer}");
+        assert_eq!(
+            failed.result.as_ref().map(|r| r["reason_code"].clone()),
+            Some(json!("turn_deadline_exceeded")),
+            "peer {peer}: {:?}",
+            failed.result
+        );
+        assert_eq!(member.count("interrupt"), 1, "peer {peer}");
+        assert_eq!(member.count("submit"), 0, "peer {peer}");
+    }
+}
+
+/// An attempt whose task can no longer be read while it is watched ends the pass at its
+/// deadline, giving back the member's turn lock and the pass's scheduler slot; once the task
+/// reads again, a later pass stops the attempt. Before, the watch retried the read without end
+/// and never looked at the deadline, holding the lock (and so every room of the member) while
+/// the read failed.
+#[tokio::test]
+async fn an_attempt_whose_task_cannot_be_read_ends_its_pass_at_the_deadline() {
+    use diesel::RunQueryDsl;
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    // Each look at the member spoils the task's digest (mended below), so every read of it
+    // fails.
+    let store = db.db.clone();
+    let spoil = move || {
+        diesel::sql_query(
+            "UPDATE room_tasks SET payload_digest = '!' || ltrim(payload_digest, '!') \
+             WHERE task_id = 'task-1'",
+        )
+        .execute(&mut store.conn().expect("conn"))
+        .expect("spoil");
+    };
+    *lock(&rpc.on_info) = Some(Box::new(spoil));
+    let locks = RecordingTurnLocks::default();
+    let mut spec = Spec::new(&rpc);
+    spec.locks = locks.clone();
+    spec.config.active_poll_interval_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 0.05;
+    let runtime = spec.build(&db);
+    tokio::time::timeout(STOP, runtime.process_room(&binding()))
+        .await
+        .expect("the pass ends at the attempt's deadline");
+    assert!(
+        !locks.held_for(PROFILE),
+        "the member's turn lock is given back"
+    );
+    assert_eq!(rpc.count("interrupt"), 0);
+    // Readable again: the next pass stops the attempt.
+    *lock(&rpc.on_info) = None;
+    diesel::sql_query(
+        "UPDATE room_tasks SET payload_digest = ltrim(payload_digest, '!') WHERE task_id = 'task-1'",
+    )
+    .execute(&mut db.conn())
+    .expect("mend");
+    tokio::time::timeout(STOP, runtime.process_room(&binding()))
+        .await
+        .expect("the pass ends");
+    let failed = task(&db, &id);
+    assert_eq!(failed.status, TaskStatus::Failed);
+    assert_eq!(failed.cancel_id.as_deref(), Some("deadline:1"));
+    assert_eq!(rpc.count("interrupt"), 1);
+    assert_eq!(rpc.count("submit"), 1);
+}
+
 #[tokio::test]
 async fn test_turn_deadline_stops_exact_attempt_and_publishes_durable_failure() {
     let (db, id) = one_queued_task();
