@@ -540,6 +540,9 @@ pub const MIN_SECONDS: f64 = 0.001;
 /// below the semaphore's own limit (`usize::MAX >> 3`, past which the first call panicked).
 pub const MAX_CONCURRENT_REQUESTS: usize = 65_536;
 
+/// Most messages `compression.protect_first_n` or `protect_last_n` may keep out of a summary.
+pub const MAX_PROTECTED_MESSAGES: usize = 100_000;
+
 /// Bounds of `terminal.output_cap` (characters of a command's output kept for the model; up to
 /// four times as many bytes are buffered while a command runs).
 pub const MIN_OUTPUT_CAP: usize = 256;
@@ -711,6 +714,24 @@ impl Config {
         }
         if self.compression.max_attempts == 0 || self.compression.max_attempts > 10 {
             return invalid("compression.max_attempts", "expected 1 to 10");
+        }
+        // A huge value overflowed the sums a turn makes of them (a panic in the turn).
+        for (key, n) in [
+            (
+                "compression.protect_first_n",
+                self.compression.protect_first_n,
+            ),
+            (
+                "compression.protect_last_n",
+                self.compression.protect_last_n,
+            ),
+        ] {
+            if n > MAX_PROTECTED_MESSAGES {
+                return invalid(
+                    key,
+                    &format!("expected 0 to {MAX_PROTECTED_MESSAGES} messages"),
+                );
+            }
         }
         // A huge value (past the semaphore's most permits) made the first model call panic.
         if !(1..=MAX_CONCURRENT_REQUESTS).contains(&self.model.max_concurrent_requests) {
@@ -1310,6 +1331,14 @@ mod tests {
                 "model.max_concurrent_requests",
             ),
             ("terminal:\n  output_cap: 0\n", "terminal.output_cap"),
+            (
+                "compression:\n  protect_first_n: 18446744073709551615\n",
+                "compression.protect_first_n",
+            ),
+            (
+                "compression:\n  protect_last_n: 100001\n",
+                "compression.protect_last_n",
+            ),
             (
                 "model:\n  idle_timeout_seconds: 0.01\n",
                 "model.idle_timeout_seconds",
