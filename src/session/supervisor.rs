@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use actix::prelude::*;
+use futures_util::FutureExt;
 use diesel::sqlite::SqliteConnection;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
@@ -649,14 +650,34 @@ impl SessionSupervisor {
             // Boxed apart from the settlement that follows it: a future is as large as its
             // largest state, and inline the turn's (its whole life) would carry this block's
             // settlement steps beside it, a larger allocation for every parked session.
-            let outcome =
-                match tracing::Instrument::instrument(Box::pin(run_turn(turn)), span).await {
-                    // An interrupt acknowledged before the turn ended wins over a failure that raced
-                    // it, as it does over a final answer: the client was told the turn was
-                    // interrupted (a model error that came in the same poll settled `failed`).
-                    TurnOutcome::Failed { .. } if *told.borrow() => interrupted(),
-                    other => other,
-                };
+            let running = tracing::Instrument::instrument(Box::pin(run_turn(turn)), span);
+            // A panic in the turn fails the turn, settled like any failure (its row terminal,
+            // its followers told, the queue moving on). Uncaught, it ended this actor with the
+            // row `started`: the session's queue held until a restart, which found it `unknown`.
+            let outcome = match std::panic::AssertUnwindSafe(running).catch_unwind().await {
+                Ok(outcome) => outcome,
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|m| m.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(session = %root, admission = %admission_id, generation,
+                        panic = %message, "the turn panicked; it fails");
+                    TurnOutcome::Failed {
+                        error: "the turn stopped on an internal error (the gateway's log has it)"
+                            .into(),
+                        reason: "internal_error",
+                    }
+                }
+            };
+            let outcome = match outcome {
+                // An interrupt acknowledged before the turn ended wins over a failure that raced
+                // it, as it does over a final answer: the client was told the turn was
+                // interrupted (a model error that came in the same poll settled `failed`).
+                TurnOutcome::Failed { .. } if *told.borrow() => interrupted(),
+                other => other,
+            };
             // Runs on this actor's thread: no interrupt is handled between the turn's last look
             // at its cancel flag and this.
             ended.set(true);
@@ -931,7 +952,10 @@ impl Actor for SessionSupervisor {
 
 impl actix::Supervised for SessionSupervisor {
     fn restarting(&mut self, ctx: &mut Context<Self>) {
-        // After a panic the in-memory attempt is gone; its row stays started (unknown at boot).
+        // Runs only if the actor stopped itself with its mailbox still open, which the session
+        // code never does. A panic in a handler is no stop: it ends the actor, and the
+        // registry starts a new one on the next use (a panic in a turn fails the turn instead,
+        // in `begin_turn`).
         tracing::error!(session = %self.root_id, "session supervisor restarted");
         self.running = None;
         for _ in self.prompts.drain() {
