@@ -14,8 +14,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use actix::prelude::*;
-use futures_util::FutureExt;
 use diesel::sqlite::SqliteConnection;
+use futures_util::FutureExt;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
@@ -105,6 +105,9 @@ const CATCH_UP_BATCH: i64 = 1000;
 
 /// The longest wait between two tries of a claim while the store is down.
 const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
+/// First and longest wait between tries to put a claimed row back during a drain (`unclaim`).
+const UNCLAIM_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(50);
+const UNCLAIM_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct SessionSupervisor {
     shared: Arc<Shared>,
@@ -574,8 +577,22 @@ impl SessionSupervisor {
     fn requeue(&mut self, row: AdmissionRow, generation: i64, ctx: &mut Context<Self>) {
         tracing::info!(session = %self.root_id, admission = %row.admission_id, generation, "claimed as the drain began; queued again");
         self.maybe_queued = true;
-        self.write_started();
         self.claiming = true;
+        self.unclaim(row, generation, UNCLAIM_RETRY_FIRST, ctx);
+    }
+
+    /// Put a claimed row back (`requeue`). A failure of the store is retried (the drain waits,
+    /// within its own time) until the row is queued again; if the stop comes first the row stays
+    /// `started`, and the next boot holds it `unknown` for the operator. Neither runs it twice.
+    /// Once, a failure here settled the input `interrupted`, though nothing of it had run.
+    fn unclaim(
+        &mut self,
+        row: AdmissionRow,
+        generation: i64,
+        backoff: std::time::Duration,
+        ctx: &mut Context<Self>,
+    ) {
+        self.write_started();
         let (shared, root, admission) = (
             self.shared.clone(),
             self.root_id.clone(),
@@ -586,26 +603,29 @@ impl SessionSupervisor {
             .db
             .write(move |c| admissions::unclaim(c, epoch, &root, &admission, generation, now));
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
-            act.claiming = false;
             match act.answered(res, ctx) {
-                Ok(_) => {
-                    for w in act.drain_waiters.drain(..) {
-                        let _ = w.send(());
-                    }
+                Ok(_) => {}
+                Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
+                    tracing::warn!(session = %act.root_id, admission = %row.admission_id, generation, error = %e, ?backoff,
+                        "could not queue the claimed input again; retrying");
+                    let next = (backoff * 2).min(UNCLAIM_RETRY_MAX);
+                    ctx.run_later(backoff, move |act, ctx| {
+                        act.unclaim(row, generation, next, ctx)
+                    });
+                    return;
                 }
+                // Fenced out (a newer epoch, or no longer this attempt): nothing of it is ours.
                 Err(e) => {
-                    // Not put back: end the attempt the old way, interrupted before it ran.
                     tracing::error!(session = %act.root_id, admission = %row.admission_id, generation, error = %e,
-                        "could not queue the claimed input again");
-                    act.begin_turn(row, generation, None, ctx);
-                    // Told to stop before its first step: the drain's grace is for turns that
-                    // were running, and this one was put back for not having begun.
-                    if let Some(running) = &act.running {
-                        let _ = running.cancel.send(true);
-                    }
+                        "the claimed input was not queued again: the store no longer holds this claim");
                 }
             }
+            act.claiming = false;
+            for w in act.drain_waiters.drain(..) {
+                let _ = w.send(());
+            }
             act.answer_held_interrupts(ctx);
+            act.report_idle();
         }));
     }
 

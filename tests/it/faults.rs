@@ -849,7 +849,7 @@ async fn storage_disk_full_refuses_writes_then_recovers() {
 struct Stored {
     model: ChaosModel,
     home: Home,
-    _daemon: Daemon,
+    daemon: Daemon,
     ws: Ws,
     sid: String,
 }
@@ -872,7 +872,7 @@ async fn stored_with(name: &str, extra: Value) -> Stored {
     Stored {
         model,
         home,
-        _daemon: daemon,
+        daemon,
         ws,
         sid,
     }
@@ -998,9 +998,9 @@ async fn storage_read_only_database_refuses_writes_then_recovers() {
 /// is no longer in the file the next start reads, so it is not acknowledged (`storage_unavailable`),
 /// nothing more is committed, `/readyz` says why, and the metrics show it.
 #[actix_rt::test]
-async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
+async fn storage_file_moved_away_under_thedaemon_acknowledges_nothing_more() {
     let mut s = stored("moved").await;
-    let origin = s._daemon.origin();
+    let origin = s.daemon.origin();
     assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 1.0);
     let (db, away) = (
         s.home.path.join("state.db"),
@@ -1045,9 +1045,9 @@ async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
 /// Another process took the home's authority (its epoch is newer): the daemon's writes are
 /// refused in SQL, and it says so on `/readyz` instead of staying ready while it refuses all.
 #[actix_rt::test]
-async fn a_daemon_whose_authority_was_taken_is_not_ready() {
+async fn adaemon_whose_authority_was_taken_is_not_ready() {
     let mut s = stored("deposed").await;
-    let origin = s._daemon.origin();
+    let origin = s.daemon.origin();
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
     s.home.move_epoch_on();
     let sid = s.sid.clone();
@@ -1104,4 +1104,93 @@ async fn an_endpoint_that_refuses_to_stream_is_asked_plainly() {
             ("two".to_string(), false)
         ]
     );
+}
+
+/// An input claimed just as a graceful stop begins is put back `queued` (nothing of it ran) and
+/// runs once after the restart, even when putting it back fails at first: the stop retries the
+/// write. Before, a failed put-back settled the input `interrupted` without its ever running.
+///
+/// The claim is held in flight in the writer (a trigger makes it slow) while the stop begins,
+/// and putting it back is refused until the test has seen the refusal logged.
+#[actix_rt::test]
+async fn a_claim_the_stop_cannot_put_back_at_first_is_queued_again_not_interrupted() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let mut s = stored("unclaim").await;
+    let mut outside =
+        SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy()).expect("open");
+    // A claim takes about a second (a join of 4,000 × 4,000 rows); putting a claimed row back
+    // is refused.
+    outside
+        .batch_execute(
+            "PRAGMA busy_timeout = 10000;
+             CREATE TABLE burn(x INTEGER);
+             WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 4000)
+                INSERT INTO burn SELECT x FROM n;
+             CREATE TRIGGER slow_claim BEFORE UPDATE OF status ON session_admissions
+                WHEN OLD.status = 'queued' AND NEW.status = 'started'
+                BEGIN SELECT sum(a.x * b.x) FROM burn a, burn b; END;
+             CREATE TRIGGER no_unclaim BEFORE UPDATE OF status ON session_admissions
+                WHEN OLD.status = 'started' AND NEW.status = 'queued'
+                BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;",
+        )
+        .expect("triggers");
+    let sid = s.sid.clone();
+    // Not waiting for the reply: an idle session's claim commits with the admission, and the
+    // stop must begin while that write is in the writer, which holds the write lock while it
+    // lasts.
+    s.ws.send_raw(
+        json!({"jsonrpc": "2.0", "id": "x", "method": "prompt.submit",
+               "params": {"session_id": sid, "input_id": "X", "text": "X"}})
+        .to_string(),
+    )
+    .await;
+    let busy = |c: &mut SqliteConnection| {
+        let taken = c
+            .batch_execute("PRAGMA busy_timeout = 0; BEGIN IMMEDIATE")
+            .is_err();
+        if !taken {
+            c.batch_execute("ROLLBACK").expect("release");
+        }
+        taken
+    };
+    let mut probe =
+        SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy()).expect("open");
+    wait_until("the claim in the writer", T, || {
+        busy(&mut probe) && {
+            std::thread::sleep(Duration::from_millis(100));
+            busy(&mut probe)
+        }
+    })
+    .await;
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(s.daemon.child.id() as i32, libc::SIGTERM);
+    }
+    wait_until("the put-back refused", T, || {
+        s.home
+            .log()
+            .contains("could not queue the claimed input again; retrying")
+    })
+    .await;
+    outside
+        .batch_execute("DROP TRIGGER no_unclaim")
+        .expect("lift the refusal");
+    let mut exited = None;
+    wait_until("the stop", T, || {
+        exited = s.daemon.child.try_wait().ok().flatten();
+        exited.is_some()
+    })
+    .await;
+    assert_eq!(exited.and_then(|e| e.code()), Some(0), "{}", s.home.log());
+    let x = s.home.admission("X");
+    assert_eq!(x.status, "queued", "{x:?}");
+    assert_eq!(s.model.attempts("X"), 0);
+    outside
+        .batch_execute("DROP TRIGGER slow_claim")
+        .expect("drop");
+    let _restarted = Daemon::start(&s.home);
+    wait_until("X", T, || s.home.admission("X").status == "terminal").await;
+    assert_eq!(s.home.admission("X").outcome.as_deref(), Some("completed"));
+    assert_eq!(s.model.attempts("X"), 1);
 }
