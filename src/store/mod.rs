@@ -267,10 +267,16 @@ where
     use diesel::RunQueryDsl;
     hot_sql!("SAVEPOINT write_tx", &[]).execute(conn)?;
     match f(conn) {
-        Ok(v) => {
-            hot_sql!("RELEASE write_tx", &[]).execute(conn)?;
-            Ok(v)
-        }
+        Ok(v) => match hot_sql!("RELEASE write_tx", &[]).execute(conn) {
+            Ok(_) => Ok(v),
+            // The write's statements would stay in the batch's transaction and commit with it,
+            // its caller told it failed: none of the batch may commit (as below).
+            Err(r) => {
+                tracing::error!(error = %r, "cannot release a write's savepoint");
+                let _ = conn.batch_execute("ROLLBACK");
+                Err(r.into())
+            }
+        },
         Err(e) => {
             // Undo this write's statements; the batch's transaction goes on with the others.
             let undone = hot_sql!("ROLLBACK TO write_tx", &[])
