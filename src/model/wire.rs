@@ -130,6 +130,7 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
         finish_reason: choice
             .get("finish_reason")
             .and_then(|f| f.as_str())
+            .filter(|f| !f.is_empty() && *f != "null")
             .unwrap_or("stop")
             .to_string(),
         usage: body
@@ -209,7 +210,14 @@ impl StreamAccumulator {
         let Some(choice) = chunk.get("choices").and_then(|c| c.get(0)) else {
             return Ok(delta_out);
         };
-        if let Some(f) = choice.get("finish_reason").and_then(|f| f.as_str()) {
+        // Some servers send `""` (or the text `"null"`) on every chunk before the last: no reason
+        // yet. Taken as one, the answer counted as ended at its first chunk, and a pause or a
+        // dropped connection after it stored what had come as the whole answer.
+        if let Some(f) = choice
+            .get("finish_reason")
+            .and_then(|f| f.as_str())
+            .filter(|f| !f.is_empty() && *f != "null")
+        {
             self.finish_reason = Some(f.to_string());
         }
         let Some(delta) = choice.get("delta").or_else(|| choice.get("message")) else {
@@ -382,6 +390,30 @@ mod tests {
                 ("c".to_string(), "{}".to_string()),
             ]
         );
+    }
+
+    /// `finish_reason: ""` (or the text `"null"`) on the chunks before the last is no reason:
+    /// the answer has not ended until a real one comes. It counted as ended at the first chunk.
+    #[test]
+    fn an_empty_finish_reason_is_none() {
+        let mut acc = StreamAccumulator::default();
+        for (text, reason) in [("Hel", ""), ("lo", "null")] {
+            acc.apply(&json!({"choices":[{"delta":{"content":text},"finish_reason":reason}]}))
+                .expect("chunk");
+            assert!(!acc.finished(), "{reason:?} is no finish_reason");
+        }
+        acc.apply(&json!({"choices":[{"delta":{},"finish_reason":"length"}]}))
+            .expect("chunk");
+        assert!(acc.finished());
+        let r = acc.finish();
+        assert_eq!(
+            (r.content.as_deref(), r.finish_reason.as_str()),
+            (Some("Hello"), "length")
+        );
+        let plain =
+            parse_response(&json!({"choices":[{"message":{"content":"hi"},"finish_reason":""}]}))
+                .expect("reply");
+        assert_eq!(plain.finish_reason, "stop");
     }
 
     #[test]
