@@ -14,6 +14,7 @@ use tokio::sync::{watch, Semaphore};
 
 use super::sse::SseParser;
 use super::wire::{parse_response, ChatResponse, StreamAccumulator};
+use crate::tools::redact::redact;
 
 /// Why a model call failed.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
@@ -88,7 +89,9 @@ const OVERFLOW_PHRASES: &[&str] = &[
 /// Classify an HTTP error status and body.
 pub fn classify(status: u16, body: &str) -> ModelError {
     let lower = body.to_lowercase();
-    let snippet: String = body.chars().take(500).collect();
+    // Masked first (a proxy that echoes the request echoes its key): the snippet goes to the
+    // log, the transcript, the receipt and every follower.
+    let snippet: String = redact(body).chars().take(500).collect();
     let overflow_phrase = OVERFLOW_PHRASES.iter().any(|p| lower.contains(p));
     if status == 413 || (status == 400 && overflow_phrase) {
         return ModelError::ContextOverflow(snippet);
@@ -232,7 +235,7 @@ impl Handler<ChatCall> for ModelClient {
                 }
                 if let Some(skipped) = SLOT_WAIT_LOG.admit() {
                     tracing::warn!(
-                        endpoint = %key, slots = config.max_concurrent, skipped,
+                        endpoint = %without_userinfo(&key), slots = config.max_concurrent, skipped,
                         "every request slot of the model endpoint is taken; the call waits \
                          (model.max_concurrent_requests)"
                     );
@@ -347,6 +350,20 @@ async fn call_with_retries(
     }
 }
 
+/// `url` without the user and password it may carry (`https://user:key@host/v1`), for the log.
+fn without_userinfo(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.into();
+    };
+    let authority_end = url[scheme_end..]
+        .find('/')
+        .map_or(url.len(), |i| scheme_end + i);
+    match url[scheme_end..authority_end].rfind('@') {
+        Some(at) => format!("{}…{}", &url[..scheme_end], &url[scheme_end + at..]).into(),
+        None => url.into(),
+    }
+}
+
 /// Does a refusal say that the endpoint does not stream ("stream not supported",
 /// "streaming is not available for this model", …)?
 fn refuses_streaming(message: &str) -> bool {
@@ -365,6 +382,13 @@ fn refuses_streaming(message: &str) -> bool {
             "not available",
             "does not support",
             "not allowed",
+            // A server that takes no field it does not know refuses the streaming options
+            // (`stream_options`): every streamed turn failed there.
+            "not permitted",
+            "extra_forbidden",
+            "unrecognized",
+            "unknown parameter",
+            "unknown field",
         ]
         .iter()
         .any(|p| m.contains(p))
@@ -512,6 +536,7 @@ async fn one_call(
     let mut total = 0usize;
     let mut done = false;
     let mut saw_done = false;
+    let mut at_end = false;
     while !done {
         // Once a chunk has said why the answer ended, what may still come is its usage and
         // `[DONE]`: a server that falls silent then has answered (the turn failed at the idle
@@ -538,7 +563,14 @@ async fn one_call(
             None => {
                 let rest = parser.finish();
                 done = true;
+                at_end = true;
                 rest
+            }
+            // The answer had ended (its finish_reason came): what was lost after it is at most
+            // its usage and `[DONE]`, as with a server that falls silent there.
+            Some(Err(e)) if acc.finished() => {
+                tracing::debug!(error = %e, "the stream broke after its finish_reason; taken as ended");
+                break;
             }
             Some(Err(e)) => return Err(ModelError::Transient(format!("stream: {e}"))),
             Some(Ok(bytes)) => {
@@ -557,8 +589,13 @@ async fn one_call(
                 saw_done = true;
                 break;
             }
-            let chunk: Value = serde_json::from_str(&data)
-                .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
+            let chunk: Value = match serde_json::from_str(&data) {
+                Ok(chunk) => chunk,
+                // An event cut short by the body's end after the answer had ended (its usage,
+                // say) is no part of the answer.
+                Err(_) if at_end && acc.finished() => break,
+                Err(e) => return Err(ModelError::Malformed(format!("SSE chunk: {e}"))),
+            };
             let delta = acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
             if let Some(sink) = &call.deltas {
                 if let Some(text) = delta.content {
@@ -644,7 +681,7 @@ fn classify_in_band(error: &str) -> ModelError {
     }
     let lower = error.to_lowercase();
     let says = |phrases: &[&str]| phrases.iter().any(|p| lower.contains(p));
-    let snippet: String = error.chars().take(500).collect();
+    let snippet: String = redact(error).chars().take(500).collect();
     if says(OVERFLOW_PHRASES) {
         ModelError::ContextOverflow(snippet)
     } else if says(RATE_PHRASES) {
@@ -778,11 +815,30 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_says_no_secret_and_a_logged_endpoint_no_userinfo() {
+        let key = "sk-abcdefghijklmnopqrstuvwxyz0123";
+        for error in [
+            classify(400, &format!("echo: Authorization: Bearer {key}")),
+            classify_in_band(&format!(r#"{{"message":"bad key {key}"}}"#)),
+        ] {
+            assert!(!error.to_string().contains(key), "{error}");
+        }
+        assert_eq!(
+            without_userinfo("openai|https://me:sk-secret@host:8/v1"),
+            "openai|https://…@host:8/v1"
+        );
+        assert_eq!(without_userinfo("p|http://host/v1"), "p|http://host/v1");
+        assert_eq!(without_userinfo("echo|"), "echo|");
+    }
+
+    #[test]
     fn a_refusal_to_stream_is_told_from_other_refusals() {
         for m in [
             "Streaming is not supported for this model",
             "stream: unsupported parameter",
             "This endpoint does not support streaming",
+            r#"HTTP 422: {"object":"error","message":{"detail":[{"type":"extra_forbidden","loc":["body","stream_options","include_usage"],"msg":"Extra inputs are not permitted"}]}}"#,
+            "Unrecognized request argument supplied: stream_options",
         ] {
             assert!(refuses_streaming(m), "{m}");
         }

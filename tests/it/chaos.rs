@@ -44,6 +44,9 @@ pub enum Fault {
     RetryAfter(u32),
     /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
     SilentAfterFinish(String),
+    /// A whole streamed answer with its finish_reason, then the body cut short: the connection
+    /// closes with neither `[DONE]` nor the chunked body's last chunk.
+    CutAfterFinish(String),
     /// One small delta every `every`, never finishing.
     Drip(Duration),
     /// An SSE event whose data is not JSON.
@@ -320,6 +323,15 @@ fn answer(
             let last = finish();
             chunk(stream, last.trim_end_matches("data: [DONE]\n\n"))?;
             hold(stream, stop, Duration::from_secs(60), None)
+        }
+        Fault::CutAfterFinish(content) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &delta(&content))?;
+            let last = finish();
+            chunk(stream, last.trim_end_matches("data: [DONE]\n\n"))?;
+            // Half a usage chunk, then the close.
+            chunk(stream, "data: {\"choices\": [], \"usage\": {\"prompt_")?;
+            stream.flush()
         }
         Fault::Drip(every) => {
             stream.write_all(SSE_HEAD.as_bytes())?;

@@ -418,6 +418,26 @@ async fn a_stream_silent_after_its_finish_reason_has_answered() {
     .await;
 }
 
+/// A stream whose body is cut short after its finish_reason (half a usage chunk, no `[DONE]`,
+/// no end of the chunked body) has answered as well. Before, the broken body failed the turn
+/// (not asked again, as the client had been shown the answer).
+#[actix_rt::test]
+async fn a_stream_cut_after_its_finish_reason_has_answered() {
+    fault_case(
+        "cut-after-finish",
+        |_| Fault::CutAfterFinish("ACK_FAULT".into()),
+        json!({}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
 /// `model.timeout_seconds` bounds the whole call, retries included: a model that sends nothing
 /// (or drips) past it fails the turn after one attempt. Before, every attempt had the whole
 /// timeout and a timed-out attempt was retried, so a silent model held the session four times
@@ -1064,46 +1084,59 @@ async fn adaemon_whose_authority_was_taken_is_not_ready() {
 }
 
 /// An endpoint that refuses to stream is asked once more without streaming, and plainly from
-/// then on (the turn completes; the next turn costs one request).
+/// then on (the turn completes; the next turn costs one request). One that refuses the
+/// streaming options as fields it does not take is such an endpoint too: every streamed turn
+/// failed there.
 #[actix_rt::test]
 async fn an_endpoint_that_refuses_to_stream_is_asked_plainly() {
-    let model = FakeModel::start(|body| {
-        if body["stream"] == true {
-            return Reply::Status(
-                400,
-                json!({"error": {"message": "Streaming is not supported for this model", "type": "invalid_request_error"}}),
+    for (status, refusal) in [
+        (
+            400,
+            json!({"error": {"message": "Streaming is not supported for this model", "type": "invalid_request_error"}}),
+        ),
+        (
+            422,
+            json!({"object": "error", "message": {"detail": [{"type": "extra_forbidden",
+                "loc": ["body", "stream_options", "include_usage"], "msg": "Extra inputs are not permitted"}]}}),
+        ),
+    ] {
+        let refused = refusal.clone();
+        let model = FakeModel::start(move |body| {
+            if body["stream"] == true {
+                return Reply::Status(status, refused.clone());
+            }
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
+        });
+        let (home, d) = Daemon::with_model(&model, json!({"model": {"stream": true}}));
+        let mut ws = d.ws().await;
+        let sid = ws.session("plain", &home.path).await;
+        for text in ["one", "two"] {
+            ws.submit(&sid, text, text).await;
+            wait_until(text, T, || home.admission(text).status == "terminal").await;
+            assert_eq!(
+                home.admission(text).outcome.as_deref(),
+                Some("completed"),
+                "{text} after {refusal}"
             );
         }
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
-            "stop",
-        )
-    });
-    let (home, d) = Daemon::with_model(&model, json!({"model": {"stream": true}}));
-    let mut ws = d.ws().await;
-    let sid = ws.session("plain", &home.path).await;
-    for text in ["one", "two"] {
-        ws.submit(&sid, text, text).await;
-        wait_until(text, T, || home.admission(text).status == "terminal").await;
+        let streamed: Vec<(String, bool)> = model
+            .requests()
+            .iter()
+            .map(|b| (last_user(b), b["stream"] == true))
+            .collect();
         assert_eq!(
-            home.admission(text).outcome.as_deref(),
-            Some("completed"),
-            "{text}"
+            streamed,
+            [
+                ("one".to_string(), true),
+                ("one".to_string(), false),
+                ("two".to_string(), false)
+            ],
+            "{refusal}"
         );
     }
-    let streamed: Vec<(String, bool)> = model
-        .requests()
-        .iter()
-        .map(|b| (last_user(b), b["stream"] == true))
-        .collect();
-    assert_eq!(
-        streamed,
-        [
-            ("one".to_string(), true),
-            ("one".to_string(), false),
-            ("two".to_string(), false)
-        ]
-    );
 }
 
 /// An input claimed just as a graceful stop begins is put back `queued` (nothing of it ran) and
