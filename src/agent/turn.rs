@@ -464,7 +464,20 @@ impl Turn {
                         reason: "model_error",
                     });
                 }
-                if retry.continuations < MAX_MODEL_RETRIES {
+                // Cut off before any of the answer came (a reasoning model that spent the whole
+                // output limit thinking): asking again sent the same request, up to seven times
+                // at the full limit each, and then "completed" with no answer.
+                let progress = response.content.as_deref().is_some_and(|c| !c.is_empty());
+                if !progress && retry.partial.is_empty() {
+                    return Ok(TurnOutcome::Failed {
+                        error: "model request failed: the output limit was reached before any \
+                                answer came (finish_reason length)"
+                            .into(),
+                        reason: "model_error",
+                    });
+                }
+                // A continuation that added nothing ends the answer where it stopped.
+                if progress && retry.continuations < MAX_MODEL_RETRIES {
                     retry.continuations += 1;
                     retry
                         .partial

@@ -1993,7 +1993,7 @@ async fn identical_tool_calls_in_one_response_run_once() {
 }
 
 /// Bad answers are asked for again, as many as three times: an answer cut off by the output
-/// limit goes on where it stopped, an empty one is asked again, unparsable tool arguments are
+/// limit goes on where it stopped (one cut off before any answer came fails), an empty one is asked again, unparsable tool arguments are
 /// asked again before anything runs or is kept; a tool named in another case runs; calls only to
 /// tools that do not exist end the turn after three rounds; a cut-off tool call never runs.
 #[actix_rt::test]
@@ -2042,6 +2042,11 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
             ("LONG" | "LONGTOOL", _) => say("part one, ", "length"),
             ("EMPTY", 1 | 2) => say("", "stop"),
             ("FILTERED", _) => say("", "content_filter"),
+            // A reasoning model that spends the whole output limit thinking.
+            ("THINK", _) => Reply::Message(
+                json!({"role": "assistant", "content": "", "reasoning_content": "hmm, let me see"}),
+                "length",
+            ),
             ("EMPTY", _) => say("at last", "stop"),
             ("BADJSON", 1) => Reply::Message(
                 json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0, "id": "b1",
@@ -2068,7 +2073,7 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
     let sid = ws.session("retries", &home.path).await;
     let mut results = HashMap::new();
     for id in [
-        "LONG", "LONGTOOL", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT", "FILTERED",
+        "LONG", "LONGTOOL", "EMPTY", "BADJSON", "CASE", "NOPE", "CUT", "FILTERED", "THINK",
     ] {
         ws.submit(&sid, id, id).await;
         let row = settled(&home, id).await;
@@ -2121,6 +2126,19 @@ async fn bad_model_answers_are_asked_for_again_within_bounds() {
         "{}",
         after_tool[0]
     );
+
+    // Cut off before any answer came: asking again would send the same request (there is no
+    // text to go on from), so the turn fails at once.
+    assert_eq!(results["THINK"].0.as_deref(), Some("failed"));
+    assert_eq!(results["THINK"].1["reason"], "model_error");
+    assert!(
+        results["THINK"].1["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("output limit")),
+        "{}",
+        results["THINK"].1
+    );
+    assert_eq!(count("THINK"), 1);
 
     assert_eq!(answer("EMPTY").as_deref(), Some("at last"));
     assert_eq!(count("EMPTY"), 3, "two empty answers asked again");
