@@ -396,6 +396,13 @@ impl Actor for Forwarder {
 impl Handler<PushEvent> for Forwarder {
     type Result = ();
     fn handle(&mut self, m: PushEvent, ctx: &mut Context<Self>) {
+        // Events this feed was sent were lost on the way (its mailbox was full, or the session
+        // could not read them from its log): the reader reads the log to catch up. Ignored, a
+        // lost batch that ended the session's events (its `message.complete`) was never sent.
+        if m.is_lost() {
+            self.lagged.store(true, Ordering::SeqCst);
+            return;
+        }
         for frame in m.0.iter() {
             match self.tx.try_send(frame.clone()) {
                 Ok(()) => {}

@@ -751,10 +751,15 @@ impl Authority {
             return Ok(None);
         };
         let sup = self.supervisor(root).await?;
-        sup.do_send(Subscribe {
+        // Subscribed before the snapshot is read, not merely asked to be: an event the
+        // supervisor delivered between the two (its write's answer handled before the
+        // subscription) was in neither the snapshot nor the live stream.
+        sup.send(Subscribe {
             conn_id: caller.conn_id,
             recipient: r.clone(),
-        });
+        })
+        .await
+        .map_err(|_| GatewayError::Internal("session supervisor unavailable".into()))?;
         Ok(Some(sup))
     }
 

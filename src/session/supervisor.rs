@@ -97,11 +97,16 @@ struct Outbox {
     in_flight: usize,
     /// Live events held behind them.
     held: Vec<(&'static str, Value)>,
+    /// A read of the log is under way (or waited for, after one failed).
     catching_up: bool,
+    /// Reads of the log that failed in a row.
+    catch_up_failures: u32,
 }
 
 /// How many events one catch-up read of the log fetches.
 const CATCH_UP_BATCH: i64 = 1000;
+/// Tries of a catch-up read before its gap is given up (its followers told events were lost).
+const CATCH_UP_TRIES: u32 = 4;
 
 /// The longest wait between two tries of a claim while the store is down.
 const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
@@ -339,9 +344,10 @@ impl SessionSupervisor {
                 .await
         };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
-            act.outbox.catching_up = false;
             let more = match res {
                 Ok(s) => {
+                    act.outbox.catching_up = false;
+                    act.outbox.catch_up_failures = 0;
                     for row in s.events {
                         if act.outbox.sent.is_none_or(|sent| row.seq > sent) {
                             act.outbox.waiting.insert(row.seq, row);
@@ -349,8 +355,31 @@ impl SessionSupervisor {
                     }
                     s.has_more
                 }
+                // Asked again after a pause (still catching up meanwhile, so nothing else asks).
+                // Taking one failed read for the end of the log skipped the gap for good, and
+                // every follower missed its events without a word.
+                Err(e) if act.outbox.catch_up_failures + 1 < CATCH_UP_TRIES => {
+                    act.outbox.catch_up_failures += 1;
+                    let wait = std::time::Duration::from_millis(100)
+                        * 2u32.pow(act.outbox.catch_up_failures - 1);
+                    tracing::warn!(session = %act.root_id, error = %e, ?wait,
+                        "cannot read the event log; trying again");
+                    ctx.run_later(wait, |act, ctx| {
+                        act.outbox.catching_up = false;
+                        act.flush(ctx);
+                    });
+                    return;
+                }
+                // Given up: the gap is passed over, and each follower is told events were lost
+                // (a WebSocket is closed, to resume; a REST stream reads the log itself).
                 Err(e) => {
-                    tracing::error!(session = %act.root_id, error = %e, "cannot read the event log");
+                    act.outbox.catching_up = false;
+                    act.outbox.catch_up_failures = 0;
+                    tracing::error!(session = %act.root_id, error = %e,
+                        "cannot read the event log; its followers are told events were lost");
+                    for r in act.subscribers.values() {
+                        r.do_send(PushEvent::lost());
+                    }
                     false
                 }
             };
