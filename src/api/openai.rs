@@ -381,10 +381,11 @@ async fn derived_thread(
             if let Some(session) = recorded(authority, principal, &previous).await? {
                 let (s, p, answer) = (session.clone(), principal.to_string(), answer.clone());
                 let input = input_id_of(&previous);
+                let question = before.last().map(|(_, t)| t.clone()).unwrap_or_default();
                 let there = authority
                     .shared
                     .db
-                    .read(move |c| threads::left_at(c, &s, &p, &input, &answer))
+                    .read(move |c| threads::left_at(c, &s, &p, (&input, &question), &answer))
                     .await?;
                 if there {
                     return Ok((Thread::Existing(session), key));

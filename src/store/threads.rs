@@ -63,37 +63,50 @@ pub fn record(
 }
 
 /// Is `session` where a conversation left it: its last admission is `principal`'s input named
-/// `request` (or a later attempt of it, `request` + `-N`), completed with the final answer
-/// `answer`?
+/// `request` (or a later attempt of it, `request` + `-N`), or one whose text is `question`
+/// (the previous request's, sent under its own `Idempotency-Key`, which named its input),
+/// completed with the final answer `answer`?
 pub fn left_at(
     conn: &mut SqliteConnection,
     session: &str,
     principal: &str,
-    request: &str,
+    (request, question): (&str, &str),
     answer: &str,
 ) -> Result<bool, StoreError> {
     let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
         return Ok(false);
     };
-    let last: Option<(String, String, Option<String>, Option<String>)> = sa::table
+    type Last = (String, String, String, Option<String>, Option<String>);
+    let last: Option<Last> = sa::table
         .filter(sa::session_ordinal.eq(ordinal))
         .order(sa::seq.desc())
         .select((
             sa::request_id,
             sa::principal_id,
+            sa::payload_json,
             sa::outcome,
             sa::result_json,
         ))
         .first(conn)
         .optional()?;
-    let Some((request_id, owner, outcome, result)) = last else {
+    let Some((request_id, owner, payload, outcome, result)) = last else {
         return Ok(false);
+    };
+    // A keyed request's input is named by its key, not by its conversation: it is known by its
+    // text (the session is the one recorded for the previous request's conversation, and its
+    // last input has that request's question and the answer the client sends back). Before, a
+    // client that sent each request with a key of its own started a new session every turn.
+    let same_text = || {
+        serde_json::from_str::<serde_json::Value>(&payload)
+            .ok()
+            .is_some_and(|p| p["text"].as_str() == Some(question))
     };
     let same_input = request_id == request
         || request_id
             .strip_prefix(request)
             .and_then(|rest| rest.strip_prefix('-'))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        || same_text();
     let final_response = result
         .as_deref()
         .and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok())

@@ -2130,6 +2130,22 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     assert_eq!(again.status, 200, "{}", again.body);
     assert_eq!(again.body["id"], first_body.body["id"]);
     assert_eq!(model.reached("first body"), 1);
+    // A client that sends each request under a key of its own goes on where its conversation
+    // left off, as one sending none does (each such request started a new session, holding a
+    // copy of the conversation so far).
+    let next = chat(
+        &api.with("idempotency-key", "another-request"),
+        json!({"messages": [{"role": "user", "content": "first body"},
+                            {"role": "assistant", "content": "ACK_first body"},
+                            {"role": "user", "content": "keyed follow-up"}]}),
+    )
+    .await;
+    assert_eq!(next.status, 200, "{}", next.body);
+    assert_eq!(session_of(&next), session_of(&first_body));
+    assert_eq!(
+        user_texts(&asked("keyed follow-up")),
+        ["first body", "keyed follow-up"]
+    );
 
     // A turn that failed is asked again when the same request comes again.
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
