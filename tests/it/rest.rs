@@ -1158,7 +1158,8 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
     let home = Home::new();
     home.write_config(&keyed(
         &model,
-        json!({"profiles": {"ops": {"model": "ops-model"}, "dev": {"model": "dev-model"}}}),
+        json!({"profiles": {"ops": {"model": "ops-model", "toolsets": ["terminal", "clarify"]},
+                            "dev": {"model": "dev-model"}}}),
     ));
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);
@@ -1183,6 +1184,17 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
         );
         seen.push(session);
     }
+    // A profile that offers `clarify` does not offer it to a chat completion's session, which
+    // has nobody to answer it (its turn waited out `agent.clarify_timeout`).
+    let tools: Vec<String> = model
+        .requests()
+        .iter()
+        .filter(|b| b["model"] == "ops-model")
+        .flat_map(|b| b["tools"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
+        .collect();
+    assert!(tools.iter().any(|t| t == "terminal"), "{tools:?}");
+    assert!(!tools.iter().any(|t| t == "clarify"), "{tools:?}");
 
     let named = api.with("x-gatehouse-session", "work");
     let first = chat(&named, json!({"model": "ops", "messages": conversation})).await;
