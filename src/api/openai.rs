@@ -939,7 +939,10 @@ pub async fn chat_completions(
                             let revoked = ChatFailure::from(ApiError::unauthorized(
                                 "the API key was revoked (or the token expired)",
                             ));
-                            let _ = out.send(data(&*revoked.body)).await;
+                            // Then `[DONE]`, as every stream of this route ends.
+                            if out.send(data(&*revoked.body)).await.is_ok() {
+                                let _ = out.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                            }
                             return;
                         }
                         if out.send(Bytes::from_static(b": keep-alive\n\n")).await.is_err() {

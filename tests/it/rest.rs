@@ -1914,6 +1914,7 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
     // completion timeout: 300 s).
     let (body, took) = streaming.await.expect("the completion");
     assert!(body.contains("revoked"), "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
     assert!(took < Duration::from_secs(20), "{took:?}");
     // The other key's stream still carries its session's events.
     let a = other.submit(&kept, "still", "still").await;
