@@ -388,7 +388,15 @@ async fn derived_thread(
                     .read(move |c| threads::left_at(c, &s, &p, (&input, &question), &answer))
                     .await?;
                 if there {
-                    return Ok((Thread::Existing(session), key));
+                    let (p, k, now) = (principal.to_string(), key.clone(), authority.shared.now());
+                    let claimed = authority
+                        .shared
+                        .db
+                        .write(move |c| threads::claim_next(c, &p, &previous, &k, now))
+                        .await?;
+                    if claimed {
+                        return Ok((Thread::Existing(session), key));
+                    }
                 }
             }
         }

@@ -62,6 +62,24 @@ pub fn record(
     })
 }
 
+/// Claim, for the request whose conversation's key is `key`, the going on from the request
+/// whose key is `previous`: whether it is this request's (the first to claim it, or this same
+/// request again). Two requests that go on from the same one at once (two branches of a
+/// conversation, or two end users' identical openings) both found the session where the
+/// conversation left off, and both went on in it, each turn seeing the other's message: only
+/// the claim's holder goes on there now. The claim is a record of its own, `next-<previous>`,
+/// holding the claimant's key where a record holds a session id.
+pub fn claim_next(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    previous: &str,
+    key: &str,
+    now: f64,
+) -> Result<bool, StoreError> {
+    let claims = record(conn, principal, &[format!("next-{previous}")], key, now)?;
+    Ok(claims.first().is_some_and(|holder| holder == key))
+}
+
 /// Is `session` where a conversation left it: its last admission is `principal`'s input named
 /// `request` (or a later attempt of it, `request` + `-N`), or one whose text is `question`
 /// (the previous request's, sent under its own `Idempotency-Key`, which named its input),

@@ -1010,6 +1010,58 @@ async fn chat(api: &Api, body: Value) -> Resp {
     api.post("/v1/chat/completions", body).await
 }
 
+/// Branches of a conversation sent at the same time (or two end users' identical openings)
+/// do not all go on in the session where it left off: one does, each other one starts a session
+/// of its own. Before, each found that session where the conversation left off, and each went
+/// on in it, so every branch's turn saw the others' messages.
+#[actix_rt::test]
+async fn branches_sent_at_once_go_on_in_one_session_only() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let session_of = |r: &Resp| -> String {
+        r.headers
+            .get("x-gatehouse-session")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let hello = json!({"role": "user", "content": "hello"});
+    let first = chat(&api, json!({"messages": [hello]})).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let acked = json!({"role": "assistant", "content": "ACK_hello"});
+    let branches = (0..6).map(|n| {
+        let api = api.clone();
+        let body =
+            json!({"messages": [hello, acked, {"role": "user", "content": format!("branch {n}")}]});
+        async move { chat(&api, body).await }
+    });
+    let answered = futures_util::future::join_all(branches).await;
+    let mut went_on = 0;
+    for (n, r) in answered.iter().enumerate() {
+        assert_eq!(r.status, 200, "{}", r.body);
+        if session_of(r) == session_of(&first) {
+            went_on += 1;
+        }
+        // Each branch's turn sees its own conversation only.
+        let seen = model
+            .requests()
+            .into_iter()
+            .find(|b| last_user(b) == format!("branch {n}"))
+            .expect("its request");
+        assert_eq!(
+            user_texts(&seen),
+            ["hello".to_string(), format!("branch {n}")]
+        );
+    }
+    assert_eq!(
+        went_on, 1,
+        "one branch goes on in the conversation's session"
+    );
+}
+
 /// A chat-completions request is refused in OpenAI's error shape when its credentials are, and
 /// when its conversation does not end with its user message (a client's own tool result, or an
 /// assistant prefill, would be dropped): before, the first got the REST routes' shape, and the
