@@ -537,6 +537,10 @@ async fn one_call(
     let mut done = false;
     let mut saw_done = false;
     let mut at_end = false;
+    // When the last event came: comments (`: keep-alive`, `: PROCESSING`) are silence too. A
+    // server whose upstream was stuck sent them for as long as it was, and the call waited out
+    // its whole `timeout_seconds`, not asked again.
+    let mut event_at = tokio::time::Instant::now();
     while !done {
         // Once a chunk has said why the answer ended, what may still come is its usage and
         // `[DONE]`: a server that falls silent then has answered (the turn failed at the idle
@@ -545,7 +549,8 @@ async fn one_call(
             config.idle_timeout.min(FINISHED_GRACE)
         } else {
             config.idle_timeout
-        };
+        }
+        .min(config.idle_timeout.saturating_sub(event_at.elapsed()));
         let next = match tokio::time::timeout(wait, resp.next()).await {
             Ok(next) => next,
             Err(_) if acc.finished() => {
@@ -554,7 +559,7 @@ async fn one_call(
             }
             Err(_) => {
                 return Err(ModelError::Timeout(format!(
-                    "no bytes for {:?}",
+                    "no event for {:?} (comments are not events)",
                     config.idle_timeout
                 )))
             }
@@ -573,16 +578,25 @@ async fn one_call(
                 break;
             }
             Some(Err(e)) => return Err(ModelError::Transient(format!("stream: {e}"))),
+            // The answer is bounded by what it keeps (below); the bytes on the wire, mostly the
+            // events' framing, by a multiple of that, and one event by twice it (its JSON may
+            // escape every character). The stream's bytes were the bound: an answer streamed a
+            // token at a time, in events of some 230 bytes each, was refused at 36,000 tokens of
+            // the default 8 MiB, after it had all been shown, where the same answer sent whole
+            // was 200 KB.
             Some(Ok(bytes)) => {
                 total += bytes.len();
-                if total > config.max_response_bytes
-                    || parser.pending_len() > config.max_response_bytes
+                if total > config.max_response_bytes.saturating_mul(STREAM_FRAMING)
+                    || parser.pending_len() > config.max_response_bytes.saturating_mul(2)
                 {
                     return Err(ModelError::TooLarge(config.max_response_bytes));
                 }
                 parser.feed(&bytes)
             }
         };
+        if !events.is_empty() {
+            event_at = tokio::time::Instant::now();
+        }
         for data in events {
             if data.trim() == "[DONE]" {
                 done = true;
@@ -597,6 +611,9 @@ async fn one_call(
                 Err(e) => return Err(ModelError::Malformed(format!("SSE chunk: {e}"))),
             };
             let delta = acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
+            if acc.kept_bytes() > config.max_response_bytes {
+                return Err(ModelError::TooLarge(config.max_response_bytes));
+            }
             if let Some(sink) = &call.deltas {
                 if let Some(text) = delta.content {
                     *delivered = true;
@@ -630,6 +647,10 @@ fn retry_after_seconds(value: &str) -> Option<Duration> {
     let seconds: f64 = value.trim().parse().ok()?;
     (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds.min(3600.0)))
 }
+
+/// The bytes a stream may carry, as a multiple of `model.max_response_bytes` (the bound of the
+/// answer it keeps): room for the framing of an answer streamed a token at a time.
+const STREAM_FRAMING: usize = 8;
 
 /// How long a stream whose answer has ended (a `finish_reason` came) may stay silent before it
 /// is taken as ended without its `[DONE]`.

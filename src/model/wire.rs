@@ -177,7 +177,12 @@ pub struct StreamAccumulator {
     finish_reason: Option<String>,
     usage: Option<Usage>,
     model: Option<String>,
+    /// Bytes of the answer kept so far (its text, reasoning and calls; see [`Self::kept_bytes`]).
+    kept: usize,
 }
+
+/// What a new tool call's slot is counted as, before its name and arguments.
+const SLOT_BYTES: usize = 64;
 
 /// What a chunk contributed, for live deltas.
 #[derive(Debug, Default, PartialEq)]
@@ -191,6 +196,14 @@ impl StreamAccumulator {
     /// Has a chunk said why the answer ended (`finish_reason`)?
     pub fn finished(&self) -> bool {
         self.finish_reason.is_some()
+    }
+
+    /// Bytes of the answer kept so far: its text, its reasoning, and its tool calls (ids, names,
+    /// arguments, and [`SLOT_BYTES`] for each call). What bounds a streamed reply, not the
+    /// bytes of its events, whose framing (ids, model names, `logprobs: null`, …) is most of
+    /// what a server sends for an answer streamed a token at a time.
+    pub fn kept_bytes(&self) -> usize {
+        self.kept
     }
 
     /// Apply one chunk (`data:` payload already parsed as JSON).
@@ -225,6 +238,7 @@ impl StreamAccumulator {
         };
         if let Some(text) = delta.get("content").and_then(flatten_content) {
             self.saw_content = true;
+            self.kept += text.len();
             self.content.push_str(&text);
             if !text.is_empty() {
                 delta_out.content = Some(text);
@@ -235,6 +249,7 @@ impl StreamAccumulator {
             .or_else(|| delta.get("reasoning"))
             .and_then(|v| v.as_str())
         {
+            self.kept += r.len();
             self.reasoning.push_str(r);
             if !r.is_empty() {
                 delta_out.reasoning = Some(r.to_string());
@@ -259,11 +274,16 @@ impl StreamAccumulator {
                         self.current.insert(raw_index, slot_index);
                     }
                 }
-                let slot = self.slots.entry(slot_index).or_insert_with(|| ToolCall {
-                    kind: "function".into(),
-                    ..Default::default()
+                let kept = &mut self.kept;
+                let slot = self.slots.entry(slot_index).or_insert_with(|| {
+                    *kept += SLOT_BYTES;
+                    ToolCall {
+                        kind: "function".into(),
+                        ..Default::default()
+                    }
                 });
-                if !id.is_empty() {
+                if !id.is_empty() && slot.id != id {
+                    *kept += id.len();
                     slot.id = id.to_string();
                 }
                 if let Some(f) = call.get("function") {
@@ -273,11 +293,14 @@ impl StreamAccumulator {
                         }
                         // Some servers repeat the whole name in every fragment of a call.
                         if slot.function.name != n {
+                            *kept += n.len();
                             slot.function.name.push_str(n);
                         }
                     }
                     if let Some(a) = f.get("arguments") {
-                        slot.function.arguments.push_str(&arguments_text(a));
+                        let a = arguments_text(a);
+                        *kept += a.len();
+                        slot.function.arguments.push_str(&a);
                     }
                 }
             }

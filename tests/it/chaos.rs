@@ -47,12 +47,17 @@ pub enum Fault {
     /// A whole streamed answer with its finish_reason, then the body cut short: the connection
     /// closes with neither `[DONE]` nor the chunked body's last chunk.
     CutAfterFinish(String),
+    /// Only SSE comments (`: PROCESSING`), one every `every`: a server whose upstream is stuck.
+    Comments(Duration),
     /// One small delta every `every`, never finishing.
     Drip(Duration),
     /// An SSE event whose data is not JSON.
     Malformed,
     /// A stream whose one event is this error object (`{"error": …}`), then `[DONE]`.
     SseError(Value),
+    /// A streamed answer of this many one-character reasoning deltas, each in an event framed
+    /// as OpenAI's are and padded to about 300 bytes, then `ACK_FAULT`.
+    Chatty(usize),
     /// A streamed answer of about this many bytes of content.
     Huge(usize),
     /// A non-streamed JSON body of about this many bytes (Content-Length set).
@@ -333,6 +338,15 @@ fn answer(
             chunk(stream, "data: {\"choices\": [], \"usage\": {\"prompt_")?;
             stream.flush()
         }
+        Fault::Comments(every) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(every);
+                chunk(stream, ": PROCESSING\n\n")?;
+            }
+            Ok(())
+        }
         Fault::Drip(every) => {
             stream.write_all(SSE_HEAD.as_bytes())?;
             hold(stream, stop, Duration::from_secs(60), Some(every))
@@ -347,6 +361,19 @@ fn answer(
             stream.write_all(SSE_HEAD.as_bytes())?;
             chunk(stream, "data: {\"choices\": [{\"delta\": {\"content\": \"x\"\n\n")?;
             chunk(stream, "data: [DONE]\n\n")?;
+            stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::Chatty(n) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            let event = json!({"id": "chatcmpl-chaos", "object": "chat.completion.chunk",
+                "created": 1, "model": "chaos", "system_fingerprint": "f".repeat(160),
+                "choices": [{"index": 0, "delta": {"reasoning_content": "t"}, "logprobs": null,
+                             "finish_reason": null}]});
+            for _ in 0..n {
+                chunk(stream, &format!("data: {event}\n\n"))?;
+            }
+            chunk(stream, &delta("ACK_FAULT"))?;
+            chunk(stream, &finish())?;
             stream.write_all(b"0\r\n\r\n")
         }
         Fault::Huge(bytes) => {

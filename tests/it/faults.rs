@@ -352,7 +352,7 @@ async fn model_stall_past_the_idle_timeout_retries_then_fails() {
         None,
         Expect {
             outcome: "failed",
-            error: "timed out: no bytes for",
+            error: "timed out: no event for",
             attempts: Some(3),
             slow: true,
         },
@@ -412,6 +412,32 @@ async fn a_stream_silent_after_its_finish_reason_has_answered() {
             outcome: "completed",
             error: "",
             attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+/// A stream that sends only comments (a server whose upstream is stuck says it is still
+/// processing) is silent: at `model.idle_timeout_seconds` it is given up and asked again. Before,
+/// each comment restarted the idle timer, and the call waited out its whole timeout.
+#[actix_rt::test]
+async fn a_stream_of_comments_only_is_asked_again_at_the_idle_timeout() {
+    fault_case(
+        "comments-only",
+        |n| {
+            if n == 1 {
+                Fault::Comments(Duration::from_millis(100))
+            } else {
+                Fault::Ok("ACK_FAULT".into())
+            }
+        },
+        json!({"model": {"idle_timeout_seconds": 1, "timeout_seconds": 30}}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(2),
             slow: false,
         },
     )
@@ -647,6 +673,27 @@ async fn model_stream_over_the_size_limit_fails_without_a_retry() {
         Expect {
             outcome: "failed",
             error: "response larger than 65536 bytes",
+            attempts: Some(1),
+            slow: false,
+        },
+    )
+    .await;
+}
+
+/// `model.max_response_bytes` bounds the answer a stream carries, not its events' framing:
+/// 1,000 one-character reasoning deltas in events of about 300 bytes (300 KB on the wire) are
+/// an answer of about 1,000 bytes, within a bound of 64 KiB. They were refused as a response
+/// larger than it.
+#[actix_rt::test]
+async fn a_stream_is_bounded_by_its_answer_not_its_framing() {
+    fault_case(
+        "chatty",
+        |_| Fault::Chatty(1000),
+        json!({}),
+        None,
+        Expect {
+            outcome: "completed",
+            error: "",
             attempts: Some(1),
             slow: false,
         },
