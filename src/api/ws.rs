@@ -191,6 +191,7 @@ pub async fn ws_route(
         in_flight: 0,
         barriers: 0,
         slow_ordered: 0,
+        reads: 0,
         held: std::collections::VecDeque::new(),
         following: Vec::new(),
         next_follow: 0,
@@ -241,6 +242,9 @@ pub struct WsConnection {
     /// so it cannot reach the session before them (an approval sent after an interrupt must
     /// not run its command first).
     slow_ordered: usize,
+    /// Requests in flight that read a whole snapshot or page ([`READS`]), at most
+    /// [`MAX_READS_IN_FLIGHT`]: a later one waits (held) until one is answered.
+    reads: usize,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
     /// Sessions that a create or resume in flight may already have subscribed this connection
@@ -784,6 +788,7 @@ impl WsConnection {
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
             || self.behind_slow_ordered(&request)
+            || self.reads_full(&request)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -793,6 +798,15 @@ impl WsConnection {
             return;
         }
         self.dispatch(request, ctx);
+    }
+
+    /// Must `request`, a read of a whole snapshot or page, wait for one of those in flight to be
+    /// answered? Pipelined without bound (256 `session.resume`s of a long session, unread),
+    /// they held as many snapshots in memory at once, none counted against the connection's
+    /// outbound bound, and queued on the store's two readers ahead of every other session's
+    /// reads (a turn's start, a revived supervisor's, whose session then took no input).
+    fn reads_full(&self, request: &RpcRequest) -> bool {
+        self.reads >= MAX_READS_IN_FLIGHT && READS.contains(&request.method.as_str())
     }
 
     /// Must `request` wait for a request that changes a session and is still on its way there
@@ -838,6 +852,10 @@ impl WsConnection {
         let slow_ordered = ORDERED.contains(&method.as_str()) && !handed_over;
         if slow_ordered {
             self.slow_ordered += 1;
+        }
+        let read = READS.contains(&method.as_str());
+        if read {
+            self.reads += 1;
         }
         // The session a create or resume may follow before it answers: if the connection closes
         // first, it is told to let go of this connection all the same (see `stopped`).
@@ -891,6 +909,9 @@ impl WsConnection {
             if slow_ordered {
                 act.slow_ordered -= 1;
             }
+            if read {
+                act.reads -= 1;
+            }
             if let Some(token) = follow_token {
                 act.following.retain(|(t, _)| *t != token);
             }
@@ -915,7 +936,7 @@ impl WsConnection {
                 if act
                     .held
                     .front()
-                    .is_some_and(|next| act.behind_slow_ordered(next))
+                    .is_some_and(|next| act.behind_slow_ordered(next) || act.reads_full(next))
                 {
                     break;
                 }
@@ -947,6 +968,17 @@ const HANDED_OVER: [&str; 4] = [
     "clarify.respond",
     "session.interrupt",
 ];
+
+/// Methods that read a whole snapshot (a session's transcript) or a page (of events, of tasks).
+const READS: [&str; 4] = [
+    "session.create",
+    "session.resume",
+    "session.events.since",
+    "room.tasks",
+];
+
+/// Of those, the most one connection has in flight at once.
+const MAX_READS_IN_FLIGHT: usize = 4;
 
 /// Methods that change which sessions a connection follows: a request read behind one of them
 /// that names a session not followed waits for its answer (it may need the session followed).

@@ -2176,6 +2176,63 @@ async fn a_submit_pipelined_behind_its_resume_finds_the_session_followed() {
     assert_eq!(model.texts(), ["piped 0", "piped 1", "piped 2"]);
 }
 
+/// Reads of whole snapshots and pages pipelined past the most one connection has in flight at
+/// once (four) wait their turn, and every one is answered, as is an input sent behind them.
+#[actix_rt::test]
+async fn reads_pipelined_past_their_bound_are_all_answered() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("reads", &home.path).await;
+    ws.submit(&sid, "first", "first").await;
+    wait_until("first", Duration::from_secs(20), || all_terminal(&home)).await;
+    let mut raw = RawWs::connect(&home.path, &origin);
+    let mut sent = Vec::new();
+    let mut frames = Vec::new();
+    for i in 0..10 {
+        for (id, method, params) in [
+            (
+                format!("r{i}"),
+                "session.resume",
+                json!({"session_id": sid}),
+            ),
+            (
+                format!("e{i}"),
+                "session.events.since",
+                json!({"session_id": sid, "last_sequence": 0}),
+            ),
+        ] {
+            frames.extend(RawWs::masked_text(
+                json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+                    .to_string()
+                    .as_bytes(),
+            ));
+            sent.push(id);
+        }
+    }
+    frames.extend(RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "s", "method": "prompt.submit",
+               "params": {"session_id": sid, "input_id": "behind", "text": "behind"}})
+        .to_string()
+        .as_bytes(),
+    ));
+    sent.push("s".into());
+    raw.write_all(&frames);
+    let mut answered: Vec<String> = (0..sent.len())
+        .map(|_| {
+            let v = raw.reply();
+            assert!(v.get("error").is_none(), "{v}");
+            v["id"].as_str().unwrap_or_default().to_string()
+        })
+        .collect();
+    answered.sort();
+    sent.sort();
+    assert_eq!(answered, sent);
+    wait_until("behind", Duration::from_secs(20), || all_terminal(&home)).await;
+    assert_eq!(model.texts(), ["first", "behind"]);
+}
+
 /// Inputs a client pipelines on one connection, without waiting for their receipts, are
 /// admitted in the order it sent them, also while the receipts of earlier ones come back. Each
 /// request runs as a task of its own; a task that finished could let a later request reach its
