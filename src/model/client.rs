@@ -331,7 +331,9 @@ async fn call_with_retries(
                 attempt += 1;
                 // A server that says when to come back (`Retry-After`, on a 429 or a 503) is
                 // asked again no sooner, within the call's time; ours is the least wait.
-                let backoff = (config.retry_base * 2u32.saturating_pow(attempt - 1))
+                // Up to half as long again, at random: the sessions a rate limit refused together
+                // asked again all at once, and were refused together again.
+                let backoff = jittered(config.retry_base * 2u32.saturating_pow(attempt - 1))
                     .min(Duration::from_secs(60))
                     .max(retry_after.unwrap_or_default());
                 let wake = tokio::time::Instant::now() + backoff;
@@ -348,6 +350,12 @@ async fn call_with_retries(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// `wait` and up to half of it again, at random.
+fn jittered(wait: Duration) -> Duration {
+    let fraction = (uuid::Uuid::new_v4().as_u128() % 1024) as f64 / 2048.0;
+    wait.mul_f64(1.0 + fraction)
 }
 
 /// `url` without the user and password it may carry (`https://user:key@host/v1`), for the log.
@@ -833,6 +841,14 @@ mod tests {
         }
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
+    }
+
+    #[test]
+    fn a_jittered_wait_is_at_least_the_wait_and_at_most_half_again() {
+        let wait = Duration::from_millis(1000);
+        let waits: Vec<Duration> = (0..200).map(|_| jittered(wait)).collect();
+        assert!(waits.iter().all(|w| *w >= wait && *w < wait.mul_f64(1.5)));
+        assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");
     }
 
     #[test]
