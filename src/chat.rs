@@ -467,10 +467,17 @@ async fn follow(
                 } else {
                     ""
                 };
+                // Every rule the command matched (a `session` answer approves them all), not only
+                // the first.
+                let rules: Vec<&str> = payload["descriptions"]
+                    .as_array()
+                    .map(|d| d.iter().filter_map(Value::as_str).collect())
+                    .filter(|d: &Vec<&str>| !d.is_empty())
+                    .unwrap_or_else(|| vec![payload["description"].as_str().unwrap_or("")]);
                 out(&format!(
                     "\n[approval needed: {}{left_running} — {}]\nchoose one of {}: ",
                     payload["command"].as_str().unwrap_or(""),
-                    payload["description"].as_str().unwrap_or(""),
+                    rules.join("; "),
                     choices.join("/")
                 ));
                 // A typo is asked again (it denied at once); the end of input denies.

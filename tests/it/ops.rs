@@ -203,6 +203,11 @@ async fn chat_and_operator_commands_work_as_child_processes() {
         out.contains("approval needed") && out.contains("once/session/always/deny"),
         "{out}"
     );
+    // Every rule it matched is named (a `session` answer approves them all).
+    assert!(
+        out.contains("delete in root path; recursive delete"),
+        "{out}"
+    );
     assert!(out.contains("\"dney\" is not one of them"), "{out}");
     assert!(out.contains("ACK_DANGER"), "{out}");
     assert!(victim.path.join("keep").exists());
