@@ -41,6 +41,9 @@ pub struct Config {
     pub http: HttpConfig,
     pub profiles: BTreeMap<String, ProfileConfig>,
     pub rooms: crate::rooms::RoomsConfig,
+    /// What loading the config has to say at start: values taken, but not as written.
+    #[serde(skip)]
+    pub notices: Vec<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -598,7 +601,19 @@ impl Config {
                 "auxiliary" => config.auxiliary = section(k, value)?,
                 "compression" => config.compression = section(k, value)?,
                 "terminal" => config.terminal = section(k, value)?,
-                "approvals" => config.approvals = section(k, value)?,
+                "approvals" => {
+                    // The system this gateway replaces has a `smart` mode (a model decides);
+                    // its configs load, as `manual`, and the start says so.
+                    for field in ["mode", "unattended_mode"] {
+                        if value.get(field).and_then(Value::as_str) == Some("smart") {
+                            config.notices.push(format!(
+                                "approvals.{field}: smart is not supported here and is taken as \
+                                 manual (a human answers every dangerous command)"
+                            ));
+                        }
+                    }
+                    config.approvals = section(k, value)?
+                }
                 "agent" => config.agent = section(k, value)?,
                 "platform_toolsets" => config.platform_toolsets = section(k, value)?,
                 "session" => config.session = section(k, value)?,
@@ -1433,6 +1448,22 @@ mod tests {
     /// `clarify.timeout`, the older name of `agent.clarify_timeout`, wins when set (it was
     /// warned about as unknown, and a clarify waited an hour); what else is under `clarify` is
     /// warned about as unknown.
+    #[test]
+    fn a_smart_approval_mode_is_taken_as_manual_and_said_so() {
+        let c = parse("approvals:\n  mode: smart\n  unattended_mode: deny\n").expect("loads");
+        assert_eq!(c.approvals.mode, ApprovalMode::Manual);
+        assert_eq!(c.notices.len(), 1, "{:?}", c.notices);
+        assert!(
+            c.notices[0].starts_with("approvals.mode: smart"),
+            "{:?}",
+            c.notices
+        );
+        assert!(parse("approvals:\n  mode: manual\n")
+            .expect("loads")
+            .notices
+            .is_empty());
+    }
+
     #[test]
     fn the_older_clarify_timeout_wins() {
         let c = parse("agent:\n  clarify_timeout: 120\nclarify:\n  timeout: 30\n  other: 1\n")

@@ -619,7 +619,7 @@ impl Gateway {
         if config.terminal.cwd.is_none() {
             config.terminal.cwd = Some(default_workspace(&home)?);
         }
-        for warning in config.endpoint_warnings() {
+        for warning in config.endpoint_warnings().iter().chain(&config.notices) {
             tracing::warn!("{warning}");
         }
         for key in config.unknown_keys() {
