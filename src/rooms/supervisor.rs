@@ -1981,7 +1981,8 @@ impl RoomRuntime {
                     self.set_error(
                         &binding.room_id,
                         format!(
-                            "task {task_id} exceeded its deadline and cannot be read to stop                              it: {error}"
+                            "task {task_id} exceeded its deadline and cannot be read to stop it: \
+                             {error}"
                         ),
                     );
                     return None;

@@ -1065,7 +1065,7 @@ async fn storage_read_only_database_refuses_writes_then_recovers() {
 /// is no longer in the file the next start reads, so it is not acknowledged (`storage_unavailable`),
 /// nothing more is committed, `/readyz` says why, and the metrics show it.
 #[actix_rt::test]
-async fn storage_file_moved_away_under_thedaemon_acknowledges_nothing_more() {
+async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
     let mut s = stored("moved").await;
     let origin = s.daemon.origin();
     assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 1.0);
@@ -1112,7 +1112,7 @@ async fn storage_file_moved_away_under_thedaemon_acknowledges_nothing_more() {
 /// Another process took the home's authority (its epoch is newer): the daemon's writes are
 /// refused in SQL, and it says so on `/readyz` instead of staying ready while it refuses all.
 #[actix_rt::test]
-async fn adaemon_whose_authority_was_taken_is_not_ready() {
+async fn a_daemon_whose_authority_was_taken_is_not_ready() {
     let mut s = stored("deposed").await;
     let origin = s.daemon.origin();
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
