@@ -192,6 +192,7 @@ pub async fn ws_route(
         barriers: 0,
         slow_ordered: 0,
         reads: 0,
+        reads_waiting: std::collections::VecDeque::new(),
         held: std::collections::VecDeque::new(),
         following: Vec::new(),
         next_follow: 0,
@@ -242,9 +243,11 @@ pub struct WsConnection {
     /// so it cannot reach the session before them (an approval sent after an interrupt must
     /// not run its command first).
     slow_ordered: usize,
-    /// Requests in flight that read a whole snapshot or page ([`READS`]), at most
-    /// [`MAX_READS_IN_FLIGHT`]: a later one waits (held) until one is answered.
+    /// Requests in flight that read a whole page ([`READS`]), at most [`MAX_READS_IN_FLIGHT`].
     reads: usize,
+    /// Such requests free to run (past every other hold) that wait for one of those to be
+    /// answered, in the order they were read. Requests behind them do not wait for them.
+    reads_waiting: std::collections::VecDeque<RpcRequest>,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
     /// Sessions that a create or resume in flight may already have subscribed this connection
@@ -788,7 +791,6 @@ impl WsConnection {
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
             || self.behind_slow_ordered(&request)
-            || self.reads_full(&request)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -797,16 +799,19 @@ impl WsConnection {
             self.held.push_back(request);
             return;
         }
-        self.dispatch(request, ctx);
+        self.go(request, ctx);
     }
 
-    /// Must `request`, a read of a whole snapshot or page, wait for one of those in flight to be
-    /// answered? Pipelined without bound (256 `session.resume`s of a long session, unread),
-    /// they held as many snapshots in memory at once, none counted against the connection's
-    /// outbound bound, and queued on the store's two readers ahead of every other session's
-    /// reads (a turn's start, a revived supervisor's, whose session then took no input).
-    fn reads_full(&self, request: &RpcRequest) -> bool {
-        self.reads >= MAX_READS_IN_FLIGHT && READS.contains(&request.method.as_str())
+    /// Run `request`, free of every hold but the bound of page reads in flight: a page read
+    /// past it waits in `reads_waiting`.
+    fn go(&mut self, request: RpcRequest, ctx: &mut ws::WebsocketContext<Self>) {
+        if READS.contains(&request.method.as_str())
+            && (self.reads >= MAX_READS_IN_FLIGHT || !self.reads_waiting.is_empty())
+        {
+            self.reads_waiting.push_back(request);
+            return;
+        }
+        self.dispatch(request, ctx);
     }
 
     /// Must `request` wait for a request that changes a session and is still on its way there
@@ -911,6 +916,11 @@ impl WsConnection {
             }
             if read {
                 act.reads -= 1;
+                if act.reads < MAX_READS_IN_FLIGHT {
+                    if let Some(next) = act.reads_waiting.pop_front() {
+                        act.dispatch(next, ctx);
+                    }
+                }
             }
             if let Some(token) = follow_token {
                 act.following.retain(|(t, _)| *t != token);
@@ -936,14 +946,14 @@ impl WsConnection {
                 if act
                     .held
                     .front()
-                    .is_some_and(|next| act.behind_slow_ordered(next) || act.reads_full(next))
+                    .is_some_and(|next| act.behind_slow_ordered(next))
                 {
                     break;
                 }
                 let Some(next) = act.held.pop_front() else {
                     break;
                 };
-                act.dispatch(next, ctx);
+                act.go(next, ctx);
             }
         }));
     }
@@ -969,13 +979,13 @@ const HANDED_OVER: [&str; 4] = [
     "session.interrupt",
 ];
 
-/// Methods that read a whole snapshot (a session's transcript) or a page (of events, of tasks).
-const READS: [&str; 4] = [
-    "session.create",
-    "session.resume",
-    "session.events.since",
-    "room.tasks",
-];
+/// Methods that read a whole page (of events, of tasks: up to 8 MiB each). Pipelined without
+/// bound (256 of them, unread), they held as many pages in memory at once, none counted against
+/// the connection's outbound bound, and queued on the store's readers ahead of every other
+/// session's reads (a turn's start, a revived supervisor's, whose session then took no input).
+/// (A snapshot's `session.create` and `session.resume` go one at a time already: they change
+/// what the connection follows.)
+const READS: [&str; 2] = ["session.events.since", "room.tasks"];
 
 /// Of those, the most one connection has in flight at once.
 const MAX_READS_IN_FLIGHT: usize = 4;

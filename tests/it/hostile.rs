@@ -2176,8 +2176,9 @@ async fn a_submit_pipelined_behind_its_resume_finds_the_session_followed() {
     assert_eq!(model.texts(), ["piped 0", "piped 1", "piped 2"]);
 }
 
-/// Reads of whole snapshots and pages pipelined past the most one connection has in flight at
-/// once (four) wait their turn, and every one is answered, as is an input sent behind them.
+/// Page reads pipelined past the most one connection has in flight at once (four) wait their
+/// turn, and every one is answered, as is every resume among them and an input sent behind
+/// them.
 #[actix_rt::test]
 async fn reads_pipelined_past_their_bound_are_all_answered() {
     let model = FakeModel::ack();
