@@ -379,20 +379,27 @@ async fn derived_thread(
         if role == "assistant" && !before.is_empty() {
             let previous = thread_key(scope, before);
             if let Some(session) = recorded(authority, principal, &previous).await? {
+                // The previous request's input: named by its Idempotency-Key when it had one
+                // (a client that sends each request under a key of its own started a new session
+                // every turn), else by its conversation.
+                let input =
+                    match recorded(authority, principal, &threads::input_key(&previous)).await? {
+                        Some(keyed) => keyed,
+                        None => input_id_of(&previous),
+                    };
                 let (s, p, answer) = (session.clone(), principal.to_string(), answer.clone());
-                let input = input_id_of(&previous);
-                let question = before.last().map(|(_, t)| t.clone()).unwrap_or_default();
                 let there = authority
                     .shared
                     .db
-                    .read(move |c| threads::left_at(c, &s, &p, (&input, &question), &answer))
+                    .read(move |c| threads::left_at(c, &s, &p, &input, &answer))
                     .await?;
                 if there {
                     let (p, k, now) = (principal.to_string(), key.clone(), authority.shared.now());
+                    let s = session.clone();
                     let claimed = authority
                         .shared
                         .db
-                        .write(move |c| threads::claim_next(c, &p, &previous, &k, now))
+                        .write(move |c| threads::claim_next(c, &p, &s, &previous, &k, now))
                         .await?;
                     if claimed {
                         return Ok((Thread::Existing(session), key));
@@ -870,10 +877,21 @@ pub async fn chat_completions(
             .flatten()
             .collect();
         let (p, r, now) = (principal.clone(), root.clone(), authority.shared.now());
+        // A keyed request's input is named by its key: recorded by its conversation, for the
+        // next request of the conversation to know it as the one to go on from.
+        let keyed_input = explicit.clone().zip(key.clone());
         let named = authority
             .shared
             .db
-            .write(move |c| threads::record(c, &p, &records, &r, now))
+            .write(move |c| {
+                crate::store::write_tx(c, |c| {
+                    let named = threads::record(c, &p, &records, &r, now)?;
+                    if let Some((input, key)) = &keyed_input {
+                        threads::record_input(c, &p, key, input, now)?;
+                    }
+                    Ok::<_, crate::error::StoreError>(named)
+                })
+            })
             .await?;
         if idem.is_some() && named.last().is_some_and(|s| *s != root) {
             // Another request with this key, and another conversation, got here first.

@@ -62,69 +62,92 @@ pub fn record(
     })
 }
 
-/// Claim, for the request whose conversation's key is `key`, the going on from the request
-/// whose key is `previous`: whether it is this request's (the first to claim it, or this same
-/// request again). Two requests that go on from the same one at once (two branches of a
+/// Claim, for the request whose conversation's key is `key`, the going on in `session` from the
+/// request whose key is `previous`: whether it is this request's (the first to claim it, or this
+/// same request again). Two requests that go on from the same one at once (two branches of a
 /// conversation, or two end users' identical openings) both found the session where the
 /// conversation left off, and both went on in it, each turn seeing the other's message: only
-/// the claim's holder goes on there now. The claim is a record of its own, `next-<previous>`,
-/// holding the claimant's key where a record holds a session id.
+/// the claim's holder goes on there now. The claim is a record of its own,
+/// `next-<session>-<previous>` (a conversation that comes back after its records aged out goes
+/// on in another session, free of the old claim), holding the claimant's key where a record
+/// holds a session id.
 pub fn claim_next(
     conn: &mut SqliteConnection,
     principal: &str,
+    session: &str,
     previous: &str,
     key: &str,
     now: f64,
 ) -> Result<bool, StoreError> {
-    let claims = record(conn, principal, &[format!("next-{previous}")], key, now)?;
+    let claims = record(
+        conn,
+        principal,
+        &[format!("next-{session}-{previous}")],
+        key,
+        now,
+    )?;
     Ok(claims.first().is_some_and(|holder| holder == key))
 }
 
+/// The record naming the input of the request whose conversation's key is `key`, when that
+/// request named its input by an `Idempotency-Key`.
+pub fn input_key(key: &str) -> String {
+    format!("input-{key}")
+}
+
+/// Record that the request whose conversation's key is `key` named its input `input` (by its
+/// `Idempotency-Key`), in the place of a session id. The latest stands: the same conversation
+/// sent again under a new key (to ask again) is the input the next request goes on from.
+pub fn record_input(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    key: &str,
+    input: &str,
+    now: f64,
+) -> Result<(), StoreError> {
+    diesel::replace_into(chat_threads::table)
+        .values((
+            chat_threads::principal_id.eq(principal),
+            chat_threads::thread_key.eq(input_key(key)),
+            chat_threads::session_id.eq(input),
+            chat_threads::created_at.eq(now),
+        ))
+        .execute(conn)?;
+    Ok(())
+}
+
 /// Is `session` where a conversation left it: its last admission is `principal`'s input named
-/// `request` (or a later attempt of it, `request` + `-N`), or one whose text is `question`
-/// (the previous request's, sent under its own `Idempotency-Key`, which named its input),
-/// completed with the final answer `answer`?
+/// `request` (or a later attempt of it, `request` + `-N`), completed with the final answer
+/// `answer`?
 pub fn left_at(
     conn: &mut SqliteConnection,
     session: &str,
     principal: &str,
-    (request, question): (&str, &str),
+    request: &str,
     answer: &str,
 ) -> Result<bool, StoreError> {
     let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
         return Ok(false);
     };
-    type Last = (String, String, String, Option<String>, Option<String>);
-    let last: Option<Last> = sa::table
+    let last: Option<(String, String, Option<String>, Option<String>)> = sa::table
         .filter(sa::session_ordinal.eq(ordinal))
         .order(sa::seq.desc())
         .select((
             sa::request_id,
             sa::principal_id,
-            sa::payload_json,
             sa::outcome,
             sa::result_json,
         ))
         .first(conn)
         .optional()?;
-    let Some((request_id, owner, payload, outcome, result)) = last else {
+    let Some((request_id, owner, outcome, result)) = last else {
         return Ok(false);
-    };
-    // A keyed request's input is named by its key, not by its conversation: it is known by its
-    // text (the session is the one recorded for the previous request's conversation, and its
-    // last input has that request's question and the answer the client sends back). Before, a
-    // client that sent each request with a key of its own started a new session every turn.
-    let same_text = || {
-        serde_json::from_str::<serde_json::Value>(&payload)
-            .ok()
-            .is_some_and(|p| p["text"].as_str() == Some(question))
     };
     let same_input = request_id == request
         || request_id
             .strip_prefix(request)
             .and_then(|rest| rest.strip_prefix('-'))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-        || same_text();
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
     let final_response = result
         .as_deref()
         .and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok())

@@ -2211,6 +2211,31 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
         user_texts(&asked("keyed follow-up")),
         ["first body", "keyed follow-up"]
     );
+    // That session moved on by another way in (the same text again, sent to it by name): the
+    // conversation does not go on there, whose last input is not its own.
+    let s = session_of(&first_body);
+    let by_name = chat(
+        &api.with("x-gatehouse-session", &s),
+        json!({"messages": [{"role": "user", "content": "keyed follow-up"}]}),
+    )
+    .await;
+    assert_eq!(by_name.status, 200, "{}", by_name.body);
+    assert_eq!(model.reached("keyed follow-up"), 2);
+    let after = chat(
+        &api.with("idempotency-key", "a-third-request"),
+        json!({"messages": [{"role": "user", "content": "first body"},
+                            {"role": "assistant", "content": "ACK_first body"},
+                            {"role": "user", "content": "keyed follow-up"},
+                            {"role": "assistant", "content": "ACK_keyed follow-up"},
+                            {"role": "user", "content": "after it"}]}),
+    )
+    .await;
+    assert_eq!(after.status, 200, "{}", after.body);
+    assert_ne!(session_of(&after), s);
+    assert_eq!(
+        user_texts(&asked("after it")),
+        ["first body", "keyed follow-up", "after it"]
+    );
 
     // A turn that failed is asked again when the same request comes again.
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
