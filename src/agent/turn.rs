@@ -1183,11 +1183,6 @@ impl Turn {
         if self.unanswered {
             return Asked::Unattended;
         }
-        // Nobody is there to answer a question in an unattended session (one created before
-        // its profile's `clarify` was held back from such sessions may still offer the tool).
-        if kind == PromptKind::Clarify && crate::config::is_unattended(&self.root.source) {
-            return Asked::Unattended;
-        }
         let prompt_id = uuid::Uuid::new_v4().simple().to_string();
         payload["kind"] = json!(kind.as_str());
         payload["prompt_id"] = json!(prompt_id);

@@ -944,15 +944,20 @@ impl Authority {
                     .collect::<Vec<String>>()
             }
             // A profile's list offers `clarify` to sessions of its sources that have someone to
-            // ask, not to unattended ones (a chat completion of such a profile waited out
-            // `agent.clarify_timeout` for an answer its client had no way to give).
-            None => profile_cfg
-                .and_then(|c| c.toolsets.clone())
-                .unwrap_or(platform)
-                .into_iter()
-                .filter(|t| KNOWN_TOOLS.contains(&t.as_str()))
-                .filter(|t| !(crate::config::is_unattended(&source) && t == "clarify"))
-                .collect(),
+            // ask, not to unattended ones unless the operator offers it to their source
+            // (`platform_toolsets.api`): a chat completion of such a profile waited out
+            // `agent.clarify_timeout` for an answer its client had no way to give.
+            None => {
+                let ask_nobody = crate::config::is_unattended(&source)
+                    && !platform.iter().any(|t| t == "clarify");
+                profile_cfg
+                    .and_then(|c| c.toolsets.clone())
+                    .unwrap_or(platform)
+                    .into_iter()
+                    .filter(|t| KNOWN_TOOLS.contains(&t.as_str()))
+                    .filter(|t| !(ask_nobody && t == "clarify"))
+                    .collect()
+            }
         };
         // Built once, with the session (its first turn then writes nothing more).
         let mut system_prompt = crate::agent::turn::system_prompt_for(&self.shared, &cwd, &profile);
