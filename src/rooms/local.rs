@@ -418,7 +418,7 @@ impl SessionPort for LocalSessionPort {
                     LedgerAttempt::Live {
                         session_id: row.target_session_id.clone(),
                         admission_id: row.admission_id.clone(),
-                        started: row.status == "started",
+                        started: (row.status == "started").then_some(row.updated_at),
                     }
                 }
             }))

@@ -333,7 +333,9 @@ pub enum LedgerAttempt {
     Live {
         session_id: String,
         admission_id: String,
-        started: bool,
+        /// When the member began it (its claim, by the member's clock); `None` while it waits
+        /// in the member's queue.
+        started: Option<f64>,
     },
 }
 

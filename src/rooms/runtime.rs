@@ -1056,7 +1056,7 @@ impl RoomRuntime {
             Some(LedgerAttempt::Live {
                 session_id,
                 admission_id,
-                started: false,
+                started: None,
             }) => format!(
                 " (its input {admission_id} is queued in session {session_id}, behind the \
                  member's earlier turns)"

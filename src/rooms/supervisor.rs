@@ -757,7 +757,9 @@ impl RoomRuntime {
             // Past its deadline the pass goes on to take the lease and recover it, and the
             // recovered attempt is stopped (`reconcile_indeterminate`): ending the pass here
             // held the room for as long as the member's turn ran.
-            if probe.running(&task.identity.task_id) && !self.past_deadline(&task) {
+            if probe.running(&task.identity.task_id)
+                && !self.past_deadline(&task, probe.ledger.as_ref())
+            {
                 return Ok(false);
             }
         }
@@ -834,11 +836,22 @@ impl RoomRuntime {
             .await
     }
 
-    /// Whether `task`'s attempt has run past its turn deadline (by the store's clock, from its
-    /// start: the measure that holds across processes).
-    fn past_deadline(&self, task: &TaskView) -> bool {
-        task.started_at
-            .is_some_and(|at| self.now() >= at + self.inner.config.turn_timeout_seconds)
+    /// Whether `task`'s attempt has run past its turn deadline (by the store's clock: the
+    /// measure that holds across processes), counted from its start or, when its member's
+    /// ledger says it began it later, from then. An attempt its member holds queued (behind an
+    /// `unknown` turn its operator has to resolve) runs no deadline: counted from the attempt's
+    /// start, the hours it waited stopped it the moment it began.
+    fn past_deadline(&self, task: &TaskView, ledger: Option<&LedgerAttempt>) -> bool {
+        let began = match ledger {
+            Some(LedgerAttempt::Live { started: None, .. }) => return false,
+            Some(LedgerAttempt::Live {
+                started: Some(at), ..
+            }) => Some(*at),
+            _ => None,
+        };
+        task.started_at.is_some_and(|at| {
+            self.now() >= at.max(began.unwrap_or(at)) + self.inner.config.turn_timeout_seconds
+        })
     }
 
     /// Stop `task`'s attempt as its turn deadline does (a stop under `deadline:<generation>`,
@@ -888,18 +901,15 @@ impl RoomRuntime {
             .info(Self::session_ref(profile, &found.session_id))
             .await?;
         self.report_pending(binding, task, &found.session_id, &info);
-        // Read unless the member runs this attempt: one busy with another turn may hold this
-        // attempt queued behind it.
-        let ledger = if running_for(&info, &task.identity.task_id) {
-            None
-        } else {
-            port.ledger_attempt(
+        // One busy with another turn may hold this attempt queued behind it; one running it
+        // says since when (its turn deadline counts from then: see `past_deadline`).
+        let ledger = port
+            .ledger_attempt(
                 Self::session_ref(profile, &found.session_id),
                 task.identity.clone(),
                 task.execution_generation,
             )
-            .await?
-        };
+            .await?;
         Ok(Probe {
             receipt: None,
             info: Some(info),
@@ -1097,7 +1107,10 @@ impl RoomRuntime {
                     // Still running, past its turn deadline: an attempt of this process left
                     // indeterminate when its lease lapsed mid-turn (a clock jump, a long stall)
                     // is held to its deadline all the same, not waited for without end.
-                    Ok(probe) if probe.active_for(&id.task_id) && self.past_deadline(&task) => {
+                    Ok(probe)
+                        if probe.active_for(&id.task_id)
+                            && self.past_deadline(&task, probe.ledger.as_ref()) =>
+                    {
                         if self.stop_at_deadline(binding, lease, &task).await? {
                             continue;
                         }
@@ -1108,7 +1121,7 @@ impl RoomRuntime {
                         if let Some(LedgerAttempt::Live {
                             session_id,
                             admission_id,
-                            started: false,
+                            started: None,
                         }) = &probe.ledger
                         {
                             // Deferred, it could be retried (or cancelled) while its input still
@@ -1225,7 +1238,9 @@ impl RoomRuntime {
                         }
                         // Still active past its turn deadline: stopped, as a local member's
                         // attempt is (it blocked the room for as long as the peer ran it).
-                        if probe.active_for(&id.task_id) && self.past_deadline(&task) {
+                        if probe.active_for(&id.task_id)
+                            && self.past_deadline(&task, probe.ledger.as_ref())
+                        {
                             if self.stop_at_deadline(binding, lease, &task).await? {
                                 continue;
                             }

@@ -807,6 +807,54 @@ async fn an_abandoned_attempt_still_running_is_held_to_its_deadline() {
     }
 }
 
+/// An abandoned attempt's turn deadline counts from when its member began it, when its ledger
+/// says so: one that waited in the member's queue (behind an `unknown` turn, until the
+/// operator resolved it) is not stopped the moment it begins.
+#[tokio::test]
+async fn an_abandoned_attempt_is_timed_from_when_its_member_began_it() {
+    let (db, clock, id, _attempt) = left_by_an_old_process();
+    let rpc = rpc(false);
+    rpc.add_session(true, Some("task-1"), Vec::new());
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Live {
+            session_id: "member-1".into(),
+            admission_id: "adm-1".into(),
+            started: Some(150.0),
+        },
+    );
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.turn_timeout_seconds = 60.0;
+    spec.config.lease_ttl_seconds = 30.0;
+    let runtime = spec.build(&db);
+    // 61 s after the attempt's start, 11 s after the member began it: it runs on.
+    clock.set(161.0);
+    runtime.process_room(&binding()).await;
+    runtime.process_room(&binding()).await;
+    assert!(
+        matches!(
+            status(&db, &id),
+            TaskStatus::Running | TaskStatus::Indeterminate
+        ),
+        "{:?}",
+        status(&db, &id)
+    );
+    assert_eq!(rpc.count("interrupt"), 0);
+    // 60 s after the member began it: stopped.
+    clock.set(211.0);
+    runtime.process_room(&binding()).await;
+    let failed = task(&db, &id);
+    assert_eq!(failed.status, TaskStatus::Failed);
+    assert_eq!(
+        failed.result.as_ref().map(|r| r["reason_code"].clone()),
+        Some(json!("turn_deadline_exceeded")),
+        "{:?}",
+        failed.result
+    );
+    assert_eq!(rpc.count("interrupt"), 1);
+    assert_eq!(rpc.count("submit"), 0);
+}
+
 /// An attempt whose task can no longer be read while it is watched ends the pass at its
 /// deadline, giving back the member's turn lock and the pass's scheduler slot; once the task
 /// reads again, a later pass stops the attempt. Before, the watch retried the read without end
@@ -2273,7 +2321,7 @@ async fn a_recovered_attempt_queued_in_its_member_is_waited_for_not_deferred() {
         LedgerAttempt::Live {
             session_id: "member-1".into(),
             admission_id: "adm-1".into(),
-            started: false,
+            started: None,
         },
         "adm-1 is queued in session member-1",
     )
