@@ -58,6 +58,81 @@ fn context_limit_within(
     lookup_cache(home, provider, model, recheck).unwrap_or(DEFAULT_CONTEXT)
 }
 
+/// A model endpoint's window as its own overflow errors gave it (`maximum context length is 4096
+/// tokens`), by provider, base URL and model: for a model whose window neither the config nor
+/// the limits file gives, which was taken for [`DEFAULT_CONTEXT`], so its sessions never
+/// compacted before a request and every long turn began with a refused one.
+static LEARNED: Mutex<Option<HashMap<Endpoint, u64>>> = Mutex::new(None);
+
+/// A model endpoint: provider, base URL, model.
+type Endpoint = (String, String, String);
+
+/// Most endpoints whose window is learned (sessions may name their own).
+const MAX_LEARNED: usize = 1024;
+
+/// The window learned for `(provider, base_url, model)`, if any.
+pub fn learned(provider: &str, base_url: &str, model: &str) -> Option<u64> {
+    let key = (
+        provider.to_string(),
+        base_url.to_string(),
+        model.to_string(),
+    );
+    LEARNED.lock().ok()?.as_ref()?.get(&key).copied()
+}
+
+/// Learn that `(provider, base_url, model)` has a window of `limit` tokens, if that is less than
+/// what was known; whether it was.
+pub fn learn(provider: &str, base_url: &str, model: &str, limit: u64) -> bool {
+    let Ok(mut guard) = LEARNED.lock() else {
+        return false;
+    };
+    let map = guard.get_or_insert_with(HashMap::new);
+    let key = (
+        provider.to_string(),
+        base_url.to_string(),
+        model.to_string(),
+    );
+    match map.get(&key) {
+        Some(known) if *known <= limit => false,
+        Some(_) => {
+            map.insert(key, limit);
+            true
+        }
+        None if map.len() >= MAX_LEARNED => false,
+        None => {
+            map.insert(key, limit);
+            true
+        }
+    }
+}
+
+/// The window an overflow error names (`maximum context length is 8192 tokens`, `context
+/// size (4096 tokens)`, `max_model_len 32768`), if it names one: the first number soon after
+/// the words that introduce it.
+pub fn limit_in_error(detail: &str) -> Option<u64> {
+    let lower = detail.to_ascii_lowercase();
+    [
+        "context length",
+        "context window",
+        "context size",
+        "max_model_len",
+        "n_ctx",
+    ]
+    .iter()
+    .filter_map(|words| {
+        let at = lower.find(words)? + words.len();
+        let near: String = lower[at..].chars().take(40).collect();
+        let digits: String = near
+            .chars()
+            .skip_while(|c| !c.is_ascii_digit())
+            .take_while(|c| c.is_ascii_digit() || *c == ',')
+            .filter(|c| *c != ',')
+            .collect();
+        digits.parse::<u64>().ok().filter(|n| *n >= 256)
+    })
+    .next()
+}
+
 /// How long a read of the limits file is trusted before the file is `stat`ed again: every model
 /// call of a turn asks, and the `stat` per call was 2-3 % of the supervisors' thread's CPU.
 const RECHECK: Duration = Duration::from_secs(1);
@@ -189,6 +264,27 @@ pub fn max_summary_tokens(context: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_overflow_error_names_its_window() {
+        for (detail, want) in [
+            ("HTTP 400: This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.", Some(8192)),
+            ("request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it", Some(4096)),
+            ("prompt is longer than max_model_len 32,768", Some(32768)),
+            ("context_length_exceeded", None),
+            ("too many tokens", None),
+        ] {
+            assert_eq!(limit_in_error(detail), want, "{detail}");
+        }
+        assert!(learn("p", "http://learned.test", "m", 8192));
+        assert!(
+            !learn("p", "http://learned.test", "m", 9000),
+            "not a larger one"
+        );
+        assert!(learn("p", "http://learned.test", "m", 4096));
+        assert_eq!(learned("p", "http://learned.test", "m"), Some(4096));
+        assert_eq!(learned("p", "http://learned.test", "other"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -294,13 +294,31 @@ impl Turn {
     }
 
     /// The session's model's context window: its profile's `context_length`, else (for the
-    /// default model) `model.context_length`, else the limits file, else 128K.
+    /// default model) `model.context_length`, else the limits file, else 128K (less when the
+    /// model's overflow errors said so: see `learn_window`).
     fn context(&self) -> u64 {
+        let configured = self.configured_window();
+        let limit = tokens::context_limit(
+            configured,
+            &self.ctx.shared.home,
+            &self.root.provider,
+            &self.root.model,
+        );
+        // What the model's own overflow errors said, unless the operator gave the window.
+        match configured {
+            Some(_) => limit,
+            None => tokens::learned(&self.root.provider, self.endpoint_url(), &self.root.model)
+                .map_or(limit, |learned| learned.min(limit)),
+        }
+    }
+
+    /// The window the config gives the session's model: its profile's `context_length`, else
+    /// (for the default model) `model.context_length`. A profile's window is its model's: a
+    /// session that named another model has not got it.
+    fn configured_window(&self) -> Option<u64> {
         let c = &self.ctx.shared.config;
         let default_model = c.default_endpoint().model;
-        // A profile's window is its model's: a session that named another model has not got it.
-        let configured = c
-            .profiles
+        c.profiles
             .get(&self.root.profile)
             .filter(|p| p.model.as_deref().unwrap_or(&default_model) == self.root.model)
             .and_then(|p| p.context_length)
@@ -308,13 +326,36 @@ impl Turn {
                 (self.root.model == default_model)
                     .then_some(c.model.context_length)
                     .flatten()
-            });
-        tokens::context_limit(
-            configured,
-            &self.ctx.shared.home,
+            })
+            .filter(|c| *c > 0)
+    }
+
+    /// The session's model endpoint's base URL, as the learned windows are keyed.
+    fn endpoint_url(&self) -> &str {
+        self.root.base_url.as_deref().unwrap_or("")
+    }
+
+    /// After an overflow error whose text names the model's window: learn it, when the
+    /// operator did not give one and it is smaller than the window taken so far; whether the
+    /// window changed.
+    fn learn_window(&self, detail: &str) -> bool {
+        let Some(limit) = tokens::limit_in_error(detail) else {
+            return false;
+        };
+        if limit >= self.context() || self.configured_window().is_some() {
+            return false;
+        }
+        let learned = tokens::learn(
             &self.root.provider,
+            self.endpoint_url(),
             &self.root.model,
-        )
+            limit,
+        );
+        if learned {
+            tracing::info!(model = %self.root.model, window = limit,
+                "the model's context window, from its overflow error: compaction now keeps within it");
+        }
+        learned
     }
 
     fn threshold(&self) -> u64 {
@@ -332,7 +373,7 @@ impl Turn {
         let cfg = &shared.config;
         let max_iterations = cfg.agent.max_iterations;
         let max_compressions = cfg.compression.max_attempts;
-        let threshold = self.threshold();
+        let mut threshold = self.threshold();
         let mut iterations = 0u32;
         let mut retry = Retries::default();
         loop {
@@ -394,6 +435,9 @@ impl Turn {
                 Err(ModelError::Interrupted) => return Ok(interrupted()),
                 Err(ModelError::ContextOverflow(detail)) => {
                     self.ctx.shared.metrics.model_error("context_overflow");
+                    if self.learn_window(&detail) {
+                        threshold = self.threshold();
+                    }
                     if self.compressions >= max_compressions {
                         return Ok(TurnOutcome::Failed {
                             error: format!(

@@ -590,6 +590,51 @@ async fn an_overflow_error_compresses_and_retries_the_same_step() {
         .is_some_and(|t| t.starts_with("ACK_P2")));
 }
 
+/// A model whose window neither the config nor the limits file gives is taken for a 128K one;
+/// its first overflow error that names its window (`maximum context length is 4096 tokens`)
+/// teaches the gateway that window, and later requests are compacted before they are sent.
+/// Before, every long turn began with a refused request and a summary after it.
+#[actix_rt::test]
+async fn an_overflow_error_that_names_the_window_is_learned() {
+    // Refuses requests over 14,000 characters (about 3,500 tokens of a 4,096 window).
+    const LIMIT: usize = 14_000;
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            summary_reply()
+        } else if wire_chars(body) > LIMIT {
+            overflow()
+        } else {
+            ack(body)
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"compression": {"protect_first_n": 1, "protect_last_n": 2},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("learned", &home.path).await;
+    for i in 0..9 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    let refused = main_requests(&model)
+        .iter()
+        .filter(|b| wire_chars(b) > LIMIT)
+        .count();
+    assert_eq!(
+        refused, 1,
+        "only the first overflow: the window is known after it"
+    );
+    assert!(
+        home.log()
+            .contains("the model's context window, from its overflow error"),
+        "{}",
+        home.log()
+    );
+}
+
 #[actix_rt::test]
 async fn repeated_overflow_trips_the_breaker_and_the_session_stays_usable() {
     // The main model always overflows on BOOM, whatever the size.
