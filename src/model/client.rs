@@ -294,7 +294,10 @@ async fn call_with_retries(
     deadline: tokio::time::Instant,
 ) -> Result<(ChatResponse, bool), ModelError> {
     let mut attempt = 0u32;
-    let asked_to_stream = stream;
+    // The endpoint said it does not stream (it is asked plainly from then on).
+    let mut refused_stream = false;
+    // Tries so far whose stream broke or stalled (a connection lost, reset or silent).
+    let mut streams_broke = 0u32;
     // The timeout bounds the call, retries included: each attempt had it whole, and a model that
     // never answered held its session (and a slot of the endpoint's concurrency) for four times
     // `model.timeout_seconds` (40 minutes by default) before the turn failed.
@@ -321,11 +324,12 @@ async fn call_with_retries(
             _ = wait_cancel(&mut cancel) => return Err(ModelError::Interrupted),
         };
         match result {
-            Ok(r) => return Ok((r, asked_to_stream && !stream)),
+            Ok(r) => return Ok((r, refused_stream)),
             // A server that refuses to stream is asked once more, plainly (nothing was shown).
             Err(ModelError::Client(m)) if stream && !delivered && refuses_streaming(&m) => {
                 tracing::warn!(error = %m, "the model endpoint does not stream; asking without streaming");
                 stream = false;
+                refused_stream = true;
             }
             Err(e) if call.retry && e.retryable() && !delivered && attempt < config.max_retries => {
                 attempt += 1;
@@ -340,6 +344,17 @@ async fn call_with_retries(
                 if wake >= deadline {
                     // No time left for another attempt: this one's error is the call's.
                     return Err(e);
+                }
+                // The last try of a stream that broke (or stalled) on every try before, with
+                // nothing shown, asks plainly: something between here and the server (a proxy
+                // that cuts or holds event streams) may break only streams. This call only: the
+                // next one streams again.
+                if stream && matches!(e, ModelError::Transient(_) | ModelError::Timeout(_)) {
+                    streams_broke += 1;
+                }
+                if stream && attempt == config.max_retries && streams_broke == attempt {
+                    tracing::warn!(error = %e, "the stream broke on every try; the last asks without streaming");
+                    stream = false;
                 }
                 tracing::warn!(error = %e, attempt, ?backoff, "model call failed; retrying");
                 tokio::select! {

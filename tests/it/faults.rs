@@ -444,6 +444,39 @@ async fn a_stream_of_comments_only_is_asked_again_at_the_idle_timeout() {
     .await;
 }
 
+/// A stream that breaks on every try (a proxy that cuts event streams) is asked plainly on its
+/// last try, and the turn completes. Before, every try streamed and the turn failed.
+#[actix_rt::test]
+async fn a_stream_that_breaks_on_every_try_is_asked_plainly_at_the_last() {
+    let chaos = ChaosModel::inspecting(|body, _| {
+        if body["stream"] == true {
+            Fault::ResetBeforeBody
+        } else {
+            Fault::Ok(format!("ACK_{}", last_user(body)))
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &chaos.url,
+        json!({"model": {"max_retries": 2, "stream": true}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("cut-streams", &home.path).await;
+    for text in ["one", "two"] {
+        ws.submit(&sid, text, text).await;
+        wait_until(text, T, || home.admission(text).status == "terminal").await;
+        assert_eq!(
+            home.admission(text).outcome.as_deref(),
+            Some("completed"),
+            "{text}: {:?}",
+            home.admission(text).result_json
+        );
+        // Two streams, then the plain one: each call streams first again.
+        assert_eq!(chaos.attempts(text), 3, "{text}");
+    }
+}
+
 /// A stream whose body is cut short after its finish_reason (half a usage chunk, no `[DONE]`,
 /// no end of the chunked body) has answered as well. Before, the broken body failed the turn
 /// (not asked again, as the client had been shown the answer).
