@@ -122,6 +122,12 @@ pub fn limit_in_error(detail: &str) -> Option<u64> {
     .filter_map(|words| {
         let at = lower.find(words)? + words.len();
         let near: String = lower[at..].chars().take(40).collect();
+        // "exceeded max context length by 4021 tokens" (Ollama) names the excess, not the
+        // window: learned, it shrank the window to a few thousand tokens or fewer.
+        let before: String = near.chars().take_while(|c| !c.is_ascii_digit()).collect();
+        if before.split_whitespace().any(|w| w == "by") {
+            return None;
+        }
         let digits: String = near
             .chars()
             .skip_while(|c| !c.is_ascii_digit())
@@ -271,6 +277,7 @@ mod tests {
             ("request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it", Some(4096)),
             ("prompt is longer than max_model_len 32,768", Some(32768)),
             ("context_length_exceeded", None),
+            ("prompt too long; exceeded max context length by 4021 tokens", None),
             ("too many tokens", None),
         ] {
             assert_eq!(limit_in_error(detail), want, "{detail}");
