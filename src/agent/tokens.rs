@@ -67,16 +67,21 @@ static LEARNED: Mutex<Option<HashMap<Endpoint, u64>>> = Mutex::new(None);
 /// A model endpoint: provider, base URL, model.
 type Endpoint = (String, String, String);
 
+/// The key of a learned window.
+fn endpoint(provider: &str, base_url: &str, model: &str) -> Endpoint {
+    (
+        provider.to_string(),
+        base_url.to_string(),
+        model.to_string(),
+    )
+}
+
 /// Most endpoints whose window is learned (sessions may name their own).
 const MAX_LEARNED: usize = 1024;
 
 /// The window learned for `(provider, base_url, model)`, if any.
 pub fn learned(provider: &str, base_url: &str, model: &str) -> Option<u64> {
-    let key = (
-        provider.to_string(),
-        base_url.to_string(),
-        model.to_string(),
-    );
+    let key = endpoint(provider, base_url, model);
     LEARNED.lock().ok()?.as_ref()?.get(&key).copied()
 }
 
@@ -87,11 +92,7 @@ pub fn learn(provider: &str, base_url: &str, model: &str, limit: u64) -> bool {
         return false;
     };
     let map = guard.get_or_insert_with(HashMap::new);
-    let key = (
-        provider.to_string(),
-        base_url.to_string(),
-        model.to_string(),
-    );
+    let key = endpoint(provider, base_url, model);
     match map.get(&key) {
         Some(known) if *known <= limit => false,
         Some(_) => {

@@ -342,7 +342,7 @@ impl Turn {
         let Some(limit) = tokens::limit_in_error(detail) else {
             return false;
         };
-        if limit >= self.context() || self.configured_window().is_some() {
+        if self.configured_window().is_some() || limit >= self.context() {
             return false;
         }
         let learned = tokens::learn(

@@ -127,12 +127,7 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
             .and_then(|v| v.as_str())
             .map(str::to_string),
         tool_calls,
-        finish_reason: choice
-            .get("finish_reason")
-            .and_then(|f| f.as_str())
-            .filter(|f| !f.is_empty() && *f != "null")
-            .unwrap_or("stop")
-            .to_string(),
+        finish_reason: finish_reason_of(choice).unwrap_or("stop").to_string(),
         usage: body
             .get("usage")
             .and_then(|u| serde_json::from_value(u.clone()).ok())
@@ -184,6 +179,17 @@ pub struct StreamAccumulator {
 /// What a new tool call's slot is counted as, before its name and arguments.
 const SLOT_BYTES: usize = 64;
 
+/// A choice's `finish_reason`, if it gives one. Some servers send `""` (or the text `"null"`)
+/// on every chunk before the last: no reason yet. Taken as one, a streamed answer counted as
+/// ended at its first chunk, and a pause or a dropped connection after it stored what had come
+/// as the whole answer.
+fn finish_reason_of(choice: &Value) -> Option<&str> {
+    choice
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .filter(|f| !f.is_empty() && *f != "null")
+}
+
 /// What a chunk contributed, for live deltas.
 #[derive(Debug, Default, PartialEq)]
 pub struct ChunkDelta {
@@ -223,14 +229,7 @@ impl StreamAccumulator {
         let Some(choice) = chunk.get("choices").and_then(|c| c.get(0)) else {
             return Ok(delta_out);
         };
-        // Some servers send `""` (or the text `"null"`) on every chunk before the last: no reason
-        // yet. Taken as one, the answer counted as ended at its first chunk, and a pause or a
-        // dropped connection after it stored what had come as the whole answer.
-        if let Some(f) = choice
-            .get("finish_reason")
-            .and_then(|f| f.as_str())
-            .filter(|f| !f.is_empty() && *f != "null")
-        {
+        if let Some(f) = finish_reason_of(choice) {
             self.finish_reason = Some(f.to_string());
         }
         let Some(delta) = choice.get("delta").or_else(|| choice.get("message")) else {

@@ -114,6 +114,11 @@ const MAX_CLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 const UNCLAIM_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(50);
 const UNCLAIM_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The wait before a try that follows `failures` failed ones: `first`, doubled for each.
+fn doubled(first: std::time::Duration, failures: u32) -> std::time::Duration {
+    first.saturating_mul(2u32.saturating_pow(failures))
+}
+
 pub struct SessionSupervisor {
     shared: Arc<Shared>,
     root_id: String,
@@ -360,8 +365,10 @@ impl SessionSupervisor {
                 // every follower missed its events without a word.
                 Err(e) if act.outbox.catch_up_failures + 1 < CATCH_UP_TRIES => {
                     act.outbox.catch_up_failures += 1;
-                    let wait = std::time::Duration::from_millis(100)
-                        * 2u32.pow(act.outbox.catch_up_failures - 1);
+                    let wait = doubled(
+                        std::time::Duration::from_millis(100),
+                        act.outbox.catch_up_failures - 1,
+                    );
                     tracing::warn!(session = %act.root_id, error = %e, ?wait,
                         "cannot read the event log; trying again");
                     ctx.run_later(wait, |act, ctx| {
@@ -556,8 +563,10 @@ impl SessionSupervisor {
             Err(e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_))) => {
                 // The store failed (disk full, locked): try again, or queued work would wait
                 // for the next submit or boot.
-                let wait = (std::time::Duration::from_millis(500)
-                    * 2u32.saturating_pow(u32::from(self.claim_failures)))
+                let wait = doubled(
+                    std::time::Duration::from_millis(500),
+                    u32::from(self.claim_failures),
+                )
                 .min(MAX_CLAIM_RETRY);
                 self.claim_failures = self.claim_failures.saturating_add(1);
                 tracing::error!(session = %self.root_id, error = %e, ?wait, "claim failed; retrying");
