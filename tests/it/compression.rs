@@ -529,17 +529,23 @@ fn overflow() -> Reply {
     )
 }
 
-#[actix_rt::test]
-async fn an_overflow_error_compresses_and_retries_the_same_step() {
-    let model = FakeModel::start(|body| {
+/// A model that summarises for the `summary` model, refuses other requests over `limit`
+/// characters of messages ([`overflow`]) and acknowledges the rest.
+fn overflowing_model(limit: usize) -> FakeModel {
+    FakeModel::start(move |body| {
         if is_summary(body) {
             summary_reply()
-        } else if wire_chars(body) > WIRE_LIMIT {
+        } else if wire_chars(body) > limit {
             overflow()
         } else {
             ack(body)
         }
-    });
+    })
+}
+
+#[actix_rt::test]
+async fn an_overflow_error_compresses_and_retries_the_same_step() {
+    let model = overflowing_model(WIRE_LIMIT);
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -598,15 +604,7 @@ async fn an_overflow_error_compresses_and_retries_the_same_step() {
 async fn an_overflow_error_that_names_the_window_is_learned() {
     // Refuses requests over 14,000 characters (about 3,500 tokens of a 4,096 window).
     const LIMIT: usize = 14_000;
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            summary_reply()
-        } else if wire_chars(body) > LIMIT {
-            overflow()
-        } else {
-            ack(body)
-        }
-    });
+    let model = overflowing_model(LIMIT);
     let home = Home::new();
     home.write_config(&config(
         &model.url,

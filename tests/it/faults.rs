@@ -26,6 +26,29 @@ struct Expect {
     slow: bool,
 }
 
+impl Expect {
+    /// The turn completes after `attempts` requests, none of them slow.
+    fn completed(attempts: usize) -> Expect {
+        Expect {
+            outcome: "completed",
+            error: "",
+            attempts: Some(attempts),
+            slow: false,
+        }
+    }
+}
+
+/// `fault` on the first request, a good answer after.
+fn first_then_ok(fault: Fault) -> impl Fn(usize) -> Fault + Send + Sync + 'static {
+    move |n| {
+        if n == 1 {
+            fault.clone()
+        } else {
+            Fault::Ok("ACK_FAULT".into())
+        }
+    }
+}
+
 /// Run one fault on session `faulty` (input `FAULT`) beside a healthy session, then a normal
 /// input on the faulty session.
 async fn fault_case(
@@ -242,21 +265,10 @@ async fn model_closing_without_a_response_is_retried_then_fails() {
 async fn model_reset_before_any_event_is_retried_and_recovers() {
     fault_case(
         "reset_before_body",
-        |n| {
-            if n == 1 {
-                Fault::ResetBeforeBody
-            } else {
-                Fault::Ok("ACK_FAULT".into())
-            }
-        },
+        first_then_ok(Fault::ResetBeforeBody),
         json!({}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(2),
-            slow: false,
-        },
+        Expect::completed(2),
     )
     .await;
 }
@@ -267,21 +279,10 @@ async fn model_stream_closed_before_its_end_is_retried_and_recovers() {
     // `[DONE]`: cut off, not an empty answer (it was kept as one, and the turn completed blank).
     fault_case(
         "ends_early_before_any_event",
-        |n| {
-            if n == 1 {
-                Fault::EndsEarly(None)
-            } else {
-                Fault::Ok("ACK_FAULT".into())
-            }
-        },
+        first_then_ok(Fault::EndsEarly(None)),
         json!({}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(2),
-            slow: false,
-        },
+        Expect::completed(2),
     )
     .await;
 }
@@ -408,12 +409,7 @@ async fn a_stream_silent_after_its_finish_reason_has_answered() {
         |_| Fault::SilentAfterFinish("ACK_FAULT".into()),
         json!({"model": {"idle_timeout_seconds": 20}}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(1),
-            slow: false,
-        },
+        Expect::completed(1),
     )
     .await;
 }
@@ -425,21 +421,10 @@ async fn a_stream_silent_after_its_finish_reason_has_answered() {
 async fn a_stream_of_comments_only_is_asked_again_at_the_idle_timeout() {
     fault_case(
         "comments-only",
-        |n| {
-            if n == 1 {
-                Fault::Comments(Duration::from_millis(100))
-            } else {
-                Fault::Ok("ACK_FAULT".into())
-            }
-        },
+        first_then_ok(Fault::Comments(Duration::from_millis(100))),
         json!({"model": {"idle_timeout_seconds": 1, "timeout_seconds": 30}}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(2),
-            slow: false,
-        },
+        Expect::completed(2),
     )
     .await;
 }
@@ -487,12 +472,7 @@ async fn a_stream_cut_after_its_finish_reason_has_answered() {
         |_| Fault::CutAfterFinish("ACK_FAULT".into()),
         json!({}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(1),
-            slow: false,
-        },
+        Expect::completed(1),
     )
     .await;
 }
@@ -635,12 +615,7 @@ async fn model_5xx_burst_within_the_retries_recovers() {
         },
         json!({}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(3),
-            slow: false,
-        },
+        Expect::completed(3),
     )
     .await;
 }
@@ -724,12 +699,7 @@ async fn a_stream_is_bounded_by_its_answer_not_its_framing() {
         |_| Fault::Chatty(1000),
         json!({}),
         None,
-        Expect {
-            outcome: "completed",
-            error: "",
-            attempts: Some(1),
-            slow: false,
-        },
+        Expect::completed(1),
     )
     .await;
 }

@@ -1010,6 +1010,15 @@ async fn chat(api: &Api, body: Value) -> Resp {
     api.post("/v1/chat/completions", body).await
 }
 
+/// The session a chat completion reached (its `x-gatehouse-session` header; empty if none).
+fn session_of(r: &Resp) -> String {
+    r.headers
+        .get("x-gatehouse-session")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// Branches of a conversation sent at the same time (or two end users' identical openings)
 /// do not all go on in the session where it left off: one does, each other one starts a session
 /// of its own. Before, each found that session where the conversation left off, and each went
@@ -1021,13 +1030,6 @@ async fn branches_sent_at_once_go_on_in_one_session_only() {
     home.write_config(&keyed(&model, json!({})));
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);
-    let session_of = |r: &Resp| -> String {
-        r.headers
-            .get("x-gatehouse-session")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string()
-    };
     let hello = json!({"role": "user", "content": "hello"});
     let first = chat(&api, json!({"messages": [hello]})).await;
     assert_eq!(first.status, 200, "{}", first.body);
@@ -2052,13 +2054,6 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     home.write_config(&keyed(&model, json!({"model": {"max_retries": 0}})));
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);
-    let session_of = |r: &Resp| -> String {
-        r.headers
-            .get("x-gatehouse-session")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string()
-    };
     // The request the model got for the user text `text` (the last one).
     let asked = |text: &str| -> Value {
         model

@@ -69,6 +69,18 @@ fn start_old_attempt(
     start_task(&mut db.conn(), identity, &old, 0, clock).expect("start")
 }
 
+/// `id`'s task failed by its turn deadline (`what` names the case in a failure).
+fn assert_failed_at_its_deadline(db: &TestDb, id: &TaskIdentity, what: &str) {
+    let failed = task(db, id);
+    assert_eq!(failed.status, TaskStatus::Failed, "{what}");
+    assert_eq!(
+        failed.result.as_ref().map(|r| r["reason_code"].clone()),
+        Some(json!("turn_deadline_exceeded")),
+        "{what}: {:?}",
+        failed.result
+    );
+}
+
 /// Recover an old attempt into `indeterminate` under a separate process, then release.
 fn recover_elsewhere(db: &TestDb, clock: &ManualClock) {
     let recovery = lease_for(db, "recovery-process", 30.0, clock);
@@ -761,14 +773,7 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
         Some(recovery.lease_generation),
         "the room keeps its lease"
     );
-    let failed = task(&db, &id);
-    assert_eq!(failed.status, TaskStatus::Failed);
-    assert_eq!(
-        failed.result.as_ref().map(|r| r["reason_code"].clone()),
-        Some(json!("turn_deadline_exceeded")),
-        "{:?}",
-        failed.result
-    );
+    assert_failed_at_its_deadline(&db, &id, "");
     assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
 }
 
@@ -794,14 +799,7 @@ async fn an_abandoned_attempt_still_running_is_held_to_its_deadline() {
         assert!(runtime.lease(ROOM_ID).is_none(), "peer {peer}");
         clock.set(161.0);
         runtime.process_room(&binding()).await;
-        let failed = task(&db, &id);
-        assert_eq!(failed.status, TaskStatus::Failed, "peer {peer}");
-        assert_eq!(
-            failed.result.as_ref().map(|r| r["reason_code"].clone()),
-            Some(json!("turn_deadline_exceeded")),
-            "peer {peer}: {:?}",
-            failed.result
-        );
+        assert_failed_at_its_deadline(&db, &id, &format!("peer {peer}"));
         assert_eq!(member.count("interrupt"), 1, "peer {peer}");
         assert_eq!(member.count("submit"), 0, "peer {peer}");
     }
@@ -843,14 +841,7 @@ async fn an_abandoned_attempt_is_timed_from_when_its_member_began_it() {
     // 60 s after the member began it: stopped.
     clock.set(211.0);
     runtime.process_room(&binding()).await;
-    let failed = task(&db, &id);
-    assert_eq!(failed.status, TaskStatus::Failed);
-    assert_eq!(
-        failed.result.as_ref().map(|r| r["reason_code"].clone()),
-        Some(json!("turn_deadline_exceeded")),
-        "{:?}",
-        failed.result
-    );
+    assert_failed_at_its_deadline(&db, &id, "");
     assert_eq!(rpc.count("interrupt"), 1);
     assert_eq!(rpc.count("submit"), 0);
 }
