@@ -791,6 +791,7 @@ impl WsConnection {
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
             || self.behind_slow_ordered(&request)
+            || self.behind_waiting_reads(&request)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -818,6 +819,13 @@ impl WsConnection {
     /// (see `slow_ordered`)?
     fn behind_slow_ordered(&self, request: &RpcRequest) -> bool {
         self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str())
+    }
+
+    /// Must `request` wait for the page reads read before it and still waiting for the bound?
+    /// A request that changes what the connection follows would otherwise overtake them: a
+    /// `session.unsubscribe` sent behind a session's reads would have them refused.
+    fn behind_waiting_reads(&self, request: &RpcRequest) -> bool {
+        !self.reads_waiting.is_empty() && FOLLOWING.contains(&request.method.as_str())
     }
 
     /// Does `request` depend on what a request in flight may change in the sessions this
@@ -943,11 +951,9 @@ impl WsConnection {
             // What was held behind it runs now, in the order it was read, up to the next
             // request that changes what the connection follows.
             while act.barriers == 0 {
-                if act
-                    .held
-                    .front()
-                    .is_some_and(|next| act.behind_slow_ordered(next))
-                {
+                if act.held.front().is_some_and(|next| {
+                    act.behind_slow_ordered(next) || act.behind_waiting_reads(next)
+                }) {
                     break;
                 }
                 let Some(next) = act.held.pop_front() else {

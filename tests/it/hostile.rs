@@ -2234,6 +2234,57 @@ async fn reads_pipelined_past_their_bound_are_all_answered() {
     assert_eq!(model.texts(), ["first", "behind"]);
 }
 
+/// A `session.unsubscribe` pipelined behind more page reads of its session than one connection
+/// runs at once waits for them: every read is answered as the session was followed when it was
+/// sent, none refused as not followed.
+#[actix_rt::test]
+async fn an_unsubscribe_behind_waiting_reads_does_not_overtake_them() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let origin = d.origin();
+    let mut ws = d.ws().await;
+    let sid = ws.session("unsub-reads", &home.path).await;
+    ws.submit(&sid, "first", "first").await;
+    wait_until("first", Duration::from_secs(20), || all_terminal(&home)).await;
+    let mut raw = RawWs::connect(&home.path, &origin);
+    let mut frames = RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "resume", "method": "session.resume",
+               "params": {"session_id": sid}})
+        .to_string()
+        .as_bytes(),
+    );
+    for i in 0..12 {
+        frames.extend(RawWs::masked_text(
+            json!({"jsonrpc": "2.0", "id": format!("e{i}"), "method": "session.events.since",
+                   "params": {"session_id": sid, "last_sequence": 0}})
+            .to_string()
+            .as_bytes(),
+        ));
+    }
+    frames.extend(RawWs::masked_text(
+        json!({"jsonrpc": "2.0", "id": "unsub", "method": "session.unsubscribe",
+               "params": {"session_id": sid}})
+        .to_string()
+        .as_bytes(),
+    ));
+    raw.write_all(&frames);
+    let mut answered = Vec::new();
+    for _ in 0..14 {
+        let v = raw.reply();
+        assert!(v.get("error").is_none(), "{v}");
+        let id = v["id"].as_str().unwrap_or_default().to_string();
+        if id == "unsub" {
+            assert_eq!(v["result"]["unsubscribed"], true, "{v}");
+        }
+        answered.push(id);
+    }
+    answered.sort();
+    let mut sent: Vec<String> = (0..12).map(|i| format!("e{i}")).collect();
+    sent.extend(["resume".to_string(), "unsub".to_string()]);
+    sent.sort();
+    assert_eq!(answered, sent);
+}
+
 /// Inputs a client pipelines on one connection, without waiting for their receipts, are
 /// admitted in the order it sent them, also while the receipts of earlier ones come back. Each
 /// request runs as a task of its own; a task that finished could let a later request reach its
