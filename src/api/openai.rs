@@ -369,10 +369,10 @@ async fn derived_thread(
     principal: &str,
     scope: &Value,
     request: &[(String, String)],
-) -> Result<(Thread, String), ChatFailure> {
+) -> Result<(Thread, String, Option<Claim>), ChatFailure> {
     let key = thread_key(scope, request);
     if let Some(session) = recorded(authority, principal, &key).await? {
-        return Ok((Thread::Existing(session), key));
+        return Ok((Thread::Existing(session), key, None));
     }
     let prior = &request[..request.len().saturating_sub(1)];
     if let [before @ .., (role, answer)] = prior {
@@ -382,27 +382,36 @@ async fn derived_thread(
                 // The previous request's input: named by its Idempotency-Key when it had one
                 // (a client that sends each request under a key of its own started a new session
                 // every turn), else by its conversation.
-                let input =
-                    match recorded(authority, principal, &threads::input_key(&previous)).await? {
-                        Some(keyed) => keyed,
-                        None => input_id_of(&previous),
-                    };
-                let (s, p, answer) = (session.clone(), principal.to_string(), answer.clone());
+                // Either may be the one it went on with: a keyed request sent again without
+                // its key is admitted under the conversation's own id.
+                let mut inputs = vec![input_id_of(&previous)];
+                inputs
+                    .extend(recorded(authority, principal, &threads::input_key(&previous)).await?);
+                let claim = Claim {
+                    session: session.clone(),
+                    previous,
+                    key: key.clone(),
+                    inputs,
+                    answer: answer.clone(),
+                };
+                let (c1, p) = (claim.clone(), principal.to_string());
                 let there = authority
                     .shared
                     .db
-                    .read(move |c| threads::left_at(c, &s, &p, &input, &answer))
+                    .read(move |c| threads::left_at(c, &c1.session, &p, &c1.inputs, &c1.answer))
                     .await?;
                 if there {
-                    let (p, k, now) = (principal.to_string(), key.clone(), authority.shared.now());
-                    let s = session.clone();
+                    let (c1, p, now) =
+                        (claim.clone(), principal.to_string(), authority.shared.now());
                     let claimed = authority
                         .shared
                         .db
-                        .write(move |c| threads::claim_next(c, &p, &s, &previous, &k, now))
+                        .write(move |c| {
+                            threads::claim_next(c, &p, &c1.session, &c1.previous, &c1.key, now)
+                        })
                         .await?;
                     if claimed {
-                        return Ok((Thread::Existing(session), key));
+                        return Ok((Thread::Existing(session), key, Some(claim)));
                     }
                 }
             }
@@ -422,7 +431,50 @@ async fn derived_thread(
     }
     seed.system = (!system.is_empty()).then(|| system.join("\n\n"));
     let request_id = format!("openai/thread-{}", &key[..32]);
-    Ok((Thread::New { request_id, seed }, key))
+    Ok((Thread::New { request_id, seed }, key, None))
+}
+
+/// A request's claim on going on in the session where its conversation left off (see
+/// `threads::claim_next`).
+#[derive(Clone)]
+struct Claim {
+    session: String,
+    /// The key of the conversation's previous request, which the session's last input is.
+    previous: String,
+    /// This request's conversation key, the claim's holder.
+    key: String,
+    /// The ids the previous request's input may have.
+    inputs: Vec<String>,
+    /// Its answer, as the client sent it back.
+    answer: String,
+}
+
+impl Claim {
+    /// Let go of the claim of a request that was refused: an edited message sent next goes on
+    /// in the session rather than in a new one. Kept when its input was admitted after all
+    /// (the session is no longer where the conversation left off).
+    async fn let_go(self, authority: &Authority, principal: &str) {
+        let p = principal.to_string();
+        let session = self.session.clone();
+        let done = authority
+            .shared
+            .db
+            .write(move |c| {
+                threads::let_go(
+                    c,
+                    &p,
+                    &self.session,
+                    &self.previous,
+                    &self.key,
+                    (&self.inputs, &self.answer),
+                )
+            })
+            .await;
+        if let Err(e) = done {
+            // Left held: the conversation's next request starts a new session.
+            tracing::warn!(session = %session, error = %e, "could not let go of a refused request's claim");
+        }
+    }
 }
 
 /// The input id of a request to a named session, without an Idempotency-Key. Such a session
@@ -680,8 +732,26 @@ pub async fn chat_completions(
     // Authenticated here rather than by the `Principal` extractor, so a credential refusal is
     // in OpenAI's error shape too, like every other refusal of this route.
     let principal = authenticate(&state, &req)?;
+    let mut claim = None;
+    let answered = complete(req, &state, payload, &principal, &mut claim).await;
+    if let (Err(_), Some(claim)) = (&answered, claim) {
+        claim.let_go(&state.authority, &principal).await;
+    }
+    answered
+}
+
+/// [`chat_completions`] past the credential check; `claim` is set to the claim the request
+/// takes on going on in its conversation's session, if it takes one.
+async fn complete(
+    req: HttpRequest,
+    state: &AppState,
+    payload: web::Payload,
+    principal: &str,
+    claim: &mut Option<Claim>,
+) -> Result<HttpResponse, ChatFailure> {
+    let principal = principal.to_string();
     let mut body: ChatCompletionRequest =
-        read_json(payload, BodyLimit::of(&state, BODY_LIMIT)).await?;
+        read_json(payload, BodyLimit::of(state, BODY_LIMIT)).await?;
     // More than one answer cannot be given: say so rather than send one of the n asked for.
     if body.n.is_some_and(|n| n != 1) {
         return Err(invalid("n must be 1: a turn gives one answer"));
@@ -820,7 +890,9 @@ pub async fn chat_completions(
         (Some(name), None) => (named_thread(authority, &principal, name).await?, None),
         (None, None) => {
             let scope = json!([body.user, profile]);
-            let (thread, key) = derived_thread(authority, &principal, &scope, request).await?;
+            let (thread, key, claimed) =
+                derived_thread(authority, &principal, &scope, request).await?;
+            *claim = claimed;
             (thread, Some(key))
         }
     };
@@ -886,7 +958,9 @@ pub async fn chat_completions(
             .write(move |c| {
                 crate::store::write_tx(c, |c| {
                     let named = threads::record(c, &p, &records, &r, now)?;
-                    if let Some((input, key)) = &keyed_input {
+                    // Not for a key already used in another session: that request is refused.
+                    let own_key = named.last().is_some_and(|s| *s == r);
+                    if let (Some((input, key)), true) = (&keyed_input, own_key) {
                         threads::record_input(c, &p, key, input, now)?;
                     }
                     Ok::<_, crate::error::StoreError>(named)

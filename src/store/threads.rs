@@ -89,6 +89,33 @@ pub fn claim_next(
     Ok(claims.first().is_some_and(|holder| holder == key))
 }
 
+/// Let go of the claim `key` holds on going on in `session` from `previous` (see
+/// [`claim_next`]) when its request was refused: only while the session is still where the
+/// conversation left it (the inputs `requests`, answered `answer`), so a claim whose request
+/// was admitted after all is kept. Whether it was let go.
+pub fn let_go(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    session: &str,
+    previous: &str,
+    key: &str,
+    (requests, answer): (&[String], &str),
+) -> Result<bool, StoreError> {
+    super::write_tx(conn, |conn| {
+        if !left_at(conn, session, principal, requests, answer)? {
+            return Ok(false);
+        }
+        let gone = diesel::delete(
+            chat_threads::table
+                .filter(chat_threads::principal_id.eq(principal))
+                .filter(chat_threads::thread_key.eq(format!("next-{session}-{previous}")))
+                .filter(chat_threads::session_id.eq(key)),
+        )
+        .execute(conn)?;
+        Ok(gone == 1)
+    })
+}
+
 /// The record naming the input of the request whose conversation's key is `key`, when that
 /// request named its input by an `Idempotency-Key`.
 pub fn input_key(key: &str) -> String {
@@ -117,13 +144,13 @@ pub fn record_input(
 }
 
 /// Is `session` where a conversation left it: its last admission is `principal`'s input named
-/// `request` (or a later attempt of it, `request` + `-N`), completed with the final answer
-/// `answer`?
+/// by one of `requests` (or a later attempt of it, `request` + `-N`), completed with the final
+/// answer `answer`?
 pub fn left_at(
     conn: &mut SqliteConnection,
     session: &str,
     principal: &str,
-    request: &str,
+    requests: &[String],
     answer: &str,
 ) -> Result<bool, StoreError> {
     let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
@@ -143,11 +170,13 @@ pub fn left_at(
     let Some((request_id, owner, outcome, result)) = last else {
         return Ok(false);
     };
-    let same_input = request_id == request
-        || request_id
-            .strip_prefix(request)
-            .and_then(|rest| rest.strip_prefix('-'))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    let same_input = requests.iter().any(|request| {
+        request_id == *request
+            || request_id
+                .strip_prefix(request.as_str())
+                .and_then(|rest| rest.strip_prefix('-'))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
     let final_response = result
         .as_deref()
         .and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok())
@@ -210,5 +239,46 @@ mod tests {
         assert!(!prune(&mut c, 15.0).expect("prune"));
         assert_eq!(find(&mut c, "p", "k1").expect("find"), None);
         assert_eq!(find(&mut c, "p", "k2").expect("find"), Some("s2".into()));
+    }
+
+    /// A claim on going on from an input is let go of only by its holder, and only while the
+    /// session is still where the conversation left off.
+    #[test]
+    fn a_claim_is_let_go_only_by_its_holder_while_the_session_waits() {
+        use crate::store::admissions;
+        let (_dir, mut c, e, row) = testing::started_turn();
+        let generation = row.execution_generation.expect("generation");
+        admissions::settle(
+            &mut c,
+            e,
+            "s1",
+            &row.admission_id,
+            generation,
+            "completed",
+            r#"{"final_response": "A"}"#,
+            &[],
+            &[],
+            (0, 0),
+            3.0,
+        )
+        .expect("settle");
+        let left = (&["other".to_string(), "in".to_string()][..], "A");
+        assert!(left_at(&mut c, "s1", "p", left.0, left.1).expect("left at"));
+        assert!(claim_next(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"));
+        assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
+        assert!(
+            !let_go(&mut c, "p", "s1", "prev", "k2", left).expect("let go"),
+            "not the holder"
+        );
+        assert!(
+            !let_go(&mut c, "p", "s1", "prev", "k1", (left.0, "B")).expect("let go"),
+            "another answer: not where the conversation left off"
+        );
+        assert!(let_go(&mut c, "p", "s1", "prev", "k1", left).expect("let go"));
+        assert!(claim_next(&mut c, "p", "s1", "prev", "k2", 5.0).expect("claim"));
+        // Its input admitted after all: the session moved on, and the claim stands.
+        admissions::admit(&mut c, e, "p", "s1", "k2-input", "next", 10, 6.0).expect("admit");
+        assert!(!let_go(&mut c, "p", "s1", "prev", "k2", left).expect("let go"));
+        assert!(!claim_next(&mut c, "p", "s1", "prev", "k3", 7.0).expect("claim"));
     }
 }

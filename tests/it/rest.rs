@@ -2232,6 +2232,29 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
         ["first body", "keyed follow-up", "after it"]
     );
 
+    // A keyed request sent again without its key is admitted under the conversation's own id:
+    // the conversation goes on from that input all the same (only the keyed one was looked for).
+    let opening = json!({"messages": [{"role": "user", "content": "keyed once"}]});
+    let once = chat(&api.with("idempotency-key", "keyed-once"), opening.clone()).await;
+    assert_eq!(once.status, 200, "{}", once.body);
+    let unkeyed = chat(&api, opening).await;
+    assert_eq!(unkeyed.status, 200, "{}", unkeyed.body);
+    assert_eq!(session_of(&unkeyed), session_of(&once));
+    let on = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "keyed once"},
+                            {"role": "assistant", "content": "ACK_keyed once"},
+                            {"role": "user", "content": "and on"}]}),
+    )
+    .await;
+    assert_eq!(on.status, 200, "{}", on.body);
+    assert_eq!(session_of(&on), session_of(&once));
+    // The unkeyed request was another input of the session (no key named it the keyed one).
+    assert_eq!(
+        user_texts(&asked("and on")),
+        ["keyed once", "keyed once", "and on"]
+    );
+
     // A turn that failed is asked again when the same request comes again.
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
     let failed = chat(&api, body.clone()).await;
