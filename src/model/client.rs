@@ -494,10 +494,21 @@ async fn one_call(
         req = req.insert_header(("Authorization", format!("Bearer {key}")));
     }
     let payload = request_body(call, stream).map_err(|e| ModelError::Client(e.to_string()))?;
-    let mut resp = req
-        .send_body(payload)
-        .await
-        .map_err(|e| ModelError::Transient(format!("send: {e}")))?;
+    let sent = req.send_body(payload);
+    // A stream's head is part of its silence: a server (or a proxy) that took the request and
+    // never answered held the call for its whole timeout, never asked again, where a stream
+    // that fell silent after its head was given up at the idle timeout. A plain reply's head
+    // may come only with the whole answer: the call's timeout bounds it.
+    let mut resp = if stream {
+        tokio::time::timeout(config.idle_timeout, sent)
+            .await
+            .map_err(|_| {
+                ModelError::Timeout(format!("no response head for {:?}", config.idle_timeout))
+            })?
+    } else {
+        sent.await
+    }
+    .map_err(|e| ModelError::Transient(format!("send: {e}")))?;
     let status = resp.status().as_u16();
     if status != 200 {
         *retry_after = resp

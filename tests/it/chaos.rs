@@ -40,6 +40,9 @@ pub enum Fault {
     CloseDelimited11(String),
     /// Send the head, then nothing at all (until the client gives up).
     Stall,
+    /// Read the request, then send nothing, not even the response head (until the client
+    /// gives up).
+    NoHead,
     /// 429 with `Retry-After` of this many seconds.
     RetryAfter(u32),
     /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
@@ -322,6 +325,7 @@ fn answer(
             stream.flush()?;
             hold(stream, stop, Duration::from_secs(60), None)
         }
+        Fault::NoHead => hold(stream, stop, Duration::from_secs(60), None),
         Fault::SilentAfterFinish(content) => {
             stream.write_all(SSE_HEAD.as_bytes())?;
             chunk(stream, &delta(&content))?;

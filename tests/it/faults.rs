@@ -361,6 +361,21 @@ async fn model_stall_past_the_idle_timeout_retries_then_fails() {
     .await;
 }
 
+/// A server that takes a streamed request and never sends even its response head is given up
+/// at the idle timeout and asked again, as a stream silent after its head is. Before, the call
+/// waited out its whole timeout, never asked again.
+#[actix_rt::test]
+async fn a_stream_whose_head_never_comes_is_asked_again_at_the_idle_timeout() {
+    fault_case(
+        "no-head",
+        first_then_ok(Fault::NoHead),
+        json!({"model": {"idle_timeout_seconds": 1, "timeout_seconds": 30, "stream": true}}),
+        None,
+        Expect::completed(2),
+    )
+    .await;
+}
+
 /// A server that says when to come back (`Retry-After` on a 429) is asked again no sooner:
 /// here after 2 s, where the back-off alone would have asked again after 0.5 s.
 #[actix_rt::test]
