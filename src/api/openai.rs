@@ -255,6 +255,9 @@ impl ResponseError for ChatFailure {
     fn error_response(&self) -> HttpResponse {
         let mut r = HttpResponse::build(self.status);
         super::auth::refusal_headers(self.status, &mut r);
+        if self.status == StatusCode::METHOD_NOT_ALLOWED {
+            r.insert_header(("allow", "POST"));
+        }
         if let Some(reached) = &self.reached {
             r.insert_header((SESSION_HEADER, reached.0.as_str()));
             if let Some(admission) = &reached.1 {
@@ -738,6 +741,20 @@ pub async fn chat_completions(
         claim.let_go(&state.authority, &principal).await;
     }
     answered
+}
+
+/// The route asked with another method than POST: 405 with `Allow`, in OpenAI's shape (after
+/// authentication, like every other answer of the route).
+pub async fn method_not_allowed(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ChatFailure> {
+    authenticate(&state, &req)?;
+    Err(ChatFailure::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route answers POST only",
+    ))
 }
 
 /// [`chat_completions`] past the credential check; `claim` is set to the claim the request

@@ -1005,11 +1005,12 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .service(only("/sessions/{id}/events", "GET", web::get().to(events)))
             .service(only("/auth/token", "POST", web::post().to(token)))
             .service(only("/openapi.json", "GET", web::get().to(openapi_json)))
-            .service(only(
-                "/chat/completions",
-                "POST",
-                web::post().to(super::openai::chat_completions),
-            ))
+            .service(
+                // Its refusals in OpenAI's shape, the wrong method's too.
+                web::resource("/chat/completions")
+                    .route(web::post().to(super::openai::chat_completions))
+                    .default_service(web::to(super::openai::method_not_allowed)),
+            )
             .default_service(web::to(unknown_route)),
     );
 }

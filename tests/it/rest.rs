@@ -1093,6 +1093,26 @@ async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_resu
     }
 
     let api = Api::new(&d, KEY);
+    // So is the wrong method, after its credentials.
+    let r = api.get("/v1/chat/completions").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.body["error"]["type"], "api_error", "{}", r.body);
+    assert_eq!(
+        r.body["error"]["reason"], "method_not_allowed",
+        "{}",
+        r.body
+    );
+    assert_eq!(
+        r.headers.get("allow").and_then(|v| v.to_str().ok()),
+        Some("POST")
+    );
+    let r = Api::anonymous(&d).get("/v1/chat/completions").await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(
+        r.body["error"]["type"], "authentication_error",
+        "{}",
+        r.body
+    );
     let first = chat(&api, json!({"messages": [question]})).await;
     assert_eq!(first.status, 200, "{}", first.body);
     let client_tools = json!([
