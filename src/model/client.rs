@@ -335,11 +335,7 @@ async fn call_with_retries(
                 attempt += 1;
                 // A server that says when to come back (`Retry-After`, on a 429 or a 503) is
                 // asked again no sooner, within the call's time; ours is the least wait.
-                // Up to half as long again, at random: the sessions a rate limit refused together
-                // asked again all at once, and were refused together again.
-                let backoff = jittered(config.retry_base * 2u32.saturating_pow(attempt - 1))
-                    .min(Duration::from_secs(60))
-                    .max(retry_after.unwrap_or_default());
+                let backoff = backoff(config.retry_base, attempt, retry_after);
                 let wake = tokio::time::Instant::now() + backoff;
                 if wake >= deadline {
                     // No time left for another attempt: this one's error is the call's.
@@ -368,6 +364,18 @@ async fn call_with_retries(
 }
 
 /// `wait` and up to half of it again, at random.
+/// The wait before try `attempt` + 1 (`attempt` ≥ 1): doubling from `base`, at most 60 s, no
+/// less than the server's `Retry-After`; then up to half as long again, at random: the sessions
+/// a rate limit refused together asked again all at once, and were refused together again. The
+/// server's wait and the cap are spread too (they set the same wait for every session).
+fn backoff(base: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    jittered(
+        (base * 2u32.saturating_pow(attempt.saturating_sub(1)))
+            .min(Duration::from_secs(60))
+            .max(retry_after.unwrap_or_default()),
+    )
+}
+
 fn jittered(wait: Duration) -> Duration {
     let fraction = (uuid::Uuid::new_v4().as_u128() % 1024) as f64 / 2048.0;
     wait.mul_f64(1.0 + fraction)
@@ -875,6 +883,26 @@ mod tests {
         let waits: Vec<Duration> = (0..200).map(|_| jittered(wait)).collect();
         assert!(waits.iter().all(|w| *w >= wait && *w < wait.mul_f64(1.5)));
         assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");
+    }
+
+    /// The back-off doubles up to its cap and keeps to a server's `Retry-After`; the waits these
+    /// set are spread as well, not the same for every session.
+    #[test]
+    fn a_back_off_keeps_to_the_servers_wait_and_is_spread() {
+        let base = Duration::from_millis(500);
+        let within = |w: Duration, at_least: Duration| w >= at_least && w < at_least.mul_f64(1.5);
+        assert!(within(backoff(base, 1, None), base));
+        assert!(within(backoff(base, 3, None), base * 4));
+        for (attempt, retry_after, at_least) in [
+            (1, Some(Duration::from_secs(30)), Duration::from_secs(30)),
+            (20, None, Duration::from_secs(60)),
+        ] {
+            let waits: Vec<Duration> = (0..200)
+                .map(|_| backoff(base, attempt, retry_after))
+                .collect();
+            assert!(waits.iter().all(|w| within(*w, at_least)), "{waits:?}");
+            assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");
+        }
     }
 
     #[test]
