@@ -46,6 +46,19 @@ pub const BACKGROUND: DangerMatch = DangerMatch {
     description: "leaves a process running after the call, with no time limit",
 };
 
+/// Not a pattern: a brace group whose words are far longer than the group as written (`pre{a,
+/// b,…}post` is the text around it once per part), which the rules do not read written out.
+pub const UNREAD_EXPANSION: DangerMatch = DangerMatch {
+    key: "brace_expansion",
+    description: "expands a brace group into more text than the rules read",
+};
+
+/// A brace group is written out for the rules only while its words are at most this many times
+/// as long as the group (a 64 KiB command of one group of 32,000 parts behind 32,000
+/// characters was written out whole: a gigabyte, scanned by every rule, in the session's
+/// thread). A command's texts are then at most this many times as long as the command.
+const MAX_EXPANSION: usize = 16;
+
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DangerMatch {
@@ -393,24 +406,27 @@ fn matches(rule: &Rule) -> DangerMatch {
 ///
 /// A third text, when it differs, reads the words the shell builds from a brace list or `$IFS`:
 /// `{rm,-rf,~}` and `rm${IFS}-rf${IFS}~` run `rm -rf ~`, and no rule saw a command there.
-fn variants(command: &str) -> Vec<String> {
+/// Also whether a brace group was left as written (see [`MAX_EXPANSION`]).
+fn variants(command: &str) -> (Vec<String>, bool) {
     let normalized = normalize(command);
     let unquoted: String = normalized
         .chars()
         .filter(|c| !matches!(c, '\'' | '"' | '\\'))
         .collect();
-    let expanded = expanded_words(&unquoted);
+    let mut unread = false;
+    let expanded = expanded_words(&unquoted, &mut unread);
     let mut texts = vec![normalized, unquoted];
     if let Some(expanded) = expanded {
         texts.push(expanded);
     }
-    texts
+    (texts, unread)
 }
 
 /// `text` with each brace list (`{a,b,c}`, with no blank inside and not a `${…}`) written as
 /// the words the shell makes of it (`pre{a,b}post` is `prea preb` … each with the text around
-/// it), and each `$IFS` as a blank; `None` when there is neither.
-fn expanded_words(text: &str) -> Option<String> {
+/// it), and each `$IFS` as a blank; `None` when there is neither. A group whose words are
+/// more than [`MAX_EXPANSION`] times as long as it is left as written, and `unread` set.
+fn expanded_words(text: &str, unread: &mut bool) -> Option<String> {
     static PATTERNS: OnceLock<Option<(Regex, Regex)>> = OnceLock::new();
     let (braces, ifs) = PATTERNS
         .get_or_init(|| {
@@ -428,6 +444,12 @@ fn expanded_words(text: &str) -> Option<String> {
     let spaced = ifs.replace_all(text, " ");
     let words = braces.replace_all(&spaced, |c: &regex::Captures| {
         let (pre, post) = (&c[2], &c[4]);
+        let parts = c[3].matches(',').count() + 1;
+        let length = c[3].len() + parts * (pre.len() + post.len() + 1);
+        if length > MAX_EXPANSION * c[0].len() {
+            *unread = true;
+            return c[0].to_string();
+        }
         let words: Vec<String> = c[3]
             .split(',')
             .map(|item| format!("{pre}{item}{post}"))
@@ -495,16 +517,20 @@ fn first_match(rules: &[Rule], texts: &[String]) -> Option<DangerMatch> {
 /// regular table did not already name. A command that chains two dangerous commands is as
 /// dangerous as both: an approval must cover every key, not just the first.
 pub fn detect_all(command: &str) -> Vec<DangerMatch> {
-    detect_all_in(&variants(command))
+    let (texts, unread) = variants(command);
+    detect_all_in(&texts, unread)
 }
 
 /// [`is_hardline`] and [`detect_all`] of one command, normalizing it once.
 pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
-    let texts = variants(command);
-    (first_match(hardline_rules(), &texts), detect_all_in(&texts))
+    let (texts, unread) = variants(command);
+    (
+        first_match(hardline_rules(), &texts),
+        detect_all_in(&texts, unread),
+    )
 }
 
-fn detect_all_in(texts: &[String]) -> Vec<DangerMatch> {
+fn detect_all_in(texts: &[String], unread: bool) -> Vec<DangerMatch> {
     let mut found: Vec<DangerMatch> = Vec::new();
     for rule in rules().iter().chain(hardline_rules()) {
         if !found.iter().any(|m| m.key == rule.def.key)
@@ -524,6 +550,9 @@ fn detect_all_in(texts: &[String]) -> Vec<DangerMatch> {
             found.push(matches(rule));
         }
     }
+    if unread {
+        found.push(UNREAD_EXPANSION);
+    }
     found
 }
 
@@ -538,7 +567,7 @@ pub fn detect(command: &str) -> Option<DangerMatch> {
 /// Returns the matching hardline rule: commands that are blocked even when
 /// approvals are disabled.
 pub fn is_hardline(command: &str) -> Option<DangerMatch> {
-    first_match(hardline_rules(), &variants(command))
+    first_match(hardline_rules(), &variants(command).0)
 }
 
 /// Strips ANSI escape sequences and NUL characters and lowercases the text. A line
@@ -1017,6 +1046,24 @@ mod tests {
             ["delete_root_path", "recursive_delete", "rm_root"]
         );
         assert!(keys("ls -la").is_empty());
+    }
+
+    /// A brace group whose words would be far longer than the command (4,000 parts behind 4,000
+    /// characters: 16 MB of an 8 KB command; a 64 KiB one made a gigabyte) is not written out:
+    /// the command is asked about. A group within the bound is still written out, also beside
+    /// such a group.
+    #[test]
+    fn a_brace_group_too_long_written_out_is_asked_about_not_expanded() {
+        let huge = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
+        let keys: Vec<&str> = detect_all(&huge).iter().map(|m| m.key).collect();
+        assert_eq!(keys, ["brace_expansion"]);
+        let (texts, unread) = variants(&huge);
+        assert!(unread);
+        assert!(texts.iter().all(|t| t.len() <= huge.len()));
+        let beside = format!("{huge}; {{rm,-rf,/}}");
+        assert_eq!(is_hardline(&beside).map(|m| m.key), Some("rm_root"));
+        assert!(detect_all("mkdir -p src/{a,b,c}/{lib,bin}").is_empty());
+        assert!(detect_all("cp /usr/local/lib/libfoo.so{,.bak}").is_empty());
     }
 
     #[test]
