@@ -462,11 +462,17 @@ async fn follow(
                             .collect()
                     })
                     .unwrap_or_default();
-                let left_running = if payload["background"] == true {
+                let mut left_running = if payload["background"] == true {
                     " (left running in the background)"
                 } else {
                     ""
-                };
+                }
+                .to_string();
+                if payload["masked"] == true {
+                    left_running.push_str(
+                        " (part of the command is masked as a secret: not all of what runs is shown)",
+                    );
+                }
                 // Every rule the command matched (a `session` answer approves them all), not only
                 // the first.
                 let rules: Vec<&str> = payload["descriptions"]

@@ -885,7 +885,14 @@ impl Turn {
                     let principal = self.root.principal_id.clone();
                     // What reaches the gateway itself is approved one command at a time: a
                     // session approval of a read (`cat config.yaml`) let `: > state.db` through.
-                    let once_only = keys.iter().any(|k| ONCE_ONLY_RULES.contains(k));
+                    // Shown with its secrets masked: the prompt goes to the event log, every
+                    // follower and each snapshot (what runs is the command itself). A masked
+                    // part can hide text the approver would want to see (a "private key block"
+                    // of shell lines): such a command is asked about each time, once or deny,
+                    // and its prompt says part of it is hidden.
+                    let shown = tools::redact::redact(&command);
+                    let masked = shown != command.as_str();
+                    let once_only = masked || keys.iter().any(|k| ONCE_ONLY_RULES.contains(k));
                     let approved = !once_only
                         && self
                             .ctx
@@ -913,9 +920,8 @@ impl Turn {
                             ]
                         };
                         let payload = json!({
-                            // Shown with its secrets masked: the prompt goes to the event log,
-                            // every follower and each snapshot (what runs is the command itself).
-                            "command": tools::redact::redact(&command),
+                            "command": shown,
+                            "masked": masked,
                             "workdir": cwd.to_string_lossy(),
                             "description": first.description,
                             "descriptions": descriptions,

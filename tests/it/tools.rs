@@ -1956,6 +1956,39 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
     assert_eq!(home.prompt_rows(&sid).len(), 1);
 }
 
+/// A dangerous command with a part masked as a secret in its prompt (a "private key block"
+/// can hold any text, shell lines included) is asked about each time, once or deny, and its
+/// prompt says part of it is hidden: approved for the session, the hidden part rode along.
+#[actix_rt::test]
+async fn a_command_partly_masked_in_its_prompt_is_asked_once_and_says_so() {
+    let hidden = "rm -rf /srv/data";
+    let command = format!(
+        "rm -rf build; : '-----BEGIN RSA PRIVATE KEY-----\n{hidden}\n-----END RSA PRIVATE KEY-----'"
+    );
+    let model = scripted(vec![
+        ("MASKED", terminal("call_masked", &command)),
+        ("CLEAR", terminal("call_clear", "rm -rf build")),
+    ]);
+    let (home, _d, mut ws, sid) = submitted(&model, "masked", "MASKED").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["masked"], true, "{p}");
+    assert!(!p["command"].to_string().contains(hidden), "{p}");
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "MASKED").await;
+    // Nothing masked: the usual choices, and no flag set.
+    ws.submit(&sid, "CLEAR", "CLEAR").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["masked"], false, "{p}");
+    assert_eq!(
+        p["choices"],
+        json!(["once", "session", "always", "deny"]),
+        "{p}"
+    );
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "CLEAR").await;
+}
+
 /// Identical calls in one response run once: the kept assistant message has the call once, with
 /// its one result.
 #[actix_rt::test]
