@@ -438,6 +438,17 @@ impl Turn {
                     if self.learn_window(&detail) {
                         threshold = self.threshold();
                     }
+                    // Compression turned off is off here too: no summary model is asked (its
+                    // cost, or the conversation sent to its endpoint, is what the operator said
+                    // no to) and no child session is made.
+                    if !cfg.compression.enabled {
+                        return Ok(TurnOutcome::Failed {
+                            error: format!(
+                                "context_overflow: {detail}; compression is turned off (compression.enabled)"
+                            ),
+                            reason: "context_overflow",
+                        });
+                    }
                     if self.compressions >= max_compressions {
                         return Ok(TurnOutcome::Failed {
                             error: format!(

@@ -596,6 +596,35 @@ async fn an_overflow_error_compresses_and_retries_the_same_step() {
         .is_some_and(|t| t.starts_with("ACK_P2")));
 }
 
+/// With compression turned off, an overflow error fails the turn `context_overflow`: the
+/// summary model is not asked and no child session is made. Before, only the check before a
+/// request heeded the switch, and an overflow summarised and rotated all the same.
+#[actix_rt::test]
+async fn an_overflow_with_compression_off_fails_without_a_summary() {
+    let model = overflowing_model(WIRE_LIMIT);
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 64000},
+               "compression": {"enabled": false, "protect_first_n": 1, "protect_last_n": 2},
+               "auxiliary": {"compression": {"model": "summary"}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("off", &home.path).await;
+    run(&mut ws, &home, &sid, 0).await;
+    run(&mut ws, &home, &sid, 1).await;
+    ws.submit(&sid, "P2", &pressure(2)).await;
+    wait_until("P2", T, || home.admission("P2").status == "terminal").await;
+    let row = home.admission("P2");
+    assert_eq!(row.outcome.as_deref(), Some("failed"), "{row:?}");
+    let result = row.result_json.unwrap_or_default();
+    assert!(result.contains("context_overflow"), "{result}");
+    assert!(result.contains("compression.enabled"), "{result}");
+    assert!(summaries(&model).is_empty());
+    assert!(home.children(&sid).is_empty());
+}
+
 /// A model whose window neither the config nor the limits file gives is taken for a 128K one;
 /// its first overflow error that names its window (`maximum context length is 4096 tokens`)
 /// teaches the gateway that window, and later requests are compacted before they are sent.
