@@ -1575,6 +1575,12 @@ impl Turn {
             }
             None => summary,
         };
+        // A stop that came while the summary was made (an interrupt, a graceful stop) commits
+        // nothing: it was acknowledged, and a child session made after it is a change it did
+        // not allow. The summary is let go.
+        if self.cancelled() {
+            return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))));
+        }
         let compacted = compress::assemble(&plan, &summary);
         let system = if self.system.contains("[Note: earlier turns") {
             self.system.clone()
