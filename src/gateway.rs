@@ -745,6 +745,13 @@ impl Gateway {
             tracing::warn!("no model configured: using the built-in echo provider (set model.base_url for a real one)");
         }
         let runtime = Arc::new(RuntimeState::new(instance_id, epoch));
+        // Asked to stop while the store was opened (a migration, a lock another process held):
+        // stopping from here on, so nothing queued starts now only to be interrupted by the
+        // stop that follows the start (queued work runs after the restart, as a graceful stop
+        // promises), and no room task is handed to its member.
+        if *stop.borrow() {
+            runtime.set_phase(RuntimePhase::Stopping);
+        }
         let shared = Arc::new(Shared {
             config: config.clone(),
             home: home.clone(),
@@ -784,7 +791,7 @@ impl Gateway {
             config.gateway.ticket_ttl_seconds,
             clock.clone(),
         ));
-        if !to_pump.is_empty() {
+        if !to_pump.is_empty() && !runtime.draining() {
             tracing::info!(sessions = to_pump.len(), "resuming queued work");
             registry.do_send(PumpSessions(to_pump));
         }

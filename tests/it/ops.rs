@@ -768,6 +768,94 @@ async fn the_socket_and_the_listener_answer_while_the_store_opens() {
     assert_eq!(code, Some(0), "{stderr}");
 }
 
+/// A SIGTERM while the store opens (here, while another process holds its write lock) stops the
+/// gateway once it has opened, and the input left queued by the last stop stays queued for the
+/// next start: nothing runs only to be interrupted. Before, the start resumed the queued work,
+/// which ran during the stop's grace before the drain (or was put back by the drain).
+#[actix_rt::test]
+async fn a_stop_asked_for_while_the_store_opens_starts_no_queued_work() {
+    use diesel::connection::SimpleConnection;
+    use diesel::Connection;
+    let model = FakeModel::start(|body| {
+        if last_user(body) == "running" {
+            Reply::Hang
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+                "stop",
+            )
+        }
+    });
+    // The grace before the drain, in which a turn begun at the start ran whole.
+    let (home, mut d) = Daemon::with_model(&model, json!({"gateway": {"drain_grace_seconds": 1}}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("queued", &home.path).await;
+    ws.submit(&sid, "running", "running").await;
+    wait_until("running asked", Duration::from_secs(20), || {
+        model.reached("running") == 1
+    })
+    .await;
+    ws.submit(&sid, "queued", "queued").await;
+    assert_eq!(d.term(), Some(0), "{}", home.log());
+    model.release();
+    assert_eq!(home.admission("queued").status, "queued");
+
+    let mut holder =
+        diesel::SqliteConnection::establish(&home.path.join("state.db").to_string_lossy())
+            .expect("open state.db");
+    holder
+        .batch_execute("BEGIN IMMEDIATE")
+        .expect("the write lock");
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(home.path.join("daemon.log"))
+        .expect("log");
+    let mut child = Command::new(bin())
+        .args(["serve", "--home"])
+        .arg(&home.path)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn gatehouse");
+    wait_until("identify says starting", Duration::from_secs(10), || {
+        control(&home.path, "identify", json!({}))
+            .is_ok_and(|v| v["state"] == "starting" && v["pid"] == child.id())
+    })
+    .await;
+    // SAFETY: sending a signal to our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    wait_until("the stop heard", Duration::from_secs(10), || {
+        home.log().contains("SIGTERM during the start: stopping")
+    })
+    .await;
+    holder.batch_execute("COMMIT").expect("let go");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", home.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0), "{}", home.log());
+    assert_eq!(home.admission("queued").status, "queued", "{}", home.log());
+    assert_eq!(model.reached("queued"), 0);
+    // The next start runs it.
+    let _d = Daemon::start(&home);
+    wait_until("queued ran", Duration::from_secs(20), || {
+        home.admission("queued").status == "terminal"
+    })
+    .await;
+    assert_eq!(
+        home.admission("queued").outcome.as_deref(),
+        Some("completed")
+    );
+}
+
 /// A `gateway.host` this machine does not have (an interface not up yet at boot) is waited for
 /// up to `gateway.bind_wait_seconds`, then refused for good, naming the setting; the store was
 /// not touched meanwhile, and the control socket said the daemon was starting. A SIGTERM during
