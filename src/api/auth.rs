@@ -182,13 +182,44 @@ pub fn list_keys(home: &Path) -> std::io::Result<Vec<KeyEntry>> {
     }
 }
 
+/// A key's name as the keys file holds it (one word: blanks become `-`).
+fn key_name(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_whitespace() { '-' } else { c })
+        .collect()
+}
+
+/// `HOME/api_keys.lock`, held for one change of the keys file. Two `gatehouse key` commands at
+/// once each read the file: a revoke written after another put back the key the other had
+/// removed (and a key created meanwhile was lost).
+fn lock_keys(home: &Path) -> std::io::Result<std::fs::File> {
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(home.join(format!("{KEYS_FILE}.lock")))?;
+    lock.lock()?;
+    Ok(lock)
+}
+
+/// Make the keys file's latest name (a rename, its creation) last through a power loss: a
+/// revoked key came back with the old directory entry.
+fn sync_home(home: &Path) -> std::io::Result<()> {
+    std::fs::File::open(home)?.sync_all()
+}
+
 /// Make a new key named `name`, append its hash to the keys file (created 0600) and return the
 /// key itself: it is shown once and stored nowhere.
 pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)> {
-    let name: String = name
-        .chars()
-        .map(|c| if c.is_whitespace() { '-' } else { c })
-        .collect();
+    let name = key_name(name.trim());
+    if name.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a key's name must not be empty",
+        ));
+    }
+    let _lock = lock_keys(home)?;
     if list_keys(home)?.iter().any(|k| k.name == name) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::AlreadyExists,
@@ -219,6 +250,7 @@ pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)
         entry.digest, entry.name, entry.created_at
     )?;
     f.sync_all()?;
+    sync_home(home)?;
     Ok((key, entry))
 }
 
@@ -226,14 +258,18 @@ pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)
 /// how many were removed.
 pub fn revoke_key(home: &Path, which: &str) -> std::io::Result<usize> {
     let path = keys_file(home);
+    let _lock = lock_keys(home)?;
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(e),
     };
     let prefix = normalise(which);
-    let matches =
-        |e: &KeyEntry| e.name == which || (prefix.len() >= 8 && e.digest.starts_with(&prefix));
+    // Named as `create` named it (`"ci bot"` is `ci-bot`).
+    let name = key_name(which.trim());
+    let matches = |e: &KeyEntry| {
+        (!name.is_empty() && e.name == name) || (prefix.len() >= 8 && e.digest.starts_with(&prefix))
+    };
     let mut removed = 0;
     let kept: Vec<&str> = text
         .lines()
@@ -246,26 +282,45 @@ pub fn revoke_key(home: &Path, which: &str) -> std::io::Result<usize> {
         })
         .collect();
     if removed > 0 {
-        let tmp = path.with_extension("tmp");
-        {
+        // A name of its own: a file another writer left is never written into.
+        let tmp = home.join(format!("{KEYS_FILE}.{}.tmp", uuid::Uuid::new_v4().simple()));
+        let written = (|| {
             let mut f = std::fs::OpenOptions::new()
-                .create(true)
+                .create_new(true)
                 .write(true)
-                .truncate(true)
                 .mode(0o600)
                 .open(&tmp)?;
             for l in kept {
                 writeln!(f, "{l}")?;
             }
             f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
         }
-        std::fs::rename(&tmp, &path)?;
+        sync_home(home)?;
     }
     Ok(removed)
 }
 
-/// Size and modification time: when either changes, the file is read again.
-type Stamp = (u64, Option<SystemTime>);
+/// Size, modification time, inode and change time: when any changes, the file is read again.
+/// Size and modification time alone missed a rotation that kept both (a file of the same length
+/// copied with its times, `cp -p`; a store whose files all have one time): the revoked key was
+/// accepted until a restart. A change time cannot be set back.
+type Stamp = (u64, Option<SystemTime>, u64, i64, i64);
+
+fn stamp_of(m: &std::fs::Metadata) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    (
+        m.len(),
+        m.modified().ok(),
+        m.ino(),
+        m.ctime(),
+        m.ctime_nsec(),
+    )
+}
 
 /// The accepted API keys: `gateway.api_keys` plus the keys file, re-read when it changes.
 pub struct ApiKeys {
@@ -286,9 +341,7 @@ impl ApiKeys {
     }
 
     fn file_keys(&self) -> Vec<String> {
-        let stamp = std::fs::metadata(&self.path)
-            .ok()
-            .map(|m| (m.len(), m.modified().ok()));
+        let stamp = std::fs::metadata(&self.path).ok().map(|m| stamp_of(&m));
         let Ok(mut cache) = self.file.lock() else {
             return Vec::new();
         };
@@ -511,6 +564,81 @@ mod tests {
         assert_eq!(revoke_key(home, "nobody").expect("revoke"), 0);
         assert_eq!(list_keys(home).expect("list").len(), 1);
         assert!(any_api_key(home, &[]));
+        // Named as it was created: `"ci bot"` is `ci-bot`; an empty name names none.
+        let (spaced, _) = create_key(home, "ci bot").expect("create again");
+        assert_eq!(revoke_key(home, "ci bot").expect("revoke"), 1);
+        assert!(keys.principal(&spaced).is_none());
+        assert!(create_key(home, "  ").is_err(), "a key needs a name");
+        assert_eq!(revoke_key(home, "").expect("revoke"), 0);
+    }
+
+    /// Revokes and creates run at once (two operators, a script) each keep what the others did:
+    /// every revoked key stays revoked, every created one is kept.
+    #[test]
+    fn changes_of_the_keys_file_at_once_keep_each_other() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path();
+        for round in 0..20 {
+            let names: Vec<String> = (0..6).map(|i| format!("r{round}-k{i}")).collect();
+            let keys: Vec<String> = names
+                .iter()
+                .map(|n| create_key(home, n).expect("create").0)
+                .collect();
+            std::thread::scope(|s| {
+                for name in &names {
+                    s.spawn(move || revoke_key(home, name).expect("revoke"));
+                }
+                s.spawn(move || create_key(home, &format!("r{round}-new")).expect("create"));
+            });
+            let accepted = ApiKeys::new(home, &[]);
+            for key in &keys {
+                assert!(accepted.principal(key).is_none(), "round {round}");
+            }
+            let listed: Vec<String> = list_keys(home)
+                .expect("list")
+                .into_iter()
+                .map(|k| k.name)
+                .collect();
+            assert!(
+                listed.contains(&format!("r{round}-new")),
+                "round {round}: {listed:?}"
+            );
+            assert_eq!(listed.len(), round + 1, "round {round}: {listed:?}");
+        }
+    }
+
+    /// The keys file is read again when it is replaced by one of the same length and times.
+    #[test]
+    fn a_keys_file_replaced_with_the_same_length_and_times_is_read_again() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path();
+        let (key, _) = create_key(home, "old").expect("create");
+        let accepted = ApiKeys::new(home, &[]);
+        assert!(accepted.principal(&key).is_some());
+        let path = keys_file(home);
+        let before = std::fs::metadata(&path).expect("metadata");
+        // The same length: the digest's first hex digit changed.
+        let mut changed = std::fs::read(&path).expect("read");
+        assert!(changed.starts_with(b"sha256:"));
+        changed[7] = if changed[7] == b'0' { b'1' } else { b'0' };
+        let tmp = home.join("replacement");
+        std::fs::write(&tmp, &changed).expect("write");
+        let file = std::fs::File::options()
+            .write(true)
+            .open(&tmp)
+            .expect("open");
+        file.set_times(
+            std::fs::FileTimes::new()
+                .set_modified(before.modified().expect("mtime"))
+                .set_accessed(before.accessed().expect("atime")),
+        )
+        .expect("times");
+        drop(file);
+        std::fs::rename(&tmp, &path).expect("rename");
+        let after = std::fs::metadata(&path).expect("metadata");
+        assert_eq!(after.len(), before.len());
+        assert_eq!(after.modified().ok(), before.modified().ok());
+        assert!(accepted.principal(&key).is_none(), "the old key is refused");
     }
 
     #[test]
