@@ -178,11 +178,19 @@ pub async fn run_command(
     if !spec.cwd.is_dir() {
         return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
     }
-    let env = build_env(std::env::vars_os(), &spec);
+    let mut env = build_env(std::env::vars_os(), &spec);
+    // Every process of this command inherits it (unless it clears its environment): found by
+    // it, one that left the shell's group is killed with the group.
+    let mark = format!("{}{}", RUN_MARK, uuid::Uuid::new_v4().simple());
+    if let Some((name, value)) = mark.split_once('=') {
+        env.retain(|(k, _)| k.as_bytes() != name.as_bytes());
+        env.push((OsString::from(name), OsString::from(value)));
+    }
     let mut child = spawn_shell(&spec, &env)?;
     let mut group = GroupGuard {
         pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
         reaped: false,
+        mark: Some(mark),
     };
     let mut pipes = Pipes::of(&mut child);
     let mut collector = Collector::new(spec.output_cap);
@@ -539,11 +547,16 @@ enum End {
     Interrupted,
 }
 
+/// The variable (with its `=`) each foreground command's processes carry, its value the run's own.
+const RUN_MARK: &str = "GATEHOUSE_RUN=";
+
 /// Kills the process group when dropped, unless disarmed.
 struct GroupGuard {
     pgid: Option<libc::pid_t>,
     /// The shell was reaped: its pid may name another process now.
     reaped: bool,
+    /// The `GATEHOUSE_RUN=<id>` entry in the environment of the command's processes.
+    mark: Option<String>,
 }
 
 impl GroupGuard {
@@ -562,10 +575,30 @@ impl GroupGuard {
                 }
             }
         }
+        // What left the group and lost its parent (`set -m; job &`, `timeout 600 srv &`,
+        // `setsid srv &`) is no descendant of the shell any more once the shell has ended:
+        // found by its mark, it is killed too (it ran on, holding the output pipes, counted
+        // nowhere).
+        if let Some(mark) = self.mark.take() {
+            for _ in 0..MAX_TREE_WALKS {
+                let found = marked(&mark);
+                if found.is_empty() {
+                    break;
+                }
+                for pid in found {
+                    // SAFETY: kill has no memory-safety preconditions; `pid` carried this
+                    // command's own mark an instant ago.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+            }
+        }
     }
 
     fn disarm(&mut self) {
         self.pgid = None;
+        self.mark = None;
     }
 
     /// Kill every descendant of the shell (whose pid is the group's id) that left its group,
@@ -651,6 +684,23 @@ fn processes() -> impl Iterator<Item = ProcStat> {
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<libc::pid_t>().ok())
         .filter_map(ProcStat::read)
+}
+
+/// Every live process (other than this one) whose environment holds the entry `mark`, as
+/// `/proc` shows them now (a process of another user cannot be read, and is not one of ours).
+fn marked(mark: &str) -> Vec<libc::pid_t> {
+    let own = std::process::id();
+    processes()
+        .filter(|p| p.running() && u32::try_from(p.pid).ok() != Some(own))
+        .filter(|p| {
+            std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|environ| {
+                environ
+                    .split(|&b| b == 0)
+                    .any(|entry| entry == mark.as_bytes())
+            })
+        })
+        .map(|p| p.pid)
+        .collect()
 }
 
 /// How many times the walk for a killed command's descendants is repeated at most (each walk
@@ -1190,6 +1240,33 @@ mod tests {
                 "{pid} survived the cancellation"
             );
         }
+    }
+
+    /// A job that left the shell's group and outlives the shell (`set -m; job &`, holding the
+    /// output pipe) is killed when the wait for the pipes to close ends: it is no descendant
+    /// of the shell any more, nor in its group, and ran on, counted nowhere. The shell's own
+    /// exit code stands.
+    #[tokio::test]
+    async fn a_job_that_left_the_group_and_outlived_the_shell_is_killed() {
+        let dir = TempDir::new("escaped");
+        let job = dir.path().join("job.pid");
+        let (_tx, rx) = watch::channel(false);
+        let out = run_command(
+            spec(
+                "set -m; sleep 300 & echo $! > job.pid; echo hi; exit 3",
+                &dir,
+            ),
+            rx,
+        )
+        .await
+        .unwrap();
+        assert_eq!(out.exit_code, 3, "{out:?}");
+        assert!(out.output.contains("hi"), "{out:?}");
+        let pid = read_pid(&job).expect("the job's pid");
+        assert!(
+            wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
+            "{pid} survived its command"
+        );
     }
 
     #[tokio::test]
