@@ -47,10 +47,11 @@ pub const BACKGROUND: DangerMatch = DangerMatch {
 };
 
 /// Not a pattern: a brace group whose words are far longer than the group as written (`pre{a,
-/// b,…}post` is the text around it once per part), which the rules do not read written out.
+/// b,…}post` is the text around it once per part), which the rules do not read written out:
+/// refused as a hardline command is, whatever the approvals.
 pub const UNREAD_EXPANSION: DangerMatch = DangerMatch {
     key: "brace_expansion",
-    description: "expands a brace group into more text than the rules read",
+    description: "expands a brace group into more text than the rules read (write it out)",
 };
 
 /// A brace group is written out for the rules only while its words are at most this many times
@@ -524,10 +525,14 @@ pub fn detect_all(command: &str) -> Vec<DangerMatch> {
 /// [`is_hardline`] and [`detect_all`] of one command, normalizing it once.
 pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
     let (texts, unread) = variants(command);
-    (
-        first_match(hardline_rules(), &texts),
-        detect_all_in(&texts, unread),
-    )
+    (hardline_in(&texts, unread), detect_all_in(&texts, unread))
+}
+
+/// The hardline rule `texts` match; a brace group left unread is one too: a hardline command
+/// can hide in it (`/bin/./././{rm,,,,…} -rf ~` runs `rm -rf ~`, its words written out
+/// over 16 times as long as the group), and no rule can say it does not.
+fn hardline_in(texts: &[String], unread: bool) -> Option<DangerMatch> {
+    first_match(hardline_rules(), texts).or(unread.then_some(UNREAD_EXPANSION))
 }
 
 fn detect_all_in(texts: &[String], unread: bool) -> Vec<DangerMatch> {
@@ -567,7 +572,8 @@ pub fn detect(command: &str) -> Option<DangerMatch> {
 /// Returns the matching hardline rule: commands that are blocked even when
 /// approvals are disabled.
 pub fn is_hardline(command: &str) -> Option<DangerMatch> {
-    first_match(hardline_rules(), &variants(command).0)
+    let (texts, unread) = variants(command);
+    hardline_in(&texts, unread)
 }
 
 /// Strips ANSI escape sequences and NUL characters and lowercases the text. A line
@@ -1050,13 +1056,18 @@ mod tests {
 
     /// A brace group whose words would be far longer than the command (4,000 parts behind 4,000
     /// characters: 16 MB of an 8 KB command; a 64 KiB one made a gigabyte) is not written out:
-    /// the command is asked about. A group within the bound is still written out, also beside
+    /// the command is refused. A group within the bound is still written out, also beside
     /// such a group.
     #[test]
-    fn a_brace_group_too_long_written_out_is_asked_about_not_expanded() {
+    fn a_brace_group_too_long_written_out_is_refused_not_expanded() {
         let huge = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
         let keys: Vec<&str> = detect_all(&huge).iter().map(|m| m.key).collect();
         assert_eq!(keys, ["brace_expansion"]);
+        assert_eq!(is_hardline(&huge).map(|m| m.key), Some("brace_expansion"));
+        // A hardline command hidden in such a group is refused, approvals or not.
+        let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
+        assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("brace_expansion"));
+        assert_eq!(assess(&hidden).0.map(|m| m.key), Some("brace_expansion"));
         let (texts, unread) = variants(&huge);
         assert!(unread);
         assert!(texts.iter().all(|t| t.len() <= huge.len()));
