@@ -329,7 +329,7 @@ pub fn spawn_background(
         // sent elsewhere) is still the background process: it ends when the group does. Until
         // then the group's id names no other process, so a kill of the group reaches only it.
         if let Ok(group) = libc::pid_t::try_from(pid) {
-            while group > 1 && group_running(group) {
+            while group > 1 && group_running_off_thread(group).await {
                 tokio::time::sleep(GROUP_POLL).await;
             }
         }
@@ -578,20 +578,15 @@ impl GroupGuard {
         // What left the group and lost its parent (`set -m; job &`, `timeout 600 srv &`,
         // `setsid srv &`) is no descendant of the shell any more once the shell has ended:
         // found by its mark, it is killed too (it ran on, holding the output pipes, counted
-        // nowhere).
+        // nowhere). Off this thread, which pumps every command's output: the sweep reads all
+        // of `/proc`, and a process stuck in the kernel can hold a read of its environment.
         if let Some(mark) = self.mark.take() {
-            for _ in 0..MAX_TREE_WALKS {
-                let found = marked(&mark);
-                if found.is_empty() {
-                    break;
-                }
-                for pid in found {
-                    // SAFETY: kill has no memory-safety preconditions; `pid` carried this
-                    // command's own mark an instant ago.
-                    unsafe {
-                        libc::kill(pid, libc::SIGKILL);
-                    }
-                }
+            let sweep = move || kill_marked(&mark);
+            if let Err(e) = std::thread::Builder::new()
+                .name("gatehouse-sweep".into())
+                .spawn(sweep)
+            {
+                tracing::warn!(error = %e, "cannot start a thread to sweep a killed command's processes");
             }
         }
     }
@@ -646,6 +641,21 @@ fn group_running(pgid: libc::pid_t) -> bool {
     processes().any(|p| p.pgrp == pgid && p.running())
 }
 
+/// [`group_running`], read off the terminal's thread, which pumps every foreground command's
+/// output (a read of all of `/proc` once a second per background process held it on a host
+/// of many processes); a group signal 0 no longer finds is not read at all.
+async fn group_running_off_thread(pgid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 sends nothing; it only asks whether the group has a process.
+    if unsafe { libc::killpg(pgid, 0) } != 0
+        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    {
+        return false;
+    }
+    tokio::task::spawn_blocking(move || group_running(pgid))
+        .await
+        .unwrap_or(false)
+}
+
 /// A process as `/proc/<pid>/stat` shows it, as far as this module reads it.
 struct ProcStat {
     pid: libc::pid_t,
@@ -684,6 +694,24 @@ fn processes() -> impl Iterator<Item = ProcStat> {
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<libc::pid_t>().ok())
         .filter_map(ProcStat::read)
+}
+
+/// Kill every process that carries `mark`, until none is found (each round may find what one
+/// forked meanwhile).
+fn kill_marked(mark: &str) {
+    for _ in 0..MAX_TREE_WALKS {
+        let found = marked(mark);
+        if found.is_empty() {
+            break;
+        }
+        for pid in found {
+            // SAFETY: kill has no memory-safety preconditions; `pid` carried this command's own
+            // mark an instant ago.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
 }
 
 /// Every live process (other than this one) whose environment holds the entry `mark`, as
