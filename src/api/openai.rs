@@ -737,8 +737,11 @@ pub async fn chat_completions(
     let principal = authenticate(&state, &req)?;
     let mut claim = None;
     let answered = complete(req, &state, payload, &principal, &mut claim).await;
-    if let (Err(_), Some(claim)) = (&answered, claim) {
-        claim.let_go(&state.authority, &principal).await;
+    // Not after a store failure: an admission that did not commit in time may commit still.
+    if let (Err(f), Some(claim)) = (&answered, claim) {
+        if f.body.error.reason != "storage_unavailable" {
+            claim.let_go(&state.authority, &principal).await;
+        }
     }
     answered
 }

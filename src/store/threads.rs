@@ -90,9 +90,10 @@ pub fn claim_next(
 }
 
 /// Let go of the claim `key` holds on going on in `session` from `previous` (see
-/// [`claim_next`]) when its request was refused: only while the session is still where the
-/// conversation left it (the inputs `requests`, answered `answer`), so a claim whose request
-/// was admitted after all is kept. Whether it was let go.
+/// [`claim_next`]) when its request was refused, and of the request's own record naming the
+/// session (sent again after another branch went on there, it went on there too): only while
+/// the session is still where the conversation left it (the inputs `requests`, answered
+/// `answer`), so a claim whose request was admitted after all is kept. Whether it was let go.
 pub fn let_go(
     conn: &mut SqliteConnection,
     principal: &str,
@@ -112,6 +113,15 @@ pub fn let_go(
                 .filter(chat_threads::session_id.eq(key)),
         )
         .execute(conn)?;
+        if gone == 1 {
+            diesel::delete(
+                chat_threads::table
+                    .filter(chat_threads::principal_id.eq(principal))
+                    .filter(chat_threads::thread_key.eq(key))
+                    .filter(chat_threads::session_id.eq(session)),
+            )
+            .execute(conn)?;
+        }
         Ok(gone == 1)
     })
 }
@@ -265,6 +275,7 @@ mod tests {
         let left = (&["other".to_string(), "in".to_string()][..], "A");
         assert!(left_at(&mut c, "s1", "p", left.0, left.1).expect("left at"));
         assert!(claim_next(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"));
+        record(&mut c, "p", &["k1".to_string()], "s1", 4.0).expect("record");
         assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
         assert!(
             !let_go(&mut c, "p", "s1", "prev", "k2", left).expect("let go"),
@@ -275,6 +286,11 @@ mod tests {
             "another answer: not where the conversation left off"
         );
         assert!(let_go(&mut c, "p", "s1", "prev", "k1", left).expect("let go"));
+        assert_eq!(
+            find(&mut c, "p", "k1").expect("find"),
+            None,
+            "the refused request's record goes too"
+        );
         assert!(claim_next(&mut c, "p", "s1", "prev", "k2", 5.0).expect("claim"));
         // Its input admitted after all: the session moved on, and the claim stands.
         admissions::admit(&mut c, e, "p", "s1", "k2-input", "next", 10, 6.0).expect("admit");
