@@ -844,7 +844,10 @@ impl Gateway {
             version: env!("CARGO_PKG_VERSION"),
         });
         answerer.send_replace(Arc::new(control::Answerer::Ready(ctl)));
-        runtime.set_phase(RuntimePhase::Ready);
+        // A start asked to stop stays stopping (its caller stops it next).
+        if !runtime.draining() {
+            runtime.set_phase(RuntimePhase::Ready);
+        }
         crate::notify::ready(&format!("serving {api_origin}"));
         tracing::info!(api = %api_origin, home = %home.display(), "gatehouse ready");
         Ok(RunningGateway {
