@@ -199,9 +199,31 @@ fn lock_keys(home: &Path) -> std::io::Result<std::fs::File> {
         .write(true)
         .mode(0o600)
         .open(home.join(format!("{KEYS_FILE}.lock")))?;
-    lock.lock()?;
-    Ok(lock)
+    // Waited for a while, not for ever: an urgent revoke behind a stuck command says so.
+    let until = std::time::Instant::now() + KEYS_LOCK_WAIT;
+    loop {
+        match lock.try_lock() {
+            Ok(()) => return Ok(lock),
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "another process has held {KEYS_FILE}.lock for {} s (a `gatehouse key` \
+                         command still running?)",
+                        KEYS_LOCK_WAIT.as_secs()
+                    ),
+                ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        }
+    }
 }
+
+/// How long a change of the keys file waits for another one to end.
+const KEYS_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Make the keys file's latest name (a rename, its creation) last through a power loss: a
 /// revoked key came back with the old directory entry.
@@ -250,7 +272,11 @@ pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)
         entry.digest, entry.name, entry.created_at
     )?;
     f.sync_all()?;
-    sync_home(home)?;
+    // The key is written and valid: shown whatever the home's sync says (lost to a power cut
+    // before the home is synced, it is a key that does not work, and is made again).
+    if let Err(e) = sync_home(home) {
+        tracing::warn!(error = %e, "the home could not be synced after the key was added");
+    }
     Ok((key, entry))
 }
 
@@ -300,7 +326,15 @@ pub fn revoke_key(home: &Path, which: &str) -> std::io::Result<usize> {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        sync_home(home)?;
+        sync_home(home).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "the key is revoked (the daemon refuses it now), but the home could not be \
+                     synced, so a power loss could bring it back: {e}"
+                ),
+            )
+        })?;
     }
     Ok(removed)
 }
