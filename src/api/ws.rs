@@ -246,8 +246,9 @@ pub struct WsConnection {
     /// Requests in flight that read a whole page ([`READS`]), at most [`MAX_READS_IN_FLIGHT`].
     reads: usize,
     /// Such requests free to run (past every other hold) that wait for one of those to be
-    /// answered, in the order they were read. Requests behind them do not wait for them.
-    reads_waiting: std::collections::VecDeque<RpcRequest>,
+    /// answered, in the order they were read, each with the sessions the connection followed
+    /// then (it runs as of then). Requests behind them do not wait for them.
+    reads_waiting: std::collections::VecDeque<(RpcRequest, Subscriptions)>,
     /// Requests read behind such a request, in order, waiting for its answer.
     held: std::collections::VecDeque<RpcRequest>,
     /// Sessions that a create or resume in flight may already have subscribed this connection
@@ -791,7 +792,6 @@ impl WsConnection {
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
             || self.behind_slow_ordered(&request)
-            || self.behind_waiting_reads(&request)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
@@ -809,23 +809,19 @@ impl WsConnection {
         if READS.contains(&request.method.as_str())
             && (self.reads >= MAX_READS_IN_FLIGHT || !self.reads_waiting.is_empty())
         {
-            self.reads_waiting.push_back(request);
+            // With what the connection follows now: a `session.unsubscribe` read after it and
+            // answered before it runs does not have it refused.
+            self.reads_waiting
+                .push_back((request, self.subscribed.clone()));
             return;
         }
-        self.dispatch(request, ctx);
+        self.dispatch(request, None, ctx);
     }
 
     /// Must `request` wait for a request that changes a session and is still on its way there
     /// (see `slow_ordered`)?
     fn behind_slow_ordered(&self, request: &RpcRequest) -> bool {
         self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str())
-    }
-
-    /// Must `request` wait for the page reads read before it and still waiting for the bound?
-    /// A request that changes what the connection follows would otherwise overtake them: a
-    /// `session.unsubscribe` sent behind a session's reads would have them refused.
-    fn behind_waiting_reads(&self, request: &RpcRequest) -> bool {
-        !self.reads_waiting.is_empty() && FOLLOWING.contains(&request.method.as_str())
     }
 
     /// Does `request` depend on what a request in flight may change in the sessions this
@@ -839,8 +835,14 @@ impl WsConnection {
                 .is_some_and(|id| !self.subscribed.contains_key(id))
     }
 
-    /// Run a request read (and counted in flight) earlier.
-    fn dispatch(&mut self, request: RpcRequest, ctx: &mut ws::WebsocketContext<Self>) {
+    /// Run a request read (and counted in flight) earlier; `as_followed`: what the connection
+    /// followed when it was read, if not what it follows now.
+    fn dispatch(
+        &mut self,
+        request: RpcRequest,
+        as_followed: Option<Subscriptions>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
         let RpcRequest {
             id,
             method,
@@ -900,7 +902,7 @@ impl WsConnection {
             principal: self.principal.clone(),
             conn_id: self.conn_id,
             recipient: self.outbox.clone(),
-            subscribed: self.subscribed.clone(),
+            subscribed: as_followed.unwrap_or_else(|| self.subscribed.clone()),
         };
         tracing::debug!(method = %method, conn = self.conn_id, "rpc");
         // Begun here, in the order the requests were read: an input reaches its session now,
@@ -925,8 +927,8 @@ impl WsConnection {
             if read {
                 act.reads -= 1;
                 if act.reads < MAX_READS_IN_FLIGHT {
-                    if let Some(next) = act.reads_waiting.pop_front() {
-                        act.dispatch(next, ctx);
+                    if let Some((next, as_followed)) = act.reads_waiting.pop_front() {
+                        act.dispatch(next, Some(as_followed), ctx);
                     }
                 }
             }
@@ -951,9 +953,11 @@ impl WsConnection {
             // What was held behind it runs now, in the order it was read, up to the next
             // request that changes what the connection follows.
             while act.barriers == 0 {
-                if act.held.front().is_some_and(|next| {
-                    act.behind_slow_ordered(next) || act.behind_waiting_reads(next)
-                }) {
+                if act
+                    .held
+                    .front()
+                    .is_some_and(|next| act.behind_slow_ordered(next))
+                {
                     break;
                 }
                 let Some(next) = act.held.pop_front() else {
