@@ -335,7 +335,13 @@ async fn call_with_retries(
                 attempt += 1;
                 // A server that says when to come back (`Retry-After`, on a 429 or a 503) is
                 // asked again no sooner, within the call's time; ours is the least wait.
-                let backoff = backoff(config.retry_base, attempt, retry_after);
+                let floor = wait_before(config.retry_base, attempt, retry_after);
+                // The spread only where it fits: a server's wait that fits the call's time is
+                // kept to, not given up for a jitter that would pass the deadline.
+                let mut backoff = jittered(floor);
+                if tokio::time::Instant::now() + backoff >= deadline {
+                    backoff = floor;
+                }
                 let wake = tokio::time::Instant::now() + backoff;
                 if wake >= deadline {
                     // No time left for another attempt: this one's error is the call's.
@@ -364,16 +370,14 @@ async fn call_with_retries(
 }
 
 /// `wait` and up to half of it again, at random.
-/// The wait before try `attempt` + 1 (`attempt` ≥ 1): doubling from `base`, at most 60 s, no
-/// less than the server's `Retry-After`; then up to half as long again, at random: the sessions
-/// a rate limit refused together asked again all at once, and were refused together again. The
+/// The least wait before try `attempt` + 1 (`attempt` ≥ 1): doubling from `base`, at most 60 s,
+/// no less than the server's `Retry-After`. It is then spread ([`jittered`]): the sessions a
+/// rate limit refused together asked again all at once, and were refused together again; the
 /// server's wait and the cap are spread too (they set the same wait for every session).
-fn backoff(base: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
-    jittered(
-        (base * 2u32.saturating_pow(attempt.saturating_sub(1)))
-            .min(Duration::from_secs(60))
-            .max(retry_after.unwrap_or_default()),
-    )
+fn wait_before(base: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    (base * 2u32.saturating_pow(attempt.saturating_sub(1)))
+        .min(Duration::from_secs(60))
+        .max(retry_after.unwrap_or_default())
 }
 
 fn jittered(wait: Duration) -> Duration {
@@ -891,14 +895,14 @@ mod tests {
     fn a_back_off_keeps_to_the_servers_wait_and_is_spread() {
         let base = Duration::from_millis(500);
         let within = |w: Duration, at_least: Duration| w >= at_least && w < at_least.mul_f64(1.5);
-        assert!(within(backoff(base, 1, None), base));
-        assert!(within(backoff(base, 3, None), base * 4));
+        assert!(within(jittered(wait_before(base, 1, None)), base));
+        assert!(within(jittered(wait_before(base, 3, None)), base * 4));
         for (attempt, retry_after, at_least) in [
             (1, Some(Duration::from_secs(30)), Duration::from_secs(30)),
             (20, None, Duration::from_secs(60)),
         ] {
             let waits: Vec<Duration> = (0..200)
-                .map(|_| backoff(base, attempt, retry_after))
+                .map(|_| jittered(wait_before(base, attempt, retry_after)))
                 .collect();
             assert!(waits.iter().all(|w| within(*w, at_least)), "{waits:?}");
             assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");

@@ -414,6 +414,37 @@ async fn a_rate_limited_call_waits_as_long_as_the_server_says() {
     );
 }
 
+/// A server's `Retry-After` that fits in what is left of the call's time is kept to, the
+/// spread added to it only where it fits too: here 3 s of a 3.5 s call. Before, the spread
+/// (up to half again) passed the deadline in most calls, and the call gave up the retry the
+/// server had allowed.
+#[actix_rt::test]
+async fn a_servers_wait_that_fits_the_calls_time_is_kept_to() {
+    let chaos = ChaosModel::start(|text, n| {
+        if text == "LIMITED" && n == 1 {
+            Fault::RetryAfter(3)
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &chaos.url,
+        json!({"model": {"max_retries": 1, "timeout_seconds": 3.5}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("limited", &home.path).await;
+    ws.submit(&sid, "LIMITED", "LIMITED").await;
+    wait_until("LIMITED", T, || {
+        home.admission("LIMITED").status == "terminal"
+    })
+    .await;
+    let row = home.admission("LIMITED");
+    assert_eq!(row.outcome.as_deref(), Some("completed"), "{row:?}");
+    assert_eq!(chaos.attempts("LIMITED"), 2);
+}
+
 /// A stream that falls silent after its finish_reason (no `[DONE]`) has answered: the turn
 /// completes with it, without waiting out the idle timeout. Before, the turn failed at the idle
 /// timeout (after retries) when the client had already seen the whole answer.
