@@ -1021,9 +1021,16 @@ async fn complete(
         let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(timeout);
         let model = snap.info.model.clone();
         if !body.stream.unwrap_or(false) {
-            let done = wait_terminal(authority, &c, &root, &receipt.admission_id, deadline)
-                .await
-                .map_err(admitted)?;
+            let credential = crate::api::auth::Credential::of(&state.auth, &req);
+            let done = wait_terminal(
+                authority,
+                &c,
+                &root,
+                &receipt.admission_id,
+                (deadline, Some(&credential)),
+            )
+            .await
+            .map_err(admitted)?;
             let reply = reply_of(&done, &model, prompt_tokens, timeout)
                 .map_err(|f| f.reached(&root, Some(&receipt.admission_id)))?;
             return Ok(HttpResponse::Ok()
@@ -1044,7 +1051,8 @@ async fn complete(
         let admission = receipt.admission_id.clone();
         let session = root.clone();
         actix_web::rt::spawn(async move {
-            let wait = wait_terminal(&authority, &c, &session, &admission, deadline);
+            // The key is looked at on each keep-alive below (the stream ends with `[DONE]`).
+            let wait = wait_terminal(&authority, &c, &session, &admission, (deadline, None));
             tokio::pin!(wait);
             let mut tick =
                 tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);

@@ -482,7 +482,7 @@ pub async fn wait_terminal(
     caller: &Caller,
     root: &str,
     admission_id: &str,
-    deadline: tokio::time::Instant,
+    (deadline, credential): (tokio::time::Instant, Option<&Credential>),
 ) -> Result<Receipt, ApiError> {
     let params = json!({"session_id": root, "admission_id": admission_id});
     let receipt: Receipt = call(authority, "prompt.receipt", params.clone(), caller).await?;
@@ -491,6 +491,13 @@ pub async fn wait_terminal(
     }
     let mut feed = Feed::open(authority, root).await?;
     loop {
+        // A key revoked (or a token expired) while the request waits: refused, as an event
+        // stream is cut, rather than answered minutes later with what it no longer may read.
+        if credential.is_some_and(|c| !c.still_valid()) {
+            return Err(ApiError::unauthorized(
+                "the API key was revoked (or the token expired)",
+            ));
+        }
         // Subscribed first, then read: a settlement cannot slip between the two.
         let receipt: Receipt = call(authority, "prompt.receipt", params.clone(), caller).await?;
         let now = tokio::time::Instant::now();
@@ -603,7 +610,15 @@ async fn get_receipt(
         .clamp(0.0, max);
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
     let c = caller(&principal.0, Some(&root));
-    let receipt = wait_terminal(&state.authority, &c, &root, &admission, deadline).await?;
+    let credential = Credential::of(&state.auth, &req);
+    let receipt = wait_terminal(
+        &state.authority,
+        &c,
+        &root,
+        &admission,
+        (deadline, Some(&credential)),
+    )
+    .await?;
     Ok(HttpResponse::Ok().json(receipt))
 }
 

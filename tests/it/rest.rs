@@ -1969,6 +1969,34 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
         model.reached("HANG") == 1
     })
     .await;
+    // A plain completion and a receipt's long poll, each waiting for its answer.
+    let plain = {
+        let laptop = Api::new(&d, &minted);
+        actix_rt::spawn(async move {
+            let started = Instant::now();
+            let r = chat(
+                &laptop,
+                json!({"messages": [{"role": "system", "content": "plain"},
+                                    {"role": "user", "content": "HANG"}]}),
+            )
+            .await;
+            (r.status, r.body, started.elapsed())
+        })
+    };
+    let waited = laptop.submit(&sid, "waited", "HANG").await;
+    let polling = {
+        let laptop = Api::new(&d, &minted);
+        let path = format!(
+            "/v1/sessions/{sid}/inputs/{}?wait=100",
+            waited["admission_id"].as_str().unwrap_or_default()
+        );
+        actix_rt::spawn(async move {
+            let started = Instant::now();
+            let r = laptop.get(&path).await;
+            (r.status, r.body, started.elapsed())
+        })
+    };
+    wait_until("every turn runs", T, || model.reached("HANG") == 3).await;
     // Another key's connection is not touched.
     let other = Api::new(&d, KEY);
     let kept = other.session("kept", &home.path).await;
@@ -1990,6 +2018,13 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
     assert!(body.contains("revoked"), "{body}");
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
     assert!(took < Duration::from_secs(20), "{took:?}");
+    // So are the plain completion and the long poll: refused, not answered minutes later.
+    for (what, waiting) in [("plain", plain), ("poll", polling)] {
+        let (status, body, took) = waiting.await.expect(what);
+        assert_eq!(status, 401, "{what}: {body}");
+        assert!(body.to_string().contains("revoked"), "{what}: {body}");
+        assert!(took < Duration::from_secs(20), "{what}: {took:?}");
+    }
     // The other key's stream still carries its session's events.
     let a = other.submit(&kept, "still", "still").await;
     kept_sse.until(completes(&a["admission_id"])).await;
