@@ -51,14 +51,24 @@ pub const BACKGROUND: DangerMatch = DangerMatch {
 /// refused as a hardline command is, whatever the approvals.
 pub const UNREAD_EXPANSION: DangerMatch = DangerMatch {
     key: "brace_expansion",
-    description: "expands a brace group into more text than the rules read (write it out)",
+    description: "expands a brace group into more text than the rules read",
 };
 
-/// A brace group is written out for the rules only while its words are at most this many times
-/// as long as the group (a 64 KiB command of one group of 32,000 parts behind 32,000
+/// A brace group is written out for the rules only while its words (each part once, however
+/// often it is repeated) are at most this many times as long as the group, or at most
+/// [`MIN_EXPANSION_BYTES`], and while the command's groups written out so far total at most
+/// [`MAX_EXPANDED_BYTES`] (a 64 KiB command of one group of 32,000 parts behind 32,000
 /// characters was written out whole: a gigabyte, scanned by every rule, in the session's
-/// thread). A command's texts are then at most this many times as long as the command.
+/// thread).
 const MAX_EXPANSION: usize = 16;
+/// See [`MAX_EXPANSION`]: a group may always take this much written out (a long list behind a
+/// long path, `curl -O https://…/part-{001,…,100}.tar.gz`, is an everyday command).
+const MIN_EXPANSION_BYTES: usize = 64 << 10;
+/// See [`MAX_EXPANSION`].
+const MAX_EXPANDED_BYTES: usize = 1 << 20;
+/// A group of more distinct parts than this is not written out (the distinct parts are found
+/// by comparing each with those before it).
+const MAX_DISTINCT_PARTS: usize = 4096;
 
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -443,16 +453,33 @@ fn expanded_words(text: &str, unread: &mut bool) -> Option<String> {
         return None;
     }
     let spaced = ifs.replace_all(text, " ");
+    let mut budget = MAX_EXPANDED_BYTES;
     let words = braces.replace_all(&spaced, |c: &regex::Captures| {
         let (pre, post) = (&c[2], &c[4]);
-        let parts = c[3].matches(',').count() + 1;
-        let length = c[3].len() + parts * (pre.len() + post.len() + 1);
-        if length > MAX_EXPANSION * c[0].len() {
+        // Each part once: a part repeated adds no word the rules have not read.
+        let mut parts: Vec<&str> = Vec::new();
+        for part in c[3].split(',') {
+            if !parts.contains(&part) {
+                parts.push(part);
+            }
+            if parts.len() > MAX_DISTINCT_PARTS {
+                break;
+            }
+        }
+        let length: usize = parts
+            .iter()
+            .map(|p| p.len() + pre.len() + post.len() + 1)
+            .sum();
+        if parts.len() > MAX_DISTINCT_PARTS
+            || length > (MAX_EXPANSION * c[0].len()).max(MIN_EXPANSION_BYTES)
+            || length > budget
+        {
             *unread = true;
             return c[0].to_string();
         }
-        let words: Vec<String> = c[3]
-            .split(',')
+        budget -= length;
+        let words: Vec<String> = parts
+            .iter()
             .map(|item| format!("{pre}{item}{post}"))
             .collect();
         format!("{}{}", &c[1], words.join(" "))
@@ -529,8 +556,8 @@ pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
 }
 
 /// The hardline rule `texts` match; a brace group left unread is one too: a hardline command
-/// can hide in it (`/bin/./././{rm,,,,…} -rf ~` runs `rm -rf ~`, its words written out
-/// over 16 times as long as the group), and no rule can say it does not.
+/// can hide in it (`/bin/./././…/{rm,,,,…} -rf ~` runs `rm -rf ~`), and no rule can say it
+/// does not.
 fn hardline_in(texts: &[String], unread: bool) -> Option<DangerMatch> {
     first_match(hardline_rules(), texts).or(unread.then_some(UNREAD_EXPANSION))
 }
@@ -1054,23 +1081,38 @@ mod tests {
         assert!(keys("ls -la").is_empty());
     }
 
-    /// A brace group whose words would be far longer than the command (4,000 parts behind 4,000
-    /// characters: 16 MB of an 8 KB command; a 64 KiB one made a gigabyte) is not written out:
-    /// the command is refused. A group within the bound is still written out, also beside
-    /// such a group.
+    /// A brace group whose words would be far longer than the command (2,000 distinct parts
+    /// behind 4,000 characters: 8 MB of a 12 KB command; a 64 KiB one made a gigabyte) is not
+    /// written out: the command is refused. A group within the bound is still written out, also
+    /// beside such a group, each part once (a hidden `rm -rf ~` behind forty empty parts is
+    /// read); a long list behind a long path is read and not refused.
     #[test]
     fn a_brace_group_too_long_written_out_is_refused_not_expanded() {
-        let huge = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
+        let list = (0..2000)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let huge = format!("echo {}{{{list}}}", "a".repeat(4_000));
         let keys: Vec<&str> = detect_all(&huge).iter().map(|m| m.key).collect();
         assert_eq!(keys, ["brace_expansion"]);
         assert_eq!(is_hardline(&huge).map(|m| m.key), Some("brace_expansion"));
-        // A hardline command hidden in such a group is refused, approvals or not.
-        let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
-        assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("brace_expansion"));
-        assert_eq!(assess(&hidden).0.map(|m| m.key), Some("brace_expansion"));
         let (texts, unread) = variants(&huge);
         assert!(unread);
         assert!(texts.iter().all(|t| t.len() <= huge.len()));
+        // Repeated parts are read once: the hidden command is found, not just refused.
+        let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
+        assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_home"));
+        let empties = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
+        assert!(!variants(&empties).1, "4,001 parts, one distinct");
+        let parts = (1..=100)
+            .map(|i| format!("{i:03}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let download = format!(
+            "curl -O https://github.com/example-org/example-repo/releases/download/v1.2.3/dataset-part-{{{parts}}}.tar.gz"
+        );
+        assert!(!variants(&download).1);
+        assert!(assess(&download).0.is_none());
         let beside = format!("{huge}; {{rm,-rf,/}}");
         assert_eq!(is_hardline(&beside).map(|m| m.key), Some("rm_root"));
         assert!(detect_all("mkdir -p src/{a,b,c}/{lib,bin}").is_empty());
