@@ -581,13 +581,7 @@ impl GroupGuard {
         // nowhere). Off this thread, which pumps every command's output: the sweep reads all
         // of `/proc`, and a process stuck in the kernel can hold a read of its environment.
         if let Some(mark) = self.mark.take() {
-            let sweep = move || kill_marked(&mark);
-            if let Err(e) = std::thread::Builder::new()
-                .name("gatehouse-sweep".into())
-                .spawn(sweep)
-            {
-                tracing::warn!(error = %e, "cannot start a thread to sweep a killed command's processes");
-            }
+            sweep(mark);
         }
     }
 
@@ -696,17 +690,48 @@ fn processes() -> impl Iterator<Item = ProcStat> {
         .filter_map(ProcStat::read)
 }
 
-/// Kill every process that carries `mark`, until none is found (each round may find what one
-/// forked meanwhile).
-fn kill_marked(mark: &str) {
+/// Kill, on the one sweeper thread, every process that carries `mark` (see
+/// [`GroupGuard::kill`]); here when that thread cannot be had.
+fn sweep(mark: String) {
+    static SWEEPER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<String>>> =
+        std::sync::OnceLock::new();
+    let sweeper = SWEEPER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::Builder::new()
+            .name("gatehouse-sweep".into())
+            .spawn(move || {
+                // The marks sent meanwhile are swept together: one read of /proc a round.
+                while let Ok(first) = rx.recv() {
+                    let mut marks = vec![first];
+                    marks.extend(rx.try_iter());
+                    kill_marked(&marks);
+                }
+            })
+            .map_err(|e| tracing::warn!(error = %e, "cannot start the process sweeper"))
+            .ok()
+            .map(|_| tx)
+    });
+    match sweeper {
+        Some(tx) => {
+            if let Err(std::sync::mpsc::SendError(mark)) = tx.send(mark) {
+                kill_marked(&[mark]);
+            }
+        }
+        None => kill_marked(&[mark]),
+    }
+}
+
+/// Kill every process that carries one of `marks`, until none is found (each round may find
+/// what one forked meanwhile).
+fn kill_marked(marks: &[String]) {
     for _ in 0..MAX_TREE_WALKS {
-        let found = marked(mark);
+        let found = marked(marks);
         if found.is_empty() {
             break;
         }
         for pid in found {
-            // SAFETY: kill has no memory-safety preconditions; `pid` carried this command's own
-            // mark an instant ago.
+            // SAFETY: kill has no memory-safety preconditions; `pid` carried a killed command's
+            // own mark an instant ago.
             unsafe {
                 libc::kill(pid, libc::SIGKILL);
             }
@@ -714,17 +739,19 @@ fn kill_marked(mark: &str) {
     }
 }
 
-/// Every live process (other than this one) whose environment holds the entry `mark`, as
-/// `/proc` shows them now (a process of another user cannot be read, and is not one of ours).
-fn marked(mark: &str) -> Vec<libc::pid_t> {
+/// Every live process (other than this one) whose environment holds one of the entries
+/// `marks`, as `/proc` shows them now (a process of another user cannot be read, and is not one
+/// of ours). A process asleep in the kernel (`D`) is passed over: a read of its environment
+/// can wait as long as it does.
+fn marked(marks: &[String]) -> Vec<libc::pid_t> {
     let own = std::process::id();
     processes()
-        .filter(|p| p.running() && u32::try_from(p.pid).ok() != Some(own))
+        .filter(|p| p.running() && p.state != 'D' && u32::try_from(p.pid).ok() != Some(own))
         .filter(|p| {
             std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|environ| {
                 environ
                     .split(|&b| b == 0)
-                    .any(|entry| entry == mark.as_bytes())
+                    .any(|entry| marks.iter().any(|m| entry == m.as_bytes()))
             })
         })
         .map(|p| p.pid)
