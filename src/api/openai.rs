@@ -396,6 +396,8 @@ async fn derived_thread(
                     key: key.clone(),
                     inputs,
                     answer: answer.clone(),
+                    made: false,
+                    records: Vec::new(),
                 };
                 let (c1, p) = (claim.clone(), principal.to_string());
                 let there = authority
@@ -406,14 +408,15 @@ async fn derived_thread(
                 if there {
                     let (c1, p, now) =
                         (claim.clone(), principal.to_string(), authority.shared.now());
-                    let claimed = authority
+                    let (claimed, made) = authority
                         .shared
                         .db
                         .write(move |c| {
-                            threads::claim_next(c, &p, &c1.session, &c1.previous, &c1.key, now)
+                            threads::claim_made(c, &p, &c1.session, &c1.previous, &c1.key, now)
                         })
                         .await?;
                     if claimed {
+                        let claim = Claim { made, ..claim };
                         return Ok((Thread::Existing(session), key, Some(claim)));
                     }
                 }
@@ -450,6 +453,11 @@ struct Claim {
     inputs: Vec<String>,
     /// Its answer, as the client sent it back.
     answer: String,
+    /// This request made the claim (else the same request, sent twice at once, made it: that
+    /// one lets go of it, or goes on).
+    made: bool,
+    /// The records this request made naming the session, by their keys.
+    records: Vec<String>,
 }
 
 impl Claim {
@@ -457,6 +465,9 @@ impl Claim {
     /// in the session rather than in a new one. Kept when its input was admitted after all
     /// (the session is no longer where the conversation left off).
     async fn let_go(self, authority: &Authority, principal: &str) {
+        if !self.made {
+            return;
+        }
         let p = principal.to_string();
         let session = self.session.clone();
         let done = authority
@@ -466,10 +477,13 @@ impl Claim {
                 threads::let_go(
                     c,
                     &p,
-                    &self.session,
-                    &self.previous,
-                    &self.key,
-                    (&self.inputs, &self.answer),
+                    &threads::Refused {
+                        session: &self.session,
+                        previous: &self.previous,
+                        key: &self.key,
+                        left: (&self.inputs, &self.answer),
+                        records: &self.records,
+                    },
                 )
             })
             .await;
@@ -972,21 +986,34 @@ async fn complete(
         // A keyed request's input is named by its key: recorded by its conversation, for the
         // next request of the conversation to know it as the one to go on from.
         let keyed_input = explicit.clone().zip(key.clone());
-        let named = authority
+        let (named, made) = authority
             .shared
             .db
             .write(move |c| {
                 crate::store::write_tx(c, |c| {
-                    let named = threads::record(c, &p, &records, &r, now)?;
+                    let named = threads::record_made(c, &p, &records, &r, now)?;
+                    // The records this request made naming the session (let go of with its
+                    // claim, if it is refused).
+                    let mut made: Vec<String> = records
+                        .iter()
+                        .zip(&named)
+                        .filter(|(_, (session, made))| *made && *session == r)
+                        .map(|(key, _)| key.clone())
+                        .collect();
+                    let named: Vec<String> = named.into_iter().map(|(s, _)| s).collect();
                     // Not for a key already used in another session: that request is refused.
                     let own_key = named.last().is_some_and(|s| *s == r);
                     if let (Some((input, key)), true) = (&keyed_input, own_key) {
                         threads::record_input(c, &p, key, input, now)?;
+                        made.push(threads::input_key(key));
                     }
-                    Ok::<_, crate::error::StoreError>(named)
+                    Ok::<_, crate::error::StoreError>((named, made))
                 })
             })
             .await?;
+        if let Some(claim) = claim.as_mut() {
+            claim.records = made;
+        }
         if idem.is_some() && named.last().is_some_and(|s| *s != root) {
             // Another request with this key, and another conversation, got here first.
             return Err(GatewayError::AdmissionConflict(

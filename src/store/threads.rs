@@ -39,24 +39,40 @@ pub fn record(
     session: &str,
     now: f64,
 ) -> Result<Vec<String>, StoreError> {
+    Ok(record_made(conn, principal, keys, session, now)?
+        .into_iter()
+        .map(|(named, _)| named)
+        .collect())
+}
+
+/// [`record`], also saying of each key whether this call made its record (else it was there).
+pub fn record_made(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    keys: &[String],
+    session: &str,
+    now: f64,
+) -> Result<Vec<(String, bool)>, StoreError> {
     super::write_tx(conn, |conn| {
         let mut named = Vec::with_capacity(keys.len());
         for key in keys {
-            diesel::insert_or_ignore_into(chat_threads::table)
+            let made = diesel::insert_or_ignore_into(chat_threads::table)
                 .values((
                     chat_threads::principal_id.eq(principal),
                     chat_threads::thread_key.eq(key),
                     chat_threads::session_id.eq(session),
                     chat_threads::created_at.eq(now),
                 ))
-                .execute(conn)?;
-            named.push(
+                .execute(conn)?
+                == 1;
+            named.push((
                 chat_threads::table
                     .filter(chat_threads::principal_id.eq(principal))
                     .filter(chat_threads::thread_key.eq(key))
                     .select(chat_threads::session_id)
                     .first(conn)?,
-            );
+                made,
+            ));
         }
         Ok(named)
     })
@@ -79,29 +95,62 @@ pub fn claim_next(
     key: &str,
     now: f64,
 ) -> Result<bool, StoreError> {
-    let claims = record(
+    Ok(claim_made(conn, principal, session, previous, key, now)?.0)
+}
+
+/// [`claim_next`], also saying whether this call made the claim (else this same request,
+/// sent twice at once, made it first).
+pub fn claim_made(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    session: &str,
+    previous: &str,
+    key: &str,
+    now: f64,
+) -> Result<(bool, bool), StoreError> {
+    let claims = record_made(
         conn,
         principal,
         &[format!("next-{session}-{previous}")],
         key,
         now,
     )?;
-    Ok(claims.first().is_some_and(|holder| holder == key))
+    Ok(claims
+        .first()
+        .map_or((false, false), |(holder, made)| (holder == key, *made)))
 }
 
-/// Let go of the claim `key` holds on going on in `session` from `previous` (see
-/// [`claim_next`]) when its request was refused, and of the request's own record naming the
-/// session (sent again after another branch went on there, it went on there too): only while
-/// the session is still where the conversation left it (the inputs `requests`, answered
-/// `answer`), so a claim whose request was admitted after all is kept. Whether it was let go.
+/// A refused request's claim and records, to let go of (see [`let_go`]).
+pub struct Refused<'a> {
+    /// The session it claimed going on in.
+    pub session: &'a str,
+    /// The key of the conversation's previous request.
+    pub previous: &'a str,
+    /// Its conversation's key, the claim's holder.
+    pub key: &'a str,
+    /// The ids the previous request's input may have, and its answer.
+    pub left: (&'a [String], &'a str),
+    /// The records this request made that name the session or its input (by their keys).
+    pub records: &'a [String],
+}
+
+/// Let go of the claim a refused request made (see [`claim_made`]) on going on in its
+/// session, and of the records it made naming the session (sent again after another branch
+/// went on there, it found them and went on there too): only while the session is still where
+/// the conversation left it, so a claim whose request was admitted after all is kept. Whether
+/// it was let go.
 pub fn let_go(
     conn: &mut SqliteConnection,
     principal: &str,
-    session: &str,
-    previous: &str,
-    key: &str,
-    (requests, answer): (&[String], &str),
+    refused: &Refused,
 ) -> Result<bool, StoreError> {
+    let Refused {
+        session,
+        previous,
+        key,
+        left: (requests, answer),
+        records,
+    } = *refused;
     super::write_tx(conn, |conn| {
         if !left_at(conn, session, principal, requests, answer)? {
             return Ok(false);
@@ -114,13 +163,18 @@ pub fn let_go(
         )
         .execute(conn)?;
         if gone == 1 {
-            diesel::delete(
-                chat_threads::table
+            for record in records {
+                let this = chat_threads::table
                     .filter(chat_threads::principal_id.eq(principal))
-                    .filter(chat_threads::thread_key.eq(key))
-                    .filter(chat_threads::session_id.eq(session)),
-            )
-            .execute(conn)?;
+                    .filter(chat_threads::thread_key.eq(record));
+                // An input's record names the input, not the session.
+                if record.starts_with("input-") {
+                    diesel::delete(this).execute(conn)?;
+                } else {
+                    diesel::delete(this.filter(chat_threads::session_id.eq(session)))
+                        .execute(conn)?;
+                }
+            }
         }
         Ok(gone == 1)
     })
@@ -272,29 +326,62 @@ mod tests {
             3.0,
         )
         .expect("settle");
-        let left = (&["other".to_string(), "in".to_string()][..], "A");
-        assert!(left_at(&mut c, "s1", "p", left.0, left.1).expect("left at"));
-        assert!(claim_next(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"));
-        record(&mut c, "p", &["k1".to_string()], "s1", 4.0).expect("record");
-        assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
-        assert!(
-            !let_go(&mut c, "p", "s1", "prev", "k2", left).expect("let go"),
-            "not the holder"
+        let inputs = ["other".to_string(), "in".to_string()];
+        let let_go_of = |c: &mut SqliteConnection, key: &str, answer: &str, records: &[String]| {
+            let_go(
+                c,
+                "p",
+                &Refused {
+                    session: "s1",
+                    previous: "prev",
+                    key,
+                    left: (&inputs, answer),
+                    records,
+                },
+            )
+            .expect("let go")
+        };
+        assert!(left_at(&mut c, "s1", "p", &inputs, "A").expect("left at"));
+        assert_eq!(
+            claim_made(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
+            (true, true)
         );
+        assert_eq!(
+            claim_made(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
+            (true, false),
+            "the same request again holds it, but did not make it"
+        );
+        let made = record_made(
+            &mut c,
+            "p",
+            &["k1".to_string(), "kept".to_string()],
+            "s1",
+            4.0,
+        )
+        .expect("record");
+        assert_eq!(made, [("s1".to_string(), true), ("s1".to_string(), true)]);
+        assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
+        let own = ["k1".to_string()];
+        assert!(!let_go_of(&mut c, "k2", "A", &own), "not the holder");
         assert!(
-            !let_go(&mut c, "p", "s1", "prev", "k1", (left.0, "B")).expect("let go"),
+            !let_go_of(&mut c, "k1", "B", &own),
             "another answer: not where the conversation left off"
         );
-        assert!(let_go(&mut c, "p", "s1", "prev", "k1", left).expect("let go"));
+        assert!(let_go_of(&mut c, "k1", "A", &own));
         assert_eq!(
             find(&mut c, "p", "k1").expect("find"),
             None,
-            "the refused request's record goes too"
+            "the refused request's own record goes too"
+        );
+        assert_eq!(
+            find(&mut c, "p", "kept").expect("find"),
+            Some("s1".into()),
+            "a record it did not name stays"
         );
         assert!(claim_next(&mut c, "p", "s1", "prev", "k2", 5.0).expect("claim"));
         // Its input admitted after all: the session moved on, and the claim stands.
         admissions::admit(&mut c, e, "p", "s1", "k2-input", "next", 10, 6.0).expect("admit");
-        assert!(!let_go(&mut c, "p", "s1", "prev", "k2", left).expect("let go"));
+        assert!(!let_go_of(&mut c, "k2", "A", &[]));
         assert!(!claim_next(&mut c, "p", "s1", "prev", "k3", 7.0).expect("claim"));
     }
 }
