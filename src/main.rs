@@ -643,7 +643,10 @@ fn key(args: Args) -> ExitCode {
         ["create"] | ["create", _] => {
             let default = format!("key-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
             let name = words.get(1).map(|s| s.to_string()).unwrap_or(default);
-            auth::create_key(&args.home, &name).map(|(key, entry)| {
+            auth::create_key_noting(&args.home, &name).map(|(key, entry, warning)| {
+                if let Some(warning) = warning {
+                    eprintln!("gatehouse: warning: {warning}");
+                }
                 if args.json {
                     println!(
                         "{}",

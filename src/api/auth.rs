@@ -234,6 +234,15 @@ fn sync_home(home: &Path) -> std::io::Result<()> {
 /// Make a new key named `name`, append its hash to the keys file (created 0600) and return the
 /// key itself: it is shown once and stored nowhere.
 pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)> {
+    create_key_noting(home, name).map(|(key, entry, _)| (key, entry))
+}
+
+/// [`create_key`], with what its caller should tell the operator: the home could not be synced
+/// after the key was written (lost to a power cut before the next sync, the key would not work).
+pub fn create_key_noting(
+    home: &Path,
+    name: &str,
+) -> std::io::Result<(String, KeyEntry, Option<String>)> {
     let name = key_name(name.trim());
     if name.is_empty() {
         return Err(std::io::Error::new(
@@ -274,10 +283,10 @@ pub fn create_key(home: &Path, name: &str) -> std::io::Result<(String, KeyEntry)
     f.sync_all()?;
     // The key is written and valid: shown whatever the home's sync says (lost to a power cut
     // before the home is synced, it is a key that does not work, and is made again).
-    if let Err(e) = sync_home(home) {
-        tracing::warn!(error = %e, "the home could not be synced after the key was added");
-    }
-    Ok((key, entry))
+    let warning = sync_home(home).err().map(|e| {
+        format!("the home could not be synced after the key was added ({e}): a power cut now could lose it")
+    });
+    Ok((key, entry, warning))
 }
 
 /// Remove every key whose name is `which` or whose hash starts with it (at least 8 hex digits);
