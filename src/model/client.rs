@@ -335,13 +335,12 @@ async fn call_with_retries(
                 attempt += 1;
                 // A server that says when to come back (`Retry-After`, on a 429 or a 503) is
                 // asked again no sooner, within the call's time; ours is the least wait.
+                // Spread within the call's time: a server's wait that fits is kept to, not given
+                // up for a spread that would pass the deadline (nor is the spread dropped, which
+                // sent the calls refused together back together).
                 let floor = wait_before(config.retry_base, attempt, retry_after);
-                // The spread only where it fits: a server's wait that fits the call's time is
-                // kept to, not given up for a jitter that would pass the deadline.
-                let mut backoff = jittered(floor);
-                if tokio::time::Instant::now() + backoff >= deadline {
-                    backoff = floor;
-                }
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let backoff = floor + spread(floor, left.saturating_sub(floor));
                 let wake = tokio::time::Instant::now() + backoff;
                 if wake >= deadline {
                     // No time left for another attempt: this one's error is the call's.
@@ -369,10 +368,9 @@ async fn call_with_retries(
     }
 }
 
-/// `wait` and up to half of it again, at random.
 /// The least wait before try `attempt` + 1 (`attempt` ≥ 1): doubling from `base`, at most 60 s,
-/// no less than the server's `Retry-After`. It is then spread ([`jittered`]): the sessions a
-/// rate limit refused together asked again all at once, and were refused together again; the
+/// no less than the server's `Retry-After`. It is then spread ([`spread`]): the sessions a rate
+/// limit refused together asked again all at once, and were refused together again; the
 /// server's wait and the cap are spread too (they set the same wait for every session).
 fn wait_before(base: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
     (base * 2u32.saturating_pow(attempt.saturating_sub(1)))
@@ -380,9 +378,13 @@ fn wait_before(base: Duration, attempt: u32, retry_after: Option<Duration>) -> D
         .max(retry_after.unwrap_or_default())
 }
 
-fn jittered(wait: Duration) -> Duration {
-    let fraction = (uuid::Uuid::new_v4().as_u128() % 1024) as f64 / 2048.0;
-    wait.mul_f64(1.0 + fraction)
+/// What to add to `wait`, at random: up to half of it, and less than `room` (the time left
+/// after it), spread evenly over what may be added.
+fn spread(wait: Duration, room: Duration) -> Duration {
+    let fraction = (uuid::Uuid::new_v4().as_u128() % 1024) as f64 / 1024.0;
+    (wait / 2)
+        .min(room.saturating_sub(Duration::from_millis(1)))
+        .mul_f64(fraction)
 }
 
 /// `url` without the user and password it may carry (`https://user:key@host/v1`), for the log.
@@ -884,7 +886,9 @@ mod tests {
     #[test]
     fn a_jittered_wait_is_at_least_the_wait_and_at_most_half_again() {
         let wait = Duration::from_millis(1000);
-        let waits: Vec<Duration> = (0..200).map(|_| jittered(wait)).collect();
+        let waits: Vec<Duration> = (0..200)
+            .map(|_| wait + spread(wait, Duration::MAX))
+            .collect();
         assert!(waits.iter().all(|w| *w >= wait && *w < wait.mul_f64(1.5)));
         assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");
     }
@@ -893,20 +897,31 @@ mod tests {
     /// set are spread as well, not the same for every session.
     #[test]
     fn a_back_off_keeps_to_the_servers_wait_and_is_spread() {
+        fn spread_wait(base: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
+            let wait = wait_before(base, attempt, retry_after);
+            wait + spread(wait, Duration::MAX)
+        }
         let base = Duration::from_millis(500);
         let within = |w: Duration, at_least: Duration| w >= at_least && w < at_least.mul_f64(1.5);
-        assert!(within(jittered(wait_before(base, 1, None)), base));
-        assert!(within(jittered(wait_before(base, 3, None)), base * 4));
+        assert!(within(spread_wait(base, 1, None), base));
+        assert!(within(spread_wait(base, 3, None), base * 4));
         for (attempt, retry_after, at_least) in [
             (1, Some(Duration::from_secs(30)), Duration::from_secs(30)),
             (20, None, Duration::from_secs(60)),
         ] {
             let waits: Vec<Duration> = (0..200)
-                .map(|_| jittered(wait_before(base, attempt, retry_after)))
+                .map(|_| spread_wait(base, attempt, retry_after))
                 .collect();
             assert!(waits.iter().all(|w| within(*w, at_least)), "{waits:?}");
             assert!(waits.iter().any(|w| *w != waits[0]), "not all the same");
         }
+        // Within the time left: less than the room, and still spread.
+        let room = Duration::from_millis(400);
+        let spreads: Vec<Duration> = (0..200)
+            .map(|_| spread(Duration::from_secs(3), room))
+            .collect();
+        assert!(spreads.iter().all(|s| *s < room), "{spreads:?}");
+        assert!(spreads.iter().any(|s| *s != spreads[0]), "not all the same");
     }
 
     #[test]
