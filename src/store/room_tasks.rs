@@ -1222,12 +1222,25 @@ pub fn recover_room(
             .execute(conn)?;
             expect_one(updated, stale("task changed during recovery"))?;
         }
+        // The ids and statuses of the tasks not ended, in the room's order, and nothing else:
+        // every task loaded whole (its prompt checked against its digest, its result parsed),
+        // up to the room's 2048 ended ones, held the writer on every new lease of a busy room.
+        let open: Vec<(String, String)> = room_tasks::table
+            .filter(room_tasks::room_id.eq(&lease.room_id))
+            .filter(room_tasks::status.eq_any(["queued", "indeterminate"]))
+            .order((
+                room_tasks::source_event_seq.asc(),
+                room_tasks::created_at.asc(),
+                room_tasks::task_id.asc(),
+            ))
+            .select((room_tasks::task_id, room_tasks::status))
+            .load(conn)?;
         let mut report = RecoveryReport::default();
-        for view in list_tasks(conn, &lease.room_id, None)? {
-            match view.status {
-                TaskStatus::Queued => report.queued.push(view.identity.task_id),
-                TaskStatus::Indeterminate => report.indeterminate.push(view.identity.task_id),
-                _ => {}
+        for (task_id, status) in open {
+            if status == "queued" {
+                report.queued.push(task_id);
+            } else {
+                report.indeterminate.push(task_id);
             }
         }
         Ok(report)
