@@ -305,6 +305,39 @@ mod tests {
         assert_eq!(find(&mut c, "p", "k2").expect("find"), Some("s2".into()));
     }
 
+    /// A store migrated with 000014 before its index was added to it gets the index from
+    /// 000018, and the pruner's oldest-first read goes through it (it scanned and sorted the
+    /// whole table).
+    #[test]
+    fn a_store_without_the_age_index_gets_it() {
+        use diesel::connection::SimpleConnection;
+        use diesel_migrations::MigrationHarness;
+        let (_dir, mut c) = testing::conn_just_before("chat_threads_age");
+        c.batch_execute("DROP INDEX chat_threads_age")
+            .expect("drop");
+        c.run_pending_migrations(crate::store::MIGRATIONS)
+            .expect("migrate");
+        let plan = testing::query_plan(
+            &mut c,
+            "SELECT principal_id, thread_key FROM chat_threads WHERE created_at < 5 \
+             ORDER BY created_at LIMIT 10",
+        );
+        assert!(
+            plan.iter().any(|d| d.contains("chat_threads_age")),
+            "{plan:?}"
+        );
+        // A store that had it keeps it, the migration refusing nothing.
+        let (_dir, mut c) = testing::conn();
+        let plan = testing::query_plan(
+            &mut c,
+            "SELECT principal_id FROM chat_threads ORDER BY created_at LIMIT 1",
+        );
+        assert!(
+            plan.iter().any(|d| d.contains("chat_threads_age")),
+            "{plan:?}"
+        );
+    }
+
     /// A claim on going on from an input is let go of only by its holder, and only while the
     /// session is still where the conversation left off.
     #[test]
