@@ -353,6 +353,22 @@ impl SessionSupervisor {
                 Ok(s) => {
                     act.outbox.catching_up = false;
                     act.outbox.catch_up_failures = 0;
+                    // Events after the last one sent were pruned before they were sent: they
+                    // cannot be, and each follower is told (a WebSocket is closed, to resume; a
+                    // REST stream reads the log itself). Moved past at once, however long the
+                    // rest: left for the end of the catch-up, a page that did not reach the end
+                    // was read again and again from the same place, and nothing more was sent.
+                    if s.truncated {
+                        let past = s.events.first().map_or(s.last_sequence, |e| e.seq - 1);
+                        if act.outbox.sent.is_none_or(|sent| past > sent) {
+                            tracing::warn!(session = %act.root_id, through = past,
+                                "events were pruned before they were sent; its followers are told events were lost");
+                            act.outbox.sent = Some(past);
+                            for r in act.subscribers.values() {
+                                r.do_send(PushEvent::lost());
+                            }
+                        }
+                    }
                     for row in s.events {
                         if act.outbox.sent.is_none_or(|sent| row.seq > sent) {
                             act.outbox.waiting.insert(row.seq, row);
