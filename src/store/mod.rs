@@ -463,6 +463,14 @@ const MAX_BATCH: usize = 512;
 /// A WAL past this many frames is restarted from its beginning (see [`restart_wal`]).
 const WAL_RESTART_FRAMES: i64 = 16_384;
 
+/// Does `conn` say its transaction state is broken (so it must not be used again)?
+fn broken(conn: &mut SqliteConnection) -> bool {
+    use diesel::connection::{Connection, TransactionManager};
+    <<SqliteConnection as Connection>::TransactionManager as TransactionManager<
+        SqliteConnection,
+    >>::is_broken_transaction_manager(conn)
+}
+
 fn writer_loop(
     pool: SqlitePool,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<WriteJob>,
@@ -550,8 +558,13 @@ fn writer_loop(
                     tracing::error!(error = %e, writes, skipped, "group commit failed");
                 }
             }
-            // Start the next batch on a fresh connection.
-            held = None;
+            // Start the next batch on a fresh connection only if this one's transaction state is
+            // broken. Given back to the pool after every failed commit, the next batch asked the
+            // pool for another, which readers held busy (the rooms' among them) could keep past
+            // its timeout: the whole batch was dropped, every caller told the store failed.
+            if held.as_mut().is_some_and(|c| broken(c)) {
+                held = None;
+            }
         }
         for d in deliveries {
             d(committed.clone());
@@ -1879,6 +1892,45 @@ mod wal_restart_tests {
         assert!(panicked, "the panicked write is not answered as written");
         assert!(after, "the writer takes writes after it");
         assert_eq!(rows, [2], "nothing of the panicked write committed");
+    }
+
+    /// After a batch that failed, the writer keeps its connection (it is not broken): the next
+    /// batch does not wait for the pool, whose other connections may all be busy. It gave the
+    /// connection back and asked again, and with the pool taken the next batch was dropped.
+    #[test]
+    fn a_failed_batch_keeps_the_writers_connection() {
+        use diesel::RunQueryDsl;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 3).expect("pool");
+        let taken = pool.clone();
+        let (after, rows) = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE t (v INTEGER NOT NULL)")?))
+                .await
+                .expect("table");
+            let failed = db
+                .write(|_| -> Result<(), StoreError> { panic!("a failed batch") })
+                .await;
+            assert!(failed.is_err());
+            // Every connection the pool can give now is held elsewhere (busy readers).
+            let mut held = Vec::new();
+            while let Ok(c) = taken.get_timeout(Duration::from_millis(200)) {
+                held.push(c);
+            }
+            let after = tokio::time::timeout(
+                Duration::from_secs(5),
+                db.write(|c| {
+                    diesel::sql_query("INSERT INTO t (v) VALUES (2)").execute(c)?;
+                    Ok(())
+                }),
+            )
+            .await;
+            drop(held);
+            let rows = values_of_t(&db).await;
+            (after, rows)
+        });
+        assert!(matches!(after, Ok(Ok(()))), "{after:?}");
+        assert_eq!(rows, [2]);
     }
 
     /// A write under which SQLite ends the whole batch's transaction (here a trigger's
