@@ -153,8 +153,10 @@ pub fn spawn_task_pruner(
     });
 }
 
-/// Most ended tasks one pruning transaction deletes.
-pub const PRUNE_BATCH: usize = 1000;
+/// Most ended tasks one pruning transaction deletes. A task holds up to 128 KiB of prompt and
+/// its result: a thousand of them freed hundreds of MiB of pages in one commit of the writer,
+/// every session's commits waiting behind it.
+pub const PRUNE_BATCH: usize = 64;
 
 #[cfg(test)]
 mod tests {
