@@ -650,6 +650,9 @@ impl RoomsService {
             .write(move |c| rooms::begin_disband(c, &id, clock.as_ref()))
             .await
             .map_err(store_error)?;
+        if requested.disbanded_at.is_some() {
+            return Ok(disband_view(requested, true));
+        }
         let id = room_id.to_string();
         let open = self
             .db

@@ -592,6 +592,11 @@ pub fn begin_disband(
 ) -> StoreResult<RoomView> {
     let now = read_clock(clock)?;
     crate::store::write_tx(conn, |conn| {
+        // Retired since the caller looked (its own pass finished the disband): the disbanded
+        // room's view, as a disband of it answers, not "no such room".
+        if let Some(room) = load_room(conn, room_id)?.filter(|r| r.disbanded_at.is_some()) {
+            return room_view(conn, room, true);
+        }
         let room = live_room(conn, room_id, false)?;
         if room.disband_requested_at.is_some() {
             return room_view(conn, room, true);
@@ -747,6 +752,10 @@ mod tests {
         disband_room(&mut conn, "room-1", &clock).unwrap();
         let err = live_room(&mut conn, "room-1", false).unwrap_err();
         assert!(matches!(err, RoomStoreError::RoomUnavailable(ref m) if m.contains("disbanded")));
+        // A disband asked again once the room is retired answers the retired room (a client
+        // asking whether it is done got "no such room" when the retirement came between).
+        let again = begin_disband(&mut conn, "room-1", &clock).expect("idempotent");
+        assert!(again.disbanded_at.is_some());
         let err =
             create_room(&mut conn, "room-1", "Release", &members(), "gw-a", &clock).unwrap_err();
         assert!(matches!(err, RoomStoreError::Conflict(_)));
