@@ -656,15 +656,13 @@ impl RoomsService {
         let id = room_id.to_string();
         let open = self
             .db
-            .run(move |c| room_tasks::list_tasks(c, &id, None))
+            .run(move |c| room_tasks::open_tasks(c, &id))
             .await
-            .map_err(store_error)?
-            .into_iter()
-            .filter(|t| !t.status.is_terminal() && t.status != TaskStatus::Stopping);
-        for task in open {
-            if let Err(error) = self.runtime.cancel(&task.identity, DISBAND_CANCEL_ID).await {
+            .map_err(store_error)?;
+        for identity in open {
+            if let Err(error) = self.runtime.cancel(&identity, DISBAND_CANCEL_ID).await {
                 tracing::warn!(
-                    room = %room_id, task = %task.identity.task_id, %error,
+                    room = %room_id, task = %identity.task_id, %error,
                     "disband: cannot cancel the task yet"
                 );
             }

@@ -407,14 +407,12 @@ impl RoomRuntime {
             let open = self
                 .inner
                 .db
-                .run(move |c| list_tasks(c, &room, None))
-                .await?
-                .into_iter()
-                .filter(|t| !t.status.is_terminal() && t.status != TaskStatus::Stopping);
-            for task in open {
-                if let Err(error) = self.cancel(&task.identity, DISBAND_CANCEL_ID).await {
+                .run(move |c| crate::store::room_tasks::open_tasks(c, &room))
+                .await?;
+            for identity in open {
+                if let Err(error) = self.cancel(&identity, DISBAND_CANCEL_ID).await {
                     tracing::warn!(
-                        room = %binding.room_id, task = %task.identity.task_id, %error,
+                        room = %binding.room_id, task = %identity.task_id, %error,
                         "disband: cannot cancel the task yet"
                     );
                 }

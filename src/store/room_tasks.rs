@@ -559,6 +559,37 @@ pub fn list_tasks(
     Ok(list_tasks_page(conn, room_id, status, None, i64::MAX, i64::MAX)?.0)
 }
 
+/// The identities of a room's tasks that have not ended and are not being stopped (queued,
+/// deferred, running, indeterminate), in the room's order: what a disband cancels. Only the
+/// identities are read (listing the room's tasks whole read every prompt and result it keeps,
+/// up to its 2048 ended tasks, to find the few open ones).
+pub fn open_tasks(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Vec<TaskIdentity>> {
+    let rows: Vec<(String, String, String, String)> = room_tasks::table
+        .filter(room_tasks::room_id.eq(room_id))
+        .filter(room_tasks::status.eq_any(["queued", "deferred", "running", "indeterminate"]))
+        .order((
+            room_tasks::source_event_seq.asc(),
+            room_tasks::created_at.asc(),
+            room_tasks::task_id.asc(),
+        ))
+        .select((
+            room_tasks::room_id,
+            room_tasks::task_id,
+            room_tasks::thread_id,
+            room_tasks::turn_id,
+        ))
+        .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(room_id, task_id, thread_id, turn_id)| TaskIdentity {
+            room_id,
+            task_id,
+            thread_id,
+            turn_id,
+        })
+        .collect())
+}
+
 /// One page of a room's tasks in the room's order: at most `limit` tasks (with `status`, if
 /// given) after the task `after`, and whether more follow. The page also ends before the task
 /// that would take its stored prompts and results past `max_bytes` (it holds one task at
