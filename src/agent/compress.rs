@@ -229,6 +229,27 @@ pub fn summary_request(
     previous_summary: Option<&str>,
     max_summary: u64,
 ) -> Value {
+    summary_request_within(model, middle, previous_summary, max_summary, usize::MAX)
+}
+
+/// How many characters a summary request's prompt has.
+pub fn turn_chars(body: &Value) -> usize {
+    body["messages"][0]["content"]
+        .as_str()
+        .map_or(0, |t| t.chars().count())
+}
+
+/// [`summary_request`] whose turns take at most `max_turn_chars` characters: past that the
+/// oldest are left out, and the request says so (a summary model with a smaller window than
+/// the session's refused the whole middle every time, and the session failed every turn once
+/// its own window overflowed).
+pub fn summary_request_within(
+    model: &str,
+    middle: &[NewMessage],
+    previous_summary: Option<&str>,
+    max_summary: u64,
+    max_turn_chars: usize,
+) -> Value {
     let budget = ((middle.iter().map(rough).sum::<usize>() as f64 * 0.2) as u64)
         .max(2_000)
         .min(max_summary)
@@ -278,6 +299,19 @@ pub fn summary_request(
             )),
             _ => {}
         }
+    }
+    let total = turns.chars().count();
+    if total > max_turn_chars {
+        let cut = turns
+            .char_indices()
+            .nth(total - max_turn_chars)
+            .map_or(turns.len(), |(at, _)| at);
+        turns = format!(
+            "[The oldest {} characters of these turns did not fit the summary model and are left \
+             out.]\n\n{}",
+            total - max_turn_chars,
+            &turns[cut..]
+        );
     }
     let previous = if earlier.is_empty() {
         String::new()
@@ -691,6 +725,27 @@ mod tests {
 
     /// A long turn is put to the summary model as its first 2,000 and last 800 characters, and
     /// a call's arguments as their first 400.
+    #[test]
+    fn turns_past_the_summary_models_room_are_left_out_oldest_first() {
+        let turns: Vec<NewMessage> = (0..50)
+            .map(|i| m("user", &format!("turn {i} {}", "x".repeat(500))))
+            .collect();
+        let whole = summary_request("s", &turns, None, 3_200);
+        let within = summary_request_within("s", &turns, None, 3_200, 5_000);
+        let text = |b: &Value| {
+            b["messages"][0]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        };
+        assert!(text(&whole).contains("turn 0 "));
+        let cut = text(&within);
+        assert!(cut.len() < 6_500, "{}", cut.len());
+        assert!(cut.contains("turn 49 "), "the newest kept");
+        assert!(!cut.contains("turn 0 "), "the oldest left out");
+        assert!(cut.contains("did not fit the summary model"));
+    }
+
     #[test]
     fn long_turns_and_arguments_are_clipped_in_the_summary_request() {
         let long = format!(

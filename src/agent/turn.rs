@@ -1517,26 +1517,63 @@ impl Turn {
             .clone()
             .unwrap_or_else(|| self.root.provider.clone());
         let base_url = aux.base_url.clone().or_else(|| self.root.base_url.clone());
-        let budget = tokens::max_summary_tokens(self.context());
-        let body = compress::summary_request(&model, &plan.middle, None, budget);
+        let mut budget = tokens::max_summary_tokens(self.context());
+        // The turns sent to the summary model fit the window its overflow errors named (its
+        // own, which may be smaller than the session's): the summary a quarter of it at most,
+        // the turns what is left less the summary's room and the prompt's, at three characters
+        // a token.
+        let endpoint = base_url.clone().unwrap_or_default();
+        let fit = |window: u64, budget: &mut u64| {
+            *budget = (*budget).min(window / 4).max(1);
+            usize::try_from(window.saturating_sub(2 * *budget + 1_000).saturating_mul(3))
+                .unwrap_or(usize::MAX)
+        };
+        let mut within = match tokens::learned(&provider, &endpoint, &model) {
+            Some(window) => fit(window, &mut budget),
+            None => usize::MAX,
+        };
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
         // Keys go only to configured endpoints (the session's may be its client's choice).
         let api_key = cfg.key_for(base_url.as_deref(), || {
             aux.api_key.clone().or_else(|| cfg.api_key())
         });
-        let call = ChatCall {
-            provider,
-            base_url,
-            api_key,
-            body,
-            stream: false,
-            deltas: None,
-            cancel: self.ctx.cancel.clone(),
-            timeout: Duration::from_secs_f64(aux.timeout),
-            retry: false,
+        let mut asked = 0;
+        let answered = loop {
+            asked += 1;
+            let body = compress::summary_request_within(&model, &plan.middle, None, budget, within);
+            let sent = compress::turn_chars(&body);
+            let call = ChatCall {
+                provider: provider.clone(),
+                base_url: base_url.clone(),
+                api_key: api_key.clone(),
+                body,
+                stream: false,
+                deltas: None,
+                cancel: self.ctx.cancel.clone(),
+                timeout: Duration::from_secs_f64(aux.timeout),
+                retry: false,
+            };
+            match self.ctx.shared.model.send(call).await {
+                // Too long for the summary model: asked once more with what fits the window
+                // its error names (learned for the next compactions), else with half as much.
+                Ok(Err(ModelError::ContextOverflow(detail))) if asked < 2 && !self.cancelled() => {
+                    let named = tokens::limit_in_error(&detail);
+                    within = match named {
+                        Some(window) => {
+                            tokens::learn(&provider, &endpoint, &model, window);
+                            fit(window, &mut budget)
+                        }
+                        None => usize::MAX,
+                    }
+                    .min(sent / 2);
+                    tracing::warn!(session = %self.ctx.root_id, model = %model, chars = within,
+                        "the summary request was too long for the summary model; asking with its newest turns");
+                }
+                other => break other,
+            }
         };
-        let summary = match self.ctx.shared.model.send(call).await {
+        let summary = match answered {
             // A reasoning model served without a reasoning parser thinks in `<think>` blocks:
             // the summary is what follows them (kept whole, the thoughts went into every later
             // request, and a cut over the budget could keep only them).

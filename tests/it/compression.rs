@@ -596,6 +596,40 @@ async fn an_overflow_error_compresses_and_retries_the_same_step() {
         .is_some_and(|t| t.starts_with("ACK_P2")));
 }
 
+/// A summary model whose window is smaller than the session's (it refuses prompts over 5,000
+/// characters, naming a 4,096-token window) is asked once more with the newest turns that fit
+/// it, and the session is compacted. Before, the summary failed every time, and a session past
+/// its own window failed every turn.
+#[actix_rt::test]
+async fn a_summary_model_with_a_smaller_window_is_asked_with_what_fits() {
+    const SUMMARY_LIMIT: usize = 5_000;
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            if wire_chars(body) > SUMMARY_LIMIT {
+                overflow()
+            } else {
+                summary_reply()
+            }
+        } else {
+            ack(body)
+        }
+    });
+    let (home, _d, mut ws, sid) = pressure_session(&model, false, "small-summary").await;
+    for i in 0..5 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    let asked: Vec<usize> = summaries(&model).iter().map(wire_chars).collect();
+    assert!(
+        asked.iter().any(|&n| n > SUMMARY_LIMIT),
+        "the first summary request was over the summary model's window: {asked:?}"
+    );
+    assert!(
+        asked.iter().any(|&n| n <= SUMMARY_LIMIT),
+        "asked again within it: {asked:?}"
+    );
+    assert!(!home.children(&sid).is_empty(), "the session was compacted");
+}
+
 /// With compression turned off, an overflow error fails the turn `context_overflow`: the
 /// summary model is not asked and no child session is made. Before, only the check before a
 /// request heeded the switch, and an overflow summarised and rotated all the same.
