@@ -359,7 +359,19 @@ impl SessionSupervisor {
                     // rest: left for the end of the catch-up, a page that did not reach the end
                     // was read again and again from the same place, and nothing more was sent.
                     if s.truncated {
-                        let past = s.events.first().map_or(s.last_sequence, |e| e.seq - 1);
+                        // Not past an event already in hand (a write's own report, behind the
+                        // gap): it is sent, not skipped.
+                        let past = s
+                            .events
+                            .first()
+                            .map_or(s.last_sequence, |e| e.seq - 1)
+                            .min(
+                                act.outbox
+                                    .waiting
+                                    .keys()
+                                    .next()
+                                    .map_or(i64::MAX, |&first| first - 1),
+                            );
                         if act.outbox.sent.is_none_or(|sent| past > sent) {
                             tracing::warn!(session = %act.root_id, through = past,
                                 "events were pruned before they were sent; its followers are told events were lost");
