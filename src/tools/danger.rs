@@ -54,8 +54,8 @@ pub const UNREAD_EXPANSION: DangerMatch = DangerMatch {
     description: "expands a brace group into more text than the rules read",
 };
 
-/// A brace group is written out for the rules only while its words (each part once, however
-/// often it is repeated) are at most this many times as long as the group, or at most
+/// A brace group is written out for the rules only while its words (a run of one part
+/// repeated read once) are at most this many times as long as the group, or at most
 /// [`MIN_EXPANSION_BYTES`], and while the command's groups written out so far total at most
 /// [`MAX_EXPANDED_BYTES`] (a 64 KiB command of one group of 32,000 parts behind 32,000
 /// characters was written out whole: a gigabyte, scanned by every rule, in the session's
@@ -66,9 +66,6 @@ const MAX_EXPANSION: usize = 16;
 const MIN_EXPANSION_BYTES: usize = 64 << 10;
 /// See [`MAX_EXPANSION`].
 const MAX_EXPANDED_BYTES: usize = 1 << 20;
-/// A group of more distinct parts than this is not written out (the distinct parts are found
-/// by comparing each with those before it).
-const MAX_DISTINCT_PARTS: usize = 4096;
 
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -456,24 +453,20 @@ fn expanded_words(text: &str, unread: &mut bool) -> Option<String> {
     let mut budget = MAX_EXPANDED_BYTES;
     let words = braces.replace_all(&spaced, |c: &regex::Captures| {
         let (pre, post) = (&c[2], &c[4]);
-        // Each part once: a part repeated adds no word the rules have not read.
+        // A run of one part repeated is read once: it adds no word the rules have not read
+        // in that place (only a run: the rules read words in order, and `{flock,~,rm,-rf,~}`
+        // needs its second `~`).
         let mut parts: Vec<&str> = Vec::new();
         for part in c[3].split(',') {
-            if !parts.contains(&part) {
+            if parts.last() != Some(&part) {
                 parts.push(part);
-            }
-            if parts.len() > MAX_DISTINCT_PARTS {
-                break;
             }
         }
         let length: usize = parts
             .iter()
             .map(|p| p.len() + pre.len() + post.len() + 1)
             .sum();
-        if parts.len() > MAX_DISTINCT_PARTS
-            || length > (MAX_EXPANSION * c[0].len()).max(MIN_EXPANSION_BYTES)
-            || length > budget
-        {
+        if length > (MAX_EXPANSION * c[0].len()).max(MIN_EXPANSION_BYTES) || length > budget {
             *unread = true;
             return c[0].to_string();
         }
@@ -1099,11 +1092,22 @@ mod tests {
         let (texts, unread) = variants(&huge);
         assert!(unread);
         assert!(texts.iter().all(|t| t.len() <= huge.len()));
-        // Repeated parts are read once: the hidden command is found, not just refused.
+        // A run of a repeated part is read once: the hidden command is found, not just refused.
         let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
         assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_home"));
         let empties = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
-        assert!(!variants(&empties).1, "4,001 parts, one distinct");
+        assert!(!variants(&empties).1, "4,001 parts, one run");
+        // Repeats apart are each read where they stand.
+        assert_eq!(
+            is_hardline("{flock,~,rm,-rf,~}").map(|m| m.key),
+            Some("rm_home")
+        );
+        // Many parts within the bound are read, however many.
+        let ids = (0..5000)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(!variants(&format!("curl -d '{{\"ids\":[{ids}]}}' http://x")).1);
         let parts = (1..=100)
             .map(|i| format!("{i:03}"))
             .collect::<Vec<_>>()
