@@ -693,41 +693,58 @@ fn processes() -> impl Iterator<Item = ProcStat> {
 /// Kill, on the one sweeper thread, every process that carries `mark` (see
 /// [`GroupGuard::kill`]); here when that thread cannot be had.
 fn sweep(mark: String) {
-    static SWEEPER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<String>>> =
-        std::sync::OnceLock::new();
-    let sweeper = SWEEPER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        std::thread::Builder::new()
-            .name("gatehouse-sweep".into())
-            .spawn(move || {
-                // The marks sent meanwhile are swept together: one read of /proc a round.
-                while let Ok(first) = rx.recv() {
-                    let mut marks = vec![first];
-                    marks.extend(rx.try_iter());
-                    kill_marked(&marks);
-                }
-            })
-            .map_err(|e| tracing::warn!(error = %e, "cannot start the process sweeper"))
-            .ok()
-            .map(|_| tx)
-    });
-    match sweeper {
-        Some(tx) => {
-            if let Err(std::sync::mpsc::SendError(mark)) = tx.send(mark) {
-                kill_marked(&[mark]);
-            }
+    static SWEEPER: std::sync::Mutex<Option<std::sync::mpsc::Sender<String>>> =
+        std::sync::Mutex::new(None);
+    let Ok(mut sweeper) = SWEEPER.lock() else {
+        return kill_marked(&[mark]);
+    };
+    let mut mark = Some(mark);
+    if let Some(tx) = sweeper.as_ref() {
+        match tx.send(mark.take().unwrap_or_default()) {
+            Ok(()) => return,
+            // The sweeper is gone: another is started.
+            Err(std::sync::mpsc::SendError(back)) => mark = Some(back),
         }
-        None => kill_marked(&[mark]),
+    }
+    let mark = mark.unwrap_or_default();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let started = std::thread::Builder::new()
+        .name("gatehouse-sweep".into())
+        .spawn(move || {
+            // The marks sent meanwhile are swept together: one read of /proc a round.
+            while let Ok(first) = rx.recv() {
+                let mut marks = vec![first];
+                marks.extend(rx.try_iter());
+                kill_marked(&marks);
+            }
+        });
+    match started {
+        Ok(_) if tx.send(mark.clone()).is_ok() => *sweeper = Some(tx),
+        // Swept here this once; a sweeper is asked for again next time.
+        Ok(_) => kill_marked(&[mark]),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the process sweeper");
+            kill_marked(&[mark]);
+        }
     }
 }
 
+/// How long a sweep waits for processes asleep in the kernel (`D`), which it cannot read, to
+/// wake (one of them may carry a mark).
+const SWEEP_WAIT: Duration = Duration::from_secs(5);
+
 /// Kill every process that carries one of `marks`, until none is found (each round may find
-/// what one forked meanwhile).
+/// what one forked meanwhile) and none is left unread.
 fn kill_marked(marks: &[String]) {
-    for _ in 0..MAX_TREE_WALKS {
-        let found = marked(marks);
+    let until = Instant::now() + SWEEP_WAIT;
+    for _ in 0..MAX_TREE_WALKS * 4 {
+        let (found, asleep) = marked(marks);
         if found.is_empty() {
-            break;
+            if asleep == 0 || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
         }
         for pid in found {
             // SAFETY: kill has no memory-safety preconditions; `pid` carried a killed command's
@@ -741,13 +758,18 @@ fn kill_marked(marks: &[String]) {
 
 /// Every live process (other than this one) whose environment holds one of the entries
 /// `marks`, as `/proc` shows them now (a process of another user cannot be read, and is not one
-/// of ours). A process asleep in the kernel (`D`) is passed over: a read of its environment
-/// can wait as long as it does.
-fn marked(marks: &[String]) -> Vec<libc::pid_t> {
+/// of ours); and how many it passed over asleep in the kernel (`D`): a read of such a process's
+/// environment can wait as long as it sleeps.
+fn marked(marks: &[String]) -> (Vec<libc::pid_t>, usize) {
     let own = std::process::id();
-    processes()
-        .filter(|p| p.running() && p.state != 'D' && u32::try_from(p.pid).ok() != Some(own))
+    let mut asleep = 0;
+    let found = processes()
+        .filter(|p| p.running() && u32::try_from(p.pid).ok() != Some(own))
         .filter(|p| {
+            if p.state == 'D' {
+                asleep += 1;
+                return false;
+            }
             std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|environ| {
                 environ
                     .split(|&b| b == 0)
@@ -755,7 +777,8 @@ fn marked(marks: &[String]) -> Vec<libc::pid_t> {
             })
         })
         .map(|p| p.pid)
-        .collect()
+        .collect();
+    (found, asleep)
 }
 
 /// How many times the walk for a killed command's descendants is repeated at most (each walk
