@@ -456,8 +456,8 @@ struct Claim {
     /// This request made the claim (else the same request, sent twice at once, made it: that
     /// one lets go of it, or goes on).
     made: bool,
-    /// The records this request made naming the session, by their keys.
-    records: Vec<String>,
+    /// The records this request made, each key with what it names.
+    records: Vec<(String, String)>,
 }
 
 impl Claim {
@@ -994,18 +994,18 @@ async fn complete(
                     let named = threads::record_made(c, &p, &records, &r, now)?;
                     // The records this request made naming the session (let go of with its
                     // claim, if it is refused).
-                    let mut made: Vec<String> = records
+                    let mut made: Vec<(String, String)> = records
                         .iter()
                         .zip(&named)
                         .filter(|(_, (session, made))| *made && *session == r)
-                        .map(|(key, _)| key.clone())
+                        .map(|(key, _)| (key.clone(), r.clone()))
                         .collect();
                     let named: Vec<String> = named.into_iter().map(|(s, _)| s).collect();
                     // Not for a key already used in another session: that request is refused.
                     let own_key = named.last().is_some_and(|s| *s == r);
                     if let (Some((input, key)), true) = (&keyed_input, own_key) {
                         threads::record_input(c, &p, key, input, now)?;
-                        made.push(threads::input_key(key));
+                        made.push((threads::input_key(key), input.clone()));
                     }
                     Ok::<_, crate::error::StoreError>((named, made))
                 })

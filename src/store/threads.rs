@@ -130,8 +130,9 @@ pub struct Refused<'a> {
     pub key: &'a str,
     /// The ids the previous request's input may have, and its answer.
     pub left: (&'a [String], &'a str),
-    /// The records this request made that name the session or its input (by their keys).
-    pub records: &'a [String],
+    /// The records this request made: each key with what it names (the session, or the
+    /// request's own input for its `input-` record).
+    pub records: &'a [(String, String)],
 }
 
 /// Let go of the claim a refused request made (see [`claim_made`]) on going on in its
@@ -163,17 +164,16 @@ pub fn let_go(
         )
         .execute(conn)?;
         if gone == 1 {
-            for record in records {
-                let this = chat_threads::table
-                    .filter(chat_threads::principal_id.eq(principal))
-                    .filter(chat_threads::thread_key.eq(record));
-                // An input's record names the input, not the session.
-                if record.starts_with("input-") {
-                    diesel::delete(this).execute(conn)?;
-                } else {
-                    diesel::delete(this.filter(chat_threads::session_id.eq(session)))
-                        .execute(conn)?;
-                }
+            // Each only while it still names what this request wrote (an `input-` record is
+            // replaced by the conversation's next keyed request).
+            for (record, named) in records {
+                diesel::delete(
+                    chat_threads::table
+                        .filter(chat_threads::principal_id.eq(principal))
+                        .filter(chat_threads::thread_key.eq(record))
+                        .filter(chat_threads::session_id.eq(named)),
+                )
+                .execute(conn)?;
             }
         }
         Ok(gone == 1)
@@ -360,20 +360,21 @@ mod tests {
         )
         .expect("settle");
         let inputs = ["other".to_string(), "in".to_string()];
-        let let_go_of = |c: &mut SqliteConnection, key: &str, answer: &str, records: &[String]| {
-            let_go(
-                c,
-                "p",
-                &Refused {
-                    session: "s1",
-                    previous: "prev",
-                    key,
-                    left: (&inputs, answer),
-                    records,
-                },
-            )
-            .expect("let go")
-        };
+        let let_go_of =
+            |c: &mut SqliteConnection, key: &str, answer: &str, records: &[(String, String)]| {
+                let_go(
+                    c,
+                    "p",
+                    &Refused {
+                        session: "s1",
+                        previous: "prev",
+                        key,
+                        left: (&inputs, answer),
+                        records,
+                    },
+                )
+                .expect("let go")
+            };
         assert!(left_at(&mut c, "s1", "p", &inputs, "A").expect("left at"));
         assert_eq!(
             claim_made(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
@@ -394,7 +395,7 @@ mod tests {
         .expect("record");
         assert_eq!(made, [("s1".to_string(), true), ("s1".to_string(), true)]);
         assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
-        let own = ["k1".to_string()];
+        let own = [("k1".to_string(), "s1".to_string())];
         assert!(!let_go_of(&mut c, "k2", "A", &own), "not the holder");
         assert!(
             !let_go_of(&mut c, "k1", "B", &own),
