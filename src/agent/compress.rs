@@ -723,8 +723,8 @@ mod tests {
         );
     }
 
-    /// A long turn is put to the summary model as its first 2,000 and last 800 characters, and
-    /// a call's arguments as their first 400.
+    /// Turns past what the summary model can take are left out, the oldest first, and the
+    /// request says so.
     #[test]
     fn turns_past_the_summary_models_room_are_left_out_oldest_first() {
         let turns: Vec<NewMessage> = (0..50)
@@ -746,6 +746,8 @@ mod tests {
         assert!(cut.contains("did not fit the summary model"));
     }
 
+    /// A long turn is put to the summary model as its first 2,000 and last 800 characters, and
+    /// a call's arguments as their first 400.
     #[test]
     fn long_turns_and_arguments_are_clipped_in_the_summary_request() {
         let long = format!(

@@ -1528,8 +1528,16 @@ impl Turn {
             usize::try_from(window.saturating_sub(2 * *budget + 1_000).saturating_mul(3))
                 .unwrap_or(usize::MAX)
         };
+        // What the prompt holds besides the turns (its words, earlier summaries).
+        let rest = compress::turn_chars(&compress::summary_request_within(
+            &model,
+            &plan.middle,
+            None,
+            budget,
+            0,
+        ));
         let mut within = match tokens::learned(&provider, &endpoint, &model) {
-            Some(window) => fit(window, &mut budget),
+            Some(window) => fit(window, &mut budget).saturating_sub(rest),
             None => usize::MAX,
         };
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
@@ -1558,15 +1566,13 @@ impl Turn {
                 // Too long for the summary model: asked once more with what fits the window
                 // its error names (learned for the next compactions), else with half as much.
                 Ok(Err(ModelError::ContextOverflow(detail))) if asked < 2 && !self.cancelled() => {
-                    let named = tokens::limit_in_error(&detail);
-                    within = match named {
+                    within = match tokens::limit_in_error(&detail) {
                         Some(window) => {
                             tokens::learn(&provider, &endpoint, &model, window);
-                            fit(window, &mut budget)
+                            fit(window, &mut budget).saturating_sub(rest)
                         }
-                        None => usize::MAX,
-                    }
-                    .min(sent / 2);
+                        None => sent.saturating_sub(rest) / 2,
+                    };
                     tracing::warn!(session = %self.ctx.root_id, model = %model, chars = within,
                         "the summary request was too long for the summary model; asking with its newest turns");
                 }
