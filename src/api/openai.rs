@@ -412,7 +412,7 @@ async fn derived_thread(
                         .shared
                         .db
                         .write(move |c| {
-                            threads::claim_made(c, &p, &c1.session, &c1.previous, &c1.key, now)
+                            threads::claim_next(c, &p, &c1.session, &c1.previous, &c1.key, now)
                         })
                         .await?;
                     if claimed {

@@ -87,20 +87,10 @@ pub fn record_made(
 /// `next-<session>-<previous>` (a conversation that comes back after its records aged out goes
 /// on in another session, free of the old claim), holding the claimant's key where a record
 /// holds a session id.
+///
+/// Answers whether the claim is this request's, and whether this call made it (else this same
+/// request, sent twice at once, made it first).
 pub fn claim_next(
-    conn: &mut SqliteConnection,
-    principal: &str,
-    session: &str,
-    previous: &str,
-    key: &str,
-    now: f64,
-) -> Result<bool, StoreError> {
-    Ok(claim_made(conn, principal, session, previous, key, now)?.0)
-}
-
-/// [`claim_next`], also saying whether this call made the claim (else this same request,
-/// sent twice at once, made it first).
-pub fn claim_made(
     conn: &mut SqliteConnection,
     principal: &str,
     session: &str,
@@ -135,7 +125,7 @@ pub struct Refused<'a> {
     pub records: &'a [(String, String)],
 }
 
-/// Let go of the claim a refused request made (see [`claim_made`]) on going on in its
+/// Let go of the claim a refused request made (see [`claim_next`]) on going on in its
 /// session, and of the records it made naming the session (sent again after another branch
 /// went on there, it found them and went on there too): only while the session is still where
 /// the conversation left it, so a claim whose request was admitted after all is kept. Whether
@@ -377,11 +367,11 @@ mod tests {
             };
         assert!(left_at(&mut c, "s1", "p", &inputs, "A").expect("left at"));
         assert_eq!(
-            claim_made(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
+            claim_next(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
             (true, true)
         );
         assert_eq!(
-            claim_made(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
+            claim_next(&mut c, "p", "s1", "prev", "k1", 4.0).expect("claim"),
             (true, false),
             "the same request again holds it, but did not make it"
         );
@@ -394,7 +384,11 @@ mod tests {
         )
         .expect("record");
         assert_eq!(made, [("s1".to_string(), true), ("s1".to_string(), true)]);
-        assert!(!claim_next(&mut c, "p", "s1", "prev", "k2", 4.0).expect("claim"));
+        assert!(
+            !claim_next(&mut c, "p", "s1", "prev", "k2", 4.0)
+                .expect("claim")
+                .0
+        );
         let own = [("k1".to_string(), "s1".to_string())];
         assert!(!let_go_of(&mut c, "k2", "A", &own), "not the holder");
         assert!(
@@ -412,10 +406,18 @@ mod tests {
             Some("s1".into()),
             "a record it did not name stays"
         );
-        assert!(claim_next(&mut c, "p", "s1", "prev", "k2", 5.0).expect("claim"));
+        assert!(
+            claim_next(&mut c, "p", "s1", "prev", "k2", 5.0)
+                .expect("claim")
+                .0
+        );
         // Its input admitted after all: the session moved on, and the claim stands.
         admissions::admit(&mut c, e, "p", "s1", "k2-input", "next", 10, 6.0).expect("admit");
         assert!(!let_go_of(&mut c, "k2", "A", &[]));
-        assert!(!claim_next(&mut c, "p", "s1", "prev", "k3", 7.0).expect("claim"));
+        assert!(
+            !claim_next(&mut c, "p", "s1", "prev", "k3", 7.0)
+                .expect("claim")
+                .0
+        );
     }
 }

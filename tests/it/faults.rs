@@ -393,18 +393,7 @@ async fn a_rate_limited_call_waits_as_long_as_the_server_says() {
             Fault::Ok("ACK_LIMITED".into())
         }
     });
-    let home = Home::new();
-    home.write_config(&config(&chaos.url, json!({"model": {"max_retries": 1}})));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("limited", &home.path).await;
-    ws.submit(&sid, "LIMITED", "LIMITED").await;
-    wait_until("LIMITED", T, || {
-        home.admission("LIMITED").status == "terminal"
-    })
-    .await;
-    let row = home.admission("LIMITED");
-    assert_eq!(row.outcome.as_deref(), Some("completed"), "{row:?}");
+    limited_completes(&chaos, json!({"max_retries": 1})).await;
     let times = times.lock().expect("times").clone();
     assert_eq!(times.len(), 2, "one retry");
     let waited = times[1] - times[0];
@@ -427,11 +416,15 @@ async fn a_servers_wait_that_fits_the_calls_time_is_kept_to() {
             Fault::Ok(format!("ACK_{text}"))
         }
     });
+    limited_completes(&chaos, json!({"max_retries": 1, "timeout_seconds": 3.5})).await;
+    assert_eq!(chaos.attempts("LIMITED"), 2);
+}
+
+/// The input `LIMITED` sent to a daemon on `chaos` (with `model` as its `model` config)
+/// completes.
+async fn limited_completes(chaos: &ChaosModel, model: Value) {
     let home = Home::new();
-    home.write_config(&config(
-        &chaos.url,
-        json!({"model": {"max_retries": 1, "timeout_seconds": 3.5}}),
-    ));
+    home.write_config(&config(&chaos.url, json!({ "model": model })));
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session("limited", &home.path).await;
@@ -442,7 +435,6 @@ async fn a_servers_wait_that_fits_the_calls_time_is_kept_to() {
     .await;
     let row = home.admission("LIMITED");
     assert_eq!(row.outcome.as_deref(), Some("completed"), "{row:?}");
-    assert_eq!(chaos.attempts("LIMITED"), 2);
 }
 
 /// A stream that falls silent after its finish_reason (no `[DONE]`) has answered: the turn
