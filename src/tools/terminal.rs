@@ -235,6 +235,21 @@ pub async fn run_command(
         }
     };
 
+    // An interrupt that came once the shell had ended (its output still draining, or its exit
+    // not yet seen) stops only what it left behind: the command ran to its end, and its exit
+    // code stands (it was reported 130, "interrupted, may have done part of its work").
+    let end = match end {
+        End::Interrupted if status.is_some() => End::DrainExpired,
+        End::Interrupted => match child.try_wait() {
+            Ok(Some(exit)) => {
+                status = Some(exit);
+                group.reaped = true;
+                End::DrainExpired
+            }
+            _ => End::Interrupted,
+        },
+        end => end,
+    };
     let (exit_code, timed_out, interrupted) = match end {
         End::Completed => {
             group.disarm();
@@ -1345,6 +1360,31 @@ mod tests {
             wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
             "{pid} survived its command"
         );
+    }
+
+    /// An interrupt that comes once the shell has ended (a job it left holds the output)
+    /// reports the shell's own exit code, not 130: the command ran to its end.
+    #[tokio::test]
+    async fn an_interrupt_after_the_shell_ended_keeps_its_exit_code() {
+        let dir = TempDir::new("ended");
+        let shell = dir.path().join("shell.pid");
+        let mut spec = spec("echo $$ > shell.pid; sleep 30 & exit 3", &dir);
+        spec.timeout = Duration::from_secs(60);
+        let (tx, rx) = watch::channel(false);
+        let canceller = async {
+            let ended = wait_until(
+                || read_pid(&shell).is_some_and(|pid| !process_alive(pid)),
+                Duration::from_secs(10),
+            )
+            .await;
+            tx.send(true).unwrap();
+            ended
+        };
+        let (out, ended) = tokio::join!(run_command(spec, rx), canceller);
+        let out = out.unwrap();
+        assert!(ended, "the shell never ended");
+        assert_eq!(out.exit_code, 3, "{out:?}");
+        assert!(!out.interrupted, "{out:?}");
     }
 
     #[tokio::test]
