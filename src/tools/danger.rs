@@ -66,6 +66,8 @@ const MAX_EXPANSION: usize = 16;
 const MIN_EXPANSION_BYTES: usize = 64 << 10;
 /// See [`MAX_EXPANSION`].
 const MAX_EXPANDED_BYTES: usize = 1 << 20;
+/// Lists inside lists are written out this many levels deep; one deeper is not read.
+const MAX_NESTING: usize = 8;
 
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -435,22 +437,47 @@ fn variants(command: &str) -> (Vec<String>, bool) {
 /// it), and each `$IFS` as a blank; `None` when there is neither. A group whose words are
 /// more than [`MAX_EXPANSION`] times as long as it is left as written, and `unread` set.
 fn expanded_words(text: &str, unread: &mut bool) -> Option<String> {
-    static PATTERNS: OnceLock<Option<(Regex, Regex)>> = OnceLock::new();
-    let (braces, ifs) = PATTERNS
+    static PATTERNS: OnceLock<Option<(Regex, Regex, Regex)>> = OnceLock::new();
+    let (braces, nested, ifs) = PATTERNS
         .get_or_init(|| {
             let braces = Regex::new(
                 r"(^|[\s;&|(`])([^\s;&|(){}`$]*)\{([^{}\s$]*,[^{}\s]*)\}([^\s;&|()`{}]*)",
             )
             .ok()?;
+            // A list that is a part of another list (`{{rm,-rf},/home}`), with the text
+            // around it in that part.
+            let nested =
+                Regex::new(r"([{,])([^{},\s$]*)\{([^{}\s$]*,[^{}\s]*)\}([^{},\s]*)([,}])").ok()?;
             let ifs = Regex::new(r"\$\{ifs\}|\$ifs\b").ok()?;
-            Some((braces, ifs))
+            Some((braces, nested, ifs))
         })
         .as_ref()?;
-    if !(braces.is_match(text) || ifs.is_match(text)) {
+    if !(braces.is_match(text) || ifs.is_match(text) || nested.is_match(text)) {
         return None;
     }
-    let spaced = ifs.replace_all(text, " ");
+    let mut spaced = ifs.replace_all(text, " ").into_owned();
     let mut budget = MAX_EXPANDED_BYTES;
+    // Lists inside lists first, innermost out, each written into its enclosing list as parts
+    // of it (`{{rm,-rf},/home}` is `{rm,-rf,/home}`, which is `rm -rf /home`): matched by
+    // nothing below, they were read as no command at all.
+    for _ in 0..MAX_NESTING {
+        if !nested.is_match(&spaced) {
+            break;
+        }
+        let flat = nested.replace_all(&spaced, |c: &regex::Captures| {
+            let (pre, post) = (&c[2], &c[4]);
+            let parts: Vec<String> = c[3].split(',').map(|p| format!("{pre}{p}{post}")).collect();
+            format!("{}{}{}", &c[1], parts.join(","), &c[5])
+        });
+        if flat.len() > budget {
+            *unread = true;
+            return Some(spaced);
+        }
+        spaced = flat.into_owned();
+    }
+    if nested.is_match(&spaced) {
+        *unread = true;
+    }
     let words = braces.replace_all(&spaced, |c: &regex::Captures| {
         let (pre, post) = (&c[2], &c[4]);
         // A run of one part repeated is read once: it adds no word the rules have not read
@@ -1097,6 +1124,19 @@ mod tests {
         assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_home"));
         let empties = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
         assert!(!variants(&empties).1, "4,001 parts, one run");
+        // A list inside a list is read as the shell writes it out.
+        assert_eq!(
+            is_hardline("{{rm,-rf},/home}").map(|m| m.key),
+            Some("rm_system_dir")
+        );
+        assert_eq!(
+            is_hardline("ls; {{{rm,-rf},~}}").map(|m| m.key),
+            Some("rm_home")
+        );
+        // Nested JSON is text, read and not refused.
+        assert!(assess("curl -d '{\"a\":{\"b\":1,\"c\":2}}' http://x")
+            .0
+            .is_none());
         // Repeats apart are each read where they stand.
         assert_eq!(
             is_hardline("{flock,~,rm,-rf,~}").map(|m| m.key),
