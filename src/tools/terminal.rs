@@ -239,12 +239,12 @@ pub async fn run_command(
     // not yet seen) stops only what it left behind: the command ran to its end, and its exit
     // code stands (it was reported 130, "interrupted, may have done part of its work").
     let end = match end {
-        End::Interrupted if status.is_some() => End::DrainExpired,
+        End::Interrupted if status.is_some() => End::EndedThenInterrupted,
         End::Interrupted => match child.try_wait() {
             Ok(Some(exit)) => {
                 status = Some(exit);
                 group.reaped = true;
-                End::DrainExpired
+                End::EndedThenInterrupted
             }
             _ => End::Interrupted,
         },
@@ -257,6 +257,19 @@ pub async fn run_command(
         }
         End::DrainExpired => {
             group.kill();
+            (status.map_or(-1, exit_code_of), false, false)
+        }
+        End::EndedThenInterrupted => {
+            group.kill();
+            // What the shell wrote before it ended, still in the pipes, is read (the interrupt
+            // won the race with it).
+            let until = Instant::now() + DRAIN_AFTER_KILL;
+            while pipes.is_open() {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => break,
+                    () = pipes.pump(&mut collector) => {}
+                }
+            }
             (status.map_or(-1, exit_code_of), false, false)
         }
         End::TimedOut | End::Interrupted => {
@@ -560,6 +573,8 @@ enum End {
     DrainExpired,
     TimedOut,
     Interrupted,
+    /// Interrupted once the shell had ended (see [`run_command`]).
+    EndedThenInterrupted,
 }
 
 /// The variable (with its `=`) each foreground command's processes carry, its value the run's own.
@@ -710,38 +725,46 @@ fn processes() -> impl Iterator<Item = ProcStat> {
 fn sweep(mark: String) {
     static SWEEPER: std::sync::Mutex<Option<std::sync::mpsc::Sender<String>>> =
         std::sync::Mutex::new(None);
-    let Ok(mut sweeper) = SWEEPER.lock() else {
-        return kill_marked(&[mark]);
-    };
-    let mut mark = Some(mark);
-    if let Some(tx) = sweeper.as_ref() {
-        match tx.send(mark.take().unwrap_or_default()) {
-            Ok(()) => return,
-            // The sweeper is gone: another is started.
-            Err(std::sync::mpsc::SendError(back)) => mark = Some(back),
-        }
-    }
-    let mark = mark.unwrap_or_default();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let started = std::thread::Builder::new()
-        .name("gatehouse-sweep".into())
-        .spawn(move || {
-            // The marks sent meanwhile are swept together: one read of /proc a round.
-            while let Ok(first) = rx.recv() {
-                let mut marks = vec![first];
-                marks.extend(rx.try_iter());
-                kill_marked(&marks);
+    // Swept here (the lock let go first) when no sweeper can take it.
+    let unswept = {
+        let mut sweeper = SWEEPER
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut mark = Some(mark);
+        if let Some(tx) = sweeper.as_ref() {
+            match tx.send(mark.take().unwrap_or_default()) {
+                Ok(()) => return,
+                // The sweeper is gone: another is started.
+                Err(std::sync::mpsc::SendError(back)) => mark = Some(back),
             }
-        });
-    match started {
-        Ok(_) if tx.send(mark.clone()).is_ok() => *sweeper = Some(tx),
-        // Swept here this once; a sweeper is asked for again next time.
-        Ok(_) => kill_marked(&[mark]),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start the process sweeper");
-            kill_marked(&[mark]);
         }
-    }
+        let mark = mark.unwrap_or_default();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let started = std::thread::Builder::new()
+            .name("gatehouse-sweep".into())
+            .spawn(move || {
+                // The marks sent meanwhile are swept together: one read of /proc a round.
+                while let Ok(first) = rx.recv() {
+                    let mut marks = vec![first];
+                    marks.extend(rx.try_iter());
+                    kill_marked(&marks);
+                }
+            });
+        match started {
+            Ok(_) => match tx.send(mark) {
+                Ok(()) => {
+                    *sweeper = Some(tx);
+                    return;
+                }
+                Err(std::sync::mpsc::SendError(back)) => back,
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the process sweeper");
+                mark
+            }
+        }
+    };
+    kill_marked(&[unswept]);
 }
 
 /// How long a sweep waits for processes asleep in the kernel (`D`), which it cannot read, to
@@ -773,16 +796,26 @@ fn kill_marked(marks: &[String]) {
 
 /// Every live process (other than this one) whose environment holds one of the entries
 /// `marks`, as `/proc` shows them now (a process of another user cannot be read, and is not one
-/// of ours); and how many it passed over asleep in the kernel (`D`): a read of such a process's
-/// environment can wait as long as it sleeps.
+/// of ours); and how many of this user's it passed over asleep in the kernel (`D`): a read of
+/// such a process's environment can wait as long as it sleeps.
 fn marked(marks: &[String]) -> (Vec<libc::pid_t>, usize) {
+    use std::os::unix::fs::MetadataExt;
     let own = std::process::id();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
     let mut asleep = 0;
     let found = processes()
         .filter(|p| p.running() && u32::try_from(p.pid).ok() != Some(own))
         .filter(|p| {
             if p.state == 'D' {
-                asleep += 1;
+                // Only one of ours could carry a mark: another user's, or a kernel thread
+                // (a child of kthreadd, pid 2), is not waited for.
+                let ours = p.ppid != 2
+                    && p.pid != 2
+                    && std::fs::metadata(format!("/proc/{}", p.pid)).is_ok_and(|m| m.uid() == uid);
+                if ours {
+                    asleep += 1;
+                }
                 return false;
             }
             std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|environ| {
@@ -1368,7 +1401,10 @@ mod tests {
     async fn an_interrupt_after_the_shell_ended_keeps_its_exit_code() {
         let dir = TempDir::new("ended");
         let shell = dir.path().join("shell.pid");
-        let mut spec = spec("echo $$ > shell.pid; sleep 30 & exit 3", &dir);
+        let mut spec = spec(
+            "echo $$ > shell.pid; echo last words; sleep 30 & exit 3",
+            &dir,
+        );
         spec.timeout = Duration::from_secs(60);
         let (tx, rx) = watch::channel(false);
         let canceller = async {
@@ -1385,6 +1421,7 @@ mod tests {
         assert!(ended, "the shell never ended");
         assert_eq!(out.exit_code, 3, "{out:?}");
         assert!(!out.interrupted, "{out:?}");
+        assert!(out.output.contains("last words"), "{out:?}");
     }
 
     #[tokio::test]
