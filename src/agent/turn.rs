@@ -1549,6 +1549,12 @@ impl Turn {
         let mut asked = 0;
         let answered = loop {
             asked += 1;
+            // No room for any turn: a summary of none would replace the middle with nothing.
+            if within == 0 {
+                return Err(CompactError::Failed(format!(
+                    "the summary model {model}'s window leaves no room for the turns to summarise"
+                )));
+            }
             let body = compress::summary_request_within(&model, &plan.middle, None, budget, within);
             let sent = compress::turn_chars(&body);
             let call = ChatCall {
@@ -1566,10 +1572,14 @@ impl Turn {
                 // Too long for the summary model: asked once more with what fits the window
                 // its error names (learned for the next compactions), else with half as much.
                 Ok(Err(ModelError::ContextOverflow(detail))) if asked < 2 && !self.cancelled() => {
+                    // Always fewer than were sent (three quarters at most): a window learned
+                    // already, with text denser than three characters a token, named the same
+                    // window again and the same request was sent again.
+                    let fewer = sent.saturating_sub(rest) / 4 * 3;
                     within = match tokens::limit_in_error(&detail) {
                         Some(window) => {
                             tokens::learn(&provider, &endpoint, &model, window);
-                            fit(window, &mut budget).saturating_sub(rest)
+                            fit(window, &mut budget).saturating_sub(rest).min(fewer)
                         }
                         None => sent.saturating_sub(rest) / 2,
                     };
