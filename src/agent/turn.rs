@@ -1508,7 +1508,7 @@ impl Turn {
         // A stop that began since the loop's last look (the gateway's drain tells turns to stop
         // before each session hears it) asks no summary: no model call follows a stop.
         if self.cancelled() {
-            return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))));
+            return Err(CompactError::interrupted());
         }
         let aux = &cfg.auxiliary.compression;
         let model = aux.model.clone().unwrap_or_else(|| self.root.model.clone());
@@ -1528,16 +1528,19 @@ impl Turn {
             usize::try_from(window.saturating_sub(2 * *budget + 1_000).saturating_mul(3))
                 .unwrap_or(usize::MAX)
         };
-        // What the prompt holds besides the turns (its words, earlier summaries).
-        let rest = compress::turn_chars(&compress::summary_request_within(
-            &model,
-            &plan.middle,
-            None,
-            budget,
-            0,
-        ));
+        // What the prompt holds besides the turns (its words, earlier summaries): read only
+        // when a window is known or named, from the prompt built with no turns.
+        let rest = || {
+            compress::turn_chars(&compress::summary_request_within(
+                &model,
+                &plan.middle,
+                None,
+                0,
+                0,
+            ))
+        };
         let mut within = match tokens::learned(&provider, &endpoint, &model) {
-            Some(window) => fit(window, &mut budget).saturating_sub(rest),
+            Some(window) => fit(window, &mut budget).saturating_sub(rest()),
             None => usize::MAX,
         };
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
@@ -1575,13 +1578,16 @@ impl Turn {
                     // Always fewer than were sent (three quarters at most): a window learned
                     // already, with text denser than three characters a token, named the same
                     // window again and the same request was sent again.
-                    let fewer = sent.saturating_sub(rest) / 4 * 3;
+                    let rest = rest();
+                    let turns = sent.saturating_sub(rest);
                     within = match tokens::limit_in_error(&detail) {
                         Some(window) => {
                             tokens::learn(&provider, &endpoint, &model, window);
-                            fit(window, &mut budget).saturating_sub(rest).min(fewer)
+                            fit(window, &mut budget)
+                                .saturating_sub(rest)
+                                .min(turns / 4 * 3)
                         }
-                        None => sent.saturating_sub(rest) / 2,
+                        None => turns / 2,
                     };
                     tracing::warn!(session = %self.ctx.root_id, model = %model, chars = within,
                         "the summary request was too long for the summary model; asking with its newest turns");
@@ -1603,9 +1609,7 @@ impl Turn {
                     summary
                 }
             }
-            Ok(Err(ModelError::Interrupted)) => {
-                return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))))
-            }
+            Ok(Err(ModelError::Interrupted)) => return Err(CompactError::interrupted()),
             Ok(Err(e)) => return Err(CompactError::Failed(format!("summary request failed: {e}"))),
             Err(_) => return Err(CompactError::Failed("model client unavailable".into())),
         };
@@ -1632,7 +1636,7 @@ impl Turn {
         // nothing: it was acknowledged, and a child session made after it is a change it did
         // not allow. The summary is let go.
         if self.cancelled() {
-            return Err(CompactError::Stop(Box::new(Stop::Outcome(interrupted()))));
+            return Err(CompactError::interrupted());
         }
         let compacted = compress::assemble(&plan, &summary);
         let system = if self.system.contains("[Note: earlier turns") {
@@ -1713,6 +1717,13 @@ enum CompactError {
     Failed(String),
     /// No middle to summarise and no old tool output to clear (no summary was asked for).
     Nothing,
+}
+
+impl CompactError {
+    /// The compaction stopped because the turn was (an interrupt, a graceful stop).
+    fn interrupted() -> CompactError {
+        CompactError::Stop(Box::new(Stop::Outcome(interrupted())))
+    }
 }
 
 impl std::fmt::Display for CompactError {

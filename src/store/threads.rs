@@ -146,27 +146,24 @@ pub fn let_go(
         if !left_at(conn, session, principal, requests, answer)? {
             return Ok(false);
         }
-        let gone = diesel::delete(
-            chat_threads::table
-                .filter(chat_threads::principal_id.eq(principal))
-                .filter(chat_threads::thread_key.eq(format!("next-{session}-{previous}")))
-                .filter(chat_threads::session_id.eq(key)),
-        )
-        .execute(conn)?;
-        if gone == 1 {
-            // Each only while it still names what this request wrote (an `input-` record is
-            // replaced by the conversation's next keyed request).
+        // Each record only while it still names what this request wrote (an `input-` record is
+        // replaced by the conversation's next keyed request).
+        let forget = |conn: &mut SqliteConnection, record: &str, named: &str| {
+            diesel::delete(
+                chat_threads::table
+                    .filter(chat_threads::principal_id.eq(principal))
+                    .filter(chat_threads::thread_key.eq(record))
+                    .filter(chat_threads::session_id.eq(named)),
+            )
+            .execute(conn)
+        };
+        let gone = forget(conn, &format!("next-{session}-{previous}"), key)? == 1;
+        if gone {
             for (record, named) in records {
-                diesel::delete(
-                    chat_threads::table
-                        .filter(chat_threads::principal_id.eq(principal))
-                        .filter(chat_threads::thread_key.eq(record))
-                        .filter(chat_threads::session_id.eq(named)),
-                )
-                .execute(conn)?;
+                forget(conn, record, named)?;
             }
         }
-        Ok(gone == 1)
+        Ok(gone)
     })
 }
 

@@ -181,11 +181,10 @@ pub async fn run_command(
     let mut env = build_env(std::env::vars_os(), &spec);
     // Every process of this command inherits it (unless it clears its environment): found by
     // it, one that left the shell's group is killed with the group.
-    let mark = format!("{}{}", RUN_MARK, uuid::Uuid::new_v4().simple());
-    if let Some((name, value)) = mark.split_once('=') {
-        env.retain(|(k, _)| k.as_bytes() != name.as_bytes());
-        env.push((OsString::from(name), OsString::from(value)));
-    }
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    env.retain(|(k, _)| k.as_bytes() != RUN_VAR.as_bytes());
+    env.push((OsString::from(RUN_VAR), OsString::from(&run)));
+    let mark = format!("{RUN_VAR}={run}");
     let mut child = spawn_shell(&spec, &env)?;
     let mut group = GroupGuard {
         pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
@@ -263,26 +262,14 @@ pub async fn run_command(
             group.kill();
             // What the shell wrote before it ended, still in the pipes, is read (the interrupt
             // won the race with it).
-            let until = Instant::now() + DRAIN_AFTER_KILL;
-            while pipes.is_open() {
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => break,
-                    () = pipes.pump(&mut collector) => {}
-                }
-            }
+            pipes.drain_for(&mut collector, DRAIN_AFTER_KILL).await;
             (status.map_or(-1, exit_code_of), false, false)
         }
         End::TimedOut | End::Interrupted => {
             group.kill();
             // Reap the shell; kill_on_drop covers the (unlikely) failure.
             let _ = tokio::time::timeout(REAP_AFTER_KILL, child.wait()).await;
-            let until = Instant::now() + DRAIN_AFTER_KILL;
-            while pipes.is_open() {
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => break,
-                    () = pipes.pump(&mut collector) => {}
-                }
-            }
+            pipes.drain_for(&mut collector, DRAIN_AFTER_KILL).await;
             if matches!(end, End::TimedOut) {
                 (EXIT_CODE_TIMEOUT, true, false)
             } else {
@@ -577,8 +564,8 @@ enum End {
     EndedThenInterrupted,
 }
 
-/// The variable (with its `=`) each foreground command's processes carry, its value the run's own.
-const RUN_MARK: &str = "GATEHOUSE_RUN=";
+/// The variable each foreground command's processes carry, its value the run's own.
+const RUN_VAR: &str = "GATEHOUSE_RUN";
 
 /// Kills the process group when dropped, unless disarmed.
 struct GroupGuard {
@@ -730,15 +717,14 @@ fn sweep(mark: String) {
         let mut sweeper = SWEEPER
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut mark = Some(mark);
-        if let Some(tx) = sweeper.as_ref() {
-            match tx.send(mark.take().unwrap_or_default()) {
+        let mark = match sweeper.as_ref() {
+            Some(tx) => match tx.send(mark) {
                 Ok(()) => return,
                 // The sweeper is gone: another is started.
-                Err(std::sync::mpsc::SendError(back)) => mark = Some(back),
-            }
-        }
-        let mark = mark.unwrap_or_default();
+                Err(std::sync::mpsc::SendError(back)) => back,
+            },
+            None => mark,
+        };
         let (tx, rx) = std::sync::mpsc::channel::<String>();
         let started = std::thread::Builder::new()
             .name("gatehouse-sweep".into())
@@ -866,6 +852,17 @@ struct Pipes {
 }
 
 impl Pipes {
+    /// Read what is left in the pipes into `collector`, until they close or `limit` passes.
+    async fn drain_for(&mut self, collector: &mut Collector, limit: Duration) {
+        let until = Instant::now() + limit;
+        while self.is_open() {
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => break,
+                () = self.pump(collector) => {}
+            }
+        }
+    }
+
     /// The child's output pipes, taken from it.
     fn of(child: &mut Child) -> Pipes {
         Pipes {
