@@ -237,6 +237,9 @@ struct ListTasks {
     limit: Option<i64>,
     /// The task the page starts after (the last page's `next_after`).
     after: Option<String>,
+    /// Where the page starts (the last page's `next_cursor`): unlike `after`, it holds when
+    /// that task has since been pruned.
+    cursor: Option<String>,
 }
 
 /// The most tasks one `room.tasks` reply holds, and how many when the request does not say.
@@ -460,7 +463,23 @@ impl RoomsService {
                         "limit must be 1 to {MAX_TASKS_PAGE}"
                     )));
                 }
-                let (id, after) = (p.room_id.clone(), p.after.clone());
+                let after = match (p.after, p.cursor) {
+                    (Some(_), Some(_)) => {
+                        return Err(GatewayError::InvalidParams(
+                            "give `after` or `cursor`, not both".into(),
+                        ))
+                    }
+                    (Some(task), None) => Some(room_tasks::TasksAfter::Task(task)),
+                    (None, Some(cursor)) => Some(room_tasks::TasksAfter::Position(
+                        room_tasks::TaskPosition::parse(&cursor).ok_or_else(|| {
+                            GatewayError::InvalidParams(
+                                "cursor is not a `next_cursor` of room.tasks".into(),
+                            )
+                        })?,
+                    )),
+                    (None, None) => None,
+                };
+                let id = p.room_id.clone();
                 let page = self
                     .db
                     .run(move |c| {
@@ -471,7 +490,7 @@ impl RoomsService {
                             c,
                             &id,
                             status,
-                            after.as_deref(),
+                            after.as_ref(),
                             limit,
                             TASKS_PAGE_BYTES as i64,
                         )
@@ -498,11 +517,15 @@ impl RoomsService {
                     bytes += view.to_string().len();
                     views.push(view);
                 }
-                let next_after = more
+                let last = more
                     .then(|| tasks.get(views.len().saturating_sub(1)))
-                    .flatten()
-                    .map(|t| t.identity.task_id.clone());
-                Ok(json!({"tasks": views, "has_more": more, "next_after": next_after}))
+                    .flatten();
+                Ok(json!({
+                    "tasks": views,
+                    "has_more": more,
+                    "next_after": last.map(|t| t.identity.task_id.clone()),
+                    "next_cursor": last.map(|t| room_tasks::TaskPosition::of(t).cursor()),
+                }))
             }
             "room.cancel" => {
                 let p: TaskRef = params(p)?;

@@ -590,8 +590,68 @@ pub fn open_tasks(conn: &mut SqliteConnection, room_id: &str) -> StoreResult<Vec
         .collect())
 }
 
+/// Where a page of a room's tasks starts: after a task still kept (named by its id), or after a
+/// position in the room's order, which holds when the task there has since been pruned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TasksAfter {
+    Task(String),
+    Position(TaskPosition),
+}
+
+/// A task's place in its room's order: its source event, creation time and id.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskPosition {
+    pub source_event_seq: i64,
+    pub created_at: f64,
+    pub task_id: String,
+}
+
+impl TaskPosition {
+    const VERSION: &'static str = "t1";
+
+    pub fn of(task: &TaskView) -> Self {
+        Self {
+            source_event_seq: task.payload.source_event_seq,
+            created_at: task.created_at,
+            task_id: task.identity.task_id.clone(),
+        }
+    }
+
+    /// The position as an opaque cursor (the creation time by its bits, so it reads back
+    /// exactly).
+    pub fn cursor(&self) -> String {
+        format!(
+            "{}.{}.{:016x}.{}",
+            Self::VERSION,
+            self.source_event_seq,
+            self.created_at.to_bits(),
+            self.task_id
+        )
+    }
+
+    /// A cursor made by [`TaskPosition::cursor`], or `None`.
+    pub fn parse(cursor: &str) -> Option<Self> {
+        let mut parts = cursor.splitn(4, '.');
+        if parts.next()? != Self::VERSION {
+            return None;
+        }
+        let source_event_seq = parts.next()?.parse().ok()?;
+        let bits = parts.next()?;
+        if bits.len() != 16 {
+            return None;
+        }
+        let created_at = f64::from_bits(u64::from_str_radix(bits, 16).ok()?);
+        let task_id = parts.next()?.to_string();
+        (created_at.is_finite() && !task_id.is_empty()).then_some(Self {
+            source_event_seq,
+            created_at,
+            task_id,
+        })
+    }
+}
+
 /// One page of a room's tasks in the room's order: at most `limit` tasks (with `status`, if
-/// given) after the task `after`, and whether more follow. The page also ends before the task
+/// given) after `after`, and whether more follow. The page also ends before the task
 /// that would take its stored prompts and results past `max_bytes` (it holds one task at
 /// least): the sizes are read first, so a page of large tasks is never loaded whole (a
 /// thousand prompts of 128 KiB each were, before the reply was cut).
@@ -599,7 +659,7 @@ pub fn list_tasks_page(
     conn: &mut SqliteConnection,
     room_id: &str,
     status: Option<TaskStatus>,
-    after: Option<&str>,
+    after: Option<&TasksAfter>,
     limit: i64,
     max_bytes: i64,
 ) -> StoreResult<(Vec<TaskView>, bool)> {
@@ -610,19 +670,25 @@ pub fn list_tasks_page(
         query = query.filter(room_tasks::status.eq(status.as_str()));
     }
     if let Some(after) = after {
-        let (seq, created, id): (i64, f64, String) = room_tasks::table
-            .filter(room_tasks::room_id.eq(room_id))
-            .filter(room_tasks::task_id.eq(after))
-            .select((
-                room_tasks::source_event_seq,
-                room_tasks::created_at,
-                room_tasks::task_id,
-            ))
-            .first(conn)
-            .optional()?
-            .ok_or_else(|| {
-                RoomStoreError::Validation(format!("after names no task of room {room_id}"))
-            })?;
+        let (seq, created, id): (i64, f64, String) = match after {
+            TasksAfter::Position(p) => (p.source_event_seq, p.created_at, p.task_id.clone()),
+            TasksAfter::Task(task_id) => room_tasks::table
+                .filter(room_tasks::room_id.eq(room_id))
+                .filter(room_tasks::task_id.eq(task_id))
+                .select((
+                    room_tasks::source_event_seq,
+                    room_tasks::created_at,
+                    room_tasks::task_id,
+                ))
+                .first(conn)
+                .optional()?
+                .ok_or_else(|| {
+                    RoomStoreError::Validation(format!(
+                        "after names no task of room {room_id} (an ended task may have been \
+                         pruned: page with `cursor`, the last page's `next_cursor`)"
+                    ))
+                })?,
+        };
         query = query.filter(
             room_tasks::source_event_seq
                 .gt(seq)

@@ -1408,10 +1408,22 @@ async fn a_rooms_queue_is_bounded() {
     assert_eq!(ids(&second), ["q2"], "{second}");
     assert_eq!(second["has_more"], false);
     assert_eq!(second["next_after"], Value::Null);
+    assert_eq!(second["next_cursor"], Value::Null);
+    // The same page from the first page's cursor, which holds even once `q1` is pruned.
+    let cursor = first["next_cursor"].as_str().expect("a cursor").to_string();
+    let by_cursor = ws
+        .ok(
+            "room.tasks",
+            json!({"room_id": "full", "limit": 2, "cursor": cursor}),
+        )
+        .await;
+    assert_eq!(ids(&by_cursor), ["q2"], "{by_cursor}");
     for bad in [
         json!({"room_id": "full", "limit": 0}),
         json!({"room_id": "full", "limit": 1001}),
         json!({"room_id": "full", "after": "no-such-task"}),
+        json!({"room_id": "full", "cursor": "q1"}),
+        json!({"room_id": "full", "after": "q1", "cursor": cursor}),
     ] {
         ws.refused("room.tasks", bad, "invalid_params").await;
     }

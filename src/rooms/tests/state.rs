@@ -263,8 +263,9 @@ fn a_page_of_tasks_is_cut_by_the_bytes_it_holds() {
         admit_task(&mut f.db.conn(), &identity(task), &p, &f.clock).unwrap();
     }
     let page = |after: Option<&str>, max_bytes: i64| {
+        let after = after.map(|t| TasksAfter::Task(t.into()));
         let (tasks, more) =
-            list_tasks_page(&mut f.db.conn(), ROOM, None, after, 10, max_bytes).unwrap();
+            list_tasks_page(&mut f.db.conn(), ROOM, None, after.as_ref(), 10, max_bytes).unwrap();
         let ids: Vec<String> = tasks.into_iter().map(|t| t.identity.task_id).collect();
         (ids, more)
     };
@@ -273,6 +274,56 @@ fn a_page_of_tasks_is_cut_by_the_bytes_it_holds() {
     // One task however large.
     assert_eq!(page(None, 1), (vec!["a".into()], true));
     assert_eq!(page(None, i64::MAX).0.len(), 3);
+}
+
+/// A page goes on from its cursor after the task it ended on has been pruned (by its id it is
+/// refused, saying so); a cursor reads back its position exactly, and a made-up one is no cursor.
+#[test]
+fn a_page_of_tasks_goes_on_from_its_cursor_past_a_pruned_task() {
+    let f = Fixture::new();
+    for (task, seq) in [("a", 1), ("b", 2), ("c", 3)] {
+        let id = f.admit(task, seq);
+        if task == "b" {
+            cancel_task(&mut f.db.conn(), &id, "c-b", 0, &f.clock).unwrap();
+        }
+        f.clock.advance(0.1);
+    }
+    let page = |after: Option<TasksAfter>| {
+        list_tasks_page(&mut f.db.conn(), ROOM, None, after.as_ref(), 2, i64::MAX)
+    };
+    let (first, more) = page(None).unwrap();
+    assert!(more);
+    let last = first.last().unwrap();
+    assert_eq!(last.identity.task_id, "b");
+    let cursor = TaskPosition::of(last).cursor();
+    assert_eq!(TaskPosition::parse(&cursor), Some(TaskPosition::of(last)));
+    let retention = TaskRetention {
+        max_age_seconds: 0.0,
+        max_per_room: 0,
+    };
+    assert_eq!(
+        prune_ended_tasks(&mut f.db.conn(), retention, f.clock.now(), 10)
+            .unwrap()
+            .deleted,
+        1
+    );
+    let at = TaskPosition::parse(&cursor).map(TasksAfter::Position);
+    let (rest, more) = page(at).unwrap();
+    let ids: Vec<String> = rest.into_iter().map(|t| t.identity.task_id).collect();
+    assert_eq!((ids, more), (vec!["c".to_string()], false));
+    match page(Some(TasksAfter::Task("b".into()))) {
+        Err(RoomStoreError::Validation(m)) => assert!(m.contains("next_cursor"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    for bad in [
+        "",
+        "b",
+        "t1.2.zz.b",
+        "t1.2.0000000000000000.",
+        "t2.2.0000000000000000.b",
+    ] {
+        assert_eq!(TaskPosition::parse(bad), None, "{bad}");
+    }
 }
 
 #[test]
