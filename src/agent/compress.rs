@@ -261,11 +261,18 @@ pub fn summary_request_within(
     let mut earlier: Vec<String> = previous_summary.map(str::to_string).into_iter().collect();
     for m in middle {
         let raw = m.content.as_deref().unwrap_or("");
-        if m.display_kind.as_deref() == Some(SUMMARY_KIND) || raw.starts_with(SUMMARY_PREFIX) {
-            earlier.push(bound_summary(raw.trim_start_matches(SUMMARY_PREFIX).trim()));
-            continue;
-        }
-        let content = clip(raw);
+        let content =
+            if m.display_kind.as_deref() == Some(SUMMARY_KIND) || raw.starts_with(SUMMARY_PREFIX) {
+                earlier.push(bound_summary(raw.trim_start_matches(SUMMARY_PREFIX).trim()));
+                // A summary merged into a message with tool calls (its text, after the summary's,
+                // went with it): the calls are still turns, or their results would answer nothing.
+                if m.tool_calls.is_none() {
+                    continue;
+                }
+                String::new()
+            } else {
+                clip(raw)
+            };
         match m.role.as_str() {
             "user" => turns.push_str(&format!("[USER]: {content}\n\n")),
             "assistant" => {
@@ -636,6 +643,29 @@ mod tests {
             result("b"),
         ];
         assert!(plan(&t, 1, 2, 0).is_none());
+    }
+
+    /// A summary merged into a message with tool calls is sent as an earlier summary, and its
+    /// calls as turns: their results answered calls that were not in the request.
+    #[test]
+    fn the_calls_of_a_message_with_a_merged_summary_are_summarised() {
+        let merged = NewMessage {
+            content: Some(format!("{SUMMARY_PREFIX}\n\nS-EARLIER\n\nA0")),
+            ..call("merged-call")
+        };
+        let middle = [merged, result("merged-call"), m("user", "P1")];
+        let request = summary_request("aux", &middle, None, 10_000);
+        let prompt = request["messages"][0]["content"].as_str().unwrap_or("");
+        assert!(prompt.contains("S-EARLIER"), "{prompt}");
+        assert!(prompt.contains("[Tool calls: terminal({})]"), "{prompt}");
+        assert!(prompt.contains("[TOOL RESULT merged-call]"), "{prompt}");
+        let earlier = prompt.find("S-EARLIER").unwrap_or(usize::MAX);
+        let turns = prompt.find("TURNS:").unwrap_or(0);
+        assert!(
+            earlier < turns,
+            "the summary is sent as the earlier one: {prompt}"
+        );
+        assert_eq!(prompt.matches(SUMMARY_PREFIX).count(), 0, "{prompt}");
     }
 
     /// The user message a summary was merged into is still the message to answer: it stays in
