@@ -1600,6 +1600,11 @@ impl Turn {
             // the summary is what follows them (kept whole, the thoughts went into every later
             // request, and a cut over the budget could keep only them).
             Ok(Ok(r)) => {
+                // The summary's tokens are the turn's too: settled with its usage.
+                if let (Some(u), Ok(mut total)) = (r.usage, self.ctx.usage.lock()) {
+                    total.0 += u.prompt_tokens;
+                    total.1 += u.completion_tokens;
+                }
                 let summary = split_think(&r.content.unwrap_or_default()).0;
                 // Cut short by the model's output limit: kept, and said to be (it was taken for
                 // the whole summary).

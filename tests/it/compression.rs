@@ -365,6 +365,14 @@ async fn preflight_compression_rotates_into_a_child_session() {
         "the root's rows are untouched"
     );
     assert!(home.all_messages(&root).iter().all(|m| m.active == 1));
+    // Every reply reports one prompt and one completion token: four main requests and the
+    // summary's are counted.
+    let spent = [home.tokens(&root), home.tokens(&child)];
+    assert_eq!(
+        spent.iter().fold((0, 0), |t, s| (t.0 + s.0, t.1 + s.1)),
+        (5, 5),
+        "{spent:?}"
+    );
     // The durable log tells of the new tip once (committed with the compaction).
     let log = ws
         .ok(

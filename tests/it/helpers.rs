@@ -106,6 +106,15 @@ impl Home {
             .expect("session")
     }
 
+    /// The tokens a session's turns spent, as settled (prompt, completion).
+    pub fn tokens(&self, session: &str) -> (i64, i64) {
+        sessions::table
+            .filter(sessions::id.eq(session))
+            .select((sessions::prompt_tokens, sessions::completion_tokens))
+            .first(&mut self.db())
+            .expect("session")
+    }
+
     /// The prompt audit rows of a session, oldest first.
     pub fn prompt_rows(&self, session: &str) -> Vec<PromptRow> {
         prompts::table
