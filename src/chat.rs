@@ -301,16 +301,21 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
 /// The operator's command that settles `admission`, naming this home (under a service user the
 /// default home is another one).
 fn settle_command(home: &Path, session_id: &str, admission: &str) -> String {
-    let home = home.display().to_string();
-    let plain = home
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"/._-+:,@".contains(&b));
-    let home = if plain {
-        home
-    } else {
-        format!("'{}'", home.replace('\'', r"'\''"))
-    };
+    let home = shell_word(&home.display().to_string());
     format!("gatehouse resolve-unknown {session_id} {admission} --home {home}")
+}
+
+/// `word` as one word of a shell command: as it is if nothing in it is special, else quoted.
+pub(crate) fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-+:,@".contains(&b));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// Refuse to go on in a session held by an input whose outcome is unknown (other than

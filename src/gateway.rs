@@ -718,10 +718,14 @@ impl Gateway {
         if recovered > 0 {
             // Work that was running when the last process died: each holds its session until
             // an operator resolves it (never run again).
+            // The commands name this home: under a service user, the operator's default home is
+            // another one. (Hints sent to clients leave the home's path out.)
+            let shown = crate::chat::shell_word(&home.display().to_string());
             tracing::warn!(
                 recovered,
                 "inputs left running by the last process are now unknown; list them with \
-                 `gatehouse pending`, settle each with `gatehouse resolve-unknown`"
+                 `gatehouse pending --home {shown}`, settle each with `gatehouse \
+                 resolve-unknown SESSION ADMISSION --home {shown}`"
             );
         }
         write_epoch_mark(&home, epoch);

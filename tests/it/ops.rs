@@ -273,6 +273,15 @@ async fn chat_and_operator_commands_work_as_child_processes() {
     ws.submit(&sid, "NEXT", "NEXT").await;
     d.kill();
     let _d2 = Daemon::start(&home);
+    // The boot names the commands with this home (a service user's is not the operator's).
+    assert!(
+        home.log().contains(&format!(
+            "`gatehouse pending --home {}`",
+            home.path.display()
+        )),
+        "{}",
+        home.log()
+    );
     let o = cli(&home, &["pending", "--json"], "");
     let pending: Value = serde_json::from_slice(&o.stdout).expect("pending json");
     let lost = &pending["unknown"][0];
