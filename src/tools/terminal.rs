@@ -136,14 +136,18 @@ impl CommandOutcome {
     }
 }
 
-/// Errors that prevent a command from running at all.
+/// Errors of a command that did not run, or (`Wait`) whose end could not be known.
 #[derive(Debug, thiserror::Error)]
 pub enum TerminalError {
     #[error("working directory {} does not exist or is not a directory", .0.display())]
     InvalidCwd(PathBuf),
     #[error("failed to start shell: {0}")]
     Spawn(#[source] io::Error),
-    #[error("failed to wait for shell: {0}")]
+    /// The command started: it may have done part of its work before it was killed.
+    #[error(
+        "the command started, but waiting for its shell failed ({0}): it was killed, and how far \
+         it got is unknown"
+    )]
     Wait(#[source] io::Error),
     #[error(
         "{0} background processes are running already (terminal.max_background): stop one \
