@@ -1385,13 +1385,6 @@ impl Handler<Respond> for SessionSupervisor {
     type Result = ResponseFuture<Result<Value, GatewayError>>;
     fn handle(&mut self, m: Respond, ctx: &mut Context<Self>) -> Self::Result {
         let prompt_id = m.prompt_id.clone();
-        // An answer is kept in the transcript and sent with every later request, as an input
-        // is: it is bounded as one.
-        if let PromptAnswer::Text(text) = &m.answer {
-            if let Err(e) = self.shared.config.session.check_text("answer", text) {
-                return Box::pin(std::future::ready(Err(e)));
-            }
-        }
         match self.hand_over(m, ctx) {
             Err(e) => Box::pin(std::future::ready(Err(e))),
             Ok(None) => Box::pin(std::future::ready(Ok(
@@ -1436,11 +1429,17 @@ impl SessionSupervisor {
                 m.generation
             )));
         }
-        // Checked after the generation: an answer for another attempt is stale whatever it names.
+        // Checked after the generation: an answer for another attempt is stale whatever it names
+        // or holds.
         if m.prompt_id.is_empty() {
             return Err(GatewayError::InvalidParams(
                 "prompt_id must not be empty".into(),
             ));
+        }
+        // An answer is kept in the transcript and sent with every later request, as an input
+        // is: it is bounded as one.
+        if let PromptAnswer::Text(text) = &m.answer {
+            self.shared.config.session.check_text("answer", text)?;
         }
         let stale: Vec<String> = self
             .prompts

@@ -972,7 +972,8 @@ async fn clarify_answers_reach_the_tool_result() {
 
 /// An answer longer than `session.max_text_bytes` is refused `payload_too_large`, as an input
 /// that long is, and the prompt stays open for one that fits. Before, it was taken whole: kept
-/// in the transcript and sent with every later model request.
+/// in the transcript and sent with every later model request. An answer for another attempt is
+/// stale, whatever its length.
 #[actix_rt::test]
 async fn a_clarify_answer_over_the_text_bound_is_refused() {
     let ask = tool_call("call_q", "clarify", json!({"question": "Why?"}));
@@ -994,6 +995,11 @@ async fn a_clarify_answer_over_the_text_bound_is_refused() {
         )
         .await;
     assert!(refused.to_string().contains("1024"), "{refused}");
+    // For another attempt, however long, it is stale.
+    let mut stale = params("x".repeat(1025));
+    stale["execution_generation"] = json!(p["execution_generation"].as_i64().unwrap_or(0) + 1);
+    ws.refused("clarify.respond", stale, "stale_generation")
+        .await;
     assert_eq!(home.admission("ASK").status, "started", "still waiting");
     assert_eq!(
         ws.ok("clarify.respond", params("y".repeat(1024))).await["status"],
