@@ -1225,10 +1225,12 @@ impl Handler<Submit> for SessionSupervisor {
                 });
                 act.write_answered(rows, ctx);
                 // The reply says what was committed: an input claimed in its own admission's
-                // transaction is `started`, with its generation, not `queued`.
+                // transaction is `started`, with its generation, not `queued`; unless a drain
+                // began meanwhile, which puts it back (`start_turn`): then it is `queued`.
+                let putting_back = act.draining || act.shared.runtime.draining();
                 let row = match &claimed {
                     Some((Ok(Claim::Started(started)), _, _))
-                        if started.admission_id == row.admission_id =>
+                        if started.admission_id == row.admission_id && !putting_back =>
                     {
                         (**started).clone()
                     }
