@@ -91,7 +91,22 @@ pub(crate) enum StopOutcome {
 fn settlement_id_for(candidate: Option<&str>, task_id: &str, generation: i64) -> String {
     candidate
         .and_then(|id| validate_identifier("settlement_id", id).ok())
-        .unwrap_or_else(|| format!("reply:{task_id}:{generation}"))
+        .unwrap_or_else(|| attempt_id("reply", task_id, generation))
+}
+
+/// An id the driver makes for an attempt's settlement: `KIND:TASK:GENERATION`, or, when that
+/// would pass the 128 characters an identifier may have (a task id may have 128 itself),
+/// `KIND:GENERATION:` and a digest of the task id. Refused as too long, the settlement could
+/// never be recorded: the task was started again and again, or held its member to its deadline.
+pub(crate) fn attempt_id(kind: &str, task_id: &str, generation: i64) -> String {
+    let id = format!("{kind}:{task_id}:{generation}");
+    if id.len() <= 128 {
+        return id;
+    }
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(task_id.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{kind}:{generation}:{hex}")
 }
 
 /// A settlement built from a history receipt (serialises identically to the callback's).
@@ -1884,7 +1899,7 @@ impl RoomRuntime {
         let task_id = attempt.identity.task_id.clone();
         let (message, _) = bound_text(&error.message, MAX_TERMINAL_ERROR_BYTES);
         let settlement = Settlement {
-            settlement_id: format!("failure:{task_id}:{}", attempt.execution_generation),
+            settlement_id: attempt_id("failure", &task_id, attempt.execution_generation),
             status: SettlementStatus::Failed,
             result: serde_json::json!({ "error": message }),
         };

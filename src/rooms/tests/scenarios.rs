@@ -2375,6 +2375,37 @@ async fn a_session_that_cannot_be_opened_fails_the_task_before_submit() {
     assert!(error.contains("task task-1 failed"), "{error}");
 }
 
+/// A task id as long as an identifier may be still gets a settlement id that is one: its
+/// failure is recorded (before, the id was refused as too long, and the task started again on
+/// every pass, never ending).
+#[tokio::test]
+async fn a_task_with_the_longest_id_fails_before_submit_once() {
+    let db = db();
+    let long = "t".repeat(128);
+    let id = TaskIdentity::new(ROOM_ID, &long, "thread-1", "turn-long").expect("identity");
+    admit(&db, &id, "Inspect the release candidate.");
+    let rpc = rpc(true);
+    lock(&rpc.create_failures).push_back(crate::rooms::port::PortError::new("profile is gone"));
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.run_cycle().await;
+    let view = task(&db, &id);
+    assert_eq!(view.status, TaskStatus::Failed, "{view:?}");
+    assert_eq!(view.execution_generation, 1);
+    let settlement = view.settlement_id.unwrap_or_default();
+    assert!(
+        settlement.starts_with("failure:1:") && settlement.len() <= 128,
+        "{settlement}"
+    );
+    assert_eq!(rpc.count("submit"), 0);
+    // Short ids keep their readable form; distinct long ones stay distinct.
+    use crate::rooms::supervisor::attempt_id;
+    assert_eq!(attempt_id("reply", "task-1", 2), "reply:task-1:2");
+    assert_ne!(
+        attempt_id("reply", &format!("{long}a"), 2),
+        attempt_id("reply", &format!("{long}b"), 2)
+    );
+}
+
 /// A member that provably did not admit the session's opening leaves the task queued for a
 /// later attempt (it is not failed, and nothing was submitted).
 #[tokio::test]
