@@ -397,6 +397,10 @@ impl SessionPort for LocalSessionPort {
         })
     }
 
+    fn keeps_ledger(&self) -> bool {
+        true
+    }
+
     /// The attempt's ledger row: how it ended, with its result, or that it is `unknown`.
     fn ledger_attempt(
         &self,

@@ -309,6 +309,11 @@ pub trait SessionPort: Send + Sync {
     fn is_peer(&self) -> bool {
         false
     }
+    /// True when [`SessionPort::ledger_attempt`] reads the member's own ledger, so its `None`
+    /// proves the member never admitted the attempt (the default knows nothing).
+    fn keeps_ledger(&self) -> bool {
+        false
+    }
     /// Whether a member of `profile` can run here (`None`: this port cannot tell).
     fn has_profile(&self, _profile: &str) -> Option<bool> {
         None

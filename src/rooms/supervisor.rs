@@ -646,6 +646,26 @@ impl RoomRuntime {
                     .open_existing(port.as_ref(), &profile, &binding.room_id)
                     .await
                 {
+                    // A member's own ledger that has no such input proves nothing was
+                    // admitted: the attempt could not record a failure before its submit, or
+                    // its put-back (the store failed too). Queued again, not observed until its
+                    // deadline, holding the room's slot and the member's turn lock.
+                    Ok(Some(session_id))
+                        if port.keeps_ledger()
+                            && matches!(
+                                port.ledger_attempt(
+                                    Self::session_ref(&profile, &session_id),
+                                    task.identity.clone(),
+                                    task.execution_generation,
+                                )
+                                .await,
+                                Ok(None)
+                            ) =>
+                    {
+                        let error = PortError::not_admitted("its member never admitted it");
+                        self.requeue_not_admitted(binding, &attempt, &task, error)
+                            .await;
+                    }
                     Ok(Some(session_id)) => {
                         let started = task.started_at.unwrap_or(task.updated_at);
                         let left = started + self.inner.config.turn_timeout_seconds - self.now();

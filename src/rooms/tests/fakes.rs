@@ -217,6 +217,8 @@ pub struct FakeSessionRpc {
     pub resolve_times: Mutex<Vec<f64>>,
     /// What `ledger_attempt` reads, by task id (a member's own ledger; empty: a port without one).
     pub ledger: Mutex<HashMap<String, LedgerAttempt>>,
+    /// Whether `ledger` is the member's whole ledger (what it lacks was never admitted).
+    pub keeps_ledger: std::sync::atomic::AtomicBool,
     /// `create` sets the first event, then waits for the second before it makes the session.
     pub create_gate: Option<(Arc<Event>, Arc<Event>)>,
     /// What `held` says holds every member session (`None`: nothing does).
@@ -582,6 +584,10 @@ impl SessionPort for FakeSessionRpc {
 
     fn is_peer(&self) -> bool {
         self.peer
+    }
+
+    fn keeps_ledger(&self) -> bool {
+        self.keeps_ledger.load(Ordering::SeqCst)
     }
 }
 

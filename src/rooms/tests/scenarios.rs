@@ -1852,6 +1852,38 @@ async fn restarted_runtime_observes_its_own_running_attempt_again() {
     assert_eq!(rpc.count("submit"), 1);
 }
 
+/// An own attempt found running with its member session open, that the member's own ledger
+/// never admitted (its failure or put-back could not be recorded: the store failed too), is
+/// queued again and runs; it is not observed until its deadline, holding the room's slot and
+/// the member's turn lock.
+#[tokio::test]
+async fn reattaching_an_attempt_its_member_never_admitted_queues_it_again() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(true);
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.unavailable_retry_min_seconds = 0.01;
+    spec.config.unavailable_retry_max_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 3600.0;
+    let runtime = spec.build(&db);
+    // The first attempt is left running with its member session open, as a pass that could
+    // record neither its failure nor its put-back leaves it.
+    let clock = SystemClock::default();
+    let lease = lease_for(&db, runtime.process_generation(), 30.0, &clock);
+    runtime.adopt_lease(lease.clone());
+    let attempt = start_task(&mut db.conn(), &id, &lease, 0, &clock).expect("start");
+    rpc.add_session(false, None, Vec::new());
+    rpc.keeps_ledger.store(true, Ordering::SeqCst);
+    runtime.start();
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(rpc.count("submit"), 1);
+    assert_eq!(
+        task(&db, &id).execution_generation,
+        attempt.execution_generation + 1
+    );
+}
+
 #[test]
 fn every_seed_scenario_has_a_test() {
     // The seed's scenarios, by name: each has a test here named after it (a parametrized one,
