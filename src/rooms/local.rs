@@ -217,7 +217,9 @@ impl SessionPort for LocalSessionPort {
                 .db
                 .read(move |c| sessions::find_root(c, &id))
                 .await
-                .map_err(|e| port_err(e.into()))?;
+                // Read before anything is submitted: a store that fails here admitted nothing,
+                // and the task is queued again, not failed for good.
+                .map_err(|e| create_refusal(e.into()))?;
             Ok(root.map(|s| SessionHandle { session_id: s.id }))
         })
     }
@@ -254,7 +256,7 @@ impl SessionPort for LocalSessionPort {
                 .db
                 .read(move |c| sessions::root_of(c, &id))
                 .await
-                .map_err(|e| port_err(e.into()))?;
+                .map_err(|e| create_refusal(e.into()))?;
             Ok(SessionHandle {
                 session_id: root.id,
             })
