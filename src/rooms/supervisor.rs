@@ -2155,8 +2155,46 @@ impl RoomRuntime {
                     continue;
                 }
             }
-            match port.info(session).await {
-                Ok(info) => self.report_pending(binding, &current, session_id, &info),
+            match port.info(session.clone()).await {
+                Ok(info) => {
+                    self.report_pending(binding, &current, session_id, &info);
+                    // A turn stopped outside the room (interrupted, cancelled) is in no
+                    // history: only its terminal report tells, and a report whose commit failed
+                    // left the task running until its deadline. The member's own ledger, where
+                    // there is one, tells again.
+                    if port.keeps_ledger() && !running_for(&info, &task_id) {
+                        let ended = port
+                            .ledger_attempt(session, attempt.identity.clone(), generation)
+                            .await;
+                        if let Ok(Some(LedgerAttempt::Ended(receipt))) = ended {
+                            if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
+                                let settlement =
+                                    settlement_from_ended(receipt, &task_id, generation);
+                                let (runtime, b, a) =
+                                    (self.clone(), binding.clone(), attempt.clone());
+                                let committed = tokio::task::spawn_blocking(move || {
+                                    runtime.commit_stopped_elsewhere(&b, &a, settlement)
+                                })
+                                .await
+                                .map_err(|e| {
+                                    RoomStoreError::Pool(format!("database worker failed: {e}"))
+                                })
+                                .and_then(|r| r);
+                                match committed {
+                                    Ok(_) => continue,
+                                    Err(error) if error.is_fence() || ended_by_disband(&error) => {
+                                        self.fenced(binding, &task_id, &error);
+                                        return None;
+                                    }
+                                    Err(error) => self.set_error(
+                                        &binding.room_id,
+                                        format!("task {task_id} terminal commit failed: {error}"),
+                                    ),
+                                }
+                            }
+                        }
+                    }
+                }
                 Err(error) => self.set_error(
                     &binding.room_id,
                     format!("task {task_id} observation failed after submit: {error}"),

@@ -1884,6 +1884,50 @@ async fn reattaching_an_attempt_its_member_never_admitted_queues_it_again() {
     );
 }
 
+/// A member turn stopped outside the room, whose terminal report was lost (its commit failed),
+/// is found by the observer in the member's own ledger: the task fails at once with the
+/// member's reason, not at its deadline.
+#[tokio::test]
+async fn an_observed_turn_stopped_outside_the_room_is_read_from_the_members_ledger() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.config.turn_timeout_seconds = 3600.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    {
+        let mut states = lock(&rpc.states);
+        let state = states.get_mut(&session).expect("the member session");
+        state.on_terminal = None;
+        state.active = false;
+    }
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Ended(TerminalReceipt {
+            status: "interrupted".into(),
+            error: Some("stopped by its operator".into()),
+            ..Default::default()
+        }),
+    );
+    rpc.keeps_ledger.store(true, Ordering::SeqCst);
+    runtime.wakeup();
+    wait_for("failed", || status(&db, &id) == TaskStatus::Failed).await;
+    assert!(runtime.stop(STOP).await);
+    let failed = task(&db, &id);
+    assert!(
+        failed
+            .result
+            .unwrap_or_default()
+            .to_string()
+            .contains("stopped by its operator"),
+        "{:?}",
+        failed.settlement_id
+    );
+    assert_eq!(rpc.count("submit"), 1);
+}
+
 #[test]
 fn every_seed_scenario_has_a_test() {
     // The seed's scenarios, by name: each has a test here named after it (a parametrized one,
