@@ -6,16 +6,24 @@
 pub struct SseParser {
     buf: Vec<u8>,
     data: Vec<String>,
+    /// What `data` holds, counted as its bytes and [`LINE_COST`] a line.
+    data_len: usize,
 }
+
+/// What one `data:` line of an unfinished event costs beside its bytes (its `String` and its
+/// place in the list): a stream of empty `data:` lines with no blank line to end the event
+/// held gigabytes against a bound that counted only the bytes.
+const LINE_COST: usize = 32;
 
 impl SseParser {
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Bytes buffered but not yet parsed into an event.
+    /// What is held for the event not yet complete: the bytes not yet parsed into lines, and
+    /// the event's `data:` lines so far (each at its bytes and [`LINE_COST`]).
     pub fn pending_len(&self) -> usize {
-        self.buf.len()
+        self.buf.len().saturating_add(self.data_len)
     }
 
     /// Feed bytes; return the `data` payloads of every event completed by them.
@@ -32,7 +40,7 @@ impl SseParser {
             let end = search + found;
             let line = &self.buf[start..end];
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            Self::line(&mut self.data, line, &mut out);
+            self.data_len = Self::line(&mut self.data, self.data_len, line, &mut out);
             start = end + 1;
             search = start;
         }
@@ -45,31 +53,37 @@ impl SseParser {
         let mut out = Vec::new();
         if !self.buf.is_empty() {
             let line = std::mem::take(&mut self.buf);
-            Self::line(&mut self.data, &line, &mut out);
+            self.data_len = Self::line(&mut self.data, self.data_len, &line, &mut out);
         }
         if !self.data.is_empty() {
             out.push(self.data.join("\n"));
             self.data.clear();
         }
+        self.data_len = 0;
         out
     }
 
-    fn line(data: &mut Vec<String>, line: &[u8], out: &mut Vec<String>) {
+    /// Take one line into the event `data` (of `len`, see [`SseParser::pending_len`]): what
+    /// the event holds after it.
+    fn line(data: &mut Vec<String>, len: usize, line: &[u8], out: &mut Vec<String>) -> usize {
         if line.is_empty() {
             if !data.is_empty() {
                 out.push(data.join("\n"));
                 data.clear();
             }
-            return;
+            return 0;
         }
         if line.first() == Some(&b':') {
-            return;
+            return len;
         }
         let text = String::from_utf8_lossy(line);
         if let Some(rest) = text.strip_prefix("data:") {
-            data.push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
+            let rest = rest.strip_prefix(' ').unwrap_or(rest);
+            data.push(rest.to_string());
+            return len.saturating_add(rest.len() + LINE_COST);
         }
         // `event:`, `id:`, `retry:` and unknown fields are ignored.
+        len
     }
 }
 
@@ -89,6 +103,19 @@ mod tests {
             got.extend(p.finish());
             assert_eq!(got, whole, "split at {split}");
         }
+    }
+
+    /// An event's `data:` lines count toward what is pending, each beside its bytes, until
+    /// the event ends.
+    #[test]
+    fn an_unfinished_events_lines_are_pending() {
+        let mut p = SseParser::new();
+        assert!(p.feed(&b"data:\n".repeat(1000)).is_empty());
+        assert_eq!(p.pending_len(), 1000 * LINE_COST);
+        assert!(p.feed(b"data: abc\nda").is_empty());
+        assert_eq!(p.pending_len(), 1001 * LINE_COST + 3 + 2);
+        assert_eq!(p.feed(b"ta: x\n\n").len(), 1);
+        assert_eq!(p.pending_len(), 0);
     }
 
     #[test]
