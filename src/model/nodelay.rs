@@ -49,9 +49,15 @@ pub fn install_tls_provider() {
     });
 }
 
+/// The most connections to model endpoints open at once, all endpoints together (each also
+/// has its own bound, `model.max_concurrent_requests`). awc's default, 100 a scheme, was
+/// shared by every endpoint: a hung endpoint holding 100 calls made every other one wait,
+/// uncounted, until its calls timed out.
+pub const MAX_MODEL_CONNECTIONS: usize = 8192;
+
 /// An awc connector (TLS with the webpki roots for `https://` endpoints) whose TCP connections
 /// have `TCP_NODELAY` set, and whose connection (name resolution and TCP) and TLS handshake each
-/// take at most `connect_timeout`.
+/// take at most `connect_timeout`; at most [`MAX_MODEL_CONNECTIONS`] are open at once.
 pub fn connector(
     connect_timeout: std::time::Duration,
 ) -> awc::Connector<
@@ -63,4 +69,5 @@ pub fn connector(
     base.connector(NoDelay(tcp))
         .timeout(connect_timeout)
         .handshake_timeout(connect_timeout)
+        .limit(MAX_MODEL_CONNECTIONS)
 }

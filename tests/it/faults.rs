@@ -1315,3 +1315,50 @@ async fn a_claim_the_stop_cannot_put_back_at_first_is_queued_again_not_interrupt
     assert_eq!(s.home.admission("X").outcome.as_deref(), Some("completed"));
     assert_eq!(s.model.attempts("X"), 1);
 }
+
+/// An endpoint that hangs with more than a hundred calls open does not hold the connections
+/// another endpoint needs: awc's own bound (100 a scheme, all endpoints together) made every
+/// other endpoint's call wait, uncounted, until the hung calls timed out.
+#[actix_rt::test]
+async fn a_hung_endpoint_does_not_take_the_connections_of_others() {
+    const HUNG: usize = 104;
+    let hung = FakeModel::start(|_| Reply::Hang);
+    let healthy = FakeModel::start(|body| {
+        Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{}", last_user(body))}),
+            "stop",
+        )
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &healthy.url,
+        json!({"model": {"max_concurrent_requests": 256, "timeout_seconds": 120}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    for i in 0..HUNG {
+        let sid = ws
+            .create(
+                &format!("hung-{i}"),
+                &home.path,
+                json!({"base_url": hung.url, "toolsets": []}),
+            )
+            .await["session_id"]
+            .as_str()
+            .expect("sid")
+            .to_string();
+        ws.submit(&sid, &format!("H{i}"), "HANG").await;
+    }
+    wait_until("every hung call reaches its endpoint", T, || {
+        hung.requests().len() == HUNG
+    })
+    .await;
+    let sid = ws.toolless("healthy", &home.path).await;
+    ws.submit(&sid, "OK", "OK").await;
+    wait_until("the healthy endpoint's turn", T, || {
+        home.admission("OK").status == "terminal"
+    })
+    .await;
+    assert_eq!(home.admission("OK").outcome.as_deref(), Some("completed"));
+    hung.release();
+}
