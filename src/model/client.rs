@@ -84,6 +84,10 @@ const OVERFLOW_PHRASES: &[&str] = &[
     "prompt is too long",
     "max_model_len",
     "request entity too large",
+    // llama.cpp's server: "request (9000 tokens) exceeds the available context size (8192
+    // tokens)", type `exceed_context_size_error`, with its `n_ctx`.
+    "context size",
+    "exceed_context_size",
 ];
 
 /// Classify an HTTP error status and body.
@@ -871,6 +875,16 @@ mod tests {
             classify(413, "too big"),
             ModelError::ContextOverflow(_)
         ));
+        // llama.cpp's server, current and older.
+        for body in [
+            r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_ctx":8192,"n_prompt_tokens":9000}}"#,
+            r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"invalid_request_error"}}"#,
+        ] {
+            assert!(
+                matches!(classify(400, body), ModelError::ContextOverflow(_)),
+                "{body}"
+            );
+        }
         assert!(matches!(classify(400, "bad field"), ModelError::Client(_)));
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
         assert_eq!(retry_after_seconds(" 2 "), Some(Duration::from_secs(2)));
