@@ -473,15 +473,16 @@ fn request_body(call: &ChatCall, stream: bool) -> serde_json::Result<Vec<u8>> {
     }
 }
 
-/// The first `max` bytes of a response's body (fewer if it ends or fails first).
-async fn head_of<S>(resp: &mut awc::ClientResponse<S>, max: usize) -> Vec<u8>
+/// The first `max` bytes of a response's body (fewer if it ends, fails, or falls silent for
+/// `idle` first).
+async fn head_of<S>(resp: &mut awc::ClientResponse<S>, max: usize, idle: Duration) -> Vec<u8>
 where
     S: futures_util::Stream<Item = Result<bytes::Bytes, awc::error::PayloadError>> + Unpin,
 {
     use futures_util::StreamExt;
     let mut out = Vec::new();
     while out.len() < max {
-        match resp.next().await {
+        match tokio::time::timeout(idle, resp.next()).await.ok().flatten() {
             Some(Ok(chunk)) => {
                 let take = chunk.len().min(max - out.len());
                 out.extend_from_slice(&chunk[..take]);
@@ -535,8 +536,10 @@ async fn one_call(
             .and_then(|v| v.to_str().ok())
             .and_then(retry_after_seconds);
         // Its head: a longer refusal (a proxy that echoes the request) was read as empty, and a
-        // context overflow it named was taken for another refusal.
-        let bytes = head_of(&mut resp, 64 * 1024).await;
+        // context overflow it named was taken for another refusal. A body that falls silent is
+        // read no further (its status classifies it): waited for, it held the call to its
+        // timeout, and a refusal that allowed a retry got none.
+        let bytes = head_of(&mut resp, 64 * 1024, config.idle_timeout).await;
         return Err(classify(status, &String::from_utf8_lossy(&bytes)));
     }
     // HTTP/1.1 allows a body delimited by the connection's close (no length, not chunked), but

@@ -45,6 +45,8 @@ pub enum Fault {
     NoHead,
     /// 429 with `Retry-After` of this many seconds.
     RetryAfter(u32),
+    /// 503 with `Retry-After: 1`, a body of 500 bytes announced, and not one of them sent.
+    StalledRefusal,
     /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
     SilentAfterFinish(String),
     /// A whole streamed answer with its finish_reason, then the body cut short: the connection
@@ -289,6 +291,14 @@ fn answer(
             stream,
             "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {seconds}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         ),
+        Fault::StalledRefusal => {
+            write!(
+                stream,
+                "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 500\r\nContent-Type: application/json\r\n\r\n"
+            )?;
+            stream.flush()?;
+            hold(stream, stop, Duration::from_secs(60), None)
+        }
         Fault::CloseWithoutResponse => Ok(()),
         Fault::ResetBeforeBody => {
             stream.write_all(SSE_HEAD.as_bytes())?;

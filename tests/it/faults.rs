@@ -403,6 +403,26 @@ async fn a_rate_limited_call_waits_as_long_as_the_server_says() {
     );
 }
 
+/// A refusal whose body never comes is classified by its status at the idle timeout and
+/// retried after its `Retry-After`. Before, the body was waited for until the call's timeout,
+/// and the call then failed without a retry.
+#[actix_rt::test]
+async fn a_refusal_whose_body_stalls_is_retried() {
+    let chaos = ChaosModel::start(|text, n| {
+        if text == "LIMITED" && n == 1 {
+            Fault::StalledRefusal
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    limited_completes(
+        &chaos,
+        json!({"max_retries": 1, "timeout_seconds": 20, "idle_timeout_seconds": 1}),
+    )
+    .await;
+    assert_eq!(chaos.attempts("LIMITED"), 2);
+}
+
 /// A server's `Retry-After` that fits in what is left of the call's time is kept to, the
 /// spread added to it only where it fits too: here 3 s of a 3.5 s call. Before, the spread
 /// (up to half again) passed the deadline in most calls, and the call gave up the retry the
