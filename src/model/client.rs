@@ -572,8 +572,16 @@ async fn one_call(
                     }
                     other => ModelError::Transient(format!("body: {other}")),
                 })?;
-        let v: Value =
-            serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let v: Value = match serde_json::from_slice(&bytes) {
+            Ok(v) => v,
+            // A stream labelled as another type (a proxy's `text/plain`, or no type): read as
+            // the stream it is. Taken for a malformed reply, it was asked for again (a whole
+            // generation each time) on every retry.
+            Err(_) if looks_like_events(&bytes) => {
+                return answer_of_events(&bytes, config.max_response_bytes)
+            }
+            Err(e) => return Err(ModelError::Malformed(e.to_string())),
+        };
         // `"error": null` (or an empty one) beside an answer is no error.
         let answered = v
             .get("choices")
@@ -688,6 +696,42 @@ async fn one_call(
     // A body that ends (the connection closed cleanly) before `[DONE]` and before any chunk said
     // why the answer ended was cut off: keeping it would store part of an answer, or none, as
     // the whole of one.
+    if !saw_done && !acc.finished() {
+        return Err(ModelError::Transient(
+            "stream ended before a finish_reason or [DONE] (cut off)".into(),
+        ));
+    }
+    Ok(acc.finish())
+}
+
+/// Does a body start as server-sent events do (a `data:`, `event:` or comment line)?
+fn looks_like_events(body: &[u8]) -> bool {
+    let start = body.trim_ascii_start();
+    [&b"data:"[..], b"event:", b":"]
+        .iter()
+        .any(|p| start.starts_with(p))
+}
+
+/// The answer a whole stream's body holds, read at once (no live output: it was not labelled a
+/// stream), with a streamed answer's checks.
+fn answer_of_events(body: &[u8], max_bytes: usize) -> Result<ChatResponse, ModelError> {
+    let mut parser = SseParser::new();
+    let mut events = parser.feed(body);
+    events.extend(parser.finish());
+    let mut acc = StreamAccumulator::default();
+    let mut saw_done = false;
+    for data in events {
+        if data.trim() == "[DONE]" {
+            saw_done = true;
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data)
+            .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
+        acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
+        if acc.kept_bytes() > max_bytes {
+            return Err(ModelError::TooLarge(max_bytes));
+        }
+    }
     if !saw_done && !acc.finished() {
         return Err(ModelError::Transient(
             "stream ended before a finish_reason or [DONE] (cut off)".into(),

@@ -47,6 +47,8 @@ pub enum Fault {
     RetryAfter(u32),
     /// 503 with `Retry-After: 1`, a body of 500 bytes announced, and not one of them sent.
     StalledRefusal,
+    /// A normal streamed answer with this content, labelled `text/plain`.
+    Mislabelled(String),
     /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
     SilentAfterFinish(String),
     /// A whole streamed answer with its finish_reason, then the body cut short: the connection
@@ -291,6 +293,12 @@ fn answer(
             stream,
             "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {seconds}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         ),
+        Fault::Mislabelled(content) => {
+            stream.write_all(SSE_HEAD.replace("text/event-stream", "text/plain").as_bytes())?;
+            chunk(stream, &delta(&content))?;
+            chunk(stream, &finish())?;
+            stream.write_all(b"0\r\n\r\n")
+        }
         Fault::StalledRefusal => {
             write!(
                 stream,

@@ -423,6 +423,22 @@ async fn a_refusal_whose_body_stalls_is_retried() {
     assert_eq!(chaos.attempts("LIMITED"), 2);
 }
 
+/// A stream labelled as another type is read as the stream it is, once. Before, its events
+/// were taken for a malformed JSON reply, and the answer (a whole generation) was asked for
+/// again on every retry, and the call failed.
+#[actix_rt::test]
+async fn a_stream_labelled_as_another_type_is_read_as_a_stream() {
+    let chaos = ChaosModel::start(|text, _| {
+        if text == "LIMITED" {
+            Fault::Mislabelled("ACK_LIMITED".into())
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    limited_completes(&chaos, json!({"max_retries": 2})).await;
+    assert_eq!(chaos.attempts("LIMITED"), 1);
+}
+
 /// A server's `Retry-After` that fits in what is left of the call's time is kept to, the
 /// spread added to it only where it fits too: here 3 s of a 3.5 s call. Before, the spread
 /// (up to half again) passed the deadline in most calls, and the call gave up the retry the
