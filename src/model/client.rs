@@ -599,7 +599,6 @@ async fn one_call(
     let mut total = 0usize;
     let mut done = false;
     let mut saw_done = false;
-    let mut at_end = false;
     // When the last event came: comments (`: keep-alive`, `: PROCESSING`) are silence too. A
     // server whose upstream was stuck sent them for as long as it was, and the call waited out
     // its whole `timeout_seconds`, not asked again.
@@ -631,7 +630,6 @@ async fn one_call(
             None => {
                 let rest = parser.finish();
                 done = true;
-                at_end = true;
                 rest
             }
             // The answer had ended (its finish_reason came): what was lost after it is at most
@@ -666,14 +664,28 @@ async fn one_call(
                 saw_done = true;
                 break;
             }
+            // After the answer has ended (its finish_reason came), an event that is cut short
+            // (by the body's end), malformed, or an error is no part of it: the stream is taken
+            // as ended, as one that breaks or falls silent there is. Failed, the whole answer
+            // was lost after it had been shown.
             let chunk: Value = match serde_json::from_str(&data) {
                 Ok(chunk) => chunk,
-                // An event cut short by the body's end after the answer had ended (its usage,
-                // say) is no part of the answer.
-                Err(_) if at_end && acc.finished() => break,
+                Err(e) if acc.finished() => {
+                    tracing::debug!(error = %e, "a malformed event after the finish_reason; taken as ended");
+                    done = true;
+                    break;
+                }
                 Err(e) => return Err(ModelError::Malformed(format!("SSE chunk: {e}"))),
             };
-            let delta = acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
+            let delta = match acc.apply(&chunk) {
+                Ok(delta) => delta,
+                Err(e) if acc.finished() => {
+                    tracing::debug!(error = %e, "an error event after the finish_reason; taken as ended");
+                    done = true;
+                    break;
+                }
+                Err(e) => return Err(classify_in_band(&e)),
+            };
             if acc.kept_bytes() > config.max_response_bytes {
                 return Err(ModelError::TooLarge(config.max_response_bytes));
             }

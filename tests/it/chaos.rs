@@ -49,6 +49,9 @@ pub enum Fault {
     StalledRefusal,
     /// A normal streamed answer with this content, labelled `text/plain`.
     Mislabelled(String),
+    /// A streamed answer with this content and its finish_reason, then an error event and a
+    /// malformed one before `[DONE]`.
+    ErrorAfterFinish(String),
     /// A whole streamed answer with its finish_reason, then silence: no `[DONE]`, no end.
     SilentAfterFinish(String),
     /// A whole streamed answer with its finish_reason, then the body cut short: the connection
@@ -293,6 +296,16 @@ fn answer(
             stream,
             "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {seconds}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         ),
+        Fault::ErrorAfterFinish(content) => {
+            stream.write_all(SSE_HEAD.as_bytes())?;
+            chunk(stream, &delta(&content))?;
+            let last = finish();
+            chunk(stream, last.trim_end_matches("data: [DONE]\n\n"))?;
+            let error = json!({"error": {"message": "upstream went away", "code": 502}});
+            chunk(stream, &format!("data: {error}\n\ndata: {{\"choices\n\n"))?;
+            chunk(stream, "data: [DONE]\n\n")?;
+            stream.write_all(b"0\r\n\r\n")
+        }
         Fault::Mislabelled(content) => {
             stream.write_all(SSE_HEAD.replace("text/event-stream", "text/plain").as_bytes())?;
             chunk(stream, &delta(&content))?;

@@ -423,6 +423,22 @@ async fn a_refusal_whose_body_stalls_is_retried() {
     assert_eq!(chaos.attempts("LIMITED"), 2);
 }
 
+/// An error or malformed event after the answer's finish_reason is no part of the answer: the
+/// turn completes with it, asked once. Before, it failed a whole answer the client had been
+/// shown.
+#[actix_rt::test]
+async fn an_error_after_the_finish_reason_does_not_fail_the_answer() {
+    let chaos = ChaosModel::start(|text, _| {
+        if text == "LIMITED" {
+            Fault::ErrorAfterFinish("ACK_LIMITED".into())
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    limited_completes(&chaos, json!({"max_retries": 2})).await;
+    assert_eq!(chaos.attempts("LIMITED"), 1);
+}
+
 /// A stream labelled as another type is read as the stream it is, once. Before, its events
 /// were taken for a malformed JSON reply, and the answer (a whole generation) was asked for
 /// again on every retry, and the call failed.
