@@ -164,11 +164,13 @@ pub struct StreamAccumulator {
     saw_content: bool,
     reasoning: String,
     /// The calls by slot, in order; looked up per fragment, so a map (a response may stream
-    /// thousands of fragments).
-    slots: BTreeMap<i64, ToolCall>,
+    /// thousands of fragments). A slot is a fragment's `index` and how many calls used that
+    /// index before (see `current`): slots made for reused indexes are apart from every index,
+    /// so a later call's fragments are never taken into one of them.
+    slots: BTreeMap<(i64, u32), ToolCall>,
     /// The slot a fragment's `index` now means: a new call (another id) that reuses an index gets
     /// a fresh slot, and that index's later fragments belong to it.
-    current: HashMap<i64, i64>,
+    current: HashMap<i64, u32>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
     model: Option<String>,
@@ -258,19 +260,19 @@ impl StreamAccumulator {
             for call in calls {
                 let raw_index = call.get("index").and_then(|i| i.as_i64()).unwrap_or(0);
                 let id = call.get("id").and_then(|i| i.as_str()).unwrap_or("");
-                let mut slot_index = self.current.get(&raw_index).copied().unwrap_or(raw_index);
+                let mut slot_index = (
+                    raw_index,
+                    self.current.get(&raw_index).copied().unwrap_or(0),
+                );
                 if let Some(existing) = self.slots.get(&slot_index) {
                     if !id.is_empty() && !existing.id.is_empty() && existing.id != id {
-                        // A new call reusing an index: give it a fresh slot.
-                        slot_index = self
-                            .slots
-                            .keys()
-                            .next_back()
-                            .map_or(Some(0), |i| i.checked_add(1))
-                            .ok_or_else(|| {
-                                format!("tool call index {raw_index} is out of range")
-                            })?;
-                        self.current.insert(raw_index, slot_index);
+                        // A new call reusing an index: give it a fresh slot, after the index's
+                        // earlier calls and before the next index's.
+                        let reuse = slot_index.1.checked_add(1).ok_or_else(|| {
+                            format!("tool call index {raw_index} is reused too often")
+                        })?;
+                        slot_index = (raw_index, reuse);
+                        self.current.insert(raw_index, reuse);
                     }
                 }
                 let kept = &mut self.kept;
@@ -311,9 +313,12 @@ impl StreamAccumulator {
         let tool_calls: Vec<ToolCall> = self
             .slots
             .into_iter()
-            .map(|(i, mut c)| {
+            .map(|((i, reuse), mut c)| {
                 if c.id.is_empty() {
-                    c.id = format!("call_{i}");
+                    c.id = match reuse {
+                        0 => format!("call_{i}"),
+                        n => format!("call_{i}_{n}"),
+                    };
                 }
                 c
             })
@@ -414,6 +419,38 @@ mod tests {
         );
     }
 
+    /// A slot made for a reused index is no index's: the next index's fragments, before its
+    /// id came, went into the reused index's second call (its name and arguments merged).
+    #[test]
+    fn a_reused_index_does_not_take_the_next_indexs_fragments() {
+        let mut acc = StreamAccumulator::default();
+        let chunk = |c: Value| json!({"choices":[{"index":0,"delta":{"tool_calls":[c]}}]});
+        for c in [
+            json!({"index": 0, "id": "a", "function": {"name": "terminal", "arguments": "{\"command\":\"ls\"}"}}),
+            json!({"index": 0, "id": "b", "function": {"name": "terminal", "arguments": "{\"command\":\"pwd\"}"}}),
+            json!({"index": 1, "function": {"name": "clarify", "arguments": "{\"question\":"}}),
+            json!({"index": 1, "id": "c", "function": {"arguments": "\"why\"}"}}),
+        ] {
+            acc.apply(&chunk(c)).expect("chunk");
+        }
+        let calls: Vec<(String, String, String)> = acc
+            .finish()
+            .tool_calls
+            .into_iter()
+            .map(|c| (c.id, c.function.name, c.function.arguments))
+            .collect();
+        let own =
+            |id: &str, name: &str, args: &str| (id.to_string(), name.to_string(), args.to_string());
+        assert_eq!(
+            calls,
+            [
+                own("a", "terminal", r#"{"command":"ls"}"#),
+                own("b", "terminal", r#"{"command":"pwd"}"#),
+                own("c", "clarify", r#"{"question":"why"}"#),
+            ]
+        );
+    }
+
     /// `finish_reason: ""` (or the text `"null"`) on the chunks before the last is no reason:
     /// the answer has not ended until a real one comes. It counted as ended at the first chunk.
     #[test]
@@ -474,9 +511,10 @@ mod tests {
         );
     }
 
-    /// What a careless or hostile server streams does not merge calls or wrap numbers: a fresh
-    /// slot past the largest index is an error (it wrapped round and merged two calls), a name
-    /// repeated in every fragment is the name once, and absurd token counts are clamped.
+    /// What a careless or hostile server streams does not merge calls or wrap numbers: the
+    /// largest index reused is a call of its own (a fresh slot past it wrapped round and merged
+    /// two calls), a name repeated in every fragment is the name once, and absurd token counts
+    /// are clamped.
     #[test]
     fn odd_streams_do_not_merge_calls_or_overflow() {
         let call = |index: i64, id: &str| {
@@ -486,8 +524,9 @@ mod tests {
         };
         let mut acc = StreamAccumulator::default();
         acc.apply(&call(i64::MAX, "a")).expect("a");
-        let reused = acc.apply(&call(i64::MAX, "b"));
-        assert!(reused.is_err_and(|e| e.contains("out of range")));
+        acc.apply(&call(i64::MAX, "b")).expect("b");
+        let ids: Vec<String> = acc.finish().tool_calls.into_iter().map(|c| c.id).collect();
+        assert_eq!(ids, ["a", "b"]);
 
         let mut acc = StreamAccumulator::default();
         for args in ["{\"command\":", "\"ls\"}"] {
