@@ -277,14 +277,17 @@ impl Handler<ChatCall> for ModelClient {
     }
 }
 
+/// Until the call is cancelled, or its turn is gone: the turn's attempt holds the sender for
+/// as long as it runs, so a sender dropped is a turn that ended without a cancel (its actor
+/// stopped), and nobody waits for the answer any more. Waited for, the call, its retries and
+/// its endpoint slot went on to the call's timeout.
 async fn wait_cancel(rx: &mut watch::Receiver<bool>) {
     loop {
         if *rx.borrow() {
             return;
         }
         if rx.changed().await.is_err() {
-            // The sender is gone: nobody can cancel any more.
-            std::future::pending::<()>().await;
+            return;
         }
     }
 }
@@ -1067,6 +1070,22 @@ mod tests {
 
     /// The request's bytes are the turn's body, with the streaming options when the call
     /// streams; a body that names them already has them replaced, as before.
+    /// A call's wait for its cancel ends when it is cancelled, or when its sender is gone;
+    /// not while the sender lives.
+    #[actix_rt::test]
+    async fn a_call_is_cancelled_when_its_turn_is_gone() {
+        let (tx, mut rx) = watch::channel(false);
+        let waited = tokio::time::timeout(Duration::from_millis(50), wait_cancel(&mut rx)).await;
+        assert!(waited.is_err(), "no cancel yet");
+        drop(tx);
+        let waited = tokio::time::timeout(Duration::from_secs(5), wait_cancel(&mut rx)).await;
+        assert!(waited.is_ok(), "the sender is gone");
+        let (tx, mut rx) = watch::channel(false);
+        let _ = tx.send(true);
+        let waited = tokio::time::timeout(Duration::from_secs(5), wait_cancel(&mut rx)).await;
+        assert!(waited.is_ok(), "cancelled");
+    }
+
     #[test]
     fn a_request_body_is_the_turns_body_with_the_streaming_options() {
         let call = |body: Value, stream: bool| ChatCall {
