@@ -989,13 +989,14 @@ const HANDED_OVER: [&str; 4] = [
     "session.interrupt",
 ];
 
-/// Methods that read a whole page (of events, of tasks: up to 8 MiB each). Pipelined without
-/// bound (256 of them, unread), they held as many pages in memory at once, none counted against
-/// the connection's outbound bound, and queued on the store's readers ahead of every other
-/// session's reads (a turn's start, a revived supervisor's, whose session then took no input).
-/// (A snapshot's `session.create` and `session.resume` go one at a time already: they change
-/// what the connection follows.)
-const READS: [&str; 2] = ["session.events.since", "room.tasks"];
+/// Methods that read a whole page (of events, of tasks: up to 8 MiB each), or a receipt (a
+/// settled input's carries its result: an answer of up to `model.max_response_bytes`, and
+/// more with its tool calls). Pipelined without bound (256 of them, unread), they held as many
+/// pages in memory at once, none counted against the connection's outbound bound, and queued
+/// on the store's readers ahead of every other session's reads (a turn's start, a revived
+/// supervisor's, whose session then took no input). (A snapshot's `session.create` and
+/// `session.resume` go one at a time already: they change what the connection follows.)
+const READS: [&str; 3] = ["session.events.since", "room.tasks", "prompt.receipt"];
 
 /// Of those, the most one connection has in flight at once.
 const MAX_READS_IN_FLIGHT: usize = 4;

@@ -2176,9 +2176,9 @@ async fn a_submit_pipelined_behind_its_resume_finds_the_session_followed() {
     assert_eq!(model.texts(), ["piped 0", "piped 1", "piped 2"]);
 }
 
-/// Page reads pipelined past the most one connection has in flight at once (four) wait their
-/// turn, and every one is answered, as is every resume among them and an input sent behind
-/// them.
+/// Page reads and receipts pipelined past the most one connection has in flight at once
+/// (four) wait their turn, and every one is answered, as is every resume among them and an
+/// input sent behind them.
 #[actix_rt::test]
 async fn reads_pipelined_past_their_bound_are_all_answered() {
     let model = FakeModel::ack();
@@ -2186,7 +2186,7 @@ async fn reads_pipelined_past_their_bound_are_all_answered() {
     let origin = d.origin();
     let mut ws = d.ws().await;
     let sid = ws.session("reads", &home.path).await;
-    ws.submit(&sid, "first", "first").await;
+    let first = ws.submit(&sid, "first", "first").await;
     wait_until("first", Duration::from_secs(20), || all_terminal(&home)).await;
     let mut raw = RawWs::connect(&home.path, &origin);
     let mut sent = Vec::new();
@@ -2202,6 +2202,11 @@ async fn reads_pipelined_past_their_bound_are_all_answered() {
                 format!("e{i}"),
                 "session.events.since",
                 json!({"session_id": sid, "last_sequence": 0}),
+            ),
+            (
+                format!("p{i}"),
+                "prompt.receipt",
+                json!({"session_id": sid, "admission_id": first["admission_id"]}),
             ),
         ] {
             frames.extend(RawWs::masked_text(
