@@ -1073,6 +1073,7 @@ async fn complete(
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         // A reader that takes nothing is cut off, as an event stream's is.
         let out = SseOut::new(tx, keepalive, &req);
+        let budget = out.budget();
         let credential = crate::api::auth::Credential::of(&state.auth, &req);
         let authority = authority.clone();
         let admission = receipt.admission_id.clone();
@@ -1123,7 +1124,7 @@ async fn complete(
                 }
             }
         });
-        let mut resp = sse_response(rx);
+        let mut resp = sse_response(rx, budget);
         let headers = resp.headers_mut();
         for (name, value) in [
             (SESSION_HEADER, root),

@@ -11,7 +11,7 @@
 //! event says that events after the requested position were pruned (its `id:` is where the
 //! stream picks up).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -383,6 +383,8 @@ static NEXT_FEED: AtomicU64 = AtomicU64::new(1 << 48);
 struct Forwarder {
     tx: mpsc::Sender<Arc<str>>,
     lagged: Arc<AtomicBool>,
+    /// Bytes of the frames sent and not yet read ([`FEED_BYTES`] at most, or one frame).
+    queued: Arc<AtomicUsize>,
 }
 
 impl Actor for Forwarder {
@@ -404,14 +406,24 @@ impl Handler<PushEvent> for Forwarder {
             return;
         }
         for frame in m.0.iter() {
-            match self.tx.try_send(frame.clone()) {
+            // Counted before it is sent: the reader may take it (and count it out) at once.
+            let before = self.queued.fetch_add(frame.len(), Ordering::SeqCst);
+            let over = before > 0 && before.saturating_add(frame.len()) > FEED_BYTES;
+            let sent = if over {
+                Err(mpsc::error::TrySendError::Full(frame.clone()))
+            } else {
+                self.tx.try_send(frame.clone())
+            };
+            match sent {
                 Ok(()) => {}
                 Err(mpsc::error::TrySendError::Full(_)) => {
+                    self.queued.fetch_sub(frame.len(), Ordering::SeqCst);
                     // The reader reads the log to catch up: the rest of the batch would be a gap.
                     self.lagged.store(true, Ordering::SeqCst);
                     return;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
+                    self.queued.fetch_sub(frame.len(), Ordering::SeqCst);
                     ctx.stop();
                     return;
                 }
@@ -422,11 +434,18 @@ impl Handler<PushEvent> for Forwarder {
 
 const FEED_CAPACITY: usize = 4096;
 
+/// The most bytes of frames a feed holds for its reader (one frame, however large, always
+/// fits): past it the frames are dropped and the reader catches up from the log, in pages. A
+/// slow reader of a session whose turns answer megabytes held 4,096 of them, its
+/// `message.complete` frames each carrying a whole answer.
+const FEED_BYTES: usize = 16 << 20;
+
 /// A live subscription of one HTTP request to a session (unsubscribed when dropped).
 pub struct Feed {
     rx: mpsc::Receiver<Arc<str>>,
     /// Frames were dropped (the reader was slow): read the log to catch up.
     lagged: Arc<AtomicBool>,
+    queued: Arc<AtomicUsize>,
     sup: Addr<SessionSupervisor>,
     conn_id: u64,
 }
@@ -436,9 +455,11 @@ impl Feed {
         let sup = authority.supervisor(root).await?;
         let (tx, rx) = mpsc::channel(FEED_CAPACITY);
         let lagged = Arc::new(AtomicBool::new(false));
+        let queued = Arc::new(AtomicUsize::new(0));
         let forwarder = Forwarder {
             tx,
             lagged: lagged.clone(),
+            queued: queued.clone(),
         }
         .start();
         let conn_id = NEXT_FEED.fetch_add(1, Ordering::Relaxed);
@@ -451,6 +472,7 @@ impl Feed {
         Ok(Feed {
             rx,
             lagged,
+            queued,
             sup,
             conn_id,
         })
@@ -459,6 +481,7 @@ impl Feed {
     /// The next notification's `params` (`None`: the subscription ended).
     pub async fn next(&mut self) -> Option<Value> {
         let text = self.rx.recv().await?;
+        self.queued.fetch_sub(text.len(), Ordering::SeqCst);
         let mut v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
         Some(v["params"].take())
     }
@@ -768,6 +791,7 @@ async fn events(
     let keepalive =
         Duration::from_secs_f64(state.authority.shared.config.http.sse_keepalive_seconds);
     let out = SseOut::new(tx, keepalive, &req);
+    let budget = out.budget();
     let credential = Credential::of(&state.auth, &req);
     actix_web::rt::spawn(stream_events(
         state.authority.clone(),
@@ -777,15 +801,18 @@ async fn events(
         out,
         (keepalive, credential),
     ));
-    Ok(sse_response(rx))
+    Ok(sse_response(rx, budget))
 }
 
-/// A `text/event-stream` response fed by `rx`.
-pub fn sse_response(rx: mpsc::Receiver<Bytes>) -> HttpResponse {
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<Bytes, actix_web::Error>(b), rx))
+/// A `text/event-stream` response fed by `rx`, giving back to `budget` what it takes.
+pub fn sse_response(
+    rx: mpsc::Receiver<Bytes>,
+    budget: Arc<tokio::sync::Semaphore>,
+) -> HttpResponse {
+    let body = futures_util::stream::unfold((rx, budget), |(mut rx, budget)| async move {
+        let b = rx.recv().await?;
+        budget.add_permits(budget_for(b.len()) as usize);
+        Some((Ok::<Bytes, actix_web::Error>(b), (rx, budget)))
     });
     HttpResponse::Ok()
         .content_type("text/event-stream")
@@ -814,6 +841,18 @@ pub(crate) struct SseOut {
     pub tx: mpsc::Sender<Bytes>,
     within: Duration,
     socket: Option<crate::api::ws::ConnSocket>,
+    /// Bytes the body may hold unread ([`SSE_OUT_BYTES`]), given back as it takes them.
+    budget: Arc<tokio::sync::Semaphore>,
+}
+
+/// The most bytes of events a stream's body holds for its reader (an event larger than that
+/// waits for the body to be empty). Its channel's bound was in events only: 64 of an answer's
+/// size each.
+const SSE_OUT_BYTES: usize = 16 << 20;
+
+/// What an event of `len` bytes takes of a stream's budget.
+fn budget_for(len: usize) -> u32 {
+    len.min(SSE_OUT_BYTES) as u32
 }
 
 impl SseOut {
@@ -824,14 +863,29 @@ impl SseOut {
             tx,
             within: (keepalive * 4).max(Duration::from_secs(30)),
             socket: req.conn_data::<crate::api::ws::ConnSocket>().cloned(),
+            budget: Arc::new(tokio::sync::Semaphore::new(SSE_OUT_BYTES)),
         }
     }
 
+    /// The budget the response's body gives back to (see [`sse_response`]).
+    pub fn budget(&self) -> Arc<tokio::sync::Semaphore> {
+        self.budget.clone()
+    }
+
     pub async fn send(&self, event: Bytes) -> Result<(), ()> {
-        match tokio::time::timeout(self.within, self.tx.send(event)).await {
+        let sent = async {
+            let taken = self
+                .budget
+                .acquire_many(budget_for(event.len()))
+                .await
+                .map_err(|_| ())?;
+            taken.forget();
+            self.tx.send(event).await.map_err(|_| ())
+        };
+        match tokio::time::timeout(self.within, sent).await {
             Ok(Ok(())) => Ok(()),
             // The body is gone: so is the connection, or it is on its way out.
-            Ok(Err(_)) => Err(()),
+            Ok(Err(())) => Err(()),
             Err(_) => {
                 tracing::info!(within = ?self.within, "a stream's reader took nothing; cut off");
                 if let Some(socket) = &self.socket {
@@ -1248,6 +1302,35 @@ pub fn document() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event stream's body holds at most its byte budget unread: one more event waits for
+    /// the reader to take one. (Its channel's bound was 64 events, of any size.)
+    #[actix_rt::test]
+    async fn an_event_stream_holds_at_most_its_budget_unread() {
+        use actix_web::body::MessageBody;
+        let req = actix_web::test::TestRequest::default().to_http_request();
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        let out = SseOut::new(tx, Duration::from_secs(15), &req);
+        let event = Bytes::from(vec![b'x'; SSE_OUT_BYTES / 4]);
+        for _ in 0..4 {
+            assert_eq!(out.send(event.clone()).await, Ok(()));
+        }
+        let wait = Duration::from_millis(200);
+        assert!(
+            tokio::time::timeout(wait, out.send(event.clone()))
+                .await
+                .is_err(),
+            "a fifth event is held"
+        );
+        let mut body = Box::pin(sse_response(rx, out.budget()).into_body());
+        let taken = std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await;
+        assert!(taken.is_some_and(|b| b.is_ok_and(|b| b.len() == event.len())));
+        assert_eq!(
+            tokio::time::timeout(wait, out.send(event.clone())).await,
+            Ok(Ok(())),
+            "the reader took one"
+        );
+    }
 
     #[test]
     fn the_document_lists_every_route_with_schemas() {
