@@ -824,6 +824,10 @@ impl Gateway {
             .disable_signals()
             .shutdown_timeout(5)
             .max_connections(config.gateway.max_connections)
+            // A client that closes its side has left: its request ends then. A long poll, a
+            // plain completion, or an event stream whose client had gone went on to its
+            // deadline (its subscription, its supervisor kept), and such requests piled up.
+            .h1_allow_half_closed(false)
             .listen(tcp)
             .map_err(StartError::Listen)?;
         let addr = server

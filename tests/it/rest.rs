@@ -2412,6 +2412,50 @@ fn holds_connection(pid: u32, port: u16, peer_port: u16) -> bool {
     })
 }
 
+/// A long poll whose client has closed its side of the connection ends then, connection and
+/// all. Before, it went on to its deadline (100 s here), its subscription and its session's
+/// supervisor kept, and a client could pile such polls up without keeping a socket open.
+#[actix_rt::test]
+async fn a_long_poll_whose_client_left_ends_with_it() {
+    use std::io::Write;
+    let model = FakeModel::start(|_| Reply::Hang);
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("left", &home.path).await;
+    let a = api.submit(&sid, "waited", "HANG").await;
+    wait_until("the turn runs", T, || model.reached("HANG") == 1).await;
+    let addr = d.origin().trim_start_matches("http://").to_string();
+    let port: u16 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    let mut poll = std::net::TcpStream::connect(&addr).expect("connect");
+    write!(
+        poll,
+        "GET /v1/sessions/{sid}/inputs/{}?wait=100 HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n\r\n",
+        a["admission_id"].as_str().unwrap_or_default()
+    )
+    .expect("request");
+    let peer_port = poll.local_addr().expect("local").port();
+    let pid = d.child.id();
+    wait_until("the poll is open", T, || {
+        holds_connection(pid, port, peer_port)
+    })
+    .await;
+    poll.shutdown(std::net::Shutdown::Write)
+        .expect("half close");
+    wait_until(
+        "the poll ends with its client",
+        Duration::from_secs(10),
+        || !holds_connection(pid, port, peer_port),
+    )
+    .await;
+    model.release();
+}
+
 /// An event stream whose reader takes nothing is cut off, connection and all, once a write has
 /// waited four keep-alives (at least 30 s): the daemon no longer holds its socket. Before, the
 /// stream's producer gave up but the connection stayed, with what its body still held (up to
