@@ -105,6 +105,38 @@ impl GatewayConfig {
                 .unwrap_or(false)
         })
     }
+
+    /// Is `cwd`, as written (`.` and `..` taken away, no link followed), under one of
+    /// `allowed_cwd_roots`, as configured or resolved? Always true when none are configured.
+    /// What a refusal may say of a path outside them: nothing of whether it exists.
+    pub fn cwd_within_roots_as_written(&self, cwd: &Path) -> bool {
+        if self.allowed_cwd_roots.is_empty() {
+            return true;
+        }
+        let written = as_written(cwd);
+        self.allowed_cwd_roots.iter().any(|root| {
+            written.starts_with(as_written(root))
+                || root
+                    .canonicalize()
+                    .is_ok_and(|root| written.starts_with(root))
+        })
+    }
+}
+
+/// `path` with `.` and `..` taken away as written (no link followed).
+fn as_written(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 impl Default for GatewayConfig {

@@ -865,7 +865,19 @@ impl Authority {
                 .to_string(),
         };
         let cwd_path = Path::new(&cwd);
+        let outside = || {
+            GatewayError::PermissionDenied(format!(
+                "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
+            ))
+        };
+        // A path outside the roots as written is refused as outside whatever it is: that it
+        // does not exist, or is no directory, or cannot be resolved, would tell a client what
+        // the host has where the roots keep it out. (One that resolves into them is taken.)
+        let within = cwd_path.is_absolute() && cfg.gateway.cwd_within_roots_as_written(cwd_path);
         if !cwd_path.is_absolute() || !cwd_path.is_dir() {
+            if cwd_path.is_absolute() && !within {
+                return Err(outside());
+            }
             return Err(GatewayError::InvalidParams(format!(
                 "cwd {cwd:?} must be an absolute, existing directory"
             )));
@@ -875,6 +887,7 @@ impl Authority {
         // each resolved it) does not move the session's tools elsewhere.
         let real = match cwd_path.canonicalize() {
             Ok(real) => real,
+            Err(_) if !within => return Err(outside()),
             Err(e) => {
                 return Err(GatewayError::InvalidParams(format!(
                     "cwd {cwd:?} cannot be resolved: {e}"
@@ -882,9 +895,7 @@ impl Authority {
             }
         };
         if !cfg.gateway.cwd_allowed(&real) {
-            return Err(GatewayError::PermissionDenied(format!(
-                "cwd {cwd:?} is outside gateway.allowed_cwd_roots"
-            )));
+            return Err(outside());
         }
         let cwd = real.to_string_lossy().into_owned();
         let endpoint = cfg.default_endpoint();

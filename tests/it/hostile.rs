@@ -894,6 +894,17 @@ async fn access_control_is_per_connection_and_per_principal() {
             "permission_denied",
         ),
         ("cwd_not_absolute", "work/sub".to_string(), "invalid_params"),
+        // Outside, that a path does not exist is not told; inside, it is.
+        (
+            "cwd_outside_missing",
+            esc(&outside.join("no-such-dir-here")),
+            "permission_denied",
+        ),
+        (
+            "cwd_inside_missing",
+            esc(&inside.join("no-such-dir-here")),
+            "invalid_params",
+        ),
     ] {
         owner
             .refused(
