@@ -559,32 +559,50 @@ async fn one_call(
                 .into(),
         ));
     }
-    let is_sse = resp
+    let labelled = resp
         .headers()
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
-    if !is_sse {
-        let bytes =
-            tokio::time::timeout(call.timeout, resp.body().limit(config.max_response_bytes))
-                .await
-                .map_err(|_| ModelError::Timeout("response body".into()))?
-                .map_err(|e| match e {
-                    awc::error::PayloadError::Overflow => {
-                        ModelError::TooLarge(config.max_response_bytes)
-                    }
-                    other => ModelError::Transient(format!("body: {other}")),
-                })?;
-        let v: Value = match serde_json::from_slice(&bytes) {
-            Ok(v) => v,
-            // A stream labelled as another type (a proxy's `text/plain`, or no type): read as
-            // the stream it is. Taken for a malformed reply, it was asked for again (a whole
-            // generation each time) on every retry.
-            Err(_) if looks_like_events(&bytes) => {
-                return answer_of_events(&bytes, config.max_response_bytes)
-            }
-            Err(e) => return Err(ModelError::Malformed(e.to_string())),
+    // A body not labelled a stream is looked at first: a stream labelled as another type (a
+    // proxy's `text/plain`, or no type) is read as the stream it is. Taken for a malformed
+    // reply, it was asked for again (a whole generation each time) on every retry.
+    let mut first: Option<bytes::Bytes> = None;
+    let is_sse = labelled || {
+        use futures_util::StreamExt;
+        let wait = if stream {
+            config.idle_timeout
+        } else {
+            call.timeout
         };
+        match tokio::time::timeout(wait, resp.next()).await {
+            Ok(Some(Ok(bytes))) => {
+                let events = looks_like_events(&bytes);
+                first = Some(bytes);
+                events
+            }
+            Ok(Some(Err(e))) => return Err(ModelError::Transient(format!("body: {e}"))),
+            Ok(None) => false,
+            Err(_) => return Err(ModelError::Timeout("response body".into())),
+        }
+    };
+    if !is_sse {
+        let max = config.max_response_bytes;
+        let head = first.take().unwrap_or_default();
+        if head.len() > max {
+            return Err(ModelError::TooLarge(max));
+        }
+        let rest = tokio::time::timeout(call.timeout, resp.body().limit(max - head.len()))
+            .await
+            .map_err(|_| ModelError::Timeout("response body".into()))?
+            .map_err(|e| match e {
+                awc::error::PayloadError::Overflow => ModelError::TooLarge(max),
+                other => ModelError::Transient(format!("body: {other}")),
+            })?;
+        let mut bytes = head.to_vec();
+        bytes.extend_from_slice(&rest);
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
         // `"error": null` (or an empty one) beside an answer is no error.
         let answered = v
             .get("choices")
@@ -616,18 +634,24 @@ async fn one_call(
             config.idle_timeout
         }
         .min(config.idle_timeout.saturating_sub(event_at.elapsed()));
-        let next = match tokio::time::timeout(wait, resp.next()).await {
-            Ok(next) => next,
-            Err(_) if acc.finished() => {
-                tracing::debug!("the stream fell silent after its finish_reason; taken as ended");
-                break;
-            }
-            Err(_) => {
-                return Err(ModelError::Timeout(format!(
-                    "no event for {:?} (comments are not events)",
-                    config.idle_timeout
-                )))
-            }
+        let peeked = first.take().map(|bytes| Some(Ok(bytes)));
+        let next = match peeked {
+            Some(next) => next,
+            None => match tokio::time::timeout(wait, resp.next()).await {
+                Ok(next) => next,
+                Err(_) if acc.finished() => {
+                    tracing::debug!(
+                        "the stream fell silent after its finish_reason; taken as ended"
+                    );
+                    break;
+                }
+                Err(_) => {
+                    return Err(ModelError::Timeout(format!(
+                        "no event for {:?} (comments are not events)",
+                        config.idle_timeout
+                    )))
+                }
+            },
         };
         let events = match next {
             None => {
@@ -725,34 +749,6 @@ fn looks_like_events(body: &[u8]) -> bool {
     [&b"data:"[..], b"event:", b":"]
         .iter()
         .any(|p| start.starts_with(p))
-}
-
-/// The answer a whole stream's body holds, read at once (no live output: it was not labelled a
-/// stream), with a streamed answer's checks.
-fn answer_of_events(body: &[u8], max_bytes: usize) -> Result<ChatResponse, ModelError> {
-    let mut parser = SseParser::new();
-    let mut events = parser.feed(body);
-    events.extend(parser.finish());
-    let mut acc = StreamAccumulator::default();
-    let mut saw_done = false;
-    for data in events {
-        if data.trim() == "[DONE]" {
-            saw_done = true;
-            break;
-        }
-        let chunk: Value = serde_json::from_str(&data)
-            .map_err(|e| ModelError::Malformed(format!("SSE chunk: {e}")))?;
-        acc.apply(&chunk).map_err(|e| classify_in_band(&e))?;
-        if acc.kept_bytes() > max_bytes {
-            return Err(ModelError::TooLarge(max_bytes));
-        }
-    }
-    if !saw_done && !acc.finished() {
-        return Err(ModelError::Transient(
-            "stream ended before a finish_reason or [DONE] (cut off)".into(),
-        ));
-    }
-    Ok(acc.finish())
 }
 
 /// A `Retry-After` value in seconds (a number; an HTTP date is not read, and the usual back-off

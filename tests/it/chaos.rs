@@ -47,7 +47,7 @@ pub enum Fault {
     RetryAfter(u32),
     /// 503 with `Retry-After: 1`, a body of 500 bytes announced, and not one of them sent.
     StalledRefusal,
-    /// A normal streamed answer with this content, labelled `text/plain`.
+    /// A streamed answer with this content, a character an event, labelled `text/plain`.
     Mislabelled(String),
     /// A streamed answer with this content and its finish_reason, then an error event and a
     /// malformed one before `[DONE]`.
@@ -308,7 +308,11 @@ fn answer(
         }
         Fault::Mislabelled(content) => {
             stream.write_all(SSE_HEAD.replace("text/event-stream", "text/plain").as_bytes())?;
-            chunk(stream, &delta(&content))?;
+            let mut events = String::new();
+            for c in content.chars() {
+                events.push_str(&delta(&c.to_string()));
+            }
+            chunk(stream, &events)?;
             chunk(stream, &finish())?;
             stream.write_all(b"0\r\n\r\n")
         }

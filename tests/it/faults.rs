@@ -439,19 +439,26 @@ async fn an_error_after_the_finish_reason_does_not_fail_the_answer() {
     assert_eq!(chaos.attempts("LIMITED"), 1);
 }
 
-/// A stream labelled as another type is read as the stream it is, once. Before, its events
-/// were taken for a malformed JSON reply, and the answer (a whole generation) was asked for
-/// again on every retry, and the call failed.
+/// A stream labelled as another type is read as the stream it is, once, with a stream's
+/// bounds: its answer (here a character an event, its framing past `max_response_bytes`) is
+/// kept whole. Before, its events were taken for a malformed JSON reply, and the answer (a
+/// whole generation) was asked for again on every retry, and the call failed.
 #[actix_rt::test]
 async fn a_stream_labelled_as_another_type_is_read_as_a_stream() {
-    let chaos = ChaosModel::start(|text, _| {
+    let answer = format!("ACK_LIMITED {}", "y".repeat(250));
+    let sent = answer.clone();
+    let chaos = ChaosModel::start(move |text, _| {
         if text == "LIMITED" {
-            Fault::Mislabelled("ACK_LIMITED".into())
+            Fault::Mislabelled(sent.clone())
         } else {
             Fault::Ok(format!("ACK_{text}"))
         }
     });
-    limited_completes(&chaos, json!({"max_retries": 2})).await;
+    limited_completes(
+        &chaos,
+        json!({"max_retries": 2, "max_response_bytes": 4096}),
+    )
+    .await;
     assert_eq!(chaos.attempts("LIMITED"), 1);
 }
 
