@@ -171,6 +171,10 @@ pub struct StreamAccumulator {
     /// The slot a fragment's `index` now means: a new call (another id) that reuses an index gets
     /// a fresh slot, and that index's later fragments belong to it.
     current: HashMap<i64, u32>,
+    /// Where a slot made for a reused index comes in the answer: after every call there was
+    /// when it came (the largest index then, and how many such slots before it), as the calls
+    /// were streamed. Slots of their own index come in index order.
+    reused_at: HashMap<(i64, u32), (i64, u64)>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
     model: Option<String>,
@@ -273,6 +277,10 @@ impl StreamAccumulator {
                         })?;
                         slot_index = (raw_index, reuse);
                         self.current.insert(raw_index, reuse);
+                        let last = self.slots.keys().next_back().map_or(raw_index, |k| k.0);
+                        let after = self.reused_at.values().map(|o| o.0).max().unwrap_or(last);
+                        let place = (last.max(after), self.reused_at.len() as u64 + 1);
+                        self.reused_at.insert(slot_index, place);
                     }
                 }
                 let kept = &mut self.kept;
@@ -310,7 +318,8 @@ impl StreamAccumulator {
     }
 
     pub fn finish(self) -> ChatResponse {
-        let tool_calls: Vec<ToolCall> = self
+        let reused_at = self.reused_at;
+        let mut placed: Vec<((i64, u64), ToolCall)> = self
             .slots
             .into_iter()
             .map(|((i, reuse), mut c)| {
@@ -320,9 +329,11 @@ impl StreamAccumulator {
                         n => format!("call_{i}_{n}"),
                     };
                 }
-                c
+                (reused_at.get(&(i, reuse)).copied().unwrap_or((i, 0)), c)
             })
             .collect();
+        placed.sort_by_key(|(place, _)| *place);
+        let tool_calls: Vec<ToolCall> = placed.into_iter().map(|(_, c)| c).collect();
         ChatResponse {
             content: if self.saw_content && !self.content.is_empty() {
                 Some(self.content)
@@ -417,6 +428,23 @@ mod tests {
                 ("c".to_string(), "{}".to_string()),
             ]
         );
+    }
+
+    /// Calls come in the order they were streamed when an index is reused after a later
+    /// index's call: a reused slot comes after every call there was when it came.
+    #[test]
+    fn a_reused_index_after_a_later_one_keeps_the_streamed_order() {
+        let mut acc = StreamAccumulator::default();
+        let chunk = |index: i64, id: &str| {
+            json!({"choices":[{"index":0,"delta":{"tool_calls":[
+                {"index": index, "id": id, "function": {"name": "terminal", "arguments": "{}"}}
+            ]}}]})
+        };
+        for (index, id) in [(0, "a"), (1, "c"), (0, "b"), (2, "d"), (0, "e")] {
+            acc.apply(&chunk(index, id)).expect("chunk");
+        }
+        let ids: Vec<String> = acc.finish().tool_calls.into_iter().map(|c| c.id).collect();
+        assert_eq!(ids, ["a", "c", "b", "d", "e"]);
     }
 
     /// A slot made for a reused index is no index's: the next index's fragments, before its
