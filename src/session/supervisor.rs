@@ -127,6 +127,9 @@ pub struct SessionSupervisor {
     subscribers: HashMap<u64, Recipient<PushEvent>>,
     outbox: Outbox,
     claiming: bool,
+    /// Whether the claim being answered is put back for a drain, as its submit's reply was
+    /// told (`None`: decided when it starts). Read once, as the drain's flag may change between.
+    put_back: Option<bool>,
     /// Interrupts waiting for the claim in flight to answer.
     held_interrupts: Vec<HeldInterrupt>,
     pump_again: bool,
@@ -170,6 +173,7 @@ impl SessionSupervisor {
             subscribers: HashMap::new(),
             outbox: Outbox::default(),
             claiming: false,
+            put_back: None,
             held_interrupts: Vec::new(),
             pump_again: false,
             claim_failures: 0,
@@ -627,13 +631,18 @@ impl SessionSupervisor {
         start: Option<Box<TurnStart>>,
         ctx: &mut Context<Self>,
     ) {
+        let put_back = self
+            .put_back
+            .take()
+            .unwrap_or_else(|| self.draining || self.shared.runtime.draining());
         let Some(generation) = row.execution_generation else {
             tracing::error!(session = %self.root_id, admission = %row.admission_id, "claimed row has no generation");
             return;
         };
-        if self.draining || self.shared.runtime.draining() {
+        if put_back {
             // Claimed just as the drain began, before anything of it ran: queued again, so it runs
-            // after the restart in its place.
+            // after the restart in its place. (A turn begun as the drain began is interrupted
+            // by it, as every running turn is.)
             self.requeue(row, generation, ctx);
             return;
         }
@@ -1228,6 +1237,9 @@ impl Handler<Submit> for SessionSupervisor {
                 // transaction is `started`, with its generation, not `queued`; unless a drain
                 // began meanwhile, which puts it back (`start_turn`): then it is `queued`.
                 let putting_back = act.draining || act.shared.runtime.draining();
+                if matches!(&claimed, Some((Ok(Claim::Started(_)), _, _))) {
+                    act.put_back = Some(putting_back);
+                }
                 let row = match &claimed {
                     Some((Ok(Claim::Started(started)), _, _))
                         if started.admission_id == row.admission_id && !putting_back =>
