@@ -51,6 +51,23 @@ impl LocalSessionPort {
             .map_err(|e| port_err(e.into()))
     }
 
+    /// [`Self::attempt_row`] read on the writer, after every write queued before it.
+    async fn attempt_row_settled(
+        &self,
+        session: &SessionRef,
+        task: &TaskIdentity,
+        generation: i64,
+    ) -> Result<Option<AdmissionRow>, PortError> {
+        let id = session.session_id.clone();
+        let input_id = input_id(&task.room_id, &task.task_id, generation);
+        self.authority
+            .shared
+            .db
+            .write(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
+            .await
+            .map_err(|e| port_err(e.into()))
+    }
+
     pub fn new(authority: Authority, poll: Duration) -> Self {
         Self { authority, poll }
     }
@@ -107,6 +124,24 @@ impl LocalSessionPort {
 
 fn port_err(e: GatewayError) -> PortError {
     PortError::new(e.to_string())
+}
+
+/// What an attempt's ledger row says of it.
+fn ledger_of(row: &AdmissionRow) -> LedgerAttempt {
+    if row.is_terminal() {
+        LedgerAttempt::Ended(receipt_of(row))
+    } else if row.status == "unknown" {
+        LedgerAttempt::Unresolved {
+            session_id: row.target_session_id.clone(),
+            admission_id: row.admission_id.clone(),
+        }
+    } else {
+        LedgerAttempt::Live {
+            session_id: row.target_session_id.clone(),
+            admission_id: row.admission_id.clone(),
+            started: (row.status == "started").then_some(row.updated_at),
+        }
+    }
 }
 
 /// The input id of a room task's attempt: `room/<room>/<task>/<generation>`.
@@ -403,6 +438,20 @@ impl SessionPort for LocalSessionPort {
         true
     }
 
+    fn ledger_attempt_settled(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
+        Box::pin(async move {
+            let row = self
+                .attempt_row_settled(&session, &task, generation)
+                .await?;
+            Ok(row.map(|row| ledger_of(&row)))
+        })
+    }
+
     /// The attempt's ledger row: how it ended, with its result, or that it is `unknown`.
     fn ledger_attempt(
         &self,
@@ -412,22 +461,7 @@ impl SessionPort for LocalSessionPort {
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async move {
             let row = self.attempt_row(&session, &task, generation).await?;
-            Ok(row.map(|row| {
-                if row.is_terminal() {
-                    LedgerAttempt::Ended(receipt_of(&row))
-                } else if row.status == "unknown" {
-                    LedgerAttempt::Unresolved {
-                        session_id: row.target_session_id.clone(),
-                        admission_id: row.admission_id.clone(),
-                    }
-                } else {
-                    LedgerAttempt::Live {
-                        session_id: row.target_session_id.clone(),
-                        admission_id: row.admission_id.clone(),
-                        started: (row.status == "started").then_some(row.updated_at),
-                    }
-                }
-            }))
+            Ok(row.map(|row| ledger_of(&row)))
         })
     }
 

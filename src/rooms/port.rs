@@ -314,6 +314,17 @@ pub trait SessionPort: Send + Sync {
     fn keeps_ledger(&self) -> bool {
         false
     }
+    /// [`SessionPort::ledger_attempt`], read after every write the member has queued (an
+    /// admission a submit asked for may still be on its way to the ledger): what a `None` may
+    /// be taken to prove. The default reads as `ledger_attempt` does.
+    fn ledger_attempt_settled(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        generation: i64,
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
+        self.ledger_attempt(session, task, generation)
+    }
     /// Whether a member of `profile` can run here (`None`: this port cannot tell).
     fn has_profile(&self, _profile: &str) -> Option<bool> {
         None

@@ -653,7 +653,7 @@ impl RoomRuntime {
                     Ok(Some(session_id))
                         if port.keeps_ledger()
                             && matches!(
-                                port.ledger_attempt(
+                                port.ledger_attempt_settled(
                                     Self::session_ref(&profile, &session_id),
                                     task.identity.clone(),
                                     task.execution_generation,
@@ -2182,6 +2182,10 @@ impl RoomRuntime {
                                 .and_then(|r| r);
                                 match committed {
                                     Ok(_) => continue,
+                                    // A stop (or another report) got there first: the task, read
+                                    // again after the pause, says what it is now.
+                                    Err(RoomStoreError::StaleTask(_))
+                                    | Err(RoomStoreError::Conflict(_)) => {}
                                     Err(error) if error.is_fence() || ended_by_disband(&error) => {
                                         self.fenced(binding, &task_id, &error);
                                         return None;
