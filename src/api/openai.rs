@@ -33,6 +33,7 @@ use super::rest::{
     SessionSnapshot, SseOut,
 };
 use super::rpc::{session_id_for, Authority, Seed};
+use super::ws::Slot;
 use crate::agent::tokens;
 use crate::error::GatewayError;
 use crate::store::admissions::{self, hex};
@@ -749,8 +750,10 @@ pub async fn chat_completions(
     // Authenticated here rather than by the `Principal` extractor, so a credential refusal is
     // in OpenAI's error shape too, like every other refusal of this route.
     let principal = authenticate(&state, &req)?;
+    // Taken before anything is admitted: a request refused for want of one admitted nothing.
+    let slot = Slot::for_waiting(state.authority.shared.config.gateway.max_connections)?;
     let mut claim = None;
-    let answered = complete(req, &state, payload, &principal, &mut claim).await;
+    let answered = complete(req, &state, payload, &principal, (&mut claim, slot)).await;
     // Not after a store failure: an admission that did not commit in time may commit still.
     if let (Err(f), Some(claim)) = (&answered, claim) {
         if f.body.error.reason != "storage_unavailable" {
@@ -781,7 +784,7 @@ async fn complete(
     state: &AppState,
     payload: web::Payload,
     principal: &str,
-    claim: &mut Option<Claim>,
+    (claim, slot): (&mut Option<Claim>, Slot),
 ) -> Result<HttpResponse, ChatFailure> {
     let principal = principal.to_string();
     let mut body: ChatCompletionRequest =
@@ -1079,6 +1082,8 @@ async fn complete(
         let admission = receipt.admission_id.clone();
         let session = root.clone();
         actix_web::rt::spawn(async move {
+            // The stream's place is held until it ends.
+            let _slot = slot;
             // The key is looked at on each keep-alive below (the stream ends with `[DONE]`).
             let wait = wait_terminal(&authority, &c, &session, &admission, (deadline, None));
             tokio::pin!(wait);

@@ -27,6 +27,7 @@ use super::auth::{ApiError, Credential, Principal, TICKET_HEADER};
 use super::http::AppState;
 use super::openapi::{self, api_object, ApiSchema, Body, Components, Operation};
 use super::rpc::{Authority, Caller, EVENTS_PAGE};
+use super::ws::Slot;
 use crate::error::GatewayError;
 use crate::session::supervisor::{PushEvent, SessionSupervisor, Subscribe, Unsubscribe};
 
@@ -632,6 +633,9 @@ async fn get_receipt(
         .unwrap_or(0.0)
         .clamp(0.0, max);
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
+    let _slot = (wait > 0.0)
+        .then(|| Slot::for_waiting(state.authority.shared.config.gateway.max_connections))
+        .transpose()?;
     let c = caller(&principal.0, Some(&root));
     let credential = Credential::of(&state.auth, &req);
     let receipt = wait_terminal(
@@ -786,6 +790,7 @@ async fn events(
             head.last_sequence
         )));
     }
+    let slot = Slot::for_waiting(state.authority.shared.config.gateway.max_connections)?;
     let feed = Feed::open(&state.authority, &root).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let keepalive =
@@ -793,14 +798,18 @@ async fn events(
     let out = SseOut::new(tx, keepalive, &req);
     let budget = out.budget();
     let credential = Credential::of(&state.auth, &req);
-    actix_web::rt::spawn(stream_events(
+    let streamed = stream_events(
         state.authority.clone(),
         root,
         after,
         feed,
         out,
         (keepalive, credential),
-    ));
+    );
+    actix_web::rt::spawn(async move {
+        let _slot = slot;
+        streamed.await
+    });
     Ok(sse_response(rx, budget))
 }
 

@@ -29,11 +29,12 @@ static OPEN: Mutex<BTreeMap<u64, Recipient<CloseNow>>> = Mutex::new(BTreeMap::ne
 #[rtype(result = "()")]
 pub struct CloseNow(pub &'static str);
 
-/// Open WebSocket connections, counted against `gateway.max_connections`.
+/// Open WebSocket connections and HTTP requests that wait (event streams, long polls, chat
+/// completions), counted against `gateway.max_connections`.
 static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 
 /// One connection's place under `gateway.max_connections`, given back when it is dropped.
-struct Slot;
+pub(crate) struct Slot;
 
 impl Slot {
     fn take(max: usize) -> Option<Slot> {
@@ -43,6 +44,18 @@ impl Slot {
             return None;
         }
         Some(Slot)
+    }
+
+    /// A place for an HTTP request that waits (an event stream, a long poll, a chat
+    /// completion), or its refusal: uncounted, one client's waiting requests could take every
+    /// connection the server accepts, the other clients' and the WebSockets' included.
+    pub(crate) fn for_waiting(max: usize) -> Result<Slot, GatewayError> {
+        Slot::take(max).ok_or_else(|| {
+            GatewayError::RateLimited(format!(
+                "too many open connections and waiting requests (gateway.max_connections = \
+                 {max})"
+            ))
+        })
     }
 }
 

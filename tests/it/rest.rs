@@ -2412,6 +2412,62 @@ fn holds_connection(pid: u32, port: u16, peer_port: u16) -> bool {
     })
 }
 
+/// Requests that wait (event streams, long polls) count against `gateway.max_connections`
+/// with the WebSockets: past it one is refused `rate_limited`, and a place is given back when
+/// its request ends. Before, one client's waiting requests could take every connection the
+/// server accepts.
+#[actix_rt::test]
+async fn waiting_requests_count_against_the_connection_bound() {
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({"gateway": {"max_connections": 3}})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let sid = api.session("bounded", &home.path).await;
+    let events = format!("/v1/sessions/{sid}/events");
+    let first = Sse::open(&api, &events, None).await;
+    let _second = Sse::open(&api, &events, None).await;
+    let _ws = d.ws().await;
+    let refused = api.get(&events).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_refusal(&refused.body, "rate_limited");
+    let a = api.submit(&sid, "waited", "HANG").await;
+    let poll = api
+        .get(&format!(
+            "/v1/sessions/{sid}/inputs/{}?wait=5",
+            a["admission_id"].as_str().unwrap_or_default()
+        ))
+        .await;
+    assert_eq!(poll.status, 429, "{}", poll.body);
+    // A receipt read without waiting takes no place.
+    let now = api
+        .get(&format!(
+            "/v1/sessions/{sid}/inputs/{}",
+            a["admission_id"].as_str().unwrap_or_default()
+        ))
+        .await;
+    assert_eq!(now.status, 200, "{}", now.body);
+    drop(first);
+    let deadline = Instant::now() + T;
+    loop {
+        let again = api
+            .get(&format!(
+                "/v1/sessions/{sid}/inputs/{}?wait=0.1",
+                a["admission_id"].as_str().unwrap_or_default()
+            ))
+            .await;
+        if again.status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the ended stream's place was never given back"
+        );
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    model.release();
+}
+
 /// A long poll whose client has closed its side of the connection ends then, connection and
 /// all. Before, it went on to its deadline (100 s here), its subscription and its session's
 /// supervisor kept, and a client could pile such polls up without keeping a socket open.
