@@ -697,13 +697,18 @@ impl SessionPort for PeerTransport {
             *self.dispatched.lock().unwrap_or_else(|e| e.into_inner()) = Some(dispatch.clone());
             let reply = self.client.dispatch(dispatch).await?;
             if matches!(reply.status.as_str(), "settled" | "failed" | "cancelled") {
-                (request.on_terminal)(TerminalReceipt {
+                let receipt = TerminalReceipt {
                     status: reply.status,
                     settlement_id: reply.settlement_id,
                     message_id: reply.message_id,
                     text: reply.text,
                     error: reply.error,
-                });
+                };
+                // The callback commits the room's settlement: on the blocking pool, as the
+                // local port's does, not on the thread that runs the room's pass (and session
+                // supervisors), which would wait there for the writer and its fsync.
+                let callback = request.on_terminal.clone();
+                let _ = tokio::task::spawn_blocking(move || callback(receipt)).await;
             }
             Ok(())
         })
