@@ -113,9 +113,9 @@ impl GatewayConfig {
         if self.allowed_cwd_roots.is_empty() {
             return true;
         }
-        let written = as_written(cwd);
+        let written = lexically_normal(cwd);
         self.allowed_cwd_roots.iter().any(|root| {
-            written.starts_with(as_written(root))
+            written.starts_with(lexically_normal(root))
                 || root
                     .canonicalize()
                     .is_ok_and(|root| written.starts_with(root))
@@ -123,8 +123,9 @@ impl GatewayConfig {
     }
 }
 
-/// `path` with `.` and `..` taken away as written (no link followed).
-fn as_written(path: &Path) -> PathBuf {
+/// `path` with `.` and `..` taken away and repeated separators as one, as written (no file is
+/// read, no link followed).
+pub(crate) fn lexically_normal(path: &Path) -> PathBuf {
     use std::path::Component;
     let mut out = PathBuf::new();
     for part in path.components() {

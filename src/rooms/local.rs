@@ -35,37 +35,26 @@ pub struct LocalSessionPort {
 
 impl LocalSessionPort {
     /// The ledger row of exactly this attempt (its input id).
+    /// The attempt's ledger row; read on the writer, after every write queued before it, when
+    /// `after_writes` (see [`SessionPort::ledger_attempt_settled`]).
     async fn attempt_row(
         &self,
         session: &SessionRef,
         task: &TaskIdentity,
-        generation: i64,
+        (generation, after_writes): (i64, bool),
     ) -> Result<Option<AdmissionRow>, PortError> {
         let id = session.session_id.clone();
         let input_id = input_id(&task.room_id, &task.task_id, generation);
-        self.authority
-            .shared
-            .db
-            .read(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
-            .await
-            .map_err(|e| port_err(e.into()))
-    }
-
-    /// [`Self::attempt_row`] read on the writer, after every write queued before it.
-    async fn attempt_row_settled(
-        &self,
-        session: &SessionRef,
-        task: &TaskIdentity,
-        generation: i64,
-    ) -> Result<Option<AdmissionRow>, PortError> {
-        let id = session.session_id.clone();
-        let input_id = input_id(&task.room_id, &task.task_id, generation);
-        self.authority
-            .shared
-            .db
-            .write(move |c| admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id))
-            .await
-            .map_err(|e| port_err(e.into()))
+        let read = move |c: &mut diesel::SqliteConnection| {
+            admissions::by_request(c, &id, ROOMS_PRINCIPAL, &input_id)
+        };
+        let db = &self.authority.shared.db;
+        let row = if after_writes {
+            db.write(read).await
+        } else {
+            db.read(read).await
+        };
+        row.map_err(|e| port_err(e.into()))
     }
 
     pub fn new(authority: Authority, poll: Duration) -> Self {
@@ -398,7 +387,9 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<HistoryMessage>> {
         Box::pin(async move {
-            let row = self.attempt_row(&session, &task, generation).await?;
+            let row = self
+                .attempt_row(&session, &task, (generation, false))
+                .await?;
             Ok(row
                 .filter(|row| row.is_terminal())
                 .as_ref()
@@ -446,7 +437,7 @@ impl SessionPort for LocalSessionPort {
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async move {
             let row = self
-                .attempt_row_settled(&session, &task, generation)
+                .attempt_row(&session, &task, (generation, true))
                 .await?;
             Ok(row.map(|row| ledger_of(&row)))
         })
@@ -460,7 +451,9 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
         Box::pin(async move {
-            let row = self.attempt_row(&session, &task, generation).await?;
+            let row = self
+                .attempt_row(&session, &task, (generation, false))
+                .await?;
             Ok(row.map(|row| ledger_of(&row)))
         })
     }
@@ -472,7 +465,10 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<bool>> {
         Box::pin(async move {
-            let Some(row) = self.attempt_row(&session, &task, generation).await? else {
+            let Some(row) = self
+                .attempt_row(&session, &task, (generation, false))
+                .await?
+            else {
                 return Ok(None);
             };
             match row.status.as_str() {

@@ -7,6 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use crate::config::lexically_normal;
+
 /// The files of the gateway's home a command must not touch unasked: the ledger, the control
 /// socket and lock, the keys, the config (the approval allowlist lives in the ledger).
 const GATEWAY_FILES: &[&str] = &[
@@ -152,22 +154,6 @@ fn words(plain: &str) -> impl Iterator<Item = &str> {
             c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')' | '<' | '>' | '`' | '=')
         })
         .filter(|w| !w.is_empty())
-}
-
-/// `path` with `.` and `..` taken away and repeated separators as one (no file is read).
-fn lexically_normal(path: &Path) -> PathBuf {
-    use std::path::Component;
-    let mut out = PathBuf::new();
-    for part in path.components() {
-        match part {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other),
-        }
-    }
-    out
 }
 
 /// Does `command` name one of [`GATEWAY_FILES`], as the shell would read it? Quotes and escapes

@@ -2432,33 +2432,20 @@ async fn waiting_requests_count_against_the_connection_bound() {
     assert_eq!(refused.status, 429, "{}", refused.body);
     assert_refusal(&refused.body, "rate_limited");
     let a = api.submit(&sid, "waited", "HANG").await;
-    let poll = api
-        .get(&format!(
-            "/v1/sessions/{sid}/inputs/{}?wait=5",
+    let receipt = |query: &str| {
+        format!(
+            "/v1/sessions/{sid}/inputs/{}{query}",
             a["admission_id"].as_str().unwrap_or_default()
-        ))
-        .await;
+        )
+    };
+    let poll = api.get(&receipt("?wait=5")).await;
     assert_eq!(poll.status, 429, "{}", poll.body);
     // A receipt read without waiting takes no place.
-    let now = api
-        .get(&format!(
-            "/v1/sessions/{sid}/inputs/{}",
-            a["admission_id"].as_str().unwrap_or_default()
-        ))
-        .await;
+    let now = api.get(&receipt("")).await;
     assert_eq!(now.status, 200, "{}", now.body);
     drop(first);
     let deadline = Instant::now() + T;
-    loop {
-        let again = api
-            .get(&format!(
-                "/v1/sessions/{sid}/inputs/{}?wait=0.1",
-                a["admission_id"].as_str().unwrap_or_default()
-            ))
-            .await;
-        if again.status == 200 {
-            break;
-        }
+    while api.get(&receipt("?wait=0.1")).await.status != 200 {
         assert!(
             Instant::now() < deadline,
             "the ended stream's place was never given back"
