@@ -568,6 +568,9 @@ async fn one_call(
     // proxy's `text/plain`, or no type) is read as the stream it is. Taken for a malformed
     // reply, it was asked for again (a whole generation each time) on every retry.
     let mut first: Option<bytes::Bytes> = None;
+    // The body ended while it was looked at: not read again (a finished payload polled again
+    // panics in awc's decoder).
+    let mut ended = false;
     let is_sse = labelled || {
         use futures_util::StreamExt;
         let wait = if stream {
@@ -575,30 +578,42 @@ async fn one_call(
         } else {
             call.timeout
         };
-        match tokio::time::timeout(wait, resp.next()).await {
-            Ok(Some(Ok(bytes))) => {
-                let events = looks_like_events(&bytes);
-                first = Some(bytes);
-                events
+        // Enough to tell (`data:` and a character, past any blank lines), or all there is.
+        let mut seen = bytes::BytesMut::new();
+        while seen.trim_ascii_start().len() < 6 && seen.len() <= config.max_response_bytes {
+            match tokio::time::timeout(wait, resp.next()).await {
+                Ok(Some(Ok(bytes))) => seen.extend_from_slice(&bytes),
+                Ok(Some(Err(e))) => return Err(ModelError::Transient(format!("body: {e}"))),
+                Ok(None) => {
+                    ended = true;
+                    break;
+                }
+                Err(_) => return Err(ModelError::Timeout("response body".into())),
             }
-            Ok(Some(Err(e))) => return Err(ModelError::Transient(format!("body: {e}"))),
-            Ok(None) => false,
-            Err(_) => return Err(ModelError::Timeout("response body".into())),
         }
+        let events = looks_like_events(&seen);
+        first = Some(seen.freeze());
+        events
     };
     if !is_sse {
         let max = config.max_response_bytes;
         let head = first.take().unwrap_or_default();
-        if head.len() > max {
+        // The whole body against the bound: awc's own limit compares a Content-Length (the
+        // whole body's) with it before reading.
+        let rest = if ended {
+            bytes::Bytes::new()
+        } else {
+            tokio::time::timeout(call.timeout, resp.body().limit(max))
+                .await
+                .map_err(|_| ModelError::Timeout("response body".into()))?
+                .map_err(|e| match e {
+                    awc::error::PayloadError::Overflow => ModelError::TooLarge(max),
+                    other => ModelError::Transient(format!("body: {other}")),
+                })?
+        };
+        if head.len() + rest.len() > max {
             return Err(ModelError::TooLarge(max));
         }
-        let rest = tokio::time::timeout(call.timeout, resp.body().limit(max - head.len()))
-            .await
-            .map_err(|_| ModelError::Timeout("response body".into()))?
-            .map_err(|e| match e {
-                awc::error::PayloadError::Overflow => ModelError::TooLarge(max),
-                other => ModelError::Transient(format!("body: {other}")),
-            })?;
         let mut bytes = head.to_vec();
         bytes.extend_from_slice(&rest);
         let v: Value =
@@ -637,6 +652,8 @@ async fn one_call(
         let peeked = first.take().map(|bytes| Some(Ok(bytes)));
         let next = match peeked {
             Some(next) => next,
+            // Its end was met while it was looked at.
+            None if ended => None,
             None => match tokio::time::timeout(wait, resp.next()).await {
                 Ok(next) => next,
                 Err(_) if acc.finished() => {

@@ -49,6 +49,8 @@ pub enum Fault {
     StalledRefusal,
     /// A streamed answer with this content, a character an event, labelled `text/plain`.
     Mislabelled(String),
+    /// 200 with a chunked body of nothing at all.
+    EmptyChunked,
     /// A streamed answer with this content and its finish_reason, then an error event and a
     /// malformed one before `[DONE]`.
     ErrorAfterFinish(String),
@@ -304,6 +306,10 @@ fn answer(
             let error = json!({"error": {"message": "upstream went away", "code": 502}});
             chunk(stream, &format!("data: {error}\n\ndata: {{\"choices\n\n"))?;
             chunk(stream, "data: [DONE]\n\n")?;
+            stream.write_all(b"0\r\n\r\n")
+        }
+        Fault::EmptyChunked => {
+            stream.write_all(SSE_HEAD.replace("text/event-stream", "text/plain").as_bytes())?;
             stream.write_all(b"0\r\n\r\n")
         }
         Fault::Mislabelled(content) => {

@@ -439,6 +439,44 @@ async fn an_error_after_the_finish_reason_does_not_fail_the_answer() {
     assert_eq!(chaos.attempts("LIMITED"), 1);
 }
 
+/// A 200 whose chunked body is empty is a malformed reply, asked again (and the body that
+/// ended while it was looked at is not read again: awc's decoder panics on it).
+#[actix_rt::test]
+async fn an_empty_chunked_reply_is_asked_again() {
+    let chaos = ChaosModel::start(|text, n| {
+        if text == "LIMITED" && n == 1 {
+            Fault::EmptyChunked
+        } else {
+            Fault::Ok(format!("ACK_{text}"))
+        }
+    });
+    limited_completes(&chaos, json!({"max_retries": 2})).await;
+    assert_eq!(chaos.attempts("LIMITED"), 2);
+}
+
+/// A plain reply under `max_response_bytes` is taken whatever part of it was looked at first:
+/// the rest was read against the bound less that part, and awc compares the whole body's
+/// `Content-Length` with its limit, so a reply of more than half the bound was refused.
+#[actix_rt::test]
+async fn a_plain_reply_near_its_bound_is_taken() {
+    let model = FakeModel::start(|_| {
+        Reply::Message(
+            json!({"role": "assistant", "content": "z".repeat(2500)}),
+            "stop",
+        )
+    });
+    let (home, d) = Daemon::with_model(
+        &model,
+        json!({"model": {"stream": false, "max_response_bytes": 4096}}),
+    );
+    let mut ws = d.ws().await;
+    let sid = ws.session("near", &home.path).await;
+    ws.submit(&sid, "NEAR", "NEAR").await;
+    wait_until("NEAR", T, || home.admission("NEAR").status == "terminal").await;
+    let row = home.admission("NEAR");
+    assert_eq!(row.outcome.as_deref(), Some("completed"), "{row:?}");
+}
+
 /// A stream labelled as another type is read as the stream it is, once, with a stream's
 /// bounds: its answer (here a character an event, its framing past `max_response_bytes`) is
 /// kept whole. Before, its events were taken for a malformed JSON reply, and the answer (a
