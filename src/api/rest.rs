@@ -633,11 +633,15 @@ async fn get_receipt(
         .unwrap_or(0.0)
         .clamp(0.0, max);
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
-    let _slot = (wait > 0.0)
-        .then(|| Slot::for_waiting(state.authority.shared.config.gateway.max_connections))
-        .transpose()?;
     let c = caller(&principal.0, Some(&root));
     let credential = Credential::of(&state.auth, &req);
+    // Read first: one that answers at once takes no place among the requests that wait.
+    let now = tokio::time::Instant::now();
+    let receipt = wait_terminal(&state.authority, &c, &root, &admission, (now, None)).await?;
+    if receipt.status == "terminal" || wait <= 0.0 {
+        return Ok(HttpResponse::Ok().json(receipt));
+    }
+    let _slot = Slot::for_waiting(state.authority.shared.config.gateway.max_connections)?;
     let receipt = wait_terminal(
         &state.authority,
         &c,

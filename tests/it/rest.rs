@@ -2424,6 +2424,9 @@ async fn waiting_requests_count_against_the_connection_bound() {
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);
     let sid = api.session("bounded", &home.path).await;
+    let other = api.session("settled", &home.path).await;
+    let done = api.submit(&other, "done", "hello").await;
+    api.wait(&other, &done["admission_id"]).await;
     let events = format!("/v1/sessions/{sid}/events");
     let first = Sse::open(&api, &events, None).await;
     let _second = Sse::open(&api, &events, None).await;
@@ -2440,9 +2443,17 @@ async fn waiting_requests_count_against_the_connection_bound() {
     };
     let poll = api.get(&receipt("?wait=5")).await;
     assert_eq!(poll.status, 429, "{}", poll.body);
-    // A receipt read without waiting takes no place.
+    // A receipt read without waiting takes no place, nor one that asks to wait for an input
+    // already settled.
     let now = api.get(&receipt("")).await;
     assert_eq!(now.status, 200, "{}", now.body);
+    let settled = api
+        .get(&format!(
+            "/v1/sessions/{other}/inputs/{}?wait=5",
+            done["admission_id"].as_str().unwrap_or_default()
+        ))
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.body);
     drop(first);
     let deadline = Instant::now() + T;
     while api.get(&receipt("?wait=0.1")).await.status != 200 {
