@@ -193,6 +193,24 @@ struct Daemon {
     child: Child,
     home: PathBuf,
     origin: String,
+    /// Stopped (and its home removed or kept) by [`Daemon::stop`] or [`Daemon::stop_keep_home`].
+    stopped: bool,
+}
+
+/// A daemon the bench let go of without stopping it (an error on the way, a panic) is killed
+/// and its home removed: a live daemon (holding 10,000 parked sessions, say) and a home with a
+/// store of a million admissions were left behind.
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !self.home.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.home);
+        }
+    }
 }
 
 fn make_home(base: &Path, name: &str) -> Result<PathBuf, String> {
@@ -272,6 +290,7 @@ impl Daemon {
                             child,
                             home: home.to_path_buf(),
                             origin,
+                            stopped: false,
                         },
                         started.elapsed().as_secs_f64(),
                     ));
@@ -279,7 +298,11 @@ impl Daemon {
             }
             if started.elapsed() > Duration::from_secs(600) {
                 let _ = child.kill();
-                return Err("daemon not ready after 600 s".into());
+                let _ = child.wait();
+                return Err(format!(
+                    "daemon not ready after 600 s; see {}",
+                    home.join("daemon.log").display()
+                ));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -305,6 +328,7 @@ impl Daemon {
     }
 
     fn stop(mut self) {
+        self.stopped = true;
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
@@ -459,6 +483,21 @@ impl Client {
             .as_str()
             .map(str::to_string)
             .ok_or_else(|| "no session id".into())
+    }
+
+    /// The sessions `turns` turns run in, [`TURNS_PER_SESSION`] each, made before they are
+    /// timed (made between them, their commits and CPU were counted as the turns').
+    async fn sessions(
+        &mut self,
+        tag: &str,
+        cwd: &Path,
+        turns: usize,
+    ) -> Result<Vec<String>, String> {
+        let mut sessions = Vec::new();
+        for k in 0..turns.div_ceil(TURNS_PER_SESSION).max(1) {
+            sessions.push(self.session(&format!("{tag}-{k}"), cwd).await?);
+        }
+        Ok(sessions)
     }
 
     /// One turn: submit `text` as `input_id` and wait for its `message.complete`.
@@ -738,26 +777,46 @@ fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
     result
 }
 
+/// Commits between two checkpoints of the raw baseline (its WAL holds some 800 frames, then is
+/// overwritten from its start).
+const RAW_CHECKPOINT_EVERY: usize = 400;
+
 fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
     // The daemon's VFS too: the baseline is the best commit this process can make on this disk.
     crate::store::vfs::install();
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
+    // The daemon's PRAGMAs, with its checkpoints out of the commits as the daemon's are (they
+    // run on its checkpointer's thread): here between timed commits, untimed.
+    conn.batch_execute(crate::store::PRAGMAS).map_err(err)?;
     conn.batch_execute(
-        "PRAGMA page_size=1024; PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; \
+        "PRAGMA wal_autocheckpoint = 0; \
          CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL);",
     )
     .map_err(err)?;
-    let started = Instant::now();
-    let mut lat = Vec::with_capacity(n);
-    for i in 0..n {
+    let commit = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
+        if i.is_multiple_of(RAW_CHECKPOINT_EVERY) {
+            conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
+                .map_err(err)?;
+        }
         let t = Instant::now();
         conn.immediate_transaction(|c| {
             c.batch_execute(&format!("INSERT INTO t (v) VALUES ('row {i}')"))
         })
         .map_err(err)?;
-        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // Untimed until the WAL has been overwritten from its start once, as the daemon's sections
+    // warm theirs (`warm_up`): commits that append to a WAL still growing from empty cost each
+    // fsync the file system's allocation of new blocks.
+    for i in 0..2 * RAW_CHECKPOINT_EVERY {
+        commit(&mut conn, i)?;
     }
-    let wall = started.elapsed().as_secs_f64();
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        lat.push(commit(&mut conn, 2 * RAW_CHECKPOINT_EVERY + i)? * 1000.0);
+    }
+    // The rate over the commits alone (the checkpoints between them are not the commits').
+    let wall = lat.iter().sum::<f64>() / 1000.0;
     Ok(summary(lat, wall))
 }
 
@@ -869,14 +928,14 @@ async fn turns(
     let mut clients = Vec::new();
     for i in 0..concurrency {
         let mut c = Client::connect(&home, &daemon.origin).await?;
-        let sid = c.session(&format!("turn-{i}"), &home).await?;
-        clients.push((c, sid));
+        let sessions = c.sessions(&format!("turn-{i}"), &home, per).await?;
+        clients.push((c, sessions));
     }
     let mut report = measure_on(
         &daemon,
         clients
             .into_iter()
-            .map(|(c, sid)| run_turns(c, sid, per, "t", text, &home)),
+            .map(|client| run_turns(client, per, "t", text)),
     )
     .await;
     if let Ok(r) = report.as_mut() {
@@ -1016,21 +1075,18 @@ const TOOL: &str = "TOOL turn";
 /// Turns submitting `text`: a fresh session every few turns keeps the transcript (and so each
 /// request) small.
 async fn run_turns(
-    mut c: Client,
-    first: String,
+    (mut c, sessions): (Client, Vec<String>),
     n: usize,
     tag: &str,
     text: &'static str,
-    cwd: &Path,
 ) -> Result<Vec<f64>, String> {
     let mut lat = Vec::with_capacity(n);
-    let mut sid = first;
     for k in 0..n {
-        if k > 0 && k % TURNS_PER_SESSION == 0 {
-            sid = c.session(&format!("{tag}-{sid}-{k}"), cwd).await?;
-        }
+        let Some(sid) = sessions.get(k / TURNS_PER_SESSION) else {
+            return Err(format!("no session made for turn {k}"));
+        };
         let t = Instant::now();
-        c.turn(&sid, &format!("{tag}-{k}"), text).await?;
+        c.turn(sid, &format!("{tag}-{k}"), text).await?;
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     Ok(lat)
@@ -1109,13 +1165,15 @@ async fn healthy_round(
     let mut clients = Vec::new();
     for i in 0..16 {
         let mut c = Client::connect(home, origin).await?;
-        let sid = c.session(&format!("healthy-{round_no}-{i}"), home).await?;
-        clients.push((c, sid));
+        let sessions = c
+            .sessions(&format!("healthy-{round_no}-{i}"), home, per)
+            .await?;
+        clients.push((c, sessions));
     }
     measure_raw(
         clients
             .into_iter()
-            .map(|(c, sid)| run_turns(c, sid, per, "h", PLAIN, home)),
+            .map(|client| run_turns(client, per, "h", PLAIN)),
     )
     .await
 }
@@ -1352,7 +1410,7 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     // A crash with 1,000 started rows (one per session, so each is the head of its FIFO).
     let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
     let mut conn = pool.get().map_err(err)?;
-    let started_rows = 1000.min(sessions * 10);
+    let started_rows = 1000.min(sessions);
     let mut batch = String::from("BEGIN;");
     for i in 0..started_rows {
         let s = i % sessions;
@@ -1380,12 +1438,12 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
 
 impl Daemon {
     fn stop_keep_home(mut self) {
+        self.stopped = true;
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
         }
         let _ = self.child.wait();
-        self.home = PathBuf::new();
     }
 }
 
@@ -1569,8 +1627,12 @@ pub fn table(r: &Value) -> String {
     ));
         let mm = &r["memory"];
         out.push_str(&format!(
-            "memory: idle {} KiB, {} KiB per parked session, peak {} KiB\n",
-            mm["idle_rss_kib"], mm["kib_per_parked_session"], mm["peak_rss_kib"]
+            "memory: idle {} KiB, {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
+            mm["idle_rss_kib"],
+            mm["rss_parked_kib"],
+            i["parked_sessions"],
+            mm["kib_per_parked_session"],
+            mm["peak_rss_kib"]
         ));
     }
     let rc = &r["recovery"];

@@ -128,14 +128,16 @@ unsafe extern "C" fn note_rollback(_: *mut std::ffi::c_void) {
 #[derive(Debug)]
 struct Pragmas;
 
+/// What every connection of the store sets (see [`Pragmas`]); the bench's raw commits too.
+pub const PRAGMAS: &str =
+    "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; \
+     PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000; PRAGMA wal_autocheckpoint = 100000; \
+     PRAGMA journal_size_limit = 67108864; PRAGMA temp_store = MEMORY;";
+
 impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Pragmas {
     fn on_acquire(&self, conn: &mut SqliteConnection) -> Result<(), diesel::r2d2::Error> {
-        conn.batch_execute(
-            "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; \
-             PRAGMA busy_timeout = 5000; PRAGMA wal_autocheckpoint = 100000; PRAGMA journal_size_limit = 67108864; \
-             PRAGMA temp_store = MEMORY;",
-        )
-        .map_err(diesel::r2d2::Error::QueryError)
+        conn.batch_execute(PRAGMAS)
+            .map_err(diesel::r2d2::Error::QueryError)
     }
 }
 
