@@ -1047,7 +1047,7 @@ async fn warmed_daemon(
 /// WAL once, so that commits overwrite the WAL in place as they do in a daemon that has run a
 /// while (see `store::restart_wal`), not append to a WAL still growing from empty, which costs
 /// each fsync the file system's allocation of new blocks. The raw baseline's WAL, checkpointed
-/// by its own connection, is overwritten in place after its first 1,000 frames. Bounded by a
+/// between its timed commits, is overwritten in place once it has been warmed the same way. Bounded by a
 /// minute; the quick run skips it. How many turns it took.
 async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize, String> {
     if opts.quick {
