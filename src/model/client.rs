@@ -598,6 +598,9 @@ async fn one_call(
     if !is_sse {
         let max = config.max_response_bytes;
         let head = first.take().unwrap_or_default();
+        if head.len() > max {
+            return Err(ModelError::TooLarge(max));
+        }
         // The whole body against the bound: awc's own limit compares a Content-Length (the
         // whole body's) with it before reading.
         let rest = if ended {
