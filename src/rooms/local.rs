@@ -57,6 +57,19 @@ impl LocalSessionPort {
         row.map_err(|e| port_err(e.into()))
     }
 
+    /// What the attempt's ledger row says of it (see [`Self::attempt_row`]).
+    fn ledger(
+        &self,
+        session: SessionRef,
+        task: TaskIdentity,
+        read: (i64, bool),
+    ) -> PortFuture<'_, Option<LedgerAttempt>> {
+        Box::pin(async move {
+            let row = self.attempt_row(&session, &task, read).await?;
+            Ok(row.map(|row| ledger_of(&row)))
+        })
+    }
+
     pub fn new(authority: Authority, poll: Duration) -> Self {
         Self { authority, poll }
     }
@@ -435,12 +448,7 @@ impl SessionPort for LocalSessionPort {
         task: TaskIdentity,
         generation: i64,
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
-        Box::pin(async move {
-            let row = self
-                .attempt_row(&session, &task, (generation, true))
-                .await?;
-            Ok(row.map(|row| ledger_of(&row)))
-        })
+        self.ledger(session, task, (generation, true))
     }
 
     /// The attempt's ledger row: how it ended, with its result, or that it is `unknown`.
@@ -450,12 +458,7 @@ impl SessionPort for LocalSessionPort {
         task: TaskIdentity,
         generation: i64,
     ) -> PortFuture<'_, Option<LedgerAttempt>> {
-        Box::pin(async move {
-            let row = self
-                .attempt_row(&session, &task, (generation, false))
-                .await?;
-            Ok(row.map(|row| ledger_of(&row)))
-        })
+        self.ledger(session, task, (generation, false))
     }
 
     fn withdraw_queued(

@@ -2382,6 +2382,17 @@ async fn a_chat_completion_lost_to_a_crash_names_the_command_that_settles_it() {
     assert_eq!(model.reached("LOST"), 2);
 }
 
+/// The daemon's HTTP address (`host:port`) and its port.
+fn address_of(d: &Daemon) -> (String, u16) {
+    let addr = d.origin().trim_start_matches("http://").to_string();
+    let port: u16 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    (addr, port)
+}
+
 /// Does process `pid` hold the socket of the TCP connection between its `port` and the peer's
 /// `peer_port` (found by its inode in /proc/net/tcp)?
 fn holds_connection(pid: u32, port: u16, peer_port: u16) -> bool {
@@ -2480,12 +2491,7 @@ async fn a_long_poll_whose_client_left_ends_with_it() {
     let sid = api.session("left", &home.path).await;
     let a = api.submit(&sid, "waited", "HANG").await;
     wait_until("the turn runs", T, || model.reached("HANG") == 1).await;
-    let addr = d.origin().trim_start_matches("http://").to_string();
-    let port: u16 = addr
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("port");
+    let (addr, port) = address_of(&d);
     let mut poll = std::net::TcpStream::connect(&addr).expect("connect");
     write!(
         poll,
@@ -2531,12 +2537,7 @@ async fn a_stalled_event_stream_reader_is_cut_off_with_its_connection() {
     let d = Daemon::start(&home);
     let api = Api::new(&d, KEY);
     let sid = api.session("stalled", &home.path).await;
-    let addr = d.origin().trim_start_matches("http://").to_string();
-    let port: u16 = addr
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("port");
+    let (addr, port) = address_of(&d);
     let mut reader = std::net::TcpStream::connect(&addr).expect("connect");
     let small: libc::c_int = 4096;
     // SAFETY: setsockopt on a socket this test owns, with a c_int of the size given.
