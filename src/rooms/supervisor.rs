@@ -2163,39 +2163,20 @@ impl RoomRuntime {
                     // left the task running until its deadline. The member's own ledger, where
                     // there is one, tells again.
                     if port.keeps_ledger() && !running_for(&info, &task_id) {
-                        let ended = port
-                            .ledger_attempt(session, attempt.identity.clone(), generation)
-                            .await;
-                        if let Ok(Some(LedgerAttempt::Ended(receipt))) = ended {
-                            if matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
-                                let settlement =
-                                    settlement_from_ended(receipt, &task_id, generation);
-                                let (runtime, b, a) =
-                                    (self.clone(), binding.clone(), attempt.clone());
-                                let committed = tokio::task::spawn_blocking(move || {
-                                    runtime.commit_stopped_elsewhere(&b, &a, settlement)
-                                })
-                                .await
-                                .map_err(|e| {
-                                    RoomStoreError::Pool(format!("database worker failed: {e}"))
-                                })
-                                .and_then(|r| r);
-                                match committed {
-                                    Ok(_) => continue,
-                                    // A stop (or another report) got there first: the task, read
-                                    // again after the pause, says what it is now.
-                                    Err(RoomStoreError::StaleTask(_))
-                                    | Err(RoomStoreError::Conflict(_)) => {}
-                                    Err(error) if error.is_fence() || ended_by_disband(&error) => {
-                                        self.fenced(binding, &task_id, &error);
-                                        return None;
-                                    }
-                                    Err(error) => self.set_error(
-                                        &binding.room_id,
-                                        format!("task {task_id} terminal commit failed: {error}"),
-                                    ),
-                                }
+                        match self
+                            .settle_stopped_in_ledger(binding, attempt, port, session)
+                            .await
+                        {
+                            Ok(true) => continue,
+                            Ok(false) => {}
+                            Err(error) if error.is_fence() || ended_by_disband(&error) => {
+                                self.fenced(binding, &task_id, &error);
+                                return None;
                             }
+                            Err(error) => self.set_error(
+                                &binding.room_id,
+                                format!("task {task_id} terminal commit failed: {error}"),
+                            ),
                         }
                     }
                 }
@@ -2358,19 +2339,68 @@ impl RoomRuntime {
         Ok(view)
     }
 
+    /// A member turn stopped outside the room (interrupted, cancelled) is in no history: only
+    /// its terminal report tells, and a report whose commit failed left the task running until
+    /// its deadline. The member's own ledger tells again: the attempt is settled as the report
+    /// would have settled it. Whether it was (a stop, or another report, that got there first
+    /// is no error: the task, read again, says what it is now).
+    async fn settle_stopped_in_ledger(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        port: &dyn SessionPort,
+        session: SessionRef,
+    ) -> Result<bool, RoomStoreError> {
+        let generation = attempt.execution_generation;
+        let Ok(Some(LedgerAttempt::Ended(receipt))) = port
+            .ledger_attempt(session, attempt.identity.clone(), generation)
+            .await
+        else {
+            return Ok(false);
+        };
+        if !matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
+            return Ok(false);
+        }
+        let settlement = settlement_from_ended(receipt, &attempt.identity.task_id, generation);
+        let committed = self
+            .on_blocking(binding, attempt, move |runtime, binding, attempt| {
+                runtime.commit_stopped_elsewhere(binding, attempt, settlement)
+            })
+            .await;
+        match committed {
+            Ok(_) => Ok(true),
+            Err(RoomStoreError::StaleTask(_)) | Err(RoomStoreError::Conflict(_)) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
     async fn commit_receipt(
         &self,
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         settlement: Settlement,
     ) -> Result<TaskView, RoomStoreError> {
-        let runtime = self.clone();
-        let (binding, attempt) = (binding.clone(), attempt.clone());
-        tokio::task::spawn_blocking(move || {
-            runtime.commit_receipt_sync(&binding, &attempt, settlement)
+        self.on_blocking(binding, attempt, move |runtime, binding, attempt| {
+            runtime.commit_receipt_sync(binding, attempt, settlement)
         })
         .await
-        .map_err(|e| RoomStoreError::Pool(format!("database worker failed: {e}")))?
+    }
+
+    /// Run `commit` (a synchronous commit of the attempt's) on the blocking pool, not on the
+    /// thread that runs the rooms' passes and the session supervisors.
+    async fn on_blocking<T: Send + 'static>(
+        &self,
+        binding: &RoomBinding,
+        attempt: &TaskAttempt,
+        commit: impl FnOnce(&Self, &RoomBinding, &TaskAttempt) -> Result<T, RoomStoreError>
+            + Send
+            + 'static,
+    ) -> Result<T, RoomStoreError> {
+        let runtime = self.clone();
+        let (binding, attempt) = (binding.clone(), attempt.clone());
+        tokio::task::spawn_blocking(move || commit(&runtime, &binding, &attempt))
+            .await
+            .map_err(|e| RoomStoreError::Pool(format!("database worker failed: {e}")))?
     }
 
     /// Settle the attempt; if a stop intent got there first, the completion still wins while the
