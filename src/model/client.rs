@@ -282,14 +282,8 @@ impl Handler<ChatCall> for ModelClient {
 /// stopped), and nobody waits for the answer any more. Waited for, the call, its retries and
 /// its endpoint slot went on to the call's timeout.
 async fn wait_cancel(rx: &mut watch::Receiver<bool>) {
-    loop {
-        if *rx.borrow() {
-            return;
-        }
-        if rx.changed().await.is_err() {
-            return;
-        }
-    }
+    // Answers at a cancel, and with an error once the sender is gone: either ends the wait.
+    let _ = rx.wait_for(|cancelled| *cancelled).await;
 }
 
 /// The response, and whether it came plainly after the endpoint refused to stream.
@@ -1084,8 +1078,6 @@ mod tests {
         ));
     }
 
-    /// The request's bytes are the turn's body, with the streaming options when the call
-    /// streams; a body that names them already has them replaced, as before.
     /// A call's wait for its cancel ends when it is cancelled, or when its sender is gone;
     /// not while the sender lives.
     #[actix_rt::test]
@@ -1102,6 +1094,8 @@ mod tests {
         assert!(waited.is_ok(), "cancelled");
     }
 
+    /// The request's bytes are the turn's body, with the streaming options when the call
+    /// streams; a body that names them already has them replaced, as before.
     #[test]
     fn a_request_body_is_the_turns_body_with_the_streaming_options() {
         let call = |body: Value, stream: bool| ChatCall {

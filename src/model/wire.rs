@@ -172,8 +172,9 @@ pub struct StreamAccumulator {
     /// a fresh slot, and that index's later fragments belong to it.
     current: HashMap<i64, u32>,
     /// Where a slot made for a reused index comes in the answer: after every call there was
-    /// when it came (the largest index then, and how many such slots before it), as the calls
-    /// were streamed. Slots of their own index come in index order.
+    /// when it came (the largest index then, and how many such slots before it: that largest
+    /// index never falls), as the calls were streamed. Slots of their own index come in index
+    /// order.
     reused_at: HashMap<(i64, u32), (i64, u64)>,
     finish_reason: Option<String>,
     usage: Option<Usage>,
@@ -278,8 +279,7 @@ impl StreamAccumulator {
                         slot_index = (raw_index, reuse);
                         self.current.insert(raw_index, reuse);
                         let last = self.slots.keys().next_back().map_or(raw_index, |k| k.0);
-                        let after = self.reused_at.values().map(|o| o.0).max().unwrap_or(last);
-                        let place = (last.max(after), self.reused_at.len() as u64 + 1);
+                        let place = (last, self.reused_at.len() as u64 + 1);
                         self.reused_at.insert(slot_index, place);
                     }
                 }
