@@ -193,21 +193,19 @@ struct Daemon {
     child: Child,
     home: PathBuf,
     origin: String,
-    /// Stopped (and its home removed or kept) by [`Daemon::stop`] or [`Daemon::stop_keep_home`].
-    stopped: bool,
+    /// Its home is kept when it goes ([`Daemon::stop_keep_home`]).
+    keep_home: bool,
 }
 
-/// A daemon the bench let go of without stopping it (an error on the way, a panic) is killed
-/// and its home removed: a live daemon (holding 10,000 parked sessions, say) and a home with a
-/// store of a million admissions were left behind.
+/// A daemon goes with its process and (unless kept) its home, however the bench lets go of it:
+/// one dropped on an error or a panic was left running (holding 10,000 parked sessions, say),
+/// with its home (a store of a million admissions). Stopping it first is [`Daemon::stop`].
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if self.stopped {
-            return;
-        }
+        // Nothing to kill once it has stopped (its status is kept, and `wait` answers it).
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if !self.home.as_os_str().is_empty() {
+        if !self.keep_home {
             let _ = std::fs::remove_dir_all(&self.home);
         }
     }
@@ -290,7 +288,7 @@ impl Daemon {
                             child,
                             home: home.to_path_buf(),
                             origin,
-                            stopped: false,
+                            keep_home: false,
                         },
                         started.elapsed().as_secs_f64(),
                     ));
@@ -327,8 +325,8 @@ impl Daemon {
         cpu_seconds_of(&self.child.id().to_string())
     }
 
+    /// A graceful stop, given a minute (then it is killed), and its home removed.
     fn stop(mut self) {
-        self.stopped = true;
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
@@ -336,14 +334,10 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
-                let _ = std::fs::remove_dir_all(&self.home);
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.home);
     }
 }
 
@@ -1438,7 +1432,7 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
 
 impl Daemon {
     fn stop_keep_home(mut self) {
-        self.stopped = true;
+        self.keep_home = true;
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
