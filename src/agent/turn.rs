@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
@@ -817,13 +818,14 @@ impl Turn {
             }
         };
         match name {
-            "terminal" => self.terminal(&args).await,
+            "terminal" => self.terminal(args).await,
             "clarify" => self.clarify(&args).await,
             other => ToolResult::Output(format!("Tool '{other}' is not available")),
         }
     }
 
-    async fn terminal(&mut self, args: &Value) -> ToolResult {
+    /// `args` is dropped once read: a parked approval held its map (some 600 bytes) for good.
+    async fn terminal(&mut self, args: Value) -> ToolResult {
         let Some(command) = args
             .get("command")
             .and_then(|c| c.as_str())
@@ -856,6 +858,8 @@ impl Turn {
             .filter(|w| !w.trim().is_empty())
             .map(|w| session_cwd.join(w))
             .unwrap_or(session_cwd);
+        let asked_timeout = args.get("timeout").and_then(|t| t.as_f64());
+        drop(args);
         if touches_gateway_state(
             &command,
             &cwd,
@@ -1000,9 +1004,7 @@ impl Turn {
         }
         // The model may ask for less time, never more: `terminal.timeout` is the limit (it could
         // ask for ten times as much).
-        let timeout = args
-            .get("timeout")
-            .and_then(|t| t.as_f64())
+        let timeout = asked_timeout
             .filter(|t| *t > 0.0)
             .map_or(cfg.terminal.timeout, |t| t.min(cfg.terminal.timeout));
         let mut spec = CommandSpec::new(command, cwd);
@@ -1261,7 +1263,15 @@ impl Turn {
             self.ctx.generation,
             self.ctx.shared.now(),
         );
-        let (id, open_payload) = (prompt_id.clone(), payload.clone());
+        let shown = match serde_json::value::to_raw_value(&payload) {
+            Ok(raw) => raw,
+            Err(e) => {
+                tracing::error!(session = %self.ctx.root_id, generation, error = %e,
+                    "a prompt could not be written as JSON: not asked");
+                return Asked::Unrecorded;
+            }
+        };
+        let id = prompt_id.clone();
         let opened = self
             .ctx
             .shared
@@ -1275,7 +1285,7 @@ impl Turn {
                     &admission,
                     generation,
                     kind.as_str(),
-                    &open_payload,
+                    &payload,
                     now,
                 )
             })
@@ -1300,7 +1310,7 @@ impl Turn {
         tokio::pin!(wait);
         // What is shown goes to the supervisor, which hands it back with an answer the store
         // cannot record (held here as well, it cost every parked session a copy).
-        let mut shown = (payload, choices);
+        let mut shown = (shown, choices);
         loop {
             let (tx, rx) = oneshot::channel();
             let open = OpenPrompt {
@@ -1397,7 +1407,7 @@ impl Turn {
         &mut self,
         prompt_id: &str,
         answer: Answer,
-    ) -> Result<Asked, (Value, Vec<String>)> {
+    ) -> Result<Asked, (Box<RawValue>, Vec<String>)> {
         let Answer {
             answer,
             by,

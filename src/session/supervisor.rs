@@ -19,7 +19,7 @@ use futures_util::FutureExt;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
-use super::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
+use super::prompts::{Answer, OpenPrompt, OpenPrompts, PromptAnswer, PromptKind};
 use super::shared::Shared;
 use crate::agent::turn::{
     interrupted, run_turn, TurnCtx, TurnOutcome, TurnStart, WRITER_READ_ROWS,
@@ -123,7 +123,7 @@ pub struct SessionSupervisor {
     shared: Arc<Shared>,
     root_id: String,
     running: Option<Running>,
-    prompts: HashMap<String, OpenPrompt>,
+    prompts: OpenPrompts,
     subscribers: HashMap<u64, Recipient<PushEvent>>,
     outbox: Outbox,
     claiming: bool,
@@ -169,7 +169,7 @@ impl SessionSupervisor {
             shared,
             root_id,
             running: None,
-            prompts: HashMap::new(),
+            prompts: OpenPrompts::default(),
             subscribers: HashMap::new(),
             outbox: Outbox::default(),
             claiming: false,
@@ -319,6 +319,11 @@ impl SessionSupervisor {
                 self.outbox.sent = Some(sent);
                 self.row_frame(&row, frames);
             }
+        }
+        if self.outbox.waiting.is_empty() {
+            // A `BTreeMap` emptied by `remove` keeps its root node (about 1 KiB for these rows):
+            // every parked session held one for good.
+            self.outbox.waiting = BTreeMap::new();
         }
         if self.outbox.in_flight > 0 || self.outbox.catching_up {
             return;
@@ -776,38 +781,44 @@ impl SessionSupervisor {
             // Runs on this actor's thread: no interrupt is handled between the turn's last look
             // at its cancel flag and this.
             ended.set(true);
-            // A storage failure (disk full, database locked) must not strand the row `started`
-            // with nothing running it: keep the FIFO held and retry until the store is back.
-            let mut backoff = std::time::Duration::from_millis(100);
-            // Both are final once the turn has returned.
-            let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
-            let ran = unrecorded
-                .lock()
-                .map(|mut u| std::mem::take(&mut *u))
-                .unwrap_or_default();
-            loop {
-                match Box::pin(settle(
-                    &shared,
-                    &root,
-                    &admission_id,
-                    generation,
-                    &outcome,
-                    spent,
-                    ran.clone(),
-                ))
-                .await
-                {
-                    Err(
-                        e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
-                    ) => {
-                        tracing::warn!(session = %root, admission = %admission_id, generation, error = %e, ?backoff,
-                            "settlement failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            // The settlement in a box of its own, made once the turn is over: inline, its steps
+            // (the outcome twice, the retries) widened this future, which every parked session
+            // holds for its turn's whole life, by some 650 bytes.
+            Box::pin(async move {
+                // A storage failure (disk full, database locked) must not strand the row `started`
+                // with nothing running it: keep the FIFO held and retry until the store is back.
+                let mut backoff = std::time::Duration::from_millis(100);
+                // Both are final once the turn has returned.
+                let spent = usage.lock().map(|u| *u).unwrap_or((0, 0));
+                let ran = unrecorded
+                    .lock()
+                    .map(|mut u| std::mem::take(&mut *u))
+                    .unwrap_or_default();
+                loop {
+                    match Box::pin(settle(
+                        &shared,
+                        &root,
+                        &admission_id,
+                        generation,
+                        &outcome,
+                        spent,
+                        ran.clone(),
+                    ))
+                    .await
+                    {
+                        Err(
+                            e @ (StoreError::Database(_) | StoreError::Pool(_) | StoreError::Other(_)),
+                        ) => {
+                            tracing::warn!(session = %root, admission = %admission_id, generation, error = %e, ?backoff,
+                                "settlement failed; retrying");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                        }
+                        settled => break settled,
                     }
-                    settled => break settled,
                 }
-            }
+            })
+            .await
         };
         ctx.spawn(fut.into_actor(self).map(move |settled, act, ctx| {
             act.turn_finished(generation, settled, ctx);
@@ -830,12 +841,7 @@ impl SessionSupervisor {
                 .metrics
                 .turn_finished(r.started.elapsed().as_secs_f64());
         }
-        let stale: Vec<String> = self
-            .prompts
-            .iter()
-            .filter(|(_, p)| p.generation == generation)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let stale = self.prompts.ids_where(|p| p.generation == generation);
         for id in stale {
             self.retire_prompt(&id, "turn_ended", ctx);
         }
@@ -885,11 +891,20 @@ impl SessionSupervisor {
         let running = self.running.as_ref().map(|r| r.generation);
         let mut v: Vec<&OpenPrompt> = self
             .prompts
-            .values()
+            .iter()
             .filter(|p| Some(p.generation) == running)
             .collect();
         v.sort_by(|a, b| a.prompt_id.cmp(&b.prompt_id));
-        v.into_iter().map(|p| p.payload.clone()).collect()
+        v.into_iter()
+            .filter_map(|p| match serde_json::from_str(p.payload.get()) {
+                Ok(payload) => Some(payload),
+                Err(e) => {
+                    tracing::error!(session = %self.root_id, prompt = %p.prompt_id, error = %e,
+                        "an open prompt's JSON does not read back: left out of the snapshot");
+                    None
+                }
+            })
+            .collect()
     }
 }
 
@@ -1053,7 +1068,7 @@ impl actix::Supervised for SessionSupervisor {
         // in `begin_turn`).
         tracing::error!(session = %self.root_id, "session supervisor restarted");
         self.running = None;
-        for _ in self.prompts.drain() {
+        for _ in 0..self.prompts.clear() {
             self.shared.metrics.prompt_closed();
         }
         self.claiming = false;
@@ -1328,7 +1343,7 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         if running.is_some_and(|r| *r.cancel.borrow()) {
             return Err("interrupted");
         }
-        self.prompts.insert(p.prompt_id.clone(), p);
+        self.prompts.insert(p);
         self.shared.metrics.prompt_opened();
         Ok(())
     }
@@ -1455,12 +1470,7 @@ impl SessionSupervisor {
         if let PromptAnswer::Text(text) = &m.answer {
             self.shared.config.session.check_text("answer", text)?;
         }
-        let stale: Vec<String> = self
-            .prompts
-            .iter()
-            .filter(|(_, p)| Some(p.generation) != running)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let stale = self.prompts.ids_where(|p| Some(p.generation) != running);
         for id in stale {
             self.retire_prompt(&id, "stale", ctx);
         }
@@ -1634,7 +1644,7 @@ impl SessionSupervisor {
         if let Some(r) = &self.running {
             let _ = r.cancel.send(true);
         }
-        let open: Vec<String> = self.prompts.keys().cloned().collect();
+        let open = self.prompts.ids_where(|_| true);
         for id in open {
             self.retire_prompt(&id, resolution, ctx);
         }
