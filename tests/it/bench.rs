@@ -51,6 +51,17 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             .is_some_and(|r| r > 0.0),
         "{report}"
     );
+    // Ratios are against the faster of the two raw measurements.
+    let best = report["raw_commit"]["per_second"]
+        .as_f64()
+        .zip(report["raw_commit_end"]["per_second"].as_f64())
+        .map(|(a, b)| a.max(b));
+    let taken = report["raw_commit_best_per_second"].as_f64();
+    assert!(
+        best.zip(taken)
+            .is_some_and(|(b, t)| (b - t).abs() <= 0.01 * b),
+        "{report}"
+    );
     let admission = report["admission"].as_array().expect("admission");
     assert_eq!(
         admission
