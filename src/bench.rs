@@ -193,7 +193,7 @@ struct Daemon {
     child: Child,
     home: PathBuf,
     origin: String,
-    /// Its home is kept when it goes ([`Daemon::stop_keep_home`]).
+    /// Its home is kept when it goes ([`Daemon::kill_keep_home`]).
     keep_home: bool,
 }
 
@@ -1359,7 +1359,7 @@ async fn metrics(origin: &str) -> Result<std::collections::HashMap<String, f64>,
 }
 
 /// Time from process start to `ready` over a large ledger, and after a crash with started rows.
-fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
+async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     let home = daemon_home(&opts.dir, "recovery", model_url)?;
     let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
     let mut conn = pool.get().map_err(err)?;
@@ -1400,25 +1400,44 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     drop(conn);
     drop(pool);
     let (daemon, ready_large) = Daemon::start(&home)?;
-    daemon.stop_keep_home();
-    // A crash with 1,000 started rows (one per session, so each is the head of its FIFO).
-    let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
-    let mut conn = pool.get().map_err(err)?;
-    let started_rows = 1000.min(sessions);
-    let mut batch = String::from("BEGIN;");
-    for i in 0..started_rows {
-        let s = i % sessions;
-        batch.push_str(&format!(
-            "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, session_ordinal, \
-             payload_json, payload_digest, status, owner_epoch, execution_generation, created_at, updated_at) VALUES \
-             ('crash{i}', 'crash{i}', 'p', 's{s}', {}, '{{\"text\":\"x\"}}', 'c{i}', 'started', 1, 999999, {now}, {now});",
-            s + 1
-        ));
+    // A crash with 1,000 started rows: as many sessions of this daemon each run a turn that
+    // hangs at the model (its row `started`, at the head of its FIFO), and the daemon is killed
+    // (SIGKILL), then started again on the same store.
+    let started_rows = if opts.quick { 100 } else { 1000 };
+    let before = metric(&daemon.origin, "gatehouse_turns_started_total").await?;
+    let conns = 8;
+    let mut clients = Vec::new();
+    for _ in 0..conns {
+        clients.push(Client::connect(&home, &daemon.origin).await?);
     }
-    batch.push_str("COMMIT;");
-    conn.batch_execute(&batch).map_err(err)?;
-    drop(conn);
-    drop(pool);
+    let starts = clients.iter_mut().enumerate().map(|(k, c)| {
+        let home = &home;
+        async move {
+            for i in (k..started_rows).step_by(conns) {
+                let sid = c.session(&format!("crash-{i}"), home).await?;
+                c.call(
+                    "prompt.submit",
+                    json!({"session_id": sid, "input_id": "crash", "text": "HANG crash"}),
+                )
+                .await?;
+            }
+            Ok::<(), String>(())
+        }
+    });
+    for started in futures_util::future::join_all(starts).await {
+        started?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metric(&daemon.origin, "gatehouse_turns_started_total").await? - before
+        < started_rows as f64
+    {
+        if Instant::now() > deadline {
+            return Err("the crash's turns never all started".into());
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    daemon.kill_keep_home();
+    drop(clients);
     let (daemon, ready_crash) = Daemon::start(&home)?;
     let unknown = control(&home, "status", json!({}))?["admissions"]["unknown"]
         .as_i64()
@@ -1431,12 +1450,10 @@ fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
 }
 
 impl Daemon {
-    fn stop_keep_home(mut self) {
+    /// A crash: SIGKILL, its home kept for the next start.
+    fn kill_keep_home(mut self) {
         self.keep_home = true;
-        // SAFETY: signalling our own child.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
+        let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
@@ -1488,7 +1505,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         (Value::Null, Value::Null)
     };
     let rec = if opts.wants("recovery") {
-        recovery(&opts, &model_url)?
+        recovery(&opts, &model_url).await?
     } else {
         Value::Null
     };
