@@ -320,9 +320,10 @@ impl Daemon {
         (field("VmRSS:"), field("VmHWM:"))
     }
 
-    /// CPU time (user and system) the daemon has used so far.
+    /// CPU time (user and system) the daemon has used so far, with that of the children it has
+    /// waited for (the terminal tool's shells): a tool turn's `bash` is the daemon's doing.
     fn cpu_seconds(&self) -> f64 {
-        cpu_seconds_of(&self.child.id().to_string())
+        cpu_seconds_of(&self.child.id().to_string(), true)
     }
 
     /// A graceful stop, given a minute (then it is killed), and its home removed.
@@ -679,11 +680,12 @@ where
     F: std::future::Future<Output = Result<Vec<f64>, String>>,
 {
     let commits = metric(&daemon.origin, DB_COMMITS).await?;
-    let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self"));
+    // The bench's own leaves its waited-for children out: those are the daemons it stopped.
+    let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self", false));
     let machine = MachineTicks::now();
     let mut summary = measure(clients).await?;
     let spent = daemon.cpu_seconds() - cpu;
-    let own = cpu_seconds_of("self") - own;
+    let own = cpu_seconds_of("self", false) - own;
     if let Some(stolen) = MachineTicks::stolen_percent_since(machine) {
         summary["stolen_percent"] = json!(round(stolen));
     }
@@ -695,16 +697,18 @@ where
     Ok(summary)
 }
 
-/// CPU time (user and system, all threads) process `pid` (or `self`) has used so far.
-fn cpu_seconds_of(pid: &str) -> f64 {
+/// CPU time (user and system, all threads) process `pid` (or `self`) has used so far, with
+/// `children` that of the children it has waited for too.
+fn cpu_seconds_of(pid: &str, children: bool) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which is in parentheses and may hold spaces):
-    // utime and stime are the 12th and 13th, in clock ticks.
+    // utime and stime are the 12th and 13th, in clock ticks, then cutime and cstime (the
+    // children waited for).
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
     let ticks: u64 = rest
         .split_whitespace()
         .skip(11)
-        .take(2)
+        .take(if children { 4 } else { 2 })
         .filter_map(|v| v.parse::<u64>().ok())
         .sum();
     // SAFETY: sysconf has no preconditions.
