@@ -879,10 +879,8 @@ async fn admissions(
     let ping = measure(pings).await;
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await?;
     daemon.stop();
-    Ok(
-        json!({"ack": ack?, "replay": replay?, "ping": ping?, "warm_up_turns": warm,
-              "wal_restarts": restarts}),
-    )
+    Ok(warm
+        .record(json!({"ack": ack?, "replay": replay?, "ping": ping?, "wal_restarts": restarts})))
 }
 
 /// Submit inputs `in-0` .. `in-{n-1}` (queued behind a hanging head) one after the other: each
@@ -941,8 +939,7 @@ async fn turns(
     }
     let restarts = metric(&daemon.origin, WAL_RESTARTS).await;
     daemon.stop();
-    let mut report = report?;
-    report["warm_up_turns"] = json!(warm);
+    let mut report = warm.record(report?);
     report["wal_restarts"] = json!(restarts?);
     Ok(report)
 }
@@ -979,9 +976,7 @@ async fn room_tasks(
         commits_per_turn(r);
     }
     daemon.stop();
-    let mut report = report?;
-    report["warm_up_turns"] = json!(warm);
-    Ok(report)
+    Ok(warm.record(report?))
 }
 
 /// The member profile of the room section's `i`th client.
@@ -1034,7 +1029,7 @@ async fn warmed_daemon(
     opts: &BenchOptions,
     model_url: &str,
     name: &str,
-) -> Result<(PathBuf, Daemon, usize), String> {
+) -> Result<(PathBuf, Daemon, Warm), String> {
     let home = daemon_home(&opts.dir, name, model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let warm = warm_up(opts, &home, &daemon.origin).await?;
@@ -1046,10 +1041,13 @@ async fn warmed_daemon(
 /// while (see `store::restart_wal`), not append to a WAL still growing from empty, which costs
 /// each fsync the file system's allocation of new blocks. The raw baseline's WAL, checkpointed
 /// between its timed commits, is overwritten in place once it has been warmed the same way. Bounded by a
-/// minute; the quick run skips it. How many turns it took.
-async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize, String> {
+/// minute; the quick run skips it.
+async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<Warm, String> {
     if opts.quick {
-        return Ok(0);
+        return Ok(Warm {
+            turns: 0,
+            restarted: None,
+        });
     }
     let mut c = Client::connect(home, origin).await?;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1061,7 +1059,43 @@ async fn warm_up(opts: &BenchOptions, home: &Path, origin: &str) -> Result<usize
         }
         done += TURNS_PER_SESSION;
     }
-    Ok(done)
+    Ok(Warm {
+        turns: done,
+        restarted: Some(metric(origin, WAL_RESTARTS).await? >= 1.0),
+    })
+}
+
+/// What a section's warm-up did: its turns, and whether the daemon had restarted its WAL by its
+/// end (`None`: the quick run warms nothing). A section measured without it ran its commits on
+/// a WAL still growing, and the table says so.
+struct Warm {
+    turns: usize,
+    restarted: Option<bool>,
+}
+
+impl Warm {
+    fn record(&self, mut report: Value) -> Value {
+        report["warm_up_turns"] = json!(self.turns);
+        report["warmed"] = json!(self.restarted);
+        report
+    }
+}
+
+/// The table's line for a section's rows whose warm-up did not restart the WAL (`warmed` false),
+/// if any.
+fn cold_note(sessions: &[(Value, Value)]) -> String {
+    let cold: Vec<String> = sessions
+        .iter()
+        .filter(|(_, warmed)| *warmed == json!(false))
+        .map(|(n, _)| cell(n))
+        .collect();
+    if cold.is_empty() {
+        return String::new();
+    }
+    format!(
+        "  cold at {}: the warm-up did not restart the WAL within its minute (commits appended to a WAL still growing)\n",
+        cold.join(", ")
+    )
 }
 
 /// What a trivial turn submits: the fake model answers it at once.
@@ -1623,6 +1657,13 @@ pub fn table(r: &Value) -> String {
             cell(&a["ack"]["stolen_percent"])
         ));
     }
+    let admission: Vec<(Value, Value)> = r["admission"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| (a["sessions"].clone(), a["warmed"].clone()))
+        .collect();
+    out.push_str(&cold_note(&admission));
     for (section, title) in TURN_TABLES {
         out.push_str(&format!("\n{title}\n{TURN_COLUMNS}\n"));
         for t in r[section].as_array().cloned().unwrap_or_default() {
@@ -1640,6 +1681,13 @@ pub fn table(r: &Value) -> String {
                 cell(&t["turn"]["stolen_percent"])
             ));
         }
+        let rows: Vec<(Value, Value)> = r[section]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| (t["sessions"].clone(), t["turn"]["warmed"].clone()))
+            .collect();
+        out.push_str(&cold_note(&rows));
     }
     let i = &r["isolation"];
     if !i.is_null() {
@@ -1733,5 +1781,27 @@ mod tests {
             Incoming::default()
         );
         assert!(Incoming::parse(b"{not json").is_err());
+    }
+
+    /// A section measured before its daemon restarted its WAL is named under its table; a warm
+    /// one, or a quick run's (which warms nothing), is not.
+    #[test]
+    fn sections_measured_on_a_growing_wal_are_flagged_in_the_table() {
+        let report = json!({
+            "admission": [
+                {"sessions": 1, "warmed": true},
+                {"sessions": 256, "warmed": false},
+            ],
+            "turn": [
+                {"sessions": 16, "turn": {"warmed": false}},
+                {"sessions": 256, "turn": {"warmed": null}},
+            ],
+            "room": [{"sessions": 1, "turn": {"warmed": true}}],
+        });
+        let table = super::table(&report);
+        let cold: Vec<&str> = table.lines().filter(|l| l.contains("cold at")).collect();
+        assert_eq!(cold.len(), 2, "{table}");
+        assert!(cold[0].starts_with("  cold at 256:"), "{table}");
+        assert!(cold[1].starts_with("  cold at 16:"), "{table}");
     }
 }
