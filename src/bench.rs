@@ -1250,7 +1250,7 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let warm = if opts.quick { 5 } else { 100 };
     healthy_round(&alone_home, &alone_daemon.origin, 0, warm).await?;
     healthy_round(&home, &daemon.origin, 0, warm).await?;
-    let before_park = daemon.rss_kib();
+    let before_park = settled_rss(&daemon).await;
     // Park N sessions on approval prompts, spread over a few connections.
     let conns = (opts.parked / 200).clamp(1, 64);
     let mut parkers = Vec::new();
@@ -1305,7 +1305,7 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         }
         actix_rt::time::sleep(Duration::from_millis(20)).await;
     }
-    let parked_rss = daemon.rss_kib();
+    let parked_rss = settled_rss(&daemon).await;
     let (mut alone, mut loaded) = (Rounds::default(), Rounds::default());
     let mut background_cpu = 0.0;
     for r in 1..=rounds {
@@ -1353,6 +1353,23 @@ fn progress(what: &str) {
 
 async fn metric(origin: &str, name: &str) -> Result<f64, String> {
     Ok(metrics(origin).await?.get(name).copied().unwrap_or(0.0))
+}
+
+/// The daemon's RSS (and peak) once it has stopped falling: the allocator gives memory freed by
+/// what just ran (a round of healthy turns) back to the system a little later, and a reading
+/// taken before that counted it against what came next (the parked sessions, whose figure it
+/// lowered). Read every 100 ms until a reading is no lower than the one before, at most 5 s.
+async fn settled_rss(daemon: &Daemon) -> (u64, u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut last = daemon.rss_kib();
+    loop {
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        let now = daemon.rss_kib();
+        if now.0 >= last.0 || Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
 }
 
 /// Wait until the daemon writes nothing for a few polls in a row.
