@@ -239,7 +239,7 @@ fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
     }
     let config = json!({
         "model": {"provider": "custom", "default": "bench-model", "base_url": model_url, "stream": false,
-                  "max_retries": 0, "max_concurrent_requests": 512},
+                  "max_retries": 0, "max_concurrent_requests": 1024},
         "approvals": {"mode": "manual", "timeout": 3600},
         "platform_toolsets": {"cli": ["terminal"]},
         "session": {"max_queued_admissions": 1_000_000},
@@ -1024,7 +1024,7 @@ fn commits_per_turn(r: &mut Value) {
     }
 }
 
-/// A daemon on a fresh home, [`warm_up`] done; how many turns that took.
+/// A daemon on a fresh home, [`warm_up`] done; what it did.
 async fn warmed_daemon(
     opts: &BenchOptions,
     model_url: &str,
@@ -1358,18 +1358,24 @@ async fn metric(origin: &str, name: &str) -> Result<f64, String> {
 /// The daemon's RSS (and peak) once it has stopped falling: the allocator gives memory freed by
 /// what just ran (a round of healthy turns) back to the system a little later, and a reading
 /// taken before that counted it against what came next (the parked sessions, whose figure it
-/// lowered). Read every 100 ms until a reading is no lower than the one before, at most 5 s.
+/// lowered). Read every 100 ms until five readings in a row (half a second: longer than the
+/// daemon's purge delay of 100 ms and its collector's period of 250 ms together) have not
+/// fallen, at most 5 s.
 async fn settled_rss(daemon: &Daemon) -> (u64, u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut last = daemon.rss_kib();
-    loop {
+    let mut still = 0;
+    while still < 5 && Instant::now() < deadline {
         actix_rt::time::sleep(Duration::from_millis(100)).await;
         let now = daemon.rss_kib();
-        if now.0 >= last.0 || Instant::now() > deadline {
-            return now;
+        if now.0 < last.0 {
+            still = 0;
+        } else {
+            still += 1;
         }
         last = now;
     }
+    last
 }
 
 /// Wait until the daemon writes nothing for a few polls in a row.

@@ -63,6 +63,16 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         "{report}"
     );
     let admission = report["admission"].as_array().expect("admission");
+    assert!(
+        admission.iter().all(|a| {
+            let rate = a["ack"]["per_second"].as_f64();
+            let ratio = a["ratio_to_raw_commit"].as_f64();
+            rate.zip(ratio)
+                .zip(taken)
+                .is_some_and(|((rate, ratio), best)| (rate / best - ratio).abs() < 0.01)
+        }),
+        "{report}"
+    );
     assert_eq!(
         admission
             .iter()
