@@ -1081,13 +1081,15 @@ impl Warm {
     }
 }
 
-/// The table's line for a section's rows whose warm-up did not restart the WAL (`warmed` false),
-/// if any.
-fn cold_note(sessions: &[(Value, Value)]) -> String {
-    let cold: Vec<String> = sessions
-        .iter()
-        .filter(|(_, warmed)| *warmed == json!(false))
-        .map(|(n, _)| cell(n))
+/// The table's line for a section's `rows` whose warm-up did not restart the WAL (`warmed`,
+/// found in a row by `summary`, false), if any.
+fn cold_note(rows: &Value, summary: fn(&Value) -> &Value) -> String {
+    let cold: Vec<String> = rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|row| summary(row)["warmed"] == json!(false))
+        .map(|row| cell(&row["sessions"]))
         .collect();
     if cold.is_empty() {
         return String::new();
@@ -1269,17 +1271,14 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         parked += 1;
     }
     // Wait until every parked turn shows its prompt.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let m = metrics(&daemon.origin).await?;
-        if m.get("gatehouse_prompts_open").copied().unwrap_or(0.0) as usize >= parked {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err("parked sessions never all showed their prompts".into());
-        }
-        actix_rt::time::sleep(Duration::from_millis(100)).await;
-    }
+    metric_reaches(
+        &daemon.origin,
+        "gatehouse_prompts_open",
+        parked as f64,
+        (Duration::from_secs(600), Duration::from_millis(100)),
+        "parked sessions never all showed their prompts",
+    )
+    .await?;
     // Parking is over when its last writes (prompt records, events) are: measuring while they
     // drain would charge the parking itself to the loaded rounds.
     quiesce(&daemon.origin).await?;
@@ -1298,13 +1297,14 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     )
     .await?;
     // Measured once the member's turn hangs at the model.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while metric(&daemon.origin, "gatehouse_turns_started_total").await? < turns_before + 1.0 {
-        if Instant::now() > deadline {
-            return Err("the hung room's member turn never started".into());
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    metric_reaches(
+        &daemon.origin,
+        "gatehouse_turns_started_total",
+        turns_before + 1.0,
+        (Duration::from_secs(120), Duration::from_millis(20)),
+        "the hung room's member turn never started",
+    )
+    .await?;
     let parked_rss = settled_rss(&daemon).await;
     let (mut alone, mut loaded) = (Rounds::default(), Rounds::default());
     let mut background_cpu = 0.0;
@@ -1353,6 +1353,25 @@ fn progress(what: &str) {
 
 async fn metric(origin: &str, name: &str) -> Result<f64, String> {
     Ok(metrics(origin).await?.get(name).copied().unwrap_or(0.0))
+}
+
+/// Wait until the daemon's metric `name` is at least `target`, reading it every `every`; `Err`
+/// saying `never` after `within`.
+async fn metric_reaches(
+    origin: &str,
+    name: &str,
+    target: f64,
+    (within, every): (Duration, Duration),
+    never: &str,
+) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    while metric(origin, name).await? < target {
+        if Instant::now() > deadline {
+            return Err(never.into());
+        }
+        actix_rt::time::sleep(every).await;
+    }
+    Ok(())
 }
 
 /// The daemon's RSS (and peak) once it has stopped falling: the allocator gives memory freed by
@@ -1488,15 +1507,14 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     for started in futures_util::future::join_all(starts).await {
         started?;
     }
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metric(&daemon.origin, "gatehouse_turns_started_total").await? - before
-        < started_rows as f64
-    {
-        if Instant::now() > deadline {
-            return Err("the crash's turns never all started".into());
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    metric_reaches(
+        &daemon.origin,
+        "gatehouse_turns_started_total",
+        before + started_rows as f64,
+        (Duration::from_secs(300), Duration::from_millis(20)),
+        "the crash's turns never all started",
+    )
+    .await?;
     daemon.kill_keep_home();
     drop(clients);
     let (daemon, ready_crash) = Daemon::start(&home)?;
@@ -1680,13 +1698,7 @@ pub fn table(r: &Value) -> String {
             cell(&a["ack"]["stolen_percent"])
         ));
     }
-    let admission: Vec<(Value, Value)> = r["admission"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|a| (a["sessions"].clone(), a["warmed"].clone()))
-        .collect();
-    out.push_str(&cold_note(&admission));
+    out.push_str(&cold_note(&r["admission"], |a| a));
     for (section, title) in TURN_TABLES {
         out.push_str(&format!("\n{title}\n{TURN_COLUMNS}\n"));
         for t in r[section].as_array().cloned().unwrap_or_default() {
@@ -1704,13 +1716,7 @@ pub fn table(r: &Value) -> String {
                 cell(&t["turn"]["stolen_percent"])
             ));
         }
-        let rows: Vec<(Value, Value)> = r[section]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|t| (t["sessions"].clone(), t["turn"]["warmed"].clone()))
-            .collect();
-        out.push_str(&cold_note(&rows));
+        out.push_str(&cold_note(&r[section], |t| &t["turn"]));
     }
     let i = &r["isolation"];
     if !i.is_null() {
