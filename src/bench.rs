@@ -1479,30 +1479,61 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     }
     drop(conn);
     drop(pool);
+    // Ready over the large store twice: with its files in the operating system's page cache (as
+    // the bench just wrote them, or as a restart finds them), then read from the disk.
     let (daemon, ready_large) = Daemon::start(&home)?;
+    daemon.stop_keep_home();
+    let cached_large = drop_store_cache(&home)?;
+    let (daemon, ready_large_cold) = Daemon::start(&home)?;
     // A crash with 1,000 started rows: as many sessions of this daemon each run a turn that
     // hangs at the model (its row `started`, at the head of its FIFO), and the daemon is killed
-    // (SIGKILL), then started again on the same store.
+    // (SIGKILL), then started again on the same store: first with the store's pages still in
+    // the page cache, as after a process crash; then again, 1,000 sessions more, read from the
+    // disk, as after a power loss.
     let started_rows = if opts.quick { 100 } else { 1000 };
+    let (daemon, (ready_crash, _), unknown) =
+        crash(daemon, &home, "crash", started_rows, false).await?;
+    let (daemon, (ready_crash_cold, cached_crash), unknown_cold) =
+        crash(daemon, &home, "power", started_rows, true).await?;
+    daemon.stop();
+    Ok(json!({
+        "admissions": n, "sessions": sessions, "ready_seconds": round(ready_large),
+        "ready_cold_seconds": round(ready_large_cold), "cached_after_drop": round(cached_large),
+        "crash_started_rows": started_rows, "crash_ready_seconds": round(ready_crash),
+        "unknown_after_crash": unknown, "crash_cold_ready_seconds": round(ready_crash_cold),
+        "cached_after_crash_drop": round(cached_crash),
+        "unknown_after_cold_crash": unknown_cold - unknown,
+    }))
+}
+
+/// Start `rows` turns that hang at the model, each in a session of its own (named from
+/// `name`), kill the daemon once all have started, and start it again on the same store (with
+/// `cold`, its files dropped from the page cache first): the new daemon, the seconds to its
+/// `ready` (with `cold`, beside the share of the store's pages still cached when it started),
+/// and how many admissions are then `unknown`.
+async fn crash(
+    daemon: Daemon,
+    home: &Path,
+    name: &str,
+    rows: usize,
+    cold: bool,
+) -> Result<(Daemon, (f64, f64), i64), String> {
     let before = metric(&daemon.origin, "gatehouse_turns_started_total").await?;
     let conns = 8;
     let mut clients = Vec::new();
     for _ in 0..conns {
-        clients.push(Client::connect(&home, &daemon.origin).await?);
+        clients.push(Client::connect(home, &daemon.origin).await?);
     }
-    let starts = clients.iter_mut().enumerate().map(|(k, c)| {
-        let home = &home;
-        async move {
-            for i in (k..started_rows).step_by(conns) {
-                let sid = c.session(&format!("crash-{i}"), home).await?;
-                c.call(
-                    "prompt.submit",
-                    json!({"session_id": sid, "input_id": "crash", "text": "HANG crash"}),
-                )
-                .await?;
-            }
-            Ok::<(), String>(())
+    let starts = clients.iter_mut().enumerate().map(|(k, c)| async move {
+        for i in (k..rows).step_by(conns) {
+            let sid = c.session(&format!("{name}-{i}"), home).await?;
+            c.call(
+                "prompt.submit",
+                json!({"session_id": sid, "input_id": "crash", "text": "HANG crash"}),
+            )
+            .await?;
         }
+        Ok::<(), String>(())
     });
     for started in futures_util::future::join_all(starts).await {
         started?;
@@ -1510,22 +1541,92 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     metric_reaches(
         &daemon.origin,
         "gatehouse_turns_started_total",
-        before + started_rows as f64,
+        before + rows as f64,
         (Duration::from_secs(300), Duration::from_millis(20)),
         "the crash's turns never all started",
     )
     .await?;
     daemon.kill_keep_home();
     drop(clients);
-    let (daemon, ready_crash) = Daemon::start(&home)?;
-    let unknown = control(&home, "status", json!({}))?["admissions"]["unknown"]
+    let cached = if cold { drop_store_cache(home)? } else { 1.0 };
+    let (daemon, ready) = Daemon::start(home)?;
+    let unknown = control(home, "status", json!({}))?["admissions"]["unknown"]
         .as_i64()
         .unwrap_or(0);
-    daemon.stop();
-    Ok(json!({
-        "admissions": n, "sessions": sessions, "ready_seconds": round(ready_large),
-        "crash_started_rows": started_rows, "crash_ready_seconds": round(ready_crash), "unknown_after_crash": unknown,
-    }))
+    Ok((daemon, (ready, cached), unknown))
+}
+
+/// Write the store's dirty pages out and drop its files (the database, its WAL and WAL index)
+/// from the operating system's page cache (`posix_fadvise(DONTNEED)`), so that the daemon
+/// started next reads its store from the disk, as after a power loss rather than a process
+/// crash. The kernel may keep some pages (those another process maps; all of them on a file
+/// system in memory such as tmpfs): the share of the files' pages still cached afterwards is
+/// returned, and reported beside the figure it bears on.
+fn drop_store_cache(home: &Path) -> Result<f64, String> {
+    use std::os::fd::AsRawFd;
+    let (mut cached, mut pages) = (0usize, 0usize);
+    for name in ["state.db", "state.db-wal", "state.db-shm"] {
+        let file = match std::fs::File::open(home.join(name)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{name}: {e}")),
+        };
+        // Dirty pages are not dropped: written out first.
+        file.sync_all().map_err(|e| format!("{name}: {e}"))?;
+        // SAFETY: advice on an open descriptor of ours; it changes no data.
+        let advised =
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if advised != 0 {
+            return Err(format!(
+                "{name}: posix_fadvise: {}",
+                std::io::Error::from_raw_os_error(advised)
+            ));
+        }
+        let (c, p) = cached_pages(&file).map_err(|e| format!("{name}: {e}"))?;
+        cached += c;
+        pages += p;
+    }
+    Ok(if pages == 0 {
+        0.0
+    } else {
+        cached as f64 / pages as f64
+    })
+}
+
+/// How many of `file`'s pages are in the page cache, and how many it has (`mincore` over a
+/// mapping of it, which reads none of them).
+fn cached_pages(file: &std::fs::File) -> std::io::Result<(usize, usize)> {
+    use std::os::fd::AsRawFd;
+    let len = usize::try_from(file.metadata()?.len()).unwrap_or(usize::MAX);
+    if len == 0 {
+        return Ok((0, 0));
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let pages = len.div_ceil(page);
+    let mut resident = vec![0u8; pages];
+    // SAFETY: a private read-only mapping of an open file, of its length, unmapped below; nothing
+    // reads through it (mincore only asks the kernel which of its pages are cached).
+    unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        if map == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let asked = libc::mincore(map, len, resident.as_mut_ptr());
+        let err = std::io::Error::last_os_error();
+        libc::munmap(map, len);
+        if asked != 0 {
+            return Err(err);
+        }
+    }
+    Ok((resident.iter().filter(|r| *r & 1 == 1).count(), pages))
 }
 
 impl Daemon {
@@ -1534,6 +1635,12 @@ impl Daemon {
         self.keep_home = true;
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// A graceful stop ([`Daemon::stop`]), its home kept for the next start.
+    fn stop_keep_home(mut self) {
+        self.keep_home = true;
+        self.stop();
     }
 }
 
@@ -1740,11 +1847,32 @@ pub fn table(r: &Value) -> String {
     let rc = &r["recovery"];
     if !rc.is_null() {
         out.push_str(&format!(
-        "recovery: ready in {} s over {} admissions / {} sessions; after a crash with {} started rows: {} s ({} unknown)\n",
-        rc["ready_seconds"], rc["admissions"], rc["sessions"], rc["crash_started_rows"], rc["crash_ready_seconds"], rc["unknown_after_crash"]
-    ));
+            "recovery: ready in {} s over {} admissions / {} sessions ({} s read from the disk{}); \
+             after a crash with {} started rows: {} s ({} unknown); after another, read from the \
+             disk as after a power loss: {} s ({} unknown{})\n",
+            rc["ready_seconds"],
+            rc["admissions"],
+            rc["sessions"],
+            rc["ready_cold_seconds"],
+            still_cached(&rc["cached_after_drop"]),
+            rc["crash_started_rows"],
+            rc["crash_ready_seconds"],
+            rc["unknown_after_crash"],
+            rc["crash_cold_ready_seconds"],
+            rc["unknown_after_cold_crash"],
+            still_cached(&rc["cached_after_crash_drop"]),
+        ));
     }
     out
+}
+
+/// Said of a store whose pages stayed cached when they were to be read from the disk: past a
+/// tenth of them, the share (the figure is then not a cold one).
+fn still_cached(share: &Value) -> String {
+    match share.as_f64() {
+        Some(s) if s > 0.1 => format!(", but {:.0} % of its pages stayed cached", s * 100.0),
+        _ => String::new(),
+    }
 }
 
 #[cfg(test)]
@@ -1814,6 +1942,30 @@ mod tests {
 
     /// A section measured before its daemon restarted its WAL is named under its table; a warm
     /// one, or a quick run's (which warms nothing), is not.
+    #[test]
+    fn a_store_dropped_from_the_page_cache_reports_the_share_left_cached() {
+        use super::{cached_pages, drop_store_cache};
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        // No store files: nothing to drop.
+        assert_eq!(drop_store_cache(dir.path()), Ok(0.0));
+        let path = dir.path().join("state.db");
+        std::fs::write(&path, vec![7u8; 40_000]).expect("write");
+        assert_eq!(std::fs::read(&path).expect("read").len(), 40_000);
+        let file = std::fs::File::open(&path).expect("open");
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let pages = 40_000usize.div_ceil(page);
+        // Just read: every page is cached.
+        assert_eq!(cached_pages(&file).expect("mincore"), (pages, pages));
+        // What the kernel dropped is its choice (on tmpfs, nothing): the share is what is left.
+        let share = drop_store_cache(dir.path()).expect("drop");
+        let (cached, counted) = cached_pages(&file).expect("mincore");
+        assert_eq!(counted, pages);
+        assert_eq!(share, cached as f64 / pages as f64);
+        // The file is unchanged.
+        assert_eq!(std::fs::read(&path).expect("read"), vec![7u8; 40_000]);
+    }
+
     #[test]
     fn sections_measured_on_a_growing_wal_are_flagged_in_the_table() {
         let report = json!({
