@@ -388,6 +388,23 @@ pub fn all_rules_compiled() -> bool {
         && hardline_rules().len() == HARDLINE_DEFS.len()
 }
 
+/// Every key a command can be matched by (the rule tables' and the gateway's own).
+#[cfg(test)]
+pub fn all_keys() -> Vec<&'static str> {
+    RULE_DEFS
+        .iter()
+        .chain(SHELL_RULE_DEFS)
+        .chain(HARDLINE_DEFS)
+        .map(|d| d.key)
+        .chain([
+            GATEWAY_STATE.key,
+            GATEWAY_PROCESS.key,
+            BACKGROUND.key,
+            UNREAD_EXPANSION.key,
+        ])
+        .collect()
+}
+
 fn rules() -> &'static [Rule] {
     static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
     RULES.get_or_init(|| compile(RULE_DEFS))
@@ -417,19 +434,163 @@ fn matches(rule: &Rule) -> DangerMatch {
 /// A third text, when it differs, reads the words the shell builds from a brace list or `$IFS`:
 /// `{rm,-rf,~}` and `rm${IFS}-rf${IFS}~` run `rm -rf ~`, and no rule saw a command there.
 /// Also whether a brace group was left as written (see [`MAX_EXPANSION`]).
-fn variants(command: &str) -> (Vec<String>, bool) {
-    let normalized = normalize(command);
-    let unquoted: String = normalized
-        .chars()
-        .filter(|c| !matches!(c, '\'' | '"' | '\\'))
-        .collect();
-    let mut unread = false;
-    let expanded = expanded_words(&unquoted, &mut unread);
-    let mut texts = vec![normalized, unquoted];
-    if let Some(expanded) = expanded {
-        texts.push(expanded);
+///
+/// Each of these is read from two normalized texts when they differ: [`normalize`]'s, which
+/// drops terminal escape sequences, and [`normalize_as_run`]'s, which reads the command as the
+/// shell does, where an escape character is one character like any other and the text around
+/// it runs: `printf '\e]'; rm -rf ~` runs `rm -rf ~`, which the first text, its escape
+/// sequence left open to the end, had dropped. The texts that follow the first two come from
+/// each in turn.
+fn variants(command: &str) -> Texts {
+    let mut bases = vec![normalize(command)];
+    let as_run = normalize_as_run(command);
+    if as_run != bases[0] {
+        bases.push(as_run);
     }
-    (texts, unread)
+    let mut unread = false;
+    let mut derived = Vec::new();
+    for base in &bases {
+        let unquoted: String = base
+            .chars()
+            .filter(|c| !matches!(c, '\'' | '"' | '\\'))
+            .collect();
+        let expanded = expanded_words(&unquoted, &mut unread);
+        // `$'…'` and `$"…"` are quotes too: `r$''m` and `$'\x72m'` run `rm`.
+        if let Some(decoded) = ansi_c_decoded(base) {
+            derived.push(normalize_as_run(&decoded).replace(['\'', '"'], ""));
+        }
+        derived.push(unquoted);
+        derived.extend(expanded);
+    }
+    let read_by_shell = bases.len();
+    bases.extend(derived);
+    Texts {
+        all: bases,
+        read_by_shell,
+        unread,
+    }
+}
+
+/// What a command is checked as (see [`variants`]).
+struct Texts {
+    all: Vec<String>,
+    /// How many of `all`, from the first, are normalized texts, which the shell rules read as
+    /// the shell splits them (the rest have had their quotes removed).
+    read_by_shell: usize,
+    /// A brace group was left as written (see [`MAX_EXPANSION`]).
+    unread: bool,
+}
+
+/// `text` with each `$'…'` written as the characters it stands for (the shell's ANSI-C
+/// quoting: `\xHH`, `\NNN`, `\uHHHH`, `\n` and the rest) and the `$` of each `$"…"` dropped;
+/// `None` when it has neither. The quotes themselves are kept, to be removed as others are.
+pub(crate) fn ansi_c_decoded(text: &str) -> Option<String> {
+    if !(text.contains("$'") || text.contains("$\"")) {
+        return None;
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    let (mut single, mut double) = (false, false);
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if !single => {
+                // An escaped character is itself (a `$` after it starts no quote).
+                out.push(c);
+                out.extend(chars.next());
+            }
+            '\'' if !double => {
+                single = !single;
+                out.push(c);
+            }
+            '"' if !single => {
+                double = !double;
+                out.push(c);
+            }
+            '$' if !single && !double && chars.peek() == Some(&'"') => {}
+            '$' if !single && !double && chars.peek() == Some(&'\'') => {
+                chars.next();
+                out.push('\'');
+                ansi_c_body(&mut chars, &mut out);
+                out.push('\'');
+            }
+            c => out.push(c),
+        }
+    }
+    Some(out)
+}
+
+/// The body of a `$'…'` up to its closing quote (consumed), decoded into `out`.
+fn ansi_c_body(chars: &mut std::iter::Peekable<std::str::Chars<'_>>, out: &mut String) {
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => return,
+            '\\' => {
+                let Some(e) = chars.next() else { return };
+                let code = |value: u32| char::from_u32(value).unwrap_or(' ');
+                let decoded = match e {
+                    'a' => '\u{7}',
+                    'b' => '\u{8}',
+                    'e' | 'E' => '\u{1b}',
+                    'f' => '\u{c}',
+                    'n' => '\n',
+                    'r' => '\r',
+                    't' => '\t',
+                    'v' => '\u{b}',
+                    'x' | 'u' | 'U' => {
+                        let max = match e {
+                            'x' => 2,
+                            'u' => 4,
+                            _ => 8,
+                        };
+                        match read_digits(chars, 16, max) {
+                            (_, 0) => {
+                                // No digits: the shell keeps it as written.
+                                out.push('\\');
+                                e
+                            }
+                            (value, _) => code(value),
+                        }
+                    }
+                    'c' => chars.next().map_or(' ', |c| code(c as u32 & 0x1f)),
+                    '0'..='7' => {
+                        let first = e.to_digit(8).unwrap_or(0);
+                        let (rest, read) = read_digits(chars, 8, 2);
+                        code(first * 8u32.pow(read) + rest)
+                    }
+                    '\\' | '\'' | '"' | '?' => e,
+                    other => {
+                        out.push('\\');
+                        other
+                    }
+                };
+                // Read as the shell runs it: a control character is one like any other.
+                out.push(if decoded.is_control() && decoded != '\n' {
+                    ' '
+                } else {
+                    decoded
+                });
+            }
+            c => out.push(c),
+        }
+    }
+}
+
+/// Up to `max` digits of `radix` from `chars`: their value and how many were read.
+fn read_digits(
+    chars: &mut std::iter::Peekable<std::str::Chars<'_>>,
+    radix: u32,
+    max: u32,
+) -> (u32, u32) {
+    let (mut value, mut read) = (0u32, 0u32);
+    while read < max {
+        let Some(d) = chars.peek().and_then(|c| c.to_digit(radix)) else {
+            break;
+        };
+        value = value.saturating_mul(radix).saturating_add(d);
+        read += 1;
+        chars.next();
+    }
+    (value, read)
 }
 
 /// `text` with each brace list (`{a,b,c}`, with no blank inside and not a `${…}`) written as
@@ -565,14 +726,13 @@ fn first_match(rules: &[Rule], texts: &[String]) -> Option<DangerMatch> {
 /// regular table did not already name. A command that chains two dangerous commands is as
 /// dangerous as both: an approval must cover every key, not just the first.
 pub fn detect_all(command: &str) -> Vec<DangerMatch> {
-    let (texts, unread) = variants(command);
-    detect_all_in(&texts, unread)
+    detect_all_in(&variants(command))
 }
 
 /// [`is_hardline`] and [`detect_all`] of one command, normalizing it once.
 pub fn assess(command: &str) -> (Option<DangerMatch>, Vec<DangerMatch>) {
-    let (texts, unread) = variants(command);
-    (hardline_in(&texts, unread), detect_all_in(&texts, unread))
+    let texts = variants(command);
+    (hardline_in(&texts.all, texts.unread), detect_all_in(&texts))
 }
 
 /// The hardline rule `texts` match; a brace group left unread is one too: a hardline command
@@ -582,7 +742,8 @@ fn hardline_in(texts: &[String], unread: bool) -> Option<DangerMatch> {
     first_match(hardline_rules(), texts).or(unread.then_some(UNREAD_EXPANSION))
 }
 
-fn detect_all_in(texts: &[String], unread: bool) -> Vec<DangerMatch> {
+fn detect_all_in(read: &Texts) -> Vec<DangerMatch> {
+    let texts = &read.all;
     let mut found: Vec<DangerMatch> = Vec::new();
     for rule in rules().iter().chain(hardline_rules()) {
         if !found.iter().any(|m| m.key == rule.def.key)
@@ -591,18 +752,22 @@ fn detect_all_in(texts: &[String], unread: bool) -> Vec<DangerMatch> {
             found.push(matches(rule));
         }
     }
-    // Read as the shell splits it where that reading is sure, else as the other rules read it.
-    let shell = shell_text(&texts[0]);
+    // Read as the shell splits it where that reading is sure, else as the other rules read it;
+    // from each normalized text (see [`variants`]).
+    let shells: Vec<Option<String>> = texts[..read.read_by_shell]
+        .iter()
+        .map(|t| shell_text(t))
+        .collect();
     for rule in shell_rules() {
-        let hit = match &shell {
+        let hit = shells.iter().any(|shell| match shell {
             Some(text) => rule.regex.is_match(text),
             None => texts.iter().any(|t| rule.regex.is_match(t)),
-        };
+        });
         if hit {
             found.push(matches(rule));
         }
     }
-    if unread {
+    if read.unread {
         found.push(UNREAD_EXPANSION);
     }
     found
@@ -619,8 +784,8 @@ pub fn detect(command: &str) -> Option<DangerMatch> {
 /// Returns the matching hardline rule: commands that are blocked even when
 /// approvals are disabled.
 pub fn is_hardline(command: &str) -> Option<DangerMatch> {
-    let (texts, unread) = variants(command);
-    hardline_in(&texts, unread)
+    let texts = variants(command);
+    hardline_in(&texts.all, texts.unread)
 }
 
 /// Strips ANSI escape sequences and NUL characters and lowercases the text. A line
@@ -635,6 +800,22 @@ pub fn normalize(command: &str) -> String {
         .filter(|c| *c != '\0')
         .flat_map(|c| match c {
             '\n' | '\r' => vec![';', ' '],
+            c => c.to_lowercase().collect(),
+        })
+        .collect()
+}
+
+/// [`normalize`] as the shell runs the command: an escape sequence is not dropped (each
+/// control character is a blank: bash reads the characters around it as it would without it),
+/// and a line continuation is removed, so the text on either side of it is one word
+/// (`r\⏎m -rf ~` runs `rm -rf ~`).
+pub fn normalize_as_run(command: &str) -> String {
+    let text = command.replace("\\\r\n", "").replace("\\\n", "");
+    text.chars()
+        .filter(|c| *c != '\0')
+        .flat_map(|c| match c {
+            '\n' | '\r' => vec![';', ' '],
+            c if c.is_control() => vec![' '],
             c => c.to_lowercase().collect(),
         })
         .collect()
@@ -1116,14 +1297,14 @@ mod tests {
         let keys: Vec<&str> = detect_all(&huge).iter().map(|m| m.key).collect();
         assert_eq!(keys, ["brace_expansion"]);
         assert_eq!(is_hardline(&huge).map(|m| m.key), Some("brace_expansion"));
-        let (texts, unread) = variants(&huge);
-        assert!(unread);
-        assert!(texts.iter().all(|t| t.len() <= huge.len()));
+        let texts = variants(&huge);
+        assert!(texts.unread);
+        assert!(texts.all.iter().all(|t| t.len() <= huge.len()));
         // A run of a repeated part is read once: the hidden command is found, not just refused.
         let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
         assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_home"));
         let empties = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
-        assert!(!variants(&empties).1, "4,001 parts, one run");
+        assert!(!variants(&empties).unread, "4,001 parts, one run");
         // A list inside a list is read as the shell writes it out.
         assert_eq!(
             is_hardline("{{rm,-rf},/home}").map(|m| m.key),
@@ -1147,7 +1328,7 @@ mod tests {
             .map(|i| i.to_string())
             .collect::<Vec<_>>()
             .join(",");
-        assert!(!variants(&format!("curl -d '{{\"ids\":[{ids}]}}' http://x")).1);
+        assert!(!variants(&format!("curl -d '{{\"ids\":[{ids}]}}' http://x")).unread);
         let parts = (1..=100)
             .map(|i| format!("{i:03}"))
             .collect::<Vec<_>>()
@@ -1155,12 +1336,69 @@ mod tests {
         let download = format!(
             "curl -O https://github.com/example-org/example-repo/releases/download/v1.2.3/dataset-part-{{{parts}}}.tar.gz"
         );
-        assert!(!variants(&download).1);
+        assert!(!variants(&download).unread);
         assert!(assess(&download).0.is_none());
         let beside = format!("{huge}; {{rm,-rf,/}}");
         assert_eq!(is_hardline(&beside).map(|m| m.key), Some("rm_root"));
         assert!(detect_all("mkdir -p src/{a,b,c}/{lib,bin}").is_empty());
         assert!(detect_all("cp /usr/local/lib/libfoo.so{,.bak}").is_empty());
+    }
+
+    /// The shell runs what is around an escape character and joins a line continuation's
+    /// lines into one word; `$'…'` and `$"…"` are quotes: a dangerous command hidden by any of
+    /// these is found.
+    #[test]
+    fn commands_are_read_as_the_shell_runs_them() {
+        for command in [
+            // An escape sequence left open ran to the end of the text, which was dropped.
+            "printf '\u{1b}]'; rm -rf ~",
+            // An escape followed by a separator swallowed the separator.
+            "echo x\u{1b};rm -rf ~",
+            // A whole command inside an escape sequence that ends.
+            ": \u{1b}]0; rm -rf ~; \u{7}",
+            "ls \u{9b}; rm -rf ~ #m",
+            // A line continuation inside a word.
+            "r\\\nm -rf ~",
+            "r\\\r\nm -rf ~",
+            // ANSI-C and locale quoting.
+            "r$''m -rf ~",
+            "r$\"\"m -rf ~",
+            "$'\\x72\\x6d' -rf ~",
+            "$'\\162m' -rf ~",
+            "$'\\u0072m' -rf ~",
+            "$'\\x52M' -RF ~",
+            "echo ok$'\\n'rm -rf ~",
+        ] {
+            assert_eq!(
+                is_hardline(command).map(|m| m.key),
+                Some("rm_home"),
+                "{command:?}"
+            );
+            assert!(
+                detect_all(command).iter().any(|m| m.key == "rm_home"),
+                "{command:?}"
+            );
+        }
+        // What the shell runs harmlessly stays harmless.
+        for command in [
+            "printf '\u{1b}[1mbold\u{1b}[0m'",
+            "echo $'hello\\nworld'",
+            "echo $'\\x41' $\"B\"",
+            "ls -la \\\n  src",
+            "echo '$'",
+        ] {
+            assert!(detect_all(command).is_empty(), "{command:?}");
+        }
+        // The decoding: escapes, octal of one to three digits, hex, a `$` escaped or quoted.
+        assert_eq!(
+            ansi_c_decoded("$'\\101\\7z\\x41\\q'").as_deref(),
+            Some("'A zA\\q'")
+        );
+        assert_eq!(
+            ansi_c_decoded("\\$'x' '$'y'").as_deref(),
+            Some("\\$'x' '$'y'")
+        );
+        assert_eq!(ansi_c_decoded("echo ok"), None);
     }
 
     #[test]

@@ -175,9 +175,14 @@ fn names_gateway_file(command: &str) -> bool {
     patterned
 }
 
-/// `command` without the quotes and escapes that do not change what the shell passes on.
+/// `command` without the quotes and escapes that do not change what the shell passes on. A line
+/// continuation is no character at all, and `$'…'` and `$"…"` are quotes too (`$'…'` written as
+/// the characters it stands for): `$PP\⏎ID`, `st$''ate.db` and `$'\x73'tate.db` name what
+/// they spell.
 fn unquoted(command: &str) -> String {
-    command
+    let joined = command.replace("\\\r\n", "").replace("\\\n", "");
+    let decoded = super::danger::ansi_c_decoded(&joined).unwrap_or(joined);
+    decoded
         .chars()
         .filter(|c| !matches!(c, '\'' | '"' | '\\'))
         .collect()
@@ -293,6 +298,16 @@ mod tests {
         let touches = |c: &str, cwd: &Path| touches_gateway_state(c, cwd, home, user);
         assert!(touches("rm state.db", home));
         assert!(touches("echo 0 > authority_epoch", home));
+        // Spelled as the shell joins it: a line continuation, `$'…'`, `$"…"`.
+        for joined in [
+            "sqlite3 st\\\nate.db 'insert into approval_allowlist values (1)'",
+            "rm st$''ate.db",
+            "rm $'\\x73'tate.db",
+            "rm $\"state\".db",
+            "cat api_\\\r\nkeys",
+        ] {
+            assert!(touches(joined, home), "{joined:?}");
+        }
         assert!(touches(
             "rm /srv/u/.local/state/gatehouse/state.db",
             elsewhere
@@ -414,6 +429,12 @@ mod tests {
             "renice -n 0 -p $(pidof gatehouse)",
             "gatehouse key create evil --home .",
             "cd /x && ./gatehouse sessions --home .",
+            // Spelled as the shell joins it: a line continuation, `$'…'`, `$"…"`.
+            "cat /proc/$PP\\\nID/environ",
+            "cat /proc/$PP\\\r\nID/environ",
+            "cat /proc/$'\\x24'PPID/environ",
+            "cat /proc/$PP$''ID/environ",
+            "kill 42\\\n42",
         ] {
             assert!(names_gateway_process(reaching, 4242), "{reaching}");
         }
