@@ -1804,12 +1804,19 @@ fn blocked(message: &str) -> String {
 
 /// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the
 /// gateway's own state or process, where what one approval lets through is not one kind of act,
-/// or leave a process running past the call.
+/// or leave a process running past the call, or run what cannot be read from the command (text
+/// piped or downloaded into a shell, a command name computed at run time): approved for the
+/// session, `cat setup.sh | bash` let `echo … | base64 -d | sh` run any command unasked, those
+/// of the never-allowed list included.
 const ONCE_ONLY_RULES: &[&str] = &[
     danger::GATEWAY_STATE.key,
     danger::GATEWAY_PROCESS.key,
     danger::BACKGROUND.key,
     "self_termination",
+    "pipe_to_shell",
+    "curl_pipe_shell",
+    "shell_remote_substitution",
+    "dynamic_command",
 ];
 
 /// The choices a multi-select answer picks, in the order typed: numbers or labels, separated by
@@ -2028,6 +2035,15 @@ fn stop_resolution(interrupted: bool, draining: bool) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::{pick, pick_many, stop_resolution, strip_think, unique_call_ids};
+
+    /// A once-only key that names no rule would restrict nothing.
+    #[test]
+    fn every_once_only_key_is_a_rule_key() {
+        let keys = crate::tools::danger::all_keys();
+        for key in super::ONCE_ONLY_RULES {
+            assert!(keys.contains(key), "{key}");
+        }
+    }
 
     #[test]
     fn every_call_gets_an_id_of_its_own() {

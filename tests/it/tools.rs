@@ -1962,6 +1962,64 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
     assert_eq!(home.prompt_rows(&sid).len(), 1);
 }
 
+/// A command that runs what cannot be read from it (text piped into a shell, a command name
+/// computed at run time) is approved one at a time: approved for the session, `cat setup.sh |
+/// bash` let any later `… | sh` run unasked, whatever it carried.
+#[actix_rt::test]
+async fn a_command_that_runs_unread_text_is_approved_one_at_a_time() {
+    let model = scripted(vec![
+        (
+            "PIPE",
+            terminal("call_pipe", "echo 'echo piped > piped.txt' | sh"),
+        ),
+        (
+            "AGAIN",
+            terminal("call_again", "echo 'echo again > again.txt' | sh"),
+        ),
+        (
+            "NAMED",
+            terminal("call_named", "x=echo; $x named > named.txt"),
+        ),
+    ]);
+    let (home, _d, mut ws, sid) = submitted(&model, "unread", "PIPE").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert!(
+        p["pattern_keys"].to_string().contains("pipe_to_shell"),
+        "{p}"
+    );
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"],
+               "prompt_id": p["prompt_id"], "choice": "session"}),
+        "invalid_params",
+    )
+    .await;
+    respond(&mut ws, &sid, &p, "once").await;
+    assert_eq!(
+        settled(&home, "PIPE").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(home.path.join("piped.txt").exists());
+    // The next one is asked about again.
+    ws.submit(&sid, "AGAIN", "AGAIN").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "AGAIN").await;
+    assert!(!home.path.join("again.txt").exists());
+    ws.submit(&sid, "NAMED", "NAMED").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert!(
+        p["pattern_keys"].to_string().contains("dynamic_command"),
+        "{p}"
+    );
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "NAMED").await;
+    assert!(!home.path.join("named.txt").exists());
+}
+
 /// A dangerous command with a part masked as a secret in its prompt (a "private key block"
 /// can hold any text, shell lines included) is asked about each time, once or deny, and its
 /// prompt says part of it is hidden: approved for the session, the hidden part rode along.
