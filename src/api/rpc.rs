@@ -499,7 +499,11 @@ impl Authority {
         // on the hot path (the ledger still checks that the session exists).
         if let Some(sup) = followed_supervisor(&caller.subscribed, &p.session_id) {
             if self.shared.runtime.draining() {
-                return Box::pin(std::future::ready(Err(GatewayError::RuntimeDraining)));
+                let root = p.session_id.clone();
+                return Box::pin(
+                    self.clone()
+                        .admitted_before(root, caller.principal.clone(), p),
+                );
             }
             let (sup, root) = (sup.clone(), p.session_id.clone());
             return self.admit(&sup, root, caller.principal.clone(), p);
@@ -516,7 +520,9 @@ impl Authority {
                 }
             };
             if this.shared.runtime.draining() {
-                return Err(GatewayError::RuntimeDraining);
+                return this
+                    .admitted_before(root_id, caller.principal.clone(), p)
+                    .await;
             }
             let sup = match known.filter(|a| a.connected()) {
                 Some(a) => a,
@@ -524,6 +530,35 @@ impl Authority {
             };
             this.admit(&sup, root_id, caller.principal.clone(), p).await
         })
+    }
+
+    /// A submit while the runtime drains: no new input is admitted, but one admitted before is
+    /// not new: the same `input_id` with the same text is answered with its receipt, whatever
+    /// its status, as at any other time (a client whose reply was lost in the stop learns its
+    /// admission), and with other text refused as a conflict.
+    async fn admitted_before(
+        self,
+        root: String,
+        principal: String,
+        p: SubmitParams,
+    ) -> GatewayResult<CallResult> {
+        let digest = admissions::Input::new(&root, &p.text).digest().to_string();
+        let input_id = p.input_id.clone();
+        let row = self
+            .shared
+            .db
+            .read(move |c| admissions::by_request(c, &root, &principal, &input_id))
+            .await?;
+        match row {
+            Some(row) if row.payload_digest == digest => Ok(CallResult::plain(Reply::Receipt(
+                Box::new(Receipt::of(&row, self.shared.epoch)),
+            ))),
+            Some(_) => Err(GatewayError::AdmissionConflict(format!(
+                "input_id {} was admitted with other content",
+                p.input_id
+            ))),
+            None => Err(GatewayError::RuntimeDraining),
+        }
     }
 
     fn check_submit(&self, p: &SubmitParams) -> GatewayResult<()> {

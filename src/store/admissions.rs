@@ -120,6 +120,11 @@ pub struct Input {
 }
 
 impl Input {
+    /// The digest an admission of this input is stored with.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
     pub fn new(target: &str, text: &str) -> Input {
         let payload_json = serde_json::json!({ "text": text }).to_string();
         let digest = digest(target, &payload_json);

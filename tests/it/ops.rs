@@ -433,6 +433,52 @@ async fn readyz_is_unavailable_while_draining() {
     assert_eq!(d.term(), Some(0));
 }
 
+/// While the daemon drains, a new input is refused, but one admitted before is not new: sent
+/// again (a client whose reply was lost in the stop), it is answered with its receipt, and with
+/// other text refused as a conflict, as at any other time. It was refused `runtime_draining`.
+#[actix_rt::test]
+async fn an_admitted_input_sent_again_while_draining_gets_its_receipt() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"drain_grace_seconds": 3}}),
+    ));
+    let mut d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("drain-retry", &home.path).await;
+    let first = ws.submit(&sid, "in-1", "hello").await;
+    wait_until("the input settled", Duration::from_secs(10), || {
+        all_terminal(&home)
+    })
+    .await;
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(d.child.id() as i32, libc::SIGTERM);
+    }
+    wait_until("the daemon drains", Duration::from_secs(10), || {
+        control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "stopping")
+    })
+    .await;
+    let again = ws.submit(&sid, "in-1", "hello").await;
+    assert_eq!(again["admission_id"], first["admission_id"], "{again}");
+    assert_eq!(again["status"], "terminal", "{again}");
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "in-1", "text": "other"}),
+        "admission_conflict",
+    )
+    .await;
+    ws.refused(
+        "prompt.submit",
+        json!({"session_id": sid, "input_id": "in-2", "text": "new"}),
+        "runtime_draining",
+    )
+    .await;
+    assert_eq!(d.term(), Some(0));
+    assert_eq!(home.admissions().len(), 1);
+}
+
 #[test]
 fn the_systemd_unit_verifies() {
     let Ok(which) = Command::new("sh")
