@@ -841,13 +841,6 @@ impl Turn {
         let shared = self.ctx.shared.clone();
         let cfg = &shared.config;
         let background = args.get("background").and_then(Value::as_bool) == Some(true);
-        let (hardline, mut matched) = danger::assess(&command);
-        if let Some(m) = hardline {
-            return ToolResult::Output(blocked(&format!(
-                "BLOCKED: this command is never allowed ({}). Do NOT retry it.",
-                m.description
-            )));
-        }
         // Where it runs is part of what is approved: `rm -rf *` means something else in `/`.
         // A relative `workdir` is under the session's directory (it was dropped, and the command
         // ran somewhere the model did not ask for).
@@ -860,12 +853,17 @@ impl Turn {
             .unwrap_or(session_cwd);
         let asked_timeout = args.get("timeout").and_then(|t| t.as_f64());
         drop(args);
-        if touches_gateway_state(
-            &command,
-            &cwd,
-            &shared.home,
-            std::env::var("HOME").ok().as_deref(),
-        ) {
+        let user_home = std::env::var("HOME").ok();
+        let (hardline, mut matched) = danger::assess(&command);
+        if let Some(m) =
+            hardline.or_else(|| danger::is_hardline_in(&command, &cwd, user_home.as_deref()))
+        {
+            return ToolResult::Output(blocked(&format!(
+                "BLOCKED: this command is never allowed ({}). Do NOT retry it.",
+                m.description
+            )));
+        }
+        if touches_gateway_state(&command, &cwd, &shared.home, user_home.as_deref()) {
             matched.push(danger::GATEWAY_STATE);
         }
         if names_gateway_process(&command, std::process::id()) {

@@ -788,6 +788,61 @@ pub fn is_hardline(command: &str) -> Option<DangerMatch> {
     hardline_in(&texts.all, texts.unread)
 }
 
+/// The directories the never-allowed list keeps whole (`rm_system_dir`'s), under `/`.
+const SYSTEM_DIRS: &[&str] = &[
+    "bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "opt", "proc", "root", "run",
+    "sbin", "srv", "sys", "usr", "var",
+];
+
+/// [`is_hardline`] of `command` run in `dir`: where `dir` is one the never-allowed list keeps
+/// whole (`/`, a system directory, the user's home `user_home`), a bare operand that is all of
+/// it (`*`, `.`, `./`, `./*`, `.*`; quoted too, failing safe: a quoted `*` is a file of that
+/// name) is read as that directory's path, so `rm -rf *` run in the home is `rm -rf ~/*`, as
+/// never allowed as that (it was read as any `rm -rf` in some directory,
+/// and ran with no prompt where such deletes were approved for the session, or with approvals
+/// off).
+pub fn is_hardline_in(
+    command: &str,
+    dir: &std::path::Path,
+    user_home: Option<&str>,
+) -> Option<DangerMatch> {
+    let dir = crate::config::lexically_normal(dir);
+    let dir = dir.canonicalize().unwrap_or(dir);
+    let home = user_home
+        .filter(|h| h.starts_with('/'))
+        .map(|h| crate::config::lexically_normal(std::path::Path::new(h)));
+    let spelled = if home.is_some_and(|h| h == dir || h.canonicalize().is_ok_and(|h| h == dir)) {
+        "~".to_string()
+    } else if dir == std::path::Path::new("/") {
+        String::new()
+    } else if dir.parent() == Some(std::path::Path::new("/"))
+        && dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| SYSTEM_DIRS.contains(&n))
+    {
+        dir.to_string_lossy().into_owned()
+    } else {
+        return None;
+    };
+    static BARE: OnceLock<Option<Regex>> = OnceLock::new();
+    let bare = BARE
+        .get_or_init(|| {
+            Regex::new(r#"(^|[\s;&|(])['"]?(?:\./\*|\./?|\.\*|\*)['"]?(\s|$|[;&|)])"#).ok()
+        })
+        .as_ref()?;
+    let mut text = command.to_string();
+    // Twice: a match takes the blank after it, which the next operand needs before it.
+    for _ in 0..2 {
+        text = bare
+            .replace_all(&text, |c: &regex::Captures| {
+                format!("{}{spelled}/*{}", &c[1], &c[2])
+            })
+            .into_owned();
+    }
+    (text != command).then(|| is_hardline(&text)).flatten()
+}
+
 /// Strips ANSI escape sequences and NUL characters and lowercases the text. A line
 /// continuation (backslash, newline) joins its lines, and every other line break separates
 /// commands as `;` does: the shell runs each line of a script, so a command on the second line
@@ -1342,6 +1397,47 @@ mod tests {
         assert_eq!(is_hardline(&beside).map(|m| m.key), Some("rm_root"));
         assert!(detect_all("mkdir -p src/{a,b,c}/{lib,bin}").is_empty());
         assert!(detect_all("cp /usr/local/lib/libfoo.so{,.bak}").is_empty());
+    }
+
+    /// A bare operand that is all of the directory the command runs in is that directory's
+    /// path: `rm -rf *` in the home is `rm -rf ~/*`.
+    #[test]
+    fn a_delete_of_everything_in_a_kept_directory_is_never_allowed() {
+        use std::path::Path;
+        let home = Some("/srv/u");
+        for (command, dir, key) in [
+            ("rm -rf *", "/srv/u", "rm_home"),
+            ("rm -rf .", "/srv/u/", "rm_home"),
+            ("cd x; rm -fr ./*", "/srv/u", "rm_home"),
+            ("rm -rf '*'", "/srv/u", "rm_home"),
+            ("rm -rf .* *", "/srv/u", "rm_home"),
+            ("rm -rf *", "/", "rm_root"),
+            ("sudo rm -r ./", "/", "rm_root"),
+            ("rm -rf *", "/etc", "rm_system_dir"),
+            ("rm -rf *", "/srv/u/x/..", "rm_home"),
+        ] {
+            assert_eq!(
+                is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
+                Some(key),
+                "{command} in {dir}"
+            );
+        }
+        for (command, dir) in [
+            ("rm -rf *", "/srv/u/project"),
+            ("rm -rf build", "/srv/u"),
+            ("rm -rf ./build", "/"),
+            ("ls *", "/etc"),
+            ("rm -rf *", "/etc/nginx"),
+            ("echo '*'", "/"),
+        ] {
+            assert_eq!(
+                is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
+                None,
+                "{command} in {dir}"
+            );
+        }
+        // No user home known: only `/` and the system directories.
+        assert_eq!(is_hardline_in("rm -rf *", Path::new("/srv/u"), None), None);
     }
 
     /// The shell runs what is around an escape character and joins a line continuation's

@@ -1962,6 +1962,42 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
     assert_eq!(home.prompt_rows(&sid).len(), 1);
 }
 
+/// A delete of everything in the directory a command runs in is never allowed where that
+/// directory is the user's home (or `/`, or a system directory), whatever the approvals: `rm
+/// -rf *` with `workdir` the home is `rm -rf ~/*`. It was read as any recursive delete, and with
+/// approvals off it ran.
+#[actix_rt::test]
+async fn a_delete_of_everything_in_the_users_home_is_never_allowed() {
+    let user_home = Home::new();
+    let keep = user_home.path.join("notes.txt");
+    std::fs::write(&keep, "keep").expect("write");
+    let model = scripted(vec![(
+        "RM",
+        tool_call(
+            "call_rm",
+            "terminal",
+            json!({"command": "rm -rf *", "workdir": user_home.path}),
+        ),
+    )]);
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({"approvals": {"mode": "off"}})));
+    let d = Daemon::start_with_env(&home, &[("HOME", &user_home.path.to_string_lossy())]);
+    let mut ws = d.ws().await;
+    let sid = ws.session("kept", &home.path).await;
+    ws.submit(&sid, "RM", "RM").await;
+    assert_eq!(
+        settled(&home, "RM").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(keep.exists(), "the delete ran");
+    let result = tool_result(&model, "RM");
+    let error = result["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("BLOCKED:") && error.contains("never allowed"),
+        "{result}"
+    );
+}
+
 /// A command that runs what cannot be read from it (text piped into a shell, a command name
 /// computed at run time) is approved one at a time: approved for the session, `cat setup.sh |
 /// bash` let any later `… | sh` run unasked, whatever it carried.
