@@ -93,21 +93,23 @@ struct Rule {
 /// Prefix that puts the following word in command position. It must be
 /// followed directly by the command name.
 const CMD: &str = concat!(
-    r#"(?:^|[;&|(){}!`"']|\$\(|(?:^|[\s;&|(){}!`"'])(?:then|do|else)\b"#,
+    r#"(?:^|[;&|(){}!`"']|\$\(|(?:^|[\s;&|(){}!`"'])(?:then|do|else|elif|if|while|until|coproc)\b"#,
     // a wrapper (also as `/usr/bin/env`), with up to four words of its own:
     // `sudo -u root`, `timeout -s kill 5`, `chroot /`, `ionice -c3`
-    r#"|(?:^|[\s/;&|(){}!`"'])(?:sudo|doas|env|nice|nohup|time|command|exec|xargs|timeout|watch|strace|ltrace|valgrind|fakeroot|proot|firejail|busybox|eval|setsid|ionice|stdbuf|chrt|chroot|su|runuser|flock|taskset|unshare|nsenter|systemd-run|pkexec)\b(?:\s+[^\s;&|]+){0,4}?)"#,
-    // whitespace, env assignments, wrapper flags, an optional duration, redirections
-    r"\s*(?:[a-z_][a-z0-9_]*=\S*\s+)*(?:-\S*\s+)*(?:\d+[smhd]?\s+)?(?:\d*[<>]+&?\S*\s+)*",
+    r#"|(?:^|[\s/;&|(){}!`"'])(?:sudo|doas|env|nice|nohup|time|command|exec|xargs|timeout|watch|strace|ltrace|valgrind|fakeroot|proot|firejail|busybox|eval|setsid|ionice|stdbuf|chrt|chroot|su|runuser|flock|taskset|unshare|nsenter|systemd-run|pkexec)\b(?:\s+[^\s;&|]+){0,8}?)"#,
+    // whitespace, then in any order env assignments (`x=1`, `x+=1`, `x=a\ b`), wrapper flags,
+    // durations and redirections (`>x`, `> x`, `2>&1`, `>| x`)
+    r"\s*(?:(?:[a-z_][a-z0-9_]*\+?=(?:\\\s|\S)*|-\S*|\d+[smhd]?|\d*[<>]+[&|]?\s*[^\s;&|]+)\s+)*",
     // optional backslash (alias bypass) and directory prefix (/bin/rm)
     r"\\?(?:[\w.~-]*/)*",
 );
 
 /// Arguments of `rm` before the operand of interest.
-const RM_ARGS: &str = r"rm(?:\s+[^\s;&|<>)`]+)*?\s+";
+const RM_ARGS: &str =
+    r"rm(?:\s+(?:\d*[<>]+[&|]?\s*[^\s;&|]+|\$\([^)]*\)|`[^`]*`|[^\s;&|<>)`]+))*?\s+";
 
 /// End of an operand.
-const OPERAND_END: &str = r#"['"]?(?:\s|$|[;&|)`])"#;
+const OPERAND_END: &str = r#"['"]?(?:\s|$|[;&|)`<>])"#;
 
 const SQL: &str = "SQL destructive";
 const SERVICE_KILL: &str = "service/process kill";
@@ -138,7 +140,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "world_writable",
         description: "world-writable permissions",
-        pattern: r"<cmd>chmod(?:\s+-\S+)*\s+(?:[0-7]?[0-7]{2}[2367]|\S*\b[ugo]*[oa][ugo]*[+=][rwxst]*w\S*)(?:\s|$|[;&|)])",
+        pattern: r"<cmd>chmod(?:\s+-\S+)*\s+(?:0*[0-7]{0,3}[2367]|\S*\b[ugo]*[oa][ugo]*[+=][rwxst]*w\S*)(?:\s|$|[;&|)])",
     },
     RuleDef {
         key: "recursive_chown_root",
@@ -159,12 +161,13 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "block_device_write",
         description: "block device write",
-        pattern: r"(?:^|[^>])>>?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
+        pattern: r"(?:^|[^>])>>?[|&]?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
     },
     RuleDef {
         key: "sql_drop",
         description: SQL,
-        pattern: r"\bdrop\s+(?:table|database|schema)\b",
+        // A line break (read as `;`) or a comment between the words is a blank to SQL.
+        pattern: r"\bdrop(?:\s|;|/\*.*?\*/)+(?:table|database|schema)\b",
     },
     RuleDef {
         key: "sql_delete_without_where",
@@ -189,7 +192,9 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "kill_all_processes",
         description: SERVICE_KILL,
-        pattern: r"<cmd>kill(?:\s+-\S+)*?(?:\s+-s\s+\S+)?(?:\s+--)?\s+-1\s*(?:$|[;&|)])",
+        // `-1` (or `-01`) as a process after any other argument (`kill -n 9 -1`, `kill 42 -1`),
+        // or alone (a first `-1` followed by more is a signal: `kill -1 42`).
+        pattern: r"<cmd>kill(?:(?:\s+[^\s;&|]+)+?\s+-0*1(?:\s|$|[;&|)<>])|\s+-0*1\s*(?:\d*[<>]|$|[;&|)]))",
     },
     RuleDef {
         key: "pkill_force",
@@ -199,7 +204,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "fork_bomb",
         description: "fork bomb",
-        pattern: r":\s*\(\s*\)\s*\{\s*:\s*\|\s*:\s*&\s*\}\s*;\s*:",
+        pattern: r"(?:function\s+[\w:.-]+\s*(?:\(\s*\))?|[\w:.-]+\s*\(\s*\))\s*\{\s*[\w:.-]+\s*\|\s*[\w:.-]+\s*&\s*;?\s*\}",
     },
     RuleDef {
         key: "shell_dash_c",
@@ -278,7 +283,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "system_shutdown",
         description: SHUTDOWN,
-        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)])|<cmd>systemctl\s+(?:-\S+\s+)*(?:poweroff|reboot|halt|kexec)\b)",
+        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)<>])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)<>])|<cmd>systemctl\s+(?:-\S+\s+)*(?:(?:start|isolate|restart)\s+(?:-\S+\s+)*)?(?:poweroff|reboot|halt|kexec)\b)",
     },
     RuleDef {
         key: "git_reset_hard",
@@ -293,7 +298,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "git_push_force",
         description: GIT,
-        pattern: r"\bgit\b[^;&|]*\spush\b[^;&|]*(?:\s--force\b|\s-[a-z]*f\b|\s\+[^\s+])",
+        pattern: r"\bgit\b[^;&|]*\spush\b[^;&|]*(?:\s--force\b|\s-[a-z]*f[a-z]*\b|\s\+[^\s+])",
     },
 ];
 
@@ -314,17 +319,19 @@ static HARDLINE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "rm_root",
         description: "delete root filesystem",
-        pattern: r#"(?:<cmd><rm_args>['"]?/\*?<end>|<cmd>rm\b[^;&|]*--no-preserve-root)"#,
+        pattern: r#"(?:<cmd><rm_args>['"]?/+(?:\.{1,2}/*)*\**<end>|<cmd>rm\b[^;&|]*--no-preserve-root)"#,
     },
     RuleDef {
         key: "rm_system_dir",
         description: "delete system directory",
-        pattern: r#"<cmd><rm_args>['"]?/(?:bin|boot|dev|etc|home|lib|lib32|lib64|opt|proc|root|run|sbin|srv|sys|usr|var)/?\*?<end>"#,
+        // `//etc`, `/./etc/`, `/etc//*`, and a name spelled as a pattern (`/e?c`, `/[e]tc`).
+        pattern: r#"<cmd><rm_args>['"]?/+(?:\./+)*(?:bin|boot|dev|etc|home|lib|lib32|lib64|opt|proc|root|run|sbin|srv|sys|usr|var|[^\s/;&|<>'"]*[?*\[][^\s/;&|<>'"]*)/*(?:\./*)*\**<end>"#,
     },
     RuleDef {
         key: "rm_home",
         description: "delete home directory",
-        pattern: r#"<cmd><rm_args>['"]?(?:~|\$home|\$\{home\})['"]?/?\*?<end>"#,
+        // `~`, `~user`, `$HOME`, `${HOME:?}`, `/home/$USER`, then `/`, `//`, `/.`, `/..`, `/*`.
+        pattern: r#"<cmd><rm_args>['"]?(?:~[a-z0-9_-]*|\$home|\$\{home(?:[:?=+-][^}]*)?\}|/home/\$\{?(?:user|logname)\}?)['"]?(?:/+\.{1,2})*/*\**<end>"#,
     },
     RuleDef {
         key: "format_filesystem",
@@ -339,22 +346,24 @@ static HARDLINE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "block_device_write",
         description: "block device write",
-        pattern: r"(?:^|[^>])>>?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
+        pattern: r"(?:^|[^>])>>?[|&]?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
     },
     RuleDef {
         key: "fork_bomb",
         description: "fork bomb",
-        pattern: r":\s*\(\s*\)\s*\{\s*:\s*\|\s*:\s*&\s*\}\s*;\s*:",
+        pattern: r"(?:function\s+[\w:.-]+\s*(?:\(\s*\))?|[\w:.-]+\s*\(\s*\))\s*\{\s*[\w:.-]+\s*\|\s*[\w:.-]+\s*&\s*;?\s*\}",
     },
     RuleDef {
         key: "kill_all_processes",
         description: "kill all processes",
-        pattern: r"<cmd>kill(?:\s+-\S+)*?(?:\s+-s\s+\S+)?(?:\s+--)?\s+-1\s*(?:$|[;&|)])",
+        // `-1` (or `-01`) as a process after any other argument (`kill -n 9 -1`, `kill 42 -1`),
+        // or alone (a first `-1` followed by more is a signal: `kill -1 42`).
+        pattern: r"<cmd>kill(?:(?:\s+[^\s;&|]+)+?\s+-0*1(?:\s|$|[;&|)<>])|\s+-0*1\s*(?:\d*[<>]|$|[;&|)]))",
     },
     RuleDef {
         key: "system_shutdown",
         description: SHUTDOWN,
-        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)])|<cmd>systemctl\s+(?:-\S+\s+)*(?:poweroff|reboot|halt|kexec)\b)",
+        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)<>])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)<>])|<cmd>systemctl\s+(?:-\S+\s+)*(?:(?:start|isolate|restart)\s+(?:-\S+\s+)*)?(?:poweroff|reboot|halt|kexec)\b)",
     },
 ];
 
@@ -1357,7 +1366,9 @@ mod tests {
         assert!(texts.all.iter().all(|t| t.len() <= huge.len()));
         // A run of a repeated part is read once: the hidden command is found, not just refused.
         let hidden = format!("/bin/{}{{rm{}}} -rf ~", "./".repeat(20), ",".repeat(40));
-        assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_home"));
+        // (Written out, its first word is `/bin/./././…/rm` and its second `/bin/./././…/`.)
+        assert_eq!(is_hardline(&hidden).map(|m| m.key), Some("rm_system_dir"));
+        assert!(detect_all(&hidden).iter().any(|m| m.key == "rm_home"));
         let empties = format!("echo {}{{{}}}", "a".repeat(4_000), ",".repeat(4_000));
         assert!(!variants(&empties).unread, "4,001 parts, one run");
         // A list inside a list is read as the shell writes it out.
@@ -1397,6 +1408,108 @@ mod tests {
         assert_eq!(is_hardline(&beside).map(|m| m.key), Some("rm_root"));
         assert!(detect_all("mkdir -p src/{a,b,c}/{lib,bin}").is_empty());
         assert!(detect_all("cp /usr/local/lib/libfoo.so{,.bak}").is_empty());
+    }
+
+    /// Spellings bash runs as a never-allowed command, each found (from a review that copied
+    /// these rules and checked what bash runs): compound-command keywords, prefixes in any
+    /// order, `kill`'s other forms, a fork bomb of any name, `>|` and `>&`, and paths of `/`,
+    /// system directories and homes written otherwise.
+    #[test]
+    fn other_spellings_of_never_allowed_commands_are_found() {
+        for (command, key) in [
+            ("if rm -rf ~; then :; fi", "rm_home"),
+            ("while rm -rf /; do break; done", "rm_root"),
+            ("until rm -rf ~; do :; done", "rm_home"),
+            ("if true; then :; elif rm -rf ~; then :; fi", "rm_home"),
+            ("coproc rm -rf ~", "rm_home"),
+            ("X=a\\ b rm -rf ~", "rm_home"),
+            ("x+=1 rm -rf ~", "rm_home"),
+            ("> /dev/null rm -rf ~", "rm_home"),
+            (">x X=1 rm -rf ~", "rm_home"),
+            ("sudo -n -E -u root -g root rm -rf /", "rm_root"),
+            ("kill -n 9 -1", "kill_all_processes"),
+            ("kill -9 -1 2>/dev/null", "kill_all_processes"),
+            ("kill -9 -1 >/dev/null", "kill_all_processes"),
+            ("kill -9 1234 -1", "kill_all_processes"),
+            ("kill -9 -01", "kill_all_processes"),
+            ("f(){ f|f& };f", "fork_bomb"),
+            ("bomb(){ bomb|bomb& };bomb", "fork_bomb"),
+            ("function b { b|b& }; b", "fork_bomb"),
+            ("cat img >| /dev/sda", "block_device_write"),
+            ("cat img >& /dev/sda", "block_device_write"),
+            ("cat img >|/dev/sda", "block_device_write"),
+            ("rm -rf /**", "rm_root"),
+            ("rm -rf //*", "rm_root"),
+            ("rm -rf /./*", "rm_root"),
+            ("rm -rf //etc", "rm_system_dir"),
+            ("rm -rf /etc//", "rm_system_dir"),
+            ("rm -rf /e?c", "rm_system_dir"),
+            ("rm -rf /[e]tc", "rm_system_dir"),
+            ("rm -rf ~root", "rm_home"),
+            ("rm -rf ~//", "rm_home"),
+            ("rm -rf \"${HOME:?}\"", "rm_home"),
+            ("rm -rf \"${HOME:?}\"/*", "rm_home"),
+            ("rm -rf /home/$USER", "rm_home"),
+            ("rm -rf ~/../*", "rm_home"),
+            ("rm -rf ~>/dev/null", "rm_home"),
+            ("rm -rf ~</dev/null", "rm_home"),
+            ("rm -rf /etc>/dev/null", "rm_system_dir"),
+            ("rm -rf 2>/dev/null ~", "rm_home"),
+            ("rm -rf $(true) ~", "rm_home"),
+            ("rm -rf `true` ~", "rm_home"),
+            ("systemctl start reboot.target", "system_shutdown"),
+            ("systemctl isolate poweroff.target", "system_shutdown"),
+            ("shutdown>/dev/null", "system_shutdown"),
+        ] {
+            assert!(is_hardline(command).is_some(), "{command:?}: not refused");
+            assert!(
+                detect_all(command).iter().any(|m| m.key == key),
+                "{command:?}: {key} not among {:?}",
+                detect_all(command)
+            );
+        }
+        // Dangerous, asked about.
+        for (command, key) in [
+            ("git push -fu origin main", "git_push_force"),
+            ("git push -fv", "git_push_force"),
+            ("chmod 7 f", "world_writable"),
+            ("chmod 77 f", "world_writable"),
+            ("chmod 00777 f", "world_writable"),
+            ("psql -c 'DROP\nTABLE users'", "sql_drop"),
+            ("psql -c 'DROP/**/TABLE users'", "sql_drop"),
+        ] {
+            assert!(
+                detect_all(command).iter().any(|m| m.key == key),
+                "{command:?}: {key} not among {:?}",
+                detect_all(command)
+            );
+        }
+        // What these readings must not take for more than it is.
+        for command in [
+            "kill -1 1234",
+            "rm -rf ~/.cache",
+            "rm -rf ~/project/build",
+            "rm -rf /tmp/x",
+            "rm -rf /etc/nginx/sites-enabled/old",
+            "rm -rf ./build",
+            "rm -f /var/tmp/x 2> /dev/null",
+        ] {
+            assert!(is_hardline(command).is_none(), "{command:?}: refused");
+        }
+        for command in [
+            "rm -f notes.txt 2> /dev/null",
+            "chmod 644 f",
+            "chmod 2755 f",
+            "git push --follow-tags origin main",
+            "kill 1234",
+            "echo if then",
+        ] {
+            assert!(
+                detect_all(command).is_empty(),
+                "{command:?}: {:?}",
+                detect_all(command)
+            );
+        }
     }
 
     /// A bare operand that is all of the directory the command runs in is that directory's
