@@ -213,6 +213,16 @@ pub(crate) fn ended_by_disband(error: &RoomStoreError) -> bool {
     matches!(error, RoomStoreError::RoomUnavailable(_))
 }
 
+/// What [`RoomRuntime::keep_lease_for`] found of an observed attempt's lease.
+enum LeaseKept {
+    /// Held (renewed if it was due).
+    Held,
+    /// Gone: lost, replaced, or the room retired; the attempt is fenced out.
+    Lost,
+    /// Due, and the store failed its renewal: held until it expires, renewed again next time.
+    NotRenewed,
+}
+
 /// A member's turn lock as a room holds it. Dropping it releases the lock and then wakes the
 /// rooms whose pass found it held ([`RoomRuntime::try_turn`]), so their queued heads are taken
 /// up as soon as the member is free, not at the next poll round.
@@ -1889,13 +1899,25 @@ impl RoomRuntime {
         Some(self.held(room_id, profile, guard))
     }
 
-    /// Renew the room's lease when due; false (and the room's error says why) when the attempt's
-    /// lease is gone: lost, or replaced by a new generation.
-    async fn keep_lease_for(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> bool {
+    /// Renew the room's lease when due. [`LeaseKept::Lost`] (and the room's error says why) when
+    /// the attempt's lease is gone: lost, or replaced by a new generation;
+    /// [`LeaseKept::NotRenewed`] when the store failed the renewal (nothing was decided: the
+    /// lease holds until it expires, and the next look renews it again).
+    async fn keep_lease_for(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> LeaseKept {
         let task_id = &attempt.identity.task_id;
-        if let Err(error) = self.ensure_lease(binding).await {
-            self.fenced(binding, task_id, &error);
-            return false;
+        match self.ensure_lease(binding).await {
+            Ok(_) => {}
+            Err(error) if error.is_storage() => {
+                self.set_error(
+                    &binding.room_id,
+                    format!("task {task_id}: lease renewal failed, retrying: {error}"),
+                );
+                return LeaseKept::NotRenewed;
+            }
+            Err(error) => {
+                self.fenced(binding, task_id, &error);
+                return LeaseKept::Lost;
+            }
         }
         if self
             .lease(&binding.room_id)
@@ -1905,9 +1927,9 @@ impl RoomRuntime {
                 &binding.room_id,
                 format!("task {task_id} fenced: driver lease is stale or expired"),
             );
-            return false;
+            return LeaseKept::Lost;
         }
-        true
+        LeaseKept::Held
     }
 
     async fn fail_before_submit(
@@ -2055,6 +2077,14 @@ impl RoomRuntime {
                     // for as long as the stop was pending.
                     let lease = match self.ensure_lease(binding).await {
                         Ok(lease) => lease,
+                        Err(error) if error.is_storage() => {
+                            self.set_error(
+                                &binding.room_id,
+                                format!("task {task_id}: lease renewal failed, retrying: {error}"),
+                            );
+                            self.pause_for(&mut wake, poll).await;
+                            continue;
+                        }
                         Err(error) => {
                             self.fenced(binding, &task_id, &error);
                             return None;
@@ -2117,8 +2147,15 @@ impl RoomRuntime {
                 }
                 continue;
             }
-            if !self.keep_lease_for(binding, attempt).await {
-                return None;
+            match self.keep_lease_for(binding, attempt).await {
+                LeaseKept::Held => {}
+                LeaseKept::Lost => return None,
+                // Given up on a failed write, the member's turn ran on unobserved, its turn lock
+                // and the room's slot let go: another room could start a turn of the same member.
+                LeaseKept::NotRenewed => {
+                    self.pause_for(&mut wake, poll).await;
+                    continue;
+                }
             }
             let session = Self::session_ref(&profile, session_id);
             match port

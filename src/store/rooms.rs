@@ -60,6 +60,12 @@ impl RoomStoreError {
     pub fn is_fence(&self) -> bool {
         matches!(self, Self::StaleLease(_) | Self::StaleTask(_))
     }
+
+    /// Whether the store failed (a write that did not commit, no connection): nothing was
+    /// decided, and the same write may succeed when tried again.
+    pub fn is_storage(&self) -> bool {
+        matches!(self, Self::Database(_) | Self::Pool(_))
+    }
 }
 
 pub type StoreResult<T> = Result<T, RoomStoreError>;

@@ -2032,6 +2032,55 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     );
 }
 
+/// A renewal of the lease that the store fails (a write that did not commit: busy, an I/O
+/// error) does not end the observation of the member's running turn: the room keeps the member's
+/// turn lock and renews at its next look. It was taken as a lost lease: the lock (and the room's
+/// slot) let go while the member's turn ran on, unobserved, and another room could start a turn
+/// of the same member.
+#[tokio::test]
+async fn a_lease_renewal_the_store_fails_keeps_observing_the_running_turn() {
+    use diesel::RunQueryDsl;
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    // Due for renewal after half of it: failed renewals have the other half before it lapses.
+    spec.config.lease_ttl_seconds = 4.0;
+    spec.config.active_poll_interval_seconds = 0.05;
+    let locks = spec.locks.clone();
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    let fail = "CREATE TRIGGER fail_renewal BEFORE UPDATE ON room_leases \
+                BEGIN SELECT RAISE(ABORT, 'injected renewal failure'); END";
+    diesel::sql_query(fail)
+        .execute(&mut db.conn())
+        .expect("trigger");
+    let failed = || {
+        runtime
+            .status()
+            .last_error
+            .is_some_and(|e| e.contains("injected renewal failure"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !failed() {
+        assert!(Instant::now() < deadline, "no renewal was tried");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(locks.held_for(PROFILE), "the member's turn lock was let go");
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    let renewed = runtime.status().lease_renewals;
+    diesel::sql_query("DROP TRIGGER fail_renewal")
+        .execute(&mut db.conn())
+        .expect("drop trigger");
+    wait_for("renewed", || runtime.status().lease_renewals > renewed).await;
+    assert!(locks.held_for(PROFILE));
+    rpc.complete("task-1", "done", "settled");
+    wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(runtime.status().lease_losses, 0);
+    assert_eq!(rpc.count("submit"), 1);
+}
+
 /// What [`abandoned_local_attempt`] sets up: the store, its clock, the task, its member's fake
 /// and the new process's runtime.
 type Abandoned = (
