@@ -1939,6 +1939,30 @@ impl RoomRuntime {
         error: PortError,
     ) {
         let task_id = attempt.identity.task_id.clone();
+        // A stop acknowledged meanwhile (a cancel answered `stopping`): nothing reached the
+        // member, so the stop is what ends the attempt (`cancelled`, as its client was told),
+        // not the failure to reach it. Should that not commit, the failure below is settled
+        // as a stopping task's would be.
+        if let Ok(task) = self.read_task(&attempt.identity).await {
+            if task.status == TaskStatus::Stopping
+                && task.execution_generation == attempt.execution_generation
+            {
+                let stopped = match self.ensure_lease(binding).await {
+                    Ok(lease) => self
+                        .complete_acknowledged_stop(binding, &lease, &task)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                match stopped {
+                    Ok(()) => return,
+                    Err(e) => self.set_error(
+                        &binding.room_id,
+                        format!("task {task_id} stop before submit failed: {e}"),
+                    ),
+                }
+            }
+        }
         let (message, _) = bound_text(&error.message, MAX_TERMINAL_ERROR_BYTES);
         let settlement = Settlement {
             settlement_id: attempt_id("failure", &task_id, attempt.execution_generation),

@@ -396,16 +396,17 @@ impl SessionPort for FakeSessionRpc {
     fn create(&self, address: SessionAddress) -> PortFuture<'_, SessionHandle> {
         self.assert_lock(&address.profile);
         self.record("create", serde_json::to_value(&address).unwrap_or_default());
-        if let Some(error) = lock(&self.create_failures).pop_front() {
-            return ready(Err(error));
-        }
         let gate = self.create_gate.clone();
         Box::pin(async move {
+            // A failure comes after the gate: a create that fails once it was waited for.
             if let Some((reached, go)) = gate {
                 reached.set();
                 if !go.wait(Duration::from_secs(10)).await {
                     return Err(PortError::new("the create gate was never opened"));
                 }
+            }
+            if let Some(error) = lock(&self.create_failures).pop_front() {
+                return Err(error);
             }
             let session_id =
                 self.add_session_for(&address.profile, &address.title, false, None, Vec::new());

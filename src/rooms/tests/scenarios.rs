@@ -1779,6 +1779,32 @@ async fn a_cancel_while_an_attempt_opens_its_session_is_never_followed_by_its_tu
     assert!(runtime.stop(STOP).await);
 }
 
+/// A cancel acknowledged (`stopping`) while the attempt opened its member's session, whose
+/// opening then fails, ends the task `cancelled`, as its client was told it would: nothing reached
+/// the member. The failure to open overrode it, and the task ended `failed`.
+#[tokio::test]
+async fn a_cancel_while_an_attempt_opens_its_session_wins_over_the_opening_failing() {
+    let (db, id) = one_queued_task();
+    let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
+    let mut fake = FakeSessionRpc::new(true);
+    fake.create_gate = Some((reached.clone(), go.clone()));
+    lock(&fake.create_failures).push_back(crate::rooms::port::PortError::new("profile is gone"));
+    let rpc = Arc::new(fake);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(reached.wait(Duration::from_secs(5)).await);
+    let view = runtime.cancel(&id, "c1").await.expect("cancel");
+    assert_eq!(view.status, TaskStatus::Stopping);
+    go.set();
+    wait_for("the task ended", || {
+        matches!(status(&db, &id), TaskStatus::Cancelled | TaskStatus::Failed)
+    })
+    .await;
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+    assert_eq!(rpc.count("submit"), 0);
+    assert!(runtime.stop(STOP).await);
+}
+
 #[tokio::test]
 async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
     let (db, id) = one_queued_task();
