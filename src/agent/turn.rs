@@ -187,6 +187,11 @@ struct Turn {
     /// summary): a preflight clears again only once the turn has added `2 × protect_last_n`
     /// messages since (each one committed a copy of the whole transcript: one per tool round).
     cleared_at: Option<usize>,
+    /// Compactions of this turn that only cleared old tool output: at most
+    /// `compression.max_attempts`, as summaries are (each commits a copy of the whole
+    /// transcript, a new child session by default: a turn of many tool rounds made one every
+    /// few rounds, some forty in one turn).
+    clears: u32,
     /// A question of this turn (an approval, a clarify) timed out unanswered.
     unanswered: bool,
 }
@@ -241,6 +246,7 @@ impl Turn {
             ctx,
             compressions: 0,
             cleared_at: None,
+            clears: 0,
             unanswered: false,
         };
         turn.transcript = transcript;
@@ -1506,8 +1512,9 @@ impl Turn {
             let recently = self
                 .cleared_at
                 .is_some_and(|at| self.transcript.len() < at + 2 * c.protect_last_n.max(1));
-            if cleared && !(preflight && recently) {
+            if cleared && !(preflight && recently) && self.clears < c.max_attempts {
                 self.commit_compacted(pruned, self.system.clone()).await?;
+                self.clears += 1;
                 self.cleared_at = Some(self.transcript.len());
                 return Ok(());
             }

@@ -1318,6 +1318,36 @@ async fn clearing_old_tool_output_waits_for_the_turn_to_grow() {
     );
 }
 
+/// Clearing old tool output with nothing to summarise happens at most
+/// `compression.max_attempts` (3) times in a turn, as summaries do: each commits a copy of the
+/// whole transcript (a new child session), and a long turn of tool rounds made one every few
+/// rounds (eleven in this one's 24 rounds; some forty in a turn of ninety).
+#[actix_rt::test]
+async fn clearing_old_tool_output_is_bounded_per_turn() {
+    // (Rounds `a` to `x`: each prints its own letter.)
+    let model = many_rounds_model(24, 2000, usize::MAX);
+    let (home, _d, mut ws, sid) = tool_session(&model, 1000, (2, 2), "bounded").await;
+    hi_then_many(&home, &mut ws, &sid).await;
+    assert!(summaries(&model).is_empty(), "nothing to summarise");
+    let lineage: i64 = {
+        use diesel::prelude::*;
+        use gatehouse::store::schema::sessions;
+        sessions::table
+            .filter(sessions::root_id.eq(&sid))
+            .count()
+            .get_result(&mut home.db())
+            .expect("lineage")
+    };
+    // The root and a child for each of at most three clears.
+    assert!(
+        (2..=4).contains(&lineage),
+        "{lineage} sessions in the lineage"
+    );
+    for body in main_requests(&model) {
+        well_formed(&body).expect("well-formed request");
+    }
+}
+
 /// A turn that finds nothing to compact at first (its calls and their results cannot be split,
 /// and the user message heads the transcript) compacts once it has grown: before, the first
 /// "nothing to compact" ended preflight compaction for the rest of the turn, and a turn of many
