@@ -111,7 +111,17 @@ pub const OLD_TOOL_OUTPUT_CHARS: usize = 200;
 /// output``. Roles, ids and the pairing of calls and results are kept, and a line is short, so a
 /// second pass changes nothing. Applies to what the summary model is sent and to what is kept.
 pub fn clear_old_tool_output(t: &[NewMessage], protect_last_n: usize) -> Vec<NewMessage> {
-    let old = t.len().saturating_sub(protect_last_n.saturating_mul(3));
+    // The results that end the transcript are the latest round's, which the model has not yet
+    // read: kept whatever their place (a response of more calls than the protected tail had
+    // its first results cleared before they were ever sent, and the model ran them again).
+    let unread = t
+        .iter()
+        .rposition(|m| m.role != "tool")
+        .map_or(0, |last| last + 1);
+    let old = t
+        .len()
+        .saturating_sub(protect_last_n.saturating_mul(3))
+        .min(unread);
     // Each result's call (its tool name and arguments), found by id among the calls of the
     // assistant message before it: ids repeat across responses (a provider that sends none
     // gets `call_0` for every response's first call), and one map of the whole transcript
@@ -587,6 +597,43 @@ mod tests {
             && a.tool_call_id == b.tool_call_id
             && a.tool_calls == b.tool_calls));
         assert_eq!(clear_old_tool_output(&out, 1), out);
+    }
+
+    /// The results that end the transcript, the latest round's, are the model's yet to read:
+    /// none is cleared, however many there are beside the protected tail.
+    #[test]
+    fn the_latest_rounds_results_are_never_cleared() {
+        let big = json!({"output": "x\n".repeat(200), "exit_code": 0}).to_string();
+        let ids: Vec<String> = (0..8).map(|i| format!("c{i}")).collect();
+        let calls: Vec<Value> = ids
+            .iter()
+            .map(|id| json!({"id": id, "type": "function",
+                             "function": {"name": "terminal", "arguments": "{\"command\":\"cat f\"}"}}))
+            .collect();
+        let mut t = vec![
+            m("user", "P0"),
+            terminal_call("a", "ls"),
+            tool_output("a", "terminal", big.clone()),
+            m("assistant", "read it"),
+            m("user", "P1"),
+            NewMessage {
+                role: "assistant".into(),
+                tool_calls: Some(Value::from(calls).to_string()),
+                ..Default::default()
+            },
+        ];
+        for id in &ids {
+            t.push(tool_output(id, "terminal", big.clone()));
+        }
+        let out = clear_old_tool_output(&t, 1);
+        // The earlier round's result, read by the model, is cleared; the latest round's are not.
+        assert_eq!(
+            out[2].content.as_deref(),
+            Some("[terminal] ran `ls` -> exit 0, 200 lines output")
+        );
+        assert!(out[6..]
+            .iter()
+            .all(|r| r.content.as_deref() == Some(big.as_str())));
     }
 
     /// Each cleared result names the call of its own response: ids repeat across responses (a
