@@ -1302,20 +1302,23 @@ async fn clearing_old_tool_output_waits_for_the_turn_to_grow() {
     );
     // A clear every second round at most, from the fourth (the last six messages are kept):
     // each makes the next session of the lineage.
-    let lineage: i64 = {
-        use diesel::prelude::*;
-        use gatehouse::store::schema::sessions;
-        sessions::table
-            .filter(sessions::root_id.eq(&sid))
-            .count()
-            .get_result(&mut home.db())
-            .expect("lineage")
-    };
+    let lineage = lineage_of(&home, &sid);
     // (Ten, clearing on every round: 9 copies of the transcript for 12 rounds.)
     assert!(
         (2..=7).contains(&lineage),
         "{lineage} sessions in the lineage"
     );
+}
+
+/// How many sessions the lineage of root `sid` has (the root and its compactions' children).
+fn lineage_of(home: &Home, sid: &str) -> i64 {
+    use diesel::prelude::*;
+    use gatehouse::store::schema::sessions;
+    sessions::table
+        .filter(sessions::root_id.eq(sid))
+        .count()
+        .get_result(&mut home.db())
+        .expect("lineage")
 }
 
 /// Clearing old tool output with nothing to summarise happens at most
@@ -1329,15 +1332,7 @@ async fn clearing_old_tool_output_is_bounded_per_turn() {
     let (home, _d, mut ws, sid) = tool_session(&model, 1000, (2, 2), "bounded").await;
     hi_then_many(&home, &mut ws, &sid).await;
     assert!(summaries(&model).is_empty(), "nothing to summarise");
-    let lineage: i64 = {
-        use diesel::prelude::*;
-        use gatehouse::store::schema::sessions;
-        sessions::table
-            .filter(sessions::root_id.eq(&sid))
-            .count()
-            .get_result(&mut home.db())
-            .expect("lineage")
-    };
+    let lineage = lineage_of(&home, &sid);
     // The root and a child for each of at most three clears.
     assert!(
         (2..=4).contains(&lineage),

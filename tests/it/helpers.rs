@@ -550,6 +550,14 @@ impl Daemon {
         let _ = self.child.wait();
     }
 
+    /// Send `signal`, not waiting for anything.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: sending a signal to our own child process.
+        unsafe {
+            libc::kill(self.child.id() as i32, signal);
+        }
+    }
+
     /// SIGTERM; returns the exit code.
     pub fn term(&mut self) -> Option<i32> {
         self.stop_with(libc::SIGTERM)
@@ -557,10 +565,7 @@ impl Daemon {
 
     /// Send `signal` and wait for the exit (60 s at most); the exit code.
     pub fn stop_with(&mut self, signal: libc::c_int) -> Option<i32> {
-        // SAFETY: sending a signal to our own child process.
-        unsafe {
-            libc::kill(self.child.id() as i32, signal);
-        }
+        self.signal(signal);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {

@@ -400,18 +400,10 @@ async fn metrics_parse_and_move_with_the_work() {
 #[actix_rt::test]
 async fn readyz_is_unavailable_while_draining() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"gateway": {"drain_grace_seconds": 3}}),
-    ));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({"gateway": {"drain_grace_seconds": 3}}));
     let origin = d.origin();
     assert_eq!(http_get(&format!("{origin}/readyz")).await.0, 200);
-    // SAFETY: signalling our own child.
-    unsafe {
-        libc::kill(d.child.id() as i32, libc::SIGTERM);
-    }
+    d.signal(libc::SIGTERM);
     let mut seen = None;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while std::time::Instant::now() < deadline {
@@ -439,12 +431,7 @@ async fn readyz_is_unavailable_while_draining() {
 #[actix_rt::test]
 async fn an_admitted_input_sent_again_while_draining_gets_its_receipt() {
     let model = FakeModel::ack();
-    let home = Home::new();
-    home.write_config(&config(
-        &model.url,
-        json!({"gateway": {"drain_grace_seconds": 3}}),
-    ));
-    let mut d = Daemon::start(&home);
+    let (home, mut d) = Daemon::with_model(&model, json!({"gateway": {"drain_grace_seconds": 3}}));
     let mut ws = d.ws().await;
     let sid = ws.session("drain-retry", &home.path).await;
     let first = ws.submit(&sid, "in-1", "hello").await;
@@ -452,10 +439,7 @@ async fn an_admitted_input_sent_again_while_draining_gets_its_receipt() {
         all_terminal(&home)
     })
     .await;
-    // SAFETY: signalling our own child.
-    unsafe {
-        libc::kill(d.child.id() as i32, libc::SIGTERM);
-    }
+    d.signal(libc::SIGTERM);
     wait_until("the daemon drains", Duration::from_secs(10), || {
         control(&home.path, "identify", json!({})).is_ok_and(|v| v["state"] == "stopping")
     })

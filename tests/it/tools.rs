@@ -1924,6 +1924,18 @@ async fn a_response_runs_at_most_64_tool_calls_and_no_huge_command() {
     );
 }
 
+/// Prompt `p` offers `once` and `deny` only, and a `session` answer is refused.
+async fn offers_once_only(ws: &mut Ws, sid: &str, p: &Value) {
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    ws.refused(
+        "approval.respond",
+        json!({"session_id": sid, "execution_generation": p["execution_generation"],
+               "prompt_id": p["prompt_id"], "choice": "session"}),
+        "invalid_params",
+    )
+    .await;
+}
+
 /// A command that touches the gateway's own files (its ledger holds the approvals) is asked
 /// about, however harmless its verb: a session runs in the gateway's home by default, where
 /// `rm -f state.db` matched no rule and ran unasked.
@@ -1941,14 +1953,7 @@ async fn a_command_on_the_gateways_own_files_is_asked_about() {
     );
     // Approved one command at a time: what one approval of the gateway's state lets through is
     // not one kind of act (a session approval of a read let a truncation of the ledger pass).
-    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
-    ws.refused(
-        "approval.respond",
-        json!({"session_id": sid, "execution_generation": p["execution_generation"],
-               "prompt_id": p["prompt_id"], "choice": "session"}),
-        "invalid_params",
-    )
-    .await;
+    offers_once_only(&mut ws, &sid, &p).await;
     respond(&mut ws, &sid, &p, "deny").await;
     settled(&home, "LEDGER").await;
     assert!(!home.path.join("stolen.db").exists());
@@ -2023,14 +2028,7 @@ async fn a_command_that_runs_unread_text_is_approved_one_at_a_time() {
         p["pattern_keys"].to_string().contains("pipe_to_shell"),
         "{p}"
     );
-    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
-    ws.refused(
-        "approval.respond",
-        json!({"session_id": sid, "execution_generation": p["execution_generation"],
-               "prompt_id": p["prompt_id"], "choice": "session"}),
-        "invalid_params",
-    )
-    .await;
+    offers_once_only(&mut ws, &sid, &p).await;
     respond(&mut ws, &sid, &p, "once").await;
     assert_eq!(
         settled(&home, "PIPE").await.outcome.as_deref(),
