@@ -40,6 +40,80 @@ use crate::store::admissions::{self, hex};
 use crate::store::messages::NewMessage;
 use crate::store::threads;
 
+/// A message's `content`: a string, or a list of parts whose `text` parts are read (joined by
+/// line breaks). Read as it is parsed, keeping only the text: parsed into JSON values, a body of
+/// 16 MiB of tiny parts (`[0,0,…]`) took some 256 MB before it was refused, and one client could
+/// send many at once.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatContent(Option<String>);
+
+impl ChatContent {
+    /// Its text: the string, or the text parts joined; `None` for a list with no text part.
+    pub fn text(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+}
+
+impl serde::Serialize for ChatContent {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChatContent {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// A content part: its kind and text; any other field is skipped unread.
+        #[derive(serde::Deserialize)]
+        struct Part {
+            #[serde(rename = "type")]
+            kind: Option<String>,
+            text: Option<String>,
+        }
+        struct Read;
+        impl<'de> serde::de::Visitor<'de> for Read {
+            type Value = ChatContent;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of content parts")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ChatContent, E> {
+                Ok(ChatContent(Some(v.to_string())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<ChatContent, E> {
+                Ok(ChatContent(Some(v)))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<ChatContent, E> {
+                Ok(ChatContent(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut parts: A,
+            ) -> Result<ChatContent, A::Error> {
+                let mut text: Option<String> = None;
+                while let Some(part) = parts.next_element::<Part>()? {
+                    let (Some("text"), Some(t)) = (part.kind.as_deref(), part.text) else {
+                        continue;
+                    };
+                    match &mut text {
+                        Some(all) => {
+                            all.push('\n');
+                            all.push_str(&t);
+                        }
+                        None => text = Some(t),
+                    }
+                }
+                Ok(ChatContent(text))
+            }
+        }
+        d.deserialize_any(Read)
+    }
+}
+
+impl ApiSchema for ChatContent {
+    fn schema(_: &mut Components) -> Value {
+        json!({})
+    }
+}
+
 /// Names the session of a chat completion.
 pub const SESSION_HEADER: &str = "x-gatehouse-session";
 /// The admission a chat request's input became (success and refusal alike, once admitted).
@@ -55,7 +129,7 @@ api_object! {
     open struct ChatMessage {
         role: String,
         #[serde(default)]
-        content: Option<Value>,
+        content: Option<ChatContent>,
         name: Option<String>,
     }
 }
@@ -274,19 +348,8 @@ fn invalid(message: impl Into<String>) -> ChatFailure {
 }
 
 /// The text of a message's content (a string, or the `text` parts of a list).
-fn text_of(content: &Option<Value>) -> Option<String> {
-    match content {
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Array(parts)) => {
-            let texts: Vec<&str> = parts
-                .iter()
-                .filter(|p| p["type"] == "text")
-                .filter_map(|p| p["text"].as_str())
-                .collect();
-            (!texts.is_empty()).then(|| texts.join("\n"))
-        }
-        _ => None,
-    }
+fn text_of(content: &Option<ChatContent>) -> Option<String> {
+    content.as_ref()?.text().map(str::to_string)
 }
 
 /// A conversation as keys and seeds read it: each system, user and assistant message's role
@@ -1206,24 +1269,39 @@ pub fn operations(c: &mut Components) -> Vec<Operation> {
 mod tests {
     use super::*;
 
-    fn msg(role: &str, content: Value) -> ChatMessage {
+    /// A message's `content` as a request body's JSON reads.
+    fn content(v: Value) -> Result<Option<ChatContent>, serde_json::Error> {
+        serde_json::from_value(v)
+    }
+
+    fn msg(role: &str, v: Value) -> ChatMessage {
         ChatMessage {
             role: role.into(),
-            content: Some(content),
+            content: content(v).expect("content"),
             name: None,
         }
     }
 
     #[test]
     fn content_parts_and_conversation_hashes() {
-        assert_eq!(text_of(&Some(json!("hi"))), Some("hi".into()));
         assert_eq!(
-            text_of(&Some(
-                json!([{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}])
-            )),
+            text_of(&content(json!("hi")).expect("string")),
+            Some("hi".into())
+        );
+        assert_eq!(
+            text_of(
+                &content(json!([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "b"}]))
+                    .expect("parts")
+            ),
             Some("a\nb".into())
         );
-        assert_eq!(text_of(&Some(json!(3))), None);
+        assert_eq!(text_of(&content(json!([])).expect("no parts")), None);
+        assert_eq!(content(json!(null)).expect("null"), None);
+        // Neither a string nor a list of parts: refused as it is read (a list of anything else
+        // is not kept to be looked at).
+        assert!(content(json!(3)).is_err());
+        assert!(content(json!([0, 0, 0])).is_err());
+        assert!(content(json!({"text": "a"})).is_err());
         let conversation = vec![
             msg("developer", json!("be brief")),
             msg("user", json!("hello")),
