@@ -754,11 +754,15 @@ impl FileIdentity {
         std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino)
     }
 
+    /// Said where anyone may read it (`/readyz` needs no credentials): the file's name, not its
+    /// path (the log has the path).
     fn lost_message(&self) -> String {
         format!(
             "the database file {} was removed or replaced while the daemon had it open; \
              restart the daemon",
-            self.path.display()
+            self.path
+                .file_name()
+                .map_or_else(|| "state.db".into(), |n| n.to_string_lossy())
         )
     }
 }

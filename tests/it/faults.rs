@@ -1225,6 +1225,11 @@ async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
     let (status, body) = http_get(&format!("{origin}/readyz")).await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("removed or replaced"), "{body}");
+    // Said to anyone who asks: the file's name, not where the home is.
+    assert!(
+        body.contains("state.db") && !body.contains(&*s.home.path.to_string_lossy()),
+        "{body}"
+    );
     assert_eq!(metric(&origin, "gatehouse_storage_healthy").await, 0.0);
     assert!(metric(&origin, "gatehouse_db_commit_failures_total").await >= 2.0);
     // Back in place, the file is still not written: only a restart trusts it again. B's commit
