@@ -391,13 +391,14 @@ impl Authority {
             .await?)
     }
 
-    /// The root of session `id` when `principal` owns it (`permission_denied` otherwise).
+    /// The root of session `id` when `principal` owns it; `not_found` otherwise, as for a
+    /// session that does not exist: session ids can be computed from a principal and a request
+    /// id (a chat conversation's is its text's hash), and a refusal that said the session was
+    /// another principal's confirmed that principal's sessions, and conversations, to any key.
     pub async fn owned_root(&self, id: &str, principal: &str) -> GatewayResult<SessionRow> {
         let root = self.root(id).await?;
         if root.principal_id != principal {
-            return Err(GatewayError::PermissionDenied(
-                "this session belongs to another principal".into(),
-            ));
+            return Err(GatewayError::NotFound(format!("no session {id}")));
         }
         Ok(root)
     }

@@ -967,15 +967,29 @@ async fn access_control_is_per_connection_and_per_principal() {
         normal_request(&mut owner, &sid).await;
     }
     assert!(victim.exists(), "no foreign answer ran the command");
-    // Another principal (an API key) may not even resume it.
+    // Another principal (an API key) may not even resume it, nor learn that it exists: it is
+    // not found, as a session that does not exist is (session ids can be computed).
     let mut stranger = keyed_ws(&d, key).await;
-    stranger
+    let foreign = stranger
+        .refused("session.resume", json!({"session_id": sid}), "not_found")
+        .await;
+    let missing = "local-00000000000000000000000000000000";
+    let none = stranger
         .refused(
             "session.resume",
-            json!({"session_id": sid}),
-            "permission_denied",
+            json!({"session_id": missing}),
+            "not_found",
         )
         .await;
+    assert_eq!(
+        foreign["error"]["data"]["detail"]
+            .as_str()
+            .map(|d| d.replace(&sid, "ID")),
+        none["error"]["data"]["detail"]
+            .as_str()
+            .map(|d| d.replace(missing, "ID")),
+        "the same answer: {foreign} {none}"
+    );
     // Nor use a room the owner created: read, drive, re-create or disband it.
     let members = json!([{"profile": "default", "handle": "d"}]);
     owner

@@ -390,20 +390,22 @@ async fn rest_endpoints_answer_and_refuse_with_fitting_statuses() {
         .await;
     assert_eq!(snap["session_id"], sid);
     assert_eq!(snap["last_sequence"], 0);
+    // Another principal's session is not found, as one that does not exist (ids can be
+    // computed: a refusal that said whose it was confirmed it existed).
     let other = Api::new(&d, OTHER_KEY);
     let b = other
-        .expect("GET", &format!("/v1/sessions/{sid}"), None, 403)
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 404)
         .await;
-    assert_refusal(&b, "permission_denied");
+    assert_refusal(&b, "not_found");
     let b = other
         .expect(
             "POST",
             &format!("/v1/sessions/{sid}/inputs"),
             Some(json!({"input_id": "x", "text": "x"})),
-            403,
+            404,
         )
         .await;
-    assert_refusal(&b, "permission_denied");
+    assert_refusal(&b, "not_found");
     let b = api.expect("GET", "/v1/sessions/nope", None, 404).await;
     assert_refusal(&b, "not_found");
     // The message does not repeat the reason beside it.
