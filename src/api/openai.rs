@@ -675,7 +675,9 @@ fn reply_of(
             "timeout",
             format!(
                 "the turn did not finish within {timeout} s (admission {}); send the same request again to \
-                 keep waiting for it",
+                 keep waiting for it (in a named session without an Idempotency-Key, only before \
+                 any other input to the session: after one, the same text is a new input), or \
+                 follow the admission",
                 receipt.admission_id
             ),
         ));
