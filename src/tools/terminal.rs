@@ -251,6 +251,17 @@ pub async fn run_command(
             }
             _ => End::Interrupted,
         },
+        // Likewise a deadline seen in the same look as the shell's exit (the terminal thread was
+        // busy past both): the command ended in time, and its exit code stands (it was reported
+        // timed out, and likely run again); what it left behind is stopped, its time being up.
+        End::TimedOut => match child.try_wait() {
+            Ok(Some(exit)) => {
+                status = Some(exit);
+                group.reaped = true;
+                End::EndedThenInterrupted
+            }
+            _ => End::TimedOut,
+        },
         end => end,
     };
     let (exit_code, timed_out, interrupted) = match end {
@@ -1089,6 +1100,30 @@ mod tests {
 
     fn read_pid(path: &Path) -> Option<libc::pid_t> {
         std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    }
+
+    /// A command that ended before its deadline, whose exit is seen only once the deadline has
+    /// passed too (the terminal thread was busy), ran to its end: its exit code and output
+    /// stand. It was reported timed out (124), and the model was likely to run it again.
+    #[tokio::test]
+    async fn a_command_ended_before_its_deadline_is_not_timed_out_when_seen_late() {
+        let dir = TempDir::new("late");
+        let mut spec = spec("sleep 0.1; echo done; exit 3", &dir);
+        spec.timeout = Duration::from_millis(300);
+        let (_tx, rx) = watch::channel(false);
+        let mut running = Box::pin(run_command(spec, rx));
+        // Started, and waiting on the shell.
+        tokio::select! {
+            _ = &mut running => panic!("the command was not waited for"),
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        // The thread busy past the deadline: the shell's exit and the deadline are both ready
+        // at the next look.
+        std::thread::sleep(Duration::from_millis(800));
+        let out = running.await.unwrap();
+        assert!(!out.timed_out, "{out:?}");
+        assert_eq!(out.exit_code, 3);
+        assert_eq!(out.output, "done");
     }
 
     #[tokio::test]
