@@ -914,9 +914,18 @@ impl RunningGateway {
         if !self.rooms.stop(rooms).await {
             tracing::warn!("room workers did not stop in time");
         }
-        // What the turns left running outlives them, not the gateway.
-        if let Ok(n @ 1..) = self.shared.terminal.send(StopBackground).await {
-            tracing::info!(n, "background processes killed");
+        // What the turns left running outlives them, not the gateway. Within the stop's budget:
+        // the terminal thread may be held by a command's start on a mount that stopped
+        // answering, and the stop then waited for it without end.
+        let left = timeout.saturating_sub(draining.elapsed()).max(Duration::from_secs(1));
+        match tokio::time::timeout(left, self.shared.terminal.send(StopBackground)).await {
+            Ok(Ok(n @ 1..)) => tracing::info!(n, "background processes killed"),
+            Ok(_) => {}
+            Err(_) => tracing::warn!(
+                ?left,
+                "the terminal did not stop its background processes in time; they end with \
+                 the process's cgroup under systemd"
+            ),
         }
         self.tickets.revoke_all();
         drop(self.control_task);
