@@ -1062,7 +1062,10 @@ impl Turn {
             .ctx
             .shared
             .terminal
-            .send(StartBackground { spec })
+            .send(StartBackground {
+                spec,
+                cancel: self.ctx.cancel.clone(),
+            })
             .await;
         match started {
             Ok(Ok(b)) => {
@@ -1085,6 +1088,7 @@ impl Turn {
                     .to_string(),
                 )
             }
+            Ok(Err(tools::TerminalError::Interrupted)) => ToolResult::Interrupted,
             Ok(Err(e)) => ToolResult::Output(not_run(&e.to_string())),
             Err(_) => ToolResult::Output(not_run("terminal tool unavailable")),
         }

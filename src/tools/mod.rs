@@ -188,6 +188,9 @@ pub struct BackgroundStarted {
 /// Start a command to run on after the call returns (`background: true`).
 pub struct StartBackground {
     pub spec: CommandSpec,
+    /// The turn's interrupt: set before the terminal takes the start up (its thread may be busy
+    /// with other sessions' commands), nothing starts.
+    pub cancel: watch::Receiver<bool>,
 }
 
 impl Message for StartBackground {
@@ -200,6 +203,11 @@ impl Handler<StartBackground> for TerminalTool {
     fn handle(&mut self, m: StartBackground, ctx: &mut Context<Self>) -> Self::Result {
         if self.closed {
             return Err(TerminalError::Stopping);
+        }
+        // An interrupt acknowledged while the start waited for this thread: the client was told
+        // the turn stopped, and a process that outlives it started after that.
+        if *m.cancel.borrow() {
+            return Err(TerminalError::Interrupted);
         }
         if self.background.len() >= self.max_background {
             return Err(TerminalError::TooManyBackground(self.max_background));
@@ -316,6 +324,43 @@ mod tests {
         tool.prune_logs();
         assert!(!old.exists(), "past the retention");
         assert!(fresh.exists() && other.exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A background start whose turn was interrupted before the terminal took it up starts
+    /// nothing: it started, and ran on after the client was told the turn had stopped.
+    #[actix_rt::test]
+    async fn a_background_start_after_its_turns_interrupt_starts_nothing() {
+        let dir = std::env::temp_dir().join(format!("gatehouse-bg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let tool = TerminalTool::start_on_own_arbiter(8, dir.join("logs"), None);
+        let marker = dir.join("started");
+        let spec = CommandSpec::new(format!("touch {}", marker.display()), &dir);
+        let (interrupt, cancel) = watch::channel(false);
+        interrupt.send_replace(true);
+        let started = tool
+            .send(StartBackground {
+                spec: spec.clone(),
+                cancel,
+            })
+            .await
+            .expect("the terminal answers");
+        assert!(
+            matches!(started, Err(TerminalError::Interrupted)),
+            "{started:?}"
+        );
+        // Not interrupted: it starts.
+        let (_interrupt, cancel) = watch::channel(false);
+        let started = tool
+            .send(StartBackground { spec, cancel })
+            .await
+            .expect("the terminal answers");
+        assert!(started.is_ok(), "{started:?}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !marker.exists() {
+            assert!(std::time::Instant::now() < deadline, "it never ran");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

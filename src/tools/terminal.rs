@@ -158,6 +158,9 @@ pub enum TerminalError {
     Log(#[source] io::Error),
     #[error("the gateway is stopping: no background process starts now")]
     Stopping,
+    /// The turn was interrupted before the terminal took up the start: nothing started.
+    #[error("interrupted before it started")]
+    Interrupted,
 }
 
 /// Runs `spec.command` and collects its output.
