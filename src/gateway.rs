@@ -917,7 +917,9 @@ impl RunningGateway {
         // What the turns left running outlives them, not the gateway. Within the stop's budget:
         // the terminal thread may be held by a command's start on a mount that stopped
         // answering, and the stop then waited for it without end.
-        let left = timeout.saturating_sub(draining.elapsed()).max(Duration::from_secs(1));
+        let left = timeout
+            .saturating_sub(draining.elapsed())
+            .max(Duration::from_secs(1));
         match tokio::time::timeout(left, self.shared.terminal.send(StopBackground)).await {
             Ok(Ok(n @ 1..)) => tracing::info!(n, "background processes killed"),
             Ok(_) => {}
