@@ -244,26 +244,18 @@ pub async fn run_command(
     // An interrupt that came once the shell had ended (its output still draining, or its exit
     // not yet seen) stops only what it left behind: the command ran to its end, and its exit
     // code stands (it was reported 130, "interrupted, may have done part of its work").
+    // Likewise a deadline seen in the same look as the shell's exit (the terminal thread was
+    // busy past both): the command ended in time, and its exit code stands (it was reported
+    // timed out, and likely run again); what it left behind is stopped, its time being up.
     let end = match end {
         End::Interrupted if status.is_some() => End::EndedThenInterrupted,
-        End::Interrupted => match child.try_wait() {
+        End::Interrupted | End::TimedOut => match child.try_wait() {
             Ok(Some(exit)) => {
                 status = Some(exit);
                 group.reaped = true;
                 End::EndedThenInterrupted
             }
-            _ => End::Interrupted,
-        },
-        // Likewise a deadline seen in the same look as the shell's exit (the terminal thread was
-        // busy past both): the command ended in time, and its exit code stands (it was reported
-        // timed out, and likely run again); what it left behind is stopped, its time being up.
-        End::TimedOut => match child.try_wait() {
-            Ok(Some(exit)) => {
-                status = Some(exit);
-                group.reaped = true;
-                End::EndedThenInterrupted
-            }
-            _ => End::TimedOut,
+            _ => end,
         },
         end => end,
     };
