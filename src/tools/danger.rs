@@ -111,6 +111,23 @@ const RM_ARGS: &str =
 /// End of an operand.
 const OPERAND_END: &str = r#"['"]?(?:\s|$|[;&|)`<>])"#;
 
+/// The patterns of the rules both tables hold: refused whatever the approvals (the hardline
+/// table), and named among the rules a command matched (the regular one).
+const BLOCK_DEVICE_WRITE: &str = r"(?:^|[^>])>>?[|&]?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)";
+const FORK_BOMB: &str = r"(?:function\s+[\w:.-]+\s*(?:\(\s*\))?|[\w:.-]+\s*\(\s*\))\s*\{\s*[\w:.-]+\s*\|\s*[\w:.-]+\s*&\s*;?\s*\}";
+/// `-1` (or `-01`) as a process after any other argument (`kill -n 9 -1`, `kill 42 -1`), or
+/// alone (a first `-1` followed by more is a signal: `kill -1 42`).
+const KILL_ALL: &str =
+    r"<cmd>kill(?:(?:\s+[^\s;&|]+)+?\s+-0*1(?:\s|$|[;&|)<>])|\s+-0*1\s*(?:\d*[<>]|$|[;&|)]))";
+const SYSTEM_SHUTDOWN: &str = r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)<>])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)<>])|<cmd>systemctl\s+(?:-\S+\s+)*(?:(?:start|isolate|restart)\s+(?:-\S+\s+)*)?(?:poweroff|reboot|halt|kexec)\b)";
+
+/// The directories the never-allowed list keeps whole under `/`: `rm_system_dir`'s
+/// `<system_dirs>`, and the directories [`is_hardline_in`] reads a bare operand in.
+const SYSTEM_DIRS: &[&str] = &[
+    "bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "opt", "proc", "root", "run",
+    "sbin", "srv", "sys", "usr", "var",
+];
+
 const SQL: &str = "SQL destructive";
 const SERVICE_KILL: &str = "service/process kill";
 const VIA_C: &str = "shell/script via -c";
@@ -161,7 +178,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "block_device_write",
         description: "block device write",
-        pattern: r"(?:^|[^>])>>?[|&]?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
+        pattern: BLOCK_DEVICE_WRITE,
     },
     RuleDef {
         key: "sql_drop",
@@ -192,9 +209,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "kill_all_processes",
         description: SERVICE_KILL,
-        // `-1` (or `-01`) as a process after any other argument (`kill -n 9 -1`, `kill 42 -1`),
-        // or alone (a first `-1` followed by more is a signal: `kill -1 42`).
-        pattern: r"<cmd>kill(?:(?:\s+[^\s;&|]+)+?\s+-0*1(?:\s|$|[;&|)<>])|\s+-0*1\s*(?:\d*[<>]|$|[;&|)]))",
+        pattern: KILL_ALL,
     },
     RuleDef {
         key: "pkill_force",
@@ -204,7 +219,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "fork_bomb",
         description: "fork bomb",
-        pattern: r"(?:function\s+[\w:.-]+\s*(?:\(\s*\))?|[\w:.-]+\s*\(\s*\))\s*\{\s*[\w:.-]+\s*\|\s*[\w:.-]+\s*&\s*;?\s*\}",
+        pattern: FORK_BOMB,
     },
     RuleDef {
         key: "shell_dash_c",
@@ -283,7 +298,7 @@ static RULE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "system_shutdown",
         description: SHUTDOWN,
-        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)<>])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)<>])|<cmd>systemctl\s+(?:-\S+\s+)*(?:(?:start|isolate|restart)\s+(?:-\S+\s+)*)?(?:poweroff|reboot|halt|kexec)\b)",
+        pattern: SYSTEM_SHUTDOWN,
     },
     RuleDef {
         key: "git_reset_hard",
@@ -325,7 +340,7 @@ static HARDLINE_DEFS: &[RuleDef] = &[
         key: "rm_system_dir",
         description: "delete system directory",
         // `//etc`, `/./etc/`, `/etc//*`, and a name spelled as a pattern (`/e?c`, `/[e]tc`).
-        pattern: r#"<cmd><rm_args>['"]?/+(?:\./+)*(?:bin|boot|dev|etc|home|lib|lib32|lib64|opt|proc|root|run|sbin|srv|sys|usr|var|[^\s/;&|<>'"]*[?*\[][^\s/;&|<>'"]*)/*(?:\./*)*\**<end>"#,
+        pattern: r#"<cmd><rm_args>['"]?/+(?:\./+)*(?:<system_dirs>|[^\s/;&|<>'"]*[?*\[][^\s/;&|<>'"]*)/*(?:\./*)*\**<end>"#,
     },
     RuleDef {
         key: "rm_home",
@@ -346,24 +361,22 @@ static HARDLINE_DEFS: &[RuleDef] = &[
     RuleDef {
         key: "block_device_write",
         description: "block device write",
-        pattern: r"(?:^|[^>])>>?[|&]?\s*/dev/(?:sd[a-z]|hd[a-z]|vd[a-z]|xvd[a-z]|nvme\d|mmcblk\d|r?disk\d|mapper/|md\d|dm-\d)",
+        pattern: BLOCK_DEVICE_WRITE,
     },
     RuleDef {
         key: "fork_bomb",
         description: "fork bomb",
-        pattern: r"(?:function\s+[\w:.-]+\s*(?:\(\s*\))?|[\w:.-]+\s*\(\s*\))\s*\{\s*[\w:.-]+\s*\|\s*[\w:.-]+\s*&\s*;?\s*\}",
+        pattern: FORK_BOMB,
     },
     RuleDef {
         key: "kill_all_processes",
         description: "kill all processes",
-        // `-1` (or `-01`) as a process after any other argument (`kill -n 9 -1`, `kill 42 -1`),
-        // or alone (a first `-1` followed by more is a signal: `kill -1 42`).
-        pattern: r"<cmd>kill(?:(?:\s+[^\s;&|]+)+?\s+-0*1(?:\s|$|[;&|)<>])|\s+-0*1\s*(?:\d*[<>]|$|[;&|)]))",
+        pattern: KILL_ALL,
     },
     RuleDef {
         key: "system_shutdown",
         description: SHUTDOWN,
-        pattern: r"(?:<cmd>(?:shutdown|reboot|halt|poweroff)(?:\s|$|[;&|)<>])|<cmd>(?:tel)?init\s+[06](?:\s|$|[;&|)<>])|<cmd>systemctl\s+(?:-\S+\s+)*(?:(?:start|isolate|restart)\s+(?:-\S+\s+)*)?(?:poweroff|reboot|halt|kexec)\b)",
+        pattern: SYSTEM_SHUTDOWN,
     },
 ];
 
@@ -372,6 +385,7 @@ fn expand(pattern: &str) -> String {
         .replace("<cmd>", CMD)
         .replace("<rm_args>", RM_ARGS)
         .replace("<end>", OPERAND_END)
+        .replace("<system_dirs>", &SYSTEM_DIRS.join("|"))
 }
 
 fn compile(defs: &'static [RuleDef]) -> Vec<Rule> {
@@ -796,12 +810,6 @@ pub fn is_hardline(command: &str) -> Option<DangerMatch> {
     let texts = variants(command);
     hardline_in(&texts.all, texts.unread)
 }
-
-/// The directories the never-allowed list keeps whole (`rm_system_dir`'s), under `/`.
-const SYSTEM_DIRS: &[&str] = &[
-    "bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "opt", "proc", "root", "run",
-    "sbin", "srv", "sys", "usr", "var",
-];
 
 /// [`is_hardline`] of `command` run in `dir`: where `dir` is one the never-allowed list keeps
 /// whole (`/`, a system directory, the user's home `user_home`), a bare operand that is all of
