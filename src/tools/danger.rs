@@ -781,11 +781,13 @@ fn detect_all_in(read: &Texts) -> Vec<DangerMatch> {
         .iter()
         .map(|t| shell_text(t))
         .collect();
+    let unsure = shells.iter().any(Option::is_none);
     for rule in shell_rules() {
-        let hit = shells.iter().any(|shell| match shell {
-            Some(text) => rule.regex.is_match(text),
-            None => texts.iter().any(|t| rule.regex.is_match(t)),
-        });
+        let hit = shells
+            .iter()
+            .flatten()
+            .any(|text| rule.regex.is_match(text))
+            || (unsure && texts.iter().any(|t| rule.regex.is_match(t)));
         if hit {
             found.push(matches(rule));
         }
@@ -868,13 +870,7 @@ pub fn normalize(command: &str) -> String {
     let text = super::terminal::strip_ansi(command)
         .replace("\\\r\n", " ")
         .replace("\\\n", " ");
-    text.chars()
-        .filter(|c| *c != '\0')
-        .flat_map(|c| match c {
-            '\n' | '\r' => vec![';', ' '],
-            c => c.to_lowercase().collect(),
-        })
-        .collect()
+    lowered(&text, false)
 }
 
 /// [`normalize`] as the shell runs the command: an escape sequence is not dropped (each
@@ -882,12 +878,23 @@ pub fn normalize(command: &str) -> String {
 /// and a line continuation is removed, so the text on either side of it is one word
 /// (`r\⏎m -rf ~` runs `rm -rf ~`).
 pub fn normalize_as_run(command: &str) -> String {
-    let text = command.replace("\\\r\n", "").replace("\\\n", "");
+    lowered(&joined_lines(command), true)
+}
+
+/// `text` with each line continuation (a backslash before a line break) removed, as the shell
+/// removes it: the text on either side is one word.
+pub(crate) fn joined_lines(text: &str) -> String {
+    text.replace("\\\r\n", "").replace("\\\n", "")
+}
+
+/// `text` lowercased, without NULs, each line break a `;` (the shell runs each line of a
+/// script), and with `blank_controls` each other control character a blank.
+fn lowered(text: &str, blank_controls: bool) -> String {
     text.chars()
         .filter(|c| *c != '\0')
         .flat_map(|c| match c {
             '\n' | '\r' => vec![';', ' '],
-            c if c.is_control() => vec![' '],
+            c if blank_controls && c.is_control() => vec![' '],
             c => c.to_lowercase().collect(),
         })
         .collect()

@@ -180,7 +180,7 @@ fn names_gateway_file(command: &str) -> bool {
 /// the characters it stands for): `$PP\⏎ID`, `st$''ate.db` and `$'\x73'tate.db` name what
 /// they spell.
 fn unquoted(command: &str) -> String {
-    let joined = command.replace("\\\r\n", "").replace("\\\n", "");
+    let joined = super::danger::joined_lines(command);
     let decoded = super::danger::ansi_c_decoded(&joined).unwrap_or(joined);
     decoded
         .chars()
