@@ -543,23 +543,18 @@ impl Authority {
         principal: String,
         p: SubmitParams,
     ) -> GatewayResult<CallResult> {
-        let digest = admissions::Input::new(&root, &p.text).digest().to_string();
-        let input_id = p.input_id.clone();
+        let input = admissions::Input::new(&root, &p.text);
         let row = self
             .shared
             .db
-            .read(move |c| admissions::by_request(c, &root, &principal, &input_id))
-            .await?;
-        match row {
-            Some(row) if row.payload_digest == digest => Ok(CallResult::plain(Reply::Receipt(
-                Box::new(Receipt::of(&row, self.shared.epoch)),
-            ))),
-            Some(_) => Err(GatewayError::AdmissionConflict(format!(
-                "input_id {} was admitted with other content",
-                p.input_id
-            ))),
-            None => Err(GatewayError::RuntimeDraining),
-        }
+            .read(move |c| admissions::by_request(c, &root, &principal, &p.input_id))
+            .await?
+            .ok_or(GatewayError::RuntimeDraining)?;
+        let row = input.same_as(row)?;
+        Ok(CallResult::plain(Reply::Receipt(Box::new(Receipt::of(
+            &row,
+            self.shared.epoch,
+        )))))
     }
 
     fn check_submit(&self, p: &SubmitParams) -> GatewayResult<()> {

@@ -120,9 +120,17 @@ pub struct Input {
 }
 
 impl Input {
-    /// The digest an admission of this input is stored with.
-    pub fn digest(&self) -> &str {
-        &self.digest
+    /// `row`, admitted before under this input's id, when it holds this input: the same
+    /// request again, answered with its admission whatever its status; another text under the
+    /// same id is `admission_conflict`.
+    pub fn same_as(&self, row: AdmissionRow) -> Result<AdmissionRow, StoreError> {
+        if row.payload_digest == self.digest {
+            return Ok(row);
+        }
+        Err(StoreError::AdmissionConflict(format!(
+            "input_id {} was admitted with other content",
+            row.request_id
+        )))
     }
 
     pub fn new(target: &str, text: &str) -> Input {
@@ -179,12 +187,7 @@ pub fn admit_input(
             .first(conn)
             .optional()?;
         if let Some(row) = existing {
-            if row.payload_digest == input.digest {
-                return Ok(Logged::quiet((row, false)));
-            }
-            return Err(StoreError::AdmissionConflict(format!(
-                "input_id {request_id} was admitted with other content"
-            )));
+            return Ok(Logged::quiet((input.same_as(row)?, false)));
         }
         let waiting = queued_at_least(conn, ordinal, max_queued)?;
         if waiting >= max_queued {
