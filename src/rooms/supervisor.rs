@@ -1905,19 +1905,8 @@ impl RoomRuntime {
     /// lease holds until it expires, and the next look renews it again).
     async fn keep_lease_for(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> LeaseKept {
         let task_id = &attempt.identity.task_id;
-        match self.ensure_lease(binding).await {
-            Ok(_) => {}
-            Err(error) if error.is_storage() => {
-                self.set_error(
-                    &binding.room_id,
-                    format!("task {task_id}: lease renewal failed, retrying: {error}"),
-                );
-                return LeaseKept::NotRenewed;
-            }
-            Err(error) => {
-                self.fenced(binding, task_id, &error);
-                return LeaseKept::Lost;
-            }
+        if let Err(kept) = self.observed_lease(binding, task_id).await {
+            return kept;
         }
         if self
             .lease(&binding.room_id)
@@ -1930,6 +1919,30 @@ impl RoomRuntime {
             return LeaseKept::Lost;
         }
         LeaseKept::Held
+    }
+
+    /// The room's lease, renewed when due, for an observation of task `task_id`'s attempt; else
+    /// why not, said in the room's error: [`LeaseKept::NotRenewed`] when the store failed the
+    /// renewal (the observation goes on), [`LeaseKept::Lost`] when the lease is gone.
+    async fn observed_lease(
+        &self,
+        binding: &RoomBinding,
+        task_id: &str,
+    ) -> Result<Lease, LeaseKept> {
+        match self.ensure_lease(binding).await {
+            Ok(lease) => Ok(lease),
+            Err(error) if error.is_storage() => {
+                self.set_error(
+                    &binding.room_id,
+                    format!("task {task_id}: lease renewal failed, retrying: {error}"),
+                );
+                Err(LeaseKept::NotRenewed)
+            }
+            Err(error) => {
+                self.fenced(binding, task_id, &error);
+                Err(LeaseKept::Lost)
+            }
+        }
     }
 
     async fn fail_before_submit(
@@ -2099,20 +2112,13 @@ impl RoomRuntime {
                     // Renewed when due, not on every look: a member that never acknowledges
                     // its stop made four commits a second on the writer every session shares,
                     // for as long as the stop was pending.
-                    let lease = match self.ensure_lease(binding).await {
+                    let lease = match self.observed_lease(binding, &task_id).await {
                         Ok(lease) => lease,
-                        Err(error) if error.is_storage() => {
-                            self.set_error(
-                                &binding.room_id,
-                                format!("task {task_id}: lease renewal failed, retrying: {error}"),
-                            );
+                        Err(LeaseKept::NotRenewed) => {
                             self.pause_for(&mut wake, poll).await;
                             continue;
                         }
-                        Err(error) => {
-                            self.fenced(binding, &task_id, &error);
-                            return None;
-                        }
+                        Err(_) => return None,
                     };
                     let outcome = self.finish_stop(binding, &lease, &current).await;
                     // A stop pending past the turn's deadline (a deadline stop, or a user's
