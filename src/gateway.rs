@@ -914,17 +914,19 @@ impl RunningGateway {
         if !self.rooms.stop(rooms).await {
             tracing::warn!("room workers did not stop in time");
         }
+        // What is left of the drain timeout, at least `floor`.
+        let left = |floor: Duration| timeout.saturating_sub(draining.elapsed()).max(floor);
         // What the turns left running outlives them, not the gateway. Within the stop's budget:
         // the terminal thread may be held by a command's start on a mount that stopped
         // answering, and the stop then waited for it without end.
-        let left = timeout
-            .saturating_sub(draining.elapsed())
-            .max(Duration::from_secs(1));
-        match tokio::time::timeout(left, self.shared.terminal.send(StopBackground)).await {
+        let left_for_terminal = left(Duration::from_secs(1));
+        match tokio::time::timeout(left_for_terminal, self.shared.terminal.send(StopBackground))
+            .await
+        {
             Ok(Ok(n @ 1..)) => tracing::info!(n, "background processes killed"),
             Ok(_) => {}
             Err(_) => tracing::warn!(
-                ?left,
+                left = ?left_for_terminal,
                 "the terminal did not stop its background processes in time; they end with \
                  the process's cgroup under systemd"
             ),
@@ -937,10 +939,7 @@ impl RunningGateway {
         // HTTP requests still open (event streams, long polls) get what is left of the drain
         // timeout, not the server's own shutdown wait on top of it: the whole stop stays within
         // the budget systemd is told about. Those still open then end with the process.
-        let left = timeout
-            .saturating_sub(draining.elapsed())
-            .max(Duration::from_millis(250));
-        if tokio::time::timeout(left, self.server.stop(true))
+        if tokio::time::timeout(left(Duration::from_millis(250)), self.server.stop(true))
             .await
             .is_err()
         {
