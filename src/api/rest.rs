@@ -65,6 +65,9 @@ api_object! {
         tool_call_id: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         display_kind: Option<String>,
+        /// The model's reasoning text beside its answer, when it sent one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reasoning: Option<String>,
     }
 }
 
@@ -97,7 +100,14 @@ api_object! {
         status: String,
         outcome: Option<String>,
         execution_generation: Option<i64>,
+        /// The input's text; of a long one only its first 4,096 characters (see `text_truncated`).
         text: String,
+        /// Present (`true`) when `text` is only the start of the input's text.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        text_truncated: Option<bool>,
+        /// The whole text's length in characters, when `text` is only its start.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        text_chars: Option<i64>,
     }
 }
 

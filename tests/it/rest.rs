@@ -716,6 +716,47 @@ async fn the_same_input_over_rest_and_websocket_is_one_admission() {
 }
 
 #[actix_rt::test]
+async fn a_rest_snapshot_says_when_a_pending_text_is_only_its_start() {
+    let model = ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let cwd = home.path.to_string_lossy().to_string();
+    let created = api
+        .expect("POST", "/v1/sessions", Some(json!({"cwd": cwd})), 201)
+        .await;
+    let sid = created["session_id"].as_str().expect("sid").to_string();
+    api.submit(&sid, "head", "HANG").await;
+    let long = "é".repeat(10_000);
+    api.submit(&sid, "long", &long).await;
+    api.submit(&sid, "short", "short").await;
+    let snap = api
+        .expect("GET", &format!("/v1/sessions/{sid}"), None, 200)
+        .await;
+    let pending = snap["pending"].as_array().expect("pending");
+    let by_id = |id: &str| {
+        pending
+            .iter()
+            .find(|p| p["input_id"] == id)
+            .unwrap_or_else(|| panic!("{id} is pending: {snap}"))
+    };
+    let cut = by_id("long");
+    assert_eq!(cut["text"], "é".repeat(4096), "the start of the text");
+    assert_eq!(cut["text_truncated"], true, "{cut}");
+    assert_eq!(cut["text_chars"], 10_000, "{cut}");
+    let whole = by_id("short");
+    assert_eq!(whole["text"], "short");
+    assert!(whole.get("text_truncated").is_none(), "{whole}");
+    assert!(whole.get("text_chars").is_none(), "{whole}");
+    // The document describes both.
+    let doc = api.expect("GET", "/v1/openapi.json", None, 200).await;
+    let props = &doc["components"]["schemas"]["PendingInput"]["properties"];
+    assert!(props.get("text_truncated").is_some(), "{props}");
+    assert!(props.get("text_chars").is_some(), "{props}");
+}
+
+#[actix_rt::test]
 async fn sse_resumes_after_a_dropped_connection_with_every_event_once_in_order() {
     let model = FakeModel::ack();
     let home = Home::new();
