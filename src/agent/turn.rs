@@ -18,7 +18,8 @@ use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, T
 use crate::session::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{
-    Committed, Emit, RegisterPrompt, RetirePrompt, SessionSupervisor,
+    Committed, Emit, PromptUnrecorded, RecordingPrompt, RegisterPrompt, RetirePrompt,
+    SessionSupervisor,
 };
 use crate::store::events::{self, NewEvent};
 use crate::store::messages::{self, NewMessage};
@@ -1280,6 +1281,12 @@ impl Turn {
             }
         };
         let id = prompt_id.clone();
+        // Once committed, the request can be read from the log before the prompt is handed over
+        // below: an answer sent at once waits for it.
+        self.ctx.sup.do_send(RecordingPrompt {
+            generation,
+            prompt_id: prompt_id.clone(),
+        });
         let opened = self
             .ctx
             .shared
@@ -1300,8 +1307,13 @@ impl Turn {
             .await;
         let mut events = match opened {
             Ok(rows) => rows,
-            Err(e) if e.is_stale() => return Asked::Cancelled,
             Err(e) => {
+                self.ctx.sup.do_send(PromptUnrecorded {
+                    prompt_id: prompt_id.clone(),
+                });
+                if e.is_stale() {
+                    return Asked::Cancelled;
+                }
                 tracing::error!(session = %self.ctx.root_id, generation, error = %e,
                     "a prompt could not be recorded: not asked");
                 return Asked::Unrecorded;

@@ -76,6 +76,17 @@ struct Running {
     /// Set when the turn has decided how it ends (its settlement is on its way): an interrupt
     /// can no longer change the outcome.
     ended: std::rc::Rc<std::cell::Cell<bool>>,
+    /// Prompts the turn is recording (see [`RecordingPrompt`]), each with the answers that came
+    /// for it before the turn handed it over.
+    recording: Vec<Recording>,
+}
+
+/// A prompt its attempt is recording open: once committed, its `<kind>.request` can be read
+/// from the log before the attempt hands the prompt to this supervisor, and an answer sent at
+/// once must wait for that, not be told `already_resolved` and lost.
+struct Recording {
+    prompt_id: String,
+    held: Vec<(Respond, oneshot::Sender<Result<Value, GatewayError>>)>,
 }
 
 /// An interrupt that named an attempt while a claim was in flight: the claim may be starting
@@ -725,6 +736,7 @@ impl SessionSupervisor {
             cancel: cancel_tx,
             started: std::time::Instant::now(),
             ended: ended.clone(),
+            recording: Vec::new(),
         });
         self.shared.metrics.turn_started();
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
@@ -1330,6 +1342,25 @@ pub struct RegisterPrompt {
 impl Handler<RegisterPrompt> for SessionSupervisor {
     type Result = Result<(), &'static str>;
     fn handle(&mut self, m: RegisterPrompt, ctx: &mut Context<Self>) -> Self::Result {
+        let prompt_id = m.prompt.prompt_id.clone();
+        let registered = self.register_prompt(m, ctx);
+        // The answers that came while it was being recorded, now that it is open (or not).
+        for (answer, reply) in self.recorded(&prompt_id) {
+            let answered = self.respond(answer, ctx);
+            actix::spawn(async move {
+                let _ = reply.send(answered.await);
+            });
+        }
+        registered
+    }
+}
+
+impl SessionSupervisor {
+    fn register_prompt(
+        &mut self,
+        m: RegisterPrompt,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), &'static str> {
         let p = m.prompt;
         // Committed whatever the answer: subscribers see the request, then how it ended.
         self.deliver(m.events, ctx);
@@ -1347,6 +1378,66 @@ impl Handler<RegisterPrompt> for SessionSupervisor {
         self.shared.metrics.prompt_opened();
         Ok(())
     }
+
+    /// The prompt `prompt_id` is no longer being recorded: the answers held for it.
+    fn recorded(
+        &mut self,
+        prompt_id: &str,
+    ) -> Vec<(Respond, oneshot::Sender<Result<Value, GatewayError>>)> {
+        let Some(r) = self.running.as_mut() else {
+            return Vec::new();
+        };
+        match r.recording.iter().position(|p| p.prompt_id == prompt_id) {
+            Some(at) => r.recording.swap_remove(at).held,
+            None => Vec::new(),
+        }
+    }
+}
+
+/// From a turn, before it records a prompt open: answers for it wait until it is handed over
+/// (see [`Recording`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RecordingPrompt {
+    pub generation: i64,
+    pub prompt_id: String,
+}
+
+impl Handler<RecordingPrompt> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: RecordingPrompt, _: &mut Context<Self>) {
+        if let Some(r) = self
+            .running
+            .as_mut()
+            .filter(|r| r.generation == m.generation)
+        {
+            r.recording.push(Recording {
+                prompt_id: m.prompt_id,
+                held: Vec::new(),
+            });
+        }
+    }
+}
+
+/// From a turn: the prompt it was recording was not recorded (nobody can have seen it), so it
+/// is not asked.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct PromptUnrecorded {
+    pub prompt_id: String,
+}
+
+impl Handler<PromptUnrecorded> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, m: PromptUnrecorded, _: &mut Context<Self>) {
+        for (answer, reply) in self.recorded(&m.prompt_id) {
+            let _ = reply.send(Ok(already_resolved(&answer.prompt_id)));
+        }
+    }
+}
+
+fn already_resolved(prompt_id: &str) -> Value {
+    json!({"status": "already_resolved", "prompt_id": prompt_id})
 }
 
 /// From a turn: its prompt timed out or was abandoned.
@@ -1413,12 +1504,36 @@ pub struct Respond {
 impl Handler<Respond> for SessionSupervisor {
     type Result = ResponseFuture<Result<Value, GatewayError>>;
     fn handle(&mut self, m: Respond, ctx: &mut Context<Self>) -> Self::Result {
+        // For the running attempt's prompt that is still being recorded: it waits for it.
+        let recording = self
+            .running
+            .as_mut()
+            .filter(|r| r.generation == m.generation)
+            .and_then(|r| r.recording.iter_mut().find(|p| p.prompt_id == m.prompt_id));
+        if let Some(r) = recording {
+            let (tx, rx) = oneshot::channel();
+            let prompt_id = m.prompt_id.clone();
+            r.held.push((m, tx));
+            // Dropped unanswered: the attempt ended first.
+            return Box::pin(async move {
+                rx.await
+                    .unwrap_or_else(|_| Ok(already_resolved(&prompt_id)))
+            });
+        }
+        self.respond(m, ctx)
+    }
+}
+
+impl SessionSupervisor {
+    fn respond(
+        &mut self,
+        m: Respond,
+        ctx: &mut Context<Self>,
+    ) -> futures_util::future::LocalBoxFuture<'static, Result<Value, GatewayError>> {
         let prompt_id = m.prompt_id.clone();
         match self.hand_over(m, ctx) {
             Err(e) => Box::pin(std::future::ready(Err(e))),
-            Ok(None) => Box::pin(std::future::ready(Ok(
-                json!({"status": "already_resolved", "prompt_id": prompt_id}),
-            ))),
+            Ok(None) => Box::pin(std::future::ready(Ok(already_resolved(&prompt_id)))),
             // `resolved` once the attempt has recorded the answer and will act on it.
             Ok(Some(taken)) => Box::pin(async move {
                 match taken.await {

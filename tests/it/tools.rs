@@ -970,6 +970,55 @@ async fn clarify_answers_reach_the_tool_result() {
     );
 }
 
+/// An answer sent as soon as its prompt's request is in the log (read with
+/// `session.events.since`, which may be before the attempt has handed the prompt to its
+/// session) is taken. Before, such an answer was told `already_resolved` and lost: the prompt
+/// then waited out its time and the tool was told nobody answered.
+#[actix_rt::test]
+async fn an_answer_read_off_the_log_at_once_is_taken() {
+    const ROUNDS: usize = 40;
+    let ask = tool_call("call_q", "clarify", json!({"question": "Now?"}));
+    let model = scripted(vec![("ASK", ask)]);
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("log-reader", &home.path).await;
+    let mut reader = d.ws().await;
+    reader
+        .ok("session.resume", json!({"session_id": sid}))
+        .await;
+    let mut after = 0;
+    for round in 0..ROUNDS {
+        let id = format!("ASK-{round}");
+        ws.submit(&sid, &id, "ASK").await;
+        let deadline = Instant::now() + T;
+        let prompt = loop {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: no clarify.request"
+            );
+            let page = reader
+                .ok(
+                    "session.events.since",
+                    json!({"session_id": sid, "last_sequence": after}),
+                )
+                .await;
+            let events = page["events"].as_array().cloned().unwrap_or_default();
+            if let Some(last) = events.last().and_then(|e| e["seq"].as_i64()) {
+                after = last;
+            }
+            if let Some(req) = events.iter().find(|e| e["type"] == "clarify.request") {
+                break req["payload"].clone();
+            }
+        };
+        let r = answer(&mut reader, &sid, &prompt, "yes").await;
+        assert_eq!(r["status"], "resolved", "round {round}: {r}");
+        let row = settled(&home, &id).await;
+        assert_eq!(row.outcome.as_deref(), Some("completed"), "round {round}");
+        let result = tool_result(&model, "ASK");
+        assert_eq!(result["user_response"], "yes", "round {round}: {result}");
+    }
+}
+
 /// An answer longer than `session.max_text_bytes` is refused `payload_too_large`, as an input
 /// that long is, and the prompt stays open for one that fits. Before, it was taken whole: kept
 /// in the transcript and sent with every later model request. An answer for another attempt is
