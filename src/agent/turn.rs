@@ -765,7 +765,18 @@ impl Turn {
             {
                 ToolResult::Output(text) => (text, false),
                 ToolResult::InterruptedRunning(text) => (text, true),
-                ToolResult::Interrupted => return Ok(Some(interrupted())),
+                ToolResult::Interrupted => {
+                    // Its `tool.start` is in the log: so is how it ended, before the
+                    // settlement's events.
+                    let name = &call.function.name;
+                    self.record_event(
+                        "tool.complete",
+                        json!({"tool_call_id": call.id, "name": name, "interrupted": true,
+                            "result": format!("[Tool execution cancelled: {name} did not run because the turn was interrupted]")}),
+                    )
+                    .await;
+                    return Ok(Some(interrupted()));
+                }
             };
             self.emit("tool.complete", json!({"tool_call_id": call.id, "name": call.function.name, "result": truncate(&result, 2000)}));
             let result = if n == last && dropped > 0 {
@@ -1390,6 +1401,34 @@ impl Turn {
                 // The interrupt flag wins over an answer that raced it.
                 Waited::Over(_) if self.cancelled() => return Asked::Cancelled,
                 Waited::Over(asked) => return asked,
+            }
+        }
+    }
+
+    /// Record an event of the attempt now, in the order of the attempt's own writes (an
+    /// [`Emit`]ted one is written when the supervisor gets to it, which may be after the
+    /// settlement's). Best effort: it tells; it changes nothing.
+    async fn record_event(&self, kind: &'static str, payload: Value) {
+        let (root, now, epoch) = (
+            self.ctx.root_id.clone(),
+            self.ctx.shared.now(),
+            self.ctx.shared.epoch,
+        );
+        let event = NewEvent::new(kind, payload);
+        let recorded = self
+            .ctx
+            .shared
+            .db
+            .write(move |c| {
+                crate::store::epoch::check_epoch(c, epoch)?;
+                events::append_tx(c, &root, &[event], now)
+            })
+            .await;
+        match recorded {
+            Ok(rows) => self.ctx.sup.do_send(Committed { rows }),
+            Err(e) => {
+                tracing::warn!(session = %self.ctx.root_id, event = kind, error = %e,
+                    "cannot record an event of the attempt")
             }
         }
     }

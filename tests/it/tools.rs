@@ -1216,6 +1216,25 @@ async fn prompt_answers_are_fenced_by_the_running_generation() {
         settled(&home, "RM").await.outcome.as_deref(),
         Some("interrupted")
     );
+    // The log says how the parked tool ended, before the attempt's `message.complete`.
+    let log = gatehouse::store::events::since(&mut home.db(), &sid, 0, 10_000).expect("events");
+    let at = |kind: &str| {
+        log.events
+            .iter()
+            .position(|e| e.kind == kind && e.payload()["tool_call_id"] == "call_rm")
+    };
+    let (start, complete) = (at("tool.start"), at("tool.complete"));
+    let finished = log.events.iter().position(|e| {
+        e.kind == "message.complete" && e.payload()["admission_id"] == p["admission_id"]
+    });
+    assert!(start.is_some() && finished.is_some(), "{:?}", log.events);
+    assert!(
+        complete.is_some_and(|c| start < Some(c) && Some(c) < finished),
+        "{:?}",
+        log.events
+    );
+    let ended = log.events[complete.unwrap_or_default()].payload();
+    assert_eq!(ended["interrupted"], true, "{ended}");
     let later = ws.wait_prompt(&sid, "clarify").await;
     let later_gen = later["execution_generation"].as_i64().expect("generation");
     assert_eq!(later_gen, gen + 1);
