@@ -326,13 +326,36 @@ pub fn latest_of(
     let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
         return Ok(None);
     };
+    // The newest row's `seq` from the idempotency key alone (its entries end with it), then
+    // that row: ordered by `seq`, every row of the session was read, payload and result, and
+    // sorted, on each chat completion in a named session.
+    let Some(seq) = latest_seq(ordinal, principal).get_result::<Option<i64>>(conn)? else {
+        return Ok(None);
+    };
     Ok(sa::table
-        .filter(sa::session_ordinal.eq(ordinal))
-        .filter(sa::principal_id.eq(principal))
-        .order(sa::seq.desc())
+        .find(seq)
         .select(AdmissionRow::as_select())
         .first(conn)
         .optional()?)
+}
+
+/// The `seq` of `principal`'s newest row in the session numbered `ordinal`.
+#[diesel::dsl::auto_type(no_type_alias)]
+pub(crate) fn latest_seq<'a>(ordinal: i64, principal: &'a str) -> _ {
+    let newest: diesel::helper_types::max<sa::seq> = diesel::dsl::max(sa::seq);
+    sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::principal_id.eq(principal))
+        .select(newest)
+}
+
+/// The `seq` of the newest row in the session numbered `ordinal`.
+#[diesel::dsl::auto_type(no_type_alias)]
+pub(crate) fn last_seq(ordinal: i64) -> _ {
+    let newest: diesel::helper_types::max<sa::seq> = diesel::dsl::max(sa::seq);
+    sa::table
+        .filter(sa::session_ordinal.eq(ordinal))
+        .select(newest)
 }
 
 /// One admission of `session` (not another session's).
@@ -773,20 +796,33 @@ pub fn require_running(
     generation: i64,
 ) -> Result<(), StoreError> {
     super::epoch::check_epoch(conn, epoch)?;
-    let running: i64 = sa::table
-        .filter(is_live())
-        .filter(sa::target_session_id.eq(root))
-        .filter(sa::status.eq("started"))
-        .filter(sa::owner_epoch.eq(epoch))
-        .filter(sa::execution_generation.eq(generation))
-        .count()
-        .get_result(conn)?;
+    let running: i64 = match super::sessions::find_ordinal(conn, root)? {
+        Some(ordinal) => attempt_rows(ordinal, epoch, generation)
+            .count()
+            .get_result(conn)?,
+        None => 0,
+    };
     if running == 0 {
         return Err(StoreError::StaleGeneration(format!(
             "attempt {generation} is no longer running"
         )));
     }
     Ok(())
+}
+
+/// The row of attempt `generation` of the session numbered `ordinal`, if it is running under
+/// `epoch`: found through the session's live rows (by the session's name it was a walk of every
+/// session's, on the writer, for every message a turn appended).
+#[diesel::dsl::auto_type(no_type_alias)]
+fn attempt_rows(ordinal: i64, epoch: i64, generation: i64) -> _ {
+    let started: &'static str = "started";
+    let live: IsLive = is_live();
+    sa::table
+        .filter(live)
+        .filter(sa::session_ordinal.eq(ordinal))
+        .filter(sa::status.eq(started))
+        .filter(sa::owner_epoch.eq(epoch))
+        .filter(sa::execution_generation.eq(generation))
 }
 
 /// Cancel a queued row (terminal/cancelled). Started → `stale_generation`; unknown →
@@ -1193,6 +1229,24 @@ mod tests {
                     .select((sa::status, sa::outcome, diesel::dsl::count_star()))),
                 "INTEGER PRIMARY KEY (rowid>?)",
                 false,
+            ),
+            (
+                "a principal's newest row",
+                sql(&latest_seq(1, "p")),
+                "SEARCH session_admissions USING COVERING INDEX sqlite_autoindex_session_admissions_2 (session_ordinal=? AND principal_id=?)",
+                true,
+            ),
+            (
+                "a session's newest row",
+                sql(&last_seq(1)),
+                "SEARCH session_admissions USING COVERING INDEX sqlite_autoindex_session_admissions_2 (session_ordinal=?)",
+                true,
+            ),
+            (
+                "a running attempt",
+                sql(&attempt_rows(1, 1, 1).count()),
+                "SEARCH session_admissions USING INDEX session_admissions_open (session_ordinal=? AND status=?)",
+                true,
             ),
             (
                 "the tally's live rows",

@@ -207,9 +207,12 @@ pub fn left_at(
     let Some(ordinal) = super::sessions::find_ordinal(conn, session)? else {
         return Ok(false);
     };
+    // The newest row's `seq` from the idempotency key alone, then that row (see `latest_of`).
+    let Some(seq) = super::admissions::last_seq(ordinal).get_result::<Option<i64>>(conn)? else {
+        return Ok(false);
+    };
     let last: Option<(String, String, Option<String>, Option<String>)> = sa::table
-        .filter(sa::session_ordinal.eq(ordinal))
-        .order(sa::seq.desc())
+        .find(seq)
         .select((
             sa::request_id,
             sa::principal_id,
