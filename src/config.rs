@@ -21,6 +21,8 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("config key `{key}`: {message}")]
     Invalid { key: String, message: String },
+    #[error("environment variable `{name}`: {message}")]
+    Environment { name: &'static str, message: String },
 }
 
 type Extra = BTreeMap<String, Value>;
@@ -588,11 +590,36 @@ impl Config {
     /// Load `home/config.yaml`; a missing file is the default config.
     pub fn load(home: &Path) -> Result<Config, ConfigError> {
         let path = home.join("config.yaml");
-        match std::fs::read_to_string(&path) {
-            Ok(text) => Self::parse(&text, &path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
-            Err(source) => Err(ConfigError::Read { path, source }),
+        let config = match std::fs::read_to_string(&path) {
+            Ok(text) => Self::parse(&text, &path)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Config::default(),
+            Err(source) => return Err(ConfigError::Read { path, source }),
+        };
+        config.check_environment(|name| std::env::var(name).ok())?;
+        Ok(config)
+    }
+
+    /// The environment's defaults that this config would use (`var` reads one): a bad one is a
+    /// start-up error naming it. Before, `OPENAI_BASE_URL` without a scheme loaded, and every
+    /// session's creation was then refused `invalid_params`, blaming a client that sent none.
+    fn check_environment(
+        &self,
+        var: impl Fn(&'static str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        if self.model.base_url.is_none() {
+            if let Some(url) = var("OPENAI_BASE_URL").filter(|u| !u.is_empty()) {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(ConfigError::Environment {
+                        name: "OPENAI_BASE_URL",
+                        message: format!(
+                            "expected an http:// or https:// URL (it is {url:?}; \
+                             `model.base_url` in config.yaml takes its place)"
+                        ),
+                    });
+                }
+            }
         }
+        Ok(())
     }
 
     /// Parse YAML (or JSON) text.
@@ -1160,6 +1187,29 @@ mod tests {
     /// Loopback is decided by the address, not its spelling: every 127/8 address, `::1`
     /// written in full, an IPv4 loopback as IPv6. Before, only three strings were, and
     /// `127.0.0.2` with no key configured was refused as a public listener.
+    #[test]
+    fn a_model_url_from_the_environment_must_be_http() {
+        let env = |url: &'static str| {
+            move |name: &'static str| (name == "OPENAI_BASE_URL").then(|| url.to_string())
+        };
+        let plain = Config::default();
+        let err = plain
+            .check_environment(env("api.example.com/v1"))
+            .expect_err("no scheme");
+        assert!(err.to_string().contains("`OPENAI_BASE_URL`"), "{err}");
+        for fine in ["https://api.example.com/v1", "http://127.0.0.1:9/v1", ""] {
+            plain.check_environment(env(fine)).expect(fine);
+        }
+        // Not used when the config names its own.
+        let own = Config::parse(
+            "model:\n  base_url: https://api.example.com/v1\n",
+            Path::new("c"),
+        )
+        .expect("config");
+        own.check_environment(env("api.example.com/v1"))
+            .expect("overridden");
+    }
+
     #[test]
     fn a_loopback_listener_is_known_by_its_address() {
         let on = |host: &str| {

@@ -702,6 +702,38 @@ async fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_its_wor
     .await;
 }
 
+/// An `OPENAI_BASE_URL` that is no http(s) URL, with no model configured, is a start-up error
+/// naming it (before, the daemon started and refused every session `invalid_params`); one the
+/// config's `model.base_url` overrides does not matter.
+#[actix_rt::test]
+async fn a_bad_model_url_from_the_environment_is_refused_at_start() {
+    let home = Home::new();
+    let serve = |home: &Home, stderr: Stdio| {
+        Command::new(bin())
+            .args(["serve", "--home"])
+            .arg(&home.path)
+            .env("OPENAI_BASE_URL", "api.example.com/v1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn gatehouse")
+    };
+    let (code, stderr) = exit_of(serve(&home, Stdio::piped())).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("OPENAI_BASE_URL") && stderr.contains("http:// or https://"),
+        "{stderr}"
+    );
+    assert!(!home.path.join("gateway.sock").exists(), "{stderr}");
+    let model = FakeModel::ack();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::when_ready(serve(&home, Stdio::null()), &home.path, String::new);
+    let mut ws = d.ws().await;
+    let sid = ws.session("overridden", &home.path).await;
+    ws.submit(&sid, "one", "hello").await;
+}
+
 /// A state.db that is not a database is refused at once, with SQLite's words, for good (exit 2:
 /// a unit does not restart it every two seconds), and the failed start leaves no control socket.
 #[actix_rt::test]
