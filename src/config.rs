@@ -82,15 +82,20 @@ impl GatewayConfig {
     /// Does the listener stay on this host? `localhost`, or a loopback address (all of
     /// 127.0.0.0/8, `::1`, an IPv4 loopback written as IPv6), bracketed or not.
     pub fn is_loopback(&self) -> bool {
-        let host = self.host.trim();
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host);
+        let host = self.bind_host();
         host.eq_ignore_ascii_case("localhost")
             || host
                 .parse::<std::net::IpAddr>()
                 .is_ok_and(|ip| ip.to_canonical().is_loopback())
+    }
+
+    /// The host as it is bound: trimmed, an IPv6 address without its brackets (`[::1]` passed
+    /// the loopback check, then went to a name lookup that failed).
+    pub fn bind_host(&self) -> &str {
+        let host = self.host.trim();
+        host.strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host)
     }
 
     /// Is `cwd`, already resolved (canonical: no `..`, no symlink), inside one of
@@ -729,6 +734,12 @@ impl Config {
                 message: message.to_string(),
             })
         };
+        if self.gateway.bind_host().is_empty() {
+            return invalid(
+                "gateway.host",
+                "expected a host name or an IP address (127.0.0.1 by default)",
+            );
+        }
         if self.gateway.max_frame_bytes < 1024 {
             return invalid("gateway.max_frame_bytes", "expected at least 1024");
         }
@@ -1240,6 +1251,11 @@ mod tests {
             "::ffff:10.0.0.1",
         ] {
             assert!(!on(host), "{host}");
+        }
+        // An empty host names nothing to bind.
+        for empty in ["", "  ", "[]"] {
+            let e = parse(&format!("gateway: {{host: {empty:?}}}")).expect_err(empty);
+            assert!(e.to_string().contains("gateway.host"), "{e}");
         }
     }
 

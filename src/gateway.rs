@@ -368,7 +368,9 @@ pub fn prepare_home(home: &Path) -> Result<(), StartError> {
             StartError::Home(format!("cannot set permissions on {}: {e}", home.display()))
         })?;
     }
-    let meta = std::fs::symlink_metadata(home)
+    // Through a symlink: a home linked to another disk is its target's directory, with the
+    // target's permissions (it was refused as "not a directory").
+    let meta = std::fs::metadata(home)
         .map_err(|e| StartError::Home(format!("{}: {e}", home.display())))?;
     if !meta.is_dir() {
         return Err(StartError::Home(format!(
@@ -645,7 +647,7 @@ impl Gateway {
         // and recovers nothing, and leaves no actor behind.
         let tcp = tokio::select! {
             tcp = listen_waiting(
-                || listen(&config.gateway.host, config.gateway.port),
+                || listen(config.gateway.bind_host(), config.gateway.port),
                 Duration::from_secs_f64(config.gateway.bind_wait_seconds),
                 BIND_RETRY,
             ) => tcp?,
@@ -954,6 +956,27 @@ mod tests {
     use super::{home_io, StartError};
     use std::path::Path;
 
+    /// A home reached through a symlink is its target: taken when the target is the user's
+    /// alone, refused (for its permissions, not as "not a directory") when it is not.
+    #[test]
+    fn a_symlinked_home_is_its_target() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let (target, link) = (dir.path().join("target"), dir.path().join("link"));
+        std::fs::create_dir(&target).expect("target");
+        std::os::unix::fs::symlink(&target, &link).expect("link");
+        let mode = |m: u32| {
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(m)).expect("chmod")
+        };
+        mode(0o700);
+        super::prepare_home(&link).expect("a symlink to a 0700 directory");
+        mode(0o755);
+        let Err(StartError::Home(e)) = super::prepare_home(&link) else {
+            panic!("a symlink to a 0755 directory was taken")
+        };
+        assert!(e.contains("accessible to other users"), "{e}");
+    }
+
     /// What a restart cannot change exits 2 (the unit does not restart it); a store, a listener
     /// or the rooms' store may do better on a later start.
     #[test]
@@ -1058,6 +1081,13 @@ mod tests {
         .await;
         assert!(resolved.is_ok(), "{:?}", resolved.err());
         assert_eq!(tries, 3);
+        // The host as configured, bracketed and padded: bound as the address it names.
+        let host = crate::config::GatewayConfig {
+            host: " [127.0.0.1] ".into(),
+            ..Default::default()
+        };
+        let bound = super::listen(host.bind_host(), 0).expect("a padded, bracketed address");
+        assert!(bound.local_addr().expect("address").ip().is_loopback());
         let unresolved = super::listen("no-such-host.invalid", 0);
         let Err(e) = unresolved else {
             panic!("a name that does not resolve was listened on")

@@ -7,7 +7,15 @@ use tracing_subscriber::EnvFilter;
 
 /// Install the global subscriber: human format, or JSON lines with `json == true`.
 pub fn init_logging(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = match std::env::var(EnvFilter::DEFAULT_ENV) {
+        Ok(spec) => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            // Said, not silently replaced: a typo in a unit's drop-in otherwise looked like a
+            // daemon that logs nothing of what was asked.
+            eprintln!("gatehouse: RUST_LOG={spec:?} is not a log filter ({e}); logging at info");
+            EnvFilter::new("info")
+        }),
+        Err(_) => EnvFilter::new("info"),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -713,6 +713,7 @@ async fn a_bad_model_url_from_the_environment_is_refused_at_start() {
             .args(["serve", "--home"])
             .arg(&home.path)
             .env("OPENAI_BASE_URL", "api.example.com/v1")
+            .env("RUST_LOG", "gatehouse=debgu")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -726,6 +727,11 @@ async fn a_bad_model_url_from_the_environment_is_refused_at_start() {
         "{stderr}"
     );
     assert!(!home.path.join("gateway.sock").exists(), "{stderr}");
+    // A log filter with a typo is said, not silently replaced.
+    assert!(
+        stderr.contains("RUST_LOG=\"gatehouse=debgu\" is not a log filter"),
+        "{stderr}"
+    );
     let model = FakeModel::ack();
     home.write_config(&config(&model.url, json!({})));
     let d = Daemon::when_ready(serve(&home, Stdio::null()), &home.path, String::new);
