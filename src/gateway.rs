@@ -464,7 +464,7 @@ fn open_and_recover(
     let taken = read_epoch_mark(home);
     let epoch = epoch::begin_epoch_above(&mut conn, instance_id, now, taken)?;
     let recovered = epoch::recover_started(&mut conn, epoch, now)?;
-    prompts::close_abandoned(&mut conn, now)?;
+    prompts::close_abandoned(&mut conn, epoch, now)?;
     let to_pump = admissions::sessions_ready_to_pump(&mut conn)?;
     let gateway_id = match configured_id {
         Some(id) => id,

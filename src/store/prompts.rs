@@ -150,9 +150,15 @@ fn resolve(
 }
 
 /// At boot: prompts left open by a previous process ended with it (each with its
-/// `<kind>.settled {resolution: "abandoned"}` event).
-pub fn close_abandoned(conn: &mut SqliteConnection, now: f64) -> Result<usize, StoreError> {
+/// `<kind>.settled {resolution: "abandoned"}` event). Fenced by the booting process's `epoch`: a
+/// process that took the home after it owns the prompts open now.
+pub fn close_abandoned(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    now: f64,
+) -> Result<usize, StoreError> {
     super::write_tx(conn, |conn| {
+        super::epoch::check_epoch(conn, epoch)?;
         let open: Vec<PromptRow> = prompts::table
             .filter(prompts::resolved_at.is_null())
             .order(prompts::opened_at.asc())
@@ -182,7 +188,8 @@ const PRUNE_BATCH: i64 = 4096;
 
 /// Delete up to a batch of the prompts that ended before `before` (their audit rows: the events
 /// that reported them are pruned by then); whether more may be left. Open prompts are kept
-/// however old.
+/// however old, and so are those of a turn still `unknown`: its resolution reads them (a turn
+/// parked on a prompt when the process died ran nothing after it, and its transcript says so).
 pub fn prune(conn: &mut SqliteConnection, before: f64) -> Result<bool, StoreError> {
     super::write_tx(conn, |conn| {
         let old: Vec<String> = ended_before(before).load(conn)?;
@@ -196,9 +203,16 @@ pub fn prune(conn: &mut SqliteConnection, before: f64) -> Result<bool, StoreErro
 fn ended_before(
     before: f64,
 ) -> prompts::BoxedQuery<'static, diesel::sqlite::Sqlite, diesel::sql_types::Text> {
+    use super::schema::session_admissions as sa;
+    let unknown: &'static str = "unknown";
     prompts::table
         .filter(prompts::resolved_at.is_not_null())
         .filter(prompts::resolved_at.lt(before))
+        .filter(diesel::dsl::not(diesel::dsl::exists(
+            sa::table
+                .filter(sa::admission_id.eq(prompts::admission_id))
+                .filter(sa::status.eq(unknown)),
+        )))
         .order(prompts::resolved_at.asc())
         .select(prompts::prompt_id)
         .limit(PRUNE_BATCH)
@@ -393,6 +407,36 @@ mod tests {
             plan.iter().any(|d| d.contains("prompts_resolved")),
             "{sql}: {plan:?}"
         );
+        assert!(
+            !plan
+                .iter()
+                .any(|d| d.starts_with("SCAN session_admissions")),
+            "{sql}: {plan:?}"
+        );
+    }
+
+    /// A boot's closing of abandoned prompts is fenced by its epoch: a process that took the
+    /// home after it (while it stalled between its steps) keeps its prompts open.
+    #[test]
+    fn a_deposed_boot_closes_no_prompt() {
+        let (_d, mut c, e, row) = testing::started_turn();
+        let g = row.execution_generation.expect("generation");
+        open_in_s1(&mut c, e, &row, "p1", g).expect("opened");
+        let newer = crate::store::epoch::begin_epoch(&mut c, "newer", 5.0).expect("epoch");
+        assert!(matches!(
+            close_abandoned(&mut c, e, 6.0),
+            Err(StoreError::StaleEpoch)
+        ));
+        let open: Vec<(String, Option<String>)> = prompts::table
+            .select((prompts::prompt_id, prompts::resolution))
+            .load(&mut c)
+            .expect("prompts");
+        assert_eq!(
+            open,
+            [("p1".to_string(), None)],
+            "left to the newer process"
+        );
+        assert_eq!(close_abandoned(&mut c, newer, 7.0).expect("closed"), 1);
     }
 
     /// An answer is recorded only while its prompt is open and its attempt runs, at its
