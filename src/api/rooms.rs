@@ -787,4 +787,18 @@ mod tests {
         hub.room_retired("gone");
         assert_eq!(hub.counted_rooms(), 1);
     }
+
+    /// A stored task that fails its integrity check is the store's fault: `storage_unavailable`,
+    /// not the `admission_conflict` that blames the client's request.
+    #[test]
+    fn a_damaged_task_is_a_storage_failure() {
+        let e = super::store_error(crate::store::rooms::RoomStoreError::Corrupt(
+            "stored task payload failed its integrity check".into(),
+        ));
+        assert!(matches!(e, GatewayError::StorageUnavailable), "{e:?}");
+        let e = super::store_error(crate::store::rooms::RoomStoreError::Conflict(
+            "a different payload".into(),
+        ));
+        assert!(matches!(e, GatewayError::AdmissionConflict(_)), "{e:?}");
+    }
 }

@@ -2315,7 +2315,9 @@ impl RoomRuntime {
             // The attempt was settled first, as expected of some reports: a turn the deadline
             // (or a stop) ended reports `interrupted` (`cancelled`) after the stop's own commit,
             // a different settlement of the same attempt. Nothing to record.
-            Err(RoomStoreError::StaleTask(_)) | Err(RoomStoreError::Conflict(_))
+            Err(RoomStoreError::StaleTask(_))
+            | Err(RoomStoreError::Conflict(_))
+            | Err(RoomStoreError::Corrupt(_))
                 if self.attempt_ended(attempt) =>
             {
                 tracing::debug!(
@@ -2436,7 +2438,9 @@ impl RoomRuntime {
             .await;
         match committed {
             Ok(_) => Ok(true),
-            Err(RoomStoreError::StaleTask(_)) | Err(RoomStoreError::Conflict(_)) => Ok(false),
+            Err(RoomStoreError::StaleTask(_))
+            | Err(RoomStoreError::Conflict(_))
+            | Err(RoomStoreError::Corrupt(_)) => Ok(false),
             Err(error) => Err(error),
         }
     }

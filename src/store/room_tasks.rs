@@ -314,7 +314,7 @@ impl TaskRow {
 }
 
 fn integrity_error() -> RoomStoreError {
-    RoomStoreError::Conflict("stored task payload failed its integrity check".into())
+    RoomStoreError::Corrupt("stored task payload failed its integrity check".into())
 }
 
 fn find_row(

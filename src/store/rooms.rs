@@ -41,6 +41,10 @@ pub enum RoomStoreError {
     /// The task moved on (generation, status or fence no longer match).
     #[error("{0}")]
     StaleTask(String),
+    /// A stored row failed its integrity check (its digest or its JSON): the store's fault, not
+    /// the caller's (it was `Conflict`, which told a client its own request was wrong).
+    #[error("{0}")]
+    Corrupt(String),
     /// The requested transition is not allowed from the current state.
     #[error("{0}")]
     InvalidTransition(String),

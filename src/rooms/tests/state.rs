@@ -346,7 +346,7 @@ fn tasks_list_in_room_order_and_reads_verify_the_payload_digest() {
         .unwrap();
     assert!(matches!(
         get_task(&mut f.db.conn(), &identity("b-late")),
-        Err(RoomStoreError::Conflict(ref m)) if m.contains("integrity")
+        Err(RoomStoreError::Corrupt(ref m)) if m.contains("integrity")
     ));
 }
 
