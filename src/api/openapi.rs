@@ -276,11 +276,13 @@ pub fn document(
         }
         responses.insert(op.status.to_string(), ok);
         let refusal = op.error_body.as_ref().unwrap_or(&error);
-        // Every body is read within `http.body_timeout_seconds` of the headers.
-        let slow_body = op.request.content().is_some().then_some(408);
+        // Every body is read within `http.body_timeout_seconds` of the headers, and up to its
+        // route's size bound.
+        let body = op.request.content().is_some();
+        let body_refusals = [408, 413].into_iter().filter(|_| body);
         for status in std::iter::once(401)
             .chain(op.errors.iter().copied())
-            .chain(slow_body)
+            .chain(body_refusals)
         {
             let mut refused = json!({"description": http_reason(status),
                                      "content": {"application/json": {"schema": refusal}}});

@@ -1143,7 +1143,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<SessionSnapshot>(c),
-            errors: errs(&[403, 404]),
+            errors: errs(&[403, 404, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1177,7 +1177,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<Receipt>(c),
-            errors: errs(&[400, 403, 404]),
+            errors: errs(&[400, 403, 404, 429, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1192,7 +1192,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<Receipt>(c),
-            errors: errs(&[403, 404, 409]),
+            errors: errs(&[403, 404, 409, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1207,7 +1207,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<PromptAnswerResult>(c),
-            errors: errs(&[400, 403, 404, 409]),
+            errors: errs(&[400, 403, 404, 409, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1222,7 +1222,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<Receipt>(c),
-            errors: errs(&[400, 403, 404, 409]),
+            errors: errs(&[400, 403, 404, 409, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1237,7 +1237,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
             status: 200,
             also: vec![],
             response: Body::json::<InterruptResult>(c),
-            errors: errs(&[400, 403, 404, 409]),
+            errors: errs(&[400, 403, 404, 409, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1262,7 +1262,7 @@ fn operations(c: &mut Components) -> Vec<Operation> {
                      sent; `: keep-alive` comments.",
                     "contentSchema": SessionEvent::schema(c)}),
             ),
-            errors: errs(&[400, 403, 404]),
+            errors: errs(&[400, 403, 404, 429, 503]),
             error_body: None,
             headers: vec![],
             refusal_headers: vec![],
@@ -1325,6 +1325,34 @@ pub fn document() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The document lists the refusals each route can give: 503 wherever the store or a
+    /// session is asked (each was missing from most routes), 413 wherever a body is read, 429
+    /// wherever a wait takes a slot.
+    #[test]
+    fn every_route_lists_the_refusals_it_can_give() {
+        let doc = document();
+        let paths = doc["paths"].as_object().expect("paths");
+        let mut seen = 0;
+        for (path, item) in paths {
+            for (method, op) in item.as_object().expect("operations") {
+                let id = op["operationId"].as_str().unwrap_or_default();
+                let has = |status: &str| op["responses"].get(status).is_some();
+                let at = format!("{method} {path}");
+                if op.get("requestBody").is_some() {
+                    assert!(has("413"), "{at}");
+                }
+                if !matches!(id, "openapi" | "exchangeTicket") {
+                    assert!(has("503"), "{at}");
+                    seen += 1;
+                }
+                if matches!(id, "getReceipt" | "streamEvents") {
+                    assert!(has("429"), "{at}");
+                }
+            }
+        }
+        assert!(seen >= 10, "{seen} routes");
+    }
 
     /// An event stream's body holds at most its byte budget unread: one more event waits for
     /// the reader to take one. (Its channel's bound was 64 events, of any size.)
