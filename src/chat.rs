@@ -220,6 +220,35 @@ fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
     rx
 }
 
+/// `text` from the model or another client as it is safe to print on a terminal. An escape
+/// sequence or a carriage return could rewrite what is on screen (show a harmless command where
+/// an approval asks for a dangerous one, hide the choices, set the clipboard): control
+/// characters are shown in caret notation (`^[`, `^M`), C1 controls and bidirectional
+/// overrides as `?`. With `lines`, newlines and tabs are kept; without, they are shown too (a
+/// command's hidden second line is seen).
+pub fn printable(text: &str, lines: bool) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        (c.is_control() && !(lines && matches!(c, '\n' | '\t')))
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut shown = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            c if !unsafe_char(c) => shown.push(c),
+            '\u{7f}' => shown.push_str("^?"),
+            c if (c as u32) < 0x20 => {
+                shown.push('^');
+                shown.push(char::from(b'@' + c as u8));
+            }
+            _ => shown.push('?'),
+        }
+    }
+    std::borrow::Cow::Owned(shown)
+}
+
 fn out(text: &str) {
     let mut o = std::io::stdout();
     let _ = o.write_all(text.as_bytes());
@@ -429,7 +458,7 @@ async fn follow(
             if r["status"] == "terminal" {
                 let text = r["result"]["final_response"].as_str().unwrap_or("");
                 let outcome = r["outcome"].as_str().unwrap_or("").to_string();
-                out(&format!("{text}\n[{outcome}]\n"));
+                out(&format!("{}\n[{outcome}]\n", printable(text, true)));
                 return Ok(outcome);
             }
             continue;
@@ -442,7 +471,7 @@ async fn follow(
             "message.delta" if payload["admission_id"] == admission => {
                 if let Some(t) = payload["text"].as_str() {
                     streamed = true;
-                    out(t);
+                    out(&printable(t, true));
                 }
                 // What was streamed is void: the model is asked again.
                 if payload.get("retry").is_some() && streamed {
@@ -451,12 +480,12 @@ async fn follow(
             }
             "tool.start" => out(&format!(
                 "\n[tool {}: {}]\n",
-                payload["name"].as_str().unwrap_or("?"),
-                payload["arguments"].as_str().unwrap_or("")
+                printable(payload["name"].as_str().unwrap_or("?"), false),
+                printable(payload["arguments"].as_str().unwrap_or(""), true)
             )),
             "tool.complete" => out(&format!(
                 "[tool {} done]\n",
-                payload["name"].as_str().unwrap_or("?")
+                printable(payload["name"].as_str().unwrap_or("?"), false)
             )),
             "approval.request" => {
                 let choices: Vec<String> = payload["choices"]
@@ -487,9 +516,9 @@ async fn follow(
                     .unwrap_or_else(|| vec![payload["description"].as_str().unwrap_or("")]);
                 out(&format!(
                     "\n[approval needed: {}{left_running} — {}]\nchoose one of {}: ",
-                    payload["command"].as_str().unwrap_or(""),
-                    rules.join("; "),
-                    choices.join("/")
+                    printable(payload["command"].as_str().unwrap_or(""), false),
+                    printable(&rules.join("; "), false),
+                    printable(&choices.join("/"), false)
                 ));
                 // A typo is asked again (it denied at once); the end of input denies.
                 let choice = loop {
@@ -563,7 +592,7 @@ async fn follow(
             }
             "message.complete" if payload["admission_id"] == admission => {
                 if !streamed {
-                    out(payload["text"].as_str().unwrap_or(""));
+                    out(&printable(payload["text"].as_str().unwrap_or(""), true));
                 }
                 let outcome = payload["outcome"].as_str().unwrap_or("").to_string();
                 if outcome == "completed" {
@@ -607,10 +636,10 @@ async fn ask_question(
         .collect();
     out(&format!(
         "\n[question: {}]\n",
-        question["question"].as_str().unwrap_or("")
+        printable(question["question"].as_str().unwrap_or(""), true)
     ));
     for (i, choice) in listed.iter().enumerate() {
-        out(&format!("  {}. {choice}\n", i + 1));
+        out(&format!("  {}. {}\n", i + 1, printable(choice, false)));
     }
     out(if listed.is_empty() {
         "answer: "
@@ -656,4 +685,26 @@ async fn reconnect(home: &Path) -> Result<Conn, String> {
         }
     }
     Err("could not reconnect to the daemon".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn text_is_printed_with_its_controls_shown() {
+        assert!(matches!(
+            printable("plain text\nwith a tab\t", true),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(printable("a\nb\tc", false), "a^Jb^Ic");
+        assert_eq!(printable("x\u{1b}[2K\ry\u{7f}", true), "x^[[2K^My^?");
+        // C1 controls (CSI as one character) and bidirectional overrides.
+        assert_eq!(printable("a\u{9b}2Kb", true), "a?2Kb");
+        assert_eq!(
+            printable("rm -rf /\u{202e}txt.exe", false),
+            "rm -rf /?txt.exe"
+        );
+        assert_eq!(printable("é ✓", false), "é ✓");
+    }
 }

@@ -214,6 +214,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// A value a client or a model sent, as it is safe to print on the operator's terminal (see
+/// `chat::printable`): a string without its quotes, anything else as JSON.
+fn plain(v: &Value) -> String {
+    match v.as_str() {
+        Some(s) => gatehouse::chat::printable(s, false).into_owned(),
+        None => gatehouse::chat::printable(&v.to_string(), false).into_owned(),
+    }
+}
+
 fn serve(args: Args) -> ExitCode {
     // `gatehouse serve /var/lib/gatehouse` would serve the default home (and the named one's
     // queued work would never run): say so instead.
@@ -464,9 +473,9 @@ fn operator(args: Args) -> ExitCode {
             for s in reply["sessions"].as_array().cloned().unwrap_or_default() {
                 println!(
                     "{:<40} {:<20} {:<6} {}",
-                    s["session_id"].as_str().unwrap_or(""),
-                    s["model"].as_str().unwrap_or(""),
-                    s["source"].as_str().unwrap_or(""),
+                    plain(&s["session_id"]),
+                    plain(&s["model"]),
+                    plain(&s["source"]),
                     s["execution_generation"]
                 );
             }
@@ -480,11 +489,12 @@ fn operator(args: Args) -> ExitCode {
                 "SESSION", "ADMISSION", "GENERATION"
             );
             for r in reply["unknown"].as_array().cloned().unwrap_or_default() {
-                let text: String = r["text"].as_str().unwrap_or("").chars().take(40).collect();
+                // A client's text: its control characters shown, not sent to the terminal.
+                let text: String = plain(&r["text"]).chars().take(40).collect();
                 println!(
                     "{:<40} {:<34} {:<10} {}",
-                    r["session_id"].as_str().unwrap_or(""),
-                    r["admission_id"].as_str().unwrap_or(""),
+                    plain(&r["session_id"]),
+                    plain(&r["admission_id"]),
                     r["execution_generation"],
                     text
                 );
@@ -499,19 +509,12 @@ fn operator(args: Args) -> ExitCode {
             for r in reply["rooms"].as_array().cloned().unwrap_or_default() {
                 println!(
                     "{:<24} {:<24} {:<8} {}",
-                    r["room_id"].as_str().unwrap_or(""),
-                    r["name"].as_str().unwrap_or(""),
+                    plain(&r["room_id"]),
+                    plain(&r["name"]),
                     r["members"],
                     r["task_counts"]
                 );
                 // What a peer member sent is printed without the control characters it may hold.
-                let plain = |v: &Value| -> String {
-                    v.as_str()
-                        .map_or_else(|| v.to_string(), str::to_string)
-                        .chars()
-                        .map(|c| if c.is_control() { '?' } else { c })
-                        .collect()
-                };
                 for p in r["pending_actions"].as_array().cloned().unwrap_or_default() {
                     let a = &p["action"];
                     println!(

@@ -161,6 +161,44 @@ async fn chat_asks_every_question_of_a_clarify_batch() {
     assert_eq!(result["responses"][1]["user_response"], "blue", "{result}");
 }
 
+/// What the model sends is printed with its control characters shown, not acted on by the
+/// terminal: an escape sequence and a carriage return in a command could rewrite the approval
+/// line to show a harmless command (and the reply could set the clipboard).
+#[actix_rt::test]
+async fn chat_shows_the_control_characters_a_model_sends() {
+    let (victim, cmd) = rm_keep();
+    let spoof = format!("{cmd} #\u{1b}[2K\r[approval needed: git status]\u{1b}[8m");
+    let model = FakeModel::start(move |body| {
+        if asks(body) {
+            Reply::Message(
+                tool_call("c1", "terminal", json!({"command": spoof})),
+                "tool_calls",
+            )
+        } else {
+            Reply::Message(
+                json!({"role": "assistant", "content": "done\u{1b}]52;c;ZXZpbA==\u{7}\r"}),
+                "stop",
+            )
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let _d = Daemon::start(&home);
+    let o = cli(&home, &["chat", "--session", "spoof", "SPOOF"], "deny\n");
+    assert!(o.status.success(), "{o:?}");
+    let out = stdout(&o);
+    assert!(
+        !o.stdout.contains(&0x1b) && !o.stdout.contains(&b'\r'),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&format!("{cmd} #^[[2K^M[approval needed")),
+        "{out}"
+    );
+    assert!(out.contains("done^[]52;c;ZXZpbA==^G^M"), "{out}");
+    assert!(victim.path.join("keep").exists());
+}
+
 #[actix_rt::test]
 async fn chat_and_operator_commands_work_as_child_processes() {
     let (victim, cmd) = rm_keep();
