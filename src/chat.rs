@@ -117,11 +117,7 @@ impl Conn {
     /// connection is kept alive meanwhile: the daemon's pings are answered and its frames kept
     /// for later (waiting on the terminal alone answered no ping, and the daemon closed the
     /// connection of a user who took over a minute to answer).
-    async fn read_answer(
-        &mut self,
-        lines: &mut mpsc::UnboundedReceiver<String>,
-        prompt_id: &Value,
-    ) -> Read {
+    async fn read_answer(&mut self, lines: &mut Lines, prompt_id: &Value) -> Read {
         let ended = |v: &Value| -> Option<String> {
             let params = v.get("params").filter(|_| v["method"] == "event")?;
             let settled = params["type"]
@@ -137,12 +133,23 @@ impl Conn {
         if let Some(resolution) = self.backlog.iter().find_map(ended) {
             return Read::Ended(resolution);
         }
+        let typed = lines.question_shown();
+        if typed > 0 {
+            out(&format!(
+                "\n[{typed} line(s) typed before this question was shown are not its answer]\nanswer: "
+            ));
+        }
         loop {
+            // Asked again from the daemon's snapshot once reconnected (this waited for a line
+            // alone, and a terminal left open waited for good).
             if self.lost {
-                return lines.recv().await.map_or(Read::Eof, Read::Line);
+                return Read::Ended(
+                    "the connection to the daemon was lost (it is asked again once reconnected)"
+                        .into(),
+                );
             }
             tokio::select! {
-                line = lines.recv() => return line.map_or(Read::Eof, Read::Line),
+                line = lines.answer() => return line.map_or(Read::Eof, Read::Line),
                 frame = self.framed.next() => {
                     if let Some(Some(v)) = self.take(frame).await {
                         if let Some(resolution) = ended(&v) {
@@ -206,7 +213,57 @@ impl Conn {
     }
 }
 
-fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
+/// The operator's lines of input, read from stdin on a thread of their own.
+struct Lines {
+    rx: mpsc::UnboundedReceiver<String>,
+    /// Lines typed on a terminal before a question was shown: they answer nothing (a `once`
+    /// typed for a prompt that ended meanwhile approved the next command, unseen), and
+    /// interactively they are the next messages, in order.
+    ahead: std::collections::VecDeque<String>,
+    /// Whether stdin is a terminal. Piped input answers the questions in the order given: a
+    /// script's answers are all there before its questions are shown.
+    terminal: bool,
+}
+
+impl Lines {
+    fn new(rx: mpsc::UnboundedReceiver<String>, terminal: bool) -> Lines {
+        Lines {
+            rx,
+            ahead: std::collections::VecDeque::new(),
+            terminal,
+        }
+    }
+
+    /// The next message to send (interactively).
+    async fn input(&mut self) -> Option<String> {
+        match self.ahead.pop_front() {
+            Some(line) => Some(line),
+            None => self.rx.recv().await,
+        }
+    }
+
+    /// A question is shown now: on a terminal, what was typed before it is set aside; how
+    /// many lines.
+    fn question_shown(&mut self) -> usize {
+        if !self.terminal {
+            return 0;
+        }
+        let before = self.ahead.len();
+        while let Ok(line) = self.rx.try_recv() {
+            self.ahead.push_back(line);
+        }
+        self.ahead.len() - before
+    }
+
+    /// A line typed since the question was shown.
+    async fn answer(&mut self) -> Option<String> {
+        self.rx.recv().await
+    }
+}
+
+fn stdin_lines() -> Lines {
+    use std::io::IsTerminal;
+    let terminal = std::io::stdin().is_terminal();
     let (tx, rx) = mpsc::unbounded_channel();
     std::thread::spawn(move || {
         let stdin = std::io::stdin();
@@ -217,7 +274,7 @@ fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
             }
         }
     });
-    rx
+    Lines::new(rx, terminal)
 }
 
 /// `text` from the model or another client as it is safe to print on a terminal. An escape
@@ -305,7 +362,7 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
             Some(t) => t,
             None if interactive => {
                 out("> ");
-                match lines.recv().await {
+                match lines.input().await {
                     Some(l) if l.trim().is_empty() => continue,
                     Some(l) => l,
                     None => break,
@@ -415,7 +472,7 @@ async fn follow(
     home: &Path,
     session_id: &str,
     admission: &str,
-    lines: &mut mpsc::UnboundedReceiver<String>,
+    lines: &mut Lines,
 ) -> Result<String, String> {
     let mut streamed = false;
     loop {
@@ -590,6 +647,11 @@ async fn follow(
                     out(&why);
                 }
             }
+            // Cancelled while it was queued (by another client): no turn, no completion.
+            "session.info" if payload["cancelled"] == admission => {
+                out("[cancelled before it ran]\n");
+                return Ok("cancelled".into());
+            }
             "message.complete" if payload["admission_id"] == admission => {
                 if !streamed {
                     out(&printable(payload["text"].as_str().unwrap_or(""), true));
@@ -624,7 +686,7 @@ fn not_taken(reply: &Result<Value, String>, what: &str, prompt: &str) -> Option<
 /// without an answer from here.
 async fn ask_question(
     conn: &mut Conn,
-    lines: &mut mpsc::UnboundedReceiver<String>,
+    lines: &mut Lines,
     prompt_id: &Value,
     question: &Value,
 ) -> Option<String> {
@@ -689,7 +751,29 @@ async fn reconnect(home: &Path) -> Result<Conn, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{printable, Lines};
+    use tokio::sync::mpsc;
+
+    /// On a terminal, a line typed before a question was shown does not answer it: it is the
+    /// next message instead. Piped, the lines answer in the order given.
+    #[actix_rt::test]
+    async fn lines_typed_before_a_question_are_not_its_answer() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut lines = Lines::new(rx, true);
+        for l in ["once", "next message"] {
+            tx.send(l.to_string()).expect("send");
+        }
+        assert_eq!(lines.question_shown(), 2);
+        tx.send("deny".to_string()).expect("send");
+        assert_eq!(lines.answer().await.as_deref(), Some("deny"));
+        assert_eq!(lines.input().await.as_deref(), Some("once"));
+        assert_eq!(lines.input().await.as_deref(), Some("next message"));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut piped = Lines::new(rx, false);
+        tx.send("once".to_string()).expect("send");
+        assert_eq!(piped.question_shown(), 0);
+        assert_eq!(piped.answer().await.as_deref(), Some("once"));
+    }
 
     #[test]
     fn text_is_printed_with_its_controls_shown() {

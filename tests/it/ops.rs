@@ -550,6 +550,44 @@ async fn with_no_model_configured_the_echo_provider_answers() {
     assert!(home.log().contains("echo provider"), "the log says so too");
 }
 
+/// A one-shot chat whose input another client cancels while it is queued exits 1, saying so:
+/// no turn runs and no completion comes (it waited for good).
+#[actix_rt::test]
+async fn a_chat_whose_queued_input_is_cancelled_ends() {
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("chat:queued", &home.path).await;
+    ws.submit(&sid, "head", "HANG").await;
+    let chat = spawn_cli(&home, &["chat", "--session", "queued", "QUEUED"]);
+    wait_until(
+        "the chat's input is queued",
+        Duration::from_secs(30),
+        || home.admissions().iter().any(|a| a.text() == "QUEUED"),
+    )
+    .await;
+    let queued = home
+        .admissions()
+        .into_iter()
+        .find(|a| a.text() == "QUEUED")
+        .expect("queued");
+    let r = ws
+        .ok(
+            "prompt.cancel",
+            json!({"session_id": sid, "admission_id": queued.admission_id}),
+        )
+        .await;
+    assert_eq!(r["outcome"], "cancelled", "{r}");
+    let (code, stderr) = exit_of(chat).await;
+    assert_eq!(code, Some(1), "{stderr}");
+}
+
 /// A chat whose input was running when the daemon crashed reconnects, finds the input `unknown`
 /// (it never runs again, so no completion comes) and exits 1 with the operator's command,
 /// instead of waiting for good.
