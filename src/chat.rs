@@ -371,7 +371,16 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
             None => break,
         };
         let input_id = uuid::Uuid::new_v4().simple().to_string();
-        let admission = submit(&mut conn, &opts.home, &session_id, &input_id, &text).await?;
+        let admission = match submit(&mut conn, &opts.home, &session_id, &input_id, &text).await {
+            Ok(admission) => admission,
+            // A refusal of one message (too long, the queue full) ends nothing interactively:
+            // it is said, and the next line is read.
+            Err(e) if interactive && !conn.lost => {
+                out(&format!("[not sent: {}]\n", printable(&e, false)));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let outcome = follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?;
         if !interactive {
             if outcome != "completed" {

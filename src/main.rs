@@ -55,7 +55,8 @@ const USAGE: &str = "usage: gatehouse <command> [--home DIR] [options]
 
 commands:
   serve [--log-format human|json]     run the daemon in the foreground
-  chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT)
+  chat [--session NAME] [TEXT]        talk to a session (interactive without TEXT;
+                                      after `--`, every word is TEXT, even -h or --x)
   bench [--quick] [--json] [--parked N] [--model-latency-ms N] [--dir DIR]
          [--only admission,turn,tool,room,isolation,recovery]
          [--levels 1,16,256]
@@ -175,6 +176,11 @@ fn parse_args() -> Result<Args, String> {
                 Some("human") => args.log_json = false,
                 _ => return Err("--log-format takes human or json".into()),
             },
+            // What follows is text, not options (a message about `ls -h` printed the usage).
+            "--" => {
+                args.rest.extend(it.by_ref());
+                break;
+            }
             "-h" | "--help" => {
                 args.command = "help".into();
                 return Ok(args);

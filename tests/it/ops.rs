@@ -550,6 +550,40 @@ async fn with_no_model_configured_the_echo_provider_answers() {
     assert!(home.log().contains("echo provider"), "the log says so too");
 }
 
+/// After `--` every word is the message, even one that looks like an option (`ls -h` printed
+/// the usage and sent nothing, exit 0); interactively, a message the daemon refuses is said
+/// and the next line is read (the refusal ended the chat).
+#[actix_rt::test]
+async fn chat_text_after_the_separator_is_sent_and_a_refusal_ends_nothing() {
+    let model = FakeModel::ack();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"session": {"max_text_bytes": 2000}}),
+    ));
+    let _d = Daemon::start(&home);
+    let o = Command::new(bin())
+        .args(["chat", "--home"])
+        .arg(&home.path)
+        .args(["--session", "sep", "--", "what", "does", "ls", "-h", "do"])
+        .current_dir(&home.path)
+        .stdin(Stdio::null())
+        .output()
+        .expect("chat");
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(model.reached("what does ls -h do"), 1, "{o:?}");
+    let long = "x".repeat(3000);
+    let o = cli(
+        &home,
+        &["chat", "--session", "sep"],
+        &format!("{long}\nhello\n"),
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{o:?}");
+    assert!(out.contains("[not sent: payload_too_large"), "{out}");
+    assert!(out.contains("ACK_hello"), "{out}");
+}
+
 /// A one-shot chat whose input another client cancels while it is queued exits 1, saying so:
 /// no turn runs and no completion comes (it waited for good).
 #[actix_rt::test]
