@@ -780,15 +780,17 @@ fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
 const RAW_CHECKPOINT_EVERY: usize = 400;
 
 fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
-    // The daemon's VFS too: the baseline is the best commit this process can make on this disk.
+    // The daemon's VFS and threading mode too: the baseline is the best commit this process can
+    // make on this disk.
     crate::store::vfs::install();
+    crate::store::configure_threading();
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
     // The daemon's PRAGMAs, with its checkpoints out of the commits as the daemon's are (they
     // run on its checkpointer's thread): here between timed commits, untimed.
     conn.batch_execute(crate::store::PRAGMAS).map_err(err)?;
     conn.batch_execute(
         "PRAGMA wal_autocheckpoint = 0; \
-         CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL);",
+         CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT NOT NULL);",
     )
     .map_err(err)?;
     let commit = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
@@ -796,9 +798,16 @@ fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
             conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
                 .map_err(err)?;
         }
+        // One row, one page: no AUTOINCREMENT (whose `sqlite_sequence` row was a second page
+        // in every commit), a statement kept prepared as the daemon's are.
+        let v = format!("row {i}");
         let t = Instant::now();
         conn.immediate_transaction(|c| {
-            c.batch_execute(&format!("INSERT INTO t (v) VALUES ('row {i}')"))
+            crate::store::hot_sql!(
+                "INSERT INTO t (v) VALUES (?)",
+                &[crate::store::Bind::Text(&v)]
+            )
+            .execute(c)
         })
         .map_err(err)?;
         Ok(t.elapsed().as_secs_f64())
@@ -1325,6 +1334,17 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
             }
         }
     }
+    // The load held through the rounds: every parked prompt still open, the room's member
+    // still hanging (no turn ended meanwhile but the healthy ones).
+    let open = metric(&daemon.origin, "gatehouse_prompts_open").await?;
+    let running = metric(&daemon.origin, "gatehouse_turns_started_total").await?
+        - metric(&daemon.origin, "gatehouse_turns_finished_total").await?;
+    if open < parked as f64 || running < parked as f64 + 1.0 {
+        return Err(format!(
+            "the load did not hold through the rounds: {open} of {parked} parked prompts open, \
+             {running} turns running (the parked ones and the hung room's)"
+        ));
+    }
     progress("isolation: done");
     let (alone, alone_rounds) = alone.finish();
     let (loaded, loaded_rounds) = loaded.finish();
@@ -1836,8 +1856,9 @@ pub fn table(r: &Value) -> String {
     ));
         let mm = &r["memory"];
         out.push_str(&format!(
-            "memory: idle {} KiB, {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
+            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns, {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
             mm["idle_rss_kib"],
+            mm["rss_before_parking_kib"],
             mm["rss_parked_kib"],
             i["parked_sessions"],
             mm["kib_per_parked_session"],
