@@ -215,15 +215,19 @@ impl Handler<StartBackground> for TerminalTool {
         let id = format!("bg-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let log = self.logs.join(format!("{id}.log"));
         let file = open_log(&self.logs, &log).map_err(TerminalError::Log)?;
-        let (pid, run) =
-            match terminal::spawn_background(&m.spec, file, terminal::BACKGROUND_LOG_CAP) {
-                Ok(started) => started,
-                Err(e) => {
-                    // Nothing ran: no log of it is left.
-                    let _ = std::fs::remove_file(&log);
-                    return Err(e);
-                }
-            };
+        let (pid, run) = match terminal::spawn_background(
+            &m.spec,
+            file,
+            terminal::BACKGROUND_LOG_CAP,
+            &m.cancel,
+        ) {
+            Ok(started) => started,
+            Err(e) => {
+                // Nothing ran: no log of it is left.
+                let _ = std::fs::remove_file(&log);
+                return Err(e);
+            }
+        };
         let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
         self.background.insert(id.clone(), pgid);
         tracing::info!(

@@ -312,10 +312,16 @@ pub const BACKGROUND_LOG_CAP: u64 = 16 << 20;
 /// drives the process to its end: it pumps the output and reaps the shell, and gives the exit
 /// code (`None` if it could not be read) once the shell has ended and no process is left in its
 /// group. Dropping it kills the shell.
+///
+/// `cancel` is the turn's interrupt, looked at again once the shell is spawned: set by then
+/// (after its caller's look, before this returned), the group is killed and the start is
+/// `Interrupted`. Nothing else would have stopped a process that outlives its call, started
+/// after the client was told its turn stopped.
 pub fn spawn_background(
     spec: &CommandSpec,
     log: std::fs::File,
     cap: u64,
+    cancel: &watch::Receiver<bool>,
 ) -> Result<(u32, impl std::future::Future<Output = Option<i32>>), TerminalError> {
     use tokio::io::AsyncWriteExt;
     if !spec.cwd.is_dir() {
@@ -326,6 +332,15 @@ pub fn spawn_background(
     let pid = child
         .id()
         .ok_or_else(|| TerminalError::Spawn(io::Error::other("the shell exited at once")))?;
+    if *cancel.borrow() {
+        // Its own group, just made: the shell, and whatever it forked in the instant it ran.
+        // The shell itself is reaped by `kill_on_drop` as `child` goes.
+        if let Ok(group) = libc::pid_t::try_from(pid) {
+            // SAFETY: a plain syscall on the group this spawn created.
+            unsafe { libc::killpg(group, libc::SIGKILL) };
+        }
+        return Err(TerminalError::Interrupted);
+    }
     let mut pipes = Pipes::of(&mut child);
     let run = async move {
         let mut log = tokio::fs::File::from_std(log);
@@ -1143,7 +1158,8 @@ mod tests {
         let run_to_end = |command: &str, name: &str| {
             let log = dir.path().join(name);
             let file = std::fs::File::create(&log).unwrap();
-            let (pid, run) = spawn_background(&spec(command, &dir), file, 1000).unwrap();
+            let (_live, cancel) = watch::channel(false);
+            let (pid, run) = spawn_background(&spec(command, &dir), file, 1000, &cancel).unwrap();
             assert!(pid > 1);
             async move { (run.await, std::fs::read_to_string(&log).unwrap()) }
         };
@@ -1298,6 +1314,26 @@ mod tests {
             wait_until(|| !process_alive(pid), Duration::from_secs(5)).await,
             "background sleep {pid} survived the timeout"
         );
+    }
+
+    /// An interrupt set while a background start was being spawned (after its caller's look)
+    /// stops it at once: nothing of it runs on, and the start is refused `Interrupted`.
+    #[tokio::test]
+    async fn a_background_start_interrupted_while_it_spawned_runs_nothing() {
+        let dir = TempDir::new("bg-interrupted");
+        let marker = dir.path().join("ran");
+        let log = dir.path().join("log");
+        let (interrupt, cancel) = watch::channel(false);
+        interrupt.send(true).unwrap();
+        let started = spawn_background(
+            &spec("sleep 0.3; touch ran", &dir),
+            std::fs::File::create(&log).unwrap(),
+            1000,
+            &cancel,
+        );
+        assert!(matches!(started, Err(TerminalError::Interrupted)));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!marker.exists(), "the interrupted start ran its command");
     }
 
     #[tokio::test]
