@@ -127,6 +127,24 @@ enum Stop {
     Outcome(TurnOutcome),
 }
 
+/// Reads of a turn's start tried again after a passing failure, and the first wait (doubled
+/// each time: 0.2, 0.4, 0.8, 1.6 s).
+const LOAD_TRIES: u32 = 4;
+const LOAD_RETRY_FIRST: Duration = Duration::from_millis(100);
+
+/// A failure of the store that may pass (not a refusal, not a missing row).
+fn passing(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Pool(_) | StoreError::Other(_) | StoreError::Database(_)
+    ) && !matches!(e, StoreError::Database(diesel::result::Error::NotFound))
+}
+
+/// The turn of `ctx` is interrupted, or the gateway's drain has begun.
+fn stopping(ctx: &TurnCtx) -> bool {
+    *ctx.cancel.borrow() || ctx.shared.runtime.turns_stopping()
+}
+
 impl From<StoreError> for Stop {
     fn from(e: StoreError) -> Self {
         if e.is_stale() {
@@ -207,11 +225,29 @@ impl Turn {
             Some(start) => start,
             None => {
                 ctx.shared.metrics.turn_start_read_apart();
-                let root_id = ctx.root_id.clone();
-                ctx.shared
-                    .db
-                    .read(move |c| TurnStart::read(c, &root_id))
-                    .await?
+                let mut tries = 0;
+                loop {
+                    let root_id = ctx.root_id.clone();
+                    match ctx
+                        .shared
+                        .db
+                        .read(move |c| TurnStart::read(c, &root_id))
+                        .await
+                    {
+                        Ok(start) => break start,
+                        // Nothing of the turn has run yet: a passing failure of the store (its
+                        // readers busy past their wait, a locked database) is tried again, not
+                        // the input failed for good (it never reached the model).
+                        Err(e) if passing(&e) && tries < LOAD_TRIES && !stopping(&ctx) => {
+                            tries += 1;
+                            let wait = LOAD_RETRY_FIRST.saturating_mul(1 << tries);
+                            tracing::warn!(session = %ctx.root_id, error = %e, ?wait,
+                                "the turn's transcript could not be read; trying again");
+                            tokio::time::sleep(wait).await;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
             }
         };
         let tools = enabled_tools(&ctx.shared, &root);
@@ -256,7 +292,7 @@ impl Turn {
 
     /// Interrupted, or the gateway's drain has begun (whose interrupt is on its way).
     fn cancelled(&self) -> bool {
-        *self.ctx.cancel.borrow() || self.ctx.shared.runtime.turns_stopping()
+        stopping(&self.ctx)
     }
 
     async fn persist(&mut self, rows: Vec<NewMessage>) -> Result<(), Stop> {
