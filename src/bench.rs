@@ -1262,6 +1262,9 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     healthy_round(&alone_home, &alone_daemon.origin, 0, warm).await?;
     healthy_round(&home, &daemon.origin, 0, warm).await?;
     let before_park = settled_rss(&daemon).await;
+    // The warm-up's sessions stay loaded (idle supervisors are evicted least recently used
+    // first, over `session.max_in_memory`): how many, beside that reading.
+    let loaded_before_park = metric(&daemon.origin, "gatehouse_sessions_loaded").await?;
     // Park N sessions on approval prompts, spread over a few connections.
     let conns = (opts.parked / 200).clamp(1, 64);
     let mut parkers = Vec::new();
@@ -1361,7 +1364,8 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
                "alone_rounds_p99_ms": alone_rounds, "loaded_rounds_p99_ms": loaded_rounds,
                "loaded_daemon_cpu_seconds_during_alone_rounds": round(background_cpu),
                "p99_ratio": round(ratio)}),
-        json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0, "rss_parked_kib": parked_rss.0,
+        json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0,
+               "sessions_loaded_before_parking": loaded_before_park, "rss_parked_kib": parked_rss.0,
                "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
     ))
 }
@@ -1856,9 +1860,10 @@ pub fn table(r: &Value) -> String {
     ));
         let mm = &r["memory"];
         out.push_str(&format!(
-            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns, {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
+            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns ({} sessions loaded), {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
             mm["idle_rss_kib"],
             mm["rss_before_parking_kib"],
+            mm["sessions_loaded_before_parking"],
             mm["rss_parked_kib"],
             i["parked_sessions"],
             mm["kib_per_parked_session"],
