@@ -133,12 +133,6 @@ impl Conn {
         if let Some(resolution) = self.backlog.iter().find_map(ended) {
             return Read::Ended(resolution);
         }
-        let typed = lines.question_shown();
-        if typed > 0 {
-            out(&format!(
-                "\n[{typed} line(s) typed before this question was shown are not its answer]\nanswer: "
-            ));
-        }
         loop {
             // Asked again from the daemon's snapshot once reconnected (this waited for a line
             // alone, and a terminal left open waited for good).
@@ -234,16 +228,21 @@ impl Lines {
         }
     }
 
-    /// The next message to send (interactively).
+    /// The next message to send (interactively). One typed ahead of a question is shown as
+    /// it is sent.
     async fn input(&mut self) -> Option<String> {
         match self.ahead.pop_front() {
-            Some(line) => Some(line),
+            Some(line) => {
+                out(&format!("{}\n", printable(&line, false)));
+                Some(line)
+            }
             None => self.rx.recv().await,
         }
     }
 
-    /// A question is shown now: on a terminal, what was typed before it is set aside; how
-    /// many lines.
+    /// A question is shown now (once per question, not per read: a line typed after it, read
+    /// after a typo's re-ask, is an answer): on a terminal, what was typed before it is set
+    /// aside, and said; how many lines.
     fn question_shown(&mut self) -> usize {
         if !self.terminal {
             return 0;
@@ -252,7 +251,13 @@ impl Lines {
         while let Ok(line) = self.rx.try_recv() {
             self.ahead.push_back(line);
         }
-        self.ahead.len() - before
+        let typed = self.ahead.len() - before;
+        if typed > 0 {
+            out(&format!(
+                "\n[{typed} line(s) typed before this question was shown are not its answer]\nanswer: "
+            ));
+        }
+        typed
     }
 
     /// A line typed since the question was shown.
@@ -375,11 +380,11 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
             Ok(admission) => admission,
             // A refusal of one message (too long, the queue full) ends nothing interactively:
             // it is said, and the next line is read.
-            Err(e) if interactive && !conn.lost => {
+            Err(NotSubmitted::Refused(e)) if interactive => {
                 out(&format!("[not sent: {}]\n", printable(&e, false)));
                 continue;
             }
-            Err(e) => return Err(e),
+            Err(NotSubmitted::Refused(e) | NotSubmitted::Ended(e)) => return Err(e),
         };
         let outcome = follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?;
         if !interactive {
@@ -441,6 +446,21 @@ fn held_by_unknown(
     ))
 }
 
+/// Why a submit did not give an admission.
+enum NotSubmitted {
+    /// The daemon refused this input (too long, the queue full…): the session goes on.
+    Refused(String),
+    /// The chat cannot go on: the connection could not be reopened, or the session is held
+    /// by an unknown input (nothing sent to it would run).
+    Ended(String),
+}
+
+impl From<String> for NotSubmitted {
+    fn from(e: String) -> NotSubmitted {
+        NotSubmitted::Ended(e)
+    }
+}
+
 /// Submit `text` as `input_id`; a connection found lost is reopened and the same input sent
 /// again (it is idempotent by its id: admitted once however often it is sent).
 async fn submit(
@@ -449,7 +469,7 @@ async fn submit(
     session_id: &str,
     input_id: &str,
     text: &str,
-) -> Result<String, String> {
+) -> Result<String, NotSubmitted> {
     let params = json!({"session_id": session_id, "input_id": input_id, "text": text});
     let mut reconnected = false;
     loop {
@@ -458,7 +478,7 @@ async fn submit(
                 return receipt["admission_id"]
                     .as_str()
                     .map(str::to_string)
-                    .ok_or_else(|| "no admission id".to_string())
+                    .ok_or_else(|| NotSubmitted::Ended("no admission id".into()))
             }
             Err(_) if conn.lost && !reconnected => {
                 out("[connection lost; reconnecting]\n");
@@ -469,7 +489,8 @@ async fn submit(
                 held_by_unknown(&snap, home, session_id, None)?;
                 reconnected = true;
             }
-            Err(e) => return Err(e),
+            Err(e) if conn.lost => return Err(NotSubmitted::Ended(e)),
+            Err(e) => return Err(NotSubmitted::Refused(e)),
         }
     }
 }
@@ -587,6 +608,7 @@ async fn follow(
                     printable(&choices.join("/"), false)
                 ));
                 // A typo is asked again (it denied at once); the end of input denies.
+                lines.question_shown();
                 let choice = loop {
                     let line = match conn.read_answer(lines, &payload["prompt_id"]).await {
                         Read::Line(line) => line,
@@ -719,6 +741,7 @@ async fn ask_question(
     } else {
         "answer (a number picks that choice; anything else is said as is): "
     });
+    lines.question_shown();
     let answer = match conn.read_answer(lines, prompt_id).await {
         Read::Line(line) => line,
         Read::Eof => String::new(),

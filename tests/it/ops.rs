@@ -622,6 +622,47 @@ async fn a_chat_whose_queued_input_is_cancelled_ends() {
     assert_eq!(code, Some(1), "{stderr}");
 }
 
+/// An interactive chat whose session a crash left held by another client's `unknown` input
+/// ends when its next line finds that, after reconnecting (exit 1, the operator's command): it
+/// is not taken for a refusal of that one line (the next line would be admitted behind the
+/// held input, never to run, and its completion waited for good).
+#[actix_rt::test]
+async fn an_interactive_chat_ends_on_a_session_held_after_a_crash() {
+    use std::io::Write;
+    let model = FakeModel::start(|body| match last_user(body).as_str() {
+        "HANG" => Reply::Hang,
+        text => Reply::Message(
+            json!({"role": "assistant", "content": format!("ACK_{text}")}),
+            "stop",
+        ),
+    });
+    let (home, mut d) = Daemon::with_model(&model, json!({}));
+    let mut chat = spawn_cli(&home, &["chat", "--session", "held"]);
+    let mut stdin = chat.stdin.take().expect("stdin");
+    stdin.write_all(b"first\n").expect("first line");
+    wait_until("the chat's first turn", Duration::from_secs(30), || {
+        model.reached("first") == 1
+    })
+    .await;
+    let mut ws = d.ws().await;
+    let sid = ws.session("chat:held", &home.path).await;
+    ws.submit(&sid, "other", "HANG").await;
+    wait_until(
+        "the other client's turn at the model",
+        Duration::from_secs(30),
+        || model.reached("HANG") == 1,
+    )
+    .await;
+    d.kill();
+    let _d = Daemon::start(&home);
+    stdin.write_all(b"second\nthird\n").expect("more lines");
+    let (code, stderr) = exit_of(chat).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("is held by"), "{stderr}");
+    assert!(!home.admissions().iter().any(|a| a.text() == "third"));
+    drop(stdin);
+}
+
 /// A chat whose input was running when the daemon crashed reconnects, finds the input `unknown`
 /// (it never runs again, so no completion comes) and exits 1 with the operator's command,
 /// instead of waiting for good.
