@@ -76,9 +76,10 @@ struct Running {
     /// Set when the turn has decided how it ends (its settlement is on its way): an interrupt
     /// can no longer change the outcome.
     ended: std::rc::Rc<std::cell::Cell<bool>>,
-    /// Prompts the turn is recording (see [`RecordingPrompt`]), each with the answers that came
-    /// for it before the turn handed it over.
-    recording: Vec<Recording>,
+    /// The prompt the turn is recording (see [`RecordingPrompt`]; a turn asks one question at
+    /// a time), with the answers that came for it before the turn handed it over. Boxed, and
+    /// only while it is recorded: a turn parked on its prompt holds nothing of it.
+    recording: Option<Box<Recording>>,
 }
 
 /// A prompt its attempt is recording open: once committed, its `<kind>.request` can be read
@@ -736,7 +737,7 @@ impl SessionSupervisor {
             cancel: cancel_tx,
             started: std::time::Instant::now(),
             ended: ended.clone(),
-            recording: Vec::new(),
+            recording: None,
         });
         self.shared.metrics.turn_started();
         let span = tracing::info_span!("turn", session = %self.root_id, admission = %row.admission_id, generation);
@@ -1387,9 +1388,12 @@ impl SessionSupervisor {
         let Some(r) = self.running.as_mut() else {
             return Vec::new();
         };
-        match r.recording.iter().position(|p| p.prompt_id == prompt_id) {
-            Some(at) => r.recording.swap_remove(at).held,
-            None => Vec::new(),
+        match r.recording.take() {
+            Some(rec) if rec.prompt_id == prompt_id => rec.held,
+            other => {
+                r.recording = other;
+                Vec::new()
+            }
         }
     }
 }
@@ -1411,10 +1415,10 @@ impl Handler<RecordingPrompt> for SessionSupervisor {
             .as_mut()
             .filter(|r| r.generation == m.generation)
         {
-            r.recording.push(Recording {
+            r.recording = Some(Box::new(Recording {
                 prompt_id: m.prompt_id,
                 held: Vec::new(),
-            });
+            }));
         }
     }
 }
@@ -1509,7 +1513,8 @@ impl Handler<Respond> for SessionSupervisor {
             .running
             .as_mut()
             .filter(|r| r.generation == m.generation)
-            .and_then(|r| r.recording.iter_mut().find(|p| p.prompt_id == m.prompt_id));
+            .and_then(|r| r.recording.as_deref_mut())
+            .filter(|p| p.prompt_id == m.prompt_id);
         if let Some(r) = recording {
             let (tx, rx) = oneshot::channel();
             let prompt_id = m.prompt_id.clone();
