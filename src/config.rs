@@ -27,6 +27,18 @@ pub enum ConfigError {
 
 type Extra = BTreeMap<String, Value>;
 
+/// What a model endpoint's URL must be, said when it is not.
+pub const ENDPOINT_URL_EXPECTED: &str =
+    "expected an http:// or https:// URL with no credentials, query or fragment";
+
+/// Is `url` a model endpoint a session may be given: http(s), with no credentials (`@`), query
+/// or fragment (its path is joined to `/chat/completions`, and a key goes in a header). One
+/// check for the config, the environment and a client's `base_url`: the config took what every
+/// session was then refused.
+pub fn endpoint_url_fits(url: &str) -> bool {
+    (url.starts_with("http://") || url.starts_with("https://")) && !url.contains(['?', '#', '@'])
+}
+
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(default)]
 pub struct Config {
@@ -613,12 +625,12 @@ impl Config {
     ) -> Result<(), ConfigError> {
         if self.model.base_url.is_none() {
             if let Some(url) = var("OPENAI_BASE_URL").filter(|u| !u.is_empty()) {
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                if !endpoint_url_fits(&url) {
                     return Err(ConfigError::Environment {
                         name: "OPENAI_BASE_URL",
                         message: format!(
-                            "expected an http:// or https:// URL (it is {url:?}; \
-                             `model.base_url` in config.yaml takes its place)"
+                            "{ENDPOINT_URL_EXPECTED} (it is {url:?}; `model.base_url` in \
+                             config.yaml takes its place)"
                         ),
                     });
                 }
@@ -1012,8 +1024,8 @@ impl Config {
             );
         for (key, url) in urls {
             if let Some(url) = url {
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return invalid(&key, "expected an http:// or https:// URL");
+                if !endpoint_url_fits(url) {
+                    return invalid(&key, ENDPOINT_URL_EXPECTED);
                 }
             }
         }
@@ -1208,6 +1220,13 @@ mod tests {
             .check_environment(env("api.example.com/v1"))
             .expect_err("no scheme");
         assert!(err.to_string().contains("`OPENAI_BASE_URL`"), "{err}");
+        for bad in [
+            "https://user:tok@host/v1",
+            "https://host/v1?k=1",
+            "https://host/v1#x",
+        ] {
+            plain.check_environment(env(bad)).expect_err(bad);
+        }
         for fine in ["https://api.example.com/v1", "http://127.0.0.1:9/v1", ""] {
             plain.check_environment(env(fine)).expect(fine);
         }

@@ -946,11 +946,7 @@ impl Authority {
             .or_else(|| profile_cfg.and_then(|c| c.base_url.clone()))
             .or(endpoint.base_url);
         if let Some(u) = &base_url {
-            if !(u.starts_with("http://") || u.starts_with("https://"))
-                || u.contains('?')
-                || u.contains('#')
-                || u.contains('@')
-            {
+            if !crate::config::endpoint_url_fits(u) {
                 return Err(GatewayError::InvalidParams(
                     "base_url must be http(s) with no credentials, query or fragment".into(),
                 ));
