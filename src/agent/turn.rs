@@ -132,12 +132,16 @@ enum Stop {
 const LOAD_TRIES: u32 = 4;
 const LOAD_RETRY_FIRST: Duration = Duration::from_millis(100);
 
-/// A failure of the store that may pass (not a refusal, not a missing row).
+/// A failure of the store that may pass: no refusal, no missing row, no damaged file, no row
+/// that does not read back.
 fn passing(e: &StoreError) -> bool {
-    matches!(
-        e,
-        StoreError::Pool(_) | StoreError::Other(_) | StoreError::Database(_)
-    ) && !matches!(e, StoreError::Database(diesel::result::Error::NotFound))
+    use diesel::result::Error as D;
+    match e {
+        StoreError::Pool(_) | StoreError::Other(_) => !e.is_corrupt(),
+        StoreError::Database(D::NotFound | D::DeserializationError(_)) => false,
+        StoreError::Database(_) => !e.is_corrupt(),
+        _ => false,
+    }
 }
 
 /// The turn of `ctx` is interrupted, or the gateway's drain has begun.
@@ -243,7 +247,12 @@ impl Turn {
                             let wait = LOAD_RETRY_FIRST.saturating_mul(1 << tries);
                             tracing::warn!(session = %ctx.root_id, error = %e, ?wait,
                                 "the turn's transcript could not be read; trying again");
-                            tokio::time::sleep(wait).await;
+                            // An interrupt (a drain's too) ends the wait, and the tries.
+                            let mut cancel = ctx.cancel.clone();
+                            tokio::select! {
+                                () = tokio::time::sleep(wait) => {}
+                                () = cancelled(&mut cancel) => {}
+                            }
                         }
                         Err(e) => return Err(e.into()),
                     }
