@@ -200,8 +200,16 @@ struct Daemon {
 /// A daemon goes with its process and (unless kept) its home, however the bench lets go of it:
 /// one dropped on an error or a panic was left running (holding 10,000 parked sessions, say),
 /// with its home (a store of a million admissions). Stopping it first is [`Daemon::stop`].
+/// The highest peak RSS (VmHWM, KiB) of any daemon this run started, and which (its home's
+/// name without the bench's prefix and id): the memory line's own peak is the isolation
+/// daemon's, and a section of 256 sessions may reach higher.
+static PEAK: std::sync::Mutex<(u64, String)> = std::sync::Mutex::new((0, String::new()));
+
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.note_peak();
+        }
         // Nothing to kill once it has stopped (its status is kept, and `wait` answers it).
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -326,8 +334,29 @@ impl Daemon {
         cpu_seconds_of(&self.child.id().to_string(), true)
     }
 
+    /// Count its peak RSS so far among every daemon's (read while it still runs).
+    fn note_peak(&self) {
+        let (_, hwm) = self.rss_kib();
+        let name = self
+            .home
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let section = name
+            .strip_prefix("gatehouse-bench-")
+            .and_then(|rest| rest.rsplit_once('-'))
+            .map_or(name.as_str(), |(section, _)| section)
+            .to_string();
+        if let Ok(mut peak) = PEAK.lock() {
+            if hwm > peak.0 {
+                *peak = (hwm, section);
+            }
+        }
+    }
+
     /// A graceful stop, given a minute (then it is killed), and its home removed.
     fn stop(mut self) {
+        self.note_peak();
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
@@ -1728,6 +1757,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     // before it) never flatters them. Against the start alone, a start at half speed once
     // doubled every ratio.
     let raw_end = raw_commit_rate(&opts.dir, raw_n)?;
+    let mut memory = memory;
+    if let (Some(m), Ok(peak)) = (memory.as_object_mut(), PEAK.lock()) {
+        m.insert("peak_rss_kib_any_daemon".into(), json!(peak.0));
+        m.insert("peak_daemon".into(), json!(peak.1));
+    }
     let raw_best = [&raw, &raw_end]
         .iter()
         .filter_map(|r| r["per_second"].as_f64())
@@ -1863,14 +1897,16 @@ pub fn table(r: &Value) -> String {
     ));
         let mm = &r["memory"];
         out.push_str(&format!(
-            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns ({} sessions loaded), {} KiB with {} parked sessions ({} KiB each), peak {} KiB\n",
+            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns ({} sessions loaded), {} KiB with {} parked sessions ({} KiB each), peak {} KiB; of every daemon of the run {} KiB ({})\n",
             mm["idle_rss_kib"],
             mm["rss_before_parking_kib"],
             mm["sessions_loaded_before_parking"],
             mm["rss_parked_kib"],
             i["parked_sessions"],
             mm["kib_per_parked_session"],
-            mm["peak_rss_kib"]
+            mm["peak_rss_kib"],
+            mm["peak_rss_kib_any_daemon"],
+            mm["peak_daemon"].as_str().unwrap_or("?")
         ));
     }
     let rc = &r["recovery"];

@@ -113,6 +113,21 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
     assert!(report["memory"]["idle_rss_kib"]
         .as_u64()
         .is_some_and(|k| k > 0));
+    // The peak of every daemon of the run is at least the isolation daemon's, and named.
+    let memory = &report["memory"];
+    assert!(
+        memory["peak_rss_kib_any_daemon"]
+            .as_u64()
+            .zip(memory["peak_rss_kib"].as_u64())
+            .is_some_and(|(any, isolation)| any >= isolation),
+        "{memory}"
+    );
+    assert!(
+        memory["peak_daemon"]
+            .as_str()
+            .is_some_and(|d| !d.is_empty()),
+        "{memory}"
+    );
     assert_eq!(
         report["recovery"]["unknown_after_crash"],
         report["recovery"]["crash_started_rows"]
