@@ -839,13 +839,7 @@ async fn the_system_prompt_is_built_once_with_the_session() {
 /// frame of all of them in full (1,000 inputs of 256 KiB: a quarter of a gigabyte).
 #[actix_rt::test]
 async fn a_snapshot_carries_the_start_of_a_long_pending_input() {
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
+    let model = FakeModel::ack_or_hang();
     let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("long-pending", &home.path).await;

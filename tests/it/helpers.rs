@@ -246,6 +246,17 @@ impl FakeModel {
         })
     }
 
+    /// A model that answers `ACK_<text>`, and never answers `HANG` (until released).
+    pub fn ack_or_hang() -> FakeModel {
+        FakeModel::start(|body| match last_user(body).as_str() {
+            "HANG" => Reply::Hang,
+            text => Reply::Message(
+                json!({"role": "assistant", "content": format!("ACK_{text}")}),
+                "stop",
+            ),
+        })
+    }
+
     pub fn release(&self) {
         let (lock, cv) = &*self.release;
         if let Ok(mut g) = lock.lock() {

@@ -588,13 +588,7 @@ async fn chat_text_after_the_separator_is_sent_and_a_refusal_ends_nothing() {
 /// no turn runs and no completion comes (it waited for good).
 #[actix_rt::test]
 async fn a_chat_whose_queued_input_is_cancelled_ends() {
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
+    let model = FakeModel::ack_or_hang();
     let (home, d) = Daemon::with_model(&model, json!({}));
     let mut ws = d.ws().await;
     let sid = ws.session("chat:queued", &home.path).await;
@@ -629,13 +623,7 @@ async fn a_chat_whose_queued_input_is_cancelled_ends() {
 #[actix_rt::test]
 async fn an_interactive_chat_ends_on_a_session_held_after_a_crash() {
     use std::io::Write;
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
+    let model = FakeModel::ack_or_hang();
     let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut chat = spawn_cli(&home, &["chat", "--session", "held"]);
     let mut stdin = chat.stdin.take().expect("stdin");
@@ -668,13 +656,7 @@ async fn an_interactive_chat_ends_on_a_session_held_after_a_crash() {
 /// instead of waiting for good.
 #[test]
 fn chat_across_a_crash_exits_with_the_command_that_settles_its_unknown_input() {
-    let model = FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    });
+    let model = FakeModel::ack_or_hang();
     let (home, mut d) = Daemon::with_model(&model, json!({}));
     let mut chat = spawn_cli(&home, &["chat", "--session", "crash", "HANG"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

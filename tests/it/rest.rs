@@ -28,21 +28,6 @@ fn keyed(model: &FakeModel, extra: Value) -> Value {
     c
 }
 
-/// A model that acknowledges every message (`ACK_<text>`) but `HANG`, which it never answers
-/// (until released).
-fn ack_or_hang() -> FakeModel {
-    FakeModel::start(|body| {
-        let text = last_user(body);
-        if text == "HANG" {
-            return Reply::Hang;
-        }
-        Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        )
-    })
-}
-
 // ---------- a plain HTTP client ----------
 
 #[derive(Clone)]
@@ -717,7 +702,7 @@ async fn the_same_input_over_rest_and_websocket_is_one_admission() {
 
 #[actix_rt::test]
 async fn a_rest_snapshot_says_when_a_pending_text_is_only_its_start() {
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(&model, json!({})));
     let d = Daemon::start(&home);
@@ -1114,7 +1099,7 @@ async fn branches_sent_at_once_go_on_in_one_session_only() {
 /// without the model seeing the tool result.
 #[actix_rt::test]
 async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_results() {
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(&model, json!({})));
     let d = Daemon::start(&home);
@@ -1341,7 +1326,7 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
 
 #[actix_rt::test]
 async fn chat_completions_speak_the_openai_wire_format() {
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -1970,7 +1955,7 @@ async fn an_escaped_text_within_the_limit_is_taken_over_rest() {
 #[actix_rt::test]
 async fn a_revoked_key_ends_the_connections_it_opened() {
     use crate::hostile::{raw_upgrade, RawWs};
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -2081,7 +2066,7 @@ async fn a_revoked_key_ends_the_connections_it_opened() {
 #[actix_rt::test]
 async fn a_request_after_its_key_was_revoked_is_refused_at_once() {
     use crate::hostile::{raw_upgrade, RawWs};
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -2472,7 +2457,7 @@ fn holds_connection(pid: u32, port: u16, peer_port: u16) -> bool {
 /// server accepts.
 #[actix_rt::test]
 async fn waiting_requests_count_against_the_connection_bound() {
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(&model, json!({"gateway": {"max_connections": 3}})));
     let d = Daemon::start(&home);
@@ -2653,7 +2638,7 @@ fn retry_after(r: &Resp) -> Option<&str> {
 /// come back (`Retry-After`), as a load refusal should to an HTTP client; other refusals do not.
 #[actix_rt::test]
 async fn a_full_queue_is_a_429_that_says_when_to_come_back() {
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(
         &model,
@@ -2689,7 +2674,7 @@ async fn a_full_queue_is_a_429_that_says_when_to_come_back() {
 #[actix_rt::test]
 async fn a_body_that_does_not_arrive_in_time_is_a_408() {
     use std::io::{Read, Write};
-    let model = ack_or_hang();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&keyed(&model, json!({"http": {"body_timeout_seconds": 1}})));
     let d = Daemon::start(&home);

@@ -202,20 +202,9 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
 }
 
 /// A daemon with the `rooms` settings given, a `dev` profile without tools, and a model that
-/// answers each user message with `ACK_<message>`.
-/// A model that answers `ACK_<text>`, and never answers `HANG` (until released).
-fn hang_or_ack() -> FakeModel {
-    FakeModel::start(|body| match last_user(body).as_str() {
-        "HANG" => Reply::Hang,
-        text => Reply::Message(
-            json!({"role": "assistant", "content": format!("ACK_{text}")}),
-            "stop",
-        ),
-    })
-}
-
+/// answers each user message with `ACK_<message>` (and never answers `HANG`).
 fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -229,7 +218,7 @@ fn acking_rooms(rooms: Value) -> (FakeModel, Home, Daemon) {
 /// under it are driven here (a start refuses an id a room could not hold: see config's tests).
 #[actix_rt::test]
 async fn a_configured_gateway_id_drives_its_rooms() {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -257,7 +246,7 @@ async fn a_configured_gateway_id_drives_its_rooms() {
 /// each poll round owes it a look.
 #[actix_rt::test]
 async fn at_most_max_concurrent_rooms_run_at_once() {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -1854,7 +1843,7 @@ async fn a_disbanded_room_leaves_the_leased_rooms_and_its_disband_is_no_error() 
 /// turn's deadline (38 s at a 40 s deadline), and the hung tasks ended at 1x, 2x, 3x, 4x it.
 #[actix_rt::test]
 async fn rooms_waiting_for_a_hung_member_leave_the_slots_to_other_members() {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -2054,7 +2043,7 @@ async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
 /// member's pending approval names its request (the prompt's id; it was `null`).
 #[actix_rt::test]
 async fn room_requests_a_client_cannot_mean_are_refused() {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
@@ -2114,7 +2103,7 @@ async fn room_requests_a_client_cannot_mean_are_refused() {
 /// task or a retry; reads go on. Before, a task admitted during the drain was committed queued.
 #[actix_rt::test]
 async fn a_draining_gateway_takes_no_new_room_work() {
-    let model = hang_or_ack();
+    let model = FakeModel::ack_or_hang();
     let home = Home::new();
     home.write_config(&config(
         &model.url,
