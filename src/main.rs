@@ -652,24 +652,46 @@ fn key(args: Args) -> ExitCode {
         ["create"] | ["create", _] => {
             let default = format!("key-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
             let name = words.get(1).map(|s| s.to_string()).unwrap_or(default);
-            auth::create_key_noting(&args.home, &name).map(|(key, entry, warning)| {
+            auth::create_key_noting(&args.home, &name).and_then(|(key, entry, warning)| {
+                use std::io::Write;
                 if let Some(warning) = warning {
                     eprintln!("gatehouse: warning: {warning}");
                 }
-                if args.json {
-                    println!(
-                        "{}",
-                        json!({"key": key, "name": entry.name, "sha256": entry.digest})
-                    );
+                let line = if args.json {
+                    json!({"key": key, "name": entry.name, "sha256": entry.digest}).to_string()
                 } else {
-                    println!("{key}");
+                    key
+                };
+                let mut out = std::io::stdout().lock();
+                // The key is shown only this once: one that could not be shown (standard
+                // output closed, a full disk) is revoked, not left working unseen (println!
+                // panicked there, after the key was written).
+                if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
+                    let revoked = auth::revoke_key(&args.home, &entry.digest);
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!(
+                            "the new key could not be written to standard output ({e}); {}",
+                            match revoked {
+                                Ok(1) => "it was revoked".to_string(),
+                                Ok(n) => format!("{n} keys were revoked"),
+                                Err(r) => format!(
+                                    "and could not be revoked ({r}): revoke {:?} by hand",
+                                    entry.name
+                                ),
+                            }
+                        ),
+                    ));
+                }
+                if !args.json {
                     eprintln!(
                         "created API key {:?} (sha256:{}…); it is shown only this once. Send it as \
                          `Authorization: Bearer <key>`.",
                         entry.name,
-                        &entry.digest[..12]
+                        entry.digest.get(..12).unwrap_or(&entry.digest)
                     );
                 }
+                Ok(())
             })
         }
         ["list"] => auth::list_keys(&args.home).map(|keys| {

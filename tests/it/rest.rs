@@ -1641,6 +1641,30 @@ fn cli(home: &Home, args: &[&str]) -> std::process::Output {
         .expect("run gatehouse")
 }
 
+/// A new key that cannot be shown (its standard output closed) is revoked, and the command
+/// says so and fails: it is shown only this once (a panic left it working, unseen).
+#[test]
+fn a_key_that_cannot_be_shown_is_revoked() {
+    let home = Home::new();
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = Command::new(bin())
+        .args(["key", "create", "unseen", "--home"])
+        .arg(&home.path)
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gatehouse")
+        .wait_with_output()
+        .expect("its end");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("it was revoked"), "{err}");
+    let listed = cli(&home, &["key", "list", "--json"]);
+    let keys: Value = serde_json::from_slice(&listed.stdout).expect("keys JSON");
+    assert_eq!(keys["keys"], json!([]), "{keys}");
+}
+
 #[actix_rt::test]
 async fn every_route_refuses_missing_wrong_and_revoked_keys() {
     let model = FakeModel::ack();
