@@ -297,12 +297,22 @@ pub fn document(
             }
             responses.insert(status.to_string(), refused);
         }
+        // A route that takes a control-socket ticket in a header of its own (its exchange for
+        // a token) authenticates by that ticket alone: a bearer key or token is no use there.
+        let ticket_only = op.params.iter().any(|(name, place, _)| {
+            *place == "header" && name.eq_ignore_ascii_case("X-Gatehouse-Ticket")
+        });
+        let security = if ticket_only {
+            json!([{"ticket": []}])
+        } else {
+            json!([{"bearer": []}, {"ticket": []}])
+        };
         let mut operation = json!({
             "operationId": op.id,
             "summary": op.summary,
             "parameters": parameters,
             "responses": responses,
-            "security": [{"bearer": []}, {"ticket": []}],
+            "security": security,
         });
         if let Some(content) = op.request.content() {
             operation["requestBody"] = json!({"required": true, "content": content});

@@ -1352,6 +1352,15 @@ mod tests {
             }
         }
         assert!(seen >= 10, "{seen} routes");
+        // The ticket's exchange takes the ticket alone; every other route a key too.
+        assert_eq!(
+            paths["/v1/auth/token"]["post"]["security"],
+            json!([{"ticket": []}])
+        );
+        assert_eq!(
+            paths["/v1/sessions"]["post"]["security"],
+            json!([{"bearer": []}, {"ticket": []}])
+        );
     }
 
     /// An event stream's body holds at most its byte budget unread: one more event waits for
