@@ -809,13 +809,9 @@ fn raw_commit_rate(dir: &Path, n: usize) -> Result<Value, String> {
 const RAW_CHECKPOINT_EVERY: usize = 400;
 
 fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
-    // The daemon's VFS and threading mode too: the baseline is the best commit this process can
-    // make on this disk.
-    // In `open_pool`'s order: the threading mode is set before SQLite starts (the VFS's
-    // install starts it, and the mode could no longer be set).
-    crate::store::configure_threading();
-    crate::store::install_planner_stability();
-    crate::store::vfs::install();
+    // SQLite as the daemon sets it up (its VFS and threading mode too): the baseline is the
+    // best commit this process can make on this disk.
+    crate::store::prepare_sqlite();
     let mut conn = SqliteConnection::establish(&path.to_string_lossy()).map_err(err)?;
     // The daemon's PRAGMAs, with its checkpoints out of the commits as the daemon's are (they
     // run on its checkpointer's thread): here between timed commits, untimed.

@@ -178,11 +178,17 @@ pub fn configure_threading() -> bool {
     })
 }
 
-/// Open the pool on `path` and bring the schema up to date.
-pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
+/// Set SQLite up as every connection of this process uses it, in the one order that works: the
+/// threading mode before SQLite starts, then what starts it (the planner's stability, the VFS).
+pub fn prepare_sqlite() {
     configure_threading();
     install_planner_stability();
     vfs::install();
+}
+
+/// Open the pool on `path` and bring the schema up to date.
+pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
+    prepare_sqlite();
     let url = path.to_string_lossy().to_string();
     let manager = ConnectionManager::<SqliteConnection>::new(url);
     // One connection first, outside the pool: a file that is not a database, or a corrupt one,
