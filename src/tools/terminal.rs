@@ -333,12 +333,15 @@ pub fn spawn_background(
         .id()
         .ok_or_else(|| TerminalError::Spawn(io::Error::other("the shell exited at once")))?;
     if *cancel.borrow() {
-        // Its own group, just made: the shell, and whatever it forked in the instant it ran.
-        // The shell itself is reaped by `kill_on_drop` as `child` goes.
-        if let Ok(group) = libc::pid_t::try_from(pid) {
-            // SAFETY: a plain syscall on the group this spawn created.
-            unsafe { libc::killpg(group, libc::SIGKILL) };
+        // Its own group, just made, killed as a foreground command's is: the shell, and
+        // whatever it forked in the instant it ran. The shell is reaped by `kill_on_drop` as
+        // `child` goes.
+        GroupGuard {
+            pgid: libc::pid_t::try_from(pid).ok(),
+            reaped: false,
+            mark: None,
         }
+        .kill();
         return Err(TerminalError::Interrupted);
     }
     let mut pipes = Pipes::of(&mut child);
