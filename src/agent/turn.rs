@@ -1461,21 +1461,30 @@ impl Turn {
         );
         let event = NewEvent::new(kind, payload);
         let recorded = self
-            .ctx
-            .shared
-            .db
-            .write(move |c| {
+            .commit_events(move |c| {
                 crate::store::epoch::check_epoch(c, epoch)?;
                 events::append_tx(c, &root, &[event], now)
             })
             .await;
-        match recorded {
-            Ok(rows) => self.ctx.sup.do_send(Committed { rows }),
-            Err(e) => {
-                tracing::warn!(session = %self.ctx.root_id, event = kind, error = %e,
-                    "cannot record an event of the attempt")
-            }
+        if let Err(e) = recorded {
+            tracing::warn!(session = %self.ctx.root_id, event = kind, error = %e,
+                "cannot record an event of the attempt")
         }
+    }
+
+    /// Write with `f` on the writer, and hand the events it committed to the supervisor, for
+    /// its subscribers in their order.
+    async fn commit_events<F>(&self, f: F) -> Result<(), StoreError>
+    where
+        F: FnOnce(
+                &mut diesel::sqlite::SqliteConnection,
+            ) -> Result<Vec<events::EventRow>, StoreError>
+            + Send
+            + 'static,
+    {
+        let rows = self.ctx.shared.db.write(f).await?;
+        self.ctx.sup.do_send(Committed { rows });
+        Ok(())
     }
 
     /// Record how a prompt this attempt opened ended when no one else will: it was refused
@@ -1487,19 +1496,13 @@ impl Turn {
             self.ctx.shared.epoch,
         );
         let closed = self
-            .ctx
-            .shared
-            .db
-            .write(move |c| {
+            .commit_events(move |c| {
                 prompt_store::record_resolution(c, epoch, &id, resolution, "gateway", now)
             })
             .await;
-        match closed {
-            Ok(rows) => self.ctx.sup.do_send(Committed { rows }),
-            Err(e) => {
-                tracing::warn!(session = %self.ctx.root_id, prompt = %prompt_id, error = %e,
-                    "cannot record how a prompt ended; the next start closes it")
-            }
+        if let Err(e) = closed {
+            tracing::warn!(session = %self.ctx.root_id, prompt = %prompt_id, error = %e,
+                "cannot record how a prompt ended; the next start closes it")
         }
     }
 
