@@ -342,15 +342,12 @@ pub fn latest_of(
 /// The `seq` of `principal`'s newest row in the session numbered `ordinal`.
 #[diesel::dsl::auto_type(no_type_alias)]
 pub(crate) fn latest_seq<'a>(ordinal: i64, principal: &'a str) -> _ {
-    let newest: diesel::helper_types::max<sa::seq> = diesel::dsl::max(sa::seq);
-    sa::table
-        .filter(sa::session_ordinal.eq(ordinal))
-        .filter(sa::principal_id.eq(principal))
-        .select(newest)
+    let of_session: last_seq = last_seq(ordinal);
+    of_session.filter(sa::principal_id.eq(principal))
 }
 
 /// The `seq` of the newest row in the session numbered `ordinal`.
-#[diesel::dsl::auto_type(no_type_alias)]
+#[diesel::dsl::auto_type]
 pub(crate) fn last_seq(ordinal: i64) -> _ {
     let newest: diesel::helper_types::max<sa::seq> = diesel::dsl::max(sa::seq);
     sa::table
