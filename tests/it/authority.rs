@@ -903,13 +903,7 @@ async fn a_resume_snapshot_is_of_one_moment() {
             .map_or(0, |m| m.iter().filter(|m| m["role"] == "assistant").count());
         let (mut completed, mut after) = (0, 0);
         while after < last {
-            let page = reader
-                .ok(
-                    "session.events.since",
-                    json!({"session_id": sid, "last_sequence": after}),
-                )
-                .await;
-            let events = page["events"].as_array().cloned().unwrap_or_default();
+            let events = reader.events_after(&sid, after).await;
             completed += events
                 .iter()
                 .filter(|e| e["type"] == "message.complete")

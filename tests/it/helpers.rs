@@ -802,6 +802,17 @@ impl Ws {
     }
 
     /// Poll `session.resume` until an open prompt of `kind` shows.
+    /// The page of `session`'s logged events after seq `after` (`session.events.since`).
+    pub async fn events_after(&mut self, session: &str, after: i64) -> Vec<Value> {
+        let page = self
+            .ok(
+                "session.events.since",
+                json!({"session_id": session, "last_sequence": after}),
+            )
+            .await;
+        page["events"].as_array().cloned().unwrap_or_default()
+    }
+
     pub async fn wait_prompt(&mut self, session: &str, kind: &str) -> Value {
         let snap = self
             .resume_when(session, &format!("a {kind} prompt"), |snap| {

@@ -996,13 +996,7 @@ async fn an_answer_read_off_the_log_at_once_is_taken() {
                 Instant::now() < deadline,
                 "round {round}: no clarify.request"
             );
-            let page = reader
-                .ok(
-                    "session.events.since",
-                    json!({"session_id": sid, "last_sequence": after}),
-                )
-                .await;
-            let events = page["events"].as_array().cloned().unwrap_or_default();
+            let events = reader.events_after(&sid, after).await;
             if let Some(last) = events.last().and_then(|e| e["seq"].as_i64()) {
                 after = last;
             }
