@@ -127,6 +127,13 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
     );
     push_metric(
         &mut body,
+        "gatehouse_idle_releases_total",
+        "Times the store gave SQLite's cached pages back after 2 s without a commit.",
+        "counter",
+        shared.db.idle_releases(),
+    );
+    push_metric(
+        &mut body,
         "gatehouse_db_commit_failures_total",
         "Group commits that failed (a full disk, an I/O error, a database file gone).",
         "counter",
