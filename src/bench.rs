@@ -315,17 +315,31 @@ impl Daemon {
     }
 
     fn rss_kib(&self) -> (u64, u64) {
+        let [rss, hwm] = self.status_kib(["VmRSS:", "VmHWM:"]);
+        (rss, hwm)
+    }
+
+    /// Its RSS in two parts: anonymous (its heaps and stacks), and file-backed or shared (its
+    /// code, mapped from the binary, and the WAL index). How much of the binary is mapped
+    /// depends also on how much of it the operating system has cached (the kernel maps cached
+    /// pages around each one touched).
+    fn rss_parts_kib(&self) -> (u64, u64) {
+        let [anon, file, shmem] = self.status_kib(["RssAnon:", "RssFile:", "RssShmem:"]);
+        (anon, file + shmem)
+    }
+
+    /// Fields of `/proc/PID/status`, in KiB (0 for one not there).
+    fn status_kib<const N: usize>(&self, names: [&str; N]) -> [u64; N] {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .unwrap_or_default();
-        let field = |name: &str| {
+        names.map(|name| {
             status
                 .lines()
                 .find(|l| l.starts_with(name))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|v| v.parse::<u64>().ok())
                 .unwrap_or(0)
-        };
-        (field("VmRSS:"), field("VmHWM:"))
+        })
     }
 
     /// CPU time (user and system) the daemon has used so far, with that of the children it has
@@ -1281,7 +1295,8 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let (alone_daemon, _) = Daemon::start(&alone_home)?;
     let home = daemon_home(&opts.dir, "iso", model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
-    let idle = daemon.rss_kib();
+    let idle = idle_rss(&daemon).await?;
+    let idle_parts = daemon.rss_parts_kib();
     let per = if opts.quick { 20 } else { 100 };
     let rounds = if opts.quick { 1 } else { 12 };
     // Every measured round runs warm: the first turns of a daemon prepare its statements and
@@ -1289,7 +1304,8 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let warm = if opts.quick { 5 } else { 100 };
     healthy_round(&alone_home, &alone_daemon.origin, 0, warm).await?;
     healthy_round(&home, &daemon.origin, 0, warm).await?;
-    let before_park = settled_rss(&daemon).await;
+    let before_park = idle_rss(&daemon).await?;
+    let before_park_parts = daemon.rss_parts_kib();
     // The warm-up's sessions stay loaded (idle supervisors are evicted least recently used
     // first, over `session.max_in_memory`): how many, beside that reading.
     let loaded_before_park = metric(&daemon.origin, "gatehouse_sessions_loaded").await?;
@@ -1345,7 +1361,7 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
         "the hung room's member turn never started",
     )
     .await?;
-    let parked_rss = settled_rss(&daemon).await;
+    let parked_rss = idle_rss(&daemon).await?;
     let (mut alone, mut loaded) = (Rounds::default(), Rounds::default());
     let mut background_cpu = 0.0;
     for r in 1..=rounds {
@@ -1393,6 +1409,9 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
                "loaded_daemon_cpu_seconds_during_alone_rounds": round(background_cpu),
                "p99_ratio": round(ratio)}),
         json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0,
+               "idle_rss_anon_kib": idle_parts.0, "idle_rss_file_kib": idle_parts.1,
+               "rss_before_parking_anon_kib": before_park_parts.0,
+               "rss_before_parking_file_kib": before_park_parts.1,
                "sessions_loaded_before_parking": loaded_before_park, "rss_parked_kib": parked_rss.0,
                "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
     ))
@@ -1424,6 +1443,33 @@ async fn metric_reaches(
         actix_rt::time::sleep(every).await;
     }
     Ok(())
+}
+
+/// The daemon's RSS (and peak) idle: once its store has given its caches back after going
+/// without a commit ([`crate::store::IDLE_RELEASE_AFTER`]), as a daemon does in a lull, and the
+/// RSS has then stopped falling ([`settled_rss`]). A lull that began (and was released) before
+/// this looked shows no new release: ten seconds without a commit are taken as that.
+async fn idle_rss(daemon: &Daemon) -> Result<(u64, u64), String> {
+    const RELEASES: &str = "gatehouse_idle_releases_total";
+    const COMMITS: &str = "gatehouse_db_commits_total";
+    let (releases, mut commits) = (
+        metric(&daemon.origin, RELEASES).await?,
+        metric(&daemon.origin, COMMITS).await?,
+    );
+    let (mut still_since, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(60));
+    while metric(&daemon.origin, RELEASES).await? <= releases {
+        let now = metric(&daemon.origin, COMMITS).await?;
+        if now != commits {
+            (commits, still_since) = (now, Instant::now());
+        } else if still_since.elapsed() > Duration::from_secs(10) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("the daemon never went a lull without a commit".into());
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(settled_rss(daemon).await)
 }
 
 /// The daemon's RSS (and peak) once it has stopped falling: the allocator gives memory freed by
@@ -1893,10 +1939,14 @@ pub fn table(r: &Value) -> String {
     ));
         let mm = &r["memory"];
         out.push_str(&format!(
-            "memory: idle {} KiB at start, {} KiB idle after the warm-up turns ({} sessions loaded), {} KiB with {} parked sessions ({} KiB each), peak {} KiB; of every daemon of the run {} KiB ({})\n",
+            "memory: idle {} KiB at start ({} anonymous, {} file-backed), {} KiB idle after the warm-up turns ({} sessions loaded; {} anonymous, {} file-backed), {} KiB with {} parked sessions ({} KiB each), peak {} KiB; of every daemon of the run {} KiB ({})\n",
             mm["idle_rss_kib"],
+            mm["idle_rss_anon_kib"],
+            mm["idle_rss_file_kib"],
             mm["rss_before_parking_kib"],
             mm["sessions_loaded_before_parking"],
+            mm["rss_before_parking_anon_kib"],
+            mm["rss_before_parking_file_kib"],
             mm["rss_parked_kib"],
             i["parked_sessions"],
             mm["kib_per_parked_session"],
