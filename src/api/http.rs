@@ -128,7 +128,7 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
     push_metric(
         &mut body,
         "gatehouse_idle_releases_total",
-        "Times the store gave SQLite's cached pages back after 2 s without a commit.",
+        "Times the store gave SQLite's cached pages back after 2 s without writes.",
         "counter",
         shared.db.idle_releases(),
     );

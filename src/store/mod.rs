@@ -87,8 +87,43 @@ unsafe extern "C" fn enable_qpsg(
         );
         libsqlite3_sys::sqlite3_commit_hook(db, Some(note_commit), std::ptr::null_mut());
         libsqlite3_sys::sqlite3_rollback_hook(db, Some(note_rollback), std::ptr::null_mut());
+        #[cfg(test)]
+        libsqlite3_sys::sqlite3_create_function_v2(
+            db,
+            c"cache_used".as_ptr(),
+            0,
+            libsqlite3_sys::SQLITE_UTF8,
+            std::ptr::null_mut(),
+            Some(cache_used),
+            None,
+            None,
+            None,
+        );
     }
     libsqlite3_sys::SQLITE_OK
+}
+
+/// `cache_used()`, in tests: the bytes the calling connection's page cache holds.
+#[cfg(test)]
+unsafe extern "C" fn cache_used(
+    ctx: *mut libsqlite3_sys::sqlite3_context,
+    _argc: std::ffi::c_int,
+    _argv: *mut *mut libsqlite3_sys::sqlite3_value,
+) {
+    let (mut now, mut high) = (0, 0);
+    // SAFETY: `ctx` is the call's context, which names its connection; the status is read into
+    // two locals, without a reset.
+    unsafe {
+        let db = libsqlite3_sys::sqlite3_context_db_handle(ctx);
+        libsqlite3_sys::sqlite3_db_status(
+            db,
+            libsqlite3_sys::SQLITE_DBSTATUS_CACHE_USED,
+            &mut now,
+            &mut high,
+            0,
+        );
+        libsqlite3_sys::sqlite3_result_int64(ctx, i64::from(now));
+    }
 }
 
 /// Are the commit and rollback hooks set on every connection (see [`TRANSACTION_ENDED`])?
@@ -472,10 +507,10 @@ type Deliver = Box<dyn FnOnce(Result<(), String>) + Send>;
 enum ToWriter {
     /// A write, committed with the others of its batch.
     Write(WriteJob),
-    /// The store went without a commit for [`IDLE_RELEASE_AFTER`] after its `commits`th: give
-    /// back the pages the writer's connection caches ([`release_idle_memory`]), unless it
-    /// committed since.
-    Release { commits: u64 },
+    /// The store went a lull ([`Db::with_idle_release`]) after the writer's `batches`th batch:
+    /// give back the pages the writer's connection caches ([`release_idle_memory`]), unless
+    /// another batch began since.
+    Release { batches: u64 },
 }
 
 /// Most writes committed together.
@@ -502,8 +537,8 @@ fn writer_loop(
     while let Some(first) = rx.blocking_recv() {
         let first = match first {
             ToWriter::Write(job) => job,
-            ToWriter::Release { commits } => {
-                if wal.commits.load(Ordering::Acquire) == commits {
+            ToWriter::Release { batches } => {
+                if wal.batches.load(Ordering::Acquire) == batches {
                     release_idle_memory(held.as_deref_mut());
                     wal.releases.fetch_add(1, Ordering::Relaxed);
                 }
@@ -532,6 +567,7 @@ fn writer_loop(
         // A database file found gone is not written again: the batch runs (its jobs answer
         // only through a transaction) and is rolled back.
         let lost = wal.lost.load(Ordering::Relaxed);
+        wal.batches.fetch_add(1, Ordering::Release);
         wal.busy_since_ms
             .store(process_ms().max(1), Ordering::Relaxed);
         let mut committed = conn
@@ -711,9 +747,11 @@ struct WalState {
     syncs: AtomicU64,
     /// The checkpointer's rounds.
     rounds: AtomicU64,
+    /// Batches the writer began, committed or not: a lull is a time none began.
+    batches: AtomicU64,
     /// Times the store gave its caches back after going idle ([`release_idle_memory`]).
     releases: AtomicU64,
-    /// How long without a commit before that, in ms (0: [`IDLE_RELEASE_AFTER`]).
+    /// How long a lull lasts before that, in ms (0: [`IDLE_RELEASE_AFTER`]).
     idle_release_after_ms: AtomicU64,
     /// Group commits that failed (or were refused: see `lost`).
     failed: AtomicU64,
@@ -932,7 +970,7 @@ impl Db {
         self
     }
 
-    /// Give the store's caches back after `after` without a commit (default
+    /// Give the store's caches back after `after` in which the writer began no batch (default
     /// [`IDLE_RELEASE_AFTER`]).
     pub fn with_idle_release(self, after: Duration) -> Db {
         let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
@@ -1152,8 +1190,10 @@ impl Db {
 /// commits waiting behind it). Synced round by round, the restart's own sync covers only the few
 /// frames the restart copies.
 ///
-/// After [`IDLE_RELEASE_AFTER`] without a commit it asks the writer to give back the pages its
-/// connection caches, once per lull ([`release_idle_memory`]).
+/// After a lull ([`IDLE_RELEASE_AFTER`], or [`Db::with_idle_release`], in which the writer
+/// began no batch) it gives back the pages SQLite caches, once per lull: the pool's idle
+/// connections' ([`release_pooled`]), and the writer's, which the writer releases between
+/// batches ([`release_idle_memory`]).
 ///
 /// It stops once the store is let go: every [`Db`] handle dropped and the writer ended.
 pub fn spawn_checkpointer(
@@ -1177,8 +1217,8 @@ pub fn spawn_checkpointer(
             // writer's commits then. The count alone misses a round that copied as many frames
             // as the last one did before the WAL restarted (the same writes again).
             let (mut synced, mut synced_commits) = (0, 0);
-            // The commits as of the last round, since when they have not moved, and whether
-            // this lull's memory was given back.
+            // The writer's batches as of the last round, since when they have not moved, and
+            // whether this lull's memory was given back.
             let (mut seen, mut still_since, mut released) = (0, std::time::Instant::now(), false);
             loop {
                 std::thread::sleep(every);
@@ -1188,8 +1228,9 @@ pub fn spawn_checkpointer(
                 // Read before the round: every commit counted is in the WAL it checkpoints.
                 let commits = wal.commits.load(Ordering::Acquire);
                 // A batch being committed is no lull either, however long it takes.
-                if commits != seen || wal.busy_since_ms.load(Ordering::Relaxed) != 0 {
-                    (seen, still_since, released) = (commits, std::time::Instant::now(), false);
+                let batches = wal.batches.load(Ordering::Acquire);
+                if batches != seen || wal.busy_since_ms.load(Ordering::Relaxed) != 0 {
+                    (seen, still_since, released) = (batches, std::time::Instant::now(), false);
                 } else if !released && still_since.elapsed() >= wal.idle_release_after() {
                     released = true;
                     release_pooled(&pool);
@@ -1197,7 +1238,7 @@ pub fn spawn_checkpointer(
                     // the release), between batches.
                     let asked = writer
                         .upgrade()
-                        .is_some_and(|w| w.send(ToWriter::Release { commits }).is_ok());
+                        .is_some_and(|w| w.send(ToWriter::Release { batches }).is_ok());
                     if !asked {
                         release_idle_memory(None);
                         wal.releases.fetch_add(1, Ordering::Relaxed);
@@ -1241,7 +1282,8 @@ pub fn spawn_checkpointer(
         .ok()
 }
 
-/// How long the store goes without a commit before it gives its caches back.
+/// How long the store goes without a write (the writer begins no batch) before it gives its
+/// caches back.
 pub const IDLE_RELEASE_AFTER: Duration = Duration::from_secs(2);
 
 /// Give back the pages `conn` caches (the writer's: readers' caches are emptied at their next
@@ -1269,8 +1311,14 @@ fn shrink(conn: &mut SqliteConnection) {
     }
 }
 
-/// [`shrink`] every connection idle in the pool, each taken from it meanwhile.
+/// [`shrink`] every connection idle in the pool, each taken from it meanwhile; not while a
+/// read is in flight (a connection out of the pool beside the writer's), whose cache is warm,
+/// and which could take the pool's last idle connection and have another opened, for good.
 fn release_pooled(pool: &SqlitePool) {
+    let state = pool.state();
+    if state.connections.saturating_sub(state.idle_connections) > 1 {
+        return;
+    }
     let mut idle = Vec::new();
     while let Some(conn) = pool.try_get() {
         idle.push(conn);
@@ -2373,27 +2421,11 @@ mod wal_restart_tests {
         });
     }
 
-    /// After a lull without commits the writer gives back the pages its connection cached, once
-    /// per lull: rounds that find the store still idle do nothing more, and a commit starts the
+    /// After a lull without writes the writer gives back the pages its connection cached, once
+    /// per lull: rounds that find the store still idle do nothing more, and a write starts the
     /// count again.
     #[test]
     fn the_writer_gives_its_cache_back_once_per_lull() {
-        // SQLite's page-cache memory of the whole process (kept whatever the memory statistics
-        // setting): other tests running beside this one move it too, by far less than the
-        // writer's cache filled here.
-        fn cached() -> i64 {
-            let (mut now, mut high) = (0i64, 0i64);
-            // SAFETY: reads a counter into two locals; no reset.
-            unsafe {
-                libsqlite3_sys::sqlite3_status64(
-                    libsqlite3_sys::SQLITE_STATUS_PAGECACHE_OVERFLOW,
-                    &mut now,
-                    &mut high,
-                    0,
-                )
-            };
-            now
-        }
         let dir = testing::tempfile_dir::TempDir::new();
         let path = dir.path().join("state.db");
         let pool = open_pool(&path, 4).expect("pool");
@@ -2410,35 +2442,40 @@ mod wal_restart_tests {
                     }
                 }
             };
+            // What the writer's own connection caches.
+            let cached = |c: &mut SqliteConnection| -> Result<i64, StoreError> {
+                use diesel::RunQueryDsl;
+                Ok(diesel::sql_query("SELECT cache_used() AS n")
+                    .get_result::<testing::Count>(c)?
+                    .n)
+            };
             // Several MiB of rows: the writer's cache fills to its bound (2 MiB of pages).
             let full = db
-                .write(|c| {
+                .write(move |c| {
                     c.batch_execute(
                         "CREATE TABLE w (v BLOB NOT NULL); \
                          WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
                          WHERE i < 4000) INSERT INTO w SELECT randomblob(1000) FROM n;",
                     )?;
-                    Ok(cached())
+                    cached(c)
                 })
                 .await
                 .expect("rows");
+            assert!(full > 1 << 20, "the cache never filled: {full} bytes");
             released(1).await;
-            let after = cached();
+            // Read by a write of its own, which ends the lull: the next one releases again.
+            let after = db.write(cached).await.expect("read");
             assert!(
-                full - after > 1 << 20,
-                "the writer's cache stayed: {full} bytes cached with it full, {after} after"
+                after < full / 8,
+                "the writer's cache stayed: {full} bytes full, {after} after the lull"
             );
+            released(2).await;
             // Still idle: no round releases again.
             let rounds = db.wal.rounds.load(Ordering::Acquire);
             while db.wal.rounds.load(Ordering::Acquire) < rounds + 20 {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            assert_eq!(db.idle_releases(), 1, "an idle round released again");
-            // A commit ends the lull; the next one releases again.
-            db.write(|c| Ok(c.batch_execute("INSERT INTO w (v) VALUES (x'00')")?))
-                .await
-                .expect("insert");
-            released(2).await;
+            assert_eq!(db.idle_releases(), 2, "an idle round released again");
         });
     }
 
