@@ -319,13 +319,18 @@ impl Daemon {
         (rss, hwm)
     }
 
-    /// Its RSS in two parts: anonymous (its heaps and stacks), and file-backed or shared (its
-    /// code, mapped from the binary, and the WAL index). How much of the binary is mapped
-    /// depends also on how much of it the operating system has cached (the kernel maps cached
-    /// pages around each one touched).
-    fn rss_parts_kib(&self) -> (u64, u64) {
-        let [anon, file, shmem] = self.status_kib(["RssAnon:", "RssFile:", "RssShmem:"]);
-        (anon, file + shmem)
+    /// Its RSS, and that in two parts (one reading): anonymous (its heaps and stacks), and
+    /// file-backed or shared (its code, mapped from the binary, and the WAL index). How much of
+    /// the binary is mapped depends also on how much of it the operating system has cached (the
+    /// kernel maps cached pages around each one touched).
+    fn rss_parts_kib(&self) -> Rss {
+        let [total, anon, file, shmem] =
+            self.status_kib(["VmRSS:", "RssAnon:", "RssFile:", "RssShmem:"]);
+        Rss {
+            total,
+            anon,
+            file: file + shmem,
+        }
     }
 
     /// Fields of `/proc/PID/status`, in KiB (0 for one not there).
@@ -346,6 +351,21 @@ impl Daemon {
     /// waited for (the terminal tool's shells): a tool turn's `bash` is the daemon's doing.
     fn cpu_seconds(&self) -> f64 {
         cpu_seconds_of(&self.child.id().to_string(), true)
+    }
+
+    /// CPU time (user and system) its database writer thread has used so far, if it has one.
+    fn writer_cpu_seconds(&self) -> Option<f64> {
+        let pid = self.child.id();
+        // The kernel keeps a thread's first 15 bytes of name: `gatehouse-db-writer`'s.
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()?
+            .flatten()
+            .map(|t| format!("{pid}/task/{}", t.file_name().to_string_lossy()))
+            .find(|task| {
+                std::fs::read_to_string(format!("/proc/{task}/comm"))
+                    .is_ok_and(|comm| comm.trim_end() == "gatehouse-db-wr")
+            })
+            .map(|task| cpu_seconds_of(&task, false))
     }
 
     /// Count its peak RSS so far among every daemon's (read while it still runs).
@@ -713,8 +733,9 @@ fn cpu_cell(summary: &Value) -> String {
 
 /// [`measure`], with `daemon`'s CPU time (user and system, all threads) per operation beside
 /// it, in microseconds: steadier than latency on a machine whose speed drifts. Beside that the
-/// bench's own (its clients and the fake model), which shares the same cores, and the
-/// transactions the daemon's writer committed meanwhile (`commits`).
+/// bench's own (its clients and the fake model), which shares the same cores, the transactions
+/// the daemon's writer committed meanwhile (`commits`), and the share of the wall time its
+/// writer thread was on a CPU (`writer_busy_percent`: at 100 every commit waits for it).
 async fn measure_on<F>(
     daemon: &Daemon,
     clients: impl IntoIterator<Item = F>,
@@ -726,7 +747,12 @@ where
     // The bench's own leaves its waited-for children out: those are the daemons it stopped.
     let (cpu, own) = (daemon.cpu_seconds(), cpu_seconds_of("self", false));
     let machine = MachineTicks::now();
+    let (writer, started) = (daemon.writer_cpu_seconds(), Instant::now());
     let mut summary = measure(clients).await?;
+    let wall = started.elapsed().as_secs_f64();
+    if let (Some(before), Some(after)) = (writer, daemon.writer_cpu_seconds()) {
+        summary["writer_busy_percent"] = json!(((after - before) * 100.0 / wall.max(1e-9)).round());
+    }
     let spent = daemon.cpu_seconds() - cpu;
     let own = cpu_seconds_of("self", false) - own;
     if let Some(stolen) = MachineTicks::stolen_percent_since(machine) {
@@ -1296,7 +1322,6 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let home = daemon_home(&opts.dir, "iso", model_url)?;
     let (daemon, _) = Daemon::start(&home)?;
     let idle = idle_rss(&daemon).await?;
-    let idle_parts = daemon.rss_parts_kib();
     let per = if opts.quick { 20 } else { 100 };
     let rounds = if opts.quick { 1 } else { 12 };
     // Every measured round runs warm: the first turns of a daemon prepare its statements and
@@ -1305,7 +1330,6 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     healthy_round(&alone_home, &alone_daemon.origin, 0, warm).await?;
     healthy_round(&home, &daemon.origin, 0, warm).await?;
     let before_park = idle_rss(&daemon).await?;
-    let before_park_parts = daemon.rss_parts_kib();
     // The warm-up's sessions stay loaded (idle supervisors are evicted least recently used
     // first, over `session.max_in_memory`): how many, beside that reading.
     let loaded_before_park = metric(&daemon.origin, "gatehouse_sessions_loaded").await?;
@@ -1397,7 +1421,8 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
     let (loaded, loaded_rounds) = loaded.finish();
     let ratio = loaded["p99_ms"].as_f64().unwrap_or(0.0)
         / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9);
-    let per_parked = (parked_rss.0.saturating_sub(before_park.0)) as f64 / parked.max(1) as f64;
+    let per_parked =
+        (parked_rss.total.saturating_sub(before_park.total)) as f64 / parked.max(1) as f64;
     let (_, peak) = daemon.rss_kib();
     drop(parkers);
     drop(rc);
@@ -1408,11 +1433,12 @@ async fn isolation(opts: &BenchOptions, model_url: &str) -> Result<(Value, Value
                "alone_rounds_p99_ms": alone_rounds, "loaded_rounds_p99_ms": loaded_rounds,
                "loaded_daemon_cpu_seconds_during_alone_rounds": round(background_cpu),
                "p99_ratio": round(ratio)}),
-        json!({"idle_rss_kib": idle.0, "rss_before_parking_kib": before_park.0,
-               "idle_rss_anon_kib": idle_parts.0, "idle_rss_file_kib": idle_parts.1,
-               "rss_before_parking_anon_kib": before_park_parts.0,
-               "rss_before_parking_file_kib": before_park_parts.1,
-               "sessions_loaded_before_parking": loaded_before_park, "rss_parked_kib": parked_rss.0,
+        json!({"idle_rss_kib": idle.total, "rss_before_parking_kib": before_park.total,
+               "idle_rss_anon_kib": idle.anon, "idle_rss_file_kib": idle.file,
+               "rss_before_parking_anon_kib": before_park.anon,
+               "rss_before_parking_file_kib": before_park.file,
+               "sessions_loaded_before_parking": loaded_before_park,
+               "rss_parked_kib": parked_rss.total,
                "kib_per_parked_session": round(per_parked), "peak_rss_kib": peak}),
     ))
 }
@@ -1447,18 +1473,17 @@ async fn metric_reaches(
 
 /// The daemon's RSS (and peak) idle: once its store has given its caches back after going
 /// without a commit ([`crate::store::IDLE_RELEASE_AFTER`]), as a daemon does in a lull, and the
-/// RSS has then stopped falling ([`settled_rss`]). A lull that began (and was released) before
+/// RSS has then stopped falling ([`settle_rss`]). A lull that began (and was released) before
 /// this looked shows no new release: ten seconds without a commit are taken as that.
-async fn idle_rss(daemon: &Daemon) -> Result<(u64, u64), String> {
+async fn idle_rss(daemon: &Daemon) -> Result<Rss, String> {
     const RELEASES: &str = "gatehouse_idle_releases_total";
-    const COMMITS: &str = "gatehouse_db_commits_total";
     let (releases, mut commits) = (
         metric(&daemon.origin, RELEASES).await?,
-        metric(&daemon.origin, COMMITS).await?,
+        metric(&daemon.origin, DB_COMMITS).await?,
     );
     let (mut still_since, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(60));
     while metric(&daemon.origin, RELEASES).await? <= releases {
-        let now = metric(&daemon.origin, COMMITS).await?;
+        let now = metric(&daemon.origin, DB_COMMITS).await?;
         if now != commits {
             (commits, still_since) = (now, Instant::now());
         } else if still_since.elapsed() > Duration::from_secs(10) {
@@ -1469,30 +1494,37 @@ async fn idle_rss(daemon: &Daemon) -> Result<(u64, u64), String> {
         }
         actix_rt::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok(settled_rss(daemon).await)
+    settle_rss(daemon).await;
+    Ok(daemon.rss_parts_kib())
 }
 
-/// The daemon's RSS (and peak) once it has stopped falling: the allocator gives memory freed by
+/// A daemon's RSS in KiB ([`Daemon::rss_parts_kib`]).
+struct Rss {
+    total: u64,
+    anon: u64,
+    file: u64,
+}
+
+/// Wait until the daemon's RSS has stopped falling: the allocator gives memory freed by
 /// what just ran (a round of healthy turns) back to the system a little later, and a reading
 /// taken before that counted it against what came next (the parked sessions, whose figure it
 /// lowered). Read every 100 ms until five readings in a row (half a second: longer than the
 /// daemon's purge delay of 100 ms and its collector's period of 250 ms together) have not
 /// fallen, at most 5 s.
-async fn settled_rss(daemon: &Daemon) -> (u64, u64) {
+async fn settle_rss(daemon: &Daemon) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    let mut last = daemon.rss_kib();
+    let mut last = daemon.rss_kib().0;
     let mut still = 0;
     while still < 5 && Instant::now() < deadline {
         actix_rt::time::sleep(Duration::from_millis(100)).await;
-        let now = daemon.rss_kib();
-        if now.0 < last.0 {
+        let now = daemon.rss_kib().0;
+        if now < last {
             still = 0;
         } else {
             still += 1;
         }
         last = now;
     }
-    last
 }
 
 /// Wait until the daemon writes nothing for a few polls in a row.
@@ -1869,7 +1901,7 @@ const TURN_TABLES: [(&str, &str); 3] = [
          vs direct model calls; the first column counts rooms",
     ),
 ];
-const TURN_COLUMNS: &str = "  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   stolen %";
+const TURN_COLUMNS: &str = "  sessions   p50 ms   p99 ms   turns/s   floor p50   floor p99   overhead p50 ms   CPU µs each: daemon / bench   commits each   writer busy %   stolen %";
 
 /// The human table.
 pub fn table(r: &Value) -> String {
@@ -1892,10 +1924,10 @@ pub fn table(r: &Value) -> String {
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"],
         r["raw_commit_best_per_second"]
     ));
-    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit   stolen %\n");
+    out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit   writer busy %   stolen %\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(
-            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>29} {:>12} {:>10}\n",
+            "  {:>8} {:>8} {:>8} {:>14} {:>14} {:>12} {:>10} {:>29} {:>12} {:>15} {:>10}\n",
             cell(&a["sessions"]),
             cell(&a["ack"]["p50_ms"]),
             cell(&a["ack"]["p99_ms"]),
@@ -1905,6 +1937,7 @@ pub fn table(r: &Value) -> String {
             cell(&a["ping"]["p50_ms"]),
             cpu_cell(&a["ack"]),
             cell(&a["ack"]["admissions_per_commit"]),
+            cell(&a["ack"]["writer_busy_percent"]),
             cell(&a["ack"]["stolen_percent"])
         ));
     }
@@ -1913,7 +1946,7 @@ pub fn table(r: &Value) -> String {
         out.push_str(&format!("\n{title}\n{TURN_COLUMNS}\n"));
         for t in r[section].as_array().cloned().unwrap_or_default() {
             out.push_str(&format!(
-                "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>10}\n",
+                "  {:>8} {:>8} {:>8} {:>9} {:>11} {:>11} {:>17} {:>29} {:>14} {:>15} {:>10}\n",
                 cell(&t["sessions"]),
                 cell(&t["turn"]["p50_ms"]),
                 cell(&t["turn"]["p99_ms"]),
@@ -1923,6 +1956,7 @@ pub fn table(r: &Value) -> String {
                 cell(&t["overhead_p50_ms"]),
                 cpu_cell(&t["turn"]),
                 cell(&t["turn"]["commits_per_turn"]),
+                cell(&t["turn"]["writer_busy_percent"]),
                 cell(&t["turn"]["stolen_percent"])
             ));
         }

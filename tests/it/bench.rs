@@ -85,6 +85,14 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
         .all(|a| a["ack"]["count"].as_u64().is_some_and(|c| c > 0)
             && a["replay"]["count"] == a["ack"]["count"]
             && a["ping"]["count"] == a["ack"]["count"]));
+    // The writer thread was found and timed: its share of the wall time is a percentage (above
+    // 100 only by the rounding of clock ticks).
+    assert!(
+        admission.iter().all(|a| a["ack"]["writer_busy_percent"]
+            .as_f64()
+            .is_some_and(|p| (0.0..=110.0).contains(&p))),
+        "{report}"
+    );
     let turn = levels_report(&report, "turn");
     // A tool turn: two model calls around a real child process, against the same floor; alone on
     // its session (no group commit), it commits more often than a plain turn: its tool call and
@@ -128,6 +136,15 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             .is_some_and(|d| !d.is_empty()),
         "{memory}"
     );
+    // The idle readings' parts are of the same reading: they add up to it.
+    for reading in ["idle_rss", "rss_before_parking"] {
+        let part = |p: &str| memory[format!("{reading}_{p}kib")].as_u64();
+        assert_eq!(
+            part("anon_").zip(part("file_")).map(|(a, f)| a + f),
+            part(""),
+            "{memory}"
+        );
+    }
     assert_eq!(
         report["recovery"]["unknown_after_crash"],
         report["recovery"]["crash_started_rows"]
