@@ -1845,7 +1845,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         let ratio = a["ack"]["per_second"].as_f64().unwrap_or(0.0) / raw_best;
         a["ratio_to_raw_commit"] = json!(round(ratio));
     }
-    Ok(json!({
+    let mut report = json!({
         "quick": opts.quick,
         "machine": machine(),
         "raw_commit": raw,
@@ -1858,7 +1858,132 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         "isolation": iso,
         "memory": memory,
         "recovery": rec,
-    }))
+    });
+    report["targets"] = targets(&report);
+    Ok(report)
+}
+
+/// The targets as `report` measures them: each with the figure, its limit and whether
+/// it holds. A target whose figures the run did not take (`--only`, `--levels`) is left out.
+/// The raw commit is the faster of the two measurements, as for the ratios; its p99 stands for
+/// an fsync's latency.
+fn targets(report: &Value) -> Value {
+    let raw = [&report["raw_commit"], &report["raw_commit_end"]]
+        .into_iter()
+        .max_by(|a, b| {
+            let rate = |r: &Value| r["per_second"].as_f64().unwrap_or(0.0);
+            rate(a).total_cmp(&rate(b))
+        })
+        .unwrap_or(&Value::Null);
+    let (raw_p50, raw_p99) = (raw["p50_ms"].as_f64(), raw["p99_ms"].as_f64());
+    let at = |section: &str, n: u64| {
+        report[section]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["sessions"].as_u64() == Some(n)))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let (a1, a256, t1, t16) = (
+        at("admission", 1),
+        at("admission", 256),
+        at("turn", 1),
+        at("turn", 16),
+    );
+    let (memory, recovery) = (&report["memory"], &report["recovery"]);
+    let slowest = |keys: [&str; 2]| {
+        keys.iter()
+            .map(|k| recovery[*k].as_f64())
+            .collect::<Option<Vec<f64>>>()
+            .map(|v| v.into_iter().fold(0.0, f64::max))
+    };
+    // (target, figure, limit, whether the figure may be at most the limit rather than at least)
+    let rows: [(&str, Option<f64>, Option<f64>, bool); 11] = [
+        (
+            "admissions/s at 1 session >= 0.8 x raw",
+            a1["ratio_to_raw_commit"].as_f64(),
+            Some(0.8),
+            false,
+        ),
+        (
+            "admissions/s at 256 sessions >= 5 x raw",
+            a256["ratio_to_raw_commit"].as_f64(),
+            Some(5.0),
+            false,
+        ),
+        (
+            "ack p99 at 256 sessions <= 2 fsync latencies (raw commit p99), ms",
+            a256["ack"]["p99_ms"].as_f64(),
+            raw_p99.map(|p| 2.0 * p),
+            true,
+        ),
+        (
+            "gateway overhead per turn at 1 session <= 1 ms + its commits at the raw p50, ms",
+            t1["overhead_p50_ms"].as_f64(),
+            t1["turn"]["commits_per_turn"]
+                .as_f64()
+                .zip(raw_p50)
+                .map(|(commits, p50)| 1.0 + commits * p50),
+            true,
+        ),
+        (
+            "turns/s at 16 sessions >= 500",
+            t16["turn"]["per_second"].as_f64(),
+            Some(500.0),
+            false,
+        ),
+        (
+            "isolation ratio <= 1.2",
+            report["isolation"]["p99_ratio"].as_f64(),
+            Some(1.2),
+            true,
+        ),
+        (
+            "RSS per parked session <= 16 KiB",
+            memory["kib_per_parked_session"].as_f64(),
+            Some(16.0),
+            true,
+        ),
+        (
+            "idle RSS at start <= 30 MiB, KiB",
+            memory["idle_rss_kib"].as_f64(),
+            Some(30.0 * 1024.0),
+            true,
+        ),
+        (
+            "idle RSS after the warm-up turns <= 30 MiB, KiB",
+            memory["rss_before_parking_kib"].as_f64(),
+            Some(30.0 * 1024.0),
+            true,
+        ),
+        (
+            "ready <= 1 s over the generated admissions (cached and from the disk), s",
+            slowest(["ready_seconds", "ready_cold_seconds"]),
+            Some(1.0),
+            true,
+        ),
+        (
+            "recovery of the crash's started rows <= 200 ms (cached and from the disk), s",
+            slowest(["crash_ready_seconds", "crash_cold_ready_seconds"]),
+            Some(0.2),
+            true,
+        ),
+    ];
+    Value::Array(
+        rows.into_iter()
+            .filter_map(|(target, figure, limit, at_most)| {
+                let (figure, limit) = figure.zip(limit)?;
+                let holds = if at_most {
+                    figure <= limit
+                } else {
+                    figure >= limit
+                };
+                Some(
+                    json!({"target": target, "figure": round(figure), "limit": round(limit),
+                            "holds": holds}),
+                )
+            })
+            .collect(),
+    )
 }
 
 fn machine() -> Value {
@@ -2008,6 +2133,29 @@ pub fn table(r: &Value) -> String {
             still_cached(&rc["cached_after_crash_drop"]),
         ));
     }
+    if let Some(targets) = r["targets"].as_array().filter(|t| !t.is_empty()) {
+        out.push_str(&format!(
+            "\ntargets, as this run measures them{}:\n",
+            if r["quick"] == true {
+                " (a quick run: smaller sizes than the targets name)"
+            } else {
+                ""
+            }
+        ));
+        for t in targets {
+            out.push_str(&format!(
+                "  {:<9} {}: {} (limit {})\n",
+                if t["holds"] == true {
+                    "holds"
+                } else {
+                    "NOT HELD"
+                },
+                t["target"].as_str().unwrap_or("?"),
+                t["figure"],
+                t["limit"]
+            ));
+        }
+    }
     out
 }
 
@@ -2024,6 +2172,66 @@ fn still_cached(share: &Value) -> String {
 mod tests {
     use super::Incoming;
     use serde_json::json;
+
+    /// Each target is judged against its limit from the report's own figures, the raw commit
+    /// being the faster of its two measurements; a target the run did not measure is left out.
+    #[test]
+    fn targets_are_judged_from_the_reports_own_figures() {
+        let report = json!({
+            "raw_commit": {"per_second": 5000.0, "p50_ms": 0.3, "p99_ms": 0.9},
+            "raw_commit_end": {"per_second": 8000.0, "p50_ms": 0.1, "p99_ms": 0.2},
+            "admission": [
+                {"sessions": 1, "ratio_to_raw_commit": 0.79, "ack": {"p99_ms": 0.3}},
+                {"sessions": 256, "ratio_to_raw_commit": 5.0, "ack": {"p99_ms": 0.4}},
+            ],
+            // 1 ms + 2 commits at the faster run's p50 (0.1 ms): 1.2 ms.
+            "turn": [
+                {"sessions": 1, "overhead_p50_ms": 1.2, "turn": {"commits_per_turn": 2.0}},
+                {"sessions": 16, "turn": {"per_second": 499.0}},
+            ],
+            "isolation": {"p99_ratio": 1.21},
+            "memory": {"kib_per_parked_session": 16.0, "idle_rss_kib": 30720.0,
+                       "rss_before_parking_kib": 30721.0},
+            "recovery": {"ready_seconds": 0.1, "ready_cold_seconds": 1.01,
+                         "crash_ready_seconds": 0.05, "crash_cold_ready_seconds": 0.2},
+        });
+        let judged = super::targets(&report);
+        let holds: Vec<(String, bool)> = judged
+            .as_array()
+            .expect("targets")
+            .iter()
+            .map(|t| {
+                (
+                    t["target"].as_str().unwrap_or("").to_string(),
+                    t["holds"] == true,
+                )
+            })
+            .collect();
+        let expect = [
+            ("at 1 session >= 0.8", false),
+            ("at 256 sessions >= 5", true),
+            ("ack p99", true),
+            ("overhead per turn", true),
+            ("turns/s at 16", false),
+            ("isolation", false),
+            ("per parked session", true),
+            ("idle RSS at start", true),
+            ("after the warm-up", false),
+            ("ready <= 1 s", false),
+            ("crash's started rows", true),
+        ];
+        assert_eq!(holds.len(), expect.len(), "{judged}");
+        for ((target, held), (part, want)) in holds.iter().zip(expect) {
+            assert!(target.contains(part), "{target} is not {part}");
+            assert_eq!(*held, want, "{target}: {judged}");
+        }
+        // The fsync latency is the faster run's p99: 2 × 0.2 ms.
+        assert_eq!(judged[2]["limit"], 0.4);
+        // A run without the memory and recovery sections judges only what it measured.
+        let partial = json!({"admission": report["admission"], "raw_commit": report["raw_commit"]});
+        let judged = super::targets(&partial);
+        assert_eq!(judged.as_array().map(Vec::len), Some(3), "{judged}");
+    }
 
     /// The stolen share is steal's part of all the machine's ticks between two readings.
     #[test]

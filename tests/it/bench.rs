@@ -136,6 +136,15 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             .is_some_and(|d| !d.is_empty()),
         "{memory}"
     );
+    // Every target is judged (figures not asserted: the machine is noisy).
+    let targets = report["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), 11, "{report}");
+    assert!(
+        targets
+            .iter()
+            .all(|t| t["holds"].is_boolean() && t["figure"].is_number()),
+        "{report}"
+    );
     // The idle readings' parts are of the same reading: they add up to it.
     for reading in ["idle_rss", "rss_before_parking"] {
         let part = |p: &str| memory[format!("{reading}_{p}kib")].as_u64();
