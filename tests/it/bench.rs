@@ -139,6 +139,10 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
     // Every target is judged (figures not asserted: the machine is noisy).
     let targets = report["targets"].as_array().expect("targets");
     assert_eq!(targets.len(), 11, "{report}");
+    assert_eq!(
+        report["targets_sized_otherwise"][0], "a quick run",
+        "{report}"
+    );
     assert!(
         targets
             .iter()
