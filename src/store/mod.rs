@@ -539,8 +539,7 @@ fn writer_loop(
             ToWriter::Write(job) => job,
             ToWriter::Release { batches } => {
                 if wal.batches.load(Ordering::Acquire) == batches {
-                    release_idle_memory(held.as_deref_mut());
-                    wal.releases.fetch_add(1, Ordering::Relaxed);
+                    release_idle_memory(&wal, held.as_deref_mut());
                 }
                 continue;
             }
@@ -1240,8 +1239,7 @@ pub fn spawn_checkpointer(
                         .upgrade()
                         .is_some_and(|w| w.send(ToWriter::Release { batches }).is_ok());
                     if !asked {
-                        release_idle_memory(None);
-                        wal.releases.fetch_add(1, Ordering::Relaxed);
+                        release_idle_memory(&wal, None);
                     }
                 }
                 let mut conn = match pool.get() {
@@ -1291,8 +1289,9 @@ pub const IDLE_RELEASE_AFTER: Duration = Duration::from_secs(2);
 /// holds, which SQLite's allocations come from (the daemon's own come from mimalloc, which
 /// returns its own). A connection caches up to 2 MiB of pages: after the bench's 1,600 warm-up
 /// turns the writer's held some 2.3 MiB of a daemon idle at 33.9 MiB, against 29.5 MiB at
-/// start. The next writes read their pages from the operating system's cache again.
-fn release_idle_memory(conn: Option<&mut SqliteConnection>) {
+/// start. The next writes read their pages from the operating system's cache again. Counted in
+/// `wal` ([`Db::idle_releases`]).
+fn release_idle_memory(wal: &WalState, conn: Option<&mut SqliteConnection>) {
     if let Some(conn) = conn {
         shrink(conn);
     }
@@ -1302,6 +1301,7 @@ fn release_idle_memory(conn: Option<&mut SqliteConnection>) {
     unsafe {
         libc::malloc_trim(0);
     }
+    wal.releases.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Give back the pages a connection caches (those no statement of it is using).
