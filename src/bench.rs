@@ -895,6 +895,68 @@ fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
     Ok(summary(lat, wall))
 }
 
+/// The daemon's own admission transaction, committed alone in this process: one input per
+/// transaction through [`crate::store::admissions::admit_input`], inside a transaction of its
+/// own as the writer runs a batch of one (at one session, every batch is one), on a store of
+/// the daemon's schema and PRAGMAs on the same disk. No socket, actor or thread hand-off: between
+/// the raw commit (one row, one page) and the daemon's acknowledged admission, what the
+/// ledger's transaction itself costs (its statements, and the pages its row, indexes and event
+/// write).
+fn own_admission_rate(dir: &Path, n: usize) -> Result<Value, String> {
+    let own = make_home(dir, "own")?;
+    let result = own_admissions(&own.join("state.db"), n);
+    let _ = std::fs::remove_dir_all(&own);
+    result
+}
+
+fn own_admissions(path: &Path, n: usize) -> Result<Value, String> {
+    use crate::store::admissions;
+    let pool = crate::store::open_pool(path, 1).map_err(err)?;
+    let mut conn = pool.get().map_err(err)?;
+    // Checkpoints between timed commits, untimed, as for the raw baseline (the daemon's run on
+    // its checkpointer's thread).
+    conn.batch_execute("PRAGMA wal_autocheckpoint = 0;")
+        .map_err(err)?;
+    let now = crate::store::now();
+    let epoch = crate::store::epoch::begin_epoch(&mut conn, "bench", now).map_err(err)?;
+    conn.batch_execute(&format!(
+        "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
+         provider, cwd, toolsets_json, profile, started_at, ordinal) VALUES ('own', 'own', 'own', 'bench', 'own', 'd', \
+         'cli', 'bench-model', 'custom', '/', '[]', 'default', {now}, 1);"
+    ))
+    .map_err(err)?;
+    // The text the admission section queues.
+    let input = admissions::Input::new("own", "HANG queued");
+    let commit = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
+        if i.is_multiple_of(RAW_CHECKPOINT_EVERY) {
+            conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
+                .map_err(err)?;
+        }
+        let input_id = format!("in-{i}");
+        let t = Instant::now();
+        let (_, admitted) = conn
+            .immediate_transaction(|c| {
+                admissions::admit_input(c, epoch, "bench", "own", &input_id, &input, i64::MAX, now)
+            })
+            .map_err(err)?
+            .value;
+        if !admitted {
+            return Err(format!("{input_id} was not admitted anew"));
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // Untimed until the WAL has been overwritten from its start, as for the raw baseline.
+    for i in 0..2 * RAW_CHECKPOINT_EVERY {
+        commit(&mut conn, i)?;
+    }
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        lat.push(commit(&mut conn, 2 * RAW_CHECKPOINT_EVERY + i)? * 1000.0);
+    }
+    let wall = lat.iter().sum::<f64>() / 1000.0;
+    Ok(summary(lat, wall))
+}
+
 async fn admissions(
     opts: &BenchOptions,
     model_url: &str,
@@ -1780,7 +1842,14 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let levels = opts.levels.clone();
     let (admit_total, turn_total) = (opts.admissions, if opts.quick { 512 } else { 4096 });
     let raw_n = if opts.quick { 200 } else { 1000 };
+    let mut machine = machine();
+    machine["handoff"] = handoff(raw_n);
     let raw = raw_commit_rate(&opts.dir, raw_n)?;
+    let own = if opts.wants("admission") {
+        own_admission_rate(&opts.dir, raw_n)?
+    } else {
+        Value::Null
+    };
     let mut admission = Vec::new();
     for c in levels.iter().copied().filter(|_| opts.wants("admission")) {
         let mut a = admissions(&opts, &model_url, c, admit_total.max(c)).await?;
@@ -1844,13 +1913,18 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         let ratio = a["ack"]["per_second"].as_f64().unwrap_or(0.0) / raw_best;
         a["ratio_to_raw_commit"] = json!(round(ratio));
     }
+    let mut own = own;
+    if let Some(rate) = own["per_second"].as_f64() {
+        own["ratio_to_raw_commit"] = json!(round(rate / raw_best));
+    }
     let mut report = json!({
         "quick": opts.quick,
         "model_latency_ms": opts.model_latency_ms,
-        "machine": machine(),
+        "machine": machine,
         "raw_commit": raw,
         "raw_commit_end": raw_end,
         "raw_commit_best_per_second": round(raw_best),
+        "admission_own_commit": own,
         "admission": admission,
         "turn": turn,
         "tool": tool,
@@ -2029,6 +2103,78 @@ fn targets(report: &Value) -> Value {
     )
 }
 
+/// Pin the calling thread to CPU `cpu`: false when the machine refuses (no such CPU, a cpuset
+/// without it).
+fn pin_to(cpu: usize) -> bool {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return false;
+    }
+    // SAFETY: a zeroed `cpu_set_t` is a valid empty set and `CPU_SET` writes inside it (`cpu` is
+    // below `CPU_SETSIZE`); `sched_setaffinity(0, ..)` changes the calling thread's mask alone.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// What handing work from one thread to another costs on this machine: `n` round trips of a
+/// message between two threads through channels, each thread asleep in between (as the daemon's
+/// threads are between two requests at one session), first with both threads on one CPU, then
+/// on two (`other_cpu` is null on a one-CPU machine). A hand-off that wakes another CPU costs
+/// what a virtual machine's halted CPU takes to wake, which the same CPU does not.
+fn handoff(n: usize) -> Value {
+    let rounds = |b: usize| handoff_round_trips(n, 0, b).unwrap_or(Value::Null);
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    json!({
+        "same_cpu": rounds(0),
+        "other_cpu": if cpus >= 2 { rounds(1) } else { Value::Null },
+    })
+}
+
+/// Round trips (µs) between a thread on CPU `a` and one on CPU `b`; `None` if either could not
+/// be pinned. Threads of their own: the caller's is left as it was.
+fn handoff_round_trips(n: usize, a: usize, b: usize) -> Option<Value> {
+    use std::sync::mpsc::channel;
+    let (to_echo, echo_gets) = channel::<()>();
+    let (to_main, main_gets) = channel::<()>();
+    let echo = std::thread::spawn(move || {
+        if !pin_to(b) {
+            return false;
+        }
+        while echo_gets.recv().is_ok() {
+            if to_main.send(()).is_err() {
+                break;
+            }
+        }
+        true
+    });
+    let timed = std::thread::spawn(move || {
+        if !pin_to(a) {
+            return None;
+        }
+        let mut us = Vec::with_capacity(n);
+        for _ in 0..n {
+            // Long enough for the other thread to be asleep again, and its CPU idle.
+            std::thread::sleep(Duration::from_micros(200));
+            let t = Instant::now();
+            to_echo.send(()).ok()?;
+            main_gets.recv().ok()?;
+            us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        Some(us)
+    });
+    let us = timed.join().ok().flatten();
+    let pinned = echo.join().unwrap_or(false);
+    let mut us = us.filter(|_| pinned)?;
+    us.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+    Some(json!({
+        "count": us.len(),
+        "p50_us": round(percentile(&us, 0.5)),
+        "p99_us": round(percentile(&us, 0.99)),
+    }))
+}
+
 fn machine() -> Value {
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -2086,12 +2232,26 @@ pub fn table(r: &Value) -> String {
             ""
         }
     ));
+    let h = &m["handoff"];
+    if !h.is_null() {
+        out.push_str(&format!(
+            "thread hand-off (a message to a sleeping thread and back): p50 {} µs on one CPU, {} µs across two (p99 {} / {} µs)\n\n",
+            h["same_cpu"]["p50_us"], h["other_cpu"]["p50_us"], h["same_cpu"]["p99_us"], h["other_cpu"]["p99_us"]
+        ));
+    }
     let raw = &r["raw_commit"];
     out.push_str(&format!(
         "raw SQLite commit (1-row txn, WAL, synchronous=FULL): {}/s, p50 {} ms, p99 {} ms (at the end: {}/s, p50 {} ms); ratios are against the faster, {}/s\n\n",
         raw["per_second"], raw["p50_ms"], raw["p99_ms"], r["raw_commit_end"]["per_second"], r["raw_commit_end"]["p50_ms"],
         r["raw_commit_best_per_second"]
     ));
+    let own = &r["admission_own_commit"];
+    if !own.is_null() {
+        out.push_str(&format!(
+            "the admission's own transaction, committed alone in this process (no socket, actor or thread): {}/s, p50 {} ms, p99 {} ms: {} × raw\n\n",
+            own["per_second"], own["p50_ms"], own["p99_ms"], own["ratio_to_raw_commit"]
+        ));
+    }
     out.push_str("admission (prompt.submit ack); beside it the same submits replayed (no commit) and WebSocket pings\n  sessions   p50 ms   p99 ms   admissions/s   × raw commit   replay p50   ping p50   CPU µs each: daemon / bench   per commit   writer busy %   stolen %\n");
     for a in r["admission"].as_array().cloned().unwrap_or_default() {
         out.push_str(&format!(

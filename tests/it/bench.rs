@@ -62,6 +62,34 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             .is_some_and(|(b, t)| (b - t).abs() <= 0.01 * b),
         "{report}"
     );
+    // The admission's own transaction, committed alone in the bench's process: as many commits
+    // as the raw baseline, its ratio against the same raw rate as the daemon's.
+    let own = &report["admission_own_commit"];
+    assert_eq!(own["count"], report["raw_commit"]["count"], "{report}");
+    assert!(
+        own["per_second"]
+            .as_f64()
+            .zip(own["ratio_to_raw_commit"].as_f64())
+            .zip(taken)
+            .is_some_and(|((rate, ratio), best)| rate > 0.0 && (rate / best - ratio).abs() < 0.01),
+        "{report}"
+    );
+    // The machine's thread hand-off, on one CPU and (with two or more) across two.
+    let handoff = &report["machine"]["handoff"];
+    assert!(
+        handoff["same_cpu"]["p50_us"]
+            .as_f64()
+            .is_some_and(|us| us > 0.0),
+        "{report}"
+    );
+    let cpus = report["machine"]["cpus"].as_u64().unwrap_or(0);
+    assert_eq!(
+        handoff["other_cpu"]["p50_us"]
+            .as_f64()
+            .is_some_and(|us| us > 0.0),
+        cpus >= 2,
+        "{report}"
+    );
     let admission = report["admission"].as_array().expect("admission");
     assert!(
         admission.iter().all(|a| {
