@@ -46,8 +46,8 @@ impl BenchOptions {
             recovery_sessions: if quick { 200 } else { 10_000 },
             only: Vec::new(),
             levels: LEVELS.to_vec(),
-            // At 256 sessions 4,096 inputs lasted 0.1 s, and three runs of one build spread
-            // 35,487–41,690/s; 16,384 last about half a second.
+            // At 256 sessions 4,096 inputs lasted 0.1 s, and five runs spread 35,241–41,690/s;
+            // 16,384 last about half a second.
             admissions: if quick { 512 } else { 16_384 },
         }
     }
@@ -903,7 +903,9 @@ fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
 /// the daemon's schema and PRAGMAs on the same disk. No socket, actor or thread hand-off: between
 /// the raw commit (one row, one page) and the daemon's acknowledged admission, what the
 /// ledger's transaction itself costs (its statements, and the pages its row, indexes and event
-/// write).
+/// write). Left out: what the writer does around a batch (the database file's `stat` after each
+/// commit, the answers to its callers), and a store as large as the daemon's by then (this one
+/// holds one session).
 fn own_admission_rate(dir: &Path, n: usize) -> Result<Value, String> {
     let own = make_home(dir, "own")?;
     let result = own_admissions(&own.join("state.db"), n);
@@ -2108,6 +2110,21 @@ fn targets(report: &Value) -> Value {
     )
 }
 
+/// The CPUs this process may run on (its affinity: a cpuset may leave out CPU 0), lowest first.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed `cpu_set_t` is a valid empty set, which `sched_getaffinity(0, ..)` fills
+    // with the calling thread's mask; `CPU_ISSET` reads inside it (`cpu` below `CPU_SETSIZE`).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&cpu| libc::CPU_ISSET(cpu, &set))
+            .collect()
+    }
+}
+
 /// Pin the calling thread to CPU `cpu`: false when the machine refuses (no such CPU, a cpuset
 /// without it).
 fn pin_to(cpu: usize) -> bool {
@@ -2124,17 +2141,21 @@ fn pin_to(cpu: usize) -> bool {
 }
 
 /// What handing work from one thread to another costs on this machine: `n` round trips of a
-/// message between two threads through channels, each thread asleep in between (as the daemon's
-/// threads are between two requests at one session), first with both threads on one CPU, then
-/// on two (`other_cpu` is null on a one-CPU machine). A hand-off that wakes another CPU costs
-/// what a virtual machine's halted CPU takes to wake, which the same CPU does not.
+/// message between two threads through channels, the first thread asleep between round trips
+/// and the other waiting in its channel's receive (which spins briefly, then sleeps), first
+/// with both threads on one of the CPUs this process may use, then on two (`other_cpu` is null
+/// with one; `cpus_allowed` says how many it may use). On one CPU a hand-off is a switch
+/// between two threads; across two it wakes the other CPU, which on a virtual machine whose
+/// idle CPUs halt costs what waking one takes.
 fn handoff(n: usize) -> Value {
-    let rounds = |b: usize| handoff_round_trips(n, 0, b).unwrap_or(Value::Null);
-    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-    json!({
-        "same_cpu": rounds(0),
-        "other_cpu": if cpus >= 2 { rounds(1) } else { Value::Null },
-    })
+    let cpus = allowed_cpus();
+    let rounds = |a: usize, b: usize| handoff_round_trips(n, a, b).unwrap_or(Value::Null);
+    let (same, other) = match cpus[..] {
+        [] => (Value::Null, Value::Null),
+        [a] => (rounds(a, a), Value::Null),
+        [a, b, ..] => (rounds(a, a), rounds(a, b)),
+    };
+    json!({"cpus_allowed": cpus.len(), "same_cpu": same, "other_cpu": other})
 }
 
 /// Round trips (µs) between a thread on CPU `a` and one on CPU `b`; `None` if either could not
@@ -2143,7 +2164,7 @@ fn handoff_round_trips(n: usize, a: usize, b: usize) -> Option<Value> {
     use std::sync::mpsc::channel;
     let (to_echo, echo_gets) = channel::<()>();
     let (to_main, main_gets) = channel::<()>();
-    let echo = std::thread::spawn(move || {
+    let echo = std::thread::Builder::new().spawn(move || {
         if !pin_to(b) {
             return false;
         }
@@ -2154,7 +2175,10 @@ fn handoff_round_trips(n: usize, a: usize, b: usize) -> Option<Value> {
         }
         true
     });
-    let timed = std::thread::spawn(move || {
+    let Ok(echo) = echo else {
+        return None;
+    };
+    let timed = std::thread::Builder::new().spawn(move || {
         if !pin_to(a) {
             return None;
         }
@@ -2169,7 +2193,8 @@ fn handoff_round_trips(n: usize, a: usize, b: usize) -> Option<Value> {
         }
         Some(us)
     });
-    let us = timed.join().ok().flatten();
+    // A thread that could not be made drops its channel end: the other one then ends too.
+    let us = timed.ok().and_then(|t| t.join().ok().flatten());
     let pinned = echo.join().unwrap_or(false);
     let mut us = us.filter(|_| pinned)?;
     us.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
@@ -2241,7 +2266,8 @@ pub fn table(r: &Value) -> String {
     if !h.is_null() {
         out.push_str(&format!(
             "thread hand-off (a message to a sleeping thread and back): p50 {} µs on one CPU, {} µs across two (p99 {} / {} µs)\n\n",
-            h["same_cpu"]["p50_us"], h["other_cpu"]["p50_us"], h["same_cpu"]["p99_us"], h["other_cpu"]["p99_us"]
+            cell(&h["same_cpu"]["p50_us"]), cell(&h["other_cpu"]["p50_us"]),
+            cell(&h["same_cpu"]["p99_us"]), cell(&h["other_cpu"]["p99_us"])
         ));
     }
     let raw = &r["raw_commit"];

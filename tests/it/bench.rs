@@ -82,7 +82,7 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             .is_some_and(|us| us > 0.0),
         "{report}"
     );
-    let cpus = report["machine"]["cpus"].as_u64().unwrap_or(0);
+    let cpus = handoff["cpus_allowed"].as_u64().unwrap_or(0);
     assert_eq!(
         handoff["other_cpu"]["p50_us"]
             .as_f64()
