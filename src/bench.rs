@@ -863,11 +863,7 @@ fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
          CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT NOT NULL);",
     )
     .map_err(err)?;
-    let commit = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
-        if i.is_multiple_of(RAW_CHECKPOINT_EVERY) {
-            conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
-                .map_err(err)?;
-        }
+    timed_commits(&mut conn, n, |conn, i| {
         // One row, one page: no AUTOINCREMENT (whose `sqlite_sequence` row was a second page
         // in every commit), a statement kept prepared as the daemon's are.
         let v = format!("row {i}");
@@ -881,18 +877,33 @@ fn raw_commits(path: &Path, n: usize) -> Result<Value, String> {
         })
         .map_err(err)?;
         Ok(t.elapsed().as_secs_f64())
+    })
+}
+
+/// `n` commits, each timed by `commit` (its seconds), after `2 × RAW_CHECKPOINT_EVERY` untimed
+/// ones: until the WAL has been overwritten from its start once, as the daemon's sections warm
+/// theirs (`warm_up`), since commits that append to a WAL still growing from empty cost each
+/// fsync the file system's allocation of new blocks. A passive checkpoint runs, untimed, before
+/// every `RAW_CHECKPOINT_EVERY`th commit; the rate is over the commits alone.
+fn timed_commits(
+    conn: &mut SqliteConnection,
+    n: usize,
+    mut commit: impl FnMut(&mut SqliteConnection, usize) -> Result<f64, String>,
+) -> Result<Value, String> {
+    let mut one = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
+        if i.is_multiple_of(RAW_CHECKPOINT_EVERY) {
+            conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
+                .map_err(err)?;
+        }
+        commit(conn, i)
     };
-    // Untimed until the WAL has been overwritten from its start once, as the daemon's sections
-    // warm theirs (`warm_up`): commits that append to a WAL still growing from empty cost each
-    // fsync the file system's allocation of new blocks.
     for i in 0..2 * RAW_CHECKPOINT_EVERY {
-        commit(&mut conn, i)?;
+        one(conn, i)?;
     }
     let mut lat = Vec::with_capacity(n);
     for i in 0..n {
-        lat.push(commit(&mut conn, 2 * RAW_CHECKPOINT_EVERY + i)? * 1000.0);
+        lat.push(one(conn, 2 * RAW_CHECKPOINT_EVERY + i)? * 1000.0);
     }
-    // The rate over the commits alone (the checkpoints between them are not the commits').
     let wall = lat.iter().sum::<f64>() / 1000.0;
     Ok(summary(lat, wall))
 }
@@ -931,11 +942,8 @@ fn own_admissions(path: &Path, n: usize) -> Result<Value, String> {
     .map_err(err)?;
     // The text the admission section queues.
     let input = admissions::Input::new("own", "HANG queued");
-    let commit = |conn: &mut SqliteConnection, i: usize| -> Result<f64, String> {
-        if i.is_multiple_of(RAW_CHECKPOINT_EVERY) {
-            conn.batch_execute("PRAGMA wal_checkpoint(PASSIVE);")
-                .map_err(err)?;
-        }
+    // Warmed and checkpointed as the raw baseline is.
+    timed_commits(&mut conn, n, |conn, i| {
         let input_id = format!("in-{i}");
         let t = Instant::now();
         let (_, admitted) = conn
@@ -948,17 +956,7 @@ fn own_admissions(path: &Path, n: usize) -> Result<Value, String> {
             return Err(format!("{input_id} was not admitted anew"));
         }
         Ok(t.elapsed().as_secs_f64())
-    };
-    // Untimed until the WAL has been overwritten from its start, as for the raw baseline.
-    for i in 0..2 * RAW_CHECKPOINT_EVERY {
-        commit(&mut conn, i)?;
-    }
-    let mut lat = Vec::with_capacity(n);
-    for i in 0..n {
-        lat.push(commit(&mut conn, 2 * RAW_CHECKPOINT_EVERY + i)? * 1000.0);
-    }
-    let wall = lat.iter().sum::<f64>() / 1000.0;
-    Ok(summary(lat, wall))
+    })
 }
 
 async fn admissions(
