@@ -934,12 +934,8 @@ fn own_admissions(path: &Path, n: usize) -> Result<Value, String> {
         .map_err(err)?;
     let now = crate::store::now();
     let epoch = crate::store::epoch::begin_epoch(&mut conn, "bench", now).map_err(err)?;
-    conn.batch_execute(&format!(
-        "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
-         provider, cwd, toolsets_json, profile, started_at, ordinal) VALUES ('own', 'own', 'own', 'bench', 'own', 'd', \
-         'cli', 'bench-model', 'custom', '/', '[]', 'default', {now}, 1);"
-    ))
-    .map_err(err)?;
+    conn.batch_execute(&session_row("own", "bench", "own", 1, now))
+        .map_err(err)?;
     // The text the admission section queues.
     let input = admissions::Input::new("own", "HANG queued");
     // Warmed and checkpointed as the raw baseline is.
@@ -1632,6 +1628,17 @@ async fn metrics(origin: &str) -> Result<std::collections::HashMap<String, f64>,
         .collect())
 }
 
+/// The SQL of a root session `id` of `principal` (made by `request`), `ordinal`th in creation
+/// order, on the fake model, as the bench's generated stores hold them. The bench's own names
+/// only: nothing is quoted.
+fn session_row(id: &str, principal: &str, request: &str, ordinal: usize, now: f64) -> String {
+    format!(
+        "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
+         provider, cwd, toolsets_json, profile, started_at, ordinal) VALUES ('{id}', '{id}', '{id}', '{principal}', \
+         '{request}', 'd', 'cli', 'bench-model', 'custom', '/', '[]', 'default', {now}, {ordinal});"
+    )
+}
+
 /// Time from process start to `ready` over a large ledger, and after a crash with started rows.
 async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     let home = daemon_home(&opts.dir, "recovery", model_url)?;
@@ -1646,11 +1653,12 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     .map_err(err)?;
     let mut batch = String::from("BEGIN;");
     for s in 0..sessions {
-        batch.push_str(&format!(
-            "INSERT INTO sessions (id, root_id, tip_session_id, principal_id, request_id, request_digest, source, model, \
-             provider, cwd, toolsets_json, profile, started_at, ordinal) VALUES ('s{s}', 's{s}', 's{s}', 'p', 'r{s}', 'd', \
-             'cli', 'bench-model', 'custom', '/', '[]', 'default', {now}, {});",
-            s + 1
+        batch.push_str(&session_row(
+            &format!("s{s}"),
+            "p",
+            &format!("r{s}"),
+            s + 1,
+            now,
         ));
     }
     batch.push_str("COMMIT;");
@@ -1850,7 +1858,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
     let mut machine = machine();
     machine["handoff"] = handoff(raw_n);
     let raw = raw_commit_rate(&opts.dir, raw_n)?;
-    let own = if opts.wants("admission") {
+    let mut own = if opts.wants("admission") {
         own_admission_rate(&opts.dir, raw_n)?
     } else {
         Value::Null
@@ -1918,7 +1926,6 @@ pub async fn run(opts: BenchOptions) -> Result<Value, String> {
         let ratio = a["ack"]["per_second"].as_f64().unwrap_or(0.0) / raw_best;
         a["ratio_to_raw_commit"] = json!(round(ratio));
     }
-    let mut own = own;
     if let Some(rate) = own["per_second"].as_f64() {
         own["ratio_to_raw_commit"] = json!(round(rate / raw_best));
     }
