@@ -1679,6 +1679,7 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
         batch.push_str("COMMIT;");
         conn.batch_execute(&batch).map_err(err)?;
     }
+    let (messages, events, prompts) = turns_history(&mut conn, sessions).map_err(err)?;
     drop(conn);
     drop(pool);
     // Ready over the large store twice: with its files in the operating system's page cache (as
@@ -1699,13 +1700,83 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
         crash(daemon, &home, "power", started_rows, true).await?;
     daemon.stop();
     Ok(json!({
-        "admissions": n, "sessions": sessions, "ready_seconds": round(ready_large),
+        "admissions": n, "sessions": sessions, "messages": messages, "event_batches": events,
+        "prompts": prompts, "ready_seconds": round(ready_large),
         "ready_cold_seconds": round(ready_large_cold), "cached_after_drop": round(cached_large),
         "crash_started_rows": started_rows, "crash_ready_seconds": round(ready_crash),
         "unknown_after_crash": unknown, "crash_cold_ready_seconds": round(ready_crash_cold),
         "cached_after_crash_drop": round(cached_crash),
         "unknown_after_cold_crash": unknown_cold - unknown,
     }))
+}
+
+/// What the recovery store's admissions left behind as completed turns, written from their
+/// rows by SQL, a thousand sessions per statement: each turn's two messages (the input and the
+/// reply), its two event batches (admitted, running and `message.start` in its claim's
+/// transaction; settled and `message.complete` in its settlement's), and for every tenth
+/// admission an approval asked and answered, all within the retention window, as a daemon keeps
+/// them for a week. How many messages, event batches and prompts.
+fn turns_history(
+    conn: &mut diesel::SqliteConnection,
+    sessions: usize,
+) -> diesel::QueryResult<(usize, usize, usize)> {
+    use diesel::RunQueryDsl;
+    let (mut messages, mut events, mut prompts) = (0, 0, 0);
+    for first in (1..=sessions).step_by(1000) {
+        let last = (first + 999).min(sessions);
+        let of =
+            format!("FROM session_admissions a WHERE a.session_ordinal BETWEEN {first} AND {last}");
+        conn.batch_execute("BEGIN;")?;
+        messages += diesel::sql_query(format!(
+            "INSERT INTO messages (session_id, session_ordinal, role, content, finish_reason, \
+             admission_id, timestamp) SELECT a.target_session_id, a.session_ordinal, r.role, \
+             CASE r.role WHEN 'user' THEN 'x' ELSE 'done: ' || a.request_id END, r.finish, \
+             a.admission_id, a.created_at {of_with_roles} ORDER BY a.seq, r.k",
+            of_with_roles = of.replacen(
+                "FROM session_admissions a",
+                "FROM session_admissions a CROSS JOIN (SELECT 0 AS k, 'user' AS role, NULL AS finish \
+                 UNION ALL SELECT 1, 'assistant', 'stop') r",
+                1
+            )
+        ))
+        .execute(conn)?;
+        events += diesel::sql_query(format!(
+            "INSERT INTO session_event_batches (session_id, session_ordinal, last_seq, first_seq, \
+             events_json, created_at) SELECT a.target_session_id, a.session_ordinal, \
+             5 * a.execution_generation + 3 + 2 * r.k, 5 * a.execution_generation + 1 + 3 * r.k, \
+             CASE r.k WHEN 0 THEN printf('[[\"session.info\",{{\"admitted\":\"%s\",\"sequence\":%d,\
+             \"input_id\":\"%s\"}}],[\"session.info\",{{\"running\":true,\"execution_generation\":%d,\
+             \"admission_id\":\"%s\"}}],[\"message.start\",{{\"admission_id\":\"%s\",\
+             \"execution_generation\":%d}}]]', a.admission_id, a.seq, a.request_id, \
+             a.execution_generation, a.admission_id, a.admission_id, a.execution_generation) \
+             ELSE printf('[[\"session.info\",{{\"running\":false,\"settled\":\"%s\",\
+             \"outcome\":\"completed\",\"execution_generation\":%d}}],[\"message.complete\",\
+             {{\"admission_id\":\"%s\",\"outcome\":\"completed\",\"status\":\"completed\",\
+             \"text\":\"done: %s\",\"execution_generation\":%d}}]]', a.admission_id, \
+             a.execution_generation, a.admission_id, a.request_id, a.execution_generation) END, \
+             a.created_at {of_with_batches} ORDER BY a.seq, r.k",
+            of_with_batches = of.replacen(
+                "FROM session_admissions a",
+                "FROM session_admissions a CROSS JOIN (SELECT 0 AS k UNION ALL SELECT 1) r",
+                1
+            )
+        ))
+        .execute(conn)?;
+        prompts += diesel::sql_query(format!(
+            "INSERT INTO prompts (prompt_id, session_id, admission_id, execution_generation, kind, \
+             payload_json, opened_at, resolved_at, resolution, resolved_by) SELECT \
+             'prompt-' || a.seq, a.target_session_id, a.admission_id, a.execution_generation, \
+             'approval', printf('{{\"prompt_id\":\"prompt-%d\",\"admission_id\":\"%s\",\
+             \"execution_generation\":%d,\"command\":\"rm -rf /tmp/build-%d\",\
+             \"description\":\"recursive delete\",\"pattern_key\":\"recursive delete\",\
+             \"choices\":[\"once\",\"session\",\"always\",\"deny\"]}}', a.seq, a.admission_id, \
+             a.execution_generation, a.seq), a.created_at, a.updated_at, 'once', a.principal_id \
+             {of} AND a.seq % 10 = 0"
+        ))
+        .execute(conn)?;
+        conn.batch_execute("COMMIT;")?;
+    }
+    Ok((messages, events, prompts))
 }
 
 /// Start `rows` turns that hang at the model, each in a session of its own (named from
@@ -2356,12 +2427,16 @@ pub fn table(r: &Value) -> String {
     let rc = &r["recovery"];
     if !rc.is_null() {
         out.push_str(&format!(
-            "recovery: ready in {} s over {} admissions / {} sessions ({} s read from the disk{}); \
+            "recovery: ready in {} s over {} admissions / {} sessions with their turns' {} \
+             messages, {} event batches and {} ended approvals ({} s read from the disk{}); \
              after a crash with {} started rows: {} s ({} unknown); after another, read from the \
              disk as after a power loss: {} s ({} unknown{})\n",
             rc["ready_seconds"],
             rc["admissions"],
             rc["sessions"],
+            rc["messages"],
+            rc["event_batches"],
+            rc["prompts"],
             rc["ready_cold_seconds"],
             still_cached(&rc["cached_after_drop"]),
             rc["crash_started_rows"],

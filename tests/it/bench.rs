@@ -186,6 +186,26 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             "{memory}"
         );
     }
+    // The recovery store holds what its admissions left as completed turns: each one's two
+    // messages and two event batches, and an ended approval for one in ten.
+    let recovery = &report["recovery"];
+    let admissions = recovery["admissions"].as_u64().expect("admissions");
+    assert!(admissions > 0, "{recovery}");
+    assert_eq!(
+        recovery["messages"].as_u64(),
+        Some(2 * admissions),
+        "{recovery}"
+    );
+    assert_eq!(
+        recovery["event_batches"].as_u64(),
+        Some(2 * admissions),
+        "{recovery}"
+    );
+    assert_eq!(
+        recovery["prompts"].as_u64(),
+        Some(admissions / 10),
+        "{recovery}"
+    );
     assert_eq!(
         report["recovery"]["unknown_after_crash"],
         report["recovery"]["crash_started_rows"]
