@@ -409,6 +409,14 @@ pub(crate) fn count_rule_seen(conn: &mut SqliteConnection) -> Result<i64, StoreE
         .unwrap_or(0))
 }
 
+/// Record that the count rule has seen every batch up to `rowid`.
+pub(crate) fn set_count_rule_seen(
+    conn: &mut SqliteConnection,
+    rowid: i64,
+) -> Result<(), StoreError> {
+    super::epoch::meta_set(conn, COUNT_SEEN, &rowid.to_string())
+}
+
 /// A stored batch as the pruning rules' walk reads it.
 #[derive(diesel::QueryableByName)]
 struct Walked {
@@ -527,7 +535,7 @@ pub fn prune(
                 .get_result(conn)?;
             seen = seen.min(newest.unwrap_or(0));
         }
-        super::epoch::meta_set(conn, COUNT_SEEN, &seen.to_string())?;
+        set_count_rule_seen(conn, seen)?;
         Ok(Pruned {
             batches: deleted,
             walked,
