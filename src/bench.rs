@@ -1671,14 +1671,18 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
             batch.push_str(&format!(
                 "INSERT INTO session_admissions (admission_id, request_id, principal_id, target_session_id, session_ordinal, \
                  payload_json, payload_digest, status, outcome, owner_epoch, execution_generation, created_at, updated_at) \
-                 VALUES ('a{n}', 'in{k}', 'p', 's{s}', {}, '{{\"text\":\"x\"}}', 'd{n}', 'terminal', 'completed', 1, {k}, \
+                 VALUES ('a{n}', 'in{k}', 'p', 's{s}', {}, '{{\"text\":\"x\"}}', 'd{n}', 'terminal', 'completed', 1, {}, \
                  {now}, {now});",
-                s + 1
+                s + 1,
+                k + 1
             ));
         }
         batch.push_str("COMMIT;");
         conn.batch_execute(&batch).map_err(err)?;
     }
+    // Each session's claims numbered its turns' generations 1 ..= per.
+    conn.batch_execute(&format!("UPDATE sessions SET runtime_generation = {per};"))
+        .map_err(err)?;
     let (messages, events, prompts) = turns_history(&mut conn, sessions).map_err(err)?;
     // As a daemon that wrote them would have left it: its event pruner's count rule has seen
     // them all (else a start walks the whole log again, 4,096 batches a transaction).
@@ -1718,74 +1722,105 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     }))
 }
 
-/// What the recovery store's admissions left behind as completed turns, written from their
-/// rows by SQL, a thousand sessions per statement: each turn's two messages (the input and the
-/// reply), its two event batches (admitted, running and `message.start` in its claim's
-/// transaction; settled and `message.complete` in its settlement's), and for every tenth
-/// admission an approval asked and answered, all within the retention window, as a daemon keeps
-/// them for a week. How many messages, event batches and prompts.
+/// What the recovery store's admissions left behind as the turns a daemon ran, written from
+/// their rows by SQL, a thousand sessions per transaction, as the daemon writes them:
+/// - each turn's event batches: its admission's (`session.info` admitted), its claim's
+///   (`session.info` running, `message.start`) and its settlement's (`session.info` settled,
+///   `message.complete`);
+/// - its messages: the input and the reply;
+/// - and in every tenth turn of a session (its generation a multiple of ten) an approval of a
+///   `terminal` call, asked and answered: its prompt, its `approval.request` and
+///   `approval.settled` batches, and the call and its result among the messages.
+///
+/// All within the retention window (a daemon keeps events and ended prompts a week; messages
+/// for good). How many messages, event batches and prompts.
 fn turns_history(
     conn: &mut diesel::SqliteConnection,
     sessions: usize,
 ) -> diesel::QueryResult<(usize, usize, usize)> {
     use diesel::RunQueryDsl;
+    // A turn's approval, and its events' first sequence number: five events a turn before it,
+    // two more for each approval before it.
+    const APPROVAL: &str = "(a.execution_generation % 10 = 0)";
+    const BASE: &str =
+        "(5 * (a.execution_generation - 1) + 2 * ((a.execution_generation - 1) / 10))";
     let (mut messages, mut events, mut prompts) = (0, 0, 0);
     for first in (1..=sessions).step_by(1000) {
         let last = (first + 999).min(sessions);
-        let of =
-            format!("FROM session_admissions a WHERE a.session_ordinal BETWEEN {first} AND {last}");
-        conn.batch_execute("BEGIN;")?;
-        messages += diesel::sql_query(format!(
-            "INSERT INTO messages (session_id, session_ordinal, role, content, finish_reason, \
-             admission_id, timestamp) SELECT a.target_session_id, a.session_ordinal, r.role, \
-             CASE r.role WHEN 'user' THEN 'x' ELSE 'done: ' || a.request_id END, r.finish, \
-             a.admission_id, a.created_at {of_with_roles} ORDER BY a.seq, r.k",
-            of_with_roles = of.replacen(
-                "FROM session_admissions a",
-                "FROM session_admissions a CROSS JOIN (SELECT 0 AS k, 'user' AS role, NULL AS finish \
-                 UNION ALL SELECT 1, 'assistant', 'stop') r",
-                1
-            )
-        ))
-        .execute(conn)?;
-        events += diesel::sql_query(format!(
-            "INSERT INTO session_event_batches (session_id, session_ordinal, last_seq, first_seq, \
-             events_json, created_at) SELECT a.target_session_id, a.session_ordinal, \
-             5 * a.execution_generation + 3 + 2 * r.k, 5 * a.execution_generation + 1 + 3 * r.k, \
-             CASE r.k WHEN 0 THEN printf('[[\"session.info\",{{\"admitted\":\"%s\",\"sequence\":%d,\
-             \"input_id\":\"%s\"}}],[\"session.info\",{{\"running\":true,\"execution_generation\":%d,\
-             \"admission_id\":\"%s\"}}],[\"message.start\",{{\"admission_id\":\"%s\",\
-             \"execution_generation\":%d}}]]', a.admission_id, a.seq, a.request_id, \
-             a.execution_generation, a.admission_id, a.admission_id, a.execution_generation) \
-             ELSE printf('[[\"session.info\",{{\"running\":false,\"settled\":\"%s\",\
-             \"outcome\":\"completed\",\"execution_generation\":%d}}],[\"message.complete\",\
-             {{\"admission_id\":\"%s\",\"outcome\":\"completed\",\"status\":\"completed\",\
-             \"text\":\"done: %s\",\"execution_generation\":%d}}]]', a.admission_id, \
-             a.execution_generation, a.admission_id, a.request_id, a.execution_generation) END, \
-             a.created_at {of_with_batches} ORDER BY a.seq, r.k",
-            of_with_batches = of.replacen(
-                "FROM session_admissions a",
-                "FROM session_admissions a CROSS JOIN (SELECT 0 AS k UNION ALL SELECT 1) r",
-                1
-            )
-        ))
-        .execute(conn)?;
-        prompts += diesel::sql_query(format!(
-            "INSERT INTO prompts (prompt_id, session_id, admission_id, execution_generation, kind, \
-             payload_json, opened_at, resolved_at, resolution, resolved_by) SELECT \
-             'prompt-' || a.seq, a.target_session_id, a.admission_id, a.execution_generation, \
-             'approval', printf('{{\"prompt_id\":\"prompt-%d\",\"admission_id\":\"%s\",\
-             \"execution_generation\":%d,\"command\":\"rm -rf /tmp/build-%d\",\
-             \"description\":\"recursive delete\",\"pattern_key\":\"recursive delete\",\
-             \"choices\":[\"once\",\"session\",\"always\",\"deny\"]}}', a.seq, a.admission_id, \
-             a.execution_generation, a.seq), a.created_at, a.updated_at, 'once', a.principal_id \
-             {of} AND a.seq % 10 = 0"
-        ))
-        .execute(conn)?;
-        conn.batch_execute("COMMIT;")?;
+        conn.transaction(|conn| {
+            let of = |parts: &str| {
+                format!(
+                    "FROM session_admissions a CROSS JOIN ({parts}) r \
+                     WHERE a.session_ordinal BETWEEN {first} AND {last}"
+                )
+            };
+            messages += diesel::sql_query(format!(
+                "INSERT INTO messages (session_id, session_ordinal, role, content, tool_call_id, \
+                 tool_calls, tool_name, finish_reason, admission_id, timestamp) \
+                 SELECT a.target_session_id, a.session_ordinal, r.role, \
+                 CASE r.k WHEN 0 THEN 'x' WHEN 1 THEN NULL WHEN 2 THEN '(no output)' \
+                 ELSE 'done: ' || a.request_id END, \
+                 CASE WHEN r.k = 2 THEN 'call-' || a.seq END, \
+                 CASE WHEN r.k = 1 THEN printf('[{{\"id\":\"call-%d\",\"type\":\"function\",\
+                 \"function\":{{\"name\":\"terminal\",\"arguments\":\"{{\\\"command\\\":\
+                 \\\"rm -rf /tmp/build-%d\\\"}}\"}}}}]', a.seq, a.seq) END, \
+                 CASE WHEN r.k = 2 THEN 'terminal' END, r.finish, a.admission_id, a.created_at \
+                 {} AND (r.k IN (0, 3) OR {APPROVAL}) ORDER BY a.seq, r.k",
+                of("SELECT 0 AS k, 'user' AS role, NULL AS finish \
+                    UNION ALL SELECT 1, 'assistant', 'tool_calls' \
+                    UNION ALL SELECT 2, 'tool', NULL \
+                    UNION ALL SELECT 3, 'assistant', 'stop'")
+            ))
+            .execute(conn)?;
+            events += diesel::sql_query(format!(
+                "INSERT INTO session_event_batches (session_id, session_ordinal, last_seq, first_seq, \
+                 events_json, created_at) SELECT a.target_session_id, a.session_ordinal, \
+                 {BASE} + CASE r.k WHEN 0 THEN 1 WHEN 1 THEN 3 WHEN 2 THEN 4 WHEN 3 THEN 5 \
+                 ELSE 5 + 2 * {APPROVAL} END, \
+                 {BASE} + CASE r.k WHEN 0 THEN 1 WHEN 1 THEN 2 WHEN 2 THEN 4 WHEN 3 THEN 5 \
+                 ELSE 4 + 2 * {APPROVAL} END, \
+                 CASE r.k \
+                 WHEN 0 THEN printf('[[\"session.info\",{{\"admitted\":\"%s\",\"sequence\":%d,\
+                 \"input_id\":\"%s\"}}]]', a.admission_id, a.seq, a.request_id) \
+                 WHEN 1 THEN printf('[[\"session.info\",{{\"running\":true,\"execution_generation\":%d,\
+                 \"admission_id\":\"%s\"}}],[\"message.start\",{{\"admission_id\":\"%s\",\
+                 \"execution_generation\":%d}}]]', a.execution_generation, a.admission_id, \
+                 a.admission_id, a.execution_generation) \
+                 WHEN 2 THEN printf('[[\"approval.request\",%s]]', {PROMPT}) \
+                 WHEN 3 THEN printf('[[\"approval.settled\",{{\"prompt_id\":\"prompt-%d\",\
+                 \"resolution\":\"once\",\"execution_generation\":%d}}]]', a.seq, \
+                 a.execution_generation) \
+                 ELSE printf('[[\"session.info\",{{\"running\":false,\"settled\":\"%s\",\
+                 \"outcome\":\"completed\",\"execution_generation\":%d}}],[\"message.complete\",\
+                 {{\"admission_id\":\"%s\",\"outcome\":\"completed\",\"status\":\"complete\",\
+                 \"text\":\"done: %s\",\"execution_generation\":%d}}]]', a.admission_id, \
+                 a.execution_generation, a.admission_id, a.request_id, a.execution_generation) END, \
+                 a.created_at {} AND (r.k IN (0, 1, 4) OR {APPROVAL}) ORDER BY a.seq, r.k",
+                of("SELECT 0 AS k UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 \
+                    UNION ALL SELECT 4")
+            ))
+            .execute(conn)?;
+            prompts += diesel::sql_query(format!(
+                "INSERT INTO prompts (prompt_id, session_id, admission_id, execution_generation, kind, \
+                 payload_json, opened_at, resolved_at, resolution, resolved_by) SELECT \
+                 'prompt-' || a.seq, a.target_session_id, a.admission_id, a.execution_generation, \
+                 'approval', {PROMPT}, a.created_at, a.updated_at, 'once', a.principal_id \
+                 {} AND {APPROVAL}",
+                of("SELECT 0")
+            ))
+            .execute(conn)?;
+            Ok::<_, diesel::result::Error>(())
+        })?;
     }
     Ok((messages, events, prompts))
 }
+
+/// An approval's payload (its prompt's and its `approval.request`'s), from its admission `a`.
+const PROMPT: &str = "printf('{\"prompt_id\":\"prompt-%d\",\"admission_id\":\"%s\",\
+                      \"execution_generation\":%d,\"command\":\"rm -rf /tmp/build-%d\",\
+                      \"description\":\"recursive delete\",\"pattern_key\":\"recursive delete\",\
+                      \"choices\":[\"once\",\"session\",\"always\",\"deny\"]}', a.seq, \
+                      a.admission_id, a.execution_generation, a.seq)";
 
 /// Start `rows` turns that hang at the model, each in a session of its own (named from
 /// `name`), kill the daemon once all have started, and start it again on the same store (with

@@ -186,24 +186,24 @@ fn the_quick_benchmark_runs_and_reports_every_section() {
             "{memory}"
         );
     }
-    // The recovery store holds what its admissions left as completed turns: each one's two
-    // messages and two event batches, and an ended approval for one in ten.
+    // The recovery store holds what its admissions left as the turns a daemon ran: each one's
+    // three event batches and two messages, and in every tenth turn of a session an approval
+    // with its two batches and two messages more (the tool call and its result).
     let recovery = &report["recovery"];
     let admissions = recovery["admissions"].as_u64().expect("admissions");
-    assert!(admissions > 0, "{recovery}");
+    let sessions = recovery["sessions"].as_u64().expect("sessions");
+    assert!(admissions > 0 && sessions > 0, "{recovery}");
+    let approvals = sessions * (admissions / sessions / 10);
+    assert!(approvals > 0, "{recovery}");
+    assert_eq!(recovery["prompts"].as_u64(), Some(approvals), "{recovery}");
     assert_eq!(
         recovery["messages"].as_u64(),
-        Some(2 * admissions),
+        Some(2 * admissions + 2 * approvals),
         "{recovery}"
     );
     assert_eq!(
         recovery["event_batches"].as_u64(),
-        Some(2 * admissions),
-        "{recovery}"
-    );
-    assert_eq!(
-        recovery["prompts"].as_u64(),
-        Some(admissions / 10),
+        Some(3 * admissions + 2 * approvals),
         "{recovery}"
     );
     assert_eq!(
