@@ -1747,6 +1747,60 @@ mod tests {
         assert_eq!(second.execution_generation, Some(2));
     }
 
+    /// An operator's resolution of an `unknown` turn finds its attempt's last prompt through the
+    /// prompts' attempt index: it reads none of the other prompts the audit keeps, nor sorts them.
+    #[test]
+    fn resolving_an_unknown_turn_reads_only_its_attempts_prompts() {
+        use std::sync::{Arc, Mutex};
+        let (_d, mut c, e) = setup();
+        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
+            .expect("a")
+            .value;
+        let Claim::Started(started) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
+            panic!("no claim")
+        };
+        let g = started.execution_generation.expect("generation");
+        crate::store::prompts::record_open(
+            &mut c,
+            e,
+            "p1",
+            "s1",
+            &a.admission_id,
+            g,
+            "approval",
+            &serde_json::json!({"prompt_id": "p1"}),
+            2.5,
+        )
+        .expect("prompt");
+        let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
+        assert_eq!(epoch::recover_started(&mut c, e2, 3.0).expect("sweep"), 1);
+        let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = ran.clone();
+        c.set_instrumentation(move |ev: diesel::connection::InstrumentationEvent<'_>| {
+            if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = ev {
+                if let Ok(mut v) = sink.lock() {
+                    v.push(query.to_string());
+                }
+            }
+        });
+        resolve_unknown(&mut c, e2, "s1", &a.admission_id, g, 4.0).expect("resolve");
+        let ran = std::mem::take(&mut *ran.lock().expect("lock"));
+        let on_prompts: Vec<&str> = ran
+            .iter()
+            .map(|q| q.split(" -- binds").next().unwrap_or_default())
+            .filter(|q| q.starts_with("SELECT") && q.contains("FROM `prompts`"))
+            .collect();
+        assert_eq!(on_prompts.len(), 1, "{ran:#?}");
+        let plan = testing::query_plan(&mut c, on_prompts[0]);
+        assert!(
+            plan.iter()
+                .any(|d| d.contains("USING INDEX prompts_attempt"))
+                && !plan.iter().any(|d| d.contains("TEMP B-TREE")),
+            "{}: {plan:?}",
+            on_prompts[0]
+        );
+    }
+
     #[test]
     fn unknown_holds_the_fifo_until_resolved_with_its_generation() {
         let (_d, mut c, e) = setup();

@@ -1,0 +1,1 @@
+DROP INDEX prompts_attempt;
