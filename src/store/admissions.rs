@@ -1463,7 +1463,6 @@ mod tests {
     /// backlog of 300,000 inputs).
     #[test]
     fn the_ledger_tally_neither_scans_nor_sorts_the_ledger() {
-        use std::sync::{Arc, Mutex};
         let (_d, mut c, e) = setup();
         let mut tally = LedgerTally::default();
         one_turn(&mut c, e, "settled");
@@ -1473,17 +1472,8 @@ mod tests {
         // last count), then `next` (new since it); `last` stays queued.
         one_turn(&mut c, e, "next");
         one_turn(&mut c, e, "last");
-        let ran: Arc<Mutex<Vec<String>>> = Arc::default();
-        let sink = ran.clone();
-        c.set_instrumentation(move |ev: diesel::connection::InstrumentationEvent<'_>| {
-            if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = ev {
-                if let Ok(mut v) = sink.lock() {
-                    v.push(query.to_string());
-                }
-            }
-        });
-        let counted = tally.counts(&mut c).expect("count");
-        let ran = std::mem::take(&mut *ran.lock().expect("lock"));
+        let (counted, ran) = testing::statements_of(&mut c, |c| tally.counts(c));
+        let counted = counted.expect("count");
         assert_eq!(
             counted,
             [
@@ -1491,11 +1481,7 @@ mod tests {
                 ("terminal".to_string(), Some("completed".to_string()), 3)
             ]
         );
-        let reads: Vec<&str> = ran
-            .iter()
-            .map(|q| q.split(" -- binds").next().unwrap_or_default())
-            .filter(|q| q.starts_with("SELECT"))
-            .collect();
+        let reads: Vec<&String> = ran.iter().filter(|q| q.starts_with("SELECT")).collect();
         // The newest sequence, the rows new since the last count, the live rows, and the
         // settlements of those live then.
         assert_eq!(reads.len(), 4, "{ran:#?}");
@@ -1751,7 +1737,6 @@ mod tests {
     /// prompts' attempt index: it reads none of the other prompts the audit keeps, nor sorts them.
     #[test]
     fn resolving_an_unknown_turn_reads_only_its_attempts_prompts() {
-        use std::sync::{Arc, Mutex};
         let (_d, mut c, e) = setup();
         let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
             .expect("a")
@@ -1774,20 +1759,12 @@ mod tests {
         .expect("prompt");
         let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
         assert_eq!(epoch::recover_started(&mut c, e2, 3.0).expect("sweep"), 1);
-        let ran: Arc<Mutex<Vec<String>>> = Arc::default();
-        let sink = ran.clone();
-        c.set_instrumentation(move |ev: diesel::connection::InstrumentationEvent<'_>| {
-            if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = ev {
-                if let Ok(mut v) = sink.lock() {
-                    v.push(query.to_string());
-                }
-            }
+        let (resolved, ran) = testing::statements_of(&mut c, |c| {
+            resolve_unknown(c, e2, "s1", &a.admission_id, g, 4.0)
         });
-        resolve_unknown(&mut c, e2, "s1", &a.admission_id, g, 4.0).expect("resolve");
-        let ran = std::mem::take(&mut *ran.lock().expect("lock"));
-        let on_prompts: Vec<&str> = ran
+        resolved.expect("resolve");
+        let on_prompts: Vec<&String> = ran
             .iter()
-            .map(|q| q.split(" -- binds").next().unwrap_or_default())
             .filter(|q| q.starts_with("SELECT") && q.contains("FROM `prompts`"))
             .collect();
         assert_eq!(on_prompts.len(), 1, "{ran:#?}");

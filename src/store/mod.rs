@@ -1563,6 +1563,35 @@ pub mod testing {
         pub n: i64,
     }
 
+    /// What `f` returned, and the SQL of every statement it ran on `conn` (binds left out), in
+    /// order.
+    pub fn statements_of<T>(
+        conn: &mut SqliteConnection,
+        f: impl FnOnce(&mut SqliteConnection) -> T,
+    ) -> (T, Vec<String>) {
+        use diesel::connection::{Connection, InstrumentationEvent};
+        use std::sync::{Arc, Mutex};
+        let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = ran.clone();
+        conn.set_instrumentation(move |ev: InstrumentationEvent<'_>| {
+            if let InstrumentationEvent::StartQuery { query, .. } = ev {
+                if let Ok(mut v) = sink.lock() {
+                    let sql = query.to_string();
+                    v.push(
+                        sql.split(" -- binds")
+                            .next()
+                            .unwrap_or_default()
+                            .to_string(),
+                    );
+                }
+            }
+        });
+        let out = f(conn);
+        conn.set_instrumentation(|_: InstrumentationEvent<'_>| {});
+        let ran = std::mem::take(&mut *ran.lock().expect("lock"));
+        (out, ran)
+    }
+
     /// The details of SQLite's plan for `sql` (`SEARCH … USING INDEX …`, `SCAN …`), one per step.
     pub fn query_plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
         use diesel::RunQueryDsl;
