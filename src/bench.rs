@@ -1735,10 +1735,9 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
 /// All within the retention window (a daemon keeps events and ended prompts a week; messages
 /// for good). How many messages, event batches and prompts.
 fn turns_history(
-    conn: &mut diesel::SqliteConnection,
+    conn: &mut SqliteConnection,
     sessions: usize,
 ) -> diesel::QueryResult<(usize, usize, usize)> {
-    use diesel::RunQueryDsl;
     // A turn's approval, and its events' first sequence number: five events a turn before it,
     // two more for each approval before it.
     const APPROVAL: &str = "(a.execution_generation % 10 = 0)";

@@ -1737,14 +1737,8 @@ mod tests {
     /// prompts' attempt index: it reads none of the other prompts the audit keeps, nor sorts them.
     #[test]
     fn resolving_an_unknown_turn_reads_only_its_attempts_prompts() {
-        let (_d, mut c, e) = setup();
-        let (a, _) = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
-            .expect("a")
-            .value;
-        let Claim::Started(started) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
-            panic!("no claim")
-        };
-        let g = started.execution_generation.expect("generation");
+        let (_d, mut c, e, a) = testing::started_turn();
+        let g = a.execution_generation.expect("generation");
         crate::store::prompts::record_open(
             &mut c,
             e,
