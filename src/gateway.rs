@@ -444,43 +444,7 @@ struct Opened {
     gateway_id: String,
 }
 
-/// Whether the secret filter's and the dangerous-command rules' patterns compile in this build,
-/// as the start's own thread found while the store opened on another. A rule that did not
-/// compile would pass its commands without asking, and without the filter every output is
-/// withheld: the daemon refuses to start instead. Compiling them takes 20 ms of CPU on this
-/// project's machine (about 45 patterns), which every start spent before it opened the store.
-/// (Compiled on a thread of their own, the daemon's idle RSS in the bench was 0.1-0.4 MiB
-/// higher at start and 0.2-0.8 MiB after its warm-up turns, two runs of each build: likely
-/// what the allocator kept of the thread gone.)
-struct PatternCheck(std::sync::mpsc::Receiver<bool>);
-
-impl PatternCheck {
-    /// Where the answer goes, and where it is waited for.
-    fn channel() -> (std::sync::mpsc::SyncSender<bool>, PatternCheck) {
-        let (answer, check) = std::sync::mpsc::sync_channel(1);
-        (answer, PatternCheck(check))
-    }
-
-    fn compiled() -> bool {
-        crate::tools::redact::ready() && crate::tools::danger::all_rules_compiled()
-    }
-
-    /// Refused unless every pattern compiled (or if no answer comes).
-    fn wait(self) -> Result<(), StartError> {
-        if self.0.recv().unwrap_or(false) {
-            Ok(())
-        } else {
-            Err(StartError::Refused(
-                "the secret filter's or the dangerous-command rules' patterns do not compile in \
-                 this build (check the regex crate's features)"
-                    .into(),
-            ))
-        }
-    }
-}
-
-/// Open the store (bringing its schema up to date once `patterns` have compiled: a start refused
-/// for them migrates nothing and takes no epoch), take the next authority epoch, settle what
+/// Open the store (bringing its schema up to date), take the next authority epoch, settle what
 /// the last process left `started` as `unknown`, close its prompts, and find the sessions with
 /// queued work. Blocking: it may wait on a migration or on another process's write lock.
 fn open_and_recover(
@@ -489,12 +453,9 @@ fn open_and_recover(
     instance_id: &str,
     clock: &dyn crate::clock::Clock,
     configured_id: Option<String>,
-    patterns: PatternCheck,
 ) -> Result<Opened, StartError> {
     // The writer, the checkpointer, blocking writes, the readers and the pages' reader.
-    let pool = store::open_unmigrated(db_path, 4 + READERS)?;
-    patterns.wait()?;
-    store::migrate_pool(&pool)?;
+    let pool = store::open_pool(db_path, 4 + READERS)?;
     let mut conn = pool
         .get()
         .map_err(|e| crate::error::StoreError::Pool(e.to_string()))?;
@@ -710,6 +671,13 @@ impl Gateway {
                 )));
             }
         }
+        if !crate::tools::redact::ready() || !crate::tools::danger::all_rules_compiled() {
+            return Err(StartError::Refused(
+                "the secret filter's or the dangerous-command rules' patterns do not compile in \
+                 this build (check the regex crate's features)"
+                    .into(),
+            ));
+        }
         check_stop_budget(&config);
         let clock: SharedClock = Arc::new(SystemClock::default());
         let db_path = home.join("state.db");
@@ -733,20 +701,11 @@ impl Gateway {
             let (path, home) = (db_path.clone(), home.clone());
             let (instance_id, clock) = (instance_id.clone(), clock.clone());
             let configured = config.gateway.id.clone();
-            let (patterns_compiled, patterns) = PatternCheck::channel();
-            let opening = actix_rt::task::spawn_blocking(move || {
-                open_and_recover(
-                    &path,
-                    &home,
-                    &instance_id,
-                    clock.as_ref(),
-                    configured,
-                    patterns,
-                )
-            });
-            // Meanwhile (the store's open waits for it before it migrates anything).
-            let _ = patterns_compiled.send(PatternCheck::compiled());
-            opening.await.map_err(|e| {
+            actix_rt::task::spawn_blocking(move || {
+                open_and_recover(&path, &home, &instance_id, clock.as_ref(), configured)
+            })
+            .await
+            .map_err(|e| {
                 StartError::Store(crate::error::StoreError::Other(format!(
                     "opening the store stopped: {e}"
                 )))
