@@ -240,9 +240,10 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         // A local SQLite file does not go stale: no `SELECT 1` before every checkout.
         .test_on_check_out(false)
         // One connection at start (the `get` below), the rest on first use, and none closed for
-        // being idle: with the default, every connection opens at start, side by side with the
-        // first one, which may be rebuilding the WAL index after a stop (the others wait on its
-        // locks). None is opened ahead of need either: one taken with no other idle would be
+        // being idle: with the default, every connection opened at start, side by side with the
+        // first one, which could be rebuilding the WAL index after a crash (the others waited on
+        // its locks; the probe rebuilds it now, before the pool opens any). None is opened ahead
+        // of need either: one taken with no other idle would be
         // replaced at once, as each is when an idle store takes them all to release their
         // caches ([`release_pooled`]).
         .min_idle(Some(0))
@@ -251,13 +252,14 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         .connection_customizer(Box::new(Pragmas))
         .build(manager)
         .map_err(|e| StoreError::Pool(e.to_string()))?;
-    // The probe closes once the pool holds a connection of its own, which stays open (kept
-    // idle). The last connection of a store to close copies the whole WAL into the database
-    // file, syncs it and deletes the WAL: after a crash, the probe closing first did that, in
-    // the start's path, with the WAL it had just read back (up to its restart length, 16 MiB).
-    // In the bench, started from the disk after a SIGKILL with 1,000 turns running, a start
-    // took 131-141 ms that way and 74-81 ms this way.
-    // The background checkpointer copies those frames instead, as it copies any others.
+    // The probe closes once the pool holds a connection of its own, which stays open while the
+    // pool keeps it. The last connection of a store to close copies the whole WAL into the
+    // database file, syncs it and deletes the WAL: after a crash, the probe closing first did
+    // that, in the start's path, with the WAL it had just read back (usually about 16 MiB, the
+    // length at which the writer restarts it; more when it could not). In the bench, started
+    // from the disk after a SIGKILL with 1,000 turns running, a start took 131-141 ms that way
+    // and 74-81 ms this way. The background checkpointer copies those frames after the start
+    // instead, as it copies any others.
     let mut conn = pool.get().map_err(|e| StoreError::Pool(e.to_string()))?;
     drop(probe);
     migrate(&mut conn)?;
