@@ -2001,16 +2001,18 @@ mod wal_restart_tests {
         }
         drop(conn);
         drop(pool);
-        let wal = crashed.join("state.db-wal");
-        let left = std::fs::metadata(&wal).expect("the crash's WAL").len();
+        let (db, wal) = (crashed.join("state.db"), crashed.join("state.db-wal"));
+        let len = |f: &Path| std::fs::metadata(f).map(|m| m.len()).ok();
+        let (pages, left) = (len(&db), len(&wal).expect("the crash's WAL"));
         assert!(left > 64 * 1024, "the commits are in the WAL: {left} bytes");
 
-        let pool = open_pool(&crashed.join("state.db"), 2).expect("the store after the crash");
+        let pool = open_pool(&db, 2).expect("the store after the crash");
         assert_eq!(
-            std::fs::metadata(&wal).map(|m| m.len()).ok(),
+            len(&wal),
             Some(left),
             "the WAL is left as the crash left it"
         );
+        assert_eq!(len(&db), pages, "nothing was copied into the database file");
         let rows: testing::Count = diesel::sql_query("SELECT count(*) AS n FROM t")
             .get_result(&mut pool.get().expect("conn"))
             .expect("count");
