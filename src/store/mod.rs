@@ -243,9 +243,8 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         // being idle: with the default, every connection opened at start, side by side with the
         // first one, which could be rebuilding the WAL index after a crash (the others waited on
         // its locks; the probe rebuilds it now, before the pool opens any). None is opened ahead
-        // of need either: one taken with no other idle would be
-        // replaced at once, as each is when an idle store takes them all to release their
-        // caches ([`release_pooled`]).
+        // of need either: one taken with no other idle would be replaced at once, as each is
+        // when an idle store takes them all to release their caches ([`release_pooled`]).
         .min_idle(Some(0))
         .idle_timeout(None)
         .connection_timeout(Duration::from_secs(10))

@@ -323,6 +323,25 @@ mod tests {
         )
     }
 
+    /// [`testing::started_turn`] with prompts `ids` opened for its attempt; also the attempt's
+    /// generation.
+    fn started_with_prompts(
+        ids: &[&str],
+    ) -> (
+        testing::tempfile_dir::TempDir,
+        SqliteConnection,
+        i64,
+        crate::store::admissions::AdmissionRow,
+        i64,
+    ) {
+        let (d, mut c, e, row) = testing::started_turn();
+        let g = row.execution_generation.expect("generation");
+        for id in ids {
+            open_in_s1(&mut c, e, &row, id, g).expect("opened");
+        }
+        (d, c, e, row, g)
+    }
+
     /// A prompt is recorded open only for the running attempt: another generation, or the same
     /// one once its turn settled, is stale and leaves neither a row nor a request event.
     #[test]
@@ -353,9 +372,7 @@ mod tests {
     /// attempt's `started` row, still owned by the old epoch, let all three through.
     #[test]
     fn prompt_writes_are_refused_once_the_epoch_moved_on() {
-        let (_d, mut c, e, row) = testing::started_turn();
-        let g = row.execution_generation.expect("generation");
-        open_in_s1(&mut c, e, &row, "a1", g).expect("opened");
+        let (_d, mut c, e, row, g) = started_with_prompts(&["a1"]);
         crate::store::epoch::begin_epoch(&mut c, "newer", 5.0).expect("a newer epoch");
         assert!(matches!(
             open_in_s1(&mut c, e, &row, "a2", g),
@@ -381,11 +398,7 @@ mod tests {
     /// keeps the open ones however old.
     #[test]
     fn ended_prompts_age_out_and_open_ones_stay() {
-        let (_d, mut c, e, row) = testing::started_turn();
-        let g = row.execution_generation.expect("generation");
-        for id in ["old", "new", "open"] {
-            open_in_s1(&mut c, e, &row, id, g).expect("opened");
-        }
+        let (_d, mut c, e, _, _) = started_with_prompts(&["old", "new", "open"]);
         record_resolution(&mut c, e, "old", "timeout", "gateway", 10.0).expect("old ended");
         record_resolution(&mut c, e, "new", "timeout", "gateway", 30.0).expect("new ended");
         assert!(!prune(&mut c, 20.0).expect("prune"), "one batch");
@@ -421,11 +434,7 @@ mod tests {
     /// start took 0.131 s from the disk reading them, 0.044 s through the index).
     #[test]
     fn a_start_finds_the_open_prompts_without_reading_the_ended_ones() {
-        let (_d, mut c, e, row) = testing::started_turn();
-        let g = row.execution_generation.expect("generation");
-        for id in ["ended", "open"] {
-            open_in_s1(&mut c, e, &row, id, g).expect("opened");
-        }
+        let (_d, mut c, e, _, _) = started_with_prompts(&["ended", "open"]);
         record_resolution(&mut c, e, "ended", "once", "p", 10.0).expect("ended");
         let (closed, ran) = testing::statements_of(&mut c, |c| close_abandoned(c, e, 20.0));
         assert_eq!(closed.expect("closed"), 1);
@@ -460,9 +469,7 @@ mod tests {
     /// home after it (while it stalled between its steps) keeps its prompts open.
     #[test]
     fn a_deposed_boot_closes_no_prompt() {
-        let (_d, mut c, e, row) = testing::started_turn();
-        let g = row.execution_generation.expect("generation");
-        open_in_s1(&mut c, e, &row, "p1", g).expect("opened");
+        let (_d, mut c, e, _, _) = started_with_prompts(&["p1"]);
         let newer = crate::store::epoch::begin_epoch(&mut c, "newer", 5.0).expect("epoch");
         assert!(matches!(
             close_abandoned(&mut c, e, 6.0),
@@ -485,11 +492,7 @@ mod tests {
     /// the resolution nor a settled event.
     #[test]
     fn an_answer_is_recorded_only_for_the_running_attempt() {
-        let (_d, mut c, e, row) = testing::started_turn();
-        let g = row.execution_generation.expect("generation");
-        for id in ["a1", "a2"] {
-            open_in_s1(&mut c, e, &row, id, g).expect("opened");
-        }
+        let (_d, mut c, e, row, g) = started_with_prompts(&["a1", "a2"]);
         let answer = |c: &mut SqliteConnection, epoch: i64, g: i64, id: &str| {
             record_answer(c, epoch, "s1", g, id, "choice:once", "alice", 4.0)
         };
