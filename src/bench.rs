@@ -1686,12 +1686,7 @@ async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String>
     let (messages, events, prompts) = turns_history(&mut conn, sessions).map_err(err)?;
     // As a daemon that wrote them would have left it: its event pruner's count rule has seen
     // them all (else a start walks the whole log again, 4,096 batches a transaction).
-    use diesel::sql_types::{BigInt, Nullable};
-    let newest: Option<i64> =
-        diesel::dsl::sql::<Nullable<BigInt>>("SELECT max(rowid) FROM session_event_batches")
-            .get_result(&mut conn)
-            .map_err(err)?;
-    crate::store::events::set_count_rule_seen(&mut conn, newest.unwrap_or(0)).map_err(err)?;
+    crate::store::events::set_count_rule_seen_all(&mut conn).map_err(err)?;
     drop(conn);
     drop(pool);
     // Ready over the large store twice: with its files in the operating system's page cache (as

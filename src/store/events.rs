@@ -410,11 +410,23 @@ pub(crate) fn count_rule_seen(conn: &mut SqliteConnection) -> Result<i64, StoreE
 }
 
 /// Record that the count rule has seen every batch up to `rowid`.
-pub(crate) fn set_count_rule_seen(
-    conn: &mut SqliteConnection,
-    rowid: i64,
-) -> Result<(), StoreError> {
+fn set_count_rule_seen(conn: &mut SqliteConnection, rowid: i64) -> Result<(), StoreError> {
     super::epoch::meta_set(conn, COUNT_SEEN, &rowid.to_string())
+}
+
+/// Record that the count rule has seen every batch the log holds (for a log written outside
+/// the daemon, as the bench writes its recovery store).
+pub(crate) fn set_count_rule_seen_all(conn: &mut SqliteConnection) -> Result<(), StoreError> {
+    let newest = newest_batch(conn)?;
+    set_count_rule_seen(conn, newest)
+}
+
+/// The newest batch's rowid (0 in an empty log).
+fn newest_batch(conn: &mut SqliteConnection) -> Result<i64, StoreError> {
+    let newest: Option<i64> = hot_sql!("SELECT max(rowid) FROM session_event_batches", &[])
+        .returning::<diesel::sql_types::Nullable<BigInt>>()
+        .get_result(conn)?;
+    Ok(newest.unwrap_or(0))
 }
 
 /// A stored batch as the pruning rules' walk reads it.
@@ -530,10 +542,7 @@ pub fn prune(
         if deleted > 0 {
             // Rowids are not AUTOINCREMENT: once the newest batches are deleted, new ones may
             // take their rowids again, and must not hide below the mark.
-            let newest: Option<i64> = hot_sql!("SELECT max(rowid) FROM session_event_batches", &[])
-                .returning::<diesel::sql_types::Nullable<BigInt>>()
-                .get_result(conn)?;
-            seen = seen.min(newest.unwrap_or(0));
+            seen = seen.min(newest_batch(conn)?);
         }
         set_count_rule_seen(conn, seen)?;
         Ok(Pruned {
