@@ -933,7 +933,11 @@ fn stuck_and_healthy_room(
     db: &TestDb,
     timeout: f64,
     interrupt: Option<&str>,
-) -> (crate::rooms::RoomRuntime, Vec<TaskIdentity>) {
+) -> (
+    crate::rooms::RoomRuntime,
+    Vec<TaskIdentity>,
+    Arc<FakeSessionRpc>,
+) {
     let (bindings, ids) = two_rooms(db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
     let mut fake = FakeSessionRpc::new(false);
     fake.complete_rooms.insert("room-healthy".into());
@@ -945,13 +949,13 @@ fn stuck_and_healthy_room(
     spec.config.active_poll_interval_seconds = 0.01;
     spec.config.turn_timeout_seconds = timeout;
     spec.config.max_concurrent_rooms = 1;
-    (spec.build(db), ids)
+    (spec.build(db), ids, rpc)
 }
 
 #[tokio::test]
 async fn test_deadline_releases_worker_capacity_for_later_room() {
     let db = TestDb::new();
-    let (runtime, ids) = stuck_and_healthy_room(&db, 0.05, None);
+    let (runtime, ids, _) = stuck_and_healthy_room(&db, 0.05, None);
     runtime.start();
     wait_for("stuck failed", || {
         status(&db, &ids[0]) == TaskStatus::Failed
@@ -974,10 +978,14 @@ async fn test_deadline_releases_worker_capacity_for_later_room() {
 #[tokio::test]
 async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     let db = TestDb::new();
-    let (runtime, ids) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
+    let (runtime, ids, rpc) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
     runtime.start();
-    wait_for("stuck running", || {
-        status(&db, &ids[0]) == TaskStatus::Running
+    // Submitted, not only running: a stop that comes while the member's session is opened
+    // ends the attempt before anything is submitted (`cancelled`, not `stopping`).
+    wait_for("stuck submitted", || {
+        rpc.params("submit")
+            .iter()
+            .any(|p| p["task_id"] == ids[0].task_id.as_str())
     })
     .await;
     let stopping = runtime.cancel(&ids[0], "user-stop").await.unwrap();
