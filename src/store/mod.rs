@@ -148,9 +148,10 @@ unsafe extern "C" fn note_rollback(_: *mut std::ffi::c_void) {
 }
 
 /// Every pooled connection: WAL with `synchronous = FULL` (an acknowledged commit survives power
-/// loss), foreign keys, a bounded busy wait, and `temp_store = MEMORY`, which keeps savepoint
-/// sub-journals in memory (each write of a group commit runs in its own savepoint, and a
-/// sub-journal spilled to a temp file cost a `pwrite` per page touched).
+/// loss), foreign keys, a bounded busy wait (set first: changing `journal_mode` needs the
+/// file's lock, and a held one failed the open at once), and `temp_store = MEMORY`, which
+/// keeps savepoint sub-journals in memory (each write of a group commit runs in its own
+/// savepoint, and a sub-journal spilled to a temp file cost a `pwrite` per page touched).
 ///
 /// New databases get 1 KiB pages: a turn's commit touches ~15 pages scattered over the indexes,
 /// and the writer's CPU per WAL frame (copy, checksum, `pwrite`) grows with the page size.
@@ -165,8 +166,8 @@ struct Pragmas;
 
 /// What every connection of the store sets (see [`Pragmas`]); the bench's raw commits too.
 pub const PRAGMAS: &str =
-    "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; \
-     PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000; PRAGMA wal_autocheckpoint = 100000; \
+    "PRAGMA busy_timeout = 5000; PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; \
+     PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 100000; \
      PRAGMA journal_size_limit = 67108864; PRAGMA temp_store = MEMORY;";
 
 impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Pragmas {
@@ -2016,6 +2017,34 @@ mod wal_restart_tests {
             .get_result(&mut pool.get().expect("conn"))
             .expect("count");
         assert_eq!(rows.n, 64, "every commit in the WAL was read back");
+    }
+
+    /// A store opened while another connection holds the file's lock waits for it (up to the
+    /// busy timeout) instead of failing at once: the timeout is the first setting each
+    /// connection takes. It came after `journal_mode`, whose change needs the lock, so an open
+    /// that met a held lock failed with "database is locked" without waiting.
+    #[test]
+    fn a_store_opened_while_its_lock_is_held_waits_for_the_lock() {
+        use diesel::Connection;
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let url = path.to_string_lossy().to_string();
+        // A file still in rollback mode, its lock held by another connection.
+        let mut holder = SqliteConnection::establish(&url).expect("holder");
+        holder
+            .batch_execute("CREATE TABLE t (v INTEGER); BEGIN EXCLUSIVE;")
+            .expect("lock held");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let opener = std::thread::spawn(move || {
+            let _ = tx.send(open_pool(&path, 1).map(|_| ()).map_err(|e| e.to_string()));
+        });
+        // A refusal comes at once; a wait is still waiting.
+        let early = rx.recv_timeout(Duration::from_millis(300));
+        assert!(early.is_err(), "the open did not wait: {early:?}");
+        holder.batch_execute("COMMIT").expect("lock released");
+        let opened = rx.recv_timeout(Duration::from_secs(5)).expect("opened");
+        assert_eq!(opened, Ok(()), "the open waited for the lock");
+        opener.join().expect("opener");
     }
 
     /// Clients' pages wait only for pages: while a page read that does not return holds the
