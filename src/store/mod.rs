@@ -248,6 +248,10 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         // when an idle store takes them all to release their caches ([`release_pooled`]).
         .min_idle(Some(0))
         .idle_timeout(None)
+        // Nor for their age: with r2d2's default (30 minutes) each was closed and opened again
+        // every half hour, its prepared statements and cached pages lost, and a reaper woke
+        // every 30 s to look for them.
+        .max_lifetime(None)
         .connection_timeout(Duration::from_secs(10))
         .connection_customizer(Box::new(Pragmas))
         .build(manager)
@@ -2017,6 +2021,16 @@ mod wal_restart_tests {
             .get_result(&mut pool.get().expect("conn"))
             .expect("count");
         assert_eq!(rows.n, 64, "every commit in the WAL was read back");
+    }
+
+    /// The pool keeps its connections for good (neither idle time nor age closes one), so no
+    /// reaper wakes to look for them either.
+    #[test]
+    fn the_pool_closes_no_connection_for_its_idleness_or_age() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 2).expect("pool");
+        assert_eq!(pool.idle_timeout(), None);
+        assert_eq!(pool.max_lifetime(), None);
     }
 
     /// A store opened while another connection holds the file's lock waits for it (up to the
