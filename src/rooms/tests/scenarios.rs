@@ -857,8 +857,12 @@ async fn an_attempt_whose_task_cannot_be_read_ends_its_pass_at_the_deadline() {
     let (db, id) = one_queued_task();
     let rpc = rpc(false);
     // Each look at the member spoils the task's digest (mended below), so every read of it
-    // fails.
+    // fails, and moves the clock past the attempt's deadline: the deadline passes after the
+    // first look whatever the machine's speed (with the real clock, a first look later than
+    // the deadline stopped the attempt in the first pass).
+    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
     let store = db.db.clone();
+    let later = clock.clone();
     let spoil = move || {
         diesel::sql_query(
             "UPDATE room_tasks SET payload_digest = '!' || ltrim(payload_digest, '!') \
@@ -866,10 +870,11 @@ async fn an_attempt_whose_task_cannot_be_read_ends_its_pass_at_the_deadline() {
         )
         .execute(&mut store.conn().expect("conn"))
         .expect("spoil");
+        later.advance(1.0);
     };
     *lock(&rpc.on_info) = Some(Box::new(spoil));
     let locks = RecordingTurnLocks::default();
-    let mut spec = Spec::new(&rpc);
+    let mut spec = Spec::new(&rpc).manual(&clock);
     spec.locks = locks.clone();
     spec.config.active_poll_interval_seconds = 0.01;
     spec.config.turn_timeout_seconds = 0.05;
@@ -933,11 +938,7 @@ fn stuck_and_healthy_room(
     db: &TestDb,
     timeout: f64,
     interrupt: Option<&str>,
-) -> (
-    crate::rooms::RoomRuntime,
-    Vec<TaskIdentity>,
-    Arc<FakeSessionRpc>,
-) {
+) -> (Spec, Vec<TaskIdentity>, Arc<FakeSessionRpc>) {
     let (bindings, ids) = two_rooms(db, ["room-stuck", "room-healthy"], [PROFILE, PROFILE]);
     let mut fake = FakeSessionRpc::new(false);
     fake.complete_rooms.insert("room-healthy".into());
@@ -949,13 +950,14 @@ fn stuck_and_healthy_room(
     spec.config.active_poll_interval_seconds = 0.01;
     spec.config.turn_timeout_seconds = timeout;
     spec.config.max_concurrent_rooms = 1;
-    (spec.build(db), ids, rpc)
+    (spec, ids, rpc)
 }
 
 #[tokio::test]
 async fn test_deadline_releases_worker_capacity_for_later_room() {
     let db = TestDb::new();
-    let (runtime, ids, _) = stuck_and_healthy_room(&db, 0.05, None);
+    let (spec, ids, _) = stuck_and_healthy_room(&db, 0.05, None);
+    let runtime = spec.build(&db);
     runtime.start();
     wait_for("stuck failed", || {
         status(&db, &ids[0]) == TaskStatus::Failed
@@ -978,7 +980,9 @@ async fn test_deadline_releases_worker_capacity_for_later_room() {
 #[tokio::test]
 async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     let db = TestDb::new();
-    let (runtime, ids, rpc) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
+    let (spec, ids, rpc) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
+    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
+    let runtime = spec.manual(&clock).build(&db);
     runtime.start();
     // Submitted, not only running: a stop that comes while the member's session is opened
     // ends the attempt before anything is submitted (`cancelled`, not `stopping`).
@@ -990,6 +994,9 @@ async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     .await;
     let stopping = runtime.cancel(&ids[0], "user-stop").await.unwrap();
     assert_eq!(stopping.status, TaskStatus::Stopping);
+    // The turn's deadline passes only now, after the user's stop (with the real clock, a
+    // cancel later than the deadline found the deadline's stop begun).
+    clock.advance(1.0);
     wait_for("healthy settled", || {
         status(&db, &ids[1]) == TaskStatus::Settled
     })
