@@ -625,7 +625,9 @@ async fn model_past_the_request_timeout_fails_without_a_retry() {
         fault_case(
             name,
             move |_| fault.clone(),
-            json!({"model": {"timeout_seconds": 1.5, "idle_timeout_seconds": 30}}),
+            // Long enough for the healthy session's three turns to end first (`slow`) on a
+            // loaded machine.
+            json!({"model": {"timeout_seconds": 3, "idle_timeout_seconds": 30}}),
             None,
             Expect {
                 outcome: "failed",

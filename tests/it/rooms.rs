@@ -1194,7 +1194,9 @@ async fn a_task_waiting_for_its_member_behind_another_room_keeps_its_lease() {
         &model,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"turn_timeout_seconds": 6, "lease_ttl_seconds": 2, "poll_interval_seconds": 0.2,
+            // A renewal is due at half the TTL and looked for every quarter: 3 s leaves a
+            // stall of at least 0.75 s before the lease lapses.
+            "rooms": {"turn_timeout_seconds": 9, "lease_ttl_seconds": 3, "poll_interval_seconds": 0.2,
                       "active_poll_interval_seconds": 0.05, "max_concurrent_rooms": 2},
         }),
     );
@@ -1235,7 +1237,8 @@ async fn a_probe_waiting_for_its_member_behind_another_room_keeps_its_lease() {
         &model.url,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"turn_timeout_seconds": 6, "lease_ttl_seconds": 2, "indeterminate_defer_seconds": 300,
+            // As above: 3 s leaves a stall of at least 0.75 s before the lease lapses.
+            "rooms": {"turn_timeout_seconds": 9, "lease_ttl_seconds": 3, "indeterminate_defer_seconds": 300,
                       "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
                       "max_concurrent_rooms": 2},
         }),

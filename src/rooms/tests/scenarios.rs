@@ -2052,15 +2052,23 @@ fn every_seed_scenario_has_a_test() {
 async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     let (db, id) = one_queued_task();
     let rpc = rpc(false);
-    let mut spec = Spec::new(&rpc);
-    // A TTL long enough that a loaded machine's stall does not lapse it between renewals.
+    // The lease's time is a manual clock's, so no stall of a loaded machine lapses it.
+    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
+    let mut spec = Spec::new(&rpc).manual(&clock);
     spec.config.lease_ttl_seconds = 2.0;
     spec.config.active_poll_interval_seconds = 60.0;
     let runtime = spec.build(&db);
     runtime.start();
     wait_for("submitted", || rpc.count("submit") == 1).await;
-    // Over two TTLs of work.
-    tokio::time::sleep(std::time::Duration::from_millis(4200)).await;
+    // Over two TTLs of work, in steps past half the TTL, each renewed before the next.
+    for _ in 0..4 {
+        let renewed = runtime.status().lease_renewals;
+        clock.advance(1.1);
+        wait_for("renewed while the turn runs", || {
+            runtime.status().lease_renewals > renewed
+        })
+        .await;
+    }
     assert_eq!(status(&db, &id), TaskStatus::Running);
     rpc.complete("task-1", "done", "settled");
     wait_for("settled", || status(&db, &id) == TaskStatus::Settled).await;
