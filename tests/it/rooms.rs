@@ -63,7 +63,8 @@ async fn a_parked_room_blocks_no_other_room_and_its_deadline_frees_the_slot() {
         &model.url,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}, "dev": {"toolsets": []}},
-            "rooms": {"turn_timeout_seconds": 3, "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
+            // The deadline leaves a loaded machine time to park the turn and report it first.
+            "rooms": {"turn_timeout_seconds": 6, "poll_interval_seconds": 0.2, "active_poll_interval_seconds": 0.05,
                       "max_concurrent_rooms": 2},
         }),
     ));
@@ -501,7 +502,7 @@ async fn a_room_task_does_not_pass_the_other_rooms() {
             .is_some_and(|t| t.is_empty());
         if passed != last.0 || !idle {
             last = (passed, std::time::Instant::now());
-        } else if passed >= ROOMS as u64 && last.1.elapsed() >= Duration::from_millis(300) {
+        } else if passed >= ROOMS as u64 && last.1.elapsed() >= Duration::from_secs(1) {
             break;
         }
         assert!(
@@ -1720,7 +1721,8 @@ async fn a_deadlines_late_member_report_is_not_an_error() {
         &model.url,
         json!({
             "profiles": {"ops": {"toolsets": ["terminal"]}},
-            "rooms": {"turn_timeout_seconds": 2, "poll_interval_seconds": 0.2,
+            // Time for a loaded machine to park the turn (`park_in`) before the deadline.
+            "rooms": {"turn_timeout_seconds": 4, "poll_interval_seconds": 0.2,
                       "active_poll_interval_seconds": 0.05},
         }),
     ));
@@ -1986,7 +1988,7 @@ async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
     let model = FakeModel::start(|body| {
         let text = last_user(body);
         if text.starts_with("long") {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(200));
         }
         Reply::Message(
             json!({"role": "assistant", "content": format!("ACK_{text}")}),
@@ -2030,8 +2032,10 @@ async fn a_long_queue_leaves_the_slot_to_a_waiting_room_between_tasks() {
         .iter()
         .take_while(|t| t.as_str() != "short")
         .count();
+    // Yielding between tasks, it runs after one or two of them; the margin (two seconds of
+    // the queue's tasks) is for a loaded machine. Without the yield, after all twenty.
     assert!(
-        before < 6,
+        before < 10,
         "the waiting room's task ran after {before} of the long queue's {tasks}"
     );
     wait_status(&mut ws, "busy", &format!("l{}", tasks - 1), "settled").await;
