@@ -45,7 +45,7 @@ async fn tickets_are_required_single_use_and_expire() {
     let home = Home::new();
     home.write_config(&config(
         &model.url,
-        json!({"gateway": {"ticket_ttl_seconds": 1.5}}),
+        json!({"gateway": {"ticket_ttl_seconds": 3}}),
     ));
     let d = Daemon::start(&home);
     let origin = d.origin();
@@ -67,9 +67,9 @@ async fn tickets_are_required_single_use_and_expire() {
         "a ticket is single-use"
     );
     let t = ticket(&home.path);
-    // The only wait here is for the ticket's own lifetime to pass (1.5 s: every ticket above
+    // The only wait here is for the ticket's own lifetime to pass (3 s: every ticket above
     // must be redeemed within it, on a loaded machine too).
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     let offer = vec!["gatehouse.v1".to_string(), format!("gatehouse-ticket.{t}")];
     assert_eq!(
         try_upgrade(&origin, &offer).await,

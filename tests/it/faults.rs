@@ -79,9 +79,12 @@ async fn fault_case_shown(
         }
     });
     let home = Home::new();
+    // The idle timeout is every streamed request's, the healthy ones' too: 1.5 s leaves a
+    // loaded machine room to answer them without a retry. The call's timeout is above three
+    // idle tries and their back-off.
     let mut cfg = config(
         &chaos.url,
-        json!({"model": {"max_retries": 2, "idle_timeout_seconds": 0.5, "timeout_seconds": 6,
+        json!({"model": {"max_retries": 2, "idle_timeout_seconds": 1.5, "timeout_seconds": 12,
                          "max_response_bytes": 65536}}),
     );
     merge(&mut cfg, extra);

@@ -753,7 +753,7 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
     let key = "test-key-123";
     home.write_config(&config(
         &model.url,
-        json!({"gateway": {"ticket_ttl_seconds": 1.5, "api_keys": [sha256_hex(key)]}}),
+        json!({"gateway": {"ticket_ttl_seconds": 3, "api_keys": [sha256_hex(key)]}}),
     ));
     let mut d = Daemon::start(&home);
     let origin = d.origin();
@@ -818,9 +818,9 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
     // A request refused before the ticket is looked at leaves it unspent: the retry gets in.
     assert_eq!(raw_upgrade(&origin, &p(&t), &[]).status, 101);
     let t = ticket(&home.path);
-    // The only wait: the ticket's own lifetime (1.5 s, which every ticket here that gets in
+    // The only wait: the ticket's own lifetime (3 s, which every ticket here that gets in
     // must be redeemed within, on a loaded machine too).
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     refused(
         "ticket_expired",
         raw_upgrade(&origin, &p(&t), &[]),
@@ -1284,11 +1284,14 @@ async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
             if op != 0x1 {
                 continue;
             }
-            let v: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
-            match v["params"]["type"].as_str() {
-                Some("message.delta") => deltas += 1,
-                Some("message.complete") => return deltas,
-                _ => {}
+            // Told apart by a search, not a parse: this thread must keep up with the daemon
+            // (it is cut off too, 512 frames behind), and parsing each 8 KiB frame in a debug
+            // build on a loaded machine could leave it that far behind.
+            let text = std::str::from_utf8(&payload).unwrap_or("");
+            if text.contains("\"type\":\"message.delta\"") {
+                deltas += 1;
+            } else if text.contains("\"type\":\"message.complete\"") {
+                return deltas;
             }
         }
         deltas
