@@ -1081,7 +1081,9 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
     // TEST-NET-1 (RFC 5737): documentation only, never an address of a real machine.
     home.write_config(&config(
         &model.url,
-        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 4.0}}),
+        // Long enough for the three control requests below to be answered within it on a
+        // loaded machine.
+        json!({"gateway": {"host": "192.0.2.1", "bind_wait_seconds": 8.0}}),
     ));
     let socket_path = home.path.join("notify.sock");
     let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).expect("notify socket");
@@ -1097,7 +1099,7 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
         .expect("spawn gatehouse");
     // Its control socket answers meanwhile: `identify` says `starting`, other requests are
     // refused so (it was bound, and answered, only once the start was done).
-    wait_until("identify says starting", Duration::from_secs(4), || {
+    wait_until("identify says starting", Duration::from_secs(8), || {
         control(&home.path, "identify", json!({}))
             .is_ok_and(|v| v["state"] == "starting" && v["pid"] == child.id())
     })
@@ -1128,7 +1130,7 @@ async fn an_address_that_never_appears_is_waited_for_then_refused() {
     );
     assert!(!said.iter().any(|s| s.contains("READY=1")), "{said:?}");
     assert!(stderr.contains("gateway.bind_wait_seconds"), "{stderr}");
-    assert!(waited >= Duration::from_secs(4), "{waited:?}");
+    assert!(waited >= Duration::from_secs(8), "{waited:?}");
     assert!(
         !home.path.join("state.db").exists(),
         "nothing durable happened before the listener"
@@ -1473,12 +1475,13 @@ impl ApprovingChat {
 #[actix_rt::test]
 async fn a_slow_answer_to_an_approval_in_chat_is_taken() {
     let mut c = ApprovingChat::start(
-        json!({"gateway": {"client_timeout_seconds": 1, "heartbeat_seconds": 0.2},
+        // A client timeout of 2 s: chat's pongs must beat it on a loaded machine too.
+        json!({"gateway": {"client_timeout_seconds": 2, "heartbeat_seconds": 0.2},
                "approvals": {"timeout": 20}}),
     );
     c.asked().await;
     // The operator reads the command for three client timeouts before answering.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
     {
         let mut stdin = c.chat.stdin.take().expect("stdin");
         stdin.write_all(b"once\n").expect("answer");
