@@ -252,6 +252,15 @@ pub fn open_pool(path: &Path, size: u32) -> Result<SqlitePool, StoreError> {
         // every half hour, its prepared statements and cached pages lost, and a reaper woke
         // every 30 s to look for them.
         .max_lifetime(None)
+        // One thread opens the pool's connections (r2d2 started three per pool): with neither
+        // lifetime nor idle time to watch, opening a connection on first use is all it does,
+        // and one at a time is quick enough.
+        .thread_pool(std::sync::Arc::new(
+            scheduled_thread_pool::ScheduledThreadPool::builder()
+                .num_threads(1)
+                .thread_name_pattern("gatehouse-open{}")
+                .build(),
+        ))
         .connection_timeout(Duration::from_secs(10))
         .connection_customizer(Box::new(Pragmas))
         .build(manager)

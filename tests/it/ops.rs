@@ -435,6 +435,36 @@ async fn metrics_parse_and_move_with_the_work() {
     assert_eq!(sample(&after, "gatehouse_rooms_leased"), 0.0);
 }
 
+/// The store's pool opens its connections on one thread of its own: r2d2 started three per
+/// pool, idle for the daemon's whole life.
+#[actix_rt::test]
+async fn the_store_opens_its_connections_on_one_thread() {
+    let model = FakeModel::ack();
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    // Reads and a turn: the pool opens the connections they take.
+    let sid = ws.session("threads", &home.path).await;
+    ws.submit(&sid, "in-1", "hello").await;
+    wait_until("the input settled", Duration::from_secs(10), || {
+        all_terminal(&home)
+    })
+    .await;
+    ws.ok("session.resume", json!({"session_id": sid})).await;
+    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", d.child.id()))
+        .expect("the daemon's threads")
+        .filter_map(|t| {
+            std::fs::read_to_string(t.ok()?.path().join("comm"))
+                .ok()
+                .map(|n| n.trim().to_string())
+        })
+        .collect();
+    let opening: Vec<&String> = names
+        .iter()
+        .filter(|n| n.starts_with("gatehouse-open") || n.starts_with("r2d2"))
+        .collect();
+    assert_eq!(opening, ["gatehouse-open0"], "{names:?}");
+}
+
 #[actix_rt::test]
 async fn readyz_is_unavailable_while_draining() {
     let model = FakeModel::ack();
