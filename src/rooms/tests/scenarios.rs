@@ -860,7 +860,7 @@ async fn an_attempt_whose_task_cannot_be_read_ends_its_pass_at_the_deadline() {
     // fails, and moves the clock past the attempt's deadline: the deadline passes after the
     // first look whatever the machine's speed (with the real clock, a first look later than
     // the deadline stopped the attempt in the first pass).
-    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
+    let clock = manual_clock_at_now();
     let store = db.db.clone();
     let later = clock.clone();
     let spoil = move || {
@@ -981,7 +981,7 @@ async fn test_deadline_releases_worker_capacity_for_later_room() {
 async fn an_unacknowledged_user_stop_releases_capacity_at_the_deadline() {
     let db = TestDb::new();
     let (spec, ids, rpc) = stuck_and_healthy_room(&db, 0.5, Some("stopping"));
-    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
+    let clock = manual_clock_at_now();
     let runtime = spec.manual(&clock).build(&db);
     runtime.start();
     // Submitted, not only running: a stop that comes while the member's session is opened
@@ -2053,7 +2053,7 @@ async fn a_long_turn_keeps_its_lease_whatever_the_observation_poll() {
     let (db, id) = one_queued_task();
     let rpc = rpc(false);
     // The lease's time is a manual clock's, so no stall of a loaded machine lapses it.
-    let clock = ManualClock::new(crate::clock::Clock::now(&SystemClock::default()));
+    let clock = manual_clock_at_now();
     let mut spec = Spec::new(&rpc).manual(&clock);
     spec.config.lease_ttl_seconds = 2.0;
     spec.config.active_poll_interval_seconds = 60.0;
@@ -2653,6 +2653,13 @@ async fn a_member_turn_cancelled_elsewhere_fails_its_running_task() {
         "{view:?}"
     );
     assert_eq!(rpc.count("submit"), 1, "never run again");
+}
+
+/// A manual clock that starts at the wall clock's time, which the tasks' admissions were
+/// stamped with (`admit` and `two_rooms` use the system clock), so that it only moves when a
+/// test moves it past a deadline or a lease's renewal point.
+fn manual_clock_at_now() -> ManualClock {
+    ManualClock::new(crate::clock::Clock::now(&SystemClock::default()))
 }
 
 /// A store with one room and its one task, `task-1`, queued.
