@@ -118,6 +118,10 @@ pub fn limit_in_error(detail: &str) -> Option<u64> {
         "context size",
         "max_model_len",
         "n_ctx",
+        // Gemini: "... exceeds the maximum number of tokens allowed (131072)"; xAI: "This
+        // model's maximum prompt length is 131072 but the request contains 136973 tokens".
+        "tokens allowed",
+        "prompt length",
     ]
     .iter()
     .filter_map(|words| {
@@ -280,6 +284,8 @@ mod tests {
             ("context_length_exceeded", None),
             ("prompt too long; exceeded max context length by 4021 tokens", None),
             ("too many tokens", None),
+            ("HTTP 400: The input token count (134123) exceeds the maximum number of tokens allowed (131072).", Some(131072)),
+            ("HTTP 400: This model's maximum prompt length is 131072 but the request contains 136973 tokens.", Some(131072)),
         ] {
             assert_eq!(limit_in_error(detail), want, "{detail}");
         }

@@ -88,6 +88,12 @@ const OVERFLOW_PHRASES: &[&str] = &[
     // tokens)", type `exceed_context_size_error`, with its `n_ctx`.
     "context size",
     "exceed_context_size",
+    // Gemini: "The input token count (134123) exceeds the maximum number of tokens allowed
+    // (131072)."; xAI: "This model's maximum prompt length is 131072 but the request contains
+    // 136973 tokens."; Bedrock: "Input is too long for requested model."
+    "maximum number of tokens allowed",
+    "maximum prompt length",
+    "input is too long",
 ];
 
 /// Classify an HTTP error status and body.
@@ -103,7 +109,9 @@ pub fn classify(status: u16, body: &str) -> ModelError {
     match status {
         429 => ModelError::RateLimited(snippet),
         401 | 403 => ModelError::Auth(snippet),
-        500..=599 => ModelError::Transient(format!("HTTP {status}: {snippet}")),
+        // A proxy's request timeout and a conflict (a lock held upstream) pass: OpenAI's own
+        // clients try both again.
+        408 | 409 | 500..=599 => ModelError::Transient(format!("HTTP {status}: {snippet}")),
         _ => ModelError::Client(format!("HTTP {status}: {snippet}")),
     }
 }
@@ -667,10 +675,12 @@ async fn one_call(
                 }
             },
         };
+        let mut at_body_end = false;
         let events = match next {
             None => {
                 let rest = parser.finish();
                 done = true;
+                at_body_end = true;
                 rest
             }
             // The answer had ended (its finish_reason came): what was lost after it is at most
@@ -715,6 +725,13 @@ async fn one_call(
                     tracing::debug!(error = %e, "a malformed event after the finish_reason; taken as ended");
                     done = true;
                     break;
+                }
+                // The body ended (cleanly) inside an event: cut off, as a body that ends
+                // between events before the answer did; not a server's malformed answer.
+                Err(e) if at_body_end => {
+                    return Err(ModelError::Transient(format!(
+                        "stream ended inside an event (cut off): {e}"
+                    )))
                 }
                 Err(e) => return Err(ModelError::Malformed(format!("SSE chunk: {e}"))),
             };
@@ -957,6 +974,17 @@ mod tests {
                 "{body}"
             );
         }
+        // Gemini's, xAI's and Bedrock's wording.
+        for body in [
+            r#"{"error":{"code":400,"message":"The input token count (134123) exceeds the maximum number of tokens allowed (131072).","status":"INVALID_ARGUMENT"}}"#,
+            r#"{"code":"Client specified an invalid argument","error":"This model's maximum prompt length is 131072 but the request contains 136973 tokens."}"#,
+            r#"{"message":"Input is too long for requested model."}"#,
+        ] {
+            assert!(
+                matches!(classify(400, body), ModelError::ContextOverflow(_)),
+                "{body}"
+            );
+        }
         assert!(matches!(classify(400, "bad field"), ModelError::Client(_)));
         assert!(matches!(classify(429, ""), ModelError::RateLimited(_)));
         assert_eq!(retry_after_seconds(" 2 "), Some(Duration::from_secs(2)));
@@ -966,6 +994,9 @@ mod tests {
             assert_eq!(retry_after_seconds(odd), None, "{odd}");
         }
         assert!(matches!(classify(503, ""), ModelError::Transient(_)));
+        assert!(matches!(classify(408, ""), ModelError::Transient(_)));
+        assert!(matches!(classify(409, ""), ModelError::Transient(_)));
+        assert!(matches!(classify(404, ""), ModelError::Client(_)));
         assert!(matches!(classify(401, ""), ModelError::Auth(_)));
     }
 

@@ -1,5 +1,5 @@
 //! Server-sent events, parsed through a buffer: bytes arrive split at arbitrary boundaries, with
-//! comments, CRLF line ends and several `data:` lines per event.
+//! comments, CRLF, LF or CR line ends and several `data:` lines per event.
 
 /// Incremental SSE parser: feed bytes, take complete `data` payloads.
 #[derive(Debug, Default)]
@@ -8,6 +8,9 @@ pub struct SseParser {
     data: Vec<String>,
     /// What `data` holds, counted as its bytes and [`LINE_COST`] a line.
     data_len: usize,
+    /// The last line ended with a CR that ended the bytes fed: an LF first in the next bytes
+    /// ends the same line (CRLF), not an empty one.
+    after_cr: bool,
 }
 
 /// What one `data:` line of an unfinished event costs beside its bytes (its `String` and its
@@ -32,16 +35,31 @@ impl SseParser {
         // the new bytes are searched, and the lines taken are dropped from the buffer at once.
         // (Searching the whole buffer and draining line by line was quadratic in a response of
         // many short lines, or one long line arriving in small pieces.)
+        // A line ends at CR, LF or CRLF (the SSE specification's three).
+        let mut bytes = bytes;
+        if self.after_cr && !bytes.is_empty() {
+            self.after_cr = false;
+            bytes = bytes.strip_prefix(b"\n").unwrap_or(bytes);
+        }
         let mut search = self.buf.len();
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
         let mut start = 0;
-        while let Some(found) = self.buf[search..].iter().position(|b| *b == b'\n') {
+        while let Some(found) = self.buf[search..]
+            .iter()
+            .position(|b| *b == b'\n' || *b == b'\r')
+        {
             let end = search + found;
             let line = &self.buf[start..end];
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
             self.data_len = Self::line(&mut self.data, self.data_len, line, &mut out);
             start = end + 1;
+            if self.buf[end] == b'\r' {
+                match self.buf.get(start) {
+                    Some(b'\n') => start += 1,
+                    Some(_) => {}
+                    None => self.after_cr = true,
+                }
+            }
             search = start;
         }
         self.buf.drain(..start);
@@ -60,6 +78,7 @@ impl SseParser {
             self.data.clear();
         }
         self.data_len = 0;
+        self.after_cr = false;
         out
     }
 
@@ -75,6 +94,11 @@ impl SseParser {
         }
         if line.first() == Some(&b':') {
             return len;
+        }
+        // A field name alone is that field with an empty value.
+        if line == b"data" {
+            data.push(String::new());
+            return len.saturating_add(LINE_COST);
         }
         let text = String::from_utf8_lossy(line);
         if let Some(rest) = text.strip_prefix("data:") {
@@ -99,6 +123,24 @@ mod tests {
         for split in 0..stream.len() {
             let mut p = SseParser::new();
             let mut got = p.feed(&stream[..split]);
+            got.extend(p.feed(&stream[split..]));
+            got.extend(p.finish());
+            assert_eq!(got, whole, "split at {split}");
+        }
+    }
+
+    /// Lines may end with a bare CR, as with CRLF or LF, wherever the bytes are split (a CR
+    /// at the end of one feed and the LF at the start of the next are one line end); a `data`
+    /// field without its colon is an empty line of data.
+    #[test]
+    fn lines_may_end_with_a_bare_cr() {
+        let stream = b"data: a\r\rdata: b\r\ndata\rdata: c\r\r\n: note\rdata: d\n\r";
+        let whole = SseParser::new().feed(stream);
+        assert_eq!(whole, vec!["a", "b\n\nc", "d"]);
+        for split in 0..stream.len() {
+            let mut p = SseParser::new();
+            let mut got = p.feed(&stream[..split]);
+            got.extend(p.feed(&[]));
             got.extend(p.feed(&stream[split..]));
             got.extend(p.finish());
             assert_eq!(got, whole, "split at {split}");

@@ -121,11 +121,7 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
         .unwrap_or_default();
     Ok(ChatResponse {
         content: message.get("content").and_then(flatten_content),
-        reasoning: message
-            .get("reasoning_content")
-            .or_else(|| message.get("reasoning"))
-            .and_then(|v| v.as_str())
-            .map(str::to_string),
+        reasoning: reasoning_of(&message).map(str::to_string),
         tool_calls,
         finish_reason: finish_reason_of(choice).unwrap_or("stop").to_string(),
         usage: body
@@ -205,6 +201,38 @@ pub struct ChunkDelta {
     pub tool_names: Vec<String>,
 }
 
+/// A message's or delta's reasoning: `reasoning_content` (DeepSeek, most servers) or
+/// `reasoning` (vLLM's newer name, OpenRouter), whichever holds text: a server that writes
+/// every field may send one of them `null` or empty beside the other.
+fn reasoning_of(v: &Value) -> Option<&str> {
+    ["reasoning_content", "reasoning"]
+        .iter()
+        .filter_map(|k| v.get(k).and_then(|r| r.as_str()))
+        .find(|r| !r.is_empty())
+}
+
+/// Whether `call`, a fragment at the index of the call `existing` whose id one of them lacks,
+/// starts another call: it names a tool and brings arguments, and `existing` already has its
+/// name and arguments that parse whole. Some servers (Gemini's OpenAI-compatible ones among
+/// them) stream parallel calls all at index 0, without ids; joined, two calls became one named
+/// `terminalclarify` with two argument objects run together.
+fn starts_another(existing: &ToolCall, call: &Value) -> bool {
+    let Some(f) = call.get("function") else {
+        return false;
+    };
+    let names = f
+        .get("name")
+        .and_then(|n| n.as_str())
+        .is_some_and(|n| !n.is_empty());
+    let brings_arguments = f
+        .get("arguments")
+        .is_some_and(|a| !arguments_text(a).trim().is_empty());
+    names
+        && brings_arguments
+        && !existing.function.name.is_empty()
+        && serde_json::from_str::<serde::de::IgnoredAny>(&existing.function.arguments).is_ok()
+}
+
 impl StreamAccumulator {
     /// Has a chunk said why the answer ended (`finish_reason`)?
     pub fn finished(&self) -> bool {
@@ -250,11 +278,7 @@ impl StreamAccumulator {
                 delta_out.content = Some(text);
             }
         }
-        if let Some(r) = delta
-            .get("reasoning_content")
-            .or_else(|| delta.get("reasoning"))
-            .and_then(|v| v.as_str())
-        {
+        if let Some(r) = reasoning_of(delta) {
             self.kept += r.len();
             self.reasoning.push_str(r);
             if !r.is_empty() {
@@ -270,7 +294,11 @@ impl StreamAccumulator {
                     self.current.get(&raw_index).copied().unwrap_or(0),
                 );
                 if let Some(existing) = self.slots.get(&slot_index) {
-                    if !id.is_empty() && !existing.id.is_empty() && existing.id != id {
+                    let another_id = !id.is_empty() && !existing.id.is_empty() && existing.id != id;
+                    if another_id
+                        || ((id.is_empty() || existing.id.is_empty())
+                            && starts_another(existing, call))
+                    {
                         // A new call reusing an index: give it a fresh slot, after the index's
                         // earlier calls and before the next index's.
                         let reuse = slot_index.1.checked_add(1).ok_or_else(|| {
@@ -428,6 +456,60 @@ mod tests {
                 ("c".to_string(), "{}".to_string()),
             ]
         );
+    }
+
+    /// Parallel calls streamed all at index 0 without ids (as some Gemini servers do) stay
+    /// apart: a fragment naming a tool with arguments, after a named call whose arguments are
+    /// whole, is another call. A name repeated with the rest of a call's arguments is not.
+    #[test]
+    fn parallel_calls_at_one_index_without_ids_stay_apart() {
+        let mut acc = StreamAccumulator::default();
+        let chunk = |name: &str, args: &str| {
+            json!({"choices":[{"index":0,"delta":{"tool_calls":[
+                {"function": {"name": name, "arguments": args}}
+            ]}}]})
+        };
+        for (name, args) in [
+            ("terminal", "{\"command\":\"ls\"}"),
+            ("clarify", "{\"question\":"),
+            ("clarify", "\"why\"}"),
+            ("terminal", "{\"command\":\"pwd\"}"),
+        ] {
+            acc.apply(&chunk(name, args)).expect("chunk");
+        }
+        let calls: Vec<(String, String, String)> = acc
+            .finish()
+            .tool_calls
+            .into_iter()
+            .map(|c| (c.id, c.function.name, c.function.arguments))
+            .collect();
+        let want =
+            |id: &str, name: &str, args: &str| (id.to_string(), name.to_string(), args.to_string());
+        assert_eq!(
+            calls,
+            [
+                want("call_0", "terminal", r#"{"command":"ls"}"#),
+                want("call_0_1", "clarify", r#"{"question":"why"}"#),
+                want("call_0_2", "terminal", r#"{"command":"pwd"}"#),
+            ]
+        );
+    }
+
+    /// Reasoning is read from whichever of `reasoning_content` and `reasoning` holds text.
+    #[test]
+    fn a_null_reasoning_content_does_not_hide_reasoning() {
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"reasoning_content":null,"reasoning":"think"}}]}))
+            .expect("a");
+        acc.apply(
+            &json!({"choices":[{"index":0,"delta":{"reasoning_content":"","reasoning":"ing"}}]}),
+        )
+        .expect("b");
+        assert_eq!(acc.finish().reasoning.as_deref(), Some("thinking"));
+        let plain = parse_response(&json!({"choices":[{"message":
+            {"content":"hi","reasoning_content":null,"reasoning":"because"},"finish_reason":"stop"}]}))
+        .expect("an answer");
+        assert_eq!(plain.reasoning.as_deref(), Some("because"));
     }
 
     /// Calls come in the order they were streamed when an index is reused after a later

@@ -36,6 +36,9 @@ pub enum Fault {
     /// An HTTP/1.0 stream delimited by the connection (no length, not chunked): this content
     /// delta if any, then a clean close, with neither a finish_reason nor `[DONE]`.
     EndsEarly(Option<String>),
+    /// An HTTP/1.0 stream delimited by the connection that closes (cleanly) halfway through
+    /// its first event's `data:` line.
+    EndsInsideEvent,
     /// The same over HTTP/1.1, with a whole answer: a framing the client does not read.
     CloseDelimited11(String),
     /// Send the head, then nothing at all (until the client gives up).
@@ -351,6 +354,13 @@ fn answer(
             if let Some(content) = content {
                 stream.write_all(delta(&content).as_bytes())?;
             }
+            stream.flush()
+        }
+        Fault::EndsInsideEvent => {
+            stream.write_all(
+                b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n",
+            )?;
+            stream.write_all(br#"data: {"choices":[{"index":0,"delta":{"content":"He"#)?;
             stream.flush()
         }
         Fault::CloseDelimited11(content) => {

@@ -600,6 +600,37 @@ async fn a_stream_that_breaks_on_every_try_is_asked_plainly_at_the_last() {
     }
 }
 
+/// A stream cut cleanly halfway through an event on every try is cut off (not a malformed
+/// answer): tried again, and asked plainly at the last try. Before, each try failed as
+/// malformed, the last streamed too, and the turn failed.
+#[actix_rt::test]
+async fn a_stream_cut_inside_an_event_on_every_try_is_asked_plainly_at_the_last() {
+    let chaos = ChaosModel::inspecting(|body, _| {
+        if body["stream"] == true {
+            Fault::EndsInsideEvent
+        } else {
+            Fault::Ok(format!("ACK_{}", last_user(body)))
+        }
+    });
+    let home = Home::new();
+    home.write_config(&config(
+        &chaos.url,
+        json!({"model": {"max_retries": 2, "stream": true}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("cut-events", &home.path).await;
+    ws.submit(&sid, "cut", "cut").await;
+    wait_until("cut", T, || home.admission("cut").status == "terminal").await;
+    assert_eq!(
+        home.admission("cut").outcome.as_deref(),
+        Some("completed"),
+        "{:?}",
+        home.admission("cut").result_json
+    );
+    assert_eq!(chaos.attempts("cut"), 3);
+}
+
 /// A stream whose body is cut short after its finish_reason (half a usage chunk, no `[DONE]`,
 /// no end of the chunked body) has answered as well. Before, the broken body failed the turn
 /// (not asked again, as the client had been shown the answer).
