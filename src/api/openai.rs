@@ -122,6 +122,38 @@ pub const ADMISSION_HEADER: &str = "x-gatehouse-admission";
 const BODY_LIMIT: usize = 16 << 20;
 /// The most messages a conversation sent whole may have (a new session starts with all of them).
 pub const MAX_MESSAGES: usize = 10_000;
+/// The most messages of every role a request may carry, counted as its body is parsed: only the
+/// system, user and assistant ones count toward [`MAX_MESSAGES`], and a 16 MiB body of some
+/// two million others (`{"role":"x"}`) was parsed whole, then each estimated as a JSON value
+/// built for it, about 1 GB for one request.
+pub const MAX_PARSED_MESSAGES: usize = 4 * MAX_MESSAGES;
+
+/// `messages`, refused as they are parsed once past [`MAX_PARSED_MESSAGES`].
+fn bounded_messages<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<ChatMessage>, D::Error> {
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<ChatMessage>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of messages")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(m) = seq.next_element::<ChatMessage>()? {
+                if out.len() == MAX_PARSED_MESSAGES {
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {MAX_PARSED_MESSAGES} messages"
+                    )));
+                }
+                out.push(m);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
+}
 
 api_object! {
     /// A message of the conversation. `content` is a string or a list of parts (`text` parts are
@@ -148,6 +180,7 @@ api_object! {
     /// session of another profile answers 409 `profile_mismatch`).
     open struct ChatCompletionRequest {
         model: Option<String>,
+        #[serde(deserialize_with = "bounded_messages")]
         messages: Vec<ChatMessage>,
         stream: Option<bool>,
         stream_options: Option<StreamOptions>,
@@ -257,6 +290,10 @@ pub struct ChatFailure {
     /// The session (and input) the refused request reached, sent as the success's headers are,
     /// so a client whose turn failed or timed out can follow it up.
     reached: Option<Box<(String, Option<String>)>>,
+    /// The request's turn ran and ended without an answer: sent again, the request would run
+    /// it again (tools and all), so clients that retry on their own are told not to
+    /// (`x-should-retry: false`, which OpenAI's SDKs heed before retrying a 409 or 5xx).
+    ended: bool,
 }
 
 impl ChatFailure {
@@ -274,6 +311,7 @@ impl ChatFailure {
         ChatFailure {
             status,
             reached: None,
+            ended: false,
             body: Box::new(ChatError {
                 error: ChatErrorDetail {
                     message: message.into(),
@@ -288,6 +326,12 @@ impl ChatFailure {
 }
 
 impl ChatFailure {
+    /// This refusal is of a turn that ran and ended (see `ended`).
+    fn ended(mut self) -> ChatFailure {
+        self.ended = true;
+        self
+    }
+
     /// This refusal came after the request reached `session` (and its input `admission`).
     fn reached(mut self, session: &str, admission: Option<&str>) -> ChatFailure {
         let admission = admission
@@ -332,6 +376,9 @@ impl ResponseError for ChatFailure {
         super::auth::refusal_headers(self.status, &mut r);
         if self.status == StatusCode::METHOD_NOT_ALLOWED {
             r.insert_header(("allow", "POST"));
+        }
+        if self.ended {
+            r.insert_header(("x-should-retry", "false"));
         }
         if let Some(reached) = &self.reached {
             r.insert_header((SESSION_HEADER, reached.0.as_str()));
@@ -699,17 +746,23 @@ fn reply_of(
                 text,
             })
         }
-        Some("failed") => Err(ChatFailure::new(
-            match result["reason"].as_str() {
-                Some("rate_limited") => StatusCode::TOO_MANY_REQUESTS,
-                _ => StatusCode::BAD_GATEWAY,
-            },
-            result["reason"].as_str().unwrap_or("failed"),
-            result["error"]
-                .as_str()
-                .unwrap_or("the turn failed")
-                .to_string(),
-        )),
+        Some("failed") => {
+            let reason = result["reason"].as_str().unwrap_or("failed");
+            let message = result["error"].as_str().unwrap_or("the turn failed");
+            Err(match reason {
+                // A model that still limits the rate after the retries: clients back off on a
+                // 429, and may send the request again.
+                "rate_limited" => ChatFailure::new(StatusCode::TOO_MANY_REQUESTS, reason, message),
+                // As OpenAI answers a conversation too long for its model: a 400 whose `code`
+                // is `context_length_exceeded`, which clients look for.
+                "context_overflow" => {
+                    let mut f = ChatFailure::new(StatusCode::BAD_REQUEST, reason, message);
+                    f.body.error.code = Some("context_length_exceeded".into());
+                    f.ended()
+                }
+                _ => ChatFailure::new(StatusCode::BAD_GATEWAY, reason, message).ended(),
+            })
+        }
         other => {
             let outcome = other.unwrap_or("unknown");
             Err(ChatFailure::new(
@@ -720,7 +773,8 @@ fn reply_of(
                     "interrupted"
                 },
                 format!("the turn ended {outcome} without an answer"),
-            ))
+            )
+            .ended())
         }
     }
 }
@@ -925,13 +979,25 @@ async fn complete(
     }
     // The prompt's size is all the parsed messages are needed for now: let go of them, rather
     // than hold a body's worth of parsed JSON (many times its size) while the turn runs.
+    // Each message's length as the JSON `{"role", "content"}` it is sent as, counted as it is
+    // written: no value is built for it.
     let prompt_tokens = {
-        let wire: Vec<Value> = body
+        #[derive(serde::Serialize)]
+        struct Wire<'a> {
+            content: Option<&'a str>,
+            role: &'a str,
+        }
+        let chars: usize = body
             .messages
             .iter()
-            .map(|m| json!({"role": m.role, "content": text_of(&m.content)}))
-            .collect();
-        tokens::estimate_request(&wire, None)
+            .map(|m| {
+                tokens::json_len(&Wire {
+                    content: m.content.as_ref().and_then(ChatContent::text),
+                    role: &m.role,
+                })
+            })
+            .sum();
+        (chars / 4) as u64
     };
     body.messages = Vec::new();
     // A `model` naming a configured profile runs the conversation under that profile.

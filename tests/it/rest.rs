@@ -1228,6 +1228,22 @@ async fn chat_completions_refuse_in_openais_shape_and_take_no_trailing_tool_resu
     let r = chat(&api, json!({"messages": history})).await;
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.body["error"]["reason"], "invalid_params", "{}", r.body);
+    // Messages that are not turns (tool results, unknown roles) count too, as they are parsed:
+    // a body of them was parsed whole, then estimated at some 700 bytes of memory each.
+    let mut others: Vec<Value> = (0..=gatehouse::api::openai::MAX_PARSED_MESSAGES)
+        .map(|_| json!({"role": "x"}))
+        .collect();
+    others.push(json!({"role": "user", "content": "behind many others"}));
+    let r = chat(&api, json!({"messages": others})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.body["error"]["reason"], "invalid_params", "{}", r.body);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("messages")),
+        "{}",
+        r.body
+    );
     assert_eq!(
         sessions(),
         before,
@@ -2368,6 +2384,17 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     let body = json!({"messages": [{"role": "user", "content": "FAIL_ONCE"}]});
     let failed = chat(&api, body.clone()).await;
     assert_eq!(failed.status, 502, "{}", failed.body);
+    // OpenAI's SDKs retry a 5xx on their own unless told not to: each retry would run the
+    // turn again.
+    assert_eq!(
+        failed
+            .headers
+            .get("x-should-retry")
+            .and_then(|v| v.to_str().ok()),
+        Some("false"),
+        "{:?}",
+        failed.headers
+    );
     let retried = chat(&api, body).await;
     assert_eq!(retried.status, 200, "{}", retried.body);
     assert_eq!(
@@ -2654,6 +2681,44 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
     assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
+    assert!(r.headers.get("x-should-retry").is_none(), "{:?}", r.headers);
+}
+
+/// A conversation too long for the model (and nothing to compress) is answered as OpenAI
+/// answers one: 400 with `code` `context_length_exceeded`, and not to be retried as it is.
+#[actix_rt::test]
+async fn a_conversation_too_long_for_the_model_is_a_400_context_length_exceeded() {
+    let model = FakeModel::start(|_| {
+        Reply::Status(
+            400,
+            json!({"error": {"message": "This model's maximum context length is 8192 tokens.",
+                             "type": "invalid_request_error", "code": "context_length_exceeded"}}),
+        )
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "too long"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.body["error"]["code"], "context_length_exceeded",
+        "{}",
+        r.body
+    );
+    assert_eq!(r.body["error"]["reason"], "context_overflow", "{}", r.body);
+    assert_eq!(
+        r.headers
+            .get("x-should-retry")
+            .and_then(|v| v.to_str().ok()),
+        Some("false"),
+        "{:?}",
+        r.headers
+    );
 }
 
 fn retry_after(r: &Resp) -> Option<&str> {
