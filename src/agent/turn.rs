@@ -802,7 +802,7 @@ impl Turn {
                 return Ok(Some(interrupted()));
             }
             // Shown with secrets masked, as the command's prompt and output are.
-            let shown = tools::redact::redact(&call.function.arguments);
+            let shown = tools::redact::redact_json_text(&call.function.arguments);
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&shown, 2000)}));
             let (result, stopped) = match self
                 .execute(&call.function.name, &call.function.arguments)

@@ -108,9 +108,64 @@ pub fn redact(text: &str) -> Cow<'_, str> {
     out
 }
 
+/// A tool call's arguments (JSON text) with the secrets of each of its strings masked, as
+/// [`redact`] masks them in the decoded string: read in the JSON text itself, the escapes
+/// (`\n`, `\"`) broke a private key's block and a quoted assignment, which were shown whole.
+/// Text that is not JSON is masked as it is; arguments with nothing to mask are kept as sent.
+pub fn redact_json_text(text: &str) -> Cow<'_, str> {
+    fn strings(v: &mut serde_json::Value, changed: &mut bool) {
+        match v {
+            serde_json::Value::String(s) => {
+                if let Cow::Owned(masked) = redact(s) {
+                    *s = masked;
+                    *changed = true;
+                }
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(|v| strings(v, changed)),
+            serde_json::Value::Object(map) => map.values_mut().for_each(|v| strings(v, changed)),
+            _ => {}
+        }
+    }
+    let Ok(mut value) = serde_json::from_str::<serde_json::Value>(text) else {
+        return redact(text);
+    };
+    let mut changed = false;
+    strings(&mut value, &mut changed);
+    if changed {
+        Cow::Owned(value.to_string())
+    } else {
+        Cow::Borrowed(text)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A secret in a tool call's JSON arguments is masked as it is in the decoded command:
+    /// a private key's block across escaped line breaks, a quoted assignment.
+    #[test]
+    fn secrets_in_json_arguments_are_masked_as_in_the_command() {
+        let key = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----";
+        for command in [
+            format!("cat > ~/.ssh/id_ed25519 <<'EOF'\n{key}\nEOF"),
+            r#"export DB_PASSWORD="hunter2hunter2""#.to_string(),
+            r#"curl -d '{"password":"hunter2hunter2"}' https://x"#.to_string(),
+        ] {
+            let args = serde_json::json!({"command": command}).to_string();
+            let shown = redact_json_text(&args);
+            assert!(!shown.contains("hunter2hunter2"), "{shown}");
+            assert!(!shown.contains("b3BlbnNzaC1rZXkt"), "{shown}");
+            let decoded: serde_json::Value = serde_json::from_str(&shown).expect("still JSON");
+            assert_eq!(decoded["command"], redact(&command).as_ref(), "{shown}");
+        }
+        let plain = r#"{"command": "ls -la"}"#;
+        assert!(matches!(redact_json_text(plain), Cow::Borrowed(t) if t == plain));
+        assert_eq!(
+            redact_json_text("not json sk-abcdefghijklmnopqrstuvwxyz"),
+            "not json sk-a…[redacted]"
+        );
+    }
 
     #[test]
     fn secrets_are_masked_and_the_rest_is_left_alone() {
