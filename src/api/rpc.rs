@@ -403,6 +403,16 @@ impl Authority {
         Ok(root)
     }
 
+    /// The root of session `id`, which the caller follows on this connection. Another
+    /// principal's session is `not_found`, as with [`Authority::owned_root`] (a refusal that
+    /// said it was not followed confirmed that it existed); the caller's own, not followed
+    /// here, is `permission_denied`.
+    async fn followed_root(&self, id: &str, caller: &Caller) -> GatewayResult<SessionRow> {
+        let root = self.owned_root(id, &caller.principal).await?;
+        Self::require_subscribed(caller, &root.id)?;
+        Ok(root)
+    }
+
     fn require_subscribed(caller: &Caller, root: &str) -> GatewayResult<()> {
         if caller.subscribed.contains_key(root) {
             Ok(())
@@ -514,8 +524,7 @@ impl Authority {
             let (root_id, known) = match caller.subscribed.get(&p.session_id) {
                 Some(sup) => (p.session_id.clone(), sup.clone()),
                 None => {
-                    let root = this.root(&p.session_id).await?;
-                    Self::require_subscribed(&caller, &root.id)?;
+                    let root = this.followed_root(&p.session_id, &caller).await?;
                     let sup = caller.subscribed.get(&root.id).cloned().flatten();
                     (root.id, sup)
                 }
@@ -644,8 +653,7 @@ impl Authority {
             "prompt.submit" => self.submit(params(p)?, caller).await,
             "prompt.receipt" => {
                 let p: AdmissionParams = params(p)?;
-                let root = self.root(&p.session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                let root = self.followed_root(&p.session_id, caller).await?;
                 let (r, a) = (root.id.clone(), p.admission_id.clone());
                 let row = self
                     .shared
@@ -656,8 +664,7 @@ impl Authority {
             }
             "prompt.cancel" => {
                 let p: AdmissionParams = params(p)?;
-                let root = self.root(&p.session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                let root = self.followed_root(&p.session_id, caller).await?;
                 let sup = self.supervisor(&root.id).await?;
                 let row = sup
                     .send(CancelQueued {
@@ -671,8 +678,7 @@ impl Authority {
             }
             "prompt.resolve_unknown" => {
                 let p: ResolveParams = params(p)?;
-                let root = self.root(&p.session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                let root = self.followed_root(&p.session_id, caller).await?;
                 let row = self
                     .resolve_unknown(&root.id, &p.admission_id, p.execution_generation)
                     .await?;
@@ -680,8 +686,7 @@ impl Authority {
             }
             "approval.respond" | "clarify.respond" | "session.interrupt" => {
                 let (session_id, change) = session_change(method, p)?;
-                let root = self.root(&session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                let root = self.followed_root(&session_id, caller).await?;
                 let sup = self.supervisor(&root.id).await?;
                 Self::send_change(&sup, change, caller).await
             }
@@ -692,8 +697,7 @@ impl Authority {
                         "last_sequence must be 0 or more".into(),
                     ));
                 }
-                let root = self.root(&p.session_id).await?;
-                Self::require_subscribed(caller, &root.id)?;
+                let root = self.followed_root(&p.session_id, caller).await?;
                 if p.limit.is_some_and(|n| n < 1) {
                     return Err(GatewayError::InvalidParams(
                         "limit must be 1 or more".into(),

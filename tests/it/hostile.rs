@@ -990,6 +990,28 @@ async fn access_control_is_per_connection_and_per_principal() {
             .map(|d| d.replace(missing, "ID")),
         "the same answer: {foreign} {none}"
     );
+    // Nor through any other method naming it: each answers as for a session that does not
+    // exist (they said `permission_denied` for the owner's, confirming that it existed).
+    for (method, extra) in [
+        ("prompt.submit", json!({"input_id": "s1", "text": "hi"})),
+        ("prompt.receipt", json!({"admission_id": "a"})),
+        ("prompt.cancel", json!({"admission_id": "a"})),
+        ("session.interrupt", json!({"execution_generation": 1})),
+        ("session.events.since", json!({"last_sequence": 0})),
+    ] {
+        let mut answers = Vec::new();
+        for id in [sid.as_str(), missing] {
+            let mut params = extra.clone();
+            params["session_id"] = json!(id);
+            let v = stranger.refused(method, params, "not_found").await;
+            answers.push(
+                v["error"]["data"]["detail"]
+                    .as_str()
+                    .map(|d| d.replace(id, "ID")),
+            );
+        }
+        assert_eq!(answers[0], answers[1], "{method}: the same answer");
+    }
     // Nor use a room the owner created: read, drive, re-create or disband it.
     let members = json!([{"profile": "default", "handle": "d"}]);
     owner
