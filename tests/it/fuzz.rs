@@ -252,11 +252,11 @@ fn sse_parser_never_panics_and_holds_only_an_unfinished_line() {
                     prop_assert!(data.len() <= bytes.len() * 3);
                 }
                 fed += chunk.len();
-                // Only the bytes after the last newline fed so far stay buffered.
+                // Only the bytes after the last line end (LF or CR) fed so far stay buffered.
                 let tail = bytes[..fed]
                     .iter()
                     .rev()
-                    .take_while(|b| **b != b'\n')
+                    .take_while(|b| **b != b'\n' && **b != b'\r')
                     .count();
                 prop_assert_eq!(p.pending_len(), tail);
             }
