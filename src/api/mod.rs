@@ -3,6 +3,7 @@
 pub mod auth;
 pub mod control;
 pub mod http;
+pub mod inbound;
 pub mod openai;
 pub mod openapi;
 pub mod rest;

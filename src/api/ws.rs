@@ -216,11 +216,18 @@ pub async fn ws_route(
         socket: req.conn_data::<ConnSocket>().cloned(),
         _slot: slot,
     };
+    let frame_size = cfg.max_frame_bytes.saturating_mul(4).max(64 * 1024);
+    // The decoder is given one frame at a time: it buffered all the socket gave, without bound.
+    let stream = super::inbound::FrameAtATime::new(stream, frame_size);
     ws::WsResponseBuilder::new(conn, &req, stream)
         .protocols(&[SUBPROTOCOL])
-        .frame_size(cfg.max_frame_bytes.saturating_mul(4).max(64 * 1024))
+        .frame_size(frame_size)
         .start()
 }
+
+/// What the heartbeat's own pings may have had acknowledged between two looks (an empty ping
+/// is 2 bytes on the wire; two may fall between looks), which says nothing of the client.
+const PINGS_ACKED: u64 = 4;
 
 /// Requests one connection may have read and not yet answered. Past it a request is refused at
 /// once (`rate_limited`) instead of queueing work (and memory) without bound for a client that
@@ -1047,12 +1054,14 @@ impl Actor for WsConnection {
             // Seen by the outbox: this connection still runs (its writer is not blocked).
             act.pending.ticks.fetch_add(1, Ordering::SeqCst);
             // A client that took in bytes since the last look is there: it may have had no
-            // chance to answer a ping queued behind a large frame it was still reading.
+            // chance to answer a ping queued behind a large frame it was still reading. Not
+            // the pings' own bytes: a client's system acknowledges those for it, so a client
+            // that was frozen, or never read, was never let go.
             let acked = act.pending.acked.load(Ordering::SeqCst);
-            if acked != act.seen_acked {
-                act.seen_acked = acked;
+            if acked.wrapping_sub(act.seen_acked) > PINGS_ACKED {
                 act.last_seen = Instant::now();
             }
+            act.seen_acked = acked;
             let close = if act.last_seen.elapsed() > act.client_timeout {
                 Some((
                     ws::CloseCode::Away,

@@ -1260,6 +1260,60 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// A client that writes frames needing no answer (pongs) as fast as it can, never reading, is
+/// held back by its own socket: the daemon reads a frame at a time, and answers the client once
+/// it has read what the socket held. Before, the frame decoder took all the socket gave, and
+/// the daemon grew at the rate the client wrote.
+#[actix_rt::test]
+async fn a_flood_of_pongs_is_read_a_frame_at_a_time() {
+    let model = FakeModel::ack_or_hang();
+    let home = Home::new();
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let pid = d.child.id();
+    let mut raw = RawWs::connect(&home.path, &d.origin());
+    let base = rss_kib(pid);
+    let pong = RawWs::masked(true, 0xA, b"");
+    let burst = pong.repeat(64 * 1024 / pong.len());
+    let flood = std::thread::spawn(move || {
+        raw.stream
+            .set_write_timeout(Some(Duration::from_millis(100)))
+            .expect("write timeout");
+        let until = std::time::Instant::now() + Duration::from_secs(3);
+        let (mut at, mut written) = (0usize, 0usize);
+        while std::time::Instant::now() < until {
+            // From where the last write stopped: the frames stay whole.
+            match raw.stream.write(&burst[at..]) {
+                Ok(n) => {
+                    written += n;
+                    at = (at + n) % burst.len();
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => panic!("the flood's write failed after {written} bytes: {e}"),
+            }
+        }
+        // The next frame starts whole.
+        if at != 0 {
+            raw.write_all(&burst[at..]);
+        }
+        (raw, written)
+    });
+    let (mut raw, written) = flood.join().expect("flood");
+    let grown = rss_kib(pid).saturating_sub(base);
+    assert!(
+        grown < 32 * 1024,
+        "the daemon grew {grown} KiB while the client wrote {written} bytes"
+    );
+    raw.text(br#"{"jsonrpc":"2.0","id":"after","method":"no.such.method"}"#);
+    let reply = raw.reply();
+    assert_eq!(reply["id"], "after", "{reply}");
+    assert_eq!(reply["error"]["code"], -32601, "{reply}");
+}
+
 #[actix_rt::test]
 async fn a_slow_consumer_is_disconnected_and_others_get_every_event() {
     const CHUNKS: usize = 4000;
@@ -1464,6 +1518,30 @@ async fn a_slow_consumer_of_large_replies_is_cut_off_at_the_byte_bound() {
     );
     let mut ws = Ws::connect(&home.path, &d.origin()).await;
     normal_request(&mut ws, &sid).await;
+}
+
+/// A client that neither reads nor answers pings (frozen, or gone without a FIN) is let go at
+/// the client timeout. Before, its system's acknowledgement of each 2-byte ping counted as
+/// the client taking in bytes, and it was kept for good.
+#[actix_rt::test]
+async fn a_client_that_never_answers_a_ping_is_let_go() {
+    let model = FakeModel::ack_or_hang();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"gateway": {"heartbeat_seconds": 0.2, "client_timeout_seconds": 2}}),
+    ));
+    let d = Daemon::start(&home);
+    let _silent = RawWs::connect(&home.path, &d.origin());
+    wait_until(
+        "the silent client is let go",
+        Duration::from_secs(20),
+        || {
+            home.log()
+                .contains("client stopped answering pings; closing")
+        },
+    )
+    .await;
 }
 
 /// Under both bounds, a consumer that stopped reading (its frames are no longer written) is
