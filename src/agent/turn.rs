@@ -1921,10 +1921,12 @@ const ONCE_ONLY_RULES: &[&str] = &[
     danger::GATEWAY_PROCESS.key,
     danger::BACKGROUND.key,
     "self_termination",
+    "kill_user_processes",
     "pipe_to_shell",
     "curl_pipe_shell",
     "shell_remote_substitution",
     "dynamic_command",
+    "dynamic_code",
 ];
 
 /// The choices a multi-select answer picks, in the order typed: numbers or labels, separated by
