@@ -145,6 +145,17 @@ impl Receipt {
         }
     }
 
+    /// The receipt a `prompt.submit` is answered with: [`Receipt::of`] without the result,
+    /// which `prompt.receipt` gives. A finished input sent again was answered with its whole
+    /// result (up to `model.max_response_bytes`), so a client sending it again many times over
+    /// without reading held that many copies in the daemon, past every bound on what a
+    /// connection holds.
+    pub fn admitted(row: &AdmissionRow, epoch: i64) -> Receipt {
+        let mut receipt = Receipt::of(row, epoch);
+        receipt.result = None;
+        receipt
+    }
+
     pub fn into_value(self) -> Value {
         // A struct of strings, numbers and values always makes a value.
         serde_json::to_value(self).unwrap_or(Value::Null)
@@ -560,10 +571,9 @@ impl Authority {
             .await?
             .ok_or(GatewayError::RuntimeDraining)?;
         let row = input.same_as(row)?;
-        Ok(CallResult::plain(Reply::Receipt(Box::new(Receipt::of(
-            &row,
-            self.shared.epoch,
-        )))))
+        Ok(CallResult::plain(Reply::Receipt(Box::new(
+            Receipt::admitted(&row, self.shared.epoch),
+        ))))
     }
 
     fn check_submit(&self, p: &SubmitParams) -> GatewayResult<()> {
@@ -608,7 +618,7 @@ impl Authority {
                     return Err(GatewayError::StorageUnavailable);
                 }
             };
-            let receipt = Reply::Receipt(Box::new(Receipt::of(&row, epoch)));
+            let receipt = Reply::Receipt(Box::new(Receipt::admitted(&row, epoch)));
             GatewayResult::Ok(CallResult::plain(receipt))
         })
     }

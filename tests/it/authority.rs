@@ -360,6 +360,10 @@ async fn submit_is_durable_idempotent_and_needs_a_subscription() {
     let again = ws.submit(&sid, "in-1", "hello").await;
     assert_eq!(again["admission_id"], first["admission_id"]);
     assert_eq!(again["status"], "terminal");
+    assert_eq!(again["outcome"], "completed");
+    // A submit is answered with a receipt, not the turn's result (prompt.receipt has it): the
+    // same finished input sent again many times over, unread, held its whole result each time.
+    assert!(again.get("result").is_none(), "{again}");
     ws.refused(
         "prompt.submit",
         json!({"session_id": sid, "input_id": "in-1", "text": "other"}),
