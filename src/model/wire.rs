@@ -11,6 +11,11 @@ pub struct ToolCall {
     #[serde(rename = "type", default = "function_type")]
     pub kind: String,
     pub function: FunctionCall,
+    /// What a provider sent with the call for itself, sent back with it as it came: Gemini's
+    /// OpenAI-compatible endpoint puts the call's thought signature there, and refuses the next
+    /// request of the turn when the call comes back without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra_content: Option<Value>,
 }
 
 fn function_type() -> String {
@@ -115,6 +120,7 @@ pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
                             .map(arguments_text)
                             .unwrap_or_default(),
                     },
+                    extra_content: c.get("extra_content").filter(|x| !x.is_null()).cloned(),
                 })
                 .collect()
         })
@@ -323,6 +329,10 @@ impl StreamAccumulator {
                     *kept += id.len();
                     slot.id = id.to_string();
                 }
+                if let Some(extra) = call.get("extra_content").filter(|x| !x.is_null()) {
+                    *kept += serde_json::to_string(extra).map_or(0, |t| t.len());
+                    slot.extra_content = Some(extra.clone());
+                }
                 if let Some(f) = call.get("function") {
                     if let Some(n) = f.get("name").and_then(|n| n.as_str()) {
                         if !n.is_empty() && slot.function.name.is_empty() {
@@ -493,6 +503,35 @@ mod tests {
                 want("call_0_2", "terminal", r#"{"command":"pwd"}"#),
             ]
         );
+    }
+
+    /// A call's `extra_content` (Gemini's thought signature) is kept, streamed or plain, and
+    /// written back with the call; a call without one is written as before.
+    #[test]
+    fn a_calls_extra_content_is_kept_and_sent_back() {
+        let extra = json!({"google": {"thought_signature": "c2lnbmF0dXJl"}});
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[
+            {"index": 0, "id": "a", "extra_content": extra, "function": {"name": "terminal", "arguments": "{\"command\":"}}]}}]}))
+            .expect("first");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[
+            {"index": 0, "function": {"arguments": "\"ls\"}"}}]}}]}))
+            .expect("rest");
+        acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[
+            {"index": 1, "id": "b", "function": {"name": "clarify", "arguments": "{}"}}]}}]}))
+            .expect("other");
+        let calls = acc.finish().tool_calls;
+        let written = serde_json::to_value(&calls).expect("calls");
+        assert_eq!(written[0]["extra_content"], extra, "{written}");
+        assert_eq!(written[0]["function"]["arguments"], r#"{"command":"ls"}"#);
+        assert!(written[1].get("extra_content").is_none(), "{written}");
+        let plain = parse_response(&json!({"choices":[{"message":{"content":null,"tool_calls":[
+            {"id": "p", "type": "function", "extra_content": extra,
+             "function": {"name": "terminal", "arguments": "{}"}}]},"finish_reason":"tool_calls"}]}))
+        .expect("an answer");
+        assert_eq!(plain.tool_calls[0].extra_content.as_ref(), Some(&extra));
+        let back: Vec<ToolCall> = serde_json::from_value(written).expect("read back");
+        assert_eq!(back, calls);
     }
 
     /// Reasoning is read from whichever of `reasoning_content` and `reasoning` holds text.
