@@ -707,6 +707,9 @@ struct Reply {
     created: i64,
     text: String,
     usage: Usage,
+    /// Why the answer ended: `length` (cut at the model's output limit, its continuations
+    /// spent) and `content_filter` (some of it withheld) as the model said; else `stop`.
+    finish_reason: &'static str,
 }
 
 /// The turn's answer, or why there is none.
@@ -744,6 +747,11 @@ fn reply_of(
                     total_tokens: prompt_tokens + completion_tokens,
                 },
                 text,
+                finish_reason: match result["finish_reason"].as_str() {
+                    Some("length") => "length",
+                    Some("content_filter") => "content_filter",
+                    _ => "stop",
+                },
             })
         }
         Some("failed") => {
@@ -792,7 +800,7 @@ fn completion(r: &Reply) -> ChatCompletion {
                 content: Some(r.text.clone()),
                 refusal: None,
             },
-            finish_reason: "stop".into(),
+            finish_reason: r.finish_reason.into(),
             logprobs: None,
         }],
         usage: r.usage.clone(),
@@ -836,7 +844,7 @@ fn chunks(r: &Reply, include_usage: bool) -> Vec<ChatCompletionChunk> {
                 role: None,
                 content: None,
             },
-            Some("stop"),
+            Some(r.finish_reason),
         ),
     ];
     if include_usage {
@@ -1417,6 +1425,7 @@ mod tests {
                 completion_tokens: 2,
                 total_tokens: 5,
             },
+            finish_reason: "stop",
         };
         let c = serde_json::to_value(completion(&r)).expect("json");
         assert_eq!(c["object"], "chat.completion");

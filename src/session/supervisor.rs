@@ -941,7 +941,8 @@ async fn settle(
         TurnOutcome::Completed { final_message } => (
             "completed",
             vec![final_message.clone()],
-            json!({"final_response": final_message.content, "completed": true}),
+            json!({"final_response": final_message.content, "completed": true,
+                   "finish_reason": final_message.finish_reason.as_deref().unwrap_or("stop")}),
         ),
         TurnOutcome::Interrupted { reason } => {
             let closing = closing_for(

@@ -2684,6 +2684,47 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     assert!(r.headers.get("x-should-retry").is_none(), "{:?}", r.headers);
 }
 
+/// An answer the model cut at its output limit (its continuations spent) says so, as
+/// OpenAI's do: `finish_reason` `length`, plain and streamed. It said `stop`, and a client
+/// checking for a truncated answer never saw one.
+#[actix_rt::test]
+async fn an_answer_cut_at_the_models_limit_finishes_with_length() {
+    let model = FakeModel::start(|_| {
+        Reply::Message(json!({"role": "assistant", "content": "part"}), "length")
+    });
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": "long answer"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.body["choices"][0]["finish_reason"], "length",
+        "{}",
+        r.body
+    );
+    assert!(
+        r.body["choices"][0]["message"]["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("part")),
+        "{}",
+        r.body
+    );
+    let streamed = chat(
+        &api,
+        json!({"stream": true, "messages": [{"role": "user", "content": "long again"}]}),
+    )
+    .await;
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    let text = streamed.body.as_str().expect("an event stream").to_string();
+    assert!(text.contains(r#""finish_reason":"length""#), "{text}");
+    assert!(!text.contains(r#""finish_reason":"stop""#), "{text}");
+}
+
 /// A conversation too long for the model (and nothing to compress) is answered as OpenAI
 /// answers one: 400 with `code` `context_length_exceeded`, and not to be retried as it is.
 #[actix_rt::test]
