@@ -975,41 +975,161 @@ pub fn is_hardline_in(
     dir: &std::path::Path,
     user_home: Option<&str>,
 ) -> Option<DangerMatch> {
-    let dir = crate::config::lexically_normal(dir);
-    let dir = dir.canonicalize().unwrap_or(dir);
     let home = user_home
         .filter(|h| h.starts_with('/'))
         .map(|h| crate::config::lexically_normal(std::path::Path::new(h)));
-    let spelled = if home.is_some_and(|h| h == dir || h.canonicalize().is_ok_and(|h| h == dir)) {
-        "~".to_string()
+    let home = home.as_deref();
+    let dir = crate::config::lexically_normal(dir);
+    // Where the command starts (a `cd` in it not read: failing safe, `cd x; rm -rf *` in the
+    // home is read as in the home)...
+    if let Some(m) = hardline_run_in(command, &dir, home) {
+        return Some(m);
+    }
+    // ...and what follows each `cd` (or `pushd`) where that moves it: `cd / && rm -rf *`,
+    // `cd ~; rm -rf ./*`, `cd .. && rm -rf *` from a project in the home. A `cd` whose target
+    // cannot be read (`$dir`, `-`, `~user`) ends the reading.
+    let commands = split_commands(command);
+    let mut here = Some(dir);
+    for (i, part) in commands.iter().enumerate() {
+        let Some(target) = cd_target(part) else {
+            continue;
+        };
+        here = here.and_then(|from| moved_to(&from, target, home));
+        let Some(now) = &here else {
+            return None;
+        };
+        let rest = commands[i + 1..].join(" ; ");
+        if let Some(m) = hardline_run_in(&rest, now, home) {
+            return Some(m);
+        }
+    }
+    None
+}
+
+/// The commands of a line, split at `;`, `&&`, `||`, `|`, `&` and line breaks (quotes are not
+/// read: a separator inside them only splits more, and each part is still checked).
+fn split_commands(command: &str) -> Vec<&str> {
+    command
+        .split([';', '&', '|', '\n'])
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect()
+}
+
+/// The target of a `cd` or `pushd` command (`None` when `command` is none); an empty target
+/// is the home.
+fn cd_target(command: &str) -> Option<&str> {
+    let mut words = command.split_whitespace();
+    let mut first = words.next()?;
+    if first == "builtin" || first == "command" {
+        first = words.next()?;
+    }
+    if first != "cd" && first != "pushd" {
+        return None;
+    }
+    // Its options (`-P`, `-L`, `--`) then the directory.
+    let target = words
+        .find(|w| !w.starts_with('-') || *w == "-")
+        .unwrap_or("");
+    Some(target.trim_matches(|c| c == '"' || c == '\''))
+}
+
+/// Where `cd target` from `from` moves to, when it can be read.
+fn moved_to(
+    from: &std::path::Path,
+    target: &str,
+    home: Option<&std::path::Path>,
+) -> Option<std::path::PathBuf> {
+    if target == "-" || target.contains(['$', '`', '*', '?', '[']) {
+        return None;
+    }
+    let to = if target.is_empty() || target == "~" {
+        home?.to_path_buf()
+    } else if let Some(rest) = target.strip_prefix("~/") {
+        home?.join(rest)
+    } else if target.starts_with('~') {
+        return None;
+    } else {
+        from.join(target)
+    };
+    Some(crate::config::lexically_normal(&to))
+}
+
+/// [`is_hardline`] of `command` run in `dir` (see [`is_hardline_in`]): a bare operand that is
+/// all of `dir` (`*`, `.`, `./`, `./*`, `.*`), or of its parent (`..`, `../`, `../*`), is read as
+/// that directory's path where it is one the never-allowed list keeps whole; and a path through
+/// `..` (`/tmp/../etc`) is read as where it leads.
+fn hardline_run_in(
+    command: &str,
+    dir: &std::path::Path,
+    home: Option<&std::path::Path>,
+) -> Option<DangerMatch> {
+    // The directory as written, and as its links lead (`/bin` may be `/usr/bin`): either kept
+    // whole keeps it.
+    let spelled_of = |d: &std::path::Path| {
+        spelled(d, home).or_else(|| d.canonicalize().ok().and_then(|c| spelled(&c, home)))
+    };
+    let mut text = command.to_string();
+    static BARE: OnceLock<Option<(Regex, Regex, Regex)>> = OnceLock::new();
+    let (bare, parent, through) = BARE
+        .get_or_init(|| {
+            Some((
+                Regex::new(r#"(^|[\s;&|(])['"]?(?:\./\*|\./?|\.\*|\*)['"]?(\s|$|[;&|)])"#).ok()?,
+                Regex::new(r#"(^|[\s;&|(])['"]?\.\.(?:/\*?)?['"]?(\s|$|[;&|)])"#).ok()?,
+                Regex::new(r"(^|\s)((?:/|~/)[^\s;&|()]*/\.\.(?:/[^\s;&|()]*)?)").ok()?,
+            ))
+        })
+        .as_ref()?;
+    for (regex, of) in [(bare, Some(dir)), (parent, dir.parent())] {
+        let Some(spelled) = of.and_then(&spelled_of) else {
+            continue;
+        };
+        // Twice: a match takes the blank after it, which the next operand needs before it.
+        for _ in 0..2 {
+            text = regex
+                .replace_all(&text, |c: &regex::Captures| {
+                    format!("{}{spelled}/*{}", &c[1], &c[2])
+                })
+                .into_owned();
+        }
+    }
+    text = through
+        .replace_all(&text, |c: &regex::Captures| {
+            let path = &c[2];
+            let (base, rest) = match path.strip_prefix("~/") {
+                Some(rest) => ("~/", rest),
+                None => ("/", &path[1..]),
+            };
+            let normal = crate::config::lexically_normal(&std::path::Path::new("/").join(rest));
+            let normal = normal.to_string_lossy();
+            let tail = normal.trim_start_matches('/');
+            match (base, tail.is_empty()) {
+                ("~/", true) => format!("{}~", &c[1]),
+                (_, true) => format!("{}/", &c[1]),
+                _ => format!("{}{base}{tail}", &c[1]),
+            }
+        })
+        .into_owned();
+    (text != command).then(|| is_hardline(&text)).flatten()
+}
+
+/// How a directory the never-allowed list keeps whole is written in its rules: `~` (the home),
+/// `` (the root: `/*` follows), `/etc` (a system directory); `None` for any other.
+fn spelled(dir: &std::path::Path, home: Option<&std::path::Path>) -> Option<String> {
+    if home.is_some_and(|h| h == dir || h.canonicalize().is_ok_and(|h| h == dir)) {
+        Some("~".to_string())
     } else if dir == std::path::Path::new("/") {
-        String::new()
+        Some(String::new())
     } else if dir.parent() == Some(std::path::Path::new("/"))
         && dir
             .file_name()
             .and_then(|n| n.to_str())
             .is_some_and(|n| SYSTEM_DIRS.contains(&n))
     {
-        dir.to_string_lossy().into_owned()
+        Some(dir.to_string_lossy().into_owned())
     } else {
-        return None;
-    };
-    static BARE: OnceLock<Option<Regex>> = OnceLock::new();
-    let bare = BARE
-        .get_or_init(|| {
-            Regex::new(r#"(^|[\s;&|(])['"]?(?:\./\*|\./?|\.\*|\*)['"]?(\s|$|[;&|)])"#).ok()
-        })
-        .as_ref()?;
-    let mut text = command.to_string();
-    // Twice: a match takes the blank after it, which the next operand needs before it.
-    for _ in 0..2 {
-        text = bare
-            .replace_all(&text, |c: &regex::Captures| {
-                format!("{}{spelled}/*{}", &c[1], &c[2])
-            })
-            .into_owned();
+        None
     }
-    (text != command).then(|| is_hardline(&text)).flatten()
 }
 
 /// Strips ANSI escape sequences and NUL characters and lowercases the text. A line
@@ -1927,6 +2047,55 @@ mod tests {
         }
         // No user home known: only `/` and the system directories.
         assert_eq!(is_hardline_in("rm -rf *", Path::new("/srv/u"), None), None);
+    }
+
+    /// A `cd` in the command moves what follows it: `cd / && rm -rf *` deletes the root's
+    /// contents wherever it starts, `cd .. && rm -rf *` from a project in the home the home's;
+    /// `..` as an operand is the parent, and a path through `..` is where it leads. They were
+    /// read as deletes in the starting directory (`recursive_delete`, which may be approved
+    /// for the session).
+    #[test]
+    fn a_cd_or_a_path_through_dot_dot_is_followed_to_what_it_deletes() {
+        use std::path::Path;
+        let home = Some("/srv/u");
+        for (command, dir, key) in [
+            ("cd / && rm -rf *", "/srv/u/proj", "rm_root"),
+            ("cd ~ && rm -rf *", "/srv/u/proj", "rm_home"),
+            ("cd; rm -rf ./*", "/srv/u/proj", "rm_home"),
+            ("cd /etc && rm -rf .", "/srv/u/proj", "rm_system_dir"),
+            ("cd .. && rm -rf *", "/srv/u/proj", "rm_home"),
+            ("cd -P / ; ls; rm -rf *", "/srv/u/proj", "rm_root"),
+            ("cd build && cd ../.. && rm -rf *", "/srv/u/proj", "rm_home"),
+            ("cd \"/\" && rm -rf *", "/srv/u/proj", "rm_root"),
+            ("rm -rf ..", "/srv/u/proj", "rm_home"),
+            ("rm -rf ../*", "/srv/u/proj", "rm_home"),
+            ("rm -rf /tmp/../etc", "/srv/u/proj", "rm_system_dir"),
+            ("rm -rf /tmp/..", "/srv/u/proj", "rm_root"),
+            ("rm -rf ~/proj/..", "/srv/u/proj", "rm_home"),
+        ] {
+            assert_eq!(
+                is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
+                Some(key),
+                "{command} in {dir}"
+            );
+        }
+        for (command, dir) in [
+            ("cd build && rm -rf *", "/srv/u/proj"),
+            ("cd /srv/u/proj/x && rm -rf *", "/srv/u/proj"),
+            ("cd $dir && rm -rf *", "/srv/u/proj"),
+            ("cd - && rm -rf *", "/srv/u/proj"),
+            ("cd / && ls", "/srv/u/proj"),
+            ("rm -rf ../build", "/srv/u/proj"),
+            ("rm -rf ..", "/srv/u/proj/a"),
+            ("rm -rf /srv/u/proj/../other", "/srv/u/proj"),
+            ("cd .. && make", "/srv/u/proj"),
+        ] {
+            assert_eq!(
+                is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
+                None,
+                "{command} in {dir}"
+            );
+        }
     }
 
     /// The shell runs what is around an escape character and joins a line continuation's
