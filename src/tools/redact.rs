@@ -3,9 +3,10 @@
 //! `cat .env` should not hand the keys it finds to all of them.
 //!
 //! What is recognised: provider and platform keys by their shape (`sk-…`, `ghp_…`,
-//! `github_pat_…`, `xox…-`, `AKIA…`, `AIza…`, this gateway's own `gk_…` keys and `gt_…`
-//! tokens), private key blocks, `Authorization: Bearer …` values, and the value of an
-//! assignment whose name says secret (`API_KEY=…`, `password: …`, `"token": "…"`). A masked value
+//! `github_pat_…`, `xox…-`, `AKIA…`, `AIza…`, `sk_live_…`, `glpat-…`, `npm_…`, `hf_…`, this
+//! gateway's own `gk_…` keys and `gt_…` tokens), private key blocks, `Authorization: Bearer …`
+//! and `Basic …` values, the password of a URL's credentials (`postgres://app:…@db`), and the
+//! value of an assignment whose name says secret (`API_KEY=…`, `password: …`, `"token": "…"`). A masked value
 //! keeps its first four characters, so a reader can still tell which key was there.
 
 use std::borrow::Cow;
@@ -21,8 +22,10 @@ struct Rules {
     tokens: Regex,
     /// Private key blocks.
     private_keys: Regex,
-    /// `Authorization: Bearer <value>`.
+    /// `Authorization: Bearer <value>` (or `Basic`).
     bearer: Regex,
+    /// `scheme://user:<password>@host`.
+    url_password: Regex,
     /// `<secret-sounding name> = <value>` (also `:`, quoted names and values).
     assignment: Regex,
 }
@@ -39,7 +42,12 @@ fn rules() -> Option<&'static Rules> {
                     r"|xox[abposr]-[A-Za-z0-9-]{10,}",
                     r"|AKIA[0-9A-Z]{16}",
                     r"|AIza[0-9A-Za-z_-]{35}",
-                    r"|g[kt]_[0-9a-f]{32,})\b",
+                    r"|g[kt]_[0-9a-f]{32,}",
+                    // Stripe's live and test keys, GitLab's, npm's and Hugging Face's tokens.
+                    r"|[rs]k_(?:live|test)_[A-Za-z0-9]{16,}",
+                    r"|glpat-[A-Za-z0-9_-]{20,}",
+                    r"|npm_[A-Za-z0-9]{36}",
+                    r"|hf_[A-Za-z0-9]{30,})\b",
                 ))
                 .ok()?,
                 // A whole block only (a lone header, in source code or grep output, is text).
@@ -47,13 +55,17 @@ fn rules() -> Option<&'static Rules> {
                     r"(?s)-----BEGIN [A-Z ]*PRIVATE KEY(?: BLOCK)?-----[A-Za-z0-9+/=:\s.,()-]*?-----END [A-Z ]*PRIVATE KEY(?: BLOCK)?-----",
                 )
                 .ok()?,
-                bearer: Regex::new(r"(?i)(\bbearer\s+)([A-Za-z0-9._~+/=-]{12,})").ok()?,
+                bearer: Regex::new(r"(?i)(\b(?:bearer|basic)\s+)([A-Za-z0-9._~+/=-]{12,})").ok()?,
+                // The password of a URL's credentials (`postgres://app:S3cr3t@db/app`).
+                url_password: Regex::new(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)([^\s@/]+)@")
+                    .ok()?,
                 // The value must look like a secret, not code: no calls, paths, generics or
                 // member access (`let token = lexer.next_token()?`, `max_tokens: Option<u64>`,
                 // `/etc/passwd:root:x:0:0`).
                 assignment: Regex::new(concat!(
                     r#"(?i)(["']?\b[A-Z0-9_-]*(?:api[_-]?key|secret|token|passw(?:or)?d|credential|private[_-]?key)"#,
-                    r#"[A-Z0-9_-]*["']?\s*[=:]\s*["']?)([A-Za-z0-9+/_~=-]{8,})($|[\s"',;])"#,
+                    // A password's symbols too (`p@ss!w0rd#2024`), not code's (`.`, `(`, `<`).
+                    r#"[A-Z0-9_-]*["']?\s*[=:]\s*["']?)([A-Za-z0-9+/_~=@!#$%^&*-]{8,})($|[\s"',;])"#,
                 ))
                 .ok()?,
             })
@@ -92,9 +104,10 @@ pub fn redact(text: &str) -> Cow<'_, str> {
     if private != out {
         out = Cow::Owned(private);
     }
-    let steps: [(&Regex, Masking); 3] = [
+    let steps: [(&Regex, Masking); 4] = [
         (&r.tokens, |c| mask(&c[0])),
         (&r.bearer, |c| format!("{}{}", &c[1], mask(&c[2]))),
+        (&r.url_password, |c| format!("{}{}@", &c[1], mask(&c[2]))),
         (&r.assignment, |c| {
             format!("{}{}{}", &c[1], mask(&c[2]), &c[3])
         }),
@@ -200,6 +213,27 @@ mod tests {
         for (input, want) in cases {
             assert_eq!(redact(input), want, "{input}");
         }
+        // Shapes that came through whole: a password with symbols, a URL's password, Basic
+        // credentials, and more providers' keys.
+        for (input, want) in [
+            ("DB_PASSWORD=p@ss!w0rd#2024", "DB_PASSWORD=p@ss…[redacted]"),
+            (
+                "DATABASE_URL=postgres://app:S3cr3tPass@db:5432/app",
+                "DATABASE_URL=postgres://app:S3cr…[redacted]@db:5432/app",
+            ),
+            (
+                "Authorization: Basic dXNlcjpwYXNzd29yZA==",
+                "Authorization: Basic dXNl…[redacted]",
+            ),
+            (
+                "STRIPE_KEY sk_live_51H8abcdefghijklmnop",
+                "STRIPE_KEY sk_l…[redacted]",
+            ),
+            ("glpat-abcdefghij0123456789", "glpa…[redacted]"),
+            ("hf_abcdefghijklmnopqrstuvwxyz012345", "hf_a…[redacted]"),
+        ] {
+            assert_eq!(redact(input), want, "{input}");
+        }
         for plain in [
             "let token = lexer.next_token()?;",
             "    max_tokens: Option<u64>,",
@@ -211,6 +245,9 @@ mod tests {
             "sk-short",
             "the password is not shown here",
             "commit 0123456789abcdef0123456789abcdef01234567",
+            "see https://example.com/docs and git@github.com:org/repo.git",
+            "ssh://git@host:22/repo",
+            "password = compute_password(&user)",
         ] {
             assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain}");
         }
