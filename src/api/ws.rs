@@ -762,6 +762,15 @@ pub fn parse_request(text: &str, max_bytes: usize) -> Result<RpcRequest, (Value,
     Ok(RpcRequest { id, method, params })
 }
 
+/// Is `text` a request object without an `id` member (a notification)? Read again only when
+/// its params were refused.
+fn is_notification(text: &str) -> bool {
+    matches!(
+        serde_json::from_str::<Envelope>(text),
+        Ok(Envelope::Object(EnvelopeFields { id: None, .. }))
+    )
+}
+
 impl WsConnection {
     /// End a connection whose API key was revoked (or whose token expired): close 1008.
     fn close_revoked(conn_id: u64, ctx: &mut ws::WebsocketContext<Self>) {
@@ -779,6 +788,9 @@ impl WsConnection {
     fn handle_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
         let request = match parse_request(text, self.max_frame) {
             Ok(r) => r,
+            // A notification (a request without an `id`) is never answered, also when its
+            // params are refused: the reply, `id: null`, would be taken for another's.
+            Err((_, GatewayError::InvalidParams(_))) if is_notification(text) => return,
             Err((reply_id, err)) => {
                 ctx.text(error_frame(reply_id, &err));
                 return;

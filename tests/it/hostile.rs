@@ -592,6 +592,9 @@ async fn hostile_frames_get_typed_errors_and_the_connection_keeps_serving() {
     // A notification (no id) gets no reply, even when it fails: the next reply is the next call's.
     ws.send_raw(json!({"jsonrpc": "2.0", "method": "no.such.method"}).to_string())
         .await;
+    // Its params refused too (a list is a JSON-RPC request's other form of params).
+    ws.send_raw(json!({"jsonrpc": "2.0", "method": "session.resume", "params": [sid]}).to_string())
+        .await;
     ws.send_raw(
         json!({"jsonrpc": "2.0", "method": "session.resume", "params": {"session_id": sid}})
             .to_string(),
