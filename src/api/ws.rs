@@ -219,10 +219,21 @@ pub async fn ws_route(
     let frame_size = cfg.max_frame_bytes.saturating_mul(4).max(64 * 1024);
     // The decoder is given one frame at a time: it buffered all the socket gave, without bound.
     let stream = super::inbound::FrameAtATime::new(stream, frame_size);
-    ws::WsResponseBuilder::new(conn, &req, stream)
+    let mut accepted = ws::WsResponseBuilder::new(conn, &req, stream)
         .protocols(&[SUBPROTOCOL])
         .frame_size(frame_size)
-        .start()
+        .start()?;
+    // The subprotocols may come on several header lines (RFC 6455 allows it), where the
+    // handshake reads only the first: the upgrade, its ticket spent, answered without the
+    // subprotocol, which a strict client refuses. It was offered (checked above): say so.
+    let protocol = actix_web::http::header::SEC_WEBSOCKET_PROTOCOL;
+    if !accepted.headers().contains_key(&protocol) {
+        accepted.headers_mut().insert(
+            protocol,
+            actix_web::http::header::HeaderValue::from_static(SUBPROTOCOL),
+        );
+    }
+    Ok(accepted)
 }
 
 /// What the heartbeat's own pings may have had acknowledged between two looks (an empty ping

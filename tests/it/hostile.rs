@@ -23,6 +23,8 @@ pub struct RawWs {
 
 pub struct Upgrade {
     pub status: u16,
+    /// The response's head (status line and headers).
+    pub head: String,
     pub body: String,
     pub stream: TcpStream,
 }
@@ -82,6 +84,7 @@ pub fn raw_upgrade(origin: &str, protocols: &[String], headers: &[(&str, &str)])
     }
     Upgrade {
         status,
+        head,
         body,
         stream,
     }
@@ -820,6 +823,28 @@ async fn hostile_upgrades_are_refused_before_the_websocket() {
     );
     // A request refused before the ticket is looked at leaves it unspent: the retry gets in.
     assert_eq!(raw_upgrade(&origin, &p(&t), &[]).status, 101);
+    // The subprotocols on two header lines (RFC 6455 allows it): the answer names ours, as
+    // when they come on one (the handshake read the first line only, and answered none).
+    for split in [true, false] {
+        let t = ticket(&home.path);
+        let up = if split {
+            raw_upgrade(
+                &origin,
+                &[format!("gatehouse-ticket.{t}")],
+                &[("Sec-WebSocket-Protocol", "gatehouse.v1")],
+            )
+        } else {
+            raw_upgrade(&origin, &p(&t), &[])
+        };
+        assert_eq!(up.status, 101, "{}", up.body);
+        assert!(
+            up.head
+                .to_ascii_lowercase()
+                .contains("\r\nsec-websocket-protocol: gatehouse.v1\r\n"),
+            "split {split}: {}",
+            up.head
+        );
+    }
     let t = ticket(&home.path);
     // The only wait: the ticket's own lifetime (3 s, which every ticket here that gets in
     // must be redeemed within, on a loaded machine too).
