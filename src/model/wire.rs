@@ -396,6 +396,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The calls of a finished stream, as (id, name, arguments).
+    fn calls_of(acc: StreamAccumulator) -> Vec<(String, String, String)> {
+        acc.finish()
+            .tool_calls
+            .into_iter()
+            .map(|c| (c.id, c.function.name, c.function.arguments))
+            .collect()
+    }
+
+    fn call(id: &str, name: &str, args: &str) -> (String, String, String) {
+        (id.to_string(), name.to_string(), args.to_string())
+    }
+
     /// `"error": null` beside an answer is no error: it was taken for one (a malformed reply),
     /// and the answered request sent again.
     #[test]
@@ -487,20 +500,12 @@ mod tests {
         ] {
             acc.apply(&chunk(name, args)).expect("chunk");
         }
-        let calls: Vec<(String, String, String)> = acc
-            .finish()
-            .tool_calls
-            .into_iter()
-            .map(|c| (c.id, c.function.name, c.function.arguments))
-            .collect();
-        let want =
-            |id: &str, name: &str, args: &str| (id.to_string(), name.to_string(), args.to_string());
         assert_eq!(
-            calls,
+            calls_of(acc),
             [
-                want("call_0", "terminal", r#"{"command":"ls"}"#),
-                want("call_0_1", "clarify", r#"{"question":"why"}"#),
-                want("call_0_2", "terminal", r#"{"command":"pwd"}"#),
+                call("call_0", "terminal", r#"{"command":"ls"}"#),
+                call("call_0_1", "clarify", r#"{"question":"why"}"#),
+                call("call_0_2", "terminal", r#"{"command":"pwd"}"#),
             ]
         );
     }
@@ -582,20 +587,12 @@ mod tests {
         ] {
             acc.apply(&chunk(c)).expect("chunk");
         }
-        let calls: Vec<(String, String, String)> = acc
-            .finish()
-            .tool_calls
-            .into_iter()
-            .map(|c| (c.id, c.function.name, c.function.arguments))
-            .collect();
-        let own =
-            |id: &str, name: &str, args: &str| (id.to_string(), name.to_string(), args.to_string());
         assert_eq!(
-            calls,
+            calls_of(acc),
             [
-                own("a", "terminal", r#"{"command":"ls"}"#),
-                own("b", "terminal", r#"{"command":"pwd"}"#),
-                own("c", "clarify", r#"{"question":"why"}"#),
+                call("a", "terminal", r#"{"command":"ls"}"#),
+                call("b", "terminal", r#"{"command":"pwd"}"#),
+                call("c", "clarify", r#"{"question":"why"}"#),
             ]
         );
     }

@@ -571,9 +571,27 @@ async fn a_stream_of_comments_only_is_asked_again_at_the_idle_timeout() {
 /// last try, and the turn completes. Before, every try streamed and the turn failed.
 #[actix_rt::test]
 async fn a_stream_that_breaks_on_every_try_is_asked_plainly_at_the_last() {
-    let chaos = ChaosModel::inspecting(|body, _| {
+    streams_failing_every_try_are_asked_plainly_at_the_last(
+        Fault::ResetBeforeBody,
+        &["one", "two"],
+    )
+    .await;
+}
+
+/// A stream cut cleanly halfway through an event on every try is cut off (not a malformed
+/// answer): tried again, and asked plainly at the last try. Before, each try failed as
+/// malformed, the last streamed too, and the turn failed.
+#[actix_rt::test]
+async fn a_stream_cut_inside_an_event_on_every_try_is_asked_plainly_at_the_last() {
+    streams_failing_every_try_are_asked_plainly_at_the_last(Fault::EndsInsideEvent, &["cut"]).await;
+}
+
+/// Each of `texts`, whose streams all fail with `fault` (a plain request is answered), completes
+/// on its third try, asked plainly.
+async fn streams_failing_every_try_are_asked_plainly_at_the_last(fault: Fault, texts: &[&str]) {
+    let chaos = ChaosModel::inspecting(move |body, _| {
         if body["stream"] == true {
-            Fault::ResetBeforeBody
+            fault.clone()
         } else {
             Fault::Ok(format!("ACK_{}", last_user(body)))
         }
@@ -586,7 +604,7 @@ async fn a_stream_that_breaks_on_every_try_is_asked_plainly_at_the_last() {
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws.session("cut-streams", &home.path).await;
-    for text in ["one", "two"] {
+    for &text in texts {
         ws.submit(&sid, text, text).await;
         wait_until(text, T, || home.admission(text).status == "terminal").await;
         assert_eq!(
@@ -598,37 +616,6 @@ async fn a_stream_that_breaks_on_every_try_is_asked_plainly_at_the_last() {
         // Two streams, then the plain one: each call streams first again.
         assert_eq!(chaos.attempts(text), 3, "{text}");
     }
-}
-
-/// A stream cut cleanly halfway through an event on every try is cut off (not a malformed
-/// answer): tried again, and asked plainly at the last try. Before, each try failed as
-/// malformed, the last streamed too, and the turn failed.
-#[actix_rt::test]
-async fn a_stream_cut_inside_an_event_on_every_try_is_asked_plainly_at_the_last() {
-    let chaos = ChaosModel::inspecting(|body, _| {
-        if body["stream"] == true {
-            Fault::EndsInsideEvent
-        } else {
-            Fault::Ok(format!("ACK_{}", last_user(body)))
-        }
-    });
-    let home = Home::new();
-    home.write_config(&config(
-        &chaos.url,
-        json!({"model": {"max_retries": 2, "stream": true}}),
-    ));
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws.session("cut-events", &home.path).await;
-    ws.submit(&sid, "cut", "cut").await;
-    wait_until("cut", T, || home.admission("cut").status == "terminal").await;
-    assert_eq!(
-        home.admission("cut").outcome.as_deref(),
-        Some("completed"),
-        "{:?}",
-        home.admission("cut").result_json
-    );
-    assert_eq!(chaos.attempts("cut"), 3);
 }
 
 /// A stream whose body is cut short after its finish_reason (half a usage chunk, no `[DONE]`,
