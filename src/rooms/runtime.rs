@@ -819,6 +819,9 @@ impl RoomRuntime {
         identity: &TaskIdentity,
         cancel_id: &str,
     ) -> Result<TaskView, RoomsError> {
+        // Whatever the task's state: a stopping or cancelled task answered a malformed id
+        // as if it were one, where a queued or running one refused it.
+        crate::store::rooms::validate_identifier("cancel_id", cancel_id)?;
         let clock = self.inner.clock.clone();
         let mut stopping = None;
         let mut last_status = None;

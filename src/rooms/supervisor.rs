@@ -1952,29 +1952,10 @@ impl RoomRuntime {
         error: PortError,
     ) {
         let task_id = attempt.identity.task_id.clone();
-        // A stop acknowledged meanwhile (a cancel answered `stopping`): nothing reached the
-        // member, so the stop is what ends the attempt (`cancelled`, as its client was told),
-        // not the failure to reach it. Should that not commit, the failure below is settled
-        // as a stopping task's would be.
-        if let Ok(task) = self.read_task(&attempt.identity).await {
-            if task.status == TaskStatus::Stopping
-                && task.execution_generation == attempt.execution_generation
-            {
-                let stopped = match self.ensure_lease(binding).await {
-                    Ok(lease) => self
-                        .complete_acknowledged_stop(binding, &lease, &task)
-                        .await
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                };
-                match stopped {
-                    Ok(()) => return,
-                    Err(e) => self.set_error(
-                        &binding.room_id,
-                        format!("task {task_id} stop before submit failed: {e}"),
-                    ),
-                }
-            }
+        // Should the stop not commit, the failure below is settled as a stopping task's
+        // would be.
+        if self.stop_before_submit(binding, attempt).await {
+            return;
         }
         let (message, _) = bound_text(&error.message, MAX_TERMINAL_ERROR_BYTES);
         let settlement = Settlement {
@@ -1988,6 +1969,41 @@ impl RoomRuntime {
         }
     }
 
+    /// A stop acknowledged while the attempt had not reached its member (a cancel answered
+    /// `stopping` while its session opened or its submit was on the way, then either failed):
+    /// nothing reached the member, so the stop is what ends the attempt (`cancelled`, as its
+    /// client was told). Whether it did.
+    async fn stop_before_submit(&self, binding: &RoomBinding, attempt: &TaskAttempt) -> bool {
+        let Ok(task) = self.read_task(&attempt.identity).await else {
+            return false;
+        };
+        if task.status != TaskStatus::Stopping
+            || task.execution_generation != attempt.execution_generation
+        {
+            return false;
+        }
+        let stopped = match self.ensure_lease(binding).await {
+            Ok(lease) => self
+                .complete_acknowledged_stop(binding, &lease, &task)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match stopped {
+            Ok(()) => true,
+            Err(e) => {
+                self.set_error(
+                    &binding.room_id,
+                    format!(
+                        "task {} stop before submit failed: {e}",
+                        attempt.identity.task_id
+                    ),
+                );
+                false
+            }
+        }
+    }
+
     async fn requeue_not_admitted(
         &self,
         binding: &RoomBinding,
@@ -1996,6 +2012,13 @@ impl RoomRuntime {
         error: PortError,
     ) {
         let task_id = attempt.identity.task_id.clone();
+        // Not admitted proves nothing reached the member: a stop acknowledged meanwhile ends
+        // the attempt. Before, the requeue (of running rows only) lost its fence to the
+        // stopping row, and nothing ended the stop: a peer, with no session to interrupt,
+        // never acknowledged it, and the room stayed blocked behind it.
+        if self.stop_before_submit(binding, attempt).await {
+            return;
+        }
         let (current, clock) = (attempt.clone(), self.inner.clock.clone());
         match self
             .inner

@@ -1820,6 +1820,40 @@ async fn a_cancel_while_an_attempt_opens_its_session_wins_over_the_opening_faili
     assert!(runtime.stop(STOP).await);
 }
 
+/// The same with a peer member whose session opening is not admitted: the stop ends the
+/// attempt. Before, the not-admitted requeue lost its fence to the stopping row, nothing
+/// completed the stop (a peer with no session acknowledges no interrupt), and the task stayed
+/// `stopping`, its room blocked behind it.
+#[tokio::test]
+async fn a_cancel_while_a_peer_attempt_is_not_admitted_ends_the_attempt() {
+    let (db, id) = one_queued_task();
+    let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
+    let mut fake = FakeSessionRpc::new(true);
+    fake.peer = true;
+    fake.create_gate = Some((reached.clone(), go.clone()));
+    lock(&fake.create_failures).push_back(crate::rooms::port::PortError::not_admitted(
+        "connection refused",
+    ));
+    let rpc = Arc::new(fake);
+    let runtime = Spec::new(&rpc).build(&db);
+    runtime.start();
+    assert!(reached.wait(Duration::from_secs(5)).await);
+    let view = runtime.cancel(&id, "c1").await.expect("cancel");
+    assert_eq!(view.status, TaskStatus::Stopping);
+    // A malformed cancel id is refused whatever the task's state (a stopping or cancelled
+    // task took it, where a queued or running one refused it).
+    assert!(runtime.cancel(&id, "bad id").await.is_err());
+    go.set();
+    wait_for("the task ended", || {
+        matches!(status(&db, &id), TaskStatus::Cancelled | TaskStatus::Failed)
+    })
+    .await;
+    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
+    assert!(runtime.cancel(&id, "bad id").await.is_err());
+    assert_eq!(rpc.count("submit"), 0);
+    assert!(runtime.stop(STOP).await);
+}
+
 #[tokio::test]
 async fn test_stop_is_bounded_and_does_not_interrupt_active_turn() {
     let (db, id) = one_queued_task();
