@@ -11,7 +11,7 @@ use serde_json::Value;
 pub const DEFAULT_CONTEXT: u64 = 128_000;
 
 /// `(len(system) + Σ len(json(msg)) + len(json(tools))) / 4`.
-pub fn estimate_request(messages: &[Value], tools: Option<&Value>) -> u64 {
+pub fn estimate_request<M: serde::Serialize>(messages: &[M], tools: Option<&Value>) -> u64 {
     let mut chars: usize = messages.iter().map(json_len).sum();
     if let Some(t) = tools {
         chars += json_len(t);
@@ -21,7 +21,7 @@ pub fn estimate_request(messages: &[Value], tools: Option<&Value>) -> u64 {
 
 /// The length of `v.to_string()`, counted as it is written instead of built: a turn estimates
 /// every request before sending it, and the whole transcript was copied into strings each time.
-pub fn json_len<T: serde::Serialize + ?Sized>(v: &T) -> usize {
+fn json_len<T: serde::Serialize + ?Sized>(v: &T) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -33,7 +33,7 @@ pub fn json_len<T: serde::Serialize + ?Sized>(v: &T) -> usize {
         }
     }
     let mut count = Count(0);
-    // A `Value` (or a struct of strings) always serializes, and the counter never fails.
+    // A `Value` (or a message of strings) always serializes, and the counter never fails.
     let _ = serde_json::to_writer(&mut count, v);
     count.0
 }

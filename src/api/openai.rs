@@ -987,25 +987,23 @@ async fn complete(
     }
     // The prompt's size is all the parsed messages are needed for now: let go of them, rather
     // than hold a body's worth of parsed JSON (many times its size) while the turn runs.
-    // Each message's length as the JSON `{"role", "content"}` it is sent as, counted as it is
-    // written: no value is built for it.
+    // Each message estimated as the JSON `{"role", "content"}` it is sent as, borrowing its
+    // text: no value is built for it.
     let prompt_tokens = {
         #[derive(serde::Serialize)]
         struct Wire<'a> {
             content: Option<&'a str>,
             role: &'a str,
         }
-        let chars: usize = body
+        let wire: Vec<Wire> = body
             .messages
             .iter()
-            .map(|m| {
-                tokens::json_len(&Wire {
-                    content: m.content.as_ref().and_then(ChatContent::text),
-                    role: &m.role,
-                })
+            .map(|m| Wire {
+                content: m.content.as_ref().and_then(ChatContent::text),
+                role: &m.role,
             })
-            .sum();
-        (chars / 4) as u64
+            .collect();
+        tokens::estimate_request(&wire, None)
     };
     body.messages = Vec::new();
     // A `model` naming a configured profile runs the conversation under that profile.

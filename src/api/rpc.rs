@@ -129,6 +129,19 @@ impl Receipt {
         } else {
             None
         };
+        Receipt::with(row, epoch, result)
+    }
+
+    /// The receipt a `prompt.submit` is answered with: [`Receipt::of`] without the result,
+    /// which `prompt.receipt` gives (nor is the stored result parsed for it). A finished input
+    /// sent again was answered with its whole result (up to `model.max_response_bytes`), so a
+    /// client sending it again many times over without reading held that many copies in the
+    /// daemon, past every bound on what a connection holds.
+    pub fn admitted(row: &AdmissionRow, epoch: i64) -> Receipt {
+        Receipt::with(row, epoch, None)
+    }
+
+    fn with(row: &AdmissionRow, epoch: i64, result: Option<Value>) -> Receipt {
         Receipt {
             admission_id: row.admission_id.clone(),
             authority_epoch: row.owner_epoch.unwrap_or(epoch),
@@ -143,17 +156,6 @@ impl Receipt {
             session_id: row.target_session_id.clone(),
             status: row.status.clone(),
         }
-    }
-
-    /// The receipt a `prompt.submit` is answered with: [`Receipt::of`] without the result,
-    /// which `prompt.receipt` gives. A finished input sent again was answered with its whole
-    /// result (up to `model.max_response_bytes`), so a client sending it again many times over
-    /// without reading held that many copies in the daemon, past every bound on what a
-    /// connection holds.
-    pub fn admitted(row: &AdmissionRow, epoch: i64) -> Receipt {
-        let mut receipt = Receipt::of(row, epoch);
-        receipt.result = None;
-        receipt
     }
 
     pub fn into_value(self) -> Value {
