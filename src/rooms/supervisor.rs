@@ -2012,13 +2012,6 @@ impl RoomRuntime {
         error: PortError,
     ) {
         let task_id = attempt.identity.task_id.clone();
-        // Not admitted proves nothing reached the member: a stop acknowledged meanwhile ends
-        // the attempt. Before, the requeue (of running rows only) lost its fence to the
-        // stopping row, and nothing ended the stop: a peer, with no session to interrupt,
-        // never acknowledged it, and the room stayed blocked behind it.
-        if self.stop_before_submit(binding, attempt).await {
-            return;
-        }
         let (current, clock) = (attempt.clone(), self.inner.clock.clone());
         match self
             .inner
@@ -2039,6 +2032,11 @@ impl RoomRuntime {
                     ),
                 );
             }
+            // The requeue takes a running row only. Not admitted proves nothing reached the
+            // member: a stop acknowledged meanwhile ends the attempt. Before, nothing ended
+            // that stop: a peer, with no session to interrupt, never acknowledged it, and the
+            // room stayed blocked behind it.
+            Err(_) if self.stop_before_submit(binding, attempt).await => {}
             Err(fence) if ended_by_disband(&fence) => tracing::debug!(
                 target: "gatehouse::rooms", room = %binding.room_id, task = %task_id, %fence,
                 "not-admitted attempt left to the room's disband"

@@ -1799,25 +1799,11 @@ async fn a_cancel_while_an_attempt_opens_its_session_is_never_followed_by_its_tu
 /// the member. The failure to open overrode it, and the task ended `failed`.
 #[tokio::test]
 async fn a_cancel_while_an_attempt_opens_its_session_wins_over_the_opening_failing() {
-    let (db, id) = one_queued_task();
-    let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
-    let mut fake = FakeSessionRpc::new(true);
-    fake.create_gate = Some((reached.clone(), go.clone()));
-    lock(&fake.create_failures).push_back(crate::rooms::port::PortError::new("profile is gone"));
-    let rpc = Arc::new(fake);
-    let runtime = Spec::new(&rpc).build(&db);
-    runtime.start();
-    assert!(reached.wait(Duration::from_secs(5)).await);
-    let view = runtime.cancel(&id, "c1").await.expect("cancel");
-    assert_eq!(view.status, TaskStatus::Stopping);
-    go.set();
-    wait_for("the task ended", || {
-        matches!(status(&db, &id), TaskStatus::Cancelled | TaskStatus::Failed)
-    })
+    a_cancel_while_the_session_opens_ends_the_attempt(
+        false,
+        crate::rooms::port::PortError::new("profile is gone"),
+    )
     .await;
-    assert_eq!(status(&db, &id), TaskStatus::Cancelled);
-    assert_eq!(rpc.count("submit"), 0);
-    assert!(runtime.stop(STOP).await);
 }
 
 /// The same with a peer member whose session opening is not admitted: the stop ends the
@@ -1826,14 +1812,26 @@ async fn a_cancel_while_an_attempt_opens_its_session_wins_over_the_opening_faili
 /// `stopping`, its room blocked behind it.
 #[tokio::test]
 async fn a_cancel_while_a_peer_attempt_is_not_admitted_ends_the_attempt() {
+    a_cancel_while_the_session_opens_ends_the_attempt(
+        true,
+        crate::rooms::port::PortError::not_admitted("connection refused"),
+    )
+    .await;
+}
+
+/// A task cancelled (`stopping`) while its attempt opens its member's session (of a peer
+/// member, or not), which then fails with `failure`, ends `cancelled` with nothing submitted;
+/// a malformed cancel id is refused while it stops and once it is cancelled.
+async fn a_cancel_while_the_session_opens_ends_the_attempt(
+    peer: bool,
+    failure: crate::rooms::port::PortError,
+) {
     let (db, id) = one_queued_task();
     let (reached, go) = (Arc::new(Event::default()), Arc::new(Event::default()));
     let mut fake = FakeSessionRpc::new(true);
-    fake.peer = true;
+    fake.peer = peer;
     fake.create_gate = Some((reached.clone(), go.clone()));
-    lock(&fake.create_failures).push_back(crate::rooms::port::PortError::not_admitted(
-        "connection refused",
-    ));
+    lock(&fake.create_failures).push_back(failure);
     let rpc = Arc::new(fake);
     let runtime = Spec::new(&rpc).build(&db);
     runtime.start();
