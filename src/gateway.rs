@@ -1105,4 +1105,60 @@ mod tests {
         assert!(e.is_permanent(), "{e}");
         assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
     }
+
+    /// A replay of an admitted input that reaches its session's supervisor once the drain has
+    /// begun (the RPC layer looked before the phase turned) is answered with its row, as one
+    /// the RPC layer sees during the drain is; other text is a conflict, a new input is refused.
+    #[actix_rt::test]
+    async fn a_replay_its_supervisor_takes_during_the_drain_gets_its_admission() {
+        use crate::error::GatewayError;
+        use crate::session::supervisor::Submit;
+        use std::os::unix::fs::PermissionsExt;
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path().join("home");
+        std::fs::create_dir(&home).expect("home");
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let gw = super::Gateway::start(home, crate::config::Config::default())
+            .await
+            .expect("start");
+        let epoch = gw.shared.epoch;
+        gw.shared
+            .db
+            .write(move |c| {
+                let new = crate::store::testing::new_session("s");
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session");
+        let sup = gw
+            .registry
+            .send(crate::session::registry::GetSupervisor("s".into()))
+            .await
+            .expect("supervisor");
+        let submit = |input_id: &str, text: &str| Submit {
+            principal: "p".into(),
+            input_id: input_id.into(),
+            text: text.into(),
+        };
+        let admitted = sup
+            .send(submit("a", "hello"))
+            .await
+            .expect("sent")
+            .expect("admitted");
+        gw.runtime.set_phase(super::RuntimePhase::Stopping);
+        let again = sup
+            .send(submit("a", "hello"))
+            .await
+            .expect("sent")
+            .expect("the replay's admission");
+        assert_eq!(again.admission_id, admitted.admission_id);
+        let other = sup.send(submit("a", "other text")).await.expect("sent");
+        assert!(
+            matches!(other, Err(GatewayError::AdmissionConflict(_))),
+            "{other:?}"
+        );
+        let new = sup.send(submit("b", "hello")).await.expect("sent");
+        assert!(matches!(new, Err(GatewayError::RuntimeDraining)), "{new:?}");
+        gw.stop().await;
+    }
 }

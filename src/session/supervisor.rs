@@ -1191,10 +1191,10 @@ impl Handler<Submit> for SessionSupervisor {
         // (one commit and one writer round trip fewer per turn; the input runs no earlier than
         // it would have, and a crash after that commit finds it `started`, as with a separate
         // claim).
-        let claim = self.running.is_none()
-            && !self.claiming
-            && !self.draining
-            && !shared.runtime.draining();
+        // Read once: a claim is only ever made with the admission's write (a drain that began
+        // between two reads would leave a claim nobody answers).
+        let runtime_draining = shared.runtime.draining();
+        let claim = self.running.is_none() && !self.claiming && !self.draining && !runtime_draining;
         if claim {
             self.claiming = true;
         }
@@ -1203,12 +1203,12 @@ impl Handler<Submit> for SessionSupervisor {
         let start_rows = if claim { self.start_read_rows() } else { 0 };
         // Queued on the writer here, in the order the inputs reached this session, not when
         // the task below is first polled (this actor's tasks are polled in no fixed order).
-        let write = (!shared.runtime.draining()).then(|| {
+        let input = admissions::Input::new(&root, &m.text);
+        let fut = if !runtime_draining {
             let epoch = shared.epoch;
             let now = shared.now();
             let max = shared.config.session.max_queued_admissions;
-            let input = admissions::Input::new(&root, &m.text);
-            shared.db.write(move |c| {
+            let write = shared.db.write(move |c| {
                 let admitted = admissions::admit_input(
                     c,
                     epoch,
@@ -1222,13 +1222,26 @@ impl Handler<Submit> for SessionSupervisor {
                 // A refused claim (an unknown row holds the FIFO) leaves the admission be.
                 let claimed = claim.then(|| claim_with_start(c, epoch, &root, now, start_rows));
                 Ok((admitted, claimed))
-            })
-        });
-        let fut = async move {
-            match write {
-                Some(write) => Ok(write.await?),
-                None => Err(GatewayError::RuntimeDraining),
+            });
+            async move { Ok(write.await?) }.left_future()
+        } else {
+            // While the runtime drains no input is admitted, but one admitted before is not
+            // new: its replay is answered with its row as at any other time (the RPC layer
+            // answers it so when it sees the drain first; a replay it handed over just before
+            // the phase turned reaches this supervisor after, and was refused).
+            let db = shared.db.clone();
+            async move {
+                let replay = db.read(move |c| {
+                    admissions::by_request(c, &root, &m.principal, &m.input_id)?
+                        .map(|row| input.same_as(row))
+                        .transpose()
+                });
+                match replay.await? {
+                    Some(row) => Ok((Logged::quiet((row, false)), None)),
+                    None => Err(GatewayError::RuntimeDraining),
+                }
             }
+            .right_future()
         };
         Box::pin(fut.into_actor(self).map(
             move |res: Result<AdmitAndClaim, GatewayError>, act, ctx| {
