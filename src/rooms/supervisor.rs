@@ -2553,9 +2553,10 @@ impl RoomRuntime {
 
     /// A human's answer (`once` or `deny`) to the approval a running task's member waits on.
     /// Only the exact attempt answered about takes it: the task must be running under
-    /// `execution_generation`, and the member's running turn must be that attempt's input (the
-    /// member's session fences its own generation in turn); anything else is
-    /// [`AnswerOutcome::Stale`] and reaches no command.
+    /// `execution_generation` (or `indeterminate` under it: recovered after its lease lapsed,
+    /// its member may still run it, and the room reports the approval it waits on), and the
+    /// member's running turn must be that attempt's input (the member's session fences its own
+    /// generation in turn); anything else is [`AnswerOutcome::Stale`] and reaches no command.
     pub async fn answer_approval(
         &self,
         identity: &TaskIdentity,
@@ -2565,7 +2566,7 @@ impl RoomRuntime {
         by: &str,
     ) -> Result<AnswerOutcome, RoomsError> {
         let task = self.read_task(identity).await?;
-        if task.status != TaskStatus::Running {
+        if !matches!(task.status, TaskStatus::Running | TaskStatus::Indeterminate) {
             return Ok(AnswerOutcome::Stale(format!(
                 "task {} is {}: none of its attempts waits on an answer",
                 identity.task_id, task.status

@@ -583,6 +583,39 @@ impl SessionPort for FakeSessionRpc {
         })
     }
 
+    /// Taken when the session runs the attempt answered about and waits on that request (as
+    /// a local member's supervisor fences it); stale otherwise.
+    fn answer(&self, answer: ApprovalAnswer) -> PortFuture<'_, AnswerOutcome> {
+        Box::pin(async move {
+            self.record(
+                "answer",
+                json!({"session_id": answer.session.session_id, "task_id": answer.task.task_id,
+                       "execution_generation": answer.execution_generation,
+                       "request_id": answer.request_id, "choice": answer.choice}),
+            );
+            let mut states = lock(&self.states);
+            let Some(state) = states.get_mut(&answer.session.session_id) else {
+                return Err(PortError::new("unknown session"));
+            };
+            let runs_it = state.active
+                && state.task_id.as_deref() == Some(answer.task.task_id.as_str())
+                && state
+                    .execution_generation
+                    .is_none_or(|g| g == answer.execution_generation);
+            let waits = state
+                .pending_approval
+                .as_ref()
+                .is_some_and(|a| a["request_id"] == answer.request_id.as_str());
+            if !(runs_it && waits) {
+                return Ok(AnswerOutcome::Stale(
+                    "not the running attempt's request".into(),
+                ));
+            }
+            state.pending_approval = None;
+            Ok(AnswerOutcome::Resolved)
+        })
+    }
+
     fn is_peer(&self) -> bool {
         self.peer
     }

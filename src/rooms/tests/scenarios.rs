@@ -12,7 +12,8 @@ use crate::clock::{ManualClock, SystemClock};
 use crate::rooms::bound::MAX_TERMINAL_TEXT_BYTES;
 use crate::rooms::config::RoomsConfig;
 use crate::rooms::port::{
-    LedgerAttempt, ProfileTurnLocks, SessionPort, TerminalReceipt, ROOM_SESSION_SOURCE,
+    AnswerOutcome, LedgerAttempt, ProfileTurnLocks, SessionPort, TerminalReceipt,
+    ROOM_SESSION_SOURCE,
 };
 use crate::rooms::runtime::{RoomBinding, RoomsError, TransportResolver};
 use crate::rooms::testing::TestDb;
@@ -1223,6 +1224,57 @@ async fn test_ambiguous_recovery_remains_indeterminate() {
     .await;
     assert!(runtime.stop(STOP).await);
     assert_eq!(rpc.count("submit"), 0);
+}
+
+/// An attempt recovered `indeterminate` (its lease lapsed mid-turn) whose member still runs it
+/// and waits on an approval: the room reports the approval for that attempt, and an answer to
+/// it reaches the member (it was refused as stale while the room advertised it); an answer
+/// naming another attempt still reaches nothing.
+#[tokio::test]
+async fn an_indeterminate_attempts_reported_approval_can_be_answered() {
+    let db = db();
+    let clock = ManualClock::new(100.0);
+    let id = identity("task-1");
+    admit_to(
+        &db,
+        &id,
+        PROFILE,
+        "Inspect the release candidate.",
+        1,
+        &clock,
+    );
+    let attempt = start_old_attempt(&db, &id, 0.2, &clock);
+    clock.set(101.0);
+    recover_elsewhere(&db, &clock);
+    let rpc = rpc(false);
+    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    lock(&rpc.states)
+        .get_mut(&session)
+        .expect("session")
+        .pending_approval = Some(json!({
+        "request_id": "approval-1",
+        "command": "rm -rf build",
+        "choices": ["once", "deny"],
+    }));
+    let hooks = Arc::new(RecordingHooks::default());
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.hooks = Some(hooks.clone());
+    let runtime = spec.build(&db);
+    runtime.process_room(&binding()).await;
+    assert_eq!(status(&db, &id), TaskStatus::Indeterminate);
+    let action = lock(&hooks.actions)
+        .iter()
+        .find_map(|(_, _, a)| a.clone())
+        .expect("the approval reported");
+    let generation = attempt.execution_generation;
+    assert_eq!(action["execution_generation"], generation);
+    let answer = |generation| runtime.answer_approval(&id, generation, "approval-1", "once", "op");
+    let other = answer(generation + 1).await.expect("answered");
+    assert!(matches!(other, AnswerOutcome::Stale(_)), "{other:?}");
+    assert_eq!(rpc.count("answer"), 0);
+    let taken = answer(generation).await.expect("answered");
+    assert!(matches!(taken, AnswerOutcome::Resolved), "{taken:?}");
+    assert_eq!(rpc.params("answer")[0]["execution_generation"], generation);
 }
 
 #[tokio::test]
