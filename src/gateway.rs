@@ -1106,13 +1106,12 @@ mod tests {
         assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
     }
 
-    /// A replay of an admitted input that reaches its session's supervisor once the drain has
-    /// begun (the RPC layer looked before the phase turned) is answered with its row, as one
-    /// the RPC layer sees during the drain is; other text is a conflict, a new input is refused.
-    #[actix_rt::test]
-    async fn a_replay_its_supervisor_takes_during_the_drain_gets_its_admission() {
-        use crate::error::GatewayError;
-        use crate::session::supervisor::Submit;
+    /// A gateway on a fresh home with session `s` (principal `p`), and that session's supervisor.
+    async fn started_with_a_session() -> (
+        crate::store::testing::tempfile_dir::TempDir,
+        super::RunningGateway,
+        actix::Addr<crate::session::supervisor::SessionSupervisor>,
+    ) {
         use std::os::unix::fs::PermissionsExt;
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
         let home = dir.path().join("home");
@@ -1135,6 +1134,17 @@ mod tests {
             .send(crate::session::registry::GetSupervisor("s".into()))
             .await
             .expect("supervisor");
+        (dir, gw, sup)
+    }
+
+    /// A replay of an admitted input that reaches its session's supervisor once the drain has
+    /// begun (the RPC layer looked before the phase turned) is answered with its row, as one
+    /// the RPC layer sees during the drain is; other text is a conflict, a new input is refused.
+    #[actix_rt::test]
+    async fn a_replay_its_supervisor_takes_during_the_drain_gets_its_admission() {
+        use crate::error::GatewayError;
+        use crate::session::supervisor::Submit;
+        let (_dir, gw, sup) = started_with_a_session().await;
         let submit = |input_id: &str, text: &str| Submit {
             principal: "p".into(),
             input_id: input_id.into(),
@@ -1159,6 +1169,60 @@ mod tests {
         );
         let new = sup.send(submit("b", "hello")).await.expect("sent");
         assert!(matches!(new, Err(GatewayError::RuntimeDraining)), "{new:?}");
+        gw.stop().await;
+    }
+
+    /// A room's stop looks for its attempt's admission after every write queued before it: an
+    /// admission whose submit answered ambiguously (its supervisor gone, its commit failed) may
+    /// still be queued on the writer, and a read on a reader that did not see it let the stop
+    /// be acknowledged (the task recorded cancelled) before the input ran.
+    #[actix_rt::test]
+    async fn a_rooms_stop_sees_an_admission_still_queued_on_the_writer() {
+        use crate::rooms::port::SessionRef;
+        use crate::session::supervisor::{GetLive, Submit};
+        let (_dir, gw, sup) = started_with_a_session().await;
+        let authority = crate::api::rpc::Authority {
+            shared: gw.shared.clone(),
+            registry: gw.registry.clone(),
+            rooms: Default::default(),
+        };
+        let port = crate::rooms::local::port(authority, std::time::Duration::from_millis(50));
+        let task =
+            crate::store::room_tasks::TaskIdentity::new("room", "t1", "th", "tu").expect("task");
+        // The writer held: the member's admission is queued behind this write.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let holding = gw.shared.db.write(move |_| {
+            let _ = held.recv();
+            Ok(())
+        });
+        let submitted = sup.send(Submit {
+            principal: crate::rooms::local::ROOMS_PRINCIPAL.into(),
+            input_id: crate::rooms::local::input_id("room", "t1", 1),
+            text: "hello".into(),
+        });
+        // Its handler has run (so its write is queued) once a later message is answered.
+        sup.send(GetLive).await.expect("live");
+        let member = SessionRef {
+            profile: "default".into(),
+            session_id: "s".into(),
+            source: crate::rooms::port::ROOM_SESSION_SOURCE.into(),
+        };
+        let mut withdraw = std::pin::pin!(port.withdraw_queued(member, task, 1));
+        // Not answered while the admission it has to see is still queued (a reader answered
+        // at once that the member never admitted the attempt).
+        let early =
+            tokio::time::timeout(std::time::Duration::from_millis(300), &mut withdraw).await;
+        assert!(
+            early.is_err(),
+            "answered before the queued admission: {early:?}"
+        );
+        release.send(()).expect("release");
+        holding.await.expect("held write");
+        let admitted = submitted.await.expect("sent").expect("admitted");
+        let withdrawn = withdraw.await.expect("withdraw");
+        // Claimed with its admission (nothing else ran): it runs, and the stop interrupts it.
+        assert_eq!(admitted.status, "started");
+        assert_eq!(withdrawn, Some(false));
         gw.stop().await;
     }
 }

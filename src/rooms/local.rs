@@ -147,7 +147,7 @@ fn ledger_of(row: &AdmissionRow) -> LedgerAttempt {
 }
 
 /// The input id of a room task's attempt: `room/<room>/<task>/<generation>`.
-fn input_id(room_id: &str, task_id: &str, generation: i64) -> String {
+pub(crate) fn input_id(room_id: &str, task_id: &str, generation: i64) -> String {
     format!("room/{room_id}/{task_id}/{generation}")
 }
 
@@ -468,8 +468,10 @@ impl SessionPort for LocalSessionPort {
         generation: i64,
     ) -> PortFuture<'_, Option<bool>> {
         Box::pin(async move {
+            // Read after every queued write: an admission whose submit answered ambiguously
+            // may still be on its way, and "never admitted" acknowledged the stop before it ran.
             let Some(row) = self
-                .attempt_row(&session, &task, (generation, false))
+                .attempt_row(&session, &task, (generation, true))
                 .await?
             else {
                 return Ok(None);
