@@ -410,14 +410,28 @@ fn default_workspace(home: &Path) -> Result<PathBuf, StartError> {
 }
 
 /// Warn when systemd would kill the daemon before its drain can finish.
+/// What a stop may take past the drain timeout at most: the terminal's stop of background
+/// processes and the HTTP server's close each get at least this much, however little of the
+/// drain timeout the turns left them.
+const TERMINAL_STOP_FLOOR: Duration = Duration::from_secs(1);
+const SERVER_STOP_FLOOR: Duration = Duration::from_millis(250);
+
+/// The longest a graceful stop takes, in seconds (what `TimeoutStopSec` has to exceed).
+fn longest_stop_seconds(config: &Config) -> f64 {
+    config.gateway.drain_timeout_seconds
+        + config.gateway.drain_grace_seconds
+        + (TERMINAL_STOP_FLOOR + SERVER_STOP_FLOOR).as_secs_f64()
+}
+
 fn check_stop_budget(config: &Config) {
-    let needed = config.gateway.drain_timeout_seconds + config.gateway.drain_grace_seconds;
+    let needed = longest_stop_seconds(config);
     match std::env::var("GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC").ok().and_then(|v| v.parse::<f64>().ok()) {
         Some(limit) if limit <= needed => tracing::warn!(
             limit,
             needed,
-            "TimeoutStopSec is not longer than gateway.drain_timeout_seconds + drain_grace_seconds: \
-             systemd may SIGKILL the daemon mid-drain (those turns would become unknown)"
+            "TimeoutStopSec is not longer than gateway.drain_timeout_seconds + drain_grace_seconds \
+             + 1.25 s (the terminal's and the server's last stops): systemd may SIGKILL the daemon \
+             mid-drain (those turns would become unknown)"
         ),
         None if std::env::var_os("INVOCATION_ID").is_some() => tracing::warn!(
             "running under systemd without GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC; cannot check TimeoutStopSec \
@@ -921,7 +935,7 @@ impl RunningGateway {
         // What the turns left running outlives them, not the gateway. Within the stop's budget:
         // the terminal thread may be held by a command's start on a mount that stopped
         // answering, and the stop then waited for it without end.
-        let left_for_terminal = left(Duration::from_secs(1));
+        let left_for_terminal = left(TERMINAL_STOP_FLOOR);
         match tokio::time::timeout(left_for_terminal, self.shared.terminal.send(StopBackground))
             .await
         {
@@ -941,7 +955,7 @@ impl RunningGateway {
         // HTTP requests still open (event streams, long polls) get what is left of the drain
         // timeout, not the server's own shutdown wait on top of it: the whole stop stays within
         // the budget systemd is told about. Those still open then end with the process.
-        if tokio::time::timeout(left(Duration::from_millis(250)), self.server.stop(true))
+        if tokio::time::timeout(left(SERVER_STOP_FLOOR), self.server.stop(true))
             .await
             .is_err()
         {
@@ -975,6 +989,18 @@ mod tests {
             panic!("a symlink to a 0755 directory was taken")
         };
         assert!(e.contains("accessible to other users"), "{e}");
+    }
+
+    /// The stop's budget counts the last stops' floors: a `TimeoutStopSec` one second past the
+    /// drain timeout and grace could SIGKILL a stop whose turns used the whole drain timeout.
+    #[test]
+    fn the_stop_budget_counts_the_terminal_and_server_floors() {
+        let mut config = crate::config::Config::default();
+        config.gateway.drain_timeout_seconds = 10.0;
+        config.gateway.drain_grace_seconds = 2.0;
+        let longest = super::longest_stop_seconds(&config);
+        assert!(longest > 13.0, "{longest}");
+        assert!((longest - 13.25).abs() < 1e-9, "{longest}");
     }
 
     /// What a restart cannot change exits 2 (the unit does not restart it); a store, a listener
