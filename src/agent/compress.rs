@@ -239,7 +239,22 @@ pub fn summary_request(
     previous_summary: Option<&str>,
     max_summary: u64,
 ) -> Value {
-    summary_request_within(model, middle, previous_summary, max_summary, usize::MAX)
+    summary_request_within(model, middle, previous_summary, max_summary, Within::WHOLE)
+}
+
+/// What a summary request may hold, in characters: its turns (the oldest are left out past
+/// this) and the earlier summaries it updates (their ends are left out past this).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Within {
+    pub turns: usize,
+    pub earlier: usize,
+}
+
+impl Within {
+    pub const WHOLE: Within = Within {
+        turns: usize::MAX,
+        earlier: usize::MAX,
+    };
 }
 
 /// How many characters a summary request's prompt has.
@@ -249,17 +264,19 @@ pub fn turn_chars(body: &Value) -> usize {
         .map_or(0, |t| t.chars().count())
 }
 
-/// [`summary_request`] whose turns take at most `max_turn_chars` characters: past that the
+/// [`summary_request`] whose turns take at most `within.turns` characters: past that the
 /// oldest are left out, and the request says so (a summary model with a smaller window than
 /// the session's refused the whole middle every time, and the session failed every turn once
-/// its own window overflowed).
+/// its own window overflowed); and whose earlier summaries take at most `within.earlier`
+/// (whole, one filled a small window by itself, and the session never compacted again).
 pub fn summary_request_within(
     model: &str,
     middle: &[NewMessage],
     previous_summary: Option<&str>,
     max_summary: u64,
-    max_turn_chars: usize,
+    within: Within,
 ) -> Value {
+    let max_turn_chars = within.turns;
     let budget = ((middle.iter().map(rough).sum::<usize>() as f64 * 0.2) as u64)
         .max(2_000)
         .min(max_summary)
@@ -333,9 +350,13 @@ pub fn summary_request_within(
     let previous = if earlier.is_empty() {
         String::new()
     } else {
+        let mut earlier = earlier.join("\n\n");
+        if let Some((cut, _)) = earlier.char_indices().nth(within.earlier) {
+            earlier.truncate(cut);
+            earlier.push_str("\n[The rest of the earlier summary did not fit the summary model.]");
+        }
         format!(
-            "An earlier summary exists; update it with the new turns rather than starting over:\n{}\n\n",
-            earlier.join("\n\n")
+            "An earlier summary exists; update it with the new turns rather than starting over:\n{earlier}\n\n"
         )
     };
     let prompt = format!(
@@ -808,7 +829,16 @@ mod tests {
             .map(|i| m("user", &format!("turn {i} {}", "x".repeat(500))))
             .collect();
         let whole = summary_request("s", &turns, None, 3_200);
-        let within = summary_request_within("s", &turns, None, 3_200, 5_000);
+        let within = summary_request_within(
+            "s",
+            &turns,
+            None,
+            3_200,
+            Within {
+                turns: 5_000,
+                earlier: usize::MAX,
+            },
+        );
         let text = |b: &Value| {
             b["messages"][0]["content"]
                 .as_str()
@@ -883,7 +913,12 @@ mod tests {
             display_kind: Some(SUMMARY_KIND.into()),
             ..Default::default()
         };
-        let body = summary_request("summary", &[earlier, m("user", "next")], None, 3_200);
+        let body = summary_request(
+            "summary",
+            &[earlier.clone(), m("user", "next")],
+            None,
+            3_200,
+        );
         let text = body["messages"][0]["content"].as_str().unwrap_or_default();
         assert!(
             text.contains("FACT_AT_5000"),
@@ -894,6 +929,23 @@ mod tests {
             !text.contains("[ASSISTANT]: [CONTEXT COMPACTION]"),
             "not a turn"
         );
+        assert!(text.contains("[USER]: next"));
+        // Within a small window it keeps its start, up to the bound, and says so.
+        let within = Within {
+            turns: usize::MAX,
+            earlier: 4_000,
+        };
+        let body = summary_request_within(
+            "summary",
+            &[earlier, m("user", "next")],
+            None,
+            3_200,
+            within,
+        );
+        let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+        assert!(text.contains(&"a".repeat(4_000)), "its start is kept");
+        assert!(!text.contains("FACT_AT_5000"), "cut at 4,000 characters");
+        assert!(text.contains("did not fit the summary model"));
         assert!(text.contains("[USER]: next"));
     }
 }

@@ -1646,21 +1646,26 @@ impl Turn {
             usize::try_from(window.saturating_sub(2 * *budget + 1_000).saturating_mul(3))
                 .unwrap_or(usize::MAX)
         };
-        // What the prompt holds besides the turns (its words, earlier summaries): read only
-        // when a window is known or named, from the prompt built with no turns.
-        let rest = || {
+        // What the prompt holds besides the turns (its words, earlier summaries at most
+        // `earlier` characters): read only when a window is known or named, from the prompt
+        // built with no turns.
+        let rest = |earlier: usize| {
             compress::turn_chars(&compress::summary_request_within(
                 &model,
                 &plan.middle,
                 None,
                 0,
-                0,
+                compress::Within { turns: 0, earlier },
             ))
         };
-        let mut within = match tokens::learned(&provider, &endpoint, &model) {
-            Some(window) => fit(window, &mut budget).saturating_sub(rest()),
-            None => usize::MAX,
-        };
+        // Within a known window the earlier summaries take half of it at most: whole, a long
+        // one left no room for any turn, and every later compaction failed.
+        let mut within = compress::Within::WHOLE;
+        if let Some(window) = tokens::learned(&provider, &endpoint, &model) {
+            let room = fit(window, &mut budget);
+            within.earlier = room / 2;
+            within.turns = room.saturating_sub(rest(within.earlier));
+        }
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
         // Keys go only to configured endpoints (the session's may be its client's choice).
@@ -1671,7 +1676,7 @@ impl Turn {
         let answered = loop {
             asked += 1;
             // No room for any turn: a summary of none would replace the middle with nothing.
-            if within == 0 {
+            if within.turns == 0 {
                 return Err(CompactError::Failed(format!(
                     "the summary model {model}'s window leaves no room for the turns to summarise"
                 )));
@@ -1696,18 +1701,25 @@ impl Turn {
                     // Always fewer than were sent (three quarters at most): a window learned
                     // already, with text denser than three characters a token, named the same
                     // window again and the same request was sent again.
-                    let rest = rest();
-                    let turns = sent.saturating_sub(rest);
+                    let rest_sent = rest(within.earlier);
+                    let turns = sent.saturating_sub(rest_sent);
                     within = match tokens::limit_in_error(&detail) {
                         Some(window) => {
                             tokens::learn(&provider, &endpoint, &model, window);
-                            fit(window, &mut budget)
-                                .saturating_sub(rest)
-                                .min(turns / 4 * 3)
+                            let room = fit(window, &mut budget);
+                            let earlier = within.earlier.min(room / 2);
+                            compress::Within {
+                                turns: room.saturating_sub(rest(earlier)).min(turns / 4 * 3),
+                                earlier,
+                            }
                         }
-                        None => turns / 2,
+                        // Half as much of each (the earlier summaries may be most of it).
+                        None => compress::Within {
+                            turns: turns / 2,
+                            earlier: within.earlier.min(rest_sent / 2),
+                        },
                     };
-                    tracing::warn!(session = %self.ctx.root_id, model = %model, chars = within,
+                    tracing::warn!(session = %self.ctx.root_id, model = %model, chars = within.turns, earlier = within.earlier,
                         "the summary request was too long for the summary model; asking with its newest turns");
                 }
                 other => break other,

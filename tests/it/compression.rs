@@ -638,6 +638,48 @@ async fn a_summary_model_with_a_smaller_window_is_asked_with_what_fits() {
     assert!(!home.children(&sid).is_empty(), "the session was compacted");
 }
 
+/// A summary model with a small window whose summaries are long: the earlier summary a later
+/// compaction has to update is cut to fit that window beside the new turns, and the session
+/// compacts again. Before, the earlier summary went whole into every later prompt, left no
+/// room for any turn ("leaves no room"), and the session never compacted again.
+#[actix_rt::test]
+async fn an_earlier_summary_is_cut_to_fit_a_small_summary_window() {
+    const SUMMARY_LIMIT: usize = 5_000;
+    let long_summary = format!("{SUMMARY} {}", "s".repeat(4_000));
+    let model = FakeModel::start(move |body| {
+        if is_summary(body) {
+            if wire_chars(body) > SUMMARY_LIMIT {
+                overflow()
+            } else {
+                Reply::Message(
+                    json!({"role": "assistant", "content": long_summary}),
+                    "stop",
+                )
+            }
+        } else {
+            ack(body)
+        }
+    });
+    let (home, _d, mut ws, sid) = pressure_session(&model, false, "small-window-twice").await;
+    let mut i = 0;
+    while lineage_of(&home, &sid) < 3 {
+        assert!(
+            i < 12,
+            "compacted {} times in {i} inputs",
+            lineage_of(&home, &sid) - 1
+        );
+        run(&mut ws, &home, &sid, i).await;
+        i += 1;
+    }
+    let asked: Vec<usize> = summaries(&model).iter().map(wire_chars).collect();
+    let last = summaries(&model).pop().expect("a summary request");
+    assert!(mentions(&last, SUMMARY), "the earlier summary is updated");
+    assert!(
+        asked.last().is_some_and(|&n| n <= SUMMARY_LIMIT),
+        "{asked:?}"
+    );
+}
+
 /// With compression turned off, an overflow error fails the turn `context_overflow`: the
 /// summary model is not asked and no child session is made. Before, only the check before a
 /// request heeded the switch, and an overflow summarised and rotated all the same.
