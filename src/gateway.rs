@@ -1138,14 +1138,23 @@ mod tests {
         super::RunningGateway,
         actix::Addr<crate::session::supervisor::SessionSupervisor>,
     ) {
+        started_with_a_session_on(crate::config::Config::default()).await
+    }
+
+    /// [`started_with_a_session`] with `config`.
+    async fn started_with_a_session_on(
+        config: crate::config::Config,
+    ) -> (
+        crate::store::testing::tempfile_dir::TempDir,
+        super::RunningGateway,
+        actix::Addr<crate::session::supervisor::SessionSupervisor>,
+    ) {
         use std::os::unix::fs::PermissionsExt;
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
         let home = dir.path().join("home");
         std::fs::create_dir(&home).expect("home");
         std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-        let gw = super::Gateway::start(home, crate::config::Config::default())
-            .await
-            .expect("start");
+        let gw = super::Gateway::start(home, config).await.expect("start");
         let epoch = gw.shared.epoch;
         gw.shared
             .db
@@ -1249,6 +1258,58 @@ mod tests {
         // Claimed with its admission (nothing else ran): it runs, and the stop interrupts it.
         assert_eq!(admitted.status, "started");
         assert_eq!(withdrawn, Some(false));
+        gw.stop().await;
+    }
+
+    /// A snapshot lists a prompt its turn has recorded open but not yet handed to the session's
+    /// supervisor: the request's event is at or before the snapshot's `last_sequence`, so a
+    /// client that reads the events after it would never see the prompt otherwise.
+    #[actix_rt::test]
+    async fn a_snapshot_lists_a_prompt_recorded_before_it_is_handed_over() {
+        use crate::session::supervisor::Submit;
+        // A model that takes the request and never answers: the turn stays running.
+        let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let mut config = crate::config::Config::default();
+        config.model.base_url = Some(format!("http://{}/v1", model.local_addr().expect("addr")));
+        let (_dir, gw, sup) = started_with_a_session_on(config).await;
+        let started = sup
+            .send(Submit {
+                principal: "p".into(),
+                input_id: "a".into(),
+                text: "hello".into(),
+            })
+            .await
+            .expect("sent")
+            .expect("admitted");
+        assert_eq!(started.status, "started");
+        let generation = started.execution_generation.expect("generation");
+        // What a turn commits before it hands the prompt over (`RegisterPrompt`).
+        let (epoch, admission) = (gw.shared.epoch, started.admission_id.clone());
+        let events = gw
+            .shared
+            .db
+            .write(move |c| {
+                let payload = serde_json::json!({"kind": "clarify", "prompt_id": "q1",
+                    "question": "which?", "execution_generation": generation});
+                crate::store::prompts::record_open(
+                    c, epoch, "q1", "s", &admission, generation, "clarify", &payload, 2.0,
+                )
+            })
+            .await
+            .expect("recorded open");
+        let authority = crate::api::rpc::Authority {
+            shared: gw.shared.clone(),
+            registry: gw.registry.clone(),
+            rooms: Default::default(),
+        };
+        let snap = authority.snapshot("s").await.expect("snapshot");
+        assert!(
+            snap["last_sequence"].as_i64() >= Some(events[0].seq),
+            "{snap}"
+        );
+        let prompts = snap["prompts"].as_array().cloned().unwrap_or_default();
+        assert_eq!(prompts.len(), 1, "{snap}");
+        assert_eq!(prompts[0]["prompt_id"], "q1");
         gw.stop().await;
     }
 }

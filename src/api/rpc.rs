@@ -24,6 +24,7 @@ use crate::session::Shared;
 use crate::store::admissions::{self, hex, AdmissionRow};
 use crate::store::events;
 use crate::store::messages::{self, MessageRow};
+use crate::store::prompts as prompt_store;
 use crate::store::sessions::{self, NewSession, SessionRow};
 use crate::tools::KNOWN_TOOLS;
 
@@ -1068,7 +1069,10 @@ impl Authority {
         // not hold. (The head was the supervisor's count of events sent, read after the
         // transcript: a turn that settled in between was counted, and its reply was in neither
         // the snapshot nor the events after it.)
-        let (root, msgs, pending, head) = self
+        // The open prompts too: listed from the supervisor's memory, a prompt whose request was
+        // committed (and counted in the head) before the turn handed it over was in neither the
+        // snapshot nor the events after it, and its client never saw it.
+        let (root, msgs, pending, prompts, head) = self
             .shared
             .db
             .read(move |c| {
@@ -1076,11 +1080,29 @@ impl Authority {
                     let root = sessions::root_of(c, &id)?;
                     let msgs = messages::live(c, &root.tip_session_id)?;
                     let pending = admissions::pending(c, &root.id)?;
+                    let prompts = match pending.iter().find(|(r, _)| r.status == "started") {
+                        Some((r, _)) => {
+                            let generation = r.execution_generation.unwrap_or_default();
+                            prompt_store::open_of_attempt(c, &r.admission_id, generation)?
+                        }
+                        None => Vec::new(),
+                    };
                     let head = crate::store::events::head(c, &root.id)?;
-                    Ok::<_, crate::error::StoreError>((root, msgs, pending, head))
+                    Ok::<_, crate::error::StoreError>((root, msgs, pending, prompts, head))
                 })
             })
             .await?;
+        let prompts: Vec<Value> = prompts
+            .iter()
+            .filter_map(|p| match serde_json::from_str(&p.payload_json) {
+                Ok(payload) => Some(payload),
+                Err(e) => {
+                    tracing::error!(session = %root.id, prompt = %p.prompt_id, error = %e,
+                        "an open prompt's JSON does not read back: left out of the snapshot");
+                    None
+                }
+            })
+            .collect();
         let sup = self.supervisor(&root.id).await?;
         let live = sup
             .send(GetLive)
@@ -1093,7 +1115,7 @@ impl Authority {
             "messages": msgs.iter().map(message_view).collect::<Vec<_>>(),
             "message_count": msgs.len(),
             "pending": pending.iter().map(|r| pending_view(r, epoch)).collect::<Vec<_>>(),
-            "prompts": live.prompts,
+            "prompts": prompts,
             "execution_generation": root.runtime_generation,
             "running": live.running.is_some(),
             "authority_epoch": epoch,

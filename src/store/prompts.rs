@@ -219,6 +219,23 @@ fn ended_before(
         .into_boxed()
 }
 
+/// The prompts of attempt `generation` of admission `admission_id` still open (none resolved),
+/// by prompt id: what a snapshot read in the same transaction as the log's head lists, so a
+/// prompt is either in it or settled by an event after that head.
+pub fn open_of_attempt(
+    conn: &mut SqliteConnection,
+    admission_id: &str,
+    generation: i64,
+) -> Result<Vec<PromptRow>, StoreError> {
+    Ok(prompts::table
+        .filter(prompts::admission_id.eq(admission_id))
+        .filter(prompts::execution_generation.eq(generation))
+        .filter(prompts::resolved_at.is_null())
+        .order(prompts::prompt_id.asc())
+        .select(PromptRow::as_select())
+        .load(conn)?)
+}
+
 pub fn for_session(
     conn: &mut SqliteConnection,
     session_id: &str,
