@@ -93,6 +93,14 @@ pub fn plan(
     })
 }
 
+/// Can a summary of `plan`'s middle win room: is the middle larger than the least a summary
+/// takes (its prefix, as a message of its own)? A smaller one (a short answer between the head
+/// and the latest user message) is replaced by a longer message, whatever the summary says.
+pub fn summary_can_shrink(plan: &Plan) -> bool {
+    let least = NewMessage::text("assistant", format!("{SUMMARY_PREFIX}\n\n"));
+    plan.middle.iter().map(rough).sum::<usize>() > rough(&least)
+}
+
 /// Is `m` an earlier summary: stored as its own message, or merged into the message it was put
 /// before (which then starts with [`SUMMARY_PREFIX`])?
 fn is_summary(m: &NewMessage) -> bool {
@@ -695,6 +703,27 @@ mod tests {
         }
         let p = plan(&t, 3, 2, 0).expect("a plan");
         assert!(p.middle.len() > 1, "{p:?}");
+    }
+
+    /// A middle no larger than a summary's prefix is not worth a summary: any summary of it
+    /// is longer.
+    #[test]
+    fn a_middle_smaller_than_a_summary_is_not_worth_one() {
+        let t = vec![
+            m("user", "hi"),
+            m("assistant", "ACK"),
+            m("user", "run tests"),
+            call("a"),
+            result("a"),
+        ];
+        let p = plan(&t, 1, 2, 0).expect("a plan");
+        assert_eq!(p.middle, vec![m("assistant", "ACK")]);
+        assert!(!summary_can_shrink(&p));
+        let long = Plan {
+            middle: vec![m("assistant", &"a".repeat(2000))],
+            ..p
+        };
+        assert!(summary_can_shrink(&long));
     }
 
     /// A summary merged into the message after it counts as a summary: alone in the middle, it

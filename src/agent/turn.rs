@@ -210,10 +210,10 @@ struct Turn {
     /// summary): a preflight clears again only once the turn has added `2 × protect_last_n`
     /// messages since (each one committed a copy of the whole transcript: one per tool round).
     cleared_at: Option<usize>,
-    /// Compactions of this turn that only cleared old tool output: at most
-    /// `compression.max_attempts`, as summaries are (each commits a copy of the whole
-    /// transcript, a new child session by default: a turn of many tool rounds made one every
-    /// few rounds, some forty in one turn).
+    /// Compactions of this turn that only cleared old tool output: with the summaries asked
+    /// for, at most `compression.max_attempts` (each commits a copy of the whole transcript, a
+    /// new child session by default: a turn of many tool rounds made one every few rounds, some
+    /// forty in one turn; counted apart from the summaries, a turn still made twice as many).
     clears: u32,
     /// A question of this turn (an approval, a clarify) timed out unanswered.
     unanswered: bool,
@@ -297,6 +297,12 @@ impl Turn {
         };
         turn.transcript = transcript;
         Ok(turn)
+    }
+
+    /// The compactions of this turn so far, of both kinds: summaries asked for and clears of
+    /// old tool output. `compression.max_attempts` bounds them together.
+    fn compactions(&self) -> u32 {
+        self.compressions.saturating_add(self.clears)
     }
 
     /// Interrupted, or the gateway's drain has begun (whose interrupt is on its way).
@@ -460,7 +466,7 @@ impl Turn {
                 && retry
                     .nothing_to_compact_at
                     .is_none_or(|len| self.transcript.len() > len)
-                && self.compressions < max_compressions
+                && self.compactions() < max_compressions
                 && (reported.is_some_and(|r| r >= threshold)
                     || tokens::estimate_request(&wire, tools.as_ref()) >= threshold)
                 && self.transcript.len()
@@ -502,11 +508,11 @@ impl Turn {
                             reason: "context_overflow",
                         });
                     }
-                    if self.compressions >= max_compressions {
+                    if self.compactions() >= max_compressions {
                         return Ok(TurnOutcome::Failed {
                             error: format!(
                                 "context_overflow: max compression attempts ({}) reached; the conversation does not fit the model",
-                                self.compressions
+                                self.compactions()
                             ),
                             reason: "context_overflow",
                         });
@@ -1602,11 +1608,14 @@ impl Turn {
         let c = &cfg.compression;
         let tail_budget = (threshold as f64 * 0.2) as usize;
         let pruned = compress::clear_old_tool_output(&self.transcript, c.protect_last_n);
+        // A middle no larger than a summary (a short answer between the head and the latest
+        // user message) is not summarised: the summary would make the transcript longer.
         let plan = compress::plan(&pruned, c.protect_first_n, c.protect_last_n, tail_budget)
-            .filter(|_| summarise);
+            .filter(|p| summarise && compress::summary_can_shrink(p));
         let Some(plan) = plan else {
-            // Nothing to summarise (too few messages, or only an earlier summary), but old tool
-            // output cleared is still room won: kept, without a summary request.
+            // Nothing to summarise (too few messages, only an earlier summary, or a middle too
+            // small), but old tool output cleared is still room won: kept, without a summary
+            // request.
             let cleared = pruned.len() == self.transcript.len()
                 && pruned
                     .iter()
@@ -1615,7 +1624,12 @@ impl Turn {
             let recently = self
                 .cleared_at
                 .is_some_and(|at| self.transcript.len() < at + 2 * c.protect_last_n.max(1));
-            if cleared && !(preflight && recently) && self.clears < c.max_attempts {
+            if cleared && !(preflight && recently) && self.compactions() < c.max_attempts {
+                // A stop that began since the loop's last look commits nothing, as a summary's
+                // does not: a child session made after it is a change it did not allow.
+                if self.cancelled() {
+                    return Err(CompactError::interrupted());
+                }
                 self.commit_compacted(pruned, self.system.clone()).await?;
                 self.clears += 1;
                 self.cleared_at = Some(self.transcript.len());
@@ -1790,11 +1804,20 @@ impl Turn {
 
     /// Commit `compacted` as the live transcript (with `system`): in place, or rotated into a
     /// child session, as the config says; one transaction, fenced by epoch and generation.
+    /// `Nothing` when it is not smaller than the transcript it replaces (a summary longer than
+    /// the turns it summarised): committed, it made the transcript grow, in a new child session.
     async fn commit_compacted(
         &mut self,
         compacted: Vec<NewMessage>,
         system: String,
     ) -> Result<(), CompactError> {
+        let size = |system: &str, t: &[NewMessage]| {
+            tokens::estimate_request(&transcript::wire_messages(Some(system), t), None)
+        };
+        if size(&system, &compacted) >= size(&self.system, &self.transcript) {
+            tracing::info!(session = %self.ctx.root_id, "the compaction would not shrink the transcript; not committed");
+            return Err(CompactError::Nothing);
+        }
         let c = &self.ctx.shared.config.compression;
         let compaction = Compaction {
             root_id: self.ctx.root_id.clone(),
@@ -1850,7 +1873,8 @@ enum CompactError {
     /// Boxed: a stop can carry a whole turn outcome, many times the size of the failure's text.
     Stop(Box<Stop>),
     Failed(String),
-    /// No middle to summarise and no old tool output to clear (no summary was asked for).
+    /// No middle to summarise and no old tool output to clear (no summary was asked for), or
+    /// a compaction that would not have shrunk the transcript (not committed).
     Nothing,
 }
 

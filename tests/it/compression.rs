@@ -148,11 +148,13 @@ async fn reported_usage_after_a_tool_round_compacts_before_the_next_request() {
             "stop",
         )
     });
-    // The estimate of this short conversation is far under the threshold.
+    // The estimate of this short conversation is far under the threshold (its turns long
+    // enough that their summary is shorter than they are).
     let (home, _d, mut ws, sid) = tool_session(&model, 20_000, (1, 2), "reported").await;
     for i in 0..3 {
         let id = format!("S{i}");
-        ws.submit(&sid, &id, &id).await;
+        ws.submit(&sid, &id, &format!("{id} {}", "s".repeat(400)))
+            .await;
         wait_until(&id, T, || home.admission(&id).status == "terminal").await;
     }
     assert!(summaries(&model).is_empty(), "nothing compacted yet");
@@ -995,7 +997,7 @@ async fn a_summary_is_not_summarised_again_when_nothing_new_can_be_compacted() {
     let sid = ws.toolless("no-progress", &home.path).await;
     for i in 0..6 {
         let id = format!("M{i}");
-        ws.submit(&sid, &id, &format!("M{i} {}", "m".repeat(100)))
+        ws.submit(&sid, &id, &format!("M{i} {}", "m".repeat(200)))
             .await;
     }
     ws.submit(&sid, "BOOM", "BOOM overflowing input").await;
@@ -1385,6 +1387,115 @@ async fn clearing_old_tool_output_is_bounded_per_turn() {
     }
 }
 
+/// Summaries and clears of old tool output together are at most `compression.max_attempts`
+/// (3) in a turn: each commits a copy of the whole transcript (a new child session). Counted
+/// apart, a turn summarised once, then cleared three times: five sessions for one turn.
+#[actix_rt::test]
+async fn summaries_and_clears_together_are_bounded_per_turn() {
+    let model = many_rounds_model(24, 2000, usize::MAX);
+    // With one message protected at the head, `HI`'s long answer is the middle of the first
+    // compaction (a summary); after it, only the summary is left to summarise, and old tool
+    // output is cleared instead.
+    let (home, _d, mut ws, sid) = tool_session(&model, 1000, (1, 2), "bounded-together").await;
+    hi_then_many(&home, &mut ws, &sid).await;
+    assert_eq!(summaries(&model).len(), 1, "one summary, then clears");
+    let lineage = lineage_of(&home, &sid);
+    // The root and a child for each of at most three compactions, of both kinds.
+    assert!(
+        (2..=4).contains(&lineage),
+        "{lineage} sessions in the lineage"
+    );
+    for body in main_requests(&model) {
+        well_formed(&body).expect("well-formed request");
+    }
+}
+
+/// A compaction that would not shrink the transcript is not made: with the latest user message
+/// right after a one-message middle (a short answer), a summary would replace three characters
+/// with a longer message. Before, the summary was asked for, the longer transcript committed
+/// as a new child session, and an attempt used.
+#[actix_rt::test]
+async fn a_compaction_that_cannot_shrink_the_transcript_is_not_made() {
+    let model = hi_then_tests_model("ACK".into(), SUMMARY.into());
+    // `hi`, `ACK` and `run tests` are under the threshold; the tool's output passes it.
+    let (home, _d, mut ws, sid) = tool_session(&model, 4000, (1, 2), "no-shrink").await;
+    hi_then_tests(&home, &mut ws, &sid).await;
+    let last = main_requests(&model).last().cloned().expect("a request");
+    assert!(after_tool(&last), "the request after the tool round");
+    assert!(
+        tokens_of(&last) >= 4000,
+        "the tool round passed the threshold: {}",
+        tokens_of(&last)
+    );
+    assert!(
+        summaries(&model).is_empty(),
+        "no summary of `ACK` asked for"
+    );
+    assert_eq!(lineage_of(&home, &sid), 1, "no child session committed");
+    assert!(!mentions(&last, SUMMARY));
+}
+
+/// A summary longer than the turns it replaces is not committed: the transcript would grow.
+/// Before, it was, as a new child session.
+#[actix_rt::test]
+async fn a_summary_longer_than_what_it_replaces_is_not_committed() {
+    let model = hi_then_tests_model(
+        format!("ACK {}", "a".repeat(400)),
+        format!("{SUMMARY} {}", "s".repeat(4000)),
+    );
+    let (home, _d, mut ws, sid) = tool_session(&model, 4000, (1, 2), "longer-summary").await;
+    hi_then_tests(&home, &mut ws, &sid).await;
+    assert_eq!(summaries(&model).len(), 1, "the answer was worth a summary");
+    assert_eq!(lineage_of(&home, &sid), 1, "no child session committed");
+    let last = main_requests(&model).last().cloned().expect("a request");
+    assert!(!mentions(&last, SUMMARY));
+}
+
+/// A model that answers `hi` with `hi_answer`, `run tests` with a terminal call whose output
+/// is 20,000 characters (then `DONE`), and summaries with `summary`.
+fn hi_then_tests_model(hi_answer: String, summary: String) -> FakeModel {
+    FakeModel::start(move |body| {
+        if is_summary(body) {
+            return Reply::Message(json!({"role": "assistant", "content": summary}), "stop");
+        }
+        let text = last_user(body);
+        if text == "run tests" && !after_tool(body) {
+            return Reply::Message(
+                tool_call(
+                    "call_tests",
+                    "terminal",
+                    json!({"command": "head -c 20000 /dev/zero | tr '\\0' x"}),
+                ),
+                "tool_calls",
+            );
+        }
+        let content = if text == "hi" {
+            hi_answer.as_str()
+        } else {
+            "DONE"
+        };
+        Reply::Message(json!({"role": "assistant", "content": content}), "stop")
+    })
+}
+
+/// `hi`, then `run tests`, each completed.
+async fn hi_then_tests(home: &Home, ws: &mut Ws, sid: &str) {
+    for (id, text) in [("HI", "hi"), ("TESTS", "run tests")] {
+        ws.submit(sid, id, text).await;
+        wait_until(id, T, || home.admission(id).status == "terminal").await;
+        assert_eq!(
+            home.admission(id).outcome.as_deref(),
+            Some("completed"),
+            "{id}"
+        );
+    }
+}
+
+/// A request's estimate: a quarter of its messages' characters.
+fn tokens_of(body: &Value) -> usize {
+    wire_chars(body) / 4
+}
+
 /// A turn that finds nothing to compact at first (its calls and their results cannot be split,
 /// and the user message heads the transcript) compacts once it has grown: before, the first
 /// "nothing to compact" ended preflight compaction for the rest of the turn, and a turn of many
@@ -1436,7 +1547,7 @@ async fn a_turn_with_nothing_to_compact_at_first_compacts_once_it_has_grown() {
 }
 
 /// A summary model that ignores its budget does not fill the transcript: its summary is cut at
-/// sixteen characters a token of the budget (3,200 tokens at a 64K window), saying so. Before,
+/// sixteen characters a token of the budget (400 tokens at an 8K window), saying so. Before,
 /// a 7 MB summary was kept whole and every later turn overflowed.
 #[actix_rt::test]
 async fn an_oversized_summary_is_cut_to_its_budget() {
@@ -1447,7 +1558,15 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
         }
         ack(body)
     });
-    let (home, _d, mut ws, sid) = pressure_session(&model, false, "huge-summary").await;
+    // A window small enough that the summary, cut to its budget, is still shorter than the
+    // turns it replaces (a longer one is not committed).
+    let home = Home::new();
+    let mut cfg = pressure_config(&model.url, false);
+    merge(&mut cfg, json!({"model": {"context_length": 8000}}));
+    home.write_config(&cfg);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("huge-summary", &home.path).await;
     for i in 0..4 {
         run(&mut ws, &home, &sid, i).await;
     }
@@ -1460,7 +1579,7 @@ async fn an_oversized_summary_is_cut_to_its_budget() {
         .expect("the summary");
     // The budget's characters, and the frame the summary is kept in.
     assert!(
-        (3_200 * 16..3_200 * 16 + 4_000).contains(&summary.len()),
+        (400 * 16..400 * 16 + 4_000).contains(&summary.len()),
         "{} chars",
         summary.len()
     );
