@@ -1580,10 +1580,28 @@ impl Turn {
                     (Ok(Asked::Answered(answer)), Ok(()))
                 }
             }
-            Err(e) if self.cancelled() || e.is_stale() => {
+            Err(e) if e.is_stale() => {
                 tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
                     "an answer came to an attempt that no longer runs: not acted on");
                 (Ok(Asked::Cancelled), Err(GatewayError::from(e)))
+            }
+            // Not recorded, and the attempt is stopping meanwhile: the answerer is told the
+            // attempt is being stopped (not `storage_unavailable`, which asks for the answer
+            // again), and the prompt is closed as the stop ends it. It was left open, taken out
+            // of the supervisor's table already, and shown pending until the next start.
+            Err(e) if self.cancelled() => {
+                tracing::info!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
+                    "an answer could not be recorded as its attempt stopped: not acted on");
+                let cancel = *self.ctx.cancel.borrow();
+                let stopping = self.ctx.shared.runtime.turns_stopping();
+                let ended = stop_resolution(cancel, stopping).unwrap_or("interrupted");
+                self.close_prompt(prompt_id, ended).await;
+                (
+                    Ok(Asked::Cancelled),
+                    Err(GatewayError::StaleGeneration(format!(
+                        "generation {generation} is being interrupted"
+                    ))),
+                )
             }
             Err(e) => {
                 tracing::error!(session = %self.ctx.root_id, generation, prompt = %prompt_id, error = %e,
