@@ -265,10 +265,10 @@ impl Turn {
             None => {
                 // Sessions made before the prompt was built at creation.
                 let s = system_prompt_for(&ctx.shared, &root.cwd, &root.profile);
-                let (id, text) = (tip_row.id.clone(), s.clone());
+                let (id, text, epoch) = (tip_row.id.clone(), s.clone(), ctx.shared.epoch);
                 ctx.shared
                     .db
-                    .write(move |c| sessions::set_system_prompt(c, &id, &text))
+                    .write(move |c| sessions::set_system_prompt(c, epoch, &id, &text))
                     .await?;
                 s
             }

@@ -693,13 +693,13 @@ where
                 // A refusal read from the batch's own writes (a conflict with an admission made
                 // earlier in it, a claim or cancel that found a row it changed) is not true once
                 // the batch is rolled back: answered as the storage failure it is, so the caller
-                // tries again instead of taking a refusal for a state that never was. What holds
-                // whatever the batch did (another process's epoch, bad input, the store's own
-                // errors) is answered as it is.
+                // tries again instead of taking a refusal for a state that never was (a session
+                // request reusing a request id taken earlier in it, too). What holds whatever
+                // the batch did (another process's epoch, the store's own errors) is answered
+                // as it is.
                 (
                     Err(
                         e @ (StoreError::StaleEpoch
-                        | StoreError::InvalidParams(_)
                         | StoreError::CorruptPolicy(_)
                         | StoreError::Database(_)
                         | StoreError::Pool(_)
@@ -1243,6 +1243,13 @@ pub fn spawn_checkpointer(
             loop {
                 std::thread::sleep(every);
                 let Some(wal) = state.upgrade() else {
+                    // This thread's handle on the pool goes before its own descriptor of the
+                    // database file (the connections close with the pool's last handle):
+                    // closing any descriptor of a file drops every POSIX lock the process holds
+                    // on it, SQLite's included, and another process (a backup) could then take
+                    // the database for unused and delete the WAL under open connections.
+                    drop(pool);
+                    drop(file);
                     return;
                 };
                 // Read before the round: every commit counted is in the WAL it checkpoints.
@@ -2363,7 +2370,53 @@ mod wal_restart_tests {
         assert_eq!(rows, Vec::<i64>::new(), "nothing of the batch committed");
     }
 
-    /// The tables of the batch tests: `t`, and `doom`, whose every insert rolls the whole
+    /// A session request refused for reusing a request id that an earlier write of the same
+    /// batch took, the batch then rolled back, is a storage failure: the session it conflicts
+    /// with never existed (the refusal was `invalid_params`, for good).
+    #[test]
+    fn a_reused_request_refused_in_a_rolled_back_batch_is_a_storage_failure() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
+        let epoch = {
+            let mut c = pool.get().expect("conn");
+            epoch::begin_epoch(&mut c, "i", 1.0).expect("epoch")
+        };
+        let (first, second, sessions) = actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            doom_tables(&db).await;
+            let (open, held) = hold_writer(&db);
+            let first = db
+                .write(move |c| sessions::create_or_get(c, epoch, &testing::new_session("s"), 1.0));
+            let second = db.write(move |c| {
+                let mut other = testing::new_session("s");
+                other.request_digest = "other".into();
+                sessions::create_or_get(c, epoch, &other, 1.0)
+            });
+            let doomed = db.write(|c| {
+                write_tx(c, |c| {
+                    diesel::RunQueryDsl::execute(
+                        diesel::sql_query("INSERT INTO doom (v) VALUES (0)"),
+                        c,
+                    )?;
+                    Ok::<_, StoreError>(())
+                })
+            });
+            open.send(()).expect("open the gate");
+            held.await.expect("the held batch");
+            let (first, second) = (first.await, second.await);
+            assert!(doomed.await.is_err());
+            let sessions = db.read(|c| sessions::find(c, "s")).await.expect("read");
+            (first, second, sessions)
+        });
+        assert!(first.is_err());
+        assert!(
+            matches!(second, Err(StoreError::Other(ref m)) if m.contains("commit failed")),
+            "{second:?}"
+        );
+        assert!(sessions.is_none(), "nothing of the batch committed");
+    }
+
+    /// The tables of the batch tests: `t`, and `doom`, whose every insert rolls the whole    /// The tables of the batch tests: `t`, and `doom`, whose every insert rolls the whole
     /// transaction back (as an I/O error or a full disk do).
     async fn doom_tables(db: &Db) {
         db.write(|c| {

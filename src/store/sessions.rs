@@ -357,20 +357,25 @@ pub fn add_usage(
     })
 }
 
-/// Store the system prompt built for a session on its first turn.
+/// Store the system prompt built for a session on its first turn. Fenced by the epoch, as
+/// every write is.
 pub fn set_system_prompt(
     conn: &mut SqliteConnection,
+    epoch: i64,
     id: &str,
     prompt: &str,
 ) -> Result<(), StoreError> {
-    diesel::update(
-        sessions::table
-            .filter(sessions::id.eq(id))
-            .filter(sessions::system_prompt.is_null()),
-    )
-    .set(sessions::system_prompt.eq(prompt))
-    .execute(conn)?;
-    Ok(())
+    super::write_tx(conn, |conn| {
+        check_epoch(conn, epoch)?;
+        diesel::update(
+            sessions::table
+                .filter(sessions::id.eq(id))
+                .filter(sessions::system_prompt.is_null()),
+        )
+        .set(sessions::system_prompt.eq(prompt))
+        .execute(conn)?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -380,6 +385,31 @@ mod tests {
     use crate::store::{admissions, epoch, events, messages};
     use diesel::connection::SimpleConnection;
     use diesel_migrations::MigrationHarness;
+
+    /// The system prompt of a session made before prompts were built at creation is written
+    /// under the epoch: a process whose authority another took writes nothing.
+    #[test]
+    fn a_system_prompt_is_written_under_the_epoch() {
+        let (_dir, mut c) = testing::conn();
+        let old = epoch::begin_epoch(&mut c, "old", 1.0).expect("epoch");
+        testing::session(&mut c, old, "s");
+        let new = epoch::begin_epoch(&mut c, "new", 2.0).expect("epoch");
+        assert!(matches!(
+            set_system_prompt(&mut c, old, "s", "stale"),
+            Err(StoreError::StaleEpoch)
+        ));
+        assert_eq!(
+            find(&mut c, "s")
+                .expect("read")
+                .and_then(|r| r.system_prompt),
+            None
+        );
+        set_system_prompt(&mut c, new, "s", "current").expect("written");
+        let prompt = find(&mut c, "s")
+            .expect("read")
+            .and_then(|r| r.system_prompt);
+        assert_eq!(prompt.as_deref(), Some("current"));
+    }
 
     #[test]
     fn a_lineage_numbers_its_titles_once() {
