@@ -75,6 +75,9 @@ impl StartError {
     }
 }
 
+/// The longest path a Unix socket binds to (`sun_path` less its terminating NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
 /// Connections the kernel queues for the API before it accepts them.
 const LISTEN_BACKLOG: u32 = 2048;
 
@@ -378,6 +381,18 @@ pub fn prepare_home(home: &Path) -> Result<(), StartError> {
             home.display()
         )));
     }
+    use std::os::unix::fs::MetadataExt;
+    // Its owner can rewrite its api_keys and config, or put a socket of theirs in its place:
+    // a home of another user's (a root daemon on a user's home) is theirs to command.
+    let (owner, uid) = (meta.uid(), crate::api::control::own_uid());
+    if owner != uid {
+        return Err(StartError::Home(format!(
+            "{} is owned by uid {owner}, not by this user (uid {uid}): its owner could rewrite \
+             its keys and config. Use a home of this user's, or fix it with: chown {uid} {}",
+            home.display(),
+            home.display()
+        )));
+    }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(StartError::Home(format!(
@@ -409,7 +424,6 @@ fn default_workspace(home: &Path) -> Result<PathBuf, StartError> {
     Ok(workspace)
 }
 
-/// Warn when systemd would kill the daemon before its drain can finish.
 /// What a stop may take past the drain timeout at most: the terminal's stop of background
 /// processes and the HTTP server's close each get at least this much, however little of the
 /// drain timeout the turns left them.
@@ -423,9 +437,52 @@ fn longest_stop_seconds(config: &Config) -> f64 {
         + (TERMINAL_STOP_FLOOR + SERVER_STOP_FLOOR).as_secs_f64()
 }
 
+/// A systemd time span (`90`, `90s`, `2min`, `1min 30s`, `1m30s`, `500ms`, `infinity`), in
+/// seconds: what `TimeoutStopSec` is written as, so what the variable set equal to it says.
+fn parse_timespan(text: &str) -> Option<f64> {
+    let text = text.trim();
+    if text == "infinity" {
+        return Some(f64::INFINITY);
+    }
+    let (mut total, mut rest, mut parts) = (0.0, text, 0);
+    while !rest.is_empty() {
+        let number_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let number: f64 = rest[..number_end].parse().ok()?;
+        rest = rest[number_end..].trim_start();
+        let unit_end = rest
+            .find(|c: char| !c.is_ascii_alphabetic())
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_end] {
+            "" | "s" | "sec" | "second" | "seconds" => 1.0,
+            "us" | "usec" => 1e-6,
+            "ms" | "msec" => 1e-3,
+            "m" | "min" | "minute" | "minutes" => 60.0,
+            "h" | "hr" | "hour" | "hours" => 3600.0,
+            "d" | "day" | "days" => 86400.0,
+            _ => return None,
+        };
+        total += number * scale;
+        rest = rest[unit_end..].trim_start();
+        parts += 1;
+    }
+    (parts > 0).then_some(total)
+}
+
+/// Warn when systemd would kill the daemon before its drain can finish.
 fn check_stop_budget(config: &Config) {
     let needed = longest_stop_seconds(config);
-    match std::env::var("GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC").ok().and_then(|v| v.parse::<f64>().ok()) {
+    let stated = std::env::var("GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC").ok();
+    if let Some(text) = stated.as_deref().filter(|t| parse_timespan(t).is_none()) {
+        tracing::warn!(
+            value = text,
+            "GATEHOUSE_SYSTEMD_TIMEOUT_STOP_SEC is not a time span (90, 90s, 2min): cannot check \
+             TimeoutStopSec against the drain timeout"
+        );
+        return;
+    }
+    match stated.as_deref().and_then(parse_timespan) {
         Some(limit) if limit <= needed => tracing::warn!(
             limit,
             needed,
@@ -632,6 +689,7 @@ impl Gateway {
         prepare_home(&home)?;
         let lock = lock_home(&home)?;
         let mut config = config;
+        let cwd_configured = config.terminal.cwd.is_some();
         if config.terminal.cwd.is_none() {
             config.terminal.cwd = Some(default_workspace(&home)?);
         }
@@ -642,6 +700,16 @@ impl Gateway {
             tracing::warn!(key = %key, "unknown config key ignored");
         }
         let socket_path = control::socket_path(&home);
+        // A Unix socket's path has at most 107 bytes: a longer one never binds, whatever the
+        // next start does (it was a listen error, and the unit restarted it until its limit).
+        if socket_path.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(StartError::Home(format!(
+                "the control socket's path {} is {} bytes, longer than a Unix socket's {MAX_SOCKET_PATH}: \
+                 use a home with a shorter path",
+                socket_path.display(),
+                socket_path.as_os_str().len()
+            )));
+        }
         let listener = control::bind(&socket_path).map_err(StartError::Listen)?;
         // From here a failed start removes the socket it bound.
         let socket = SocketFile::new(socket_path);
@@ -683,6 +751,22 @@ impl Gateway {
                     "terminal.cwd {} is not an existing directory",
                     cwd.display()
                 )));
+            }
+            // The cwd of every session made without one (chat completions, room members),
+            // which a client cannot choose: outside the roots, each of those is refused.
+            let real = cwd.canonicalize().unwrap_or_else(|_| cwd.clone());
+            if !config.gateway.cwd_allowed(&real) {
+                let what = format!(
+                    "terminal.cwd {} (the cwd of sessions made without one: chat completions, \
+                     hosted-room members) is outside gateway.allowed_cwd_roots",
+                    cwd.display()
+                );
+                if cwd_configured {
+                    return Err(StartError::Refused(format!(
+                        "{what}: set it within a root, or add it to the roots"
+                    )));
+                }
+                tracing::warn!("{what}: those sessions are refused until terminal.cwd names a directory within a root");
             }
         }
         if !crate::tools::redact::ready() || !crate::tools::danger::all_rules_compiled() {
@@ -1001,6 +1085,87 @@ mod tests {
         let longest = super::longest_stop_seconds(&config);
         assert!(longest > 13.0, "{longest}");
         assert!((longest - 13.25).abs() < 1e-9, "{longest}");
+    }
+
+    /// A home another user owns is refused, whatever its mode: its owner could rewrite its
+    /// keys and config. (Giving a directory away needs root; elsewhere only the own home's
+    /// acceptance is checked.)
+    #[test]
+    fn a_home_another_user_owns_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path().join("home");
+        std::fs::create_dir(&home).expect("home");
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        super::prepare_home(&home).expect("the user's own home");
+        if crate::api::control::own_uid() != 0 {
+            return;
+        }
+        std::os::unix::fs::chown(&home, Some(65534), None).expect("chown");
+        let Err(StartError::Home(e)) = super::prepare_home(&home) else {
+            panic!("a home owned by another user was taken")
+        };
+        assert!(e.contains("owned by uid 65534"), "{e}");
+    }
+
+    /// A configured terminal.cwd outside gateway.allowed_cwd_roots refuses the start: every
+    /// session made without a cwd (a chat completion, a room member) would be refused. One
+    /// within a root starts.
+    #[actix_rt::test]
+    async fn a_terminal_cwd_outside_the_allowed_roots_refuses_the_start() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let (root, elsewhere) = (dir.path().join("root"), dir.path().join("elsewhere"));
+        for d in [root.join("work"), elsewhere.clone()] {
+            std::fs::create_dir_all(d).expect("dir");
+        }
+        let start = |cwd: std::path::PathBuf, home: &str| {
+            let home = dir.path().join(home);
+            std::fs::create_dir(&home).expect("home");
+            std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("mode");
+            let mut config = crate::config::Config::default();
+            config.gateway.allowed_cwd_roots = vec![root.clone()];
+            config.terminal.cwd = Some(cwd);
+            super::Gateway::start(home, config)
+        };
+        let Err(e) = start(elsewhere.clone(), "h1").await else {
+            panic!("started with terminal.cwd outside the roots")
+        };
+        assert!(e.is_permanent(), "{e}");
+        assert!(e.to_string().contains("allowed_cwd_roots"), "{e}");
+        let gw = start(root.join("work"), "h2").await.expect("within a root");
+        gw.stop().await;
+    }
+
+    /// `TimeoutStopSec`'s forms, as the variable set equal to it may be written.
+    #[test]
+    fn systemd_time_spans_are_read() {
+        let read = super::parse_timespan;
+        assert_eq!(read("90"), Some(90.0));
+        assert_eq!(read("90s"), Some(90.0));
+        assert_eq!(read("2min"), Some(120.0));
+        assert_eq!(read("1min 30s"), Some(90.0));
+        assert_eq!(read("1m30s"), Some(90.0));
+        assert_eq!(read("1h"), Some(3600.0));
+        assert_eq!(read("500ms"), Some(0.5));
+        assert_eq!(read("infinity"), Some(f64::INFINITY));
+        for bad in ["", "soon", "90 parsecs", "1..5s", "-5s"] {
+            assert_eq!(read(bad), None, "{bad:?}");
+        }
+    }
+
+    /// A home whose control socket's path is longer than a Unix socket's is refused for good,
+    /// saying why (it was a listen error, restarted by the unit until its limit).
+    #[actix_rt::test]
+    async fn a_home_too_deep_for_its_socket_is_refused_for_good() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path().join("h".repeat(120));
+        let refused = super::Gateway::start(home, crate::config::Config::default()).await;
+        let Err(e) = refused else {
+            panic!("a home too deep for its socket started")
+        };
+        assert!(e.is_permanent(), "{e}");
+        assert!(e.to_string().contains("shorter path"), "{e}");
     }
 
     /// What a restart cannot change exits 2 (the unit does not restart it); a store, a listener
