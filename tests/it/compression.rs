@@ -1372,19 +1372,8 @@ fn lineage_of(home: &Home, sid: &str) -> i64 {
 #[actix_rt::test]
 async fn clearing_old_tool_output_is_bounded_per_turn() {
     // (Rounds `a` to `x`: each prints its own letter.)
-    let model = many_rounds_model(24, 2000, usize::MAX);
-    let (home, _d, mut ws, sid) = tool_session(&model, 1000, (2, 2), "bounded").await;
-    hi_then_many(&home, &mut ws, &sid).await;
-    assert!(summaries(&model).is_empty(), "nothing to summarise");
-    let lineage = lineage_of(&home, &sid);
-    // The root and a child for each of at most three clears.
-    assert!(
-        (2..=4).contains(&lineage),
-        "{lineage} sessions in the lineage"
-    );
-    for body in main_requests(&model) {
-        well_formed(&body).expect("well-formed request");
-    }
+    let summarised = many_rounds_compacted((2, 2), "bounded").await;
+    assert_eq!(summarised, 0, "nothing to summarise");
 }
 
 /// Summaries and clears of old tool output together are at most `compression.max_attempts`
@@ -1392,15 +1381,21 @@ async fn clearing_old_tool_output_is_bounded_per_turn() {
 /// apart, a turn summarised once, then cleared three times: five sessions for one turn.
 #[actix_rt::test]
 async fn summaries_and_clears_together_are_bounded_per_turn() {
-    let model = many_rounds_model(24, 2000, usize::MAX);
     // With one message protected at the head, `HI`'s long answer is the middle of the first
     // compaction (a summary); after it, only the summary is left to summarise, and old tool
     // output is cleared instead.
-    let (home, _d, mut ws, sid) = tool_session(&model, 1000, (1, 2), "bounded-together").await;
+    let summarised = many_rounds_compacted((1, 2), "bounded-together").await;
+    assert_eq!(summarised, 1, "one summary, then clears");
+}
+
+/// A turn of 24 tool rounds in a session protecting `protect` messages: at most three
+/// compactions of it (the root and a child for each), every request well formed. The
+/// summaries asked for.
+async fn many_rounds_compacted(protect: (usize, usize), name: &str) -> usize {
+    let model = many_rounds_model(24, 2000, usize::MAX);
+    let (home, _d, mut ws, sid) = tool_session(&model, 1000, protect, name).await;
     hi_then_many(&home, &mut ws, &sid).await;
-    assert_eq!(summaries(&model).len(), 1, "one summary, then clears");
     let lineage = lineage_of(&home, &sid);
-    // The root and a child for each of at most three compactions, of both kinds.
     assert!(
         (2..=4).contains(&lineage),
         "{lineage} sessions in the lineage"
@@ -1408,6 +1403,7 @@ async fn summaries_and_clears_together_are_bounded_per_turn() {
     for body in main_requests(&model) {
         well_formed(&body).expect("well-formed request");
     }
+    summaries(&model).len()
 }
 
 /// A compaction that would not shrink the transcript is not made: with the latest user message

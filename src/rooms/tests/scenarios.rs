@@ -1232,19 +1232,7 @@ async fn test_ambiguous_recovery_remains_indeterminate() {
 /// naming another attempt still reaches nothing.
 #[tokio::test]
 async fn an_indeterminate_attempts_reported_approval_can_be_answered() {
-    let db = db();
-    let clock = ManualClock::new(100.0);
-    let id = identity("task-1");
-    admit_to(
-        &db,
-        &id,
-        PROFILE,
-        "Inspect the release candidate.",
-        1,
-        &clock,
-    );
-    let attempt = start_old_attempt(&db, &id, 0.2, &clock);
-    clock.set(101.0);
+    let (db, clock, id, attempt) = left_by_an_old_process();
     recover_elsewhere(&db, &clock);
     let rpc = rpc(false);
     let session = rpc.add_session(true, Some("task-1"), Vec::new());
