@@ -39,6 +39,31 @@ pub fn endpoint_url_fits(url: &str) -> bool {
     (url.starts_with("http://") || url.starts_with("https://")) && !url.contains(['?', '#', '@'])
 }
 
+/// Why `url` is no endpoint [`endpoint_url_fits`] takes, in words that hold nothing of it (`no
+/// http:// or https:// scheme`, `credentials and a query`); none when it fits.
+fn endpoint_url_fault(url: &str) -> Option<String> {
+    if endpoint_url_fits(url) {
+        return None;
+    }
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Some("no http:// or https:// scheme".into());
+    }
+    // An `@` before the query or fragment is in the credentials (or taken for them).
+    let query = url
+        .find('?')
+        .filter(|q| url.find('#').is_none_or(|f| q < &f));
+    let before = url.find(['?', '#']).unwrap_or(url.len());
+    let faults: Vec<&str> = [
+        (url[..before].contains('@'), "credentials"),
+        (query.is_some(), "a query"),
+        (url.contains('#'), "a fragment"),
+    ]
+    .into_iter()
+    .filter_map(|(has, what)| has.then_some(what))
+    .collect();
+    Some(faults.join(" and "))
+}
+
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(default)]
 pub struct Config {
@@ -69,6 +94,7 @@ pub struct GatewayConfig {
     pub port: u16,
     pub max_frame_bytes: usize,
     pub id: Option<String>,
+    #[serde(deserialize_with = "key_digests")]
     pub api_keys: Vec<String>,
     pub drain_timeout_seconds: f64,
     pub drain_grace_seconds: f64,
@@ -575,6 +601,45 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
+/// `gateway.api_keys`: a list of key digests. Anything else is refused without its text: one
+/// string there is most likely a key itself (`api_keys: gk_…`), and serde's own message quoted
+/// it into the journal. (`deserialize_any`: the section's flattened `extra` hands each field over
+/// buffered, and that buffer refuses a string for a list itself, quoting it, if asked for one.)
+fn key_digests<'de, D>(d: D) -> Result<Vec<String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct Digests;
+    impl<'de> serde::de::Visitor<'de> for Digests {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of key digests (sha256:<64 hex digits>)")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Err(E::custom(
+                "expected a list of key digests (sha256:<64 hex digits>, as `gatehouse key \
+                 create` prints; never the key itself), not one string (not shown: it may be a \
+                 key)",
+            ))
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            // An entry of another type is refused with its type alone (`expected a string`).
+            while let Some(entry) = seq.next_element::<String>()? {
+                out.push(entry);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(Digests)
+}
+
 /// A stored key digest as it is compared: `sha256:` prefix and surrounding blanks dropped,
 /// lower case (`gateway.api_keys` entries and the keys file's lines).
 pub fn normalise_digest(stored: &str) -> String {
@@ -625,11 +690,14 @@ impl Config {
     ) -> Result<(), ConfigError> {
         if self.model.base_url.is_none() {
             if let Some(url) = var("OPENAI_BASE_URL").filter(|u| !u.is_empty()) {
-                if !endpoint_url_fits(&url) {
+                // What is wrong with it is said, never the value: it may carry a key (in its
+                // credentials or query, or be one set in the wrong variable), and the refusal
+                // goes to the journal. `model.base_url` is refused without its value too.
+                if let Some(fault) = endpoint_url_fault(&url) {
                     return Err(ConfigError::Environment {
                         name: "OPENAI_BASE_URL",
                         message: format!(
-                            "{ENDPOINT_URL_EXPECTED} (it is {url:?}; `model.base_url` in \
+                            "{ENDPOINT_URL_EXPECTED} (it has {fault}; `model.base_url` in \
                              config.yaml takes its place)"
                         ),
                     });
@@ -939,6 +1007,18 @@ impl Config {
                 return invalid(key, &format!("expected at least {floor}"));
             }
         }
+        // A client is pinged once a heartbeat and cut off when nothing (a pong) has come from
+        // it for the timeout: one no longer than the heartbeat cut off healthy idle clients.
+        if g.client_timeout_seconds <= g.heartbeat_seconds {
+            return invalid(
+                "gateway.client_timeout_seconds",
+                &format!(
+                    "expected longer than gateway.heartbeat_seconds ({} s): a client is pinged \
+                     once a heartbeat and cut off when it has not answered for this long",
+                    g.heartbeat_seconds
+                ),
+            );
+        }
         if self.agent.max_iterations == 0 {
             return invalid("agent.max_iterations", "expected at least 1");
         }
@@ -1238,6 +1318,95 @@ mod tests {
         .expect("config");
         own.check_environment(env("api.example.com/v1"))
             .expect("overridden");
+    }
+
+    /// A refused `OPENAI_BASE_URL` is not copied into the message (the journal keeps it): a
+    /// URL with credentials or a key in its query is refused for them, and said to have them.
+    #[test]
+    fn a_refused_model_url_from_the_environment_is_not_repeated() {
+        let plain = Config::default();
+        for (url, said) in [
+            ("https://user:SECRET@proxy/v1", "credentials"),
+            ("https://SECRET@proxy/v1", "credentials"),
+            ("https://proxy/v1?key=SECRET", "query"),
+            ("https://proxy/v1#SECRET", "fragment"),
+            ("proxy/v1?key=SECRET", "scheme"),
+            ("user:SECRET@proxy/v1", "scheme"),
+            ("SECRET", "scheme"),
+        ] {
+            let err = plain
+                .check_environment(|name| (name == "OPENAI_BASE_URL").then(|| url.to_string()))
+                .expect_err(url)
+                .to_string();
+            assert!(!err.contains("SECRET"), "{url}: {err}");
+            assert!(err.contains("`OPENAI_BASE_URL`"), "{url}: {err}");
+            assert!(err.contains(said), "{url}: {err}");
+        }
+    }
+
+    /// `api_keys` written as one string (a key where a list of digests belongs) is refused
+    /// without the string: serde's own message quoted it, and the journal kept the key.
+    #[test]
+    fn api_keys_written_as_one_string_are_refused_without_it() {
+        for text in [
+            "gateway:\n  api_keys: gk_SECRET\n",
+            "gateway: {api_keys: gk_SECRET, port: 1}\n",
+            "{\"gateway\": {\"api_keys\": \"gk_SECRET\"}}",
+            "gateway:\n  api_keys: [gk_SECRET]\n",
+            "gateway:\n  api_keys:\n    - sha256:SECRET\n",
+        ] {
+            match parse(text) {
+                Err(ConfigError::Invalid { key, message }) => {
+                    assert_eq!(key, "gateway.api_keys", "{text}: {message}");
+                    assert!(!message.contains("SECRET"), "{text}: {message}");
+                }
+                other => panic!("{text}: expected an invalid gateway.api_keys, got {other:?}"),
+            }
+        }
+        // A list of digests, and a wrong type that holds no text, are as before.
+        let digest = format!("sha256:{}", "ab".repeat(32));
+        let c = parse(&format!("gateway:\n  api_keys: [{digest}]\n")).expect("a digest");
+        assert_eq!(c.gateway.api_keys, vec![digest]);
+        assert!(parse("gateway:\n  api_keys: []\n").is_ok());
+        match parse("gateway:\n  api_keys: 5\n") {
+            Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "gateway.api_keys"),
+            other => panic!("expected an invalid gateway.api_keys, got {other:?}"),
+        }
+    }
+
+    /// A heartbeat at least as long as the client timeout is refused: pings go out each
+    /// heartbeat and the timeout runs from the last pong, so a healthy idle client was cut off.
+    #[test]
+    fn a_client_timeout_no_longer_than_the_heartbeat_is_refused() {
+        for text in [
+            "gateway:\n  heartbeat_seconds: 60\n",
+            "gateway:\n  heartbeat_seconds: 61\n",
+            "gateway:\n  heartbeat_seconds: 15\n  client_timeout_seconds: 15\n",
+            "gateway:\n  heartbeat_seconds: 15\n  client_timeout_seconds: 10\n",
+            "gateway:\n  client_timeout_seconds: 1\n",
+        ] {
+            match parse(text) {
+                Err(ConfigError::Invalid { key, message }) => {
+                    assert_eq!(key, "gateway.client_timeout_seconds", "{text}: {message}");
+                    assert!(
+                        message.contains("gateway.heartbeat_seconds") && message.contains("longer"),
+                        "{text}: {message}"
+                    );
+                }
+                other => panic!("{text}: expected an invalid client timeout, got {other:?}"),
+            }
+        }
+        let defaults = Config::default();
+        assert!(defaults.gateway.heartbeat_seconds < defaults.gateway.client_timeout_seconds);
+        for fine in [
+            "",
+            "gateway:\n  heartbeat_seconds: 59\n",
+            "gateway:\n  heartbeat_seconds: 0.2\n  client_timeout_seconds: 2\n",
+            "gateway:\n  heartbeat_seconds: 120\n  client_timeout_seconds: 300\n",
+            "gateway:\n  heartbeat_seconds: 0.3\n",
+        ] {
+            parse(fine).expect(fine);
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //!
 //! Tickets and tokens carry the principal of the control socket's user (`uid:N`).
 
-use std::io::Write;
+use std::io::{Read, Seek, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -271,15 +271,27 @@ pub fn create_key_noting(
     let path = keys_file(home);
     let mut f = std::fs::OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .mode(0o600)
         .open(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-    writeln!(
-        f,
-        "sha256:{} {} {}",
+    // A file written without a final newline (`printf`, a provisioning tool) would have the new
+    // line glued to its last one: the new key never read as one, and the last line's maybe lost.
+    let mut line = String::new();
+    if f.metadata()?.len() > 0 {
+        let mut last = [0u8];
+        f.seek(std::io::SeekFrom::End(-1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            line.push('\n');
+        }
+    }
+    line.push_str(&format!(
+        "sha256:{} {} {}\n",
         entry.digest, entry.name, entry.created_at
-    )?;
+    ));
+    f.write_all(line.as_bytes())?;
     f.sync_all()?;
     // The key is written and valid: shown whatever the home's sync says (lost to a power cut
     // before the home is synced, it is a key that does not work, and is made again).
@@ -613,6 +625,45 @@ mod tests {
         assert!(keys.principal(&spaced).is_none());
         assert!(create_key(home, "  ").is_err(), "a key needs a name");
         assert_eq!(revoke_key(home, "").expect("revoke"), 0);
+    }
+
+    /// A keys file written without a final newline (by `printf`, a provisioning tool) keeps its
+    /// last key, and a key created after it works: its line was glued to the last one, where
+    /// it was never read as a key.
+    #[test]
+    fn a_key_created_after_a_last_line_with_no_newline_is_accepted() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path();
+        let provisioned = "gk_provisioned";
+        std::fs::write(
+            keys_file(home),
+            format!("sha256:{} provisioned 1700000000", key_digest(provisioned)),
+        )
+        .expect("write");
+        let (key, _) = create_key(home, "new").expect("create");
+        let listed: Vec<(String, i64)> = list_keys(home)
+            .expect("list")
+            .into_iter()
+            .map(|k| (k.name, k.created_at))
+            .collect();
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        assert_eq!(listed[0], ("provisioned".to_string(), 1_700_000_000));
+        assert_eq!(listed[1].0, "new");
+        let accepted = ApiKeys::new(home, &[]);
+        assert!(accepted.principal(provisioned).is_some());
+        assert!(accepted.principal(&key).is_some());
+        // A line of a digest alone is kept too (glued, neither key was one).
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path();
+        std::fs::write(
+            keys_file(home),
+            format!("sha256:{}", key_digest(provisioned)),
+        )
+        .expect("write");
+        let (key, _) = create_key(home, "new").expect("create");
+        let accepted = ApiKeys::new(home, &[]);
+        assert!(accepted.principal(provisioned).is_some());
+        assert!(accepted.principal(&key).is_some());
     }
 
     /// Revokes and creates run at once (two operators, a script) each keep what the others did:

@@ -907,6 +907,47 @@ async fn a_bad_model_url_from_the_environment_is_refused_at_start() {
     ws.submit(&sid, "one", "hello").await;
 }
 
+/// A start refused for a value that carries a secret says what is wrong without the value (the
+/// journal keeps what it says): an `OPENAI_BASE_URL` with credentials, a key written where
+/// `gateway.api_keys` wants a list of digests.
+#[actix_rt::test]
+async fn a_refused_start_does_not_repeat_a_secret() {
+    let home = Home::new();
+    let serve = |home: &Home, url: Option<&str>| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["serve", "--home"])
+            .arg(&home.path)
+            .env_remove("OPENAI_BASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(url) = url {
+            cmd.env("OPENAI_BASE_URL", url);
+        }
+        cmd.spawn().expect("spawn gatehouse")
+    };
+    let (code, stderr) = exit_of(serve(
+        &home,
+        Some("https://user:SECRET@proxy/v1?key=SECRET"),
+    ))
+    .await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("OPENAI_BASE_URL") && stderr.contains("credentials"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("SECRET"), "{stderr}");
+    std::fs::write(
+        home.path.join("config.yaml"),
+        "gateway:\n  api_keys: gk_SECRET\n",
+    )
+    .expect("config");
+    let (code, stderr) = exit_of(serve(&home, None)).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("gateway.api_keys"), "{stderr}");
+    assert!(!stderr.contains("SECRET"), "{stderr}");
+}
+
 /// A state.db that is not a database is refused at once, with SQLite's words, for good (exit 2:
 /// a unit does not restart it every two seconds), and the failed start leaves no control socket.
 #[actix_rt::test]
