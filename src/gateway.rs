@@ -1477,4 +1477,57 @@ mod tests {
         assert_eq!(prompts[0]["prompt_id"], "q1");
         gw.stop().await;
     }
+
+    /// A session.resume refused after its subscription was made (the snapshot could not be
+    /// read: here the session's stored policy is damaged) takes the subscription back: kept,
+    /// the connection did not know of it (its close never ended it), and the supervisor stayed
+    /// followed, in memory, for good.
+    #[actix_rt::test]
+    async fn a_refused_resume_leaves_no_subscription_behind() {
+        use crate::session::supervisor::{IsIdle, PushEvent};
+        use actix::Actor;
+        struct Sink;
+        impl actix::Actor for Sink {
+            type Context = actix::Context<Self>;
+        }
+        impl actix::Handler<PushEvent> for Sink {
+            type Result = ();
+            fn handle(&mut self, _: PushEvent, _: &mut Self::Context) {}
+        }
+        let (_dir, gw, sup) = started_with_a_session().await;
+        gw.shared
+            .db
+            .write(|c| {
+                use diesel::RunQueryDsl;
+                diesel::sql_query("UPDATE sessions SET toolsets_json = 'damaged' WHERE id = 's'")
+                    .execute(c)?;
+                Ok(())
+            })
+            .await
+            .expect("damage the policy");
+        let authority = crate::api::rpc::Authority {
+            shared: gw.shared.clone(),
+            registry: gw.registry.clone(),
+            rooms: Default::default(),
+        };
+        let sink = Sink.start();
+        let caller = crate::api::rpc::Caller {
+            principal: "p".into(),
+            conn_id: 7,
+            recipient: Some(sink.clone().recipient()),
+            subscribed: Default::default(),
+        };
+        let resumed = authority
+            .call(
+                "session.resume",
+                serde_json::json!({"session_id": "s"}),
+                &caller,
+            )
+            .await;
+        assert!(resumed.is_err(), "resumed a damaged session");
+        let idle = sup.send(IsIdle).await.expect("asked");
+        assert!(idle, "the refused resume's subscription is still there");
+        drop(sink);
+        gw.stop().await;
+    }
 }

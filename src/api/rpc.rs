@@ -634,14 +634,7 @@ impl Authority {
             "session.resume" => {
                 let p: SessionParams = params(p)?;
                 let root = self.owned_root(&p.session_id, &caller.principal).await?;
-                let sup = self.subscribe(&root.id, caller).await?;
-                let snap = self.snapshot(&root.id).await?;
-                Ok(CallResult {
-                    result: snap.into(),
-                    subscribe: Some((root.id, sup)),
-                    unsubscribe: None,
-                    created: false,
-                })
+                self.opened(root.id, caller, false).await
             }
             "session.unsubscribe" => {
                 // Stop following a session: its events stop, and its supervisor may be let go
@@ -1044,15 +1037,30 @@ impl Authority {
         self.opened(row.id, caller, created).await
     }
 
-    /// The reply to a `session.create` of `root`: the caller follows it, and gets its snapshot.
+    /// The reply to a `session.create` or `session.resume` of `root`: the caller follows it, and
+    /// gets its snapshot.
     async fn opened(
         &self,
         root: String,
         caller: &Caller,
         created: bool,
     ) -> GatewayResult<CallResult> {
+        let followed = caller.subscribed.contains_key(&root);
         let sup = self.subscribe(&root, caller).await?;
-        let snap = self.snapshot(&root).await?;
+        let snap = match self.snapshot(&root).await {
+            Ok(snap) => snap,
+            Err(e) => {
+                // Refused, the session is not followed: the subscription made for it goes too.
+                // Kept, it was one the connection did not know of (its close never ended it),
+                // and it pinned the supervisor in memory for good.
+                if let Some(sup) = sup.as_ref().filter(|_| !followed) {
+                    sup.do_send(Unsubscribe {
+                        conn_id: caller.conn_id,
+                    });
+                }
+                return Err(e);
+            }
+        };
         Ok(CallResult {
             result: snap.into(),
             subscribe: Some((root, sup)),

@@ -176,7 +176,11 @@ impl SessionRegistry {
                     }
                     continue;
                 };
-                if idle && left > 0 {
+                // Idle when asked, and not used since: one handed out meanwhile (a resume about
+                // to follow it, a submit) is let go of no more than a busy one is; let go of, it
+                // lived on outside the count (followed, running), and was churned.
+                let unused_since = act.used.get(&k).is_none_or(|&t| t <= asked);
+                if idle && unused_since && left > 0 {
                     if let Some(a) = act.sessions.remove(&k) {
                         act.forget(&k);
                         act.evicted.insert(k, a.downgrade());
