@@ -102,7 +102,14 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
             .body("metrics are served without a key only to a loopback host name\n");
     }
     let shared = state.authority.shared.clone();
-    let counts = shared.ledger_counts().await.unwrap_or_default();
+    // What the store could not be read for is left out, and said so (`gatehouse_metrics_read_ok`
+    // 0): the families were empty, and a dashboard read "nothing queued".
+    let mut read_ok = true;
+    let counts = shared.ledger_counts().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "metrics: cannot count the admission ledger");
+        read_ok = false;
+        Vec::new()
+    });
     let mut body = shared.metrics.render(&counts);
     push_metric(
         &mut body,
@@ -152,7 +159,11 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
             .db
             .run(crate::store::room_tasks::count_all_tasks_by_status)
             .await
-            .unwrap_or_default();
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "metrics: cannot count the room tasks");
+                read_ok = false;
+                Default::default()
+            });
         body.push_str("# HELP gatehouse_room_tasks Room tasks by status.\n# TYPE gatehouse_room_tasks gauge\n");
         for (status, n) in tasks {
             body.push_str(&format!(
@@ -201,6 +212,14 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
             push_metric(&mut body, name, help, kind, v);
         }
     }
+    push_metric(
+        &mut body,
+        "gatehouse_metrics_read_ok",
+        "1 when this scrape read every count from the store; 0 when the admission or room task \
+         counts could not be read (they are left out).",
+        "gauge",
+        u64::from(read_ok),
+    );
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(body)

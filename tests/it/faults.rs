@@ -1277,6 +1277,22 @@ async fn storage_file_moved_away_under_the_daemon_acknowledges_nothing_more() {
     assert!(!inputs.iter().any(|i| i == "C" || i == "D"), "{inputs:?}");
 }
 
+/// A scrape that cannot read the ledger's counts says so (`gatehouse_metrics_read_ok` 0) rather
+/// than show the admission families empty, which a dashboard read as "nothing queued".
+#[actix_rt::test]
+async fn metrics_that_cannot_read_the_ledger_say_so() {
+    use diesel::connection::SimpleConnection;
+    use diesel::{Connection, SqliteConnection};
+    let s = stored("unreadable").await;
+    let origin = s.daemon.origin();
+    assert_eq!(metric(&origin, "gatehouse_metrics_read_ok").await, 1.0);
+    SqliteConnection::establish(&s.home.path.join("state.db").to_string_lossy())
+        .expect("open")
+        .batch_execute("ALTER TABLE session_admissions RENAME TO session_admissions_away")
+        .expect("rename the ledger away");
+    assert_eq!(metric(&origin, "gatehouse_metrics_read_ok").await, 0.0);
+}
+
 /// Another process took the home's authority (its epoch is newer): the daemon's writes are
 /// refused in SQL, and it says so on `/readyz` instead of staying ready while it refuses all.
 #[actix_rt::test]
