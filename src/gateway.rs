@@ -1484,16 +1484,8 @@ mod tests {
     /// followed, in memory, for good.
     #[actix_rt::test]
     async fn a_refused_resume_leaves_no_subscription_behind() {
-        use crate::session::supervisor::{IsIdle, PushEvent};
+        use crate::session::supervisor::IsIdle;
         use actix::Actor;
-        struct Sink;
-        impl actix::Actor for Sink {
-            type Context = actix::Context<Self>;
-        }
-        impl actix::Handler<PushEvent> for Sink {
-            type Result = ();
-            fn handle(&mut self, _: PushEvent, _: &mut Self::Context) {}
-        }
         let (_dir, gw, sup) = started_with_a_session().await;
         gw.shared
             .db
@@ -1527,6 +1519,73 @@ mod tests {
         assert!(resumed.is_err(), "resumed a damaged session");
         let idle = sup.send(IsIdle).await.expect("asked");
         assert!(idle, "the refused resume's subscription is still there");
+        drop(sink);
+        gw.stop().await;
+    }
+
+    /// A connection that follows nothing: what the events for it are handed to.
+    struct Sink;
+
+    impl actix::Actor for Sink {
+        type Context = actix::Context<Self>;
+    }
+
+    impl actix::Handler<crate::session::supervisor::PushEvent> for Sink {
+        type Result = ();
+        fn handle(&mut self, _: crate::session::supervisor::PushEvent, _: &mut Self::Context) {}
+    }
+
+    /// A connection that closes while it resumes a session by another of its ids (its tip,
+    /// after a compaction) knows only that id: its subscription on the root's supervisor is
+    /// ended all the same (it stayed, and kept the supervisor followed, for good).
+    #[actix_rt::test]
+    async fn a_closed_connection_known_by_a_tip_id_is_unsubscribed_from_the_root() {
+        use crate::session::registry::UnsubscribeFrom;
+        use crate::session::supervisor::{IsIdle, Subscribe};
+        use actix::Actor;
+        let (_dir, gw, sup) = started_with_a_session().await;
+        gw.shared
+            .db
+            .write(|c| {
+                use diesel::RunQueryDsl;
+                // `c`: a later session of `s`'s lineage (as a compaction makes).
+                diesel::sql_query(
+                    "INSERT INTO sessions (id, root_id, parent_session_id, tip_session_id, \
+                     principal_id, request_id, request_digest, source, model, provider, base_url, \
+                     cwd, toolsets_json, profile, title, system_prompt, runtime_generation, \
+                     runtime_revision, compression_count, prompt_tokens, completion_tokens, \
+                     started_at, ended_at, end_reason, ordinal) \
+                     SELECT 'c', 's', 's', tip_session_id, principal_id, 'c', request_digest, \
+                     source, model, provider, base_url, cwd, toolsets_json, profile, title, \
+                     system_prompt, runtime_generation, runtime_revision, compression_count, \
+                     prompt_tokens, completion_tokens, started_at, ended_at, end_reason, \
+                     ordinal + 1000 FROM sessions WHERE id = 's'",
+                )
+                .execute(c)?;
+                Ok(())
+            })
+            .await
+            .expect("a later session of the lineage");
+        let sink = Sink.start();
+        sup.send(Subscribe {
+            conn_id: 9,
+            recipient: sink.clone().recipient(),
+        })
+        .await
+        .expect("subscribed");
+        assert!(!sup.send(IsIdle).await.expect("asked"), "followed");
+        gw.registry.do_send(UnsubscribeFrom {
+            root_id: "c".into(),
+            conn_id: 9,
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !sup.send(IsIdle).await.expect("asked") {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still followed by the closed connection"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         drop(sink);
         gw.stop().await;
     }

@@ -240,10 +240,29 @@ pub struct UnsubscribeFrom {
 
 impl Handler<UnsubscribeFrom> for SessionRegistry {
     type Result = ();
-    fn handle(&mut self, m: UnsubscribeFrom, _: &mut Context<Self>) {
+    fn handle(&mut self, m: UnsubscribeFrom, ctx: &mut Context<Self>) {
         if let Some(a) = self.existing(&m.root_id) {
             a.do_send(Unsubscribe { conn_id: m.conn_id });
+            return;
         }
+        // Not a root in memory: it may be another id of a session that is (a connection that
+        // closed while it resumed a session by its tip, after a compaction, knew only that id),
+        // whose supervisor it was subscribed to, and stayed followed by for good.
+        let (db, id) = (self.shared.db.clone(), m.root_id.clone());
+        let root = async move {
+            db.read(move |c| crate::store::sessions::find_root(c, &id))
+                .await
+                .ok()
+                .flatten()
+        };
+        ctx.spawn(root.into_actor(self).map(move |root, act, _| {
+            let Some(root) = root.filter(|r| r.id != m.root_id) else {
+                return;
+            };
+            if let Some(a) = act.existing(&root.id) {
+                a.do_send(Unsubscribe { conn_id: m.conn_id });
+            }
+        }));
     }
 }
 
