@@ -1589,4 +1589,74 @@ mod tests {
         drop(sink);
         gw.stop().await;
     }
+
+    /// A sweep lets idle sessions go while another is slow to say whether it is idle (here one
+    /// starting behind every reader, held): it waited for every answer, and the slow one held
+    /// every eviction up.
+    #[actix_rt::test]
+    async fn an_idle_session_is_let_go_of_while_another_is_slow_to_answer() {
+        use crate::session::registry::{CountLoaded, GetSupervisor};
+        use crate::session::supervisor::IsIdle;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Condvar, Mutex};
+        let mut config = crate::config::Config::default();
+        config.session.max_in_memory = 1;
+        let (_dir, gw, sup) = started_with_a_session_on(config).await;
+        assert!(sup.send(IsIdle).await.expect("asked"), "s started, idle");
+        drop(sup);
+        let epoch = gw.shared.epoch;
+        gw.shared
+            .db
+            .write(move |c| {
+                let new = crate::store::testing::new_session("t");
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session t");
+        // Every reader held until the end.
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let holding = Arc::new(AtomicUsize::new(0));
+        for _ in 0..super::READERS {
+            let (db, gate, holding) = (gw.shared.db.clone(), gate.clone(), holding.clone());
+            actix_rt::spawn(async move {
+                let _ = db
+                    .read(move |_| {
+                        holding.fetch_add(1, Ordering::SeqCst);
+                        let (open, opened) = &*gate;
+                        let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+                        while !*open {
+                            open = opened.wait(open).unwrap_or_else(|e| e.into_inner());
+                        }
+                        Ok(())
+                    })
+                    .await;
+            });
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while holding.load(Ordering::SeqCst) < super::READERS as usize {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the readers were not held"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // `t` starts behind them: it reads its log's head first, and answers nothing until then.
+        let t = gw
+            .registry
+            .send(GetSupervisor("t".into()))
+            .await
+            .expect("t");
+        let loaded = || gw.registry.send(CountLoaded);
+        while loaded().await.expect("count") > 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the idle session was not let go of while t was slow to answer"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        *gate.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        gate.1.notify_all();
+        drop(t);
+        gw.stop().await;
+    }
 }

@@ -45,6 +45,10 @@ pub struct SessionRegistry {
 /// How often an over-full registry looks again for idle supervisors.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a sweep waits for a supervisor to say whether it is idle: a sweep runs one at a
+/// time, and one slow answer held every eviction up.
+const IDLE_ASK_WAIT: Duration = Duration::from_millis(500);
+
 impl SessionRegistry {
     pub fn new(shared: Arc<Shared>) -> Self {
         Self {
@@ -156,8 +160,13 @@ impl SessionRegistry {
             .collect();
         self.shared.metrics.eviction_swept(candidates.len());
         // `None`: the supervisor is gone (it stopped, or panicked), its mailbox closed.
+        // `Some(None)`: no answer in time (one still reading its log's head at its start, behind
+        // every other read): asked again at the next sweep, which this one held up until then.
         let asks = candidates.into_iter().map(|(k, a)| async move {
-            let idle = a.send(IsIdle).await.ok();
+            let idle = match tokio::time::timeout(IDLE_ASK_WAIT, a.send(IsIdle)).await {
+                Ok(answer) => answer.ok().map(Some),
+                Err(_) => Some(None),
+            };
             (k, idle)
         });
         let fut = futures_util::future::join_all(asks);
@@ -174,6 +183,9 @@ impl SessionRegistry {
                         act.forget(&k);
                         left = left.saturating_sub(1);
                     }
+                    continue;
+                };
+                let Some(idle) = idle else {
                     continue;
                 };
                 // Idle when asked, and not used since: one handed out meanwhile (a resume about
