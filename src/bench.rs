@@ -199,14 +199,14 @@ struct Daemon {
     keep_home: bool,
 }
 
-/// A daemon goes with its process and (unless kept) its home, however the bench lets go of it:
-/// one dropped on an error or a panic was left running (holding 10,000 parked sessions, say),
-/// with its home (a store of a million admissions). Stopping it first is [`Daemon::stop`].
 /// The highest peak RSS (VmHWM, KiB) of any daemon this run started, and which (its home's
 /// name without the bench's prefix and id): the memory line's own peak is the isolation
 /// daemon's, and a section of 256 sessions may reach higher.
 static PEAK: std::sync::Mutex<(u64, String)> = std::sync::Mutex::new((0, String::new()));
 
+/// A daemon goes with its process and (unless kept) its home, however the bench lets go of it:
+/// one dropped on an error or a panic was left running (holding 10,000 parked sessions, say),
+/// with its home (a store of a million admissions). Stopping it first is [`Daemon::stop`].
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
@@ -252,7 +252,9 @@ fn write_config(home: &Path, model_url: &str) -> Result<(), String> {
                   "max_retries": 0, "max_concurrent_requests": 1024},
         "approvals": {"mode": "manual", "timeout": 3600},
         "platform_toolsets": {"cli": ["terminal"]},
-        "session": {"max_queued_admissions": 1_000_000},
+        // No idle session is let go of while the memory section reads: evicted, the warm-up's
+        // sessions gave back memory that hid some of the parked sessions' growth.
+        "session": {"max_queued_admissions": 1_000_000, "max_in_memory": 1_000_000},
         "gateway": {"max_connections": 20000},
         "profiles": profiles,
         // As many rooms at once as the room section's largest level.
@@ -1639,9 +1641,25 @@ fn session_row(id: &str, principal: &str, request: &str, ordinal: usize, now: f6
     )
 }
 
+/// The store of a home goes when this does (its daemon's log stays, for a start that failed):
+/// a daemon removes its home when it is let go of, but not one kept for a restart, nor one no
+/// daemon has started on yet.
+struct StoreGoes(PathBuf);
+
+impl Drop for StoreGoes {
+    fn drop(&mut self) {
+        for file in ["state.db", "state.db-wal", "state.db-shm"] {
+            let _ = std::fs::remove_file(self.0.join(file));
+        }
+    }
+}
+
 /// Time from process start to `ready` over a large ledger, and after a crash with started rows.
 async fn recovery(opts: &BenchOptions, model_url: &str) -> Result<Value, String> {
     let home = daemon_home(&opts.dir, "recovery", model_url)?;
+    // Until a daemon owns the home: a failed generation or restart left a store of up to a
+    // million admissions behind.
+    let _store = StoreGoes(home.clone());
     let pool = crate::store::open_pool(&home.join("state.db"), 1).map_err(err)?;
     let mut conn = pool.get().map_err(err)?;
     let sessions = opts.recovery_sessions.max(1);
@@ -1943,6 +1961,8 @@ impl Daemon {
     /// A crash: SIGKILL, its home kept for the next start.
     fn kill_keep_home(mut self) {
         self.keep_home = true;
+        // Its peak counts among the run's (dropped once killed, it was no longer read).
+        self.note_peak();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -2677,8 +2697,23 @@ mod tests {
         assert!(Incoming::parse(b"{not json").is_err());
     }
 
-    /// A section measured before its daemon restarted its WAL is named under its table; a warm
-    /// one, or a quick run's (which warms nothing), is not.
+    /// A recovery store left by a run that failed goes with its guard; the daemon's log stays.
+    #[test]
+    fn a_failed_runs_store_goes_and_its_log_stays() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let home = dir.path().join("home");
+        std::fs::create_dir(&home).expect("home");
+        for file in ["state.db", "state.db-wal", "state.db-shm", "daemon.log"] {
+            std::fs::write(home.join(file), "x").expect("file");
+        }
+        drop(super::StoreGoes(home.clone()));
+        assert!(!home.join("state.db").exists() && !home.join("state.db-wal").exists());
+        assert!(!home.join("state.db-shm").exists());
+        assert!(home.join("daemon.log").exists());
+    }
+
+    /// A store dropped from the page cache reports the share of its pages the kernel left
+    /// cached, and is unchanged.
     #[test]
     fn a_store_dropped_from_the_page_cache_reports_the_share_left_cached() {
         use super::{cached_pages, drop_store_cache};
@@ -2703,6 +2738,8 @@ mod tests {
         assert_eq!(std::fs::read(&path).expect("read"), vec![7u8; 40_000]);
     }
 
+    /// A section measured before its daemon restarted its WAL is named under its table; a warm
+    /// one, or a quick run's (which warms nothing), is not.
     #[test]
     fn sections_measured_on_a_growing_wal_are_flagged_in_the_table() {
         let report = json!({
