@@ -300,11 +300,17 @@ impl RoomsService {
             return Ok(None);
         }
         let id = room_id.to_string();
-        let owner = self
+        let (exists, owner) = self
             .db
-            .run(move |c| rooms::room_owner(c, &id))
+            .run(move |c| Ok((rooms::load_room(c, &id)?.is_some(), rooms::room_owner(c, &id)?)))
             .await
             .map_err(store_error)?;
+        // A room that does not exist is not found here, not let through: read as having no
+        // owner, a disband (a cancel, a read) named one that another principal then made went
+        // on to act on that principal's room. A room, once made, keeps its owner.
+        if !exists {
+            return Err(GatewayError::NotFound(format!("no room {room_id}")));
+        }
         owned_by(room_id, owner.as_deref(), principal)?;
         Ok(owner)
     }
