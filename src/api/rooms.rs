@@ -302,7 +302,12 @@ impl RoomsService {
         let id = room_id.to_string();
         let (exists, owner) = self
             .db
-            .run(move |c| Ok((rooms::load_room(c, &id)?.is_some(), rooms::room_owner(c, &id)?)))
+            .run(move |c| {
+                Ok((
+                    rooms::load_room(c, &id)?.is_some(),
+                    rooms::room_owner(c, &id)?,
+                ))
+            })
             .await
             .map_err(store_error)?;
         // A room that does not exist is not found here, not let through: read as having no
@@ -313,6 +318,28 @@ impl RoomsService {
         }
         owned_by(room_id, owner.as_deref(), principal)?;
         Ok(owner)
+    }
+
+    /// A `room.admit` while the gateway drains: the view of the task it names when that task
+    /// was admitted with this payload (a conflict when with another), else `runtime_draining`.
+    async fn admitted_while_draining(&self, p: Value) -> GatewayResult<Value> {
+        let p: AdmitTask = params(p)?;
+        let identity = TaskIdentity::new(&p.room_id, &p.task_id, &p.thread_id, &p.turn_id)
+            .map_err(store_error)?;
+        let payload = TaskPayload {
+            target_profile: p.target_profile,
+            prompt: p.prompt,
+            source_event_seq: p.source_event_seq,
+            target_member_id: p.target_member_id,
+        };
+        let admitted = self
+            .db
+            .run(move |c| room_tasks::admitted_task(c, &identity, &payload))
+            .await
+            .map_err(store_error)?;
+        admitted
+            .map(|view| task_view(&view))
+            .ok_or(GatewayError::RuntimeDraining)
     }
 
     /// What room `room_id`'s members wait on now, as `room.pending_action` last said it.
@@ -341,8 +368,12 @@ impl RoomsService {
                 owner = self.authorize(principal, room_id).await?;
             }
         }
-        // New work waits for the next process; cancels, reads and disbands go on.
+        // New work waits for the next process; cancels, reads and disbands go on, and so does
+        // the replay of an admission (it is not new: answered with its task, as at any time).
         if matches!(method, "room.create" | "room.admit" | "room.retry") && self.phase.draining() {
+            if method == "room.admit" {
+                return self.admitted_while_draining(p).await;
+            }
             return Err(GatewayError::RuntimeDraining);
         }
         match method {

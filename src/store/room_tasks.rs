@@ -416,6 +416,48 @@ pub fn admit_task(
     admit_task_within(conn, identity, payload, clock, i64::MAX)
 }
 
+/// A task's payload as stored (canonical JSON).
+fn payload_json_of(payload: &TaskPayload) -> StoreResult<String> {
+    let value =
+        serde_json::to_value(payload).map_err(|e| RoomStoreError::Validation(e.to_string()))?;
+    Ok(canonical_json(&value))
+}
+
+/// The task `identity` names, admitted before with this payload: its view (`idempotent`); a
+/// conflict if it was admitted with another turn or payload; none if it never was.
+fn replayed(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    payload_json: &str,
+) -> StoreResult<Option<TaskView>> {
+    let Some(row) = find_row(conn, &identity.room_id, &identity.task_id)? else {
+        return Ok(None);
+    };
+    if row.thread_id != identity.thread_id || row.turn_id != identity.turn_id {
+        return Err(RoomStoreError::Conflict(
+            "task_id is already bound to a different turn".into(),
+        ));
+    }
+    if row.payload_json != payload_json {
+        return Err(RoomStoreError::Conflict(
+            "task_id is already bound to a different payload".into(),
+        ));
+    }
+    row.into_view(true).map(Some)
+}
+
+/// A replay of an admission, read without admitting anything (while the gateway drains: a
+/// task admitted before is answered as at any other time; a new one is not taken).
+pub fn admitted_task(
+    conn: &mut SqliteConnection,
+    identity: &TaskIdentity,
+    payload: &TaskPayload,
+) -> StoreResult<Option<TaskView>> {
+    let identity = identity.validated()?;
+    let payload_json = payload_json_of(&payload.normalized()?)?;
+    replayed(conn, &identity, &payload_json)
+}
+
 /// [`admit_task`], refused (`Full`) when the room already has `max_queued` tasks queued (a
 /// replay of an admitted task is answered whatever the queue holds).
 pub fn admit_task_within(
@@ -427,24 +469,12 @@ pub fn admit_task_within(
 ) -> StoreResult<TaskView> {
     let identity = identity.validated()?;
     let payload = payload.normalized()?;
-    let payload_value =
-        serde_json::to_value(&payload).map_err(|e| RoomStoreError::Validation(e.to_string()))?;
-    let payload_json = canonical_json(&payload_value);
+    let payload_json = payload_json_of(&payload)?;
     let digest = sha256_hex(&payload_json);
     let now = read_clock(clock)?;
     crate::store::write_tx(conn, |conn| {
-        if let Some(row) = find_row(conn, &identity.room_id, &identity.task_id)? {
-            if row.thread_id != identity.thread_id || row.turn_id != identity.turn_id {
-                return Err(RoomStoreError::Conflict(
-                    "task_id is already bound to a different turn".into(),
-                ));
-            }
-            if row.payload_json != payload_json {
-                return Err(RoomStoreError::Conflict(
-                    "task_id is already bound to a different payload".into(),
-                ));
-            }
-            return row.into_view(true);
+        if let Some(view) = replayed(conn, &identity, &payload_json)? {
+            return Ok(view);
         }
         live_room(conn, &identity.room_id, true)?;
         if max_queued < i64::MAX {
