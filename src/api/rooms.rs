@@ -361,6 +361,16 @@ impl RoomsService {
         principal: Option<&str>,
         subscribe: impl Fn(&str),
     ) -> GatewayResult<Value> {
+        // Ids as the store keeps them (it trims them): a task admitted as " t1" was not found
+        // by a cancel, a retry or a read naming it so.
+        let mut p = p;
+        for key in ["room_id", "task_id"] {
+            if let Some(Value::String(id)) = p.get_mut(key) {
+                if id.trim().len() != id.len() {
+                    *id = id.trim().to_string();
+                }
+            }
+        }
         // The owner of the room named, as read for a principal.
         let mut owner = None;
         if method != "room.create" {

@@ -2106,6 +2106,37 @@ async fn room_requests_a_client_cannot_mean_are_refused() {
     assert!(!h1.to_string().contains("turn_deadline_exceeded"), "{h1}");
 }
 
+/// Room and task ids are the store's, trimmed, in every method: a task admitted as " t1" is
+/// found by a cancel and a read naming it so (they answered `not_found`).
+#[actix_rt::test]
+async fn padded_room_and_task_ids_name_the_same_task_in_every_method() {
+    let model = FakeModel::ack_or_hang();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"profiles": {"dev": {"toolsets": []}}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let room =
+        json!({"room_id": "pad", "name": "P", "members": [{"profile": "dev", "handle": "dev"}]});
+    ws.ok("room.create", room).await;
+    let mut padded = admit("pad", "t1", "dev", "hello", 1);
+    padded["room_id"] = json!(" pad ");
+    padded["task_id"] = json!(" t1 ");
+    let admitted = ws.ok("room.admit", padded).await;
+    assert_eq!(admitted["identity"]["task_id"], "t1", "{admitted}");
+    let got = ws.ok("room.get", json!({"room_id": " pad "})).await;
+    assert_eq!(got["room_id"], "pad", "{got}");
+    let cancelled = ws
+        .ok(
+            "room.cancel",
+            json!({"room_id": " pad", "task_id": "t1 ", "cancel_id": "c1"}),
+        )
+        .await;
+    assert_eq!(cancelled["identity"]["task_id"], "t1", "{cancelled}");
+}
+
 /// A draining gateway takes no new work (`runtime_draining`): not an input, a session, a room, a
 /// task or a retry; reads go on. Before, a task admitted during the drain was committed queued.
 #[actix_rt::test]
