@@ -228,6 +228,22 @@ struct AdmitTask {
     target_member_id: Option<String>,
 }
 
+impl AdmitTask {
+    /// The task named and what it asks for.
+    fn into_task(self) -> GatewayResult<(TaskIdentity, TaskPayload)> {
+        let identity =
+            TaskIdentity::new(&self.room_id, &self.task_id, &self.thread_id, &self.turn_id)
+                .map_err(store_error)?;
+        let payload = TaskPayload {
+            target_profile: self.target_profile,
+            prompt: self.prompt,
+            source_event_seq: self.source_event_seq,
+            target_member_id: self.target_member_id,
+        };
+        Ok((identity, payload))
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListTasks {
@@ -323,15 +339,7 @@ impl RoomsService {
     /// A `room.admit` while the gateway drains: the view of the task it names when that task
     /// was admitted with this payload (a conflict when with another), else `runtime_draining`.
     async fn admitted_while_draining(&self, p: Value) -> GatewayResult<Value> {
-        let p: AdmitTask = params(p)?;
-        let identity = TaskIdentity::new(&p.room_id, &p.task_id, &p.thread_id, &p.turn_id)
-            .map_err(store_error)?;
-        let payload = TaskPayload {
-            target_profile: p.target_profile,
-            prompt: p.prompt,
-            source_event_seq: p.source_event_seq,
-            target_member_id: p.target_member_id,
-        };
+        let (identity, payload) = params::<AdmitTask>(p)?.into_task()?;
         let admitted = self
             .db
             .run(move |c| room_tasks::admitted_task(c, &identity, &payload))
@@ -460,14 +468,7 @@ impl RoomsService {
                         self.max_prompt_bytes
                     )));
                 }
-                let identity = TaskIdentity::new(&p.room_id, &p.task_id, &p.thread_id, &p.turn_id)
-                    .map_err(store_error)?;
-                let payload = TaskPayload {
-                    target_profile: p.target_profile,
-                    prompt: p.prompt,
-                    source_event_seq: p.source_event_seq,
-                    target_member_id: p.target_member_id,
-                };
+                let (identity, payload) = p.into_task()?;
                 let clock = self.clock.clone();
                 let max_queued = self.runtime.config().max_queued_tasks_per_room;
                 let who = principal.map(str::to_string);

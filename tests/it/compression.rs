@@ -1293,7 +1293,12 @@ fn many_rounds_model(rounds: usize, bytes: usize, most_chars: usize) -> FakeMode
 
 /// `HI`, then `MANY`, each completed.
 async fn hi_then_many(home: &Home, ws: &mut Ws, sid: &str) {
-    for (id, text) in [("HI", "HI"), ("MANY", "MANY")] {
+    completed_in_turn(home, ws, sid, &[("HI", "HI"), ("MANY", "MANY")]).await;
+}
+
+/// Each `(input id, text)` submitted once the one before completed.
+async fn completed_in_turn(home: &Home, ws: &mut Ws, sid: &str, inputs: &[(&str, &str)]) {
+    for &(id, text) in inputs {
         ws.submit(sid, id, text).await;
         wait_until(id, T, || home.admission(id).status == "terminal").await;
         assert_eq!(
@@ -1476,15 +1481,7 @@ fn hi_then_tests_model(hi_answer: String, summary: String) -> FakeModel {
 
 /// `hi`, then `run tests`, each completed.
 async fn hi_then_tests(home: &Home, ws: &mut Ws, sid: &str) {
-    for (id, text) in [("HI", "hi"), ("TESTS", "run tests")] {
-        ws.submit(sid, id, text).await;
-        wait_until(id, T, || home.admission(id).status == "terminal").await;
-        assert_eq!(
-            home.admission(id).outcome.as_deref(),
-            Some("completed"),
-            "{id}"
-        );
-    }
+    completed_in_turn(home, ws, sid, &[("HI", "hi"), ("TESTS", "run tests")]).await;
 }
 
 /// A request's estimate: a quarter of its messages' characters.

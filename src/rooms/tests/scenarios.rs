@@ -82,6 +82,23 @@ fn assert_failed_at_its_deadline(db: &TestDb, id: &TaskIdentity, what: &str) {
     );
 }
 
+/// [`left_by_an_old_process`]'s attempt recovered `indeterminate` elsewhere while its member
+/// session (the one returned) still runs it.
+fn recovered_while_its_member_runs_it() -> (
+    TestDb,
+    ManualClock,
+    TaskIdentity,
+    TaskAttempt,
+    Arc<FakeSessionRpc>,
+    String,
+) {
+    let (db, clock, id, attempt) = left_by_an_old_process();
+    recover_elsewhere(&db, &clock);
+    let rpc = rpc(false);
+    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    (db, clock, id, attempt, rpc, session)
+}
+
 /// Recover an old attempt into `indeterminate` under a separate process, then release.
 fn recover_elsewhere(db: &TestDb, clock: &ManualClock) {
     let recovery = lease_for(db, "recovery-process", 30.0, clock);
@@ -1129,10 +1146,7 @@ async fn test_active_recovered_turn_is_never_resubmitted() {
 
 #[tokio::test]
 async fn test_retry_cannot_advance_generation_while_original_attempt_is_active() {
-    let (db, clock, id, attempt) = left_by_an_old_process();
-    recover_elsewhere(&db, &clock);
-    let rpc = rpc(false);
-    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    let (db, clock, id, attempt, rpc, session) = recovered_while_its_member_runs_it();
     lock(&rpc.states)
         .get_mut(&session)
         .unwrap()
@@ -1232,10 +1246,7 @@ async fn test_ambiguous_recovery_remains_indeterminate() {
 /// naming another attempt still reaches nothing.
 #[tokio::test]
 async fn an_indeterminate_attempts_reported_approval_can_be_answered() {
-    let (db, clock, id, attempt) = left_by_an_old_process();
-    recover_elsewhere(&db, &clock);
-    let rpc = rpc(false);
-    let session = rpc.add_session(true, Some("task-1"), Vec::new());
+    let (db, clock, id, attempt, rpc, session) = recovered_while_its_member_runs_it();
     lock(&rpc.states)
         .get_mut(&session)
         .expect("session")
