@@ -281,6 +281,12 @@ pub fn create_room(
                     "hosted room id was retired and cannot be reused".into(),
                 ));
             }
+            // Not the room asked for either: answered as made, it was about to be retired.
+            if existing.disband_requested_at.is_some() {
+                return Err(RoomStoreError::Conflict(
+                    "hosted room is being disbanded; its id cannot be reused".into(),
+                ));
+            }
             let existing_members = load_members(conn, &room_id)?;
             if existing.name == name
                 && existing_members == members
@@ -754,6 +760,10 @@ mod tests {
         create_room(&mut conn, "room-1", "Release", &members(), "gw-a", &clock).unwrap();
         assert!(disband_room(&mut conn, "room-1", &clock).is_err());
         begin_disband(&mut conn, "room-1", &clock).unwrap();
+        // Made again as it was while it is being disbanded: refused, not answered as made.
+        let err =
+            create_room(&mut conn, "room-1", "Release", &members(), "gw-a", &clock).unwrap_err();
+        assert!(matches!(err, RoomStoreError::Conflict(ref m) if m.contains("being disbanded")));
         let err = live_room(&mut conn, "room-1", true).unwrap_err();
         assert!(
             matches!(err, RoomStoreError::RoomUnavailable(ref m) if m.contains("being disbanded"))
