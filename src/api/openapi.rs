@@ -240,6 +240,19 @@ fn headers_object(list: &[(&str, &str)]) -> Value {
     )
 }
 
+/// Does `schema` (or the component it names) require a field?
+fn asks_for_a_field(c: &Components, schema: &Value) -> bool {
+    let named = schema["$ref"]
+        .as_str()
+        .and_then(|r| r.strip_prefix("#/components/schemas/"))
+        .and_then(|name| c.0.get(name));
+    named
+        .unwrap_or(schema)
+        .get("required")
+        .and_then(Value::as_array)
+        .is_some_and(|fields| !fields.is_empty())
+}
+
 /// Assemble the document.
 pub fn document(
     title: &str,
@@ -315,7 +328,12 @@ pub fn document(
             "security": security,
         });
         if let Some(content) = op.request.content() {
-            operation["requestBody"] = json!({"required": true, "content": content});
+            // An empty body reads as `{}`: one whose object asks for no field may be left out.
+            let required = match &op.request {
+                Body::Json(schema) => asks_for_a_field(&c, schema),
+                _ => true,
+            };
+            operation["requestBody"] = json!({"required": required, "content": content});
         }
         let item = paths
             .entry(op.path.to_string())

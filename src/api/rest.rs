@@ -1434,6 +1434,13 @@ mod tests {
             submit["requestBody"]["content"]["application/json"]["schema"]["$ref"],
             "#/components/schemas/SubmitInput"
         );
+        // A body is required where its object asks for a field: an empty one reads as `{}`,
+        // which a session's create takes.
+        assert_eq!(submit["requestBody"]["required"], true);
+        assert_eq!(
+            paths["/v1/sessions"]["post"]["requestBody"]["required"],
+            false
+        );
         assert!(submit["responses"]["202"].is_object());
         assert!(submit["responses"]["409"].is_object());
         // A create answers 201, or 200 with the same body when the session existed.
