@@ -647,10 +647,10 @@ impl Turn {
                     },
                 });
             }
-            let unparsable = response.tool_calls.iter().any(|c| {
-                let a = c.function.arguments.trim();
-                !a.is_empty() && serde_json::from_str::<serde::de::IgnoredAny>(a).is_err()
-            });
+            let unparsable = response
+                .tool_calls
+                .iter()
+                .any(|c| !arguments_are_an_object(&c.function.arguments));
             if unparsable && retry.bad_arguments < MAX_MODEL_RETRIES {
                 // Asked again before anything is kept; past the retries each bad call's result
                 // says what was wrong.
@@ -791,11 +791,27 @@ impl Turn {
         let dropped = calls.len().saturating_sub(MAX_TOOL_CALLS_PER_RESPONSE);
         calls.truncate(MAX_TOOL_CALLS_PER_RESPONSE);
         unique_call_ids(&mut calls);
+        // Kept (and sent back on every later request) with arguments that are a JSON object
+        // whatever the model wrote: a provider that reads them (vLLM, llama.cpp's templates)
+        // refused every later request of the session over one call's bad arguments. The call
+        // runs with what the model wrote, and its result says what was wrong.
+        let kept: Vec<ToolCall> = calls
+            .iter()
+            .map(|c| {
+                let mut c = c.clone();
+                if c.function.arguments.trim().is_empty() {
+                    c.function.arguments = "{}".into();
+                } else if !arguments_are_an_object(&c.function.arguments) {
+                    c.function.arguments = object_arguments(&c.function.arguments);
+                }
+                c
+            })
+            .collect();
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),
             reasoning: response.reasoning.clone(),
-            tool_calls: Some(serde_json::to_string(&calls).unwrap_or_else(|_| "[]".into())),
+            tool_calls: Some(serde_json::to_string(&kept).unwrap_or_else(|_| "[]".into())),
             finish_reason: Some(response.finish_reason.clone()),
             admission_id: Some(self.ctx.admission_id.clone()),
             ..Default::default()
@@ -878,7 +894,13 @@ impl Turn {
             json!({})
         } else {
             match serde_json::from_str(arguments) {
-                Ok(v) => v,
+                Ok(v @ Value::Object(_)) => v,
+                Ok(_) => {
+                    return ToolResult::Output(format!(
+                        "Error executing tool '{name}': arguments must be a JSON object of the \
+                         tool's parameters"
+                    ))
+                }
                 Err(e) => {
                     return ToolResult::Output(format!(
                         "Error executing tool '{name}': arguments are not valid JSON: {e}"
@@ -2037,6 +2059,18 @@ fn pick(answer: &str, choices: &[String]) -> String {
 /// How often one turn asks the model again for one kind of bad answer (cut off by the output
 /// limit, empty, unparsable tool arguments) or puts up with calls to tools that do not exist.
 const MAX_MODEL_RETRIES: u8 = 3;
+
+/// Are a tool call's `arguments` a JSON object (or nothing, for a tool without parameters)?
+fn arguments_are_an_object(arguments: &str) -> bool {
+    let a = arguments.trim();
+    a.is_empty() || (a.starts_with('{') && serde_json::from_str::<serde::de::IgnoredAny>(a).is_ok())
+}
+
+/// Arguments that are not a JSON object, as one that holds them: what a call is kept with and
+/// sent back as.
+fn object_arguments(arguments: &str) -> String {
+    json!({ "unparsable_arguments": arguments }).to_string()
+}
 
 /// The note that asks the model to go on with an answer the output limit cut off.
 const CONTINUE_NOTE: &str = "[Your previous response was cut off by the output length limit. \

@@ -26,11 +26,17 @@ const T: Duration = Duration::from_secs(30);
 /// A model that answers a user text from `script` with that assistant message (a tool call), then
 /// `DONE_<text>` once the last message is a tool result; anything else gets `ACK_<text>`.
 fn scripted(script: Vec<(&str, Value)>) -> FakeModel {
+    FakeModel::start(scripted_calls(script))
+}
+
+/// [`scripted`]'s answers: a user text's tool calls, then `DONE_<text>` after the tool (and
+/// `ACK_<text>` for a text the script does not name).
+fn scripted_calls(script: Vec<(&str, Value)>) -> impl Fn(&Value) -> Reply + Send + Sync + 'static {
     let script: HashMap<String, Value> = script
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-    FakeModel::start(move |body| {
+    move |body| {
         let text = last_user(body);
         if after_tool(body) {
             return Reply::Message(
@@ -45,7 +51,7 @@ fn scripted(script: Vec<(&str, Value)>) -> FakeModel {
                 "stop",
             ),
         }
-    })
+    }
 }
 
 fn terminal(id: &str, command: &str) -> Value {
@@ -1818,6 +1824,77 @@ async fn tool_failures_become_results_and_the_loop_carries_on() {
         (Some(3), Some("oops")),
         "{fail}"
     );
+}
+
+/// A call whose arguments are not a JSON object (a model that kept writing a Python dict, or a
+/// bare string) is kept with arguments that are one: sent back as written, a provider that reads
+/// every call's arguments refused every later request of the session. Its result still says
+/// what was wrong, and nothing runs.
+#[actix_rt::test]
+async fn calls_with_arguments_that_are_no_object_are_sent_back_as_one() {
+    let script = scripted_calls(vec![
+        (
+            "DICT",
+            json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0,
+                "id": "call_dict", "type": "function",
+                "function": {"name": "terminal", "arguments": "{'command': 'touch dict'}"}}]}),
+        ),
+        (
+            "STRING",
+            json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0,
+                "id": "call_string", "type": "function",
+                "function": {"name": "terminal", "arguments": "\"touch string\""}}]}),
+        ),
+    ]);
+    // A provider that reads the arguments of every call it is sent.
+    let model = FakeModel::start(move |body| {
+        let calls = body["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|m| m["tool_calls"].as_array().cloned().unwrap_or_default());
+        let unreadable = calls.clone().any(|c| {
+            let args = c["function"]["arguments"].as_str().unwrap_or("");
+            serde_json::from_str::<serde_json::Map<String, Value>>(args).is_err()
+        });
+        if unreadable {
+            return Reply::Status(
+                400,
+                json!({"error": {"message": "tool call arguments must be a JSON object"}}),
+            );
+        }
+        script(body)
+    });
+    let (home, d) = Daemon::with_model(&model, json!({}));
+    let mut ws = d.ws().await;
+    let sid = ws.session("not-objects", &home.path).await;
+    for t in ["DICT", "STRING", "NEXT"] {
+        ws.submit(&sid, t, t).await;
+        settled(&home, t).await;
+        assert_eq!(
+            home.admission(t).outcome.as_deref(),
+            Some("completed"),
+            "{t}"
+        );
+    }
+    let dict = tool_result(&model, "DICT");
+    assert!(
+        dict.as_str().is_some_and(|s| s.contains("not valid JSON")),
+        "{dict}"
+    );
+    let string = tool_result(&model, "STRING");
+    assert!(
+        string
+            .as_str()
+            .is_some_and(|s| s.contains("must be a JSON object")),
+        "{string}"
+    );
+    for file in ["dict", "string"] {
+        assert!(
+            !home.path.join("workspace").join(file).exists(),
+            "{file} ran"
+        );
+    }
 }
 
 #[actix_rt::test]
