@@ -917,13 +917,16 @@ impl Turn {
 
     /// `args` is dropped once read: a parked approval held its map (some 600 bytes) for good.
     async fn terminal(&mut self, args: Value) -> ToolResult {
-        let Some(command) = args
-            .get("command")
-            .and_then(|c| c.as_str())
-            .map(str::to_string)
-        else {
-            return ToolResult::Output(blocked("the `command` argument is required"));
+        let TerminalArgs {
+            command,
+            background,
+            workdir,
+            timeout: asked_timeout,
+        } = match TerminalArgs::read(&args) {
+            Ok(read) => read,
+            Err(why) => return ToolResult::Output(blocked(&why)),
         };
+        drop(args);
         if command.len() > MAX_COMMAND_BYTES {
             return ToolResult::Output(blocked(&format!(
                 "the command is over {MAX_COMMAND_BYTES} bytes: write a script file and run that"
@@ -931,19 +934,14 @@ impl Turn {
         }
         let shared = self.ctx.shared.clone();
         let cfg = &shared.config;
-        let background = args.get("background").and_then(Value::as_bool) == Some(true);
         // Where it runs is part of what is approved: `rm -rf *` means something else in `/`.
         // A relative `workdir` is under the session's directory (it was dropped, and the command
         // ran somewhere the model did not ask for).
         let session_cwd = self.session_cwd();
-        let cwd = args
-            .get("workdir")
-            .and_then(|w| w.as_str())
+        let cwd = workdir
             .filter(|w| !w.trim().is_empty())
             .map(|w| session_cwd.join(w))
             .unwrap_or(session_cwd);
-        let asked_timeout = args.get("timeout").and_then(|t| t.as_f64());
-        drop(args);
         let user_home = std::env::var("HOME").ok();
         let (hardline, mut matched) = danger::assess(&command);
         if let Some(m) =
@@ -2060,6 +2058,54 @@ fn pick(answer: &str, choices: &[String]) -> String {
 /// limit, empty, unparsable tool arguments) or puts up with calls to tools that do not exist.
 const MAX_MODEL_RETRIES: u8 = 3;
 
+/// The `terminal` tool's arguments, each of the type its schema gives. One of another type was
+/// ignored: a `"background": "true"` ran in the foreground until its time limit, a `workdir`
+/// object ran the command in the session's directory. The forms models write for a boolean or
+/// a number (`"true"`, `"30"`) are read as such; anything else is refused, naming the argument.
+struct TerminalArgs {
+    command: String,
+    background: bool,
+    workdir: Option<String>,
+    timeout: Option<f64>,
+}
+
+impl TerminalArgs {
+    fn read(args: &Value) -> Result<TerminalArgs, String> {
+        let given = |key: &str| args.get(key).filter(|v| !v.is_null());
+        let command = match given("command") {
+            Some(Value::String(c)) => c.clone(),
+            Some(_) => return Err("the `command` argument must be a string".into()),
+            None => return Err("the `command` argument is required".into()),
+        };
+        let background = match given("background") {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(Value::String(b)) if b.eq_ignore_ascii_case("true") => true,
+            Some(Value::String(b)) if b.eq_ignore_ascii_case("false") => false,
+            Some(_) => return Err("the `background` argument must be true or false".into()),
+        };
+        let workdir = match given("workdir") {
+            None => None,
+            Some(Value::String(w)) => Some(w.clone()),
+            Some(_) => return Err("the `workdir` argument must be a directory's path".into()),
+        };
+        let timeout = match given("timeout") {
+            None => None,
+            Some(Value::Number(t)) => t.as_f64(),
+            Some(Value::String(t)) if t.trim().parse::<f64>().is_ok_and(f64::is_finite) => {
+                t.trim().parse().ok()
+            }
+            Some(_) => return Err("the `timeout` argument must be a number of seconds".into()),
+        };
+        Ok(TerminalArgs {
+            command,
+            background,
+            workdir,
+            timeout,
+        })
+    }
+}
+
 /// Are a tool call's `arguments` a JSON object (or nothing, for a tool without parameters)?
 fn arguments_are_an_object(arguments: &str) -> bool {
     let a = arguments.trim();
@@ -2232,7 +2278,52 @@ fn stop_resolution(interrupted: bool, draining: bool) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, pick_many, stop_resolution, strip_think, unique_call_ids};
+    use super::{pick, pick_many, stop_resolution, strip_think, unique_call_ids, TerminalArgs};
+
+    /// The terminal's arguments are read as typed, the forms models write for a boolean or a
+    /// number included; one of another type is refused naming it (it was ignored: a
+    /// `"background": "true"` ran in the foreground).
+    #[test]
+    fn terminal_arguments_of_another_type_are_refused_by_name() {
+        let read = |args: serde_json::Value| TerminalArgs::read(&args);
+        let ok = read(serde_json::json!({"command": "srv", "background": "true",
+                                         "timeout": "30", "workdir": "sub"}))
+        .expect("read");
+        assert!(ok.background);
+        assert_eq!(ok.timeout, Some(30.0));
+        assert_eq!(ok.workdir.as_deref(), Some("sub"));
+        let plain = read(serde_json::json!({"command": "ls", "background": null})).expect("read");
+        assert!(!plain.background && plain.timeout.is_none() && plain.workdir.is_none());
+        for (args, named) in [
+            (serde_json::json!({}), "`command` argument is required"),
+            (serde_json::json!({"command": ["ls"]}), "`command`"),
+            (
+                serde_json::json!({"command": "ls", "background": "yes"}),
+                "`background`",
+            ),
+            (
+                serde_json::json!({"command": "ls", "background": 1}),
+                "`background`",
+            ),
+            (
+                serde_json::json!({"command": "ls", "workdir": {"path": "sub"}}),
+                "`workdir`",
+            ),
+            (
+                serde_json::json!({"command": "ls", "timeout": "soon"}),
+                "`timeout`",
+            ),
+            (
+                serde_json::json!({"command": "ls", "timeout": "inf"}),
+                "`timeout`",
+            ),
+        ] {
+            match read(args.clone()) {
+                Err(why) => assert!(why.contains(named), "{args}: {why}"),
+                Ok(_) => panic!("{args} was taken"),
+            }
+        }
+    }
 
     /// A once-only key that names no rule would restrict nothing.
     #[test]
