@@ -1092,11 +1092,8 @@ mod tests {
     /// acceptance is checked.)
     #[test]
     fn a_home_another_user_owns_is_refused() {
-        use std::os::unix::fs::PermissionsExt;
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
-        let home = dir.path().join("home");
-        std::fs::create_dir(&home).expect("home");
-        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let home = private_dir(&dir.path().join("home"));
         super::prepare_home(&home).expect("the user's own home");
         if crate::api::control::own_uid() != 0 {
             return;
@@ -1113,16 +1110,13 @@ mod tests {
     /// within a root starts.
     #[actix_rt::test]
     async fn a_terminal_cwd_outside_the_allowed_roots_refuses_the_start() {
-        use std::os::unix::fs::PermissionsExt;
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
         let (root, elsewhere) = (dir.path().join("root"), dir.path().join("elsewhere"));
         for d in [root.join("work"), elsewhere.clone()] {
             std::fs::create_dir_all(d).expect("dir");
         }
         let start = |cwd: std::path::PathBuf, home: &str| {
-            let home = dir.path().join(home);
-            std::fs::create_dir(&home).expect("home");
-            std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("mode");
+            let home = private_dir(&dir.path().join(home));
             let mut config = crate::config::Config::default();
             config.gateway.allowed_cwd_roots = vec![root.clone()];
             config.terminal.cwd = Some(cwd);
@@ -1306,6 +1300,36 @@ mod tests {
         started_with_a_session_on(crate::config::Config::default()).await
     }
 
+    /// A directory at `path`, made, that only its user can use (as a home must be).
+    fn private_dir(path: &Path) -> std::path::PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir(path).expect("dir");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        path.to_path_buf()
+    }
+
+    /// Session `id` (principal `p`) in `gw`'s store.
+    async fn create_session(gw: &super::RunningGateway, id: &str) {
+        let (epoch, id) = (gw.shared.epoch, id.to_string());
+        gw.shared
+            .db
+            .write(move |c| {
+                let new = crate::store::testing::new_session(&id);
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session");
+    }
+
+    /// `gw`'s session authority, without its rooms.
+    fn authority_of(gw: &super::RunningGateway) -> crate::api::rpc::Authority {
+        crate::api::rpc::Authority {
+            shared: gw.shared.clone(),
+            registry: gw.registry.clone(),
+            rooms: Default::default(),
+        }
+    }
+
     /// [`started_with_a_session`] with `config`.
     async fn started_with_a_session_on(
         config: crate::config::Config,
@@ -1314,21 +1338,10 @@ mod tests {
         super::RunningGateway,
         actix::Addr<crate::session::supervisor::SessionSupervisor>,
     ) {
-        use std::os::unix::fs::PermissionsExt;
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
-        let home = dir.path().join("home");
-        std::fs::create_dir(&home).expect("home");
-        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let home = private_dir(&dir.path().join("home"));
         let gw = super::Gateway::start(home, config).await.expect("start");
-        let epoch = gw.shared.epoch;
-        gw.shared
-            .db
-            .write(move |c| {
-                let new = crate::store::testing::new_session("s");
-                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
-            })
-            .await
-            .expect("session");
+        create_session(&gw, "s").await;
         let sup = gw
             .registry
             .send(crate::session::registry::GetSupervisor("s".into()))
@@ -1381,11 +1394,7 @@ mod tests {
         use crate::rooms::port::SessionRef;
         use crate::session::supervisor::{GetLive, Submit};
         let (_dir, gw, sup) = started_with_a_session().await;
-        let authority = crate::api::rpc::Authority {
-            shared: gw.shared.clone(),
-            registry: gw.registry.clone(),
-            rooms: Default::default(),
-        };
+        let authority = authority_of(&gw);
         let port = crate::rooms::local::port(authority, std::time::Duration::from_millis(50));
         let task =
             crate::store::room_tasks::TaskIdentity::new("room", "t1", "th", "tu").expect("task");
@@ -1462,11 +1471,7 @@ mod tests {
             })
             .await
             .expect("recorded open");
-        let authority = crate::api::rpc::Authority {
-            shared: gw.shared.clone(),
-            registry: gw.registry.clone(),
-            rooms: Default::default(),
-        };
+        let authority = authority_of(&gw);
         let snap = authority.snapshot("s").await.expect("snapshot");
         assert!(
             snap["last_sequence"].as_i64() >= Some(events[0].seq),
@@ -1497,11 +1502,7 @@ mod tests {
             })
             .await
             .expect("damage the policy");
-        let authority = crate::api::rpc::Authority {
-            shared: gw.shared.clone(),
-            registry: gw.registry.clone(),
-            rooms: Default::default(),
-        };
+        let authority = authority_of(&gw);
         let sink = Sink.start();
         let caller = crate::api::rpc::Caller {
             principal: "p".into(),
@@ -1604,15 +1605,7 @@ mod tests {
         let (_dir, gw, sup) = started_with_a_session_on(config).await;
         assert!(sup.send(IsIdle).await.expect("asked"), "s started, idle");
         drop(sup);
-        let epoch = gw.shared.epoch;
-        gw.shared
-            .db
-            .write(move |c| {
-                let new = crate::store::testing::new_session("t");
-                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
-            })
-            .await
-            .expect("session t");
+        create_session(&gw, "t").await;
         // Every reader held until the end.
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let holding = Arc::new(AtomicUsize::new(0));

@@ -409,6 +409,16 @@ mod tests {
         (id.to_string(), name.to_string(), args.to_string())
     }
 
+    /// An answer whose chunks each stream one of `deltas` (a tool call's fragment), in order.
+    fn streamed(deltas: impl IntoIterator<Item = Value>) -> StreamAccumulator {
+        let mut acc = StreamAccumulator::default();
+        for delta in deltas {
+            acc.apply(&json!({"choices":[{"index":0,"delta":{"tool_calls":[delta]}}]}))
+                .expect("chunk");
+        }
+        acc
+    }
+
     /// `"error": null` beside an answer is no error: it was taken for one (a malformed reply),
     /// and the answered request sent again.
     #[test]
@@ -447,24 +457,21 @@ mod tests {
 
     #[test]
     fn a_call_reusing_an_index_keeps_its_later_fragments() {
-        let mut acc = StreamAccumulator::default();
         let call = |index: i64, id: &str, args: &str| {
             let mut c = json!({"index": index, "function": {"arguments": args}});
             if !id.is_empty() {
                 c["id"] = json!(id);
                 c["function"]["name"] = json!("terminal");
             }
-            json!({"choices":[{"index":0,"delta":{"tool_calls":[c]}}]})
+            c
         };
-        for chunk in [
+        let acc = streamed([
             call(0, "a", "{\"command\":"),
             call(0, "", "\"ls\"}"),
             call(0, "b", "{\"command\":"),
             call(0, "", "\"pwd\"}"),
             call(1, "c", "{}"),
-        ] {
-            acc.apply(&chunk).expect("chunk");
-        }
+        ]);
         let calls: Vec<(String, String)> = acc
             .finish()
             .tool_calls
@@ -486,20 +493,15 @@ mod tests {
     /// whole, is another call. A name repeated with the rest of a call's arguments is not.
     #[test]
     fn parallel_calls_at_one_index_without_ids_stay_apart() {
-        let mut acc = StreamAccumulator::default();
-        let chunk = |name: &str, args: &str| {
-            json!({"choices":[{"index":0,"delta":{"tool_calls":[
-                {"function": {"name": name, "arguments": args}}
-            ]}}]})
-        };
-        for (name, args) in [
-            ("terminal", "{\"command\":\"ls\"}"),
-            ("clarify", "{\"question\":"),
-            ("clarify", "\"why\"}"),
-            ("terminal", "{\"command\":\"pwd\"}"),
-        ] {
-            acc.apply(&chunk(name, args)).expect("chunk");
-        }
+        let acc = streamed(
+            [
+                ("terminal", "{\"command\":\"ls\"}"),
+                ("clarify", "{\"question\":"),
+                ("clarify", "\"why\"}"),
+                ("terminal", "{\"command\":\"pwd\"}"),
+            ]
+            .map(|(name, args)| json!({"function": {"name": name, "arguments": args}})),
+        );
         assert_eq!(
             calls_of(acc),
             [
@@ -560,15 +562,11 @@ mod tests {
     /// index's call: a reused slot comes after every call there was when it came.
     #[test]
     fn a_reused_index_after_a_later_one_keeps_the_streamed_order() {
-        let mut acc = StreamAccumulator::default();
-        let chunk = |index: i64, id: &str| {
-            json!({"choices":[{"index":0,"delta":{"tool_calls":[
-                {"index": index, "id": id, "function": {"name": "terminal", "arguments": "{}"}}
-            ]}}]})
-        };
-        for (index, id) in [(0, "a"), (1, "c"), (0, "b"), (2, "d"), (0, "e")] {
-            acc.apply(&chunk(index, id)).expect("chunk");
-        }
+        let acc = streamed(
+            [(0, "a"), (1, "c"), (0, "b"), (2, "d"), (0, "e")].map(|(index, id)| {
+                json!({"index": index, "id": id, "function": {"name": "terminal", "arguments": "{}"}})
+            }),
+        );
         let ids: Vec<String> = acc.finish().tool_calls.into_iter().map(|c| c.id).collect();
         assert_eq!(ids, ["a", "c", "b", "d", "e"]);
     }
@@ -577,16 +575,12 @@ mod tests {
     /// id came, went into the reused index's second call (its name and arguments merged).
     #[test]
     fn a_reused_index_does_not_take_the_next_indexs_fragments() {
-        let mut acc = StreamAccumulator::default();
-        let chunk = |c: Value| json!({"choices":[{"index":0,"delta":{"tool_calls":[c]}}]});
-        for c in [
+        let acc = streamed([
             json!({"index": 0, "id": "a", "function": {"name": "terminal", "arguments": "{\"command\":\"ls\"}"}}),
             json!({"index": 0, "id": "b", "function": {"name": "terminal", "arguments": "{\"command\":\"pwd\"}"}}),
             json!({"index": 1, "function": {"name": "clarify", "arguments": "{\"question\":"}}),
             json!({"index": 1, "id": "c", "function": {"arguments": "\"why\"}"}}),
-        ] {
-            acc.apply(&chunk(c)).expect("chunk");
-        }
+        ]);
         assert_eq!(
             calls_of(acc),
             [

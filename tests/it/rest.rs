@@ -2669,15 +2669,7 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
             json!({"error": {"message": "slow down", "type": "rate_limit_error"}}),
         )
     });
-    let home = Home::new();
-    home.write_config(&keyed(&model, json!({})));
-    let d = Daemon::start(&home);
-    let api = Api::new(&d, KEY);
-    let r = chat(
-        &api,
-        json!({"messages": [{"role": "user", "content": "hello"}]}),
-    )
-    .await;
+    let (_home, _d, _api, r) = chatted_once(&model, "hello").await;
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
     assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
@@ -2692,15 +2684,7 @@ async fn an_answer_cut_at_the_models_limit_finishes_with_length() {
     let model = FakeModel::start(|_| {
         Reply::Message(json!({"role": "assistant", "content": "part"}), "length")
     });
-    let home = Home::new();
-    home.write_config(&keyed(&model, json!({})));
-    let d = Daemon::start(&home);
-    let api = Api::new(&d, KEY);
-    let r = chat(
-        &api,
-        json!({"messages": [{"role": "user", "content": "long answer"}]}),
-    )
-    .await;
+    let (_home, _d, api, r) = chatted_once(&model, "long answer").await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(
         r.body["choices"][0]["finish_reason"], "length",
@@ -2736,15 +2720,7 @@ async fn a_conversation_too_long_for_the_model_is_a_400_context_length_exceeded(
                              "type": "invalid_request_error", "code": "context_length_exceeded"}}),
         )
     });
-    let home = Home::new();
-    home.write_config(&keyed(&model, json!({})));
-    let d = Daemon::start(&home);
-    let api = Api::new(&d, KEY);
-    let r = chat(
-        &api,
-        json!({"messages": [{"role": "user", "content": "too long"}]}),
-    )
-    .await;
+    let (_home, _d, _api, r) = chatted_once(&model, "too long").await;
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(
         r.body["error"]["code"], "context_length_exceeded",
@@ -2760,6 +2736,21 @@ async fn a_conversation_too_long_for_the_model_is_a_400_context_length_exceeded(
         "{:?}",
         r.headers
     );
+}
+
+/// A daemon on `model` that takes [`KEY`] (its home, the daemon and its API), and its answer to
+/// one chat completion of `text`.
+async fn chatted_once(model: &FakeModel, text: &str) -> (Home, Daemon, Api, Resp) {
+    let home = Home::new();
+    home.write_config(&keyed(model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let r = chat(
+        &api,
+        json!({"messages": [{"role": "user", "content": text}]}),
+    )
+    .await;
+    (home, d, api, r)
 }
 
 fn retry_after(r: &Resp) -> Option<&str> {
