@@ -794,24 +794,27 @@ impl Turn {
         // Kept (and sent back on every later request) with arguments that are a JSON object
         // whatever the model wrote: a provider that reads them (vLLM, llama.cpp's templates)
         // refused every later request of the session over one call's bad arguments. The call
-        // runs with what the model wrote, and its result says what was wrong.
-        let kept: Vec<ToolCall> = calls
-            .iter()
+        // runs with what the model wrote (`written`: none where that is what is kept), and its
+        // result says what was wrong.
+        let written: Vec<Option<String>> = calls
+            .iter_mut()
             .map(|c| {
-                let mut c = c.clone();
-                if c.function.arguments.trim().is_empty() {
-                    c.function.arguments = "{}".into();
-                } else if !arguments_are_an_object(&c.function.arguments) {
-                    c.function.arguments = object_arguments(&c.function.arguments);
-                }
-                c
+                let arguments = &mut c.function.arguments;
+                let kept = if arguments.trim().is_empty() {
+                    "{}".to_string()
+                } else if arguments_are_an_object(arguments) {
+                    return None;
+                } else {
+                    object_arguments(arguments)
+                };
+                Some(std::mem::replace(arguments, kept))
             })
             .collect();
         let assistant = NewMessage {
             role: "assistant".into(),
             content: response.content.clone(),
             reasoning: response.reasoning.clone(),
-            tool_calls: Some(serde_json::to_string(&kept).unwrap_or_else(|_| "[]".into())),
+            tool_calls: Some(serde_json::to_string(&calls).unwrap_or_else(|_| "[]".into())),
             finish_reason: Some(response.finish_reason.clone()),
             admission_id: Some(self.ctx.admission_id.clone()),
             ..Default::default()
@@ -819,17 +822,15 @@ impl Turn {
         self.persist(vec![assistant.clone()]).await?;
         self.transcript.push(assistant);
         let last = calls.len().saturating_sub(1);
-        for (n, call) in calls.into_iter().enumerate() {
+        for (n, (call, written)) in calls.into_iter().zip(written).enumerate() {
             if self.cancelled() {
                 return Ok(Some(interrupted()));
             }
+            let arguments = written.as_deref().unwrap_or(&call.function.arguments);
             // Shown with secrets masked, as the command's prompt and output are.
-            let shown = tools::redact::redact_json_text(&call.function.arguments);
+            let shown = tools::redact::redact_json_text(arguments);
             self.emit("tool.start", json!({"tool_call_id": call.id, "name": call.function.name, "arguments": truncate(&shown, 2000)}));
-            let (result, stopped) = match self
-                .execute(&call.function.name, &call.function.arguments)
-                .await
-            {
+            let (result, stopped) = match self.execute(&call.function.name, arguments).await {
                 ToolResult::Output(text) => (text, false),
                 ToolResult::InterruptedRunning(text) => (text, true),
                 ToolResult::Interrupted => {
@@ -2089,13 +2090,15 @@ impl TerminalArgs {
             Some(Value::String(w)) => Some(w.clone()),
             Some(_) => return Err("the `workdir` argument must be a directory's path".into()),
         };
+        let not_seconds = || Err("the `timeout` argument must be a number of seconds".into());
         let timeout = match given("timeout") {
             None => None,
             Some(Value::Number(t)) => t.as_f64(),
-            Some(Value::String(t)) if t.trim().parse::<f64>().is_ok_and(f64::is_finite) => {
-                t.trim().parse().ok()
-            }
-            Some(_) => return Err("the `timeout` argument must be a number of seconds".into()),
+            Some(Value::String(t)) => match t.trim().parse::<f64>() {
+                Ok(t) if t.is_finite() => Some(t),
+                _ => return not_seconds(),
+            },
+            Some(_) => return not_seconds(),
         };
         Ok(TerminalArgs {
             command,
