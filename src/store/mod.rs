@@ -2330,36 +2330,29 @@ mod wal_restart_tests {
         let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
         let (first, second, rows) = actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
-            doom_tables(&db).await;
-            let (open, held) = hold_writer(&db);
-            let first = db.write(|c| {
-                write_tx(c, |c| {
-                    diesel::sql_query("INSERT INTO t (v) VALUES (1)").execute(c)?;
+            let (first, second) = in_a_doomed_batch(
+                &db,
+                |c| {
+                    write_tx(c, |c| {
+                        diesel::sql_query("INSERT INTO t (v) VALUES (1)").execute(c)?;
+                        Ok(())
+                    })
+                },
+                // Refused for what the first write did.
+                |c| {
+                    let seen = diesel::sql_query(
+                        "INSERT INTO t (v) SELECT 2 WHERE EXISTS (SELECT 1 FROM t)",
+                    )
+                    .execute(c)?;
+                    if seen > 0 {
+                        return Err(StoreError::AdmissionConflict(
+                            "the first write's row".into(),
+                        ));
+                    }
                     Ok(())
-                })
-            });
-            // Refused for what the first write did.
-            let second = db.write(|c| {
-                let seen =
-                    diesel::sql_query("INSERT INTO t (v) SELECT 2 WHERE EXISTS (SELECT 1 FROM t)")
-                        .execute(c)?;
-                if seen > 0 {
-                    return Err(StoreError::AdmissionConflict(
-                        "the first write's row".into(),
-                    ));
-                }
-                Ok(())
-            });
-            let doomed = db.write(|c| {
-                write_tx(c, |c| {
-                    diesel::sql_query("INSERT INTO doom (v) VALUES (0)").execute(c)?;
-                    Ok::<_, StoreError>(())
-                })
-            });
-            open.send(()).expect("open the gate");
-            held.await.expect("the held batch");
-            let (first, second) = (first.await, second.await);
-            assert!(doomed.await.is_err());
+                },
+            )
+            .await;
             (first, second, values_of_t(&db).await)
         });
         assert!(first.is_err());
@@ -2383,28 +2376,16 @@ mod wal_restart_tests {
         };
         let (first, second, sessions) = actix_rt::System::new().block_on(async {
             let db = Db::start(pool, 1);
-            doom_tables(&db).await;
-            let (open, held) = hold_writer(&db);
-            let first = db
-                .write(move |c| sessions::create_or_get(c, epoch, &testing::new_session("s"), 1.0));
-            let second = db.write(move |c| {
-                let mut other = testing::new_session("s");
-                other.request_digest = "other".into();
-                sessions::create_or_get(c, epoch, &other, 1.0)
-            });
-            let doomed = db.write(|c| {
-                write_tx(c, |c| {
-                    diesel::RunQueryDsl::execute(
-                        diesel::sql_query("INSERT INTO doom (v) VALUES (0)"),
-                        c,
-                    )?;
-                    Ok::<_, StoreError>(())
-                })
-            });
-            open.send(()).expect("open the gate");
-            held.await.expect("the held batch");
-            let (first, second) = (first.await, second.await);
-            assert!(doomed.await.is_err());
+            let (first, second) = in_a_doomed_batch(
+                &db,
+                move |c| sessions::create_or_get(c, epoch, &testing::new_session("s"), 1.0),
+                move |c| {
+                    let mut other = testing::new_session("s");
+                    other.request_digest = "other".into();
+                    sessions::create_or_get(c, epoch, &other, 1.0)
+                },
+            )
+            .await;
             let sessions = db.read(|c| sessions::find(c, "s")).await.expect("read");
             (first, second, sessions)
         });
@@ -2446,6 +2427,34 @@ mod wal_restart_tests {
         });
         runs.recv().expect("the writer holds");
         (open, held)
+    }
+
+    /// `first`, then `second`, written in one batch that a later write of it ends (rolled back
+    /// whole, as an I/O error or a full disk does): their answers.
+    async fn in_a_doomed_batch<A, B>(
+        db: &Db,
+        first: impl FnOnce(&mut SqliteConnection) -> Result<A, StoreError> + Send + 'static,
+        second: impl FnOnce(&mut SqliteConnection) -> Result<B, StoreError> + Send + 'static,
+    ) -> (Result<A, StoreError>, Result<B, StoreError>)
+    where
+        A: Send + 'static,
+        B: Send + 'static,
+    {
+        use diesel::RunQueryDsl;
+        doom_tables(db).await;
+        let (open, held) = hold_writer(db);
+        let (first, second) = (db.write(first), db.write(second));
+        let doomed = db.write(|c| {
+            write_tx(c, |c| {
+                diesel::sql_query("INSERT INTO doom (v) VALUES (0)").execute(c)?;
+                Ok::<_, StoreError>(())
+            })
+        });
+        open.send(()).expect("open the gate");
+        held.await.expect("the held batch");
+        let answers = (first.await, second.await);
+        assert!(doomed.await.is_err());
+        answers
     }
 
     /// A batch of six writes whose second ends the batch's transaction (and answers its error,
