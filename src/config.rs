@@ -36,15 +36,12 @@ pub const ENDPOINT_URL_EXPECTED: &str =
 /// check for the config, the environment and a client's `base_url`: the config took what every
 /// session was then refused.
 pub fn endpoint_url_fits(url: &str) -> bool {
-    (url.starts_with("http://") || url.starts_with("https://")) && !url.contains(['?', '#', '@'])
+    endpoint_url_fault(url).is_none()
 }
 
 /// Why `url` is no endpoint [`endpoint_url_fits`] takes, in words that hold nothing of it (`no
 /// http:// or https:// scheme`, `credentials and a query`); none when it fits.
 fn endpoint_url_fault(url: &str) -> Option<String> {
-    if endpoint_url_fits(url) {
-        return None;
-    }
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Some("no http:// or https:// scheme".into());
     }
@@ -61,7 +58,7 @@ fn endpoint_url_fault(url: &str) -> Option<String> {
     .into_iter()
     .filter_map(|(has, what)| has.then_some(what))
     .collect();
-    Some(faults.join(" and "))
+    (!faults.is_empty()).then(|| faults.join(" and "))
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
