@@ -18,7 +18,7 @@ use crate::model::{ChatCall, ChatResponse, DeltaSink, ModelError, StreamEvent, T
 use crate::session::prompts::{Answer, OpenPrompt, PromptAnswer, PromptKind};
 use crate::session::shared::Shared;
 use crate::session::supervisor::{
-    Committed, Emit, PromptUnrecorded, RecordingPrompt, RegisterPrompt, RetirePrompt,
+    Committed, Emit, PromptUnrecorded, RecordNow, RecordingPrompt, RegisterPrompt, RetirePrompt,
     SessionSupervisor,
 };
 use crate::store::events::{self, NewEvent};
@@ -1173,6 +1173,12 @@ impl Turn {
                 )
             }
             Ok(Err(tools::TerminalError::Interrupted)) => ToolResult::Interrupted,
+            // Its shell ran, if only for an instant: not "did not run", which invites a rerun.
+            Ok(Err(e @ tools::TerminalError::InterruptedAtStart)) => {
+                ToolResult::InterruptedRunning(
+                    json!({"output": "", "exit_code": -1, "error": e.to_string()}).to_string(),
+                )
+            }
             Ok(Err(e)) => ToolResult::Output(not_run(&e.to_string())),
             Err(_) => ToolResult::Output(not_run("terminal tool unavailable")),
         }
@@ -1477,22 +1483,19 @@ impl Turn {
         }
     }
 
-    /// Record an event of the attempt now, in the order of the attempt's own writes (an
-    /// [`Emit`]ted one is written when the supervisor gets to it, which may be after the
-    /// settlement's). Best effort: it tells; it changes nothing.
+    /// Record an event of the attempt now, before the turn goes on (an [`Emit`]ted one is
+    /// written when the supervisor gets to it, which may be after the settlement's). It goes
+    /// through the supervisor all the same, so it is written after what this turn emitted
+    /// before it (written straight, a tool's end could land before its start). Best effort: it
+    /// tells; it changes nothing.
     async fn record_event(&self, kind: &'static str, payload: Value) {
-        let (root, now, epoch) = (
-            self.ctx.root_id.clone(),
-            self.ctx.shared.now(),
-            self.ctx.shared.epoch,
-        );
-        let event = NewEvent::new(kind, payload);
-        let recorded = self
-            .commit_events(move |c| {
-                crate::store::epoch::check_epoch(c, epoch)?;
-                events::append_tx(c, &root, &[event], now)
-            })
-            .await;
+        let recorded = match self.ctx.sup.send(RecordNow { kind, payload }).await {
+            Ok(recorded) => recorded,
+            // The turn runs in the supervisor's context: it is not gone while this runs.
+            Err(e) => Err(StoreError::Pool(format!(
+                "the session's supervisor is gone: {e}"
+            ))),
+        };
         if let Err(e) = recorded {
             tracing::warn!(session = %self.ctx.root_id, event = kind, error = %e,
                 "cannot record an event of the attempt")

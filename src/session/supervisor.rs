@@ -1508,6 +1508,39 @@ impl Handler<Emit> for SessionSupervisor {
     }
 }
 
+/// From a turn: an event of the attempt that must be in the log before the turn goes on (how a
+/// parked tool ended, before the settlement's events). Queued by this actor, so after every
+/// [`Emit`] the turn sent before it (a tool's start before its end); answered once committed.
+#[derive(Message)]
+#[rtype(result = "Result<(), StoreError>")]
+pub struct RecordNow {
+    pub kind: &'static str,
+    pub payload: Value,
+}
+
+impl Handler<RecordNow> for SessionSupervisor {
+    type Result = ResponseActFuture<Self, Result<(), StoreError>>;
+    fn handle(&mut self, m: RecordNow, _: &mut Context<Self>) -> Self::Result {
+        let (root, now, epoch) = (self.root_id.clone(), self.shared.now(), self.shared.epoch);
+        let event = NewEvent::new(m.kind, m.payload);
+        self.write_started();
+        let fut = self.shared.db.write(move |c| {
+            crate::store::epoch::check_epoch(c, epoch)?;
+            events::append_tx(c, &root, &[event], now)
+        });
+        Box::pin(fut.into_actor(self).map(|res, act, ctx| match res {
+            Ok(rows) => {
+                act.write_answered(rows, ctx);
+                Ok(())
+            }
+            Err(e) => {
+                act.write_answered(Vec::new(), ctx);
+                Err(e)
+            }
+        }))
+    }
+}
+
 /// A human's answer to a prompt, fenced by the running generation.
 #[derive(Message)]
 #[rtype(result = "Result<Value, GatewayError>")]

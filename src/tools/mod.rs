@@ -223,7 +223,8 @@ impl Handler<StartBackground> for TerminalTool {
         ) {
             Ok(started) => started,
             Err(e) => {
-                // Nothing ran: no log of it is left.
+                // Nothing ran, or (interrupted as it started) its output was never read: no log
+                // of it is left.
                 let _ = std::fs::remove_file(&log);
                 return Err(e);
             }

@@ -161,6 +161,13 @@ pub enum TerminalError {
     /// The turn was interrupted before the terminal took up the start: nothing started.
     #[error("interrupted before it started")]
     Interrupted,
+    /// The turn's interrupt came while a background start was being spawned: its shell had
+    /// started and was killed at once, so it may have done part of its work.
+    #[error(
+        "the turn was interrupted as the command started: its shell had started and was killed \
+         at once, so it may have done part of its work"
+    )]
+    InterruptedAtStart,
 }
 
 /// Runs `spec.command` and collects its output.
@@ -315,7 +322,7 @@ pub const BACKGROUND_LOG_CAP: u64 = 16 << 20;
 ///
 /// `cancel` is the turn's interrupt, looked at again once the shell is spawned: set by then
 /// (after its caller's look, before this returned), the group is killed and the start is
-/// `Interrupted`. Nothing else would have stopped a process that outlives its call, started
+/// `InterruptedAtStart` (the shell ran, if only for an instant). Nothing else would have stopped a process that outlives its call, started
 /// after the client was told its turn stopped.
 pub fn spawn_background(
     spec: &CommandSpec,
@@ -342,7 +349,7 @@ pub fn spawn_background(
             mark: None,
         }
         .kill();
-        return Err(TerminalError::Interrupted);
+        return Err(TerminalError::InterruptedAtStart);
     }
     let mut pipes = Pipes::of(&mut child);
     let run = async move {
@@ -1320,7 +1327,8 @@ mod tests {
     }
 
     /// An interrupt set while a background start was being spawned (after its caller's look)
-    /// stops it at once: nothing of it runs on, and the start is refused `Interrupted`.
+    /// stops it at once: nothing of it runs on, and the start is refused `InterruptedAtStart`
+    /// (its shell had started: not the `Interrupted` of a start that never began).
     #[tokio::test]
     async fn a_background_start_interrupted_while_it_spawned_runs_nothing() {
         let dir = TempDir::new("bg-interrupted");
@@ -1334,7 +1342,7 @@ mod tests {
             1000,
             &cancel,
         );
-        assert!(matches!(started, Err(TerminalError::Interrupted)));
+        assert!(matches!(started, Err(TerminalError::InterruptedAtStart)));
         tokio::time::sleep(Duration::from_millis(600)).await;
         assert!(!marker.exists(), "the interrupted start ran its command");
     }

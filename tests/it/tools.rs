@@ -614,6 +614,23 @@ async fn approval_once_runs_the_command_and_does_not_remember_it() {
     assert_eq!(tool_result(&model, "RM")["exit_code"], 0);
     let s = ws.event(T, |e| e["type"] == "approval.settled").await;
     assert_eq!(s["payload"]["resolution"], "choice:once");
+    // The log tells it in the order it happened: the call, its prompt, the answer, its end.
+    let log = gatehouse::store::events::since(&mut home.db(), &sid, 0, 10_000).expect("events");
+    let order: Vec<&str> = log
+        .events
+        .iter()
+        .map(|e| e.kind.as_str())
+        .filter(|k| k.starts_with("tool.") || k.starts_with("approval."))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "tool.start",
+            "approval.request",
+            "approval.settled",
+            "tool.complete"
+        ]
+    );
     // `once` is not remembered: the same pattern prompts again.
     ws.submit(&sid, "RM2", "RM2").await;
     let p2 = ws.wait_prompt(&sid, "approval").await;
