@@ -1002,21 +1002,22 @@ pub fn resolve_unknown(
         // the boot, and nothing of the turn was recorded after it opened): the call it asked
         // about, and those after it, never ran. Else a call left without a result may have been
         // running: one after a prompt that timed out, say, whose resolution was not yet written
-        // (the turn goes on without waiting for it), when the process died.
-        let last_prompt: Option<(Option<String>, f64)> = super::schema::prompts::table
-            .filter(super::schema::prompts::admission_id.eq(admission_id))
-            .filter(super::schema::prompts::execution_generation.eq(generation))
-            .order(super::schema::prompts::opened_at.desc())
-            .select((
-                super::schema::prompts::resolution,
-                super::schema::prompts::opened_at,
-            ))
+        // (the turn goes on without waiting for it), when the process died. "After" is read by
+        // message id, which only grows (a clock stepped back between the prompt and a later
+        // message made it look older); a prompt opened before ids were kept compares times.
+        use super::schema::prompts as p;
+        let last_prompt: Option<(Option<String>, f64, Option<i64>)> = p::table
+            .filter(p::admission_id.eq(admission_id))
+            .filter(p::execution_generation.eq(generation))
+            .order((p::after_message_id.desc(), p::opened_at.desc()))
+            .select((p::resolution, p::opened_at, p::after_message_id))
             .first(conn)
             .optional()?;
         let parked = match last_prompt {
-            Some((Some(resolution), opened_at)) if resolution == "abandoned" => {
+            Some((Some(resolution), opened_at, after)) if resolution == "abandoned" => {
                 !transcript.iter().any(|m| {
-                    m.admission_id.as_deref() == Some(admission_id) && m.timestamp > opened_at
+                    m.admission_id.as_deref() == Some(admission_id)
+                        && after.map_or(m.timestamp > opened_at, |after| m.id > after)
                 })
             }
             _ => false,
@@ -1832,12 +1833,13 @@ mod tests {
     /// and its stub says so. A turn whose question timed out and went on (its timeout not yet
     /// written when the process died, so the boot closed the prompt abandoned) to a command:
     /// that command may have run, and its stub says that. Before, both said "did not run".
-    /// Both hold when the ended prompts were pruned meanwhile.
+    /// Both hold when the ended prompts were pruned meanwhile, and when the clock was stepped
+    /// back between the prompt and the turn's next message (written at an earlier time).
     #[test]
     fn a_lost_turn_after_a_prompt_it_went_past_may_have_run_its_calls() {
         use crate::store::messages::{append_for_attempt, live, NewMessage};
         use crate::store::prompts::{close_abandoned, record_open};
-        for went_on in [false, true] {
+        for (went_on, at) in [(false, 0.0), (true, 2.3), (true, 2.15)] {
             let (_d, mut c, e) = setup();
             let a = admit(&mut c, e, "p", "s1", "a", "A", 10, 1.0)
                 .expect("a")
@@ -1879,7 +1881,7 @@ mod tests {
                     admission_id: Some(a.admission_id.clone()),
                     ..Default::default()
                 };
-                append_for_attempt(&mut c, e, "s1", 1, &[timed_out], 2.3).expect("result");
+                append_for_attempt(&mut c, e, "s1", 1, &[timed_out], at).expect("result");
             }
             let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
             epoch::recover_started(&mut c, e2, 3.0).expect("sweep");
@@ -1895,7 +1897,7 @@ mod tests {
                 .and_then(|m| m.content)
                 .expect("the command's stub");
             if went_on {
-                assert!(stub.contains("may have run"), "{stub}");
+                assert!(stub.contains("may have run"), "at {at}: {stub}");
             } else {
                 assert!(stub.contains("did not run"), "{stub}");
             }

@@ -43,6 +43,11 @@ pub fn record_open(
         // An attempt's generation names it within its session: the running admission at this
         // generation is the prompt's own.
         super::admissions::require_running(conn, epoch, session_id, generation)?;
+        // Message ids only grow: a message of the turn written after this prompt has a larger
+        // one, whatever the clock said (see `admissions::resolve_unknown`).
+        let after_message_id: Option<i64> = super::schema::messages::table
+            .select(diesel::dsl::max(super::schema::messages::id))
+            .first(conn)?;
         diesel::insert_into(prompts::table)
             .values((
                 prompts::prompt_id.eq(prompt_id),
@@ -52,6 +57,7 @@ pub fn record_open(
                 prompts::kind.eq(kind),
                 prompts::payload_json.eq(&payload_json),
                 prompts::opened_at.eq(now),
+                prompts::after_message_id.eq(after_message_id.unwrap_or(0)),
             ))
             .execute(conn)?;
         events::append(

@@ -99,6 +99,7 @@ diesel::table! {
         resolved_at -> Nullable<Double>,
         resolution -> Nullable<Text>,
         resolved_by -> Nullable<Text>,
+        after_message_id -> Nullable<BigInt>,
     }
 }
 
