@@ -47,7 +47,9 @@ fn rules() -> Option<&'static Rules> {
                     r"|[rs]k_(?:live|test)_[A-Za-z0-9]{16,}",
                     r"|glpat-[A-Za-z0-9_-]{20,}",
                     r"|npm_[A-Za-z0-9]{36}",
-                    r"|hf_[A-Za-z0-9]{30,})\b",
+                    r"|hf_[A-Za-z0-9]{30,}",
+                    // A JSON Web Token: its header and claims are base64url JSON (`{"` is `eyJ`).
+                    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})\b",
                 ))
                 .ok()?,
                 // A whole block only (a lone header, in source code or grep output, is text).
@@ -65,7 +67,12 @@ fn rules() -> Option<&'static Rules> {
                 assignment: Regex::new(concat!(
                     r#"(?i)(["']?\b[A-Z0-9_-]*(?:api[_-]?key|secret|token|passw(?:or)?d|credential|private[_-]?key)"#,
                     // A password's symbols too (`p@ss!w0rd#2024`), not code's (`.`, `(`, `<`).
-                    r#"[A-Z0-9_-]*["']?\s*[=:]\s*["']?)([A-Za-z0-9+/_~=@!#$%^&*-]{8,})($|[\s"',;])"#,
+                    // An `&` is one when a value character follows it: `&&` (or `&` then a
+                    // space) ends the value, as a pipe, a closing bracket or a NUL (between
+                    // `/proc/…/environ`'s entries) do. Else `KEY=abcdefgh&&rm -rf ~` was masked
+                    // through the `rm`, hiding it from the approval prompt that showed it.
+                    r#"[A-Z0-9_-]*["']?\s*[=:]\s*["']?)((?:[A-Za-z0-9+/_~=@!#$%^*-]|&[A-Za-z0-9+/_~=@!#$%^*-]){8,})"#,
+                    r#"($|[\s"',;&|)\]}\x00])"#,
                 ))
                 .ok()?,
             })
@@ -231,6 +238,23 @@ mod tests {
             ),
             ("glpat-abcdefghij0123456789", "glpa…[redacted]"),
             ("hf_abcdefghijklmnopqrstuvwxyz012345", "hf_a…[redacted]"),
+            // What follows a value is shown: a command after it, the next entry of a process's
+            // environment (NUL-separated), a closing bracket.
+            (
+                "export API_KEY=abcdefgh&&rm -rf ~/x",
+                "export API_KEY=abcd…[redacted]&&rm -rf ~/x",
+            ),
+            ("TOKEN=abcdefgh12|sh", "TOKEN=abcd…[redacted]|sh"),
+            (
+                "OPENAI_API_KEY=abcd1234efgh5678\0HOME=/root",
+                "OPENAI_API_KEY=abcd…[redacted]\0HOME=/root",
+            ),
+            ("{token: abcdefgh1234}", "{token: abcd…[redacted]}"),
+            ("DB_PASSWORD=p@ss&w0rd2024", "DB_PASSWORD=p@ss…[redacted]"),
+            (
+                r#"{"access_token":"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"}"#,
+                r#"{"access_token":"eyJh…[redacted]"}"#,
+            ),
         ] {
             assert_eq!(redact(input), want, "{input}");
         }
