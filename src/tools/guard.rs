@@ -214,8 +214,22 @@ pub fn names_gateway_process(command: &str, pid: u32) -> bool {
     };
     (plain.contains(&format!("/proc/{pid}")) && mentions_pid(&plain))
         || parts.iter().any(|part| signals(part) && mentions_pid(part))
-        // A pid found at run time (`kill $(pidof gatehouse)`, `` kill `pgrep …` ``) may be ours.
+        // A pid found at run time (`kill $(pidof gatehouse)`, `` kill `pgrep …` ``,
+        // `lsof -ti:8080 | xargs kill`, `fuser -k 8080/tcp`) may be ours.
         || (signals(&plain) && (plain.contains("$(") || plain.contains('`')))
+        || parts.iter().any(|part| signals(part) && part.split_whitespace().any(|w| w.ends_with("xargs")))
+        || parts.iter().any(|part| {
+            let mut words = part.split_whitespace();
+            words.any(|w| w.ends_with("fuser"))
+                && words.any(|w| {
+                    w == "--kill" || (w.starts_with('-') && !w.starts_with("--") && w.contains('k'))
+                })
+        })
+        // Every process's entries, or one named at run time (`/proc/*/environ`, `/proc/$p/fd`).
+        || plain.match_indices("/proc/").any(|(at, m)| {
+            plain[at + m.len()..]
+                .starts_with(['*', '?', '[', '{', '$', '`'])
+        })
         // Found by name: `pgrep gatehouse | xargs kill`, `pidof gatehouse`.
         || (plain.contains("gatehouse")
             && ["pidof", "pgrep", "pkill", "killall"]
@@ -434,6 +448,14 @@ mod tests {
             "cat /proc/$PP\\\r\nID/environ",
             "cat /proc/$'\\x24'PPID/environ",
             "cat /proc/$PP$''ID/environ",
+            "grep -a OPENAI /proc/*/environ",
+            "cat /proc/[0-9]*/environ",
+            "for p in $(ls /proc); do cat /proc/$p/environ; done",
+            "lsof -ti:8080 | xargs kill -9",
+            "pgrep -f serve | xargs -r kill",
+            "fuser -k 8080/tcp",
+            "fuser -TERM -k -n tcp 8080",
+            "fuser --kill 8080/tcp",
             "kill 42\\\n42",
         ] {
             assert!(names_gateway_process(reaching, 4242), "{reaching}");
@@ -447,6 +469,10 @@ mod tests {
             "kill %1",
             "ls ~/.local/state/gatehouse",
             "cargo build -p gatehouse",
+            "server & pid=$!; sleep 1; kill $pid",
+            "fuser -v 8080/tcp",
+            "cat /proc/cpuinfo /proc/self/status",
+            "xargs -n1 echo < pids.txt",
         ] {
             assert!(!names_gateway_process(other, 4242), "{other}");
         }
