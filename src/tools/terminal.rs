@@ -273,6 +273,10 @@ pub async fn run_command(
         }
         End::DrainExpired => {
             group.kill();
+            // What is still in the pipes is read: the drain's time can pass while the shell's
+            // last output waits unread (this thread held up by other sessions' commands past
+            // it), and the end of a build log is where its error is.
+            pipes.drain_for(&mut collector, DRAIN_AFTER_KILL).await;
             (status.map_or(-1, exit_code_of), false, false)
         }
         End::EndedThenInterrupted => {
