@@ -69,6 +69,16 @@ const MAX_EXPANDED_BYTES: usize = 1 << 20;
 /// Lists inside lists are written out this many levels deep; one deeper is not read.
 const MAX_NESTING: usize = 8;
 
+/// Not a pattern: a command that changes directory more than [`MAX_CD_READ`] times, whose
+/// deletes the never-allowed list cannot place: refused as a hardline command is.
+pub const UNREAD_MOVES: DangerMatch = DangerMatch {
+    key: "unread_directory_changes",
+    description: "changes directory more times than the rules follow",
+};
+
+/// The most `cd`s (or `pushd`s) in one command the never-allowed list follows.
+const MAX_CD_READ: usize = 64;
+
 /// A rule that matched a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DangerMatch {
@@ -980,6 +990,12 @@ pub fn is_hardline_in(
         .map(|h| crate::config::lexically_normal(std::path::Path::new(h)));
     let home = home.as_deref();
     let dir = crate::config::lexically_normal(dir);
+    // The home written out (`rm -rf /home/alice`) is the home the rules know as `~`.
+    let spelled_home = home.and_then(|h| home_spelled_as_tilde(command, h));
+    if let Some(m) = spelled_home.as_deref().and_then(is_hardline) {
+        return Some(m);
+    }
+    let command = spelled_home.as_deref().unwrap_or(command);
     // Where the command starts (a `cd` in it not read: failing safe, `cd x; rm -rf *` in the
     // home is read as in the home)...
     if let Some(m) = hardline_run_in(command, &dir, home) {
@@ -990,10 +1006,17 @@ pub fn is_hardline_in(
     // cannot be read (`$dir`, `-`, `~user`) ends the reading.
     let commands = split_commands(command);
     let mut here = Some(dir);
+    let mut moves = 0;
     for (i, part) in commands.iter().enumerate() {
         let Some(target) = cd_target(part) else {
             continue;
         };
+        // Each move reads the rest of the command again: thousands of them in one long command
+        // (`cd /;: .;` over and over) took the session's thread for seconds.
+        moves += 1;
+        if moves > MAX_CD_READ {
+            return Some(UNREAD_MOVES);
+        }
         here = here.and_then(|from| moved_to(&from, target, home));
         let Some(now) = &here else {
             return None;
@@ -1070,12 +1093,14 @@ fn hardline_run_in(
         spelled(d, home).or_else(|| d.canonicalize().ok().and_then(|c| spelled(&c, home)))
     };
     let mut text = command.to_string();
-    static BARE: OnceLock<Option<(Regex, Regex, Regex)>> = OnceLock::new();
-    let (bare, parent, through) = BARE
+    static BARE: OnceLock<Option<(Regex, Regex, Regex, Regex)>> = OnceLock::new();
+    let (bare, parent, ancestors, through) = BARE
         .get_or_init(|| {
             Some((
                 Regex::new(r#"(^|[\s;&|(])['"]?(?:\./\*|\./?|\.\*|\*)['"]?(\s|$|[;&|)])"#).ok()?,
                 Regex::new(r#"(^|[\s;&|(])['"]?\.\.(?:/\*?)?['"]?(\s|$|[;&|)])"#).ok()?,
+                Regex::new(r#"(^|[\s;&|(])['"]?((?:\.\./)+\.\.)(?:/\*?)?['"]?(\s|$|[;&|)])"#)
+                    .ok()?,
                 Regex::new(r"(^|\s)((?:/|~/)[^\s;&|()]*/\.\.(?:/[^\s;&|()]*)?)").ok()?,
             ))
         })
@@ -1092,6 +1117,19 @@ fn hardline_run_in(
                 })
                 .into_owned();
         }
+    }
+    // `../..` and further up: the directory that many levels above.
+    for _ in 0..2 {
+        text = ancestors
+            .replace_all(&text, |c: &regex::Captures| {
+                let up = c[2].matches("..").count();
+                let target = (0..up).try_fold(dir.to_path_buf(), |d, _| d.parent().map(Into::into));
+                match target.as_deref().and_then(&spelled_of) {
+                    Some(spelled) => format!("{}{spelled}/*{}", &c[1], &c[3]),
+                    None => c[0].to_string(),
+                }
+            })
+            .into_owned();
     }
     text = through
         .replace_all(&text, |c: &regex::Captures| {
@@ -1111,6 +1149,39 @@ fn hardline_run_in(
         })
         .into_owned();
     (text != command).then(|| is_hardline(&text)).flatten()
+}
+
+/// `command` with each operand that is the user's home `home` written out (`/home/alice`,
+/// `/home/alice/`, `/home/alice/*`, quoted or not) as the rules write it (`~`, `~/`, `~/*`),
+/// and paths under it (`/home/alice/x`) from `~/`; `None` when it names none of it.
+fn home_spelled_as_tilde(command: &str, home: &std::path::Path) -> Option<String> {
+    let home = home.to_str()?.trim_end_matches('/');
+    if home.is_empty() || !command.contains(home) {
+        return None;
+    }
+    let ends_operand = |c: Option<char>| {
+        c.is_none_or(|c| c.is_whitespace() || matches!(c, ';' | '&' | '|' | ')' | '\'' | '"'))
+    };
+    let starts_operand = |c: Option<char>| {
+        c.is_none_or(|c| c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | '\'' | '"' | '='))
+    };
+    let mut out = String::with_capacity(command.len());
+    let mut rest = command;
+    while let Some(at) = rest.find(home) {
+        let before = if at > 0 {
+            rest[..at].chars().next_back()
+        } else {
+            out.chars().next_back()
+        };
+        let after = &rest[at + home.len()..];
+        let whole = starts_operand(before)
+            && (after.starts_with('/') || ends_operand(after.chars().next()));
+        out.push_str(&rest[..at]);
+        out.push_str(if whole { "~" } else { home });
+        rest = after;
+    }
+    out.push_str(rest);
+    (out != command).then_some(out)
 }
 
 /// How a directory the never-allowed list keeps whole is written in its rules: `~` (the home),
@@ -2072,6 +2143,14 @@ mod tests {
             ("rm -rf /tmp/../etc", "/srv/u/proj", "rm_system_dir"),
             ("rm -rf /tmp/..", "/srv/u/proj", "rm_root"),
             ("rm -rf ~/proj/..", "/srv/u/proj", "rm_home"),
+            ("rm -rf ../..", "/srv/u/proj/a", "rm_home"),
+            ("rm -rf ../../*", "/srv/u/proj/a", "rm_home"),
+            ("rm -rf '../../..'", "/srv/u/proj/a", "rm_system_dir"),
+            ("rm -rf ../../../..", "/srv/u/proj/a", "rm_root"),
+            ("rm -rf /srv/u", "/tmp", "rm_home"),
+            ("rm -rf /srv/u/", "/tmp", "rm_home"),
+            ("rm -rf \"/srv/u\"/*", "/tmp", "rm_home"),
+            ("cd /tmp && rm -rf /srv/u/*", "/tmp", "rm_home"),
         ] {
             assert_eq!(
                 is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
@@ -2089,6 +2168,11 @@ mod tests {
             ("rm -rf ..", "/srv/u/proj/a"),
             ("rm -rf /srv/u/proj/../other", "/srv/u/proj"),
             ("cd .. && make", "/srv/u/proj"),
+            ("rm -rf ../../build", "/srv/u/proj/a"),
+            ("rm -rf ../..", "/srv/u/proj/a/b"),
+            ("rm -rf /srv/u/proj", "/tmp"),
+            ("rm -rf /srv/user2", "/tmp"),
+            ("ls /srv/u", "/tmp"),
         ] {
             assert_eq!(
                 is_hardline_in(command, Path::new(dir), home).map(|m| m.key),
@@ -2096,6 +2180,14 @@ mod tests {
                 "{command} in {dir}"
             );
         }
+        // Each move reads the rest again: past MAX_CD_READ of them the command is not read.
+        let moving = |n: usize| format!("{}ls", "cd /tmp; ".repeat(n));
+        let dir = Path::new("/srv/u/proj");
+        assert_eq!(is_hardline_in(&moving(MAX_CD_READ), dir, home), None);
+        assert_eq!(
+            is_hardline_in(&moving(MAX_CD_READ + 1), dir, home).map(|m| m.key),
+            Some(UNREAD_MOVES.key)
+        );
     }
 
     /// The shell runs what is around an escape character and joins a line continuation's
