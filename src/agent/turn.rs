@@ -984,7 +984,11 @@ impl Turn {
                     // Every rule the command matches must be approved: a session approval of
                     // one (`rm -rf build`) does not let another ride along with it
                     // (`rm -rf dist && git push --force`).
-                    let (root, wanted) = (self.ctx.root_id.clone(), keys.clone());
+                    // What an approval for the session (or for good) is kept as: the rule, or
+                    // for an interpreter's inline code the rule and this very code.
+                    let approval_keys: Vec<String> =
+                        keys.iter().map(|k| approval_key(k, &command)).collect();
+                    let (root, wanted) = (self.ctx.root_id.clone(), approval_keys.clone());
                     let principal = self.root.principal_id.clone();
                     // What reaches the gateway itself is approved one command at a time: a
                     // session approval of a read (`cat config.yaml`) let `: > state.db` through.
@@ -1069,7 +1073,10 @@ impl Turn {
                                     .ctx
                                     .shared
                                     .db
-                                    .write(move |conn| prompt_store::remember(conn, epoch, &root, &principal, &keys, always, now))
+                                    .write(move |conn| {
+                                        let keys: Vec<&str> = approval_keys.iter().map(String::as_str).collect();
+                                        prompt_store::remember(conn, epoch, &root, &principal, &keys, always, now)
+                                    })
                                     .await;
                                 // The command runs (it was approved); a like one is asked again.
                                 if let Err(e) = remembered {
@@ -1986,6 +1993,24 @@ fn not_run(error: &str) -> String {
 
 fn blocked(message: &str) -> String {
     json!({"output": "", "exit_code": -1, "error": message, "status": "blocked"}).to_string()
+}
+
+/// Rules that match an interpreter running code written in the command (`python3 -c …`,
+/// `bash -c …`, a heredoc into one): the code is any code, so a `session` or `always` approval
+/// covers the command as written, not every command the rule matches (`python3 -c "print(1)"`
+/// approved for the session let `python3 -c "import os; os.system(…)"` run unasked).
+const EXACT_COMMAND_RULES: &[&str] = &["script_dash_e", "shell_dash_c", "interpreter_heredoc"];
+
+/// What a `session` or `always` approval of rule `key` for `command` is kept as: the rule, or
+/// (one of [`EXACT_COMMAND_RULES`]) the rule and the command's SHA-256.
+fn approval_key(key: &str, command: &str) -> String {
+    use sha2::{Digest, Sha256};
+    if !EXACT_COMMAND_RULES.contains(&key) {
+        return key.to_string();
+    }
+    let digest = Sha256::digest(command.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{key}:{hex}")
 }
 
 /// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the

@@ -851,6 +851,55 @@ async fn approval_session_remembers_the_pattern_for_that_session_only() {
     assert!(v3.exists());
 }
 
+/// A session approval of an interpreter's inline code covers that code, not any code: the same
+/// one-liner runs unasked, another is asked about (it ran unasked: any code, once one was
+/// approved).
+#[actix_rt::test]
+async fn a_session_approval_of_inline_code_covers_that_code_only() {
+    let home = Home::new();
+    let touch = |name: &str| {
+        format!(
+            "python3 -c \"import pathlib; pathlib.Path('{}').touch()\"",
+            home.path.join(name).display()
+        )
+    };
+    let model = scripted(vec![
+        ("FIRST", terminal("call_1", &touch("one"))),
+        ("AGAIN", terminal("call_2", &touch("one"))),
+        ("OTHER", terminal("call_3", &touch("two"))),
+    ]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("inline", &home.path).await;
+    ws.submit(&sid, "FIRST", "FIRST").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["pattern_key"], "script_dash_e");
+    respond(&mut ws, &sid, &p, "session").await;
+    settled(&home, "FIRST").await;
+    assert!(home.path.join("one").exists());
+    std::fs::remove_file(home.path.join("one")).expect("remove");
+    // The same code again: no prompt, it runs.
+    ws.submit(&sid, "AGAIN", "AGAIN").await;
+    assert_eq!(
+        settled(&home, "AGAIN").await.outcome.as_deref(),
+        Some("completed")
+    );
+    assert!(home.path.join("one").exists(), "the approved code ran");
+    assert_eq!(home.prompt_rows(&sid).len(), 1);
+    // Other code under the same rule is asked about.
+    ws.submit(&sid, "OTHER", "OTHER").await;
+    let p3 = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p3["pattern_key"], "script_dash_e");
+    assert!(
+        !home.path.join("two").exists(),
+        "nothing runs before the answer"
+    );
+    respond(&mut ws, &sid, &p3, "deny").await;
+    settled(&home, "OTHER").await;
+    assert!(!home.path.join("two").exists());
+}
+
 /// An approval nobody answers denies its command; the turn asks nobody again (its next
 /// dangerous call is blocked at once: 64 of them each waited out the timeout).
 #[actix_rt::test]
