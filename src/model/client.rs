@@ -13,7 +13,7 @@ use serde_json::Value;
 use tokio::sync::{watch, Semaphore};
 
 use super::sse::SseParser;
-use super::wire::{parse_response, ChatResponse, StreamAccumulator};
+use super::wire::{parse_response, reported_error, ChatResponse, StreamAccumulator};
 use crate::tools::redact::redact;
 
 /// Why a model call failed.
@@ -167,8 +167,8 @@ pub struct ModelClient {
     config: ModelClientConfig,
     client: awc::Client,
     limits: HashMap<String, Arc<Semaphore>>,
-    /// Endpoints that refused to stream: asked plainly from then on (at most
-    /// [`MAX_IDLE_ENDPOINTS`] remembered).
+    /// Models that refused to stream, by endpoint and model (see [`plain_key`]): asked plainly
+    /// from then on (at most [`MAX_IDLE_ENDPOINTS`] remembered).
     plain_only: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
@@ -228,6 +228,7 @@ impl Handler<ChatCall> for ModelClient {
             call.base_url.clone().unwrap_or_default()
         );
         let sem = self.limit_for(key.clone());
+        let plain_key = plain_key(&key, &call.body);
         let client = self.client.clone();
         let config = self.config.clone();
         let plain_only = self.plain_only.clone();
@@ -262,7 +263,7 @@ impl Handler<ChatCall> for ModelClient {
                 ))),
             };
             let started = std::time::Instant::now();
-            let known_plain = plain_only.lock().is_ok_and(|p| p.contains(&key));
+            let known_plain = plain_only.lock().is_ok_and(|p| p.contains(&plain_key));
             let stream = call.stream && !known_plain;
             let result = call_with_retries(&client, &config, &call, stream, deadline).await;
             if let Ok((_, fell_back)) = &result {
@@ -271,7 +272,7 @@ impl Handler<ChatCall> for ModelClient {
                         if p.len() >= MAX_IDLE_ENDPOINTS {
                             p.clear();
                         }
-                        p.insert(key);
+                        p.insert(plain_key);
                     }
                 }
             }
@@ -283,6 +284,17 @@ impl Handler<ChatCall> for ModelClient {
             result
         })
     }
+}
+
+/// What remembers that a model refused to stream: its endpoint (`key`) and the model the body
+/// names. One model's refusal is no other's: keyed by the endpoint alone, one model that does not
+/// stream made every model of its endpoint answer plainly (no live output) from then on.
+fn plain_key(key: &str, body: &Value) -> String {
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    format!("{key}|{model}")
 }
 
 /// Until the call is cancelled, or its turn is gone: the turn's attempt holds the sender for
@@ -319,6 +331,7 @@ async fn call_with_retries(
             config,
             call,
             stream,
+            deadline,
             &mut delivered,
             &mut retry_after,
         );
@@ -503,6 +516,7 @@ async fn one_call(
     config: &ModelClientConfig,
     call: &ChatCall,
     stream: bool,
+    deadline: tokio::time::Instant,
     delivered: &mut bool,
     retry_after: &mut Option<Duration>,
 ) -> Result<ChatResponse, ModelError> {
@@ -582,7 +596,7 @@ async fn one_call(
         };
         // Enough to tell (`data:` and a character, past any blank lines), or all there is.
         let mut seen = bytes::BytesMut::new();
-        while seen.trim_ascii_start().len() < 6 && seen.len() <= config.max_response_bytes {
+        while events_start(&seen).len() < 6 && seen.len() <= config.max_response_bytes {
             match tokio::time::timeout(wait, resp.next()).await {
                 Ok(Some(Ok(bytes))) => seen.extend_from_slice(&bytes),
                 Ok(Some(Err(e))) => return Err(ModelError::Transient(format!("body: {e}"))),
@@ -624,13 +638,7 @@ async fn one_call(
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
         // `"error": null` (or an empty one) beside an answer is no error.
-        let answered = v
-            .get("choices")
-            .and_then(Value::as_array)
-            .is_some_and(|c| !c.is_empty());
-        let no_error =
-            |e: &Value| e.is_null() || (answered && e.as_object().is_some_and(|o| o.is_empty()));
-        if let Some(error) = v.get("error").filter(|e| !no_error(e)) {
+        if let Some(error) = reported_error(&v) {
             return Err(classify_in_band(&error.to_string()));
         }
         return parse_response(&v).map_err(ModelError::Malformed);
@@ -654,12 +662,19 @@ async fn one_call(
             config.idle_timeout
         }
         .min(config.idle_timeout.saturating_sub(event_at.elapsed()));
+        // That wait ends by the call's deadline too: the attempt's own time-out is at the
+        // deadline, but this one is polled first, so the answer is kept. Passing in the wait,
+        // the deadline failed the call with a time-out, the answer whole and shown.
+        let mut until = tokio::time::Instant::now() + wait;
+        if acc.finished() {
+            until = until.min(deadline);
+        }
         let peeked = first.take().map(|bytes| Some(Ok(bytes)));
         let next = match peeked {
             Some(next) => next,
             // Its end was met while it was looked at.
             None if ended => None,
-            None => match tokio::time::timeout(wait, resp.next()).await {
+            None => match tokio::time::timeout_at(until, resp.next()).await {
                 Ok(next) => next,
                 Err(_) if acc.finished() => {
                     tracing::debug!(
@@ -676,7 +691,7 @@ async fn one_call(
             },
         };
         let mut at_body_end = false;
-        let events = match next {
+        let mut events = match next {
             None => {
                 let rest = parser.finish();
                 done = true;
@@ -706,6 +721,10 @@ async fn one_call(
                 parser.feed(&bytes)
             }
         };
+        // An event whose data is empty or blank (`data: `, a keep-alive some proxies send) is
+        // skipped as a comment is, and is silence as a comment is: read as JSON, it ended the
+        // stream as malformed.
+        events.retain(|data| !data.trim().is_empty());
         if !events.is_empty() {
             event_at = tokio::time::Instant::now();
         }
@@ -774,12 +793,21 @@ async fn one_call(
     Ok(acc.finish())
 }
 
-/// Does a body start as server-sent events do (a `data:`, `event:` or comment line)?
+/// Does a body start as server-sent events do (a `data:`, `event:`, `id:`, `retry:` or comment
+/// line)? A stream may open with any field, or with a byte-order mark: not taken for one, it
+/// was read as a malformed reply and asked for again.
 fn looks_like_events(body: &[u8]) -> bool {
-    let start = body.trim_ascii_start();
-    [&b"data:"[..], b"event:", b":"]
+    let start = events_start(body);
+    [&b"data:"[..], b"event:", b"id:", b"retry:", b":"]
         .iter()
         .any(|p| start.starts_with(p))
+}
+
+/// A body from its first line that is not blank, past a leading UTF-8 byte-order mark.
+fn events_start(body: &[u8]) -> &[u8] {
+    body.strip_prefix(b"\xEF\xBB\xBF")
+        .unwrap_or(body)
+        .trim_ascii_start()
 }
 
 /// A `Retry-After` value in seconds (a number; an HTTP date is not read, and the usual back-off
@@ -1123,6 +1151,221 @@ mod tests {
         let _ = tx.send(true);
         let waited = tokio::time::timeout(Duration::from_secs(5), wait_cancel(&mut rx)).await;
         assert!(waited.is_ok(), "cancelled");
+    }
+
+    /// A model endpoint on a local port: each request's body is kept, and answered with what
+    /// `reply` writes for it (the whole response, as it goes on the wire). A response left open
+    /// (chunked, without its last chunk) holds its connection until the test ends.
+    struct FakeEndpoint {
+        url: String,
+        requests: std::rc::Rc<std::cell::RefCell<Vec<Value>>>,
+    }
+
+    async fn fake_endpoint(reply: impl Fn(&Value) -> String + 'static) -> FakeEndpoint {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}/v1", listener.local_addr().expect("addr"));
+        let requests = std::rc::Rc::<std::cell::RefCell<Vec<Value>>>::default();
+        let (seen, reply) = (requests.clone(), std::rc::Rc::new(reply));
+        actix_rt::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                let (seen, reply) = (seen.clone(), reply.clone());
+                actix_rt::spawn(async move {
+                    let mut conn = tokio::io::BufReader::new(conn);
+                    // Every request of the connection (the client keeps it for the next).
+                    loop {
+                        let mut length = 0;
+                        loop {
+                            let mut line = String::new();
+                            if conn.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let line = line.trim_end().to_ascii_lowercase();
+                            if line.is_empty() {
+                                break;
+                            }
+                            if let Some(n) = line.strip_prefix("content-length:") {
+                                length = n.trim().parse().expect("a length");
+                            }
+                        }
+                        let mut body = vec![0; length];
+                        conn.read_exact(&mut body).await.expect("a body");
+                        let body: Value = serde_json::from_slice(&body).expect("json");
+                        let response = reply(&body);
+                        seen.borrow_mut().push(body);
+                        if conn.get_mut().write_all(response.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        FakeEndpoint { url, requests }
+    }
+
+    /// A 200 response of `kind` whose body is `body`, in one chunk; the body ends when `end`,
+    /// else the response is left open.
+    fn chunked(kind: &str, body: &str, end: bool) -> String {
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n{}",
+            body.len(),
+            if end { "0\r\n\r\n" } else { "" }
+        )
+    }
+
+    /// One event of a streamed answer `text`, its finish_reason with it.
+    fn finished_event(text: &str) -> String {
+        let chunk = serde_json::json!({"choices": [{"index": 0, "delta": {"content": text},
+            "finish_reason": "stop"}]});
+        format!("data: {chunk}\n\n")
+    }
+
+    fn test_config() -> ModelClientConfig {
+        ModelClientConfig {
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(10),
+            max_concurrent: 4,
+            max_retries: 0,
+            max_response_bytes: 1 << 20,
+            retry_base: Duration::from_millis(1),
+            metrics: None,
+        }
+    }
+
+    /// A streamed call of model `model` at `url`, within `timeout`; the returned sender keeps it
+    /// from being taken as cancelled.
+    fn streamed_call(url: &str, model: &str, timeout: Duration) -> (ChatCall, watch::Sender<bool>) {
+        let (tx, cancel) = watch::channel(false);
+        let call = ChatCall {
+            provider: "custom".into(),
+            base_url: Some(url.to_string()),
+            api_key: None,
+            body: serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+            stream: true,
+            deltas: None,
+            cancel,
+            timeout,
+            retry: true,
+        };
+        (call, tx)
+    }
+
+    /// One streamed call of `model` at `url` (no retries), within `timeout`.
+    async fn stream_once(
+        url: &str,
+        model: &str,
+        timeout: Duration,
+    ) -> Result<ChatResponse, ModelError> {
+        let client = ModelClient::new(test_config());
+        let (call, _tx) = streamed_call(url, model, timeout);
+        let deadline = tokio::time::Instant::now() + timeout;
+        call_with_retries(&client.client, &client.config, &call, true, deadline)
+            .await
+            .map(|(response, _)| response)
+    }
+
+    /// One model of an endpoint that refuses to stream is asked plainly from then on; another
+    /// model of the same endpoint still streams (it was asked plainly too, its live output
+    /// lost).
+    #[actix_rt::test]
+    async fn a_model_that_refuses_to_stream_is_asked_plainly_alone() {
+        let endpoint = fake_endpoint(|body| {
+            let streamed = body["stream"] == true;
+            if streamed && body["model"] == "plain" {
+                let refusal = r#"{"error":{"message":"Streaming is not supported for this model"}}"#;
+                return format!(
+                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{refusal}",
+                    refusal.len()
+                );
+            }
+            if streamed {
+                return chunked(
+                    "text/event-stream",
+                    &format!("{}data: [DONE]\n\n", finished_event("hi")),
+                    true,
+                );
+            }
+            let answer = serde_json::json!({"choices": [{"message": {"content": "hi"},
+                "finish_reason": "stop"}]})
+            .to_string();
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                answer.len()
+            )
+        })
+        .await;
+        let client = ModelClient::new(test_config()).start();
+        for model in ["plain", "streams", "plain"] {
+            let (call, _tx) = streamed_call(&endpoint.url, model, Duration::from_secs(30));
+            let answer = client.send(call).await.expect("sent").expect("an answer");
+            assert_eq!(answer.content.as_deref(), Some("hi"), "{model}");
+        }
+        let asked: Vec<(String, bool)> = endpoint
+            .requests
+            .borrow()
+            .iter()
+            .map(|b| {
+                (
+                    b["model"].as_str().unwrap_or("").to_string(),
+                    b["stream"] == true,
+                )
+            })
+            .collect();
+        let want = [
+            ("plain", true),
+            ("plain", false),
+            ("streams", true),
+            ("plain", false),
+        ]
+        .map(|(m, s)| (m.to_string(), s));
+        assert_eq!(asked, want);
+    }
+
+    /// An event whose data is empty or blank (a proxy's keep-alive) is skipped as a comment
+    /// is: it ended the stream as malformed.
+    #[actix_rt::test]
+    async fn a_blank_event_is_skipped_as_a_comment_is() {
+        let body = format!(
+            "data: \n\ndata:\t \n\n{}data: [DONE]\n\n",
+            finished_event("hi")
+        );
+        let endpoint = fake_endpoint(move |_| chunked("text/event-stream", &body, true)).await;
+        let answer = stream_once(&endpoint.url, "m", Duration::from_secs(30))
+            .await
+            .expect("an answer");
+        assert_eq!(answer.content.as_deref(), Some("hi"));
+    }
+
+    /// A stream whose answer has finished, and that then falls silent past the call's
+    /// deadline (within its grace for usage and `[DONE]`), has answered: the deadline passing
+    /// in that wait failed the call with a time-out.
+    #[actix_rt::test]
+    async fn a_finished_answer_is_kept_when_the_deadline_passes_after_it() {
+        let endpoint =
+            fake_endpoint(|_| chunked("text/event-stream", &finished_event("hi"), false)).await;
+        let timeout = Duration::from_millis(300);
+        assert!(timeout < FINISHED_GRACE);
+        let answer = stream_once(&endpoint.url, "m", timeout)
+            .await
+            .expect("the finished answer");
+        assert_eq!(answer.content.as_deref(), Some("hi"));
+    }
+
+    /// A stream not labelled as one is read as one when it opens with a byte-order mark, or
+    /// with an `id:` or `retry:` field, and its first event is kept.
+    #[actix_rt::test]
+    async fn a_stream_opening_with_a_mark_or_another_field_is_read_whole() {
+        for opening in ["\u{FEFF}", "id: 1\n", "retry: 1000\n", "\u{FEFF}: hello\n"] {
+            let body = format!("{opening}{}data: [DONE]\n\n", finished_event("hi"));
+            let endpoint = fake_endpoint(move |_| chunked("text/plain", &body, true)).await;
+            let answer = stream_once(&endpoint.url, "m", Duration::from_secs(30))
+                .await
+                .unwrap_or_else(|e| panic!("{opening:?}: {e}"));
+            assert_eq!(answer.content.as_deref(), Some("hi"), "{opening:?}");
+        }
+        assert!(!looks_like_events(b"\xEF\xBB\xBF{\"choices\": []}"));
     }
 
     /// The request's bytes are the turn's body, with the streaming options when the call

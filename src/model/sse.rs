@@ -11,7 +11,14 @@ pub struct SseParser {
     /// The last line ended with a CR that ended the bytes fed: an LF first in the next bytes
     /// ends the same line (CRLF), not an empty one.
     after_cr: bool,
+    /// The stream's first bytes have been looked at for a byte-order mark (see [`BOM`]).
+    started: bool,
 }
+
+/// A UTF-8 byte-order mark, which the SSE specification lets a stream begin with (and some
+/// servers send): left in, the first line read `\u{FEFF}data: …`, no field, and the first event
+/// was lost.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// What one `data:` line of an unfinished event costs beside its bytes (its `String` and its
 /// place in the list): a stream of empty `data:` lines with no blank line to end the event
@@ -43,6 +50,17 @@ impl SseParser {
         }
         let mut search = self.buf.len();
         self.buf.extend_from_slice(bytes);
+        if !self.started {
+            // A mark split over feeds is waited for whole (what is held so far has no line end).
+            if self.buf.len() < BOM.len() && BOM.starts_with(&self.buf) {
+                return Vec::new();
+            }
+            self.started = true;
+            if self.buf.starts_with(BOM) {
+                self.buf.drain(..BOM.len());
+            }
+            search = 0;
+        }
         let mut out = Vec::new();
         let mut start = 0;
         while let Some(found) = self.buf[search..]
@@ -158,6 +176,30 @@ mod tests {
         assert_eq!(p.pending_len(), 1001 * LINE_COST + 3 + 2);
         assert_eq!(p.feed(b"ta: x\n\n").len(), 1);
         assert_eq!(p.pending_len(), 0);
+    }
+
+    /// A byte-order mark that starts the stream is skipped, wherever the bytes are split (the
+    /// first event was lost); one anywhere else is no part of a field name, as before.
+    #[test]
+    fn a_leading_byte_order_mark_is_skipped() {
+        let stream = b"\xEF\xBB\xBFdata: a\n\n\xEF\xBB\xBFdata: b\n\ndata: c\n\n";
+        let whole = SseParser::new().feed(stream);
+        assert_eq!(whole, vec!["a", "c"]);
+        for split in 0..stream.len() {
+            let mut p = SseParser::new();
+            let mut got = p.feed(&stream[..split]);
+            got.extend(p.feed(&[]));
+            got.extend(p.feed(&stream[split..]));
+            got.extend(p.finish());
+            assert_eq!(got, whole, "split at {split}");
+        }
+        for (a, b) in [(1, 2), (1, 3), (2, 3)] {
+            let mut p = SseParser::new();
+            let mut got = p.feed(&stream[..a]);
+            got.extend(p.feed(&stream[a..b]));
+            got.extend(p.feed(&stream[b..]));
+            assert_eq!(got, whole, "split at {a} and {b}");
+        }
     }
 
     #[test]

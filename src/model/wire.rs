@@ -81,11 +81,24 @@ fn arguments_text(v: &Value) -> String {
     }
 }
 
+/// The error a reply or a streamed chunk reports, if it reports one. `"error": null` is none,
+/// and so is an empty `"error": {}` beside choices (some servers write the field on every
+/// reply): taken for an error, an answered request was sent again (a whole new generation each
+/// time), or a streamed turn failed. The plain reply, its parse and each chunk keep to this one
+/// rule: the client let an empty error through that the parse then refused.
+pub fn reported_error(body: &Value) -> Option<&Value> {
+    let error = body.get("error")?;
+    let answered = body
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|c| !c.is_empty());
+    let none = error.is_null() || (answered && error.as_object().is_some_and(|o| o.is_empty()));
+    (!none).then_some(error)
+}
+
 /// Parse a non-streaming response body.
 pub fn parse_response(body: &Value) -> Result<ChatResponse, String> {
-    // `"error": null` beside an answer is no error (it was taken for one, and the answered
-    // request sent again).
-    if let Some(err) = body.get("error").filter(|e| !e.is_null()) {
+    if let Some(err) = reported_error(body) {
         return Err(err.to_string());
     }
     let choice = body
@@ -218,23 +231,28 @@ fn reasoning_of(v: &Value) -> Option<&str> {
 }
 
 /// Whether `call`, a fragment at the index of the call `existing` whose id one of them lacks,
-/// starts another call: it names a tool and brings arguments, and `existing` already has its
-/// name and arguments that parse whole. Some servers (Gemini's OpenAI-compatible ones among
-/// them) stream parallel calls all at index 0, without ids; joined, two calls became one named
-/// `terminalclarify` with two argument objects run together.
+/// starts another call: `existing` already has its name and arguments that parse whole, and
+/// the fragment names a tool and brings arguments, or names another tool than `existing`'s
+/// (its arguments may come in later fragments). Some servers (Gemini's OpenAI-compatible ones
+/// among them) stream parallel calls all at index 0, without ids; joined, two calls became one
+/// named `terminalclarify` with two argument objects run together. A name streamed in pieces
+/// comes while the call's arguments are still empty (they do not parse), so its pieces are
+/// joined; the same name again with no arguments is a server repeating it, not another call.
 fn starts_another(existing: &ToolCall, call: &Value) -> bool {
     let Some(f) = call.get("function") else {
         return false;
     };
-    let names = f
+    let Some(name) = f
         .get("name")
         .and_then(|n| n.as_str())
-        .is_some_and(|n| !n.is_empty());
+        .filter(|n| !n.is_empty())
+    else {
+        return false;
+    };
     let brings_arguments = f
         .get("arguments")
         .is_some_and(|a| !arguments_text(a).trim().is_empty());
-    names
-        && brings_arguments
+    (brings_arguments || name != existing.function.name)
         && !existing.function.name.is_empty()
         && serde_json::from_str::<serde::de::IgnoredAny>(&existing.function.arguments).is_ok()
 }
@@ -255,7 +273,7 @@ impl StreamAccumulator {
 
     /// Apply one chunk (`data:` payload already parsed as JSON).
     pub fn apply(&mut self, chunk: &Value) -> Result<ChunkDelta, String> {
-        if let Some(err) = chunk.get("error").filter(|e| !e.is_null()) {
+        if let Some(err) = reported_error(chunk) {
             return Err(err.to_string());
         }
         let mut delta_out = ChunkDelta::default();
@@ -510,6 +528,64 @@ mod tests {
                 call("call_0_2", "terminal", r#"{"command":"pwd"}"#),
             ]
         );
+    }
+
+    /// Another tool's name at index 0, without ids, after a call whose arguments are whole, is
+    /// another call even when its arguments come in later fragments: they were joined into one
+    /// call `terminalclarify` with `{}{"q":1}`. A name streamed in pieces is still one name, and
+    /// the same name repeated without arguments is still the same call.
+    #[test]
+    fn another_name_after_a_whole_call_starts_another_without_its_arguments() {
+        let fragment = |name: Option<&str>, args: Option<&str>| {
+            let mut f = json!({});
+            if let Some(name) = name {
+                f["name"] = json!(name);
+            }
+            if let Some(args) = args {
+                f["arguments"] = json!(args);
+            }
+            json!({"index": 0, "function": f})
+        };
+        let acc = streamed([
+            fragment(Some("terminal"), Some("{}")),
+            fragment(Some("clarify"), None),
+            fragment(None, Some("{\"q\":1}")),
+        ]);
+        assert_eq!(
+            calls_of(acc),
+            [
+                call("call_0", "terminal", "{}"),
+                call("call_0_1", "clarify", r#"{"q":1}"#),
+            ]
+        );
+        let acc = streamed([
+            fragment(Some("ter"), None),
+            fragment(Some("minal"), Some("")),
+            fragment(None, Some("{\"command\":\"ls\"}")),
+            fragment(Some("terminal"), None),
+        ]);
+        assert_eq!(
+            calls_of(acc),
+            [call("call_0", "terminal", r#"{"command":"ls"}"#)]
+        );
+    }
+
+    /// An empty `"error": {}` beside choices is no error, in a plain reply and in a chunk, as
+    /// the client already took it: the parse refused the reply (a malformed one, asked for
+    /// again) and the chunk failed the turn. Without choices it is still an error.
+    #[test]
+    fn an_empty_error_beside_choices_is_no_error() {
+        let answered = parse_response(&json!({"error": {},
+            "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
+        .expect("an answer");
+        assert_eq!(answered.content.as_deref(), Some("hi"));
+        assert!(parse_response(&json!({"error": {}})).is_err());
+        assert!(reported_error(&json!({"error": {}, "choices": []})).is_some());
+        let mut acc = StreamAccumulator::default();
+        acc.apply(&json!({"error": {}, "choices":[{"index":0,"delta":{"content":"A"}}]}))
+            .expect("a chunk");
+        assert!(acc.apply(&json!({"error": {}})).is_err());
+        assert_eq!(acc.finish().content.as_deref(), Some("A"));
     }
 
     /// A call's `extra_content` (Gemini's thought signature) is kept, streamed or plain, and
