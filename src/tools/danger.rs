@@ -273,7 +273,7 @@ static RULE_DEFS: &[RuleDef] = &[
         key: "overwrite_system_config",
         description: CONFIG,
         // `>`, `>>`, `>|` (clobber), `>&`, or `tee`.
-        pattern: r#"(?:>[|&]?|\btee\s+(?:-\S+\s+)*)\s*['"]?(?:/etc/|(?:~|\$home|\$\{home\})/\.ssh/|[^\s;&|<>'"]*\.env(?:\.[\w-]+)?(?:['"]|\s|$|[;&|)]))"#,
+        pattern: r#"(?:>[|&]?|\btee\s+(?:-\S+\s+)*)\s*['"]?(?:/etc/|(?:~|\$home|\$\{home\}|/[^\s;&|<>'"]*)/\.ssh/|[^\s;&|<>'"]*\.env(?:\.[\w-]+)?(?:['"]|\s|$|[;&|)]))"#,
     },
     RuleDef {
         key: "systemctl_stop",
@@ -415,6 +415,39 @@ static RULE_DEFS: &[RuleDef] = &[
         key: "git_push_force",
         description: GIT,
         pattern: r"\bgit\b[^;&|]*\spush\b[^;&|]*(?:\s--force\b|\s-[a-z]*f[a-z]*\b|\s\+[^\s+])",
+    },
+    RuleDef {
+        key: "git_discard_changes",
+        description: GIT,
+        // Uncommitted work thrown away: `git checkout -- .`, `git restore .` (or `:/`), `git
+        // stash clear`/`drop`.
+        pattern: r"\bgit\b[^;&|]*\s(?:checkout\s+(?:-\S+\s+)*(?:--\s+)?\.|restore\s+(?:-\S+\s+)*(?:\.|:/)|stash\s+(?:clear|drop))(?:\s|$|[;&|)])",
+    },
+    RuleDef {
+        key: "git_push_delete",
+        description: GIT,
+        // A remote branch or tag deleted: `git push origin --delete x`, `-d`, `:x`.
+        pattern: r"\bgit\b[^;&|]*\spush\b[^;&|]*(?:\s--delete\b|\s-d\b|\s:[^\s;&|]+)",
+    },
+    RuleDef {
+        key: "database_drop",
+        description: "database destroyed",
+        // The database tools' own drops and resets: `dropdb app`, `redis-cli flushall`,
+        // `db.dropDatabase()`, `prisma migrate reset`, `rails db:drop`.
+        pattern: r"(?:<cmd>(?:dropdb|dropuser)(?:\s|$)|\bredis-cli\b[^;&|]*\sflush(?:all|db)\b|\bdropdatabase\s*\(|\bprisma\s+migrate\s+reset\b|\b(?:rails|rake)\s+db:(?:drop|reset|schema:load)\b)",
+    },
+    RuleDef {
+        key: "rsync_delete",
+        description: BULK,
+        // A sync that deletes what the source lacks (`rsync -a --delete empty/ ~/`).
+        pattern: r"\brsync\b[^;&|]*\s--del(?:ete(?:-[a-z]+)?)?\b",
+    },
+    RuleDef {
+        key: "system_config_edit",
+        description: CONFIG,
+        // `/etc` edited in place (`sed -i … /etc/hosts`) or copied over (`cp x /etc/hosts`, the
+        // last operand).
+        pattern: r#"(?:<cmd>(?:sed|perl)\s+(?:\S+\s+)*?-[a-z]*i\S*\s+(?:\S+\s+)*?['"]?/etc/|<cmd>(?:cp|mv|install)\s+(?:[^\s;&|]+\s+)+['"]?/etc/[^\s;&|]*['"]?\s*(?:$|[;&|)]))"#,
     },
 ];
 
@@ -1508,6 +1541,30 @@ mod tests {
         ("git push --force origin main", "git_push_force"),
         ("git push -f", "git_push_force"),
         ("git push --force-with-lease", "git_push_force"),
+        ("git checkout -- .", "git_discard_changes"),
+        ("git checkout .", "git_discard_changes"),
+        ("git restore .", "git_discard_changes"),
+        ("git restore --worktree :/", "git_discard_changes"),
+        ("git stash clear", "git_discard_changes"),
+        ("git stash drop stash@{0}", "git_discard_changes"),
+        ("git push origin --delete feature", "git_push_delete"),
+        ("git push origin :feature", "git_push_delete"),
+        ("git push -d origin v1.0", "git_push_delete"),
+        ("dropdb app", "database_drop"),
+        ("sudo -u postgres dropdb app", "database_drop"),
+        ("redis-cli -n 0 FLUSHALL", "database_drop"),
+        ("mongosh app --eval 'db.dropDatabase()'", "database_drop"),
+        ("npx prisma migrate reset --force", "database_drop"),
+        ("bin/rails db:drop", "database_drop"),
+        ("rsync -a --delete empty/ ~/", "rsync_delete"),
+        ("rsync -av --delete-after src/ /srv/www/", "rsync_delete"),
+        ("sudo sed -i 's/a/b/' /etc/hosts", "system_config_edit"),
+        ("sudo cp hosts /etc/hosts", "system_config_edit"),
+        ("sudo mv sshd_config /etc/ssh/", "system_config_edit"),
+        (
+            "echo key >> /home/alice/.ssh/authorized_keys",
+            "overwrite_system_config",
+        ),
         ("git push origin +main", "git_push_force"),
         // obfuscation through escapes / NUL
         ("\u{1b}[31mrm\u{1b}[0m -rf build", "recursive_delete"),
@@ -1623,6 +1680,22 @@ mod tests {
         "cmake --build . --parallel 4",
         "echo x >| out.txt",
         "run0 systemctl status nginx",
+        // Near misses of the git, database, sync and config rules.
+        "git checkout main",
+        "git checkout -b feature",
+        "git checkout -- src/main.rs",
+        "git restore --staged notes.txt",
+        "git stash pop",
+        "git stash list",
+        "git push -u origin feature",
+        "git push origin main:main",
+        "redis-cli get key",
+        "createdb app",
+        "rsync -a src/ dst/",
+        "cp /etc/hosts /tmp/hosts",
+        "sed -i 's/a/b/' config.txt",
+        "sed -n '1,5p' /etc/hosts",
+        "cat ~/.ssh/id_ed25519.pub",
     ];
 
     #[test]
