@@ -1536,6 +1536,46 @@ mod tests {
         fn handle(&mut self, _: crate::session::supervisor::PushEvent, _: &mut Self::Context) {}
     }
 
+    /// Records whether each push it gets says events were lost.
+    struct Watcher(tokio::sync::mpsc::UnboundedSender<bool>);
+
+    impl actix::Actor for Watcher {
+        type Context = actix::Context<Self>;
+    }
+
+    impl actix::Handler<crate::session::supervisor::PushEvent> for Watcher {
+        type Result = ();
+        fn handle(&mut self, m: crate::session::supervisor::PushEvent, _: &mut Self::Context) {
+            let _ = self.0.send(m.is_lost());
+        }
+    }
+
+    /// A session supervisor ended by a fault in one of its handlers tells its followers that
+    /// they lost its events (their connections are then cut off, and a client resumes on the
+    /// new supervisor): they were left following it, told nothing, and got no more events.
+    #[actix_rt::test]
+    async fn followers_of_a_supervisor_ended_by_a_fault_are_told_they_lost_its_events() {
+        use crate::session::supervisor::{PanicForTest, Subscribe};
+        use actix::Actor;
+        let (_dir, _gw, sup) = started_with_a_session().await;
+        let (tx, mut pushed) = tokio::sync::mpsc::unbounded_channel();
+        let watcher = Watcher(tx).start();
+        sup.send(Subscribe {
+            conn_id: 7,
+            recipient: watcher.clone().recipient(),
+        })
+        .await
+        .expect("subscribed");
+        assert!(
+            sup.send(PanicForTest).await.is_err(),
+            "the handler's fault ended it"
+        );
+        let told = tokio::time::timeout(std::time::Duration::from_secs(10), pushed.recv())
+            .await
+            .expect("told within 10 s");
+        assert_eq!(told, Some(true), "told that its events were lost");
+    }
+
     /// A connection that closes while it resumes a session by another of its ids (its tip,
     /// after a compaction) knows only that id: its subscription on the root's supervisor is
     /// ended all the same (it stayed, and kept the supervisor followed, for good).

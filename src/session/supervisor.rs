@@ -1072,6 +1072,23 @@ impl Actor for SessionSupervisor {
             }));
         }
     }
+
+    /// It stops only once nothing holds its address, and while anyone follows it, it holds its
+    /// own: stopped with followers, a panic in one of its handlers ended it (the context stops
+    /// the actor as it is dropped). They would get no more of the session's events, and nothing
+    /// told them so (a submit went on to be admitted by a new supervisor they do not follow).
+    /// Told they lost events, their connections are cut off, and a client that resumes follows
+    /// the new one. Not in a stop of the gateway, which closes every connection itself.
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        if self.shared.runtime.draining() || self.subscribers.is_empty() {
+            return;
+        }
+        tracing::error!(session = %self.root_id, followers = self.subscribers.len(),
+            "the session's supervisor stopped with followers; they are cut off");
+        for r in self.subscribers.values() {
+            r.do_send(PushEvent::lost());
+        }
+    }
 }
 
 impl actix::Supervised for SessionSupervisor {
@@ -1092,6 +1109,20 @@ impl actix::Supervised for SessionSupervisor {
 }
 
 // ---- messages ----
+
+/// A fault in a handler, for tests of what follows one.
+#[cfg(test)]
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct PanicForTest;
+
+#[cfg(test)]
+impl Handler<PanicForTest> for SessionSupervisor {
+    type Result = ();
+    fn handle(&mut self, _: PanicForTest, _: &mut Context<Self>) {
+        panic!("a fault in a session supervisor's handler, for a test");
+    }
+}
 
 #[derive(Message)]
 #[rtype(result = "()")]
