@@ -961,7 +961,10 @@ impl Turn {
         }
         // A process left running outlives the turn and its time limit: a human says so each
         // time (an approval of the command for the session does not cover it).
-        if background {
+        // So does a command that leaves one running itself (`server >/dev/null 2>&1 &`): it
+        // went past this question, run in the foreground.
+        let leaves_running = background || danger::leaves_running(&command);
+        if leaves_running {
             matched.push(danger::BACKGROUND);
         }
         if let Some(first) = matched.first() {
@@ -1035,7 +1038,7 @@ impl Turn {
                             "pattern_key": first.key,
                             "pattern_keys": keys,
                             // Left running after its call, when approved.
-                            "background": background,
+                            "background": leaves_running,
                         });
                         let timeout = cfg.approvals.timeout;
                         match self.ask(PromptKind::Approval, payload, choices, timeout).await {

@@ -33,6 +33,77 @@ pub const GATEWAY_STATE: DangerMatch = DangerMatch {
     description: "touches the gateway's own state",
 };
 
+/// Does `command` leave a process running after its call, as `background: true` does: a job
+/// sent to the background (`&`) or detached (`nohup`, `setsid`, `disown`) whose output is
+/// redirected off the call's pipes (`server >/dev/null 2>&1 &`: the call ends at the shell's
+/// exit, and nothing kills a process that let go of its pipes), with no `wait` for it; or a
+/// detached `tmux`/`screen` session. Quoted text is not read (`curl 'http://x?a=1&b=2' > f`).
+pub fn leaves_running(command: &str) -> bool {
+    let text = joined_lines(command);
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                for c in chars.by_ref() {
+                    if c == '\'' {
+                        break;
+                    }
+                }
+                plain.push_str(" q ");
+            }
+            '"' => {
+                while let Some(c) = chars.next() {
+                    match c {
+                        '\\' => {
+                            chars.next();
+                        }
+                        '"' => break,
+                        _ => {}
+                    }
+                }
+                plain.push_str(" q ");
+            }
+            '\\' => {
+                chars.next();
+                plain.push('_');
+            }
+            c => plain.push(c),
+        }
+    }
+    let bytes = plain.as_bytes();
+    let job = bytes.iter().enumerate().any(|(i, &b)| {
+        b == b'&'
+            && !matches!(bytes.get(i + 1), Some(b'&' | b'>'))
+            && !matches!(
+                i.checked_sub(1).map(|j| bytes[j]),
+                Some(b'&' | b'>' | b'<' | b'|')
+            )
+    });
+    let words: Vec<&str> = plain
+        .split(|c: char| c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    let named = |name: &str| {
+        words
+            .iter()
+            .any(|w| *w == name || w.ends_with(&format!("/{name}")))
+    };
+    if named("wait") {
+        return false;
+    }
+    let detached = named("nohup") || named("setsid") || named("disown");
+    let multiplexed = (named("tmux")
+        && words
+            .iter()
+            .any(|w| matches!(*w, "new" | "new-session" | "new-window"))
+        && words
+            .iter()
+            .any(|w| w.starts_with('-') && !w.starts_with("--") && w.contains('d')))
+        || (named("screen") && words.iter().any(|w| w.starts_with("-d")));
+    multiplexed || ((job || detached) && plain.contains('>'))
+}
+
 /// Not a pattern: a command that reaches into the gateway's own process (its caller decides).
 pub const GATEWAY_PROCESS: DangerMatch = DangerMatch {
     key: "gateway_process",
@@ -617,6 +688,7 @@ pub fn all_keys() -> Vec<&'static str> {
             GATEWAY_PROCESS.key,
             BACKGROUND.key,
             UNREAD_EXPANSION.key,
+            UNREAD_MOVES.key,
         ])
         .collect()
 }
@@ -2149,6 +2221,41 @@ mod tests {
                 "{command:?}: {:?}",
                 detect_all(command)
             );
+        }
+    }
+
+    /// A command that leaves a process running past its call (a job or detached process whose
+    /// output let go of the call's pipes, a detached multiplexer session) is known; one whose
+    /// jobs are waited for, or still hold the pipes, or whose `&` is quoted or part of another
+    /// operator, is not.
+    #[test]
+    fn commands_that_leave_a_process_running_are_known() {
+        for command in [
+            "python3 -m http.server 8000 >/dev/null 2>&1 &",
+            "nohup ./server > server.log 2>&1 &",
+            "npm run dev &> dev.log & sleep 2; curl -s localhost:3000",
+            "setsid ./worker >/dev/null 2>&1 < /dev/null",
+            "./server > log 2>&1 & disown",
+            "tmux new-session -d -s dev 'npm run dev'",
+            "tmux new -d 'sleep 999'",
+            "screen -dmS dev ./server",
+            "cd app && ./run.sh >out.log 2>&1 &",
+        ] {
+            assert!(leaves_running(command), "{command}");
+        }
+        for command in [
+            "make a > a.log & make b > b.log & wait",
+            "sleep 30 & echo hi",
+            "cargo build && cargo test > test.log 2>&1",
+            "curl 'http://x/?a=1&b=2' > out.json",
+            "echo \"a & b\" > notes.txt",
+            "ls 2>&1 | tee out.txt",
+            "cmd |& tee log",
+            "echo done >&2",
+            "tmux ls",
+            "screen -ls",
+        ] {
+            assert!(!leaves_running(command), "{command}");
         }
     }
 

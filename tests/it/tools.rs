@@ -2759,6 +2759,29 @@ async fn a_deposed_daemon_records_no_tool_activity() {
     );
 }
 
+/// A foreground command that leaves a process running itself (a job whose output let go of the
+/// call's pipes) is asked about as `background: true` is, one at a time: it went past that
+/// question. Denied, nothing of it runs.
+#[actix_rt::test]
+async fn a_foreground_command_that_leaves_a_process_running_is_asked_about() {
+    let home = Home::new();
+    let marker = home.path.join("started");
+    let command = format!("touch {} && sleep 600 >/dev/null 2>&1 &", marker.display());
+    let model = scripted(vec![("DETACH", terminal("call_detach", &command))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("detach", &home.path).await;
+    ws.submit(&sid, "DETACH", "DETACH").await;
+    let p = ws.wait_prompt(&sid, "approval").await;
+    assert_eq!(p["background"], true, "{p}");
+    assert_eq!(p["pattern_keys"], json!(["background_process"]), "{p}");
+    assert_eq!(p["choices"], json!(["once", "deny"]), "{p}");
+    respond(&mut ws, &sid, &p, "deny").await;
+    settled(&home, "DETACH").await;
+    assert!(!marker.exists(), "the denied command ran");
+}
+
 /// `background: true` starts the command, once a human approved that start (each one, whatever
 /// the command), and returns at once with its pid and log: it runs on after its turn (also what
 /// its shell left running in its group once the shell ended), its output reaches the log, at
