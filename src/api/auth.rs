@@ -496,11 +496,19 @@ impl HttpAuth {
 
 /// The value of `Authorization: Bearer …`, if the request has a non-empty one.
 fn bearer_value(req: &HttpRequest) -> Option<&str> {
-    let header = req.headers().get("authorization")?.to_str().ok()?;
-    let value = header
-        .strip_prefix("Bearer ")
-        .or_else(|| header.strip_prefix("bearer "))?
-        .trim();
+    let header = req
+        .headers()
+        .get("authorization")?
+        .to_str()
+        .ok()?
+        .trim_start();
+    // The scheme is a case-insensitive token (RFC 9110 §11.1), then blanks: `BEARER x` and
+    // `Bearer<TAB>x` were refused.
+    let (scheme, value) = header.split_once([' ', '\t'])?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let value = value.trim();
     (!value.is_empty()).then_some(value)
 }
 

@@ -94,9 +94,11 @@ pub async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpRespon
         if let Err(e) = auth::authenticate(&state, &req) {
             return e.error_response();
         }
-    } else if !loopback_host(&req) {
+    } else if !loopback_host(&req) && auth::authenticate(&state, &req).is_err() {
         // Served without a key only to a loopback name: a web page whose own name was rebound
         // to 127.0.0.1 (DNS rebinding) sends its own name as the Host, and read the counters.
+        // With a valid key it is served whatever the Host (a scrape through a proxy or tunnel
+        // that keeps the outside name).
         return HttpResponse::Forbidden()
             .content_type("text/plain")
             .body("metrics are served without a key only to a loopback host name\n");

@@ -758,9 +758,13 @@ fn reply_of(
             let reason = result["reason"].as_str().unwrap_or("failed");
             let message = result["error"].as_str().unwrap_or("the turn failed");
             Err(match reason {
-                // A model that still limits the rate after the retries: clients back off on a
-                // 429, and may send the request again.
-                "rate_limited" => ChatFailure::new(StatusCode::TOO_MANY_REQUESTS, reason, message),
+                // A model that still limits the rate after the retries: a 429, but not one to
+                // send again unasked. The same request sent again runs a new turn, and the
+                // limit may have come after the turn's tools ran: OpenAI's and Anthropic's
+                // clients retried it twice on their own, running its tools three times.
+                "rate_limited" => {
+                    ChatFailure::new(StatusCode::TOO_MANY_REQUESTS, reason, message).ended()
+                }
                 // As OpenAI answers a conversation too long for its model: a 400 whose `code`
                 // is `context_length_exceeded`, which clients look for.
                 "context_overflow" => {

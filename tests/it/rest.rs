@@ -1805,6 +1805,18 @@ async fn every_route_refuses_missing_wrong_and_revoked_keys() {
     let rebound = anon.with("host", "evil.example");
     assert_eq!(rebound.get("/metrics").await.status, 403);
     assert_eq!(rebound.get("/healthz").await.status, 200);
+    // With a valid key, whatever the Host (a scrape through a proxy that keeps its own name),
+    // and the scheme in any case (RFC 9110: `BEARER`, and a tab after it, were refused); a
+    // wrong key is not.
+    for scheme in ["Bearer ", "BEARER ", "bearer\t"] {
+        let keyed = rebound.with("authorization", &format!("{scheme}{KEY}"));
+        assert_eq!(keyed.get("/metrics").await.status, 200, "{scheme:?}");
+        keyed.expect("GET", "/v1/openapi.json", None, 200).await;
+    }
+    let wrong = rebound.with("authorization", "Bearer gk_not_a_key");
+    assert_eq!(wrong.get("/metrics").await.status, 403);
+    let unknown_scheme = rebound.with("authorization", &format!("Token {KEY}"));
+    assert_eq!(unknown_scheme.get("/metrics").await.status, 403);
 }
 
 #[actix_rt::test]
@@ -2659,8 +2671,9 @@ async fn a_stalled_event_stream_reader_is_cut_off_with_its_connection() {
 }
 
 /// A model endpoint that still limits the rate after the retries fails the turn with reason
-/// `rate_limited`, and a chat completion answers it 429 (which OpenAI's clients back off on),
-/// not 502.
+/// `rate_limited`, and a chat completion answers it 429, not 502, telling the client not to
+/// send it again on its own (`x-should-retry: false`): sent again, the request runs a new turn,
+/// and OpenAI's clients retried a 429 twice unasked, running the turn's tools each time.
 #[actix_rt::test]
 async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     let model = FakeModel::start(|_| {
@@ -2673,7 +2686,14 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
     assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
-    assert!(r.headers.get("x-should-retry").is_none(), "{:?}", r.headers);
+    assert_eq!(
+        r.headers
+            .get("x-should-retry")
+            .and_then(|v| v.to_str().ok()),
+        Some("false"),
+        "{:?}",
+        r.headers
+    );
 }
 
 /// An answer the model cut at its output limit (its continuations spent) says so, as
