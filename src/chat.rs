@@ -376,17 +376,24 @@ pub async fn run(opts: ChatOptions) -> Result<ChatEnd, String> {
             None => break,
         };
         let input_id = uuid::Uuid::new_v4().simple().to_string();
-        let admission = match submit(&mut conn, &opts.home, &session_id, &input_id, &text).await {
-            Ok(admission) => admission,
-            // A refusal of one message (too long, the queue full) ends nothing interactively:
-            // it is said, and the next line is read.
-            Err(NotSubmitted::Refused(e)) if interactive => {
-                out(&format!("[not sent: {}]\n", printable(&e, false)));
-                continue;
-            }
-            Err(NotSubmitted::Refused(e) | NotSubmitted::Ended(e)) => return Err(e),
+        let (admission, sent_again) =
+            match submit(&mut conn, &opts.home, &session_id, &input_id, &text).await {
+                Ok(submitted) => submitted,
+                // A refusal of one message (too long, the queue full) ends nothing interactively:
+                // it is said, and the next line is read.
+                Err(NotSubmitted::Refused(e)) if interactive => {
+                    out(&format!("[not sent: {}]\n", printable(&e, false)));
+                    continue;
+                }
+                Err(NotSubmitted::Refused(e) | NotSubmitted::Ended(e)) => return Err(e),
+            };
+        let ended = sent_again
+            .as_ref()
+            .and_then(|r| ended_before(r, &opts.home, &session_id, &admission));
+        let outcome = match ended {
+            Some(ended) => ended?,
+            None => follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?,
         };
-        let outcome = follow(&mut conn, &opts.home, &session_id, &admission, &mut lines).await?;
         if !interactive {
             if outcome != "completed" {
                 end = ChatEnd::NotCompleted;
@@ -462,23 +469,36 @@ impl From<String> for NotSubmitted {
 }
 
 /// Submit `text` as `input_id`; a connection found lost is reopened and the same input sent
-/// again (it is idempotent by its id: admitted once however often it is sent).
+/// again (it is idempotent by its id: admitted once however often it is sent). Its admission
+/// id, and (sent again) its receipt: the first sending may have been admitted and even run to
+/// its end before the new connection followed the session, its events gone with the old one.
 async fn submit(
     conn: &mut Conn,
     home: &Path,
     session_id: &str,
     input_id: &str,
     text: &str,
-) -> Result<String, NotSubmitted> {
+) -> Result<(String, Option<Value>), NotSubmitted> {
     let params = json!({"session_id": session_id, "input_id": input_id, "text": text});
     let mut reconnected = false;
     loop {
         match conn.call("prompt.submit", params.clone()).await {
             Ok(receipt) => {
-                return receipt["admission_id"]
+                let admission = receipt["admission_id"]
                     .as_str()
                     .map(str::to_string)
-                    .ok_or_else(|| NotSubmitted::Ended("no admission id".into()))
+                    .ok_or_else(|| NotSubmitted::Ended("no admission id".into()))?;
+                if !reconnected {
+                    return Ok((admission, None));
+                }
+                // The submit's receipt has no result: the full one says how it ended.
+                let full = conn
+                    .call(
+                        "prompt.receipt",
+                        json!({"session_id": session_id, "admission_id": admission}),
+                    )
+                    .await?;
+                return Ok((admission, Some(full)));
             }
             Err(_) if conn.lost && !reconnected => {
                 out("[connection lost; reconnecting]\n");
@@ -493,6 +513,33 @@ async fn submit(
             Err(e) => return Err(NotSubmitted::Refused(e)),
         }
     }
+}
+
+/// How input `admission` ended, from its receipt `r`, when it ended before its events could
+/// be followed (they went to a connection that was lost): its reply printed and its outcome,
+/// or why none will come (its outcome is unknown). `None` while it is queued or running.
+fn ended_before(
+    r: &Value,
+    home: &Path,
+    session_id: &str,
+    admission: &str,
+) -> Option<Result<String, String>> {
+    if r["status"] == "unknown" {
+        // The daemon stopped (crashed) while this input ran: it is never run again and no
+        // completion will come. Only an operator can settle it.
+        return Some(Err(format!(
+            "input {admission} was running when the daemon stopped; its outcome is unknown and it \
+             will not run again. Check what it did, then settle it with: {}",
+            settle_command(home, session_id, admission)
+        )));
+    }
+    if r["status"] == "terminal" {
+        let text = r["result"]["final_response"].as_str().unwrap_or("");
+        let outcome = r["outcome"].as_str().unwrap_or("").to_string();
+        out(&format!("{}\n[{outcome}]\n", printable(text, true)));
+        return Some(Ok(outcome));
+    }
+    None
 }
 
 /// Stream one admission's events until it ends, answering prompts, reconnecting on drops; its
@@ -533,20 +580,8 @@ async fn follow(
                     json!({"session_id": session_id, "admission_id": admission}),
                 )
                 .await?;
-            if r["status"] == "unknown" {
-                // The daemon stopped (crashed) while this input ran: it is never run again and
-                // no completion will come. Only an operator can settle it.
-                return Err(format!(
-                    "input {admission} was running when the daemon stopped; its outcome is unknown and it \
-                     will not run again. Check what it did, then settle it with: {}",
-                    settle_command(home, session_id, admission)
-                ));
-            }
-            if r["status"] == "terminal" {
-                let text = r["result"]["final_response"].as_str().unwrap_or("");
-                let outcome = r["outcome"].as_str().unwrap_or("").to_string();
-                out(&format!("{}\n[{outcome}]\n", printable(text, true)));
-                return Ok(outcome);
+            if let Some(ended) = ended_before(&r, home, session_id, admission) {
+                return ended;
             }
             continue;
         };
