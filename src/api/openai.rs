@@ -1165,6 +1165,18 @@ async fn complete(
             )
             .into());
         }
+        if key.is_some() && named.first().is_some_and(|s| *s != root) {
+            // The same conversation reached another session first: an identical request at
+            // the same instant, which found no record and no input where this one looked.
+            // Going on here ran the turn in both sessions; sent again, this request finds the
+            // record and joins that session's input.
+            return Err(GatewayError::SessionBusy(
+                "the same conversation is being answered by another request: send it again to \
+                 join it"
+                    .into(),
+            )
+            .into());
+        }
         let c = caller(&principal, Some(&root));
         let input_id = match (explicit, &key) {
             (Some(explicit), _) => explicit,
