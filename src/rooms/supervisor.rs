@@ -1118,6 +1118,15 @@ impl RoomRuntime {
             .db
             .run(move |c| list_tasks(c, &room, Some(TaskStatus::Indeterminate)))
             .await?;
+        // What was probed of attempts no longer indeterminate is forgotten: kept for every
+        // attempt ever recovered, it grew for as long as the room lived.
+        let current: std::collections::HashSet<(&str, i64)> = tasks
+            .iter()
+            .map(|t| (t.identity.task_id.as_str(), t.execution_generation))
+            .collect();
+        self.state().inspected.retain(|(room, task, generation)| {
+            *room != binding.room_id || current.contains(&(task.as_str(), *generation))
+        });
         for task in tasks {
             let id = task.identity.clone();
             let generation = task.execution_generation;

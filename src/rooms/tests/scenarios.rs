@@ -793,6 +793,13 @@ async fn an_active_indeterminate_attempt_is_held_to_its_deadline() {
     );
     assert_failed_at_its_deadline(&db, &id, "");
     assert_eq!(hooks.published_statuses(), vec![TaskStatus::Failed]);
+    // Resolved, what was probed of it is forgotten at the next pass (it was kept for good).
+    assert_eq!(runtime.state().inspected.len(), 1);
+    assert!(!runtime
+        .reconcile_indeterminate(&binding(), &recovery)
+        .await
+        .unwrap());
+    assert!(runtime.state().inspected.is_empty());
 }
 
 /// An attempt of a dead process that its member still runs is held to its turn deadline, local
