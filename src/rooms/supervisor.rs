@@ -2209,7 +2209,15 @@ impl RoomRuntime {
             }
             match self.keep_lease_for(binding, attempt).await {
                 LeaseKept::Held => {}
-                LeaseKept::Lost => return None,
+                LeaseKept::Lost => {
+                    // Nothing of the attempt can be written any more (a later pass recovers it),
+                    // but the member may still run its turn: the turn lock is held until it
+                    // ends or its deadline passes. Let go at once, another room's turn of the
+                    // same member began beside it.
+                    self.hold_while_member_runs(port, &profile, session_id, &task_id, deadline)
+                        .await;
+                    return None;
+                }
                 // Given up on a failed write, the member's turn ran on unobserved, its turn lock
                 // and the room's slot let go: another room could start a turn of the same member.
                 LeaseKept::NotRenewed => {
@@ -2284,6 +2292,41 @@ impl RoomRuntime {
             }
             let left = deadline - self.inner.clock.monotonic();
             self.pause_for(&mut wake, poll.min(left.max(0.0))).await;
+        }
+    }
+
+    /// Until the member's session `session_id` no longer runs task `task_id`'s turn, the
+    /// attempt's `deadline` passes, or the runtime stops (the caller holds the member's turn
+    /// lock meanwhile). A member that cannot be asked is waited for to the deadline.
+    async fn hold_while_member_runs(
+        &self,
+        port: &dyn SessionPort,
+        profile: &str,
+        session_id: &str,
+        task_id: &str,
+        deadline: f64,
+    ) {
+        let poll = self.inner.config.active_poll_interval_seconds;
+        let session = Self::session_ref(profile, session_id);
+        loop {
+            let left = deadline - self.inner.clock.monotonic();
+            if self.is_stopping() || left <= 0.0 {
+                return;
+            }
+            if let Ok(info) = port.info(session.clone()).await {
+                if !running_for(&info, task_id) {
+                    return;
+                }
+            }
+            let mut stop = self.inner.stop.subscribe();
+            if *stop.borrow_and_update() {
+                return;
+            }
+            let pause = std::time::Duration::from_secs_f64(poll.min(left).clamp(0.001, 3600.0));
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                _ = stop.changed() => return,
+            }
         }
     }
 

@@ -2220,6 +2220,36 @@ async fn a_lease_renewal_the_store_fails_keeps_observing_the_running_turn() {
     assert_eq!(rpc.count("submit"), 1);
 }
 
+/// A lease lost while the member runs the attempt's turn (the clock jumped past its TTL, and
+/// the renewal took the room's lease again at a new generation): nothing of the attempt can be
+/// written, but the member's turn lock is held until that turn ends. It was let go at once, and
+/// another room's task for the same member could start beside the running turn.
+#[tokio::test]
+async fn a_lease_lost_mid_turn_keeps_the_members_turn_lock_until_the_turn_ends() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    let clock = manual_clock_at_now();
+    let mut spec = Spec::new(&rpc).manual(&clock);
+    spec.config.lease_ttl_seconds = 2.0;
+    spec.config.active_poll_interval_seconds = 0.05;
+    let locks = spec.locks.clone();
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("submitted", || rpc.count("submit") == 1).await;
+    clock.advance(10.0);
+    wait_for("the lease lost", || runtime.status().lease_losses > 0).await;
+    // Still held some polls later: the member's turn runs on.
+    let asked = rpc.count("info");
+    wait_for("the member asked again", || rpc.count("info") > asked + 2).await;
+    assert!(locks.held_for(PROFILE), "the member's turn lock was let go");
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    // The turn ends: the lock is let go, and the attempt is recovered from the member.
+    rpc.complete("task-1", "done", "settled");
+    wait_for("the lock let go", || !locks.held_for(PROFILE)).await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(rpc.count("submit"), 1);
+}
+
 /// What [`abandoned_local_attempt`] sets up: the store, its clock, the task, its member's fake
 /// and the new process's runtime.
 type Abandoned = (
