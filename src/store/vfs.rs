@@ -16,8 +16,10 @@
 //!
 //! The fsync is SQLite's own and unchanged: an acknowledged commit is on disk exactly as before. A
 //! failed write (a full disk, a file-size limit) is reported by the call that flushed, which is
-//! always one of the same transaction's writes or its sync, so the transaction fails as it would
-//! have. A connection's main database file is wrapped too, only to learn when the connection lets
+//! always one of the same transaction's calls: a write reports it as it is, any other call (a
+//! read) as an I/O error, which ends the whole transaction (a full disk reported by a read ended
+//! only its statement), and every later write and sync of the transaction fails with it, so no
+//! commit is made over the frames lost. A connection's main database file is wrapped too, only to learn when the connection lets
 //! go of the WAL write lock (see [`shm_lock`]); every other file (journals, temporary files) is
 //! opened by the default VFS itself.
 
@@ -46,6 +48,11 @@ thread_local! {
     static WAL_WRITES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// Bytes this thread's WAL files dropped unwritten (a rolled-back spill), for tests.
     static WAL_DROPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+#[cfg(test)]
+thread_local! {
+    /// The next write-out of a gathered run on this thread fails as a full disk would.
+    static FAIL_NEXT_FLUSH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Register the VFS as the process's default (once; before the first connection opens). If the
@@ -114,6 +121,9 @@ struct File {
     gather: bool,
     /// The last write was the header of a commit frame: its page completes the commit.
     commit_page_next: bool,
+    /// A gathered run whose write-out failed (its frames are gone): every later write and sync
+    /// fails with it until the write lock is let go (the transaction rolled back).
+    failed: c_int,
 }
 
 const fn real_offset() -> usize {
@@ -176,6 +186,7 @@ unsafe extern "C" fn open(
                 data: Vec::new(),
                 gather: false,
                 commit_page_next: false,
+                failed: ffi::SQLITE_OK,
             },
         );
         let mut dbs = databases();
@@ -220,10 +231,23 @@ fn reset(f: &mut File) {
     }
 }
 
-/// Forget the gathered writes unwritten (they belong to no commit; see [`shm_lock`]).
+/// Forget the gathered writes unwritten (they belong to no commit; see [`shm_lock`]), and a
+/// failed write-out with them.
 fn discard(f: &mut File) {
     WAL_DROPPED.with(|n| n.set(n.get() + f.data.len() as u64));
+    f.failed = ffi::SQLITE_OK;
     reset(f);
+}
+
+/// `rc`, a failed write-out, as a call that is no write reports it: an I/O error. SQLite takes
+/// an I/O error from a read as the end of the whole transaction; a full disk reported by a read
+/// undid only the statement, and the transaction went on to commit over the frames lost.
+fn as_io_error(rc: c_int) -> c_int {
+    if rc & 0xff == ffi::SQLITE_IOERR {
+        rc
+    } else {
+        ffi::SQLITE_IOERR_WRITE
+    }
 }
 
 /// Write out the gathered run (if any), in pieces the base VFS takes.
@@ -231,6 +255,12 @@ fn flush(f: &mut File) -> c_int {
     if f.data.is_empty() {
         f.commit_page_next = false;
         return ffi::SQLITE_OK;
+    }
+    #[cfg(test)]
+    if FAIL_NEXT_FLUSH.with(|fail| fail.replace(false)) {
+        f.failed = ffi::SQLITE_FULL;
+        reset(f);
+        return ffi::SQLITE_FULL;
     }
     // SAFETY: `f` is open (every caller holds one from `ours`).
     let rc = match unsafe { real(f) }.xWrite {
@@ -257,6 +287,9 @@ fn flush(f: &mut File) -> c_int {
         }
         None => ffi::SQLITE_IOERR_WRITE,
     };
+    if rc != ffi::SQLITE_OK {
+        f.failed = rc;
+    }
     reset(f);
     rc
 }
@@ -275,6 +308,9 @@ unsafe extern "C" fn write(
             .xWrite
             .map(|w| unsafe { w(f.real, buf, amount, offset) })
             .unwrap_or(ffi::SQLITE_IOERR_WRITE);
+    }
+    if f.failed != ffi::SQLITE_OK {
+        return f.failed;
     }
     // SAFETY: as above.
     let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, amount.max(0) as usize) };
@@ -309,7 +345,7 @@ where
     let f = unsafe { ours(file) };
     let rc = flush(f);
     if rc != ffi::SQLITE_OK {
-        return rc;
+        return as_io_error(rc);
     }
     // SAFETY: `f` is open.
     op(unsafe { real(f) }, f.real).unwrap_or(ffi::SQLITE_IOERR)
@@ -369,6 +405,11 @@ unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int 
 }
 
 unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+    // SAFETY: per the contract. Frames lost to a failed write-out are never synced as a commit.
+    let failed = unsafe { ours(file) }.failed;
+    if failed != ffi::SQLITE_OK {
+        return as_io_error(failed);
+    }
     // SAFETY: as `read`.
     unsafe { then(file, |m, r| m.xSync.map(|f| f(r, flags))) }
 }
@@ -680,6 +721,40 @@ mod tests {
             .expect("count")
             .n;
         assert_eq!(z, 1000);
+    }
+
+    /// A write-out of spilled frames that fails when a statement reads them back (a full
+    /// disk) ends the whole transaction: the statement's error is an I/O error, and the
+    /// transaction cannot commit over the frames lost. It was a full-disk error, which undid
+    /// only the statement; the transaction committed, its frames missing.
+    #[test]
+    fn a_write_out_that_fails_in_a_read_ends_the_transaction() {
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("full.db");
+        let mut c = connect(&path, "FULL");
+        c.batch_execute("INSERT INTO t (v) VALUES ('before')")
+            .expect("a row");
+        c.batch_execute("PRAGMA cache_size = 10;").expect("cache");
+        let mut statement_error = None;
+        let committed = c.immediate_transaction::<_, diesel::result::Error, _>(|c| {
+            c.batch_execute("CREATE TABLE IF NOT EXISTS u (id INTEGER PRIMARY KEY, v TEXT)")?;
+            for i in 0..200 {
+                c.batch_execute(&format!(
+                    "INSERT INTO u (v) VALUES ('{i}{}')",
+                    "a".repeat(300)
+                ))?;
+            }
+            // A many-row update (it has a statement journal) reads the spilled pages back.
+            FAIL_NEXT_FLUSH.with(|f| f.set(true));
+            statement_error = c.batch_execute("UPDATE u SET v = v || 'z'").err();
+            FAIL_NEXT_FLUSH.with(|f| f.set(false));
+            Ok(())
+        });
+        let e = statement_error.expect("the update failed");
+        assert!(e.to_string().contains("I/O"), "{e}");
+        assert!(committed.is_err(), "committed over the lost frames");
+        drop(c);
+        assert_whole(&path, 1);
     }
 
     #[test]
