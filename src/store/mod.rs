@@ -586,7 +586,7 @@ fn writer_loop(
         let mut deliveries: Vec<Deliver> = Vec::with_capacity(writes);
         // A database file found gone is not written again: the batch runs (its jobs answer
         // only through a transaction) and is rolled back.
-        let lost = wal.lost.load(Ordering::Relaxed);
+        let lost = wal.halted();
         wal.batches.fetch_add(1, Ordering::Release);
         wal.busy_since_ms
             .store(process_ms().max(1), Ordering::Relaxed);
@@ -667,7 +667,9 @@ fn writer_loop(
                 WAL_RESTART_NOW => true,
                 _ => false,
             };
-            if wanted {
+            // After a failed sync of the database file the WAL is the only sure copy of what
+            // a checkpoint copied: it is never written over.
+            if wanted && !wal.sync_failed.load(Ordering::Relaxed) {
                 wal.wanted.store(WAL_RESTART_NO, Ordering::Relaxed);
                 if restart_wal(conn) {
                     wal.done.fetch_add(1, Ordering::Relaxed);
@@ -783,6 +785,14 @@ struct WalState {
     lost: AtomicBool,
     /// A write was refused `stale_epoch`: another process took the home's authority.
     deposed: AtomicBool,
+    /// A sync of the database file after a checkpoint failed: what the checkpoint copied may
+    /// not be on the disk, and the WAL is its only sure copy. Nothing more is committed, no
+    /// checkpoint runs and the WAL is never restarted (until a restart, whose recovery copies
+    /// the whole WAL again).
+    sync_failed: AtomicBool,
+    /// For tests: the checkpointer's next sync of the database file fails.
+    #[cfg(test)]
+    fail_next_sync: AtomicBool,
     /// How long a commit may wait before the store is unhealthy, in ms (0: [`STALL_AFTER`]).
     stall_after_ms: AtomicU64,
 }
@@ -795,8 +805,21 @@ impl WalState {
         }
     }
 
-    /// Why nothing is committed any more: the database file was found removed or replaced.
+    /// Nothing is committed any more: the file was lost, or a sync of it failed.
+    fn halted(&self) -> bool {
+        self.lost.load(Ordering::Relaxed) || self.sync_failed.load(Ordering::Relaxed)
+    }
+
+    /// Why nothing is committed any more: the database file was found removed or replaced, or
+    /// a sync of it failed.
     fn file_health(&self) -> Result<(), String> {
+        if self.sync_failed.load(Ordering::Relaxed) {
+            return Err(
+                "a sync of the database file failed after a checkpoint: nothing more is \
+                        committed until the daemon restarts (its WAL keeps every commit)"
+                    .into(),
+            );
+        }
         if !self.lost.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -1289,11 +1312,32 @@ pub fn spawn_checkpointer(
                 if copied {
                     (synced, synced_commits) = (round.checkpointed, commits);
                     if let Some(f) = &file {
-                        match f.sync_data() {
+                        #[cfg(test)]
+                        let synced_file = if wal.fail_next_sync.swap(false, Ordering::Relaxed) {
+                            Err(std::io::Error::other("injected sync failure"))
+                        } else {
+                            f.sync_data()
+                        };
+                        #[cfg(not(test))]
+                        let synced_file = f.sync_data();
+                        match synced_file {
                             Ok(()) => {
                                 wal.syncs.fetch_add(1, Ordering::Relaxed);
                             }
-                            Err(e) => tracing::warn!(error = %e, "database file sync failed"),
+                            Err(e) => {
+                                // After a failed fsync the kernel may have dropped the pages
+                                // and a retry may report success: nothing copied since the WAL's
+                                // start is sure on disk, and the WAL must be kept whole. The
+                                // store stops (unhealthy, committing nothing) until a restart,
+                                // whose recovery copies the whole WAL again. A warning and the
+                                // next round went on, and a WAL restart overwrote the only copy.
+                                wal.sync_failed.store(true, Ordering::Relaxed);
+                                tracing::error!(error = %e,
+                                    "the database file could not be synced after a checkpoint: \
+                                     nothing more is committed and the WAL is kept; restart the \
+                                     daemon");
+                                break;
+                            }
                         }
                     }
                 }
@@ -2569,6 +2613,53 @@ mod wal_restart_tests {
     /// The checkpointer syncs the database file after a round that copied frames (the restart's
     /// sync is then short), and not in rounds that found nothing to copy, also when the frames
     /// it copied are as many as it copied before a WAL restart.
+    /// A failed sync of the database file after a checkpoint halts the store: the next write
+    /// is refused, health says why, no checkpoint round runs and the WAL is not restarted (the
+    /// sync's failure was logged and every round went on).
+    #[test]
+    fn a_failed_sync_of_the_database_file_halts_the_store() {
+        let dir = testing::tempfile_dir::TempDir::new();
+        let path = dir.path().join("state.db");
+        let pool = open_pool(&path, 4).expect("pool");
+        actix_rt::System::new().block_on(async {
+            let db = Db::start(pool, 1);
+            db.wal.fail_next_sync.store(true, Ordering::Relaxed);
+            spawn_checkpointer(&db, &path, Duration::from_millis(5));
+            db.write(|c| Ok(c.batch_execute("CREATE TABLE w (v BLOB NOT NULL)")?))
+                .await
+                .expect("table");
+            db.write(|c| Ok(c.batch_execute("INSERT INTO w (v) VALUES (zeroblob(4096))")?))
+                .await
+                .expect("a row");
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while !db.wal.sync_failed.load(Ordering::Relaxed) {
+                assert!(std::time::Instant::now() < deadline, "no sync was tried");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let health = db.health().expect_err("unhealthy");
+            assert!(health.contains("sync"), "{health}");
+            let refused = db
+                .write(|c| Ok(c.batch_execute("INSERT INTO w (v) VALUES (zeroblob(10))")?))
+                .await;
+            assert!(refused.is_err(), "committed after a failed sync");
+            let (rounds, restarts) = (
+                db.wal.rounds.load(Ordering::Acquire),
+                db.wal.done.load(Ordering::Relaxed),
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(
+                db.wal.rounds.load(Ordering::Acquire),
+                rounds,
+                "rounds went on"
+            );
+            assert_eq!(
+                db.wal.done.load(Ordering::Relaxed),
+                restarts,
+                "the WAL restarted"
+            );
+        });
+    }
+
     #[test]
     fn the_checkpointer_syncs_what_it_copied_and_nothing_more() {
         let dir = testing::tempfile_dir::TempDir::new();
