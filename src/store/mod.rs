@@ -135,12 +135,18 @@ thread_local! {
     /// clears it as its batch begins and reads it after each write of the batch: one that ended
     /// the batch's transaction is seen at once, whatever the write answered.
     static TRANSACTION_ENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Is the writer running a batch's writes on this thread? No commit but the batch's own may
+    /// happen then (see [`note_commit`]).
+    static IN_BATCH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 unsafe extern "C" fn note_commit(_: *mut std::ffi::c_void) -> std::ffi::c_int {
     TRANSACTION_ENDED.with(|ended| ended.set(true));
-    // Zero: the commit goes ahead.
-    0
+    // While a batch's writes run, a commit is a statement run after SQLite ended the batch's
+    // transaction under it (a full disk, an I/O error), in a transaction of its own: refused
+    // (non-zero turns it into a rollback). Committed, a write answered as failed with its batch
+    // was half done, or done again when its caller asked again. Zero: the commit goes ahead.
+    std::ffi::c_int::from(IN_BATCH.with(|b| b.get()))
 }
 
 unsafe extern "C" fn note_rollback(_: *mut std::ffi::c_void) {
@@ -593,6 +599,7 @@ fn writer_loop(
         let mut committed = conn
             .immediate_transaction::<_, diesel::result::Error, _>(|c| {
                 TRANSACTION_ENDED.with(|ended| ended.set(false));
+                IN_BATCH.with(|b| b.set(true));
                 for job in batch.drain(..) {
                     // A write that panics is answered as not written (its caller's channel is
                     // dropped) and its batch rolled back: the writer thread goes on (it died,
@@ -625,9 +632,12 @@ fn writer_loop(
                 if lost {
                     return Err(diesel::result::Error::RollbackTransaction);
                 }
+                // The batch's own COMMIT follows.
+                IN_BATCH.with(|b| b.set(false));
                 Ok(())
             })
             .map_err(|e| e.to_string());
+        IN_BATCH.with(|b| b.set(false));
         wal.busy_since_ms.store(0, Ordering::Relaxed);
         // Jobs the transaction never ran (it could not begin) are dropped with `batch`, which
         // drops their reply channels: their callers see a storage error.
@@ -2504,6 +2514,22 @@ mod wal_restart_tests {
     /// A batch of six writes whose second ends the batch's transaction (and answers its error,
     /// or goes on when `swallowed`): whether each was answered as written, and what committed.
     fn a_batch_with_a_doomed_write(swallowed: bool) -> (Vec<bool>, Vec<i64>) {
+        a_batch_with_a_doomed_write_then(swallowed, false)
+    }
+
+    /// A write that goes on writing after SQLite ended the batch's transaction under it: its
+    /// later statements each committed on their own (autocommit), though the write and its
+    /// batch were answered as failed.
+    #[test]
+    fn statements_of_a_write_after_its_batch_ended_commit_nothing() {
+        let (answers, rows) = a_batch_with_a_doomed_write_then(true, true);
+        assert_eq!(answers, [false; 6], "the batch failed whole");
+        assert_eq!(rows, Vec::<i64>::new(), "and nothing of it committed");
+    }
+
+    /// [`a_batch_with_a_doomed_write`], the doomed write then inserting 9 into `t` when
+    /// `writes_on`.
+    fn a_batch_with_a_doomed_write_then(swallowed: bool, writes_on: bool) -> (Vec<bool>, Vec<i64>) {
         use diesel::RunQueryDsl;
         let dir = testing::tempfile_dir::TempDir::new();
         let pool = open_pool(&dir.path().join("state.db"), 4).expect("pool");
@@ -2527,6 +2553,9 @@ mod wal_restart_tests {
                     diesel::sql_query("INSERT INTO doom (v) VALUES (0)").execute(c)?;
                     Ok::<_, StoreError>(())
                 });
+                if writes_on {
+                    let _ = diesel::sql_query("INSERT INTO t (v) VALUES (9)").execute(c);
+                }
                 if swallowed {
                     return Ok(());
                 }
