@@ -1260,12 +1260,18 @@ pub fn spawn_checkpointer(
     let spawned = std::thread::Builder::new()
         .name("gatehouse-checkpoint".into())
         .spawn(move || {
-            let file = std::fs::File::open(&path)
-                .map_err(|e| {
-                    tracing::warn!(error = %e, path = %path.display(),
-                        "cannot open the database file to sync checkpoints: restarts sync it all")
-                })
-                .ok();
+            // Never closed: closing any descriptor of a file drops every POSIX lock the process
+            // holds on it, SQLite's included, and connections of the pool (readers', the
+            // rooms') may outlive this thread; another process (a backup) could then take the
+            // database for unused and delete the WAL under them. One descriptor per store.
+            let file = std::mem::ManuallyDrop::new(
+                std::fs::File::open(&path)
+                    .map_err(|e| {
+                        tracing::warn!(error = %e, path = %path.display(),
+                            "cannot open the database file to sync checkpoints: restarts sync it all")
+                    })
+                    .ok(),
+            );
             // How many WAL frames were in the database file as of the last sync, and the
             // writer's commits then. The count alone misses a round that copied as many frames
             // as the last one did before the WAL restarted (the same writes again).
@@ -1276,13 +1282,6 @@ pub fn spawn_checkpointer(
             loop {
                 std::thread::sleep(every);
                 let Some(wal) = state.upgrade() else {
-                    // This thread's handle on the pool goes before its own descriptor of the
-                    // database file (the connections close with the pool's last handle):
-                    // closing any descriptor of a file drops every POSIX lock the process holds
-                    // on it, SQLite's included, and another process (a backup) could then take
-                    // the database for unused and delete the WAL under open connections.
-                    drop(pool);
-                    drop(file);
                     return;
                 };
                 // Read before the round: every commit counted is in the WAL it checkpoints.
@@ -1321,7 +1320,7 @@ pub fn spawn_checkpointer(
                     || (commits != synced_commits && round.checkpointed > 0);
                 if copied {
                     (synced, synced_commits) = (round.checkpointed, commits);
-                    if let Some(f) = &file {
+                    if let Some(f) = &*file {
                         #[cfg(test)]
                         let synced_file = if wal.fail_next_sync.swap(false, Ordering::Relaxed) {
                             Err(std::io::Error::other("injected sync failure"))
