@@ -269,7 +269,14 @@ fn serve(args: Args) -> ExitCode {
         let started = loop {
             tokio::select! {
                 started = &mut start => break started,
-                why = stop_signal(&mut term, &mut int, &mut hup), if !*stop.borrow() => {
+                why = stop_signal(&mut term, &mut int, &mut hup) => {
+                    if *stop.borrow() {
+                        if why == "SIGINT" {
+                            return Err(stopped_again(why));
+                        }
+                        tracing::info!("{why} again: the start is stopping already");
+                        continue;
+                    }
                     tracing::info!("{why} during the start: stopping");
                     stop.send_replace(true);
                 }
@@ -280,8 +287,7 @@ fn serve(args: Args) -> ExitCode {
             started => started.map_err(|e| (e.to_string(), e.is_permanent()))?,
         };
         if *stop.borrow() {
-            gateway.stop().await;
-            return Ok(());
+            return stop_unless_signalled(gateway, &mut term, &mut int, &mut hup).await;
         }
         if let Some(every) = gatehouse::notify::watchdog_interval() {
             let shared = gateway.shared.clone();
@@ -302,8 +308,7 @@ fn serve(args: Args) -> ExitCode {
         }
         let why = stop_signal(&mut term, &mut int, &mut hup).await;
         tracing::info!("{why}: stopping");
-        gateway.stop().await;
-        Ok(())
+        stop_unless_signalled(gateway, &mut term, &mut int, &mut hup).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -585,6 +590,43 @@ fn operator(args: Args) -> ExitCode {
 /// root-run daemon's children are root and keep that reach. No core dumps follow.
 /// The next signal that stops the daemon (SIGTERM or SIGINT), by name. There is no reload: a
 /// SIGHUP (often sent for one) is said to be ignored, and waited past.
+/// Stop `gateway` gracefully, unless a SIGINT comes first (a second Ctrl-C: someone who will
+/// not wait for the drain): then the process ends at once. Nothing listened for one, and
+/// outside systemd a drain of `gateway.drain_timeout_seconds` could only be cut short by
+/// SIGKILL. A SIGTERM sent again is only a stop asked again (`kill` run twice).
+async fn stop_unless_signalled(
+    gateway: gatehouse::gateway::RunningGateway,
+    term: &mut tokio::signal::unix::Signal,
+    int: &mut tokio::signal::unix::Signal,
+    hup: &mut tokio::signal::unix::Signal,
+) -> Result<(), (String, bool)> {
+    let stopping = gateway.stop();
+    tokio::pin!(stopping);
+    loop {
+        tokio::select! {
+            () = &mut stopping => return Ok(()),
+            why = stop_signal(term, int, hup) => {
+                if why == "SIGINT" {
+                    return Err(stopped_again(why));
+                }
+                tracing::info!("{why} again: the daemon is stopping already");
+            }
+        }
+    }
+}
+
+/// A SIGINT during a stop: said, and the process ends (status 1) without waiting for the stop.
+fn stopped_again(why: &str) -> (String, bool) {
+    tracing::error!(
+        "{why} again during the stop: exiting now; turns still running become unknown at the \
+         next start"
+    );
+    (
+        format!("stopped by a second {why} before the graceful stop ended"),
+        false,
+    )
+}
+
 async fn stop_signal(
     term: &mut tokio::signal::unix::Signal,
     int: &mut tokio::signal::unix::Signal,

@@ -495,6 +495,39 @@ async fn readyz_is_unavailable_while_draining() {
     assert_eq!(d.term(), Some(0));
 }
 
+/// A SIGINT during the graceful stop (a second Ctrl-C) ends the daemon at once, exit 1, saying
+/// that running turns become unknown; a SIGTERM sent again does not (it waited, and only
+/// SIGKILL could cut a long drain short).
+#[actix_rt::test]
+async fn a_sigint_during_the_stop_ends_the_daemon_at_once() {
+    let model = FakeModel::ack();
+    // A grace far longer than the test waits: only the SIGINT can end the stop in time.
+    let (home, mut d) =
+        Daemon::with_model(&model, json!({"gateway": {"drain_grace_seconds": 300}}));
+    let origin = d.origin();
+    d.signal(libc::SIGTERM);
+    wait_until("draining", Duration::from_secs(10), || {
+        home.log().contains("refusing new work before the drain")
+    })
+    .await;
+    d.signal(libc::SIGTERM);
+    wait_until("the second SIGTERM heard", Duration::from_secs(10), || {
+        home.log().contains("the daemon is stopping already")
+    })
+    .await;
+    assert_eq!(
+        http_get(&format!("{origin}/healthz")).await.0,
+        200,
+        "still stopping"
+    );
+    assert_eq!(d.stop_with(libc::SIGINT), Some(1));
+    assert!(
+        home.log().contains("SIGINT again during the stop"),
+        "{}",
+        home.log()
+    );
+}
+
 /// While the daemon drains, a new input is refused, but one admitted before is not new: sent
 /// again (a client whose reply was lost in the stop), it is answered with its receipt, and with
 /// other text refused as a conflict, as at any other time. It was refused `runtime_draining`.
