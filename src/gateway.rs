@@ -895,10 +895,6 @@ impl Gateway {
             config.gateway.ticket_ttl_seconds,
             clock.clone(),
         ));
-        if !to_pump.is_empty() && !runtime.draining() {
-            tracing::info!(sessions = to_pump.len(), "resuming queued work");
-            registry.do_send(PumpSessions(to_pump));
-        }
         crate::store::events::spawn_pruner(
             shared.db.clone(),
             clock.clone(),
@@ -916,6 +912,16 @@ impl Gateway {
         });
         if let Some(early_http) = early_http {
             early_http.stop().await;
+        }
+        // Asked again after the start's last wait: a stop asked during it came after the look
+        // above, and the queued work pumped before it started, only to be interrupted by the
+        // stop that follows (it runs after the restart instead).
+        if *stop.borrow() {
+            runtime.set_phase(RuntimePhase::Stopping);
+        }
+        if !to_pump.is_empty() && !runtime.draining() {
+            tracing::info!(sessions = to_pump.len(), "resuming queued work");
+            registry.do_send(PumpSessions(to_pump));
         }
         let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
             .on_connect(crate::api::ws::on_connect)
