@@ -1002,12 +1002,18 @@ impl RunningGateway {
         // member turn the drain interrupts fails its room task under the room's lease, so the
         // lease is released below and the next boot drives the room at once (instead of
         // waiting out the lease of a task left `running`).
-        self.rooms.quiesce().await;
-        let drain = timeout.mul_f64(0.75);
+        // Bounded as every step of the stop is (its answer is quick, but it waits in a mailbox).
+        if tokio::time::timeout(timeout.mul_f64(0.25), self.rooms.quiesce())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the rooms did not quiesce in time");
+        }
+        let drain = timeout.mul_f64(0.75).saturating_sub(draining.elapsed());
         let drain_all = self.registry.send(DrainAll);
         tokio::pin!(drain_all);
         let drained = tokio::time::timeout(drain, &mut drain_all).await.is_ok();
-        let rooms = timeout.saturating_sub(drain) / 2;
+        let rooms = timeout.saturating_sub(timeout.mul_f64(0.75)) / 2;
         if !self.rooms.idle(rooms).await {
             tracing::warn!("room passes still observing attempts at the end of the drain");
         }
