@@ -2398,15 +2398,7 @@ async fn chat_completion_conversations_are_kept_apart_and_go_on_where_they_left_
     assert_eq!(failed.status, 502, "{}", failed.body);
     // OpenAI's SDKs retry a 5xx on their own unless told not to: each retry would run the
     // turn again.
-    assert_eq!(
-        failed
-            .headers
-            .get("x-should-retry")
-            .and_then(|v| v.to_str().ok()),
-        Some("false"),
-        "{:?}",
-        failed.headers
-    );
+    told_not_to_retry(&failed);
     let retried = chat(&api, body).await;
     assert_eq!(retried.status, 200, "{}", retried.body);
     assert_eq!(
@@ -2686,14 +2678,7 @@ async fn a_rate_limited_model_is_a_429_to_a_chat_client() {
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "rate_limited", "{}", r.body);
     assert_eq!(retry_after(&r), Some("1"), "{:?}", r.headers);
-    assert_eq!(
-        r.headers
-            .get("x-should-retry")
-            .and_then(|v| v.to_str().ok()),
-        Some("false"),
-        "{:?}",
-        r.headers
-    );
+    told_not_to_retry(&r);
 }
 
 /// An answer the model cut at its output limit (its continuations spent) says so, as
@@ -2748,14 +2733,7 @@ async fn a_conversation_too_long_for_the_model_is_a_400_context_length_exceeded(
         r.body
     );
     assert_eq!(r.body["error"]["reason"], "context_overflow", "{}", r.body);
-    assert_eq!(
-        r.headers
-            .get("x-should-retry")
-            .and_then(|v| v.to_str().ok()),
-        Some("false"),
-        "{:?}",
-        r.headers
-    );
+    told_not_to_retry(&r);
 }
 
 /// A daemon on `model` that takes [`KEY`] (its home, the daemon and its API), and its answer to
@@ -2775,6 +2753,19 @@ async fn chatted_once(model: &FakeModel, text: &str) -> (Home, Daemon, Api, Resp
 
 fn retry_after(r: &Resp) -> Option<&str> {
     r.headers.get("retry-after").and_then(|v| v.to_str().ok())
+}
+
+/// `r` tells OpenAI's clients not to send the request again on their own (`x-should-retry:
+/// false`): sent again, it would run a new turn.
+fn told_not_to_retry(r: &Resp) {
+    assert_eq!(
+        r.headers
+            .get("x-should-retry")
+            .and_then(|v| v.to_str().ok()),
+        Some("false"),
+        "{:?}",
+        r.headers
+    );
 }
 
 /// A session whose queue is full refuses another input with 429 `session_busy` and says when to
