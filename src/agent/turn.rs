@@ -2007,13 +2007,10 @@ const EXACT_COMMAND_RULES: &[&str] = &["script_dash_e", "shell_dash_c", "interpr
 /// What a `session` or `always` approval of rule `key` for `command` is kept as: the rule, or
 /// (one of [`EXACT_COMMAND_RULES`]) the rule and the command's SHA-256.
 fn approval_key(key: &str, command: &str) -> String {
-    use sha2::{Digest, Sha256};
     if !EXACT_COMMAND_RULES.contains(&key) {
         return key.to_string();
     }
-    let digest = Sha256::digest(command.as_bytes());
-    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{key}:{hex}")
+    format!("{key}:{}", crate::store::rooms::sha256_hex(command))
 }
 
 /// Rules whose commands are approved one at a time (no `session`, no `always`): they reach the

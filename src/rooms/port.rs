@@ -11,7 +11,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::store::room_tasks::TaskIdentity;
 
@@ -669,11 +668,7 @@ impl SessionPort for PeerTransport {
                     "peer transport is bound to a different task attempt",
                 ));
             }
-            let digest = Sha256::digest(request.prompt.as_bytes());
-            let prompt_sha256 = digest
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>();
+            let prompt_sha256 = crate::store::rooms::sha256_hex(&request.prompt);
             let dispatch = PeerDispatch {
                 room_id: self.binding.room_id.clone(),
                 home_install_id: self.route.home_install_id.clone(),

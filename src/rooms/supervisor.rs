@@ -103,10 +103,8 @@ pub(crate) fn attempt_id(kind: &str, task_id: &str, generation: i64) -> String {
     if id.len() <= 128 {
         return id;
     }
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(task_id.as_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{kind}:{generation}:{hex}")
+    let hex = crate::store::rooms::sha256_hex(task_id);
+    format!("{kind}:{generation}:{}", &hex[..32])
 }
 
 /// A settlement built from a history receipt (serialises identically to the callback's).
