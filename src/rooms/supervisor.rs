@@ -15,7 +15,9 @@ use crate::rooms::port::{
     LedgerAttempt, PortError, SessionAddress, SessionInfo, SessionPort, SessionRef, SubmitRequest,
     TerminalCallback, TerminalReceipt, TurnGuard, ROOM_SESSION_SOURCE,
 };
-use crate::rooms::runtime::{Backoff, RoomBinding, RoomRuntime, RoomsError, DISBAND_CANCEL_ID};
+use crate::rooms::runtime::{
+    Backoff, RoomBinding, RoomRuntime, RoomWaker, RoomsError, DISBAND_CANCEL_ID,
+};
 use crate::store::leases::{acquire_lease, release_lease, renew_lease, Lease};
 use crate::store::room_tasks::{
     complete_task_cancel, count_tasks_by_status, defer_indeterminate_task, first_task, get_task,
@@ -2212,7 +2214,8 @@ impl RoomRuntime {
                     // but the member may still run its turn: the turn lock is held until it
                     // ends or its deadline passes. Let go at once, another room's turn of the
                     // same member began beside it.
-                    self.hold_while_member_runs(port, &profile, session_id, &task_id, deadline)
+                    let session = Self::session_ref(&profile, session_id);
+                    self.hold_while_member_runs(port, session, &task_id, deadline, &mut wake)
                         .await;
                     return None;
                 }
@@ -2293,19 +2296,18 @@ impl RoomRuntime {
         }
     }
 
-    /// Until the member's session `session_id` no longer runs task `task_id`'s turn, the
-    /// attempt's `deadline` passes, or the runtime stops (the caller holds the member's turn
-    /// lock meanwhile). A member that cannot be asked is waited for to the deadline.
+    /// Until the member's `session` no longer runs task `task_id`'s turn, the attempt's
+    /// `deadline` passes, or the runtime stops (the caller holds the member's turn lock
+    /// meanwhile). A member that cannot be asked is waited for to the deadline.
     async fn hold_while_member_runs(
         &self,
         port: &dyn SessionPort,
-        profile: &str,
-        session_id: &str,
+        session: SessionRef,
         task_id: &str,
         deadline: f64,
+        wake: &mut RoomWaker,
     ) {
         let poll = self.inner.config.active_poll_interval_seconds;
-        let session = Self::session_ref(profile, session_id);
         loop {
             let left = deadline - self.inner.clock.monotonic();
             if self.is_stopping() || left <= 0.0 {
@@ -2316,15 +2318,7 @@ impl RoomRuntime {
                     return;
                 }
             }
-            let mut stop = self.inner.stop.subscribe();
-            if *stop.borrow_and_update() {
-                return;
-            }
-            let pause = std::time::Duration::from_secs_f64(poll.min(left).clamp(0.001, 3600.0));
-            tokio::select! {
-                () = tokio::time::sleep(pause) => {}
-                _ = stop.changed() => return,
-            }
+            self.pause_for(wake, poll.min(left)).await;
         }
     }
 
