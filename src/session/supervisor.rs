@@ -481,16 +481,24 @@ impl SessionSupervisor {
     /// A durable event that reports no other state change (tool activity), in its own write,
     /// fenced by the epoch (a process whose authority another took writes nothing more).
     fn record(&mut self, kind: &str, payload: Value, ctx: &mut Context<Self>) {
+        let write = self.event_write(kind, payload);
+        self.write_events("event write", write, ctx);
+    }
+
+    /// The write of one event of this session that reports no other state change, fenced by
+    /// the epoch.
+    fn event_write(
+        &self,
+        kind: &str,
+        payload: Value,
+    ) -> impl FnOnce(&mut SqliteConnection) -> Result<Vec<EventRow>, StoreError> + Send + 'static
+    {
         let (root, now, epoch) = (self.root_id.clone(), self.shared.now(), self.shared.epoch);
         let event = NewEvent::new(kind, payload);
-        self.write_events(
-            "event write",
-            move |c| {
-                crate::store::epoch::check_epoch(c, epoch)?;
-                events::append_tx(c, &root, &[event], now)
-            },
-            ctx,
-        );
+        move |c| {
+            crate::store::epoch::check_epoch(c, epoch)?;
+            events::append_tx(c, &root, &[event], now)
+        }
     }
 
     fn pump(&mut self, ctx: &mut Context<Self>) {
@@ -1552,13 +1560,9 @@ pub struct RecordNow {
 impl Handler<RecordNow> for SessionSupervisor {
     type Result = ResponseActFuture<Self, Result<(), StoreError>>;
     fn handle(&mut self, m: RecordNow, _: &mut Context<Self>) -> Self::Result {
-        let (root, now, epoch) = (self.root_id.clone(), self.shared.now(), self.shared.epoch);
-        let event = NewEvent::new(m.kind, m.payload);
+        let write = self.event_write(m.kind, m.payload);
         self.write_started();
-        let fut = self.shared.db.write(move |c| {
-            crate::store::epoch::check_epoch(c, epoch)?;
-            events::append_tx(c, &root, &[event], now)
-        });
+        let fut = self.shared.db.write(write);
         Box::pin(fut.into_actor(self).map(|res, act, ctx| match res {
             Ok(rows) => {
                 act.write_answered(rows, ctx);
