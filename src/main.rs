@@ -271,10 +271,7 @@ fn serve(args: Args) -> ExitCode {
                 started = &mut start => break started,
                 why = stop_signal(&mut term, &mut int, &mut hup) => {
                     if *stop.borrow() {
-                        if why == "SIGINT" {
-                            return Err(stopped_again(why));
-                        }
-                        tracing::info!("{why} again: the start is stopping already");
+                        signalled_again(why)?;
                         continue;
                     }
                     tracing::info!("{why} during the start: stopping");
@@ -605,26 +602,26 @@ async fn stop_unless_signalled(
     loop {
         tokio::select! {
             () = &mut stopping => return Ok(()),
-            why = stop_signal(term, int, hup) => {
-                if why == "SIGINT" {
-                    return Err(stopped_again(why));
-                }
-                tracing::info!("{why} again: the daemon is stopping already");
-            }
+            why = stop_signal(term, int, hup) => signalled_again(why)?,
         }
     }
 }
 
-/// A SIGINT during a stop: said, and the process ends (status 1) without waiting for the stop.
-fn stopped_again(why: &str) -> (String, bool) {
+/// A stop signal while stopping already: a SIGINT ends the process (status 1) without waiting
+/// for the stop, said; another is a stop asked again.
+fn signalled_again(why: &str) -> Result<(), (String, bool)> {
+    if why != "SIGINT" {
+        tracing::info!("{why} again: the daemon is stopping already");
+        return Ok(());
+    }
     tracing::error!(
         "{why} again during the stop: exiting now; turns still running become unknown at the \
          next start"
     );
-    (
+    Err((
         format!("stopped by a second {why} before the graceful stop ended"),
         false,
-    )
+    ))
 }
 
 async fn stop_signal(
