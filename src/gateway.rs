@@ -1009,11 +1009,14 @@ impl RunningGateway {
         {
             tracing::warn!("the rooms did not quiesce in time");
         }
-        let drain = timeout.mul_f64(0.75).saturating_sub(draining.elapsed());
+        // The sessions' drain (and the quiesce before it) has three quarters of the timeout,
+        // the rooms' idle wait and stop an eighth each.
+        let sessions_share = timeout.mul_f64(0.75);
+        let drain = sessions_share.saturating_sub(draining.elapsed());
         let drain_all = self.registry.send(DrainAll);
         tokio::pin!(drain_all);
         let drained = tokio::time::timeout(drain, &mut drain_all).await.is_ok();
-        let rooms = timeout.saturating_sub(timeout.mul_f64(0.75)) / 2;
+        let rooms = timeout.saturating_sub(sessions_share) / 2;
         if !self.rooms.idle(rooms).await {
             tracing::warn!("room passes still observing attempts at the end of the drain");
         }

@@ -590,9 +590,9 @@ fn writer_loop(
         };
         let writes = batch.len();
         let mut deliveries: Vec<Deliver> = Vec::with_capacity(writes);
-        // A database file found gone is not written again: the batch runs (its jobs answer
-        // only through a transaction) and is rolled back.
-        let lost = wal.halted();
+        // A database file found gone (or not synced) is not written again: the batch runs (its
+        // jobs answer only through a transaction) and is rolled back.
+        let halted = wal.halted();
         wal.batches.fetch_add(1, Ordering::Release);
         wal.busy_since_ms
             .store(process_ms().max(1), Ordering::Relaxed);
@@ -629,7 +629,7 @@ fn writer_loop(
                         return Err(diesel::result::Error::RollbackTransaction);
                     }
                 }
-                if lost {
+                if halted {
                     return Err(diesel::result::Error::RollbackTransaction);
                 }
                 // The batch's own COMMIT follows.
@@ -647,12 +647,12 @@ fn writer_loop(
             // a commit to a file since removed or replaced is lost at the next start, so it is
             // not acknowledged (one `stat`, against the commit's `fsync`).
             committed = wal.confirm_file();
-        } else if lost {
+        } else if halted {
             committed = wal.file_health();
         }
         if let Err(e) = &committed {
             wal.failed.fetch_add(1, Ordering::Relaxed);
-            if !lost {
+            if !halted {
                 if let Some(skipped) = crate::error::STORAGE_LOG.admit() {
                     tracing::error!(error = %e, writes, skipped, "group commit failed");
                 }
