@@ -1280,6 +1280,14 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// The key and message of the refusal of config `text` (anything else fails the test).
+    fn invalid(text: &str) -> (String, String) {
+        match parse(text) {
+            Err(ConfigError::Invalid { key, message }) => (key, message),
+            other => panic!("{text}: expected an invalid setting, got {other:?}"),
+        }
+    }
+
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(text, Path::new("config.yaml"))
     }
@@ -1352,23 +1360,16 @@ mod tests {
             "gateway:\n  api_keys: [gk_SECRET]\n",
             "gateway:\n  api_keys:\n    - sha256:SECRET\n",
         ] {
-            match parse(text) {
-                Err(ConfigError::Invalid { key, message }) => {
-                    assert_eq!(key, "gateway.api_keys", "{text}: {message}");
-                    assert!(!message.contains("SECRET"), "{text}: {message}");
-                }
-                other => panic!("{text}: expected an invalid gateway.api_keys, got {other:?}"),
-            }
+            let (key, message) = invalid(text);
+            assert_eq!(key, "gateway.api_keys", "{text}: {message}");
+            assert!(!message.contains("SECRET"), "{text}: {message}");
         }
         // A list of digests, and a wrong type that holds no text, are as before.
         let digest = format!("sha256:{}", "ab".repeat(32));
         let c = parse(&format!("gateway:\n  api_keys: [{digest}]\n")).expect("a digest");
         assert_eq!(c.gateway.api_keys, vec![digest]);
         assert!(parse("gateway:\n  api_keys: []\n").is_ok());
-        match parse("gateway:\n  api_keys: 5\n") {
-            Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "gateway.api_keys"),
-            other => panic!("expected an invalid gateway.api_keys, got {other:?}"),
-        }
+        assert_eq!(invalid("gateway:\n  api_keys: 5\n").0, "gateway.api_keys");
     }
 
     /// A heartbeat at least as long as the client timeout is refused: pings go out each
@@ -1382,16 +1383,12 @@ mod tests {
             "gateway:\n  heartbeat_seconds: 15\n  client_timeout_seconds: 10\n",
             "gateway:\n  client_timeout_seconds: 1\n",
         ] {
-            match parse(text) {
-                Err(ConfigError::Invalid { key, message }) => {
-                    assert_eq!(key, "gateway.client_timeout_seconds", "{text}: {message}");
-                    assert!(
-                        message.contains("gateway.heartbeat_seconds") && message.contains("longer"),
-                        "{text}: {message}"
-                    );
-                }
-                other => panic!("{text}: expected an invalid client timeout, got {other:?}"),
-            }
+            let (key, message) = invalid(text);
+            assert_eq!(key, "gateway.client_timeout_seconds", "{text}: {message}");
+            assert!(
+                message.contains("gateway.heartbeat_seconds") && message.contains("longer"),
+                "{text}: {message}"
+            );
         }
         let defaults = Config::default();
         assert!(defaults.gateway.heartbeat_seconds < defaults.gateway.client_timeout_seconds);
@@ -1567,10 +1564,8 @@ mod tests {
         assert!(err.contains("mapping"), "{err}");
         // A gateway id a room could not hold, or one with spaces around it.
         for id in ["\" gw-a \"", "gw a", "\"\"", "-gw"] {
-            match parse(&format!("gateway:\n  id: {id}\n")) {
-                Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "gateway.id", "{id}"),
-                other => panic!("{id}: expected an invalid gateway.id, got {other:?}"),
-            }
+            let (key, _) = invalid(&format!("gateway:\n  id: {id}\n"));
+            assert_eq!(key, "gateway.id", "{id}");
         }
         let c = parse("gateway:\n  id: gw-a.1_b:2\n").expect("a good id");
         assert_eq!(c.gateway.id.as_deref(), Some("gw-a.1_b:2"));
@@ -1651,12 +1646,8 @@ mod tests {
                 "gateway.outbound_queue_frames",
             ),
         ] {
-            match parse(text) {
-                Err(ConfigError::Invalid { key: k, message }) => {
-                    assert_eq!(k, key, "{text}: {message}")
-                }
-                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
-            }
+            let (k, message) = invalid(text);
+            assert_eq!(k, key, "{text}: {message}");
         }
         let err = parse("platform_toolsets:\n  cli: [terminal, browser]\n")
             .unwrap_err()
@@ -1707,14 +1698,12 @@ mod tests {
                 "terminal.log_retention_seconds",
             ),
         ] {
-            match parse(text) {
-                // (YAML's .inf and .nan do not survive the JSON reading: their section is named.)
-                Err(ConfigError::Invalid { key: k, .. }) => assert!(
-                    k == key || key.starts_with(&format!("{k}.")),
-                    "{text}: named {k}"
-                ),
-                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
-            }
+            // (YAML's .inf and .nan do not survive the JSON reading: their section is named.)
+            let (k, _) = invalid(text);
+            assert!(
+                k == key || key.starts_with(&format!("{k}.")),
+                "{text}: named {k}"
+            );
         }
         // Every wait for an answer is bounded (an approval fails closed when it runs out).
         for (text, key) in [
@@ -1722,10 +1711,7 @@ mod tests {
             ("agent:\n  clarify_timeout: 0\n", "agent.clarify_timeout"),
             ("clarify:\n  timeout: -1\n", "clarify.timeout"),
         ] {
-            match parse(text) {
-                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{text}"),
-                other => panic!("{text}: expected an invalid {key}, got {other:?}"),
-            }
+            assert_eq!(invalid(text).0, key, "{text}");
         }
     }
 
@@ -1768,13 +1754,9 @@ mod tests {
     fn api_keys_must_be_digests() {
         for keys in [r#"["gk_the_key_itself"]"#, r#"["sha256:abc"]"#] {
             let text = format!("gateway:\n  api_keys: {keys}\n");
-            match parse(&text) {
-                Err(ConfigError::Invalid { key, message }) => {
-                    assert_eq!(key, "gateway.api_keys");
-                    assert!(message.contains("entry 0"), "{message}");
-                }
-                other => panic!("{text}: {other:?}"),
-            }
+            let (key, message) = invalid(&text);
+            assert_eq!(key, "gateway.api_keys");
+            assert!(message.contains("entry 0"), "{message}");
         }
         let digest = "a".repeat(64);
         parse(&format!(
