@@ -1724,13 +1724,19 @@ impl Turn {
                 compress::Within { turns: 0, earlier },
             ))
         };
-        // Within a known window the earlier summaries take half of it at most: whole, a long
-        // one left no room for any turn, and every later compaction failed.
+        // Within a window's `room` the earlier summaries take half of it at most (and no more
+        // than `earlier` already allowed): whole, a long one left no room for any turn, and
+        // every later compaction failed. The turns take what is left.
+        let within_room = |room: usize, earlier: usize| {
+            let earlier = earlier.min(room / 2);
+            compress::Within {
+                turns: room.saturating_sub(rest(earlier)),
+                earlier,
+            }
+        };
         let mut within = compress::Within::WHOLE;
         if let Some(window) = tokens::learned(&provider, &endpoint, &model) {
-            let room = fit(window, &mut budget);
-            within.earlier = room / 2;
-            within.turns = room.saturating_sub(rest(within.earlier));
+            within = within_room(fit(window, &mut budget), within.earlier);
         }
         // An attempt is a summary request: a plan with nothing to compact costs nothing.
         self.compressions += 1;
@@ -1772,11 +1778,10 @@ impl Turn {
                     within = match tokens::limit_in_error(&detail) {
                         Some(window) => {
                             tokens::learn(&provider, &endpoint, &model, window);
-                            let room = fit(window, &mut budget);
-                            let earlier = within.earlier.min(room / 2);
+                            let sized = within_room(fit(window, &mut budget), within.earlier);
                             compress::Within {
-                                turns: room.saturating_sub(rest(earlier)).min(turns / 4 * 3),
-                                earlier,
+                                turns: sized.turns.min(turns / 4 * 3),
+                                ..sized
                             }
                         }
                         // Half as much of each (the earlier summaries may be most of it).
