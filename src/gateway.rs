@@ -1598,6 +1598,67 @@ mod tests {
         assert_eq!(told, Some(true), "told that its events were lost");
     }
 
+    /// A session supervisor ended by a fault in a handler while its turn ran leaves that input
+    /// `unknown` (reported by `session.info {unknown}`), as a crash would, for the operator to
+    /// resolve at once: it stayed `started`, holding the session's queue until a restart.
+    #[actix_rt::test]
+    async fn a_turn_dropped_by_its_supervisors_fault_is_unknown_at_once() {
+        use crate::session::supervisor::{PanicForTest, Submit};
+        // A model that takes the request and never answers: the turn stays running.
+        let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let mut config = crate::config::Config::default();
+        config.model.base_url = Some(format!("http://{}/v1", model.local_addr().expect("addr")));
+        let (_dir, gw, sup) = started_with_a_session_on(config).await;
+        let started = sup
+            .send(Submit {
+                principal: "p".into(),
+                input_id: "a".into(),
+                text: "hello".into(),
+            })
+            .await
+            .expect("sent")
+            .expect("admitted");
+        assert_eq!(started.status, "started");
+        let generation = started.execution_generation.expect("generation");
+        assert!(
+            sup.send(PanicForTest).await.is_err(),
+            "the handler's fault ended it"
+        );
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        let status = loop {
+            let id = started.admission_id.clone();
+            let row = gw
+                .shared
+                .db
+                .write(move |c| crate::store::admissions::by_id(c, &id))
+                .await
+                .expect("row");
+            if row.status != "started" || tokio::time::Instant::now() > deadline {
+                break row.status;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        };
+        assert_eq!(status, "unknown");
+        let events = gw
+            .shared
+            .db
+            .read(|c| crate::store::events::since(c, "s", 0, 100))
+            .await
+            .expect("events");
+        let told = events.events.iter().any(|e| {
+            let p = e.payload();
+            e.kind == "session.info"
+                && p["unknown"] == started.admission_id.as_str()
+                && p["execution_generation"] == generation
+        });
+        assert!(
+            told,
+            "no session.info {{unknown}} among {:?}",
+            events.events
+        );
+        gw.stop().await;
+    }
+
     /// A connection that closes while it resumes a session by another of its ids (its tip,
     /// after a compaction) knows only that id: its subscription on the root's supervisor is
     /// ended all the same (it stayed, and kept the supervisor followed, for good).

@@ -1087,8 +1087,36 @@ impl Actor for SessionSupervisor {
     /// told them so (a submit went on to be admitted by a new supervisor they do not follow).
     /// Told they lost events, their connections are cut off, and a client that resumes follows
     /// the new one. Not in a stop of the gateway, which closes every connection itself.
+    ///
+    /// A turn it was running was dropped with it (its model call with it; a terminal command
+    /// runs to its own end): its row would stay `started`, the session's queue held until a
+    /// restart. It is `unknown` now, as after a crash, for the operator to resolve. Not in a
+    /// stop of the gateway, whose actors end with it (the next start finds the row `unknown`).
     fn stopped(&mut self, _: &mut Context<Self>) {
-        if self.shared.runtime.draining() || self.subscribers.is_empty() {
+        if self.shared.runtime.draining() {
+            return;
+        }
+        if let Some(r) = self.running.take() {
+            let (shared, root) = (self.shared.clone(), self.root_id.clone());
+            let (epoch, now) = (shared.epoch, shared.now());
+            let (admission_id, generation) = (r.admission_id, r.generation);
+            tracing::error!(session = %root, admission = %admission_id, generation,
+                "the session's supervisor stopped with its turn running; the input is unknown");
+            actix::spawn(async move {
+                let id = admission_id.clone();
+                let marked = shared
+                    .db
+                    .write(move |c| {
+                        crate::store::epoch::abandon_started(c, epoch, &id, generation, now)
+                    })
+                    .await;
+                if let Err(e) = marked {
+                    tracing::error!(session = %root, admission = %admission_id, error = %e,
+                        "cannot mark the input unknown: it stays started until the next start");
+                }
+            });
+        }
+        if self.subscribers.is_empty() {
             return;
         }
         tracing::error!(session = %self.root_id, followers = self.subscribers.len(),

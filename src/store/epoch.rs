@@ -103,6 +103,57 @@ pub fn recover_started(
     })
 }
 
+/// One `started` row of this epoch whose supervisor ended without settling it (a fault in one
+/// of its handlers dropped the turn): `unknown`, as a crash leaves it, reported by the same
+/// `session.info {unknown}` event. The operator resolves it without waiting for a restart, and
+/// nothing runs it again. Fenced in the statement: the row `started` at this generation,
+/// owned by this epoch. False if it was no longer that (its settlement committed).
+pub fn abandon_started(
+    conn: &mut SqliteConnection,
+    epoch: i64,
+    admission_id: &str,
+    generation: i64,
+    now: f64,
+) -> Result<bool, StoreError> {
+    super::write_tx(conn, |conn| {
+        check_epoch(conn, epoch)?;
+        let session: Option<String> = session_admissions::table
+            .filter(session_admissions::admission_id.eq(admission_id))
+            .select(session_admissions::target_session_id)
+            .first(conn)
+            .optional()?;
+        let Some(session) = session else {
+            return Ok(false);
+        };
+        let n = diesel::update(
+            session_admissions::table
+                .filter(session_admissions::admission_id.eq(admission_id))
+                .filter(session_admissions::status.eq("started"))
+                .filter(session_admissions::execution_generation.eq(generation))
+                .filter(session_admissions::owner_epoch.eq(epoch)),
+        )
+        .set((
+            session_admissions::status.eq("unknown"),
+            session_admissions::updated_at.eq(now),
+        ))
+        .execute(conn)?;
+        if n == 0 {
+            return Ok(false);
+        }
+        super::events::append(
+            conn,
+            &session,
+            &[super::events::NewEvent::new(
+                "session.info",
+                serde_json::json!({"unknown": admission_id, "execution_generation": generation,
+                                   "running": false}),
+            )],
+            now,
+        )?;
+        Ok(true)
+    })
+}
+
 /// A value from `state_meta`, created with `make` on first use.
 pub fn meta_get_or_create(
     conn: &mut SqliteConnection,
