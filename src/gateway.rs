@@ -44,6 +44,11 @@ pub enum StartError {
     /// waited for (`gateway.bind_wait_seconds`; a name still unknown then is refused for good).
     #[error("{0}")]
     Resolve(String),
+    /// The resolver could not answer for now (`EAI_AGAIN`: no DNS server reachable yet, as at
+    /// boot before DHCP): waited for as [`StartError::Resolve`] is, and still no answer after
+    /// the wait is no refusal for good: a later start may find the resolver up.
+    #[error("{0}")]
+    ResolverDown(String),
     /// An I/O failure on the home that a later start may not meet (a full disk).
     #[error("{0}")]
     Io(String),
@@ -70,6 +75,7 @@ impl StartError {
             StartError::Io(_)
             | StartError::Rooms(_)
             | StartError::Resolve(_)
+            | StartError::ResolverDown(_)
             | StartError::Stopped => false,
         }
     }
@@ -86,7 +92,14 @@ fn listen(host: &str, port: u16) -> Result<std::net::TcpListener, StartError> {
     use std::net::ToSocketAddrs;
     let addrs: Vec<_> = (host, port)
         .to_socket_addrs()
-        .map_err(|e| StartError::Resolve(format!("gateway.host {host:?} does not resolve: {e}")))?
+        .map_err(|e| {
+            let text = format!("gateway.host {host:?} does not resolve: {e}");
+            if resolver_down(&e) {
+                StartError::ResolverDown(text)
+            } else {
+                StartError::Resolve(text)
+            }
+        })?
         .collect();
     // As the HTTP server would bind itself: reuse the address (a restart does not wait out
     // TIME_WAIT) and a deep accept queue (a burst of clients is queued, not refused).
@@ -115,6 +128,17 @@ fn listen(host: &str, port: u16) -> Result<std::net::TcpListener, StartError> {
     })
 }
 
+/// Whether a failed lookup is the resolver's temporary failure (`EAI_AGAIN`), not an answer
+/// that the name is unknown. The standard library reports a lookup's failure as text only, in
+/// `gai_strerror`'s words, read here from the same function.
+fn resolver_down(e: &std::io::Error) -> bool {
+    // SAFETY: `gai_strerror` returns a pointer to a static, NUL-terminated string.
+    let again = unsafe { std::ffi::CStr::from_ptr(libc::gai_strerror(libc::EAI_AGAIN)) };
+    again
+        .to_str()
+        .is_ok_and(|again| !again.is_empty() && e.to_string().ends_with(again))
+}
+
 /// How often a start tries again to bind an address that is not on this machine yet.
 const BIND_RETRY: Duration = Duration::from_millis(250);
 
@@ -139,6 +163,7 @@ async fn listen_waiting(
         // refused the start for good at once, and systemd did not start it again.)
         let missing = match &result {
             Err(StartError::Resolve(e)) => Some((e.clone(), "does not resolve")),
+            Err(StartError::ResolverDown(e)) => Some((e.clone(), "cannot be resolved for now")),
             Err(StartError::Listen(e)) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
                 Some((e.to_string(), "is not an address of this machine"))
             }
@@ -158,7 +183,8 @@ async fn listen_waiting(
                 }
                 tokio::time::sleep(retry.min(wait.saturating_sub(waited))).await;
             }
-            // Still missing after the wait: for good (a typo, an address never had).
+            // Still missing after the wait: for good (a typo, an address never had), unless
+            // the resolver could not answer at all.
             Some((error, what)) => {
                 let why = format!(
                     "{error} ({what}; waited {:.1} s, gateway.bind_wait_seconds)",
@@ -168,6 +194,7 @@ async fn listen_waiting(
                     Err(StartError::Listen(e)) => {
                         StartError::Listen(std::io::Error::new(e.kind(), why))
                     }
+                    Err(StartError::ResolverDown(_)) => StartError::ResolverDown(why),
                     _ => StartError::Refused(why),
                 });
             }
@@ -1299,7 +1326,11 @@ mod tests {
         let Err(e) = unresolved else {
             panic!("a name that does not resolve was listened on")
         };
-        assert!(matches!(e, StartError::Resolve(_)), "{e:?}");
+        // (`ResolverDown` on a machine whose resolver cannot be reached.)
+        assert!(
+            matches!(e, StartError::Resolve(_) | StartError::ResolverDown(_)),
+            "{e:?}"
+        );
         let never = super::listen_waiting(
             || Err(StartError::Resolve("no such name".into())),
             Duration::from_millis(50),
@@ -1311,6 +1342,37 @@ mod tests {
         };
         assert!(e.is_permanent(), "{e}");
         assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
+        // A resolver that cannot answer at all (no DNS server reachable yet) is waited for the
+        // same, and its failure after the wait is not for good: systemd starts it again (it
+        // was refused for good, as a name the resolver said it did not know).
+        let never = super::listen_waiting(
+            || Err(StartError::ResolverDown("no answer".into())),
+            Duration::from_millis(50),
+            retry,
+        )
+        .await;
+        let Err(e) = never else {
+            panic!("a name that never resolves was listened on")
+        };
+        assert!(!e.is_permanent(), "{e}");
+        assert!(e.to_string().contains("bind_wait_seconds"), "{e}");
+    }
+
+    /// A lookup's temporary failure is told apart from a name the resolver does not know, in
+    /// the words the standard library reports them with.
+    #[test]
+    fn a_resolver_that_cannot_answer_is_told_apart_from_an_unknown_name() {
+        let words = |code: libc::c_int| {
+            // SAFETY: `gai_strerror` returns a pointer to a static, NUL-terminated string.
+            let text = unsafe { std::ffi::CStr::from_ptr(libc::gai_strerror(code)) };
+            std::io::Error::other(format!(
+                "failed to lookup address information: {}",
+                text.to_string_lossy()
+            ))
+        };
+        assert!(super::resolver_down(&words(libc::EAI_AGAIN)));
+        assert!(!super::resolver_down(&words(libc::EAI_NONAME)));
+        assert!(!super::resolver_down(&words(libc::EAI_FAIL)));
     }
 
     /// A gateway on a fresh home with session `s` (principal `p`), and that session's supervisor.
