@@ -1668,9 +1668,23 @@ mod tests {
         use crate::session::supervisor::{PanicForTest, Submit};
         // A model that takes the request and never answers: the turn stays running.
         let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
-        let mut config = crate::config::Config::default();
-        config.model.base_url = Some(format!("http://{}/v1", model.local_addr().expect("addr")));
-        let (_dir, gw, sup) = started_with_a_session_on(config).await;
+        let base_url = format!("http://{}/v1", model.local_addr().expect("addr"));
+        let (_dir, gw, _) = started_with_a_session().await;
+        let epoch = gw.shared.epoch;
+        gw.shared
+            .db
+            .write(move |c| {
+                let mut new = crate::store::testing::new_session("m");
+                new.base_url = Some(base_url);
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session");
+        let sup = gw
+            .registry
+            .send(crate::session::registry::GetSupervisor("m".into()))
+            .await
+            .expect("supervisor");
         let started = sup
             .send(Submit {
                 principal: "p".into(),
@@ -1682,6 +1696,13 @@ mod tests {
             .expect("admitted");
         assert_eq!(started.status, "started");
         let generation = started.execution_generation.expect("generation");
+        // The model has the request: the turn runs (a failed one settles on its own).
+        model.set_nonblocking(true).expect("nonblocking");
+        let model = tokio::net::TcpListener::from_std(model).expect("listener");
+        let _asked = tokio::time::timeout(std::time::Duration::from_secs(20), model.accept())
+            .await
+            .expect("the model is asked within 20 s")
+            .expect("accepted");
         assert!(
             sup.send(PanicForTest).await.is_err(),
             "the handler's fault ended it"
@@ -1704,7 +1725,7 @@ mod tests {
         let events = gw
             .shared
             .db
-            .read(|c| crate::store::events::since(c, "s", 0, 100))
+            .read(|c| crate::store::events::since(c, "m", 0, 100))
             .await
             .expect("events");
         let told = events.events.iter().any(|e| {
@@ -1718,6 +1739,120 @@ mod tests {
             "no session.info {{unknown}} among {:?}",
             events.events
         );
+        gw.stop().await;
+    }
+
+    /// The command a turn was running when its supervisor's fault dropped the turn is stopped
+    /// (as a crash under systemd stops it): it ran on to its own timeout, its input `unknown`.
+    #[actix_rt::test]
+    async fn a_command_of_a_turn_dropped_by_its_supervisors_fault_is_stopped() {
+        use crate::session::supervisor::{PanicForTest, Submit};
+        use std::io::{BufRead, Read, Write};
+        let dir = crate::store::testing::tempfile_dir::TempDir::new();
+        let pid_file = dir.path().join("pid");
+        // A model that asks for one command, which writes its pid and sleeps.
+        let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let base_url = format!("http://{}/v1", model.local_addr().expect("addr"));
+        let command = format!("echo $$ > {}; exec sleep 60", pid_file.display());
+        std::thread::spawn(move || {
+            let Ok((stream, _)) = model.accept() else {
+                return;
+            };
+            let mut reader = std::io::BufReader::new(&stream);
+            let mut length = 0usize;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    return;
+                }
+                let line = line.trim_end().to_ascii_lowercase();
+                if line.is_empty() {
+                    break;
+                }
+                if let Some(v) = line.strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0u8; length];
+            if reader.read_exact(&mut body).is_err() {
+                return;
+            }
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            let call = serde_json::json!({"index": 0, "id": "c1", "type": "function",
+                "function": {"name": "terminal",
+                             "arguments": serde_json::json!({"command": command}).to_string()}});
+            let (kind, text) = if body["stream"].as_bool().unwrap_or(false) {
+                let frame = serde_json::json!({"id": "m", "choices": [{"index": 0,
+                    "delta": {"role": "assistant", "tool_calls": [call]},
+                    "finish_reason": "tool_calls"}]});
+                (
+                    "text/event-stream",
+                    format!("data: {frame}\n\ndata: [DONE]\n\n"),
+                )
+            } else {
+                let frame = serde_json::json!({"id": "m", "choices": [{"index": 0,
+                    "message": {"role": "assistant", "content": null, "tool_calls": [call]},
+                    "finish_reason": "tool_calls"}]});
+                ("application/json", frame.to_string())
+            };
+            let _ = write!(
+                &stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{text}",
+                text.len()
+            );
+        });
+        let home = private_dir(&dir.path().join("home"));
+        let gw = super::Gateway::start(home, crate::config::Config::default())
+            .await
+            .expect("start");
+        let epoch = gw.shared.epoch;
+        gw.shared
+            .db
+            .write(move |c| {
+                let mut new = crate::store::testing::new_session("t");
+                new.toolsets_json = r#"["terminal"]"#.into();
+                new.base_url = Some(base_url);
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session");
+        let sup = gw
+            .registry
+            .send(crate::session::registry::GetSupervisor("t".into()))
+            .await
+            .expect("supervisor");
+        sup.send(Submit {
+            principal: "p".into(),
+            input_id: "a".into(),
+            text: "sleep".into(),
+        })
+        .await
+        .expect("sent")
+        .expect("admitted");
+        async fn until(what: &str, done: impl Fn() -> bool) {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while !done() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: not within 20 s"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+        let read_pid = || {
+            std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok())
+        };
+        until("the command started", || read_pid().is_some()).await;
+        let proc = std::path::PathBuf::from(format!("/proc/{}", read_pid().unwrap_or(0)));
+        assert!(proc.exists(), "the command runs");
+        assert!(
+            sup.send(PanicForTest).await.is_err(),
+            "the handler's fault ended it"
+        );
+        until("the command stopped", || !proc.exists()).await;
         gw.stop().await;
     }
 

@@ -1088,15 +1088,17 @@ impl Actor for SessionSupervisor {
     /// Told they lost events, their connections are cut off, and a client that resumes follows
     /// the new one. Not in a stop of the gateway, which closes every connection itself.
     ///
-    /// A turn it was running was dropped with it (its model call with it; a terminal command
-    /// runs to its own end): its row would stay `started`, the session's queue held until a
-    /// restart. It is `unknown` now, as after a crash, for the operator to resolve. Not in a
-    /// stop of the gateway, whose actors end with it (the next start finds the row `unknown`).
+    /// A turn it was running was dropped with it (its model call with it): its row would stay
+    /// `started`, the session's queue held until a restart. It is `unknown` now, as after a
+    /// crash, for the operator to resolve, and a command it was running is stopped, as a crash
+    /// under systemd stops it (it ran on to its own timeout). Not in a stop of the gateway,
+    /// whose actors end with it (the next start finds the row `unknown`).
     fn stopped(&mut self, _: &mut Context<Self>) {
         if self.shared.runtime.draining() {
             return;
         }
         if let Some(r) = self.running.take() {
+            let _ = r.cancel.send(true);
             let (shared, root) = (self.shared.clone(), self.root_id.clone());
             let (epoch, now) = (shared.epoch, shared.now());
             let (admission_id, generation) = (r.admission_id, r.generation);
