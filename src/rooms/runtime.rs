@@ -513,6 +513,7 @@ impl RoomRuntime {
             state.backoff.retain(|(room, _), _| room != room_id);
             state.pending_actions.retain(|(room, _), _| room != room_id);
             state.idle_rooms.remove(room_id);
+            state.turn_yielded.remove(room_id);
             state.leases.remove(room_id)
         };
         self.inner.hooks.room_retired(room_id);

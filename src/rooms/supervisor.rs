@@ -690,6 +690,18 @@ impl RoomRuntime {
                         )
                         .await;
                     }
+                    // A peer that reports no member session proves nothing (the peer may have
+                    // lost or moved it after it ran the attempt): queued again, the task would
+                    // be dispatched a second time. Left running for the peer's recovery, as an
+                    // attempt that cannot be observed is.
+                    Ok(None) if port.is_peer() => self.set_error(
+                        &binding.room_id,
+                        format!(
+                            "task {}: its peer member reports no member session; whether the \
+                             attempt was admitted is unknown, so it is not dispatched again",
+                            task.identity.task_id
+                        ),
+                    ),
                     // No member session: nothing of the attempt was admitted (an input needs
                     // its session), so the task is queued again. The attempt whose opening
                     // failed could not record its failure (the store failed too), and the task

@@ -2015,6 +2015,40 @@ async fn reattaching_an_attempt_its_member_never_admitted_queues_it_again() {
     );
 }
 
+/// An own attempt found running on a peer member that reports no member session is not queued
+/// again: a peer that lost or moved the session may have run the attempt (a local member's
+/// turn cannot outlive its session; a peer's proves nothing by its absence). It stays running,
+/// the room's error says why, and nothing is dispatched a second time.
+#[tokio::test]
+async fn reattaching_a_peer_attempt_whose_session_is_gone_does_not_dispatch_it_again() {
+    let (db, id) = one_queued_task();
+    let mut peer = FakeSessionRpc::new(true);
+    peer.peer = true;
+    let rpc = Arc::new(peer);
+    let mut spec = Spec::new(&rpc);
+    spec.config.lease_ttl_seconds = 30.0;
+    spec.config.unavailable_retry_min_seconds = 0.01;
+    spec.config.unavailable_retry_max_seconds = 0.01;
+    spec.config.turn_timeout_seconds = 3600.0;
+    let runtime = spec.build(&db);
+    // The first attempt is left running, its member session not to be found on the peer.
+    let clock = SystemClock::default();
+    let lease = lease_for(&db, runtime.process_generation(), 30.0, &clock);
+    runtime.adopt_lease(lease.clone());
+    let attempt = start_task(&mut db.conn(), &id, &lease, 0, &clock).expect("start");
+    runtime.start();
+    wait_for("error reported", || runtime.status().last_error.is_some()).await;
+    assert!(runtime.stop(STOP).await);
+    let error = runtime.status().last_error.unwrap_or_default();
+    assert!(error.contains("no member session"), "{error}");
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("submit"), 0);
+    assert_eq!(
+        task(&db, &id).execution_generation,
+        attempt.execution_generation
+    );
+}
+
 /// A member turn stopped outside the room, whose terminal report was lost (its commit failed),
 /// is found by the observer in the member's own ledger: the task fails at once with the
 /// member's reason, not at its deadline.
