@@ -213,6 +213,25 @@ pub(crate) fn ended_by_disband(error: &RoomStoreError) -> bool {
     matches!(error, RoomStoreError::RoomUnavailable(_))
 }
 
+/// What a room says of task `task_id` whose member holds its turn `unknown`: what its member's
+/// operator runs to end it.
+fn unresolved_member(task_id: &str, session_id: &str, admission_id: &str) -> String {
+    format!(
+        "task {task_id} waits for the operator to resolve its member's unknown turn: gatehouse \
+         resolve-unknown {session_id} {admission_id}"
+    )
+}
+
+/// What a member's own ledger says of an observed attempt its member no longer runs.
+enum InLedger {
+    /// Stopped outside the room: the task is settled from the ledger.
+    Settled,
+    /// Held `unknown`, for the member's operator (what to tell them).
+    Unresolved(String),
+    /// Nothing to act on here.
+    Other,
+}
+
 /// What [`RoomRuntime::keep_lease_for`] found of an observed attempt's lease.
 enum LeaseKept {
     /// Held (renewed if it was due).
@@ -1222,11 +1241,7 @@ impl RoomRuntime {
                         // member's session: the room waits for the member's operator instead.
                         return Ok(self.hold_room(
                             binding,
-                            format!(
-                                "task {} waits for the operator to resolve its member's unknown \
-                                 turn: gatehouse resolve-unknown {session_id} {admission_id}",
-                                id.task_id
-                            ),
+                            unresolved_member(&id.task_id, &session_id, &admission_id),
                         ));
                     }
                     Ok(_) => {}
@@ -2202,6 +2217,24 @@ impl RoomRuntime {
                 _ => return Some(current),
             }
             if self.inner.clock.monotonic() >= deadline {
+                // An attempt its member holds `unknown` is not stopped at its deadline: its
+                // stop would find it "will not start" and record the task failed (then retried,
+                // the turn having perhaps run). It waits for the member's operator.
+                if port.keeps_ledger() {
+                    let session = Self::session_ref(&profile, session_id);
+                    let held = port
+                        .ledger_attempt(session, attempt.identity.clone(), generation)
+                        .await;
+                    if let Ok(Some(LedgerAttempt::Unresolved {
+                        session_id,
+                        admission_id,
+                    })) = held
+                    {
+                        let message = unresolved_member(&task_id, &session_id, &admission_id);
+                        self.hold_room(binding, message);
+                        return None;
+                    }
+                }
                 let begun = self
                     .begin_deadline_stop(&attempt.identity, generation, current.cancel_generation)
                     .await;
@@ -2285,8 +2318,18 @@ impl RoomRuntime {
                             .settle_stopped_in_ledger(binding, attempt, port, session)
                             .await
                         {
-                            Ok(true) => continue,
-                            Ok(false) => {}
+                            Ok(InLedger::Settled) => continue,
+                            // Held `unknown` (its member's supervisor ended without settling
+                            // it): it ends only by its member's operator, so the watch ends,
+                            // giving back the member's turn lock and the pass's slot (held to
+                            // the deadline, which then recorded a failure the task could be
+                            // retried on, the turn having perhaps run). The room waits, as for
+                            // an indeterminate attempt the member holds `unknown`.
+                            Ok(InLedger::Unresolved(message)) => {
+                                self.hold_room(binding, message);
+                                return None;
+                            }
+                            Ok(InLedger::Other) => {}
                             Err(error) if error.is_fence() || ended_by_disband(&error) => {
                                 self.fenced(binding, &task_id, &error);
                                 return None;
@@ -2489,23 +2532,36 @@ impl RoomRuntime {
     /// its terminal report tells, and a report whose commit failed left the task running until
     /// its deadline. The member's own ledger tells again: the attempt is settled as the report
     /// would have settled it. Whether it was (a stop, or another report, that got there first
-    /// is no error: the task, read again, says what it is now).
+    /// is no error: the task, read again, says what it is now). An attempt the ledger holds
+    /// `unknown` (its member's supervisor ended without settling it) is reported so: it will
+    /// not end by itself, and only the member's operator can end it.
     async fn settle_stopped_in_ledger(
         &self,
         binding: &RoomBinding,
         attempt: &TaskAttempt,
         port: &dyn SessionPort,
         session: SessionRef,
-    ) -> Result<bool, RoomStoreError> {
+    ) -> Result<InLedger, RoomStoreError> {
         let generation = attempt.execution_generation;
-        let Ok(Some(LedgerAttempt::Ended(receipt))) = port
+        let receipt = match port
             .ledger_attempt(session, attempt.identity.clone(), generation)
             .await
-        else {
-            return Ok(false);
+        {
+            Ok(Some(LedgerAttempt::Ended(receipt))) => receipt,
+            Ok(Some(LedgerAttempt::Unresolved {
+                session_id,
+                admission_id,
+            })) => {
+                return Ok(InLedger::Unresolved(unresolved_member(
+                    &attempt.identity.task_id,
+                    &session_id,
+                    &admission_id,
+                )))
+            }
+            _ => return Ok(InLedger::Other),
         };
         if !matches!(receipt.status.as_str(), "cancelled" | "interrupted") {
-            return Ok(false);
+            return Ok(InLedger::Other);
         }
         let settlement = settlement_from_ended(receipt, &attempt.identity.task_id, generation);
         let committed = self
@@ -2514,10 +2570,10 @@ impl RoomRuntime {
             })
             .await;
         match committed {
-            Ok(_) => Ok(true),
+            Ok(_) => Ok(InLedger::Settled),
             Err(RoomStoreError::StaleTask(_))
             | Err(RoomStoreError::Conflict(_))
-            | Err(RoomStoreError::Corrupt(_)) => Ok(false),
+            | Err(RoomStoreError::Corrupt(_)) => Ok(InLedger::Other),
             Err(error) => Err(error),
         }
     }

@@ -2093,6 +2093,83 @@ async fn an_observed_turn_stopped_outside_the_room_is_read_from_the_members_ledg
     assert_eq!(rpc.count("submit"), 1);
 }
 
+/// An observed turn that its member's ledger holds `unknown` (the member's supervisor ended
+/// without settling it) ends the watch: the member's turn lock and the pass's slot are given
+/// back, and the room waits for the member's operator, saying what to run. The watch held both
+/// until the deadline, and the deadline's stop recorded the task failed.
+#[tokio::test]
+async fn an_observed_turn_its_member_holds_unknown_waits_for_the_operator_unlocked() {
+    let (db, id) = one_queued_task();
+    let locks = RecordingTurnLocks::default();
+    let rpc = rpc(false);
+    let mut spec = Spec::new(&rpc);
+    spec.locks = locks.clone();
+    spec.config.turn_timeout_seconds = 3600.0;
+    let runtime = spec.build(&db);
+    runtime.start();
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    {
+        let mut states = lock(&rpc.states);
+        let state = states.get_mut(&session).expect("the member session");
+        state.on_terminal = None;
+        state.active = false;
+    }
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Unresolved {
+            session_id: session.clone(),
+            admission_id: "adm-1".into(),
+        },
+    );
+    rpc.keeps_ledger.store(true, Ordering::SeqCst);
+    runtime.wakeup();
+    wait_for("the operator named", || {
+        runtime
+            .status()
+            .last_error
+            .is_some_and(|e| e.contains("resolve-unknown"))
+    })
+    .await;
+    wait_for("the turn lock given back", || !locks.held_for(PROFILE)).await;
+    assert!(runtime.stop(STOP).await);
+    let error = runtime.status().last_error.unwrap_or_default();
+    assert!(error.contains(&format!("{session} adm-1")), "{error}");
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("submit"), 1);
+}
+
+/// Past its deadline, an observed turn its member holds `unknown` is not stopped (the stop
+/// found it "will not start" and recorded the task failed, to be retried though the turn may
+/// have run): the room waits for the member's operator.
+#[tokio::test]
+async fn a_turn_its_member_holds_unknown_is_not_stopped_at_its_deadline() {
+    let (db, id) = one_queued_task();
+    let rpc = rpc(false);
+    lock(&rpc.ledger).insert(
+        "task-1".into(),
+        LedgerAttempt::Unresolved {
+            session_id: "member".into(),
+            admission_id: "adm-1".into(),
+        },
+    );
+    rpc.keeps_ledger.store(true, Ordering::SeqCst);
+    let mut spec = Spec::new(&rpc);
+    spec.config.turn_timeout_seconds = 0.001;
+    let runtime = spec.build(&db);
+    runtime.start();
+    wait_for("the operator named", || {
+        runtime
+            .status()
+            .last_error
+            .is_some_and(|e| e.contains("resolve-unknown"))
+    })
+    .await;
+    assert!(runtime.stop(STOP).await);
+    assert_eq!(status(&db, &id), TaskStatus::Running);
+    assert_eq!(rpc.count("interrupt"), 0);
+}
+
 #[test]
 fn every_seed_scenario_has_a_test() {
     // The seed's scenarios, by name: each has a test here named after it (a parametrized one,
