@@ -1381,11 +1381,21 @@ impl Turn {
         };
         let id = prompt_id.clone();
         // Once committed, the request can be read from the log before the prompt is handed over
-        // below: an answer sent at once waits for it.
-        self.ctx.sup.do_send(RecordingPrompt {
-            generation,
-            prompt_id: prompt_id.clone(),
-        });
+        // below: an answer sent at once waits for it. Awaited: the supervisor has then queued
+        // the writes of every event this turn emitted before (the call's `tool.start`), so the
+        // request is logged after them (written at once, it came before its own call's start).
+        let told = self
+            .ctx
+            .sup
+            .send(RecordingPrompt {
+                generation,
+                prompt_id: prompt_id.clone(),
+            })
+            .await;
+        if told.is_err() {
+            // The turn runs in the supervisor's context: it is not gone while this runs.
+            return Asked::Unrecorded;
+        }
         let opened = self
             .ctx
             .shared

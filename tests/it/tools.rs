@@ -1015,6 +1015,24 @@ async fn clarify_answers_reach_the_tool_result() {
         result,
         json!({"question": "Pick a color", "choices_offered": ["BLUE", "GREEN"], "user_response": "BLUE"})
     );
+    // The log has the call before the question it asks (nothing is awaited between them: the
+    // question was written first, a client filing it under the last `tool.start` misfiled it).
+    let log = gatehouse::store::events::since(&mut home.db(), &sid, 0, 10_000).expect("events");
+    let order: Vec<&str> = log
+        .events
+        .iter()
+        .map(|e| e.kind.as_str())
+        .filter(|k| k.starts_with("tool.") || k.starts_with("clarify."))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "tool.start",
+            "clarify.request",
+            "clarify.settled",
+            "tool.complete"
+        ]
+    );
     ws.submit(&sid, "BATCH", "BATCH").await;
     let p = ws.wait_prompt(&sid, "clarify").await;
     answer(&mut ws, &sid, &p, "2").await;
