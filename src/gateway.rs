@@ -1025,24 +1025,38 @@ impl RunningGateway {
         self.runtime.stop_turns();
         let draining = std::time::Instant::now();
         let timeout = Duration::from_secs_f64(self.shared.config.gateway.drain_timeout_seconds);
+        // The drain reaches the sessions now, beside the rooms' quiesce (its message is queued
+        // as it is sent; its answer is awaited below). Sent after the quiesce, it left up to a
+        // quarter of the timeout in which a turn's cancel was not set: the flag above stops a
+        // turn between its steps, but a model call waiting out a retry's backoff sent its next
+        // request, and a turn that failed in that window settled `failed`, not `interrupted`.
+        // No session starts anything meanwhile: the phase refuses claims and new inputs.
+        let drain_all = self.registry.send(DrainAll);
+        tokio::pin!(drain_all);
         // Rooms start nothing new, but keep watching their attempts while the members drain: a
         // member turn the drain interrupts fails its room task under the room's lease, so the
         // lease is released below and the next boot drives the room at once (instead of
         // waiting out the lease of a task left `running`).
         // Bounded as every step of the stop is (its answer is quick, but it waits in a mailbox).
-        if tokio::time::timeout(timeout.mul_f64(0.25), self.rooms.quiesce())
-            .await
-            .is_err()
-        {
+        // The drain's request is polled meanwhile: one the registry's full mailbox did not take
+        // as it was sent is handed over when there is room, not after the quiesce.
+        let mut drained = false;
+        let quiesce = tokio::time::timeout(timeout.mul_f64(0.25), self.rooms.quiesce());
+        tokio::pin!(quiesce);
+        let quiesced = loop {
+            tokio::select! {
+                quiesced = &mut quiesce => break quiesced.is_ok(),
+                _ = &mut drain_all, if !drained => drained = true,
+            }
+        };
+        if !quiesced {
             tracing::warn!("the rooms did not quiesce in time");
         }
-        // The sessions' drain (and the quiesce before it) has three quarters of the timeout,
+        // The sessions' drain (and the quiesce beside it) has three quarters of the timeout,
         // the rooms' idle wait and stop an eighth each.
         let sessions_share = timeout.mul_f64(0.75);
         let drain = sessions_share.saturating_sub(draining.elapsed());
-        let drain_all = self.registry.send(DrainAll);
-        tokio::pin!(drain_all);
-        let drained = tokio::time::timeout(drain, &mut drain_all).await.is_ok();
+        drained = drained || tokio::time::timeout(drain, &mut drain_all).await.is_ok();
         let rooms = timeout.saturating_sub(sessions_share) / 2;
         if !self.rooms.idle(rooms).await {
             tracing::warn!("room passes still observing attempts at the end of the drain");
