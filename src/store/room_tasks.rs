@@ -1127,7 +1127,11 @@ pub fn requeue_not_admitted_task(
         {
             return row.into_view(true);
         }
-        live_room(conn, &identity.room_id, true)?;
+        // Put back while the room is being disbanded too: it is no new work (the disband's
+        // fence refuses its start), and queued, the disband cancels it directly. Refused, the
+        // attempt stayed running with nothing behind it, and the disband's cancel made it a
+        // stop that only the member could acknowledge (a peer that is down, never).
+        live_room(conn, &identity.room_id, false)?;
         let error = || RoomStoreError::StaleTask("not-admitted task attempt lost its fence".into());
         if !row.run_fence_is(lease) {
             return Err(error());

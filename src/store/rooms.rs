@@ -599,8 +599,9 @@ pub fn claim_authority(
     })
 }
 
-/// Raise the disband fence: the room accepts no new work (admit, start, requeue) from now on, while
-/// reads, lease upkeep, settlement and cancellation continue. Idempotent.
+/// Raise the disband fence: the room accepts no new work (admit, start, a deferred task's retry)
+/// from now on, while reads, lease upkeep, settlement, cancellation and the put-back of an attempt
+/// its member never admitted continue. Idempotent.
 pub fn begin_disband(
     conn: &mut SqliteConnection,
     room_id: &str,

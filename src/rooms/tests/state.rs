@@ -534,6 +534,27 @@ fn not_admitted_attempt_requeues_with_its_generation() {
     ));
 }
 
+/// An attempt its member never admitted is put back while its room is being disbanded, and the
+/// disband then cancels it directly: refused, it stayed running with nothing behind it, and the
+/// disband's cancel made it a stop only the member could acknowledge.
+#[test]
+fn a_not_admitted_attempt_is_put_back_while_its_room_is_disbanded() {
+    let f = Fixture::new();
+    let id = f.admit("task-1", 1);
+    let lease = f.lease("proc", 30.0);
+    let attempt = f.start(&id, &lease);
+    begin_disband(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    let queued = requeue_not_admitted_task(&mut f.db.conn(), &attempt, &f.clock).unwrap();
+    assert_eq!(queued.status, TaskStatus::Queued);
+    let cancelled = cancel_task(&mut f.db.conn(), &id, "disband", 0, &f.clock).unwrap();
+    assert_eq!(cancelled.status, TaskStatus::Cancelled);
+    // Nothing starts it again meanwhile.
+    assert!(matches!(
+        start_task(&mut f.db.conn(), &id, &lease, 0, &f.clock),
+        Err(RoomStoreError::RoomUnavailable(_)) | Err(RoomStoreError::InvalidTransition(_))
+    ));
+}
+
 #[test]
 fn queued_and_deferred_tasks_cancel_directly() {
     let f = Fixture::new();
