@@ -682,6 +682,13 @@ pub fn disband_room(
             rooms::updated_at.eq(now),
         ))
         .execute(conn)?;
+        // A retired id admits nothing again: its pruned tasks' generations are no longer needed
+        // (and its tasks pruned from now on leave none).
+        diesel::delete(
+            crate::store::rooms_schema::room_task_tombstones::table
+                .filter(crate::store::rooms_schema::room_task_tombstones::room_id.eq(room_id)),
+        )
+        .execute(conn)?;
         let room = load_room(conn, room_id)?
             .ok_or_else(|| RoomStoreError::RoomUnavailable("hosted room does not exist".into()))?;
         room_view(conn, room, false)

@@ -1041,6 +1041,9 @@ fn ended_tasks_are_pruned_by_age_and_count_and_nothing_else_is() {
     kept.sort();
     assert_eq!(kept, ["deferred", "queued", "running"]);
     assert_eq!(f.get(&queued).status, TaskStatus::Queued);
+    // Only a task that made an attempt leaves a tombstone: one cancelled while queued leaves
+    // none (a loop of admits and cancels grew the table without bound).
+    assert_eq!(tombstones(&f), ["e1", "e3", "e5"]);
     // A pruned id is a new task, whose attempts go on from the pruned task's generations (the
     // next starts at the one after): a settled e1 ran attempt 1, a cancelled e2 none.
     let again = admit_task(&mut f.db.conn(), &ended[0], &payload(11), &f.clock).unwrap();
@@ -1049,6 +1052,52 @@ fn ended_tasks_are_pruned_by_age_and_count_and_nothing_else_is() {
     assert_eq!(again.execution_generation, 1);
     let fresh = admit_task(&mut f.db.conn(), &ended[1], &payload(12), &f.clock).unwrap();
     assert_eq!(fresh.execution_generation, 0);
+}
+
+/// The task ids the fixture's room keeps tombstones of, in order.
+fn tombstones(f: &Fixture) -> Vec<String> {
+    use crate::store::rooms_schema::room_task_tombstones as t;
+    t::table
+        .filter(t::room_id.eq(ROOM))
+        .select(t::task_id)
+        .order(t::task_id.asc())
+        .load(&mut f.db.conn())
+        .unwrap()
+}
+
+/// A retired room's tombstones go with its retirement, and its tasks pruned later leave none:
+/// its id admits nothing again.
+#[test]
+fn a_retired_room_keeps_no_tombstones() {
+    let f = Fixture::new();
+    let lease = f.lease("proc", 30.0);
+    let (first, second) = (f.admit("t1", 1), f.admit("t2", 2));
+    for id in [&first, &second] {
+        let attempt = f.start(id, &lease);
+        settle_task(
+            &mut f.db.conn(),
+            &attempt,
+            &settlement(&id.task_id, "ok"),
+            &f.clock,
+        )
+        .unwrap();
+    }
+    let retention = TaskRetention {
+        max_age_seconds: 0.0,
+        max_per_room: 1,
+    };
+    prune_ended_tasks(&mut f.db.conn(), retention, f.clock.now(), 100).unwrap();
+    assert_eq!(tombstones(&f), ["t1"]);
+    begin_disband(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    crate::store::rooms::disband_room(&mut f.db.conn(), ROOM, &f.clock).unwrap();
+    assert!(tombstones(&f).is_empty());
+    let retention = TaskRetention {
+        max_age_seconds: 0.0,
+        max_per_room: 0,
+    };
+    prune_ended_tasks(&mut f.db.conn(), retention, f.clock.now(), 100).unwrap();
+    assert!(list_tasks(&mut f.db.conn(), ROOM, None).unwrap().is_empty());
+    assert!(tombstones(&f).is_empty());
 }
 
 /// Pruning walks a room's ended tasks through their index, in the order they ended: never a
