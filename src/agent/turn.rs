@@ -938,22 +938,45 @@ impl Turn {
         // Where it runs is part of what is approved: `rm -rf *` means something else in `/`.
         // A relative `workdir` is under the session's directory (it was dropped, and the command
         // ran somewhere the model did not ask for).
-        let session_cwd = self.session_cwd();
-        let cwd = workdir
-            .filter(|w| !w.trim().is_empty())
-            .map(|w| session_cwd.join(w))
-            .unwrap_or(session_cwd);
         let user_home = std::env::var("HOME").ok();
+        // The command's directory, and what the rules read of the paths around it, looked at
+        // off this thread: it runs every session's supervisor, and a `stat` on a mount that
+        // stopped answering hung them all.
+        let looked = {
+            let (session_dir, fallback) = (PathBuf::from(&self.root.cwd), self.fallback_cwd());
+            let (command, home) = (command.clone(), shared.home.clone());
+            let user_home = user_home.clone();
+            off_thread(move || {
+                let session_cwd = if session_dir.is_dir() {
+                    session_dir
+                } else {
+                    fallback
+                };
+                let cwd = workdir
+                    .filter(|w| !w.trim().is_empty())
+                    .map(|w| session_cwd.join(w))
+                    .unwrap_or(session_cwd);
+                let hardline = danger::is_hardline_in(&command, &cwd, user_home.as_deref());
+                let state = touches_gateway_state(&command, &cwd, &home, user_home.as_deref());
+                (cwd, hardline, state)
+            })
+            .await
+        };
+        let Some((cwd, hardline_in, gateway_state)) = looked else {
+            return ToolResult::Output(not_run(&format!(
+                "the working directory did not answer within {} s (a mount that stopped \
+                 answering?): the command was not run",
+                FS_LOOK_TIMEOUT.as_secs()
+            )));
+        };
         let (hardline, mut matched) = danger::assess(&command);
-        if let Some(m) =
-            hardline.or_else(|| danger::is_hardline_in(&command, &cwd, user_home.as_deref()))
-        {
+        if let Some(m) = hardline.or(hardline_in) {
             return ToolResult::Output(blocked(&format!(
                 "BLOCKED: this command is never allowed ({}). Do NOT retry it.",
                 m.description
             )));
         }
-        if touches_gateway_state(&command, &cwd, &shared.home, user_home.as_deref()) {
+        if gateway_state {
             matched.push(danger::GATEWAY_STATE);
         }
         if names_gateway_process(&command, std::process::id()) {
@@ -1194,11 +1217,8 @@ impl Turn {
         }
     }
 
-    fn session_cwd(&self) -> PathBuf {
-        let p = PathBuf::from(&self.root.cwd);
-        if p.is_dir() {
-            return p;
-        }
+    /// Where a command runs when the session's directory is gone.
+    fn fallback_cwd(&self) -> PathBuf {
         self.ctx
             .shared
             .config
@@ -2005,6 +2025,18 @@ pub fn interrupted() -> TurnOutcome {
 }
 
 /// The result of a command the terminal tool could not run (`error` says why).
+/// How long a look at the paths a command will run among may take.
+const FS_LOOK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `f` (which reads the file system) on the runtime's blocking threads, given up after
+/// [`FS_LOOK_TIMEOUT`] (`None`; a thread stuck on a mount stays stuck, not this one).
+async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    tokio::time::timeout(FS_LOOK_TIMEOUT, tokio::task::spawn_blocking(f))
+        .await
+        .ok()?
+        .ok()
+}
+
 fn not_run(error: &str) -> String {
     json!({"output": "", "exit_code": -1, "error": error}).to_string()
 }
