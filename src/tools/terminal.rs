@@ -189,9 +189,6 @@ pub async fn run_command(
             started: false,
         });
     }
-    if !spec.cwd.is_dir() {
-        return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
-    }
     let mut env = build_env(std::env::vars_os(), &spec);
     // Every process of this command inherits it (unless it clears its environment): found by
     // it, one that left the shell's group is killed with the group.
@@ -199,7 +196,7 @@ pub async fn run_command(
     env.retain(|(k, _)| k.as_bytes() != RUN_VAR.as_bytes());
     env.push((OsString::from(RUN_VAR), OsString::from(&run)));
     let mark = format!("{RUN_VAR}={run}");
-    let mut child = spawn_shell(&spec, &env)?;
+    let mut child = spawn_off_thread(&spec, env).await?;
     let mut group = GroupGuard {
         pgid: child.id().and_then(|id| libc::pid_t::try_from(id).ok()),
         reaped: false,
@@ -559,6 +556,54 @@ fn is_executable_file(path: &Path) -> bool {
 /// found.
 pub fn default_shell() -> Option<PathBuf> {
     SHELLS.iter().find_map(|s| resolve_program(s, None))
+}
+
+/// How long the start of a foreground command may take: its directory checked, its shell
+/// spawned (the spawn waits for the shell's `chdir` and `exec`).
+const SPAWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// [`spawn_shell`] in `spec.cwd` (checked first), on the runtime's blocking threads: on this one,
+/// which runs every session's commands, a directory on a mount that stopped answering hung them
+/// all. Given up after [`SPAWN_TIMEOUT`]; a shell that starts after that is killed with its
+/// group at once.
+async fn spawn_off_thread(
+    spec: &CommandSpec,
+    env: Vec<(OsString, OsString)>,
+) -> Result<Child, TerminalError> {
+    let given_up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let late = given_up.clone();
+    let spec = spec.clone();
+    let cwd = spec.cwd.clone();
+    let spawning = tokio::task::spawn_blocking(move || {
+        if !spec.cwd.is_dir() {
+            return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
+        }
+        let child = spawn_shell(&spec, &env)?;
+        if late.load(std::sync::atomic::Ordering::SeqCst) {
+            if let Some(pgid) = child.id().and_then(|id| libc::pid_t::try_from(id).ok()) {
+                // SAFETY: a plain signal to the process group the shell leads.
+                unsafe { libc::killpg(pgid, libc::SIGKILL) };
+            }
+            return Err(TerminalError::Spawn(io::Error::other("started too late")));
+        }
+        Ok(child)
+    });
+    match tokio::time::timeout(SPAWN_TIMEOUT, spawning).await {
+        Ok(Ok(spawned)) => spawned,
+        Ok(Err(e)) => Err(TerminalError::Spawn(io::Error::other(e.to_string()))),
+        Err(_) => {
+            given_up.store(true, std::sync::atomic::Ordering::SeqCst);
+            Err(TerminalError::Spawn(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "its shell did not start within {} s in {} (a mount that stopped \
+                     answering?); not run",
+                    SPAWN_TIMEOUT.as_secs(),
+                    cwd.display()
+                ),
+            )))
+        }
+    }
 }
 
 fn spawn_shell(spec: &CommandSpec, env: &[(OsString, OsString)]) -> Result<Child, TerminalError> {
