@@ -2028,13 +2028,10 @@ pub fn interrupted() -> TurnOutcome {
 /// How long a look at the paths a command will run among may take.
 const FS_LOOK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `f` (which reads the file system) on the runtime's blocking threads, given up after
-/// [`FS_LOOK_TIMEOUT`] (`None`; a thread stuck on a mount stays stuck, not this one).
+/// `f` (which reads the file system) on a thread of its own, given up after
+/// [`FS_LOOK_TIMEOUT`] (see [`tools::on_own_thread`]).
 async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    tokio::time::timeout(FS_LOOK_TIMEOUT, tokio::task::spawn_blocking(f))
-        .await
-        .ok()?
-        .ok()
+    tools::on_own_thread(FS_LOOK_TIMEOUT, move |_| f()).await
 }
 
 fn not_run(error: &str) -> String {

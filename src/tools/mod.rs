@@ -292,10 +292,70 @@ impl Handler<StopBackground> for TerminalTool {
     }
 }
 
+/// Run `f` (which reads the file system, or spawns a process in a directory) on a thread of its
+/// own, for at most `limit`: `None` past it, or if `f` panicked. A thread stuck on a mount that
+/// stopped answering stays stuck, and nothing waits for it: not the caller's thread (which may
+/// run every session), and not the process's exit (which waits for the runtime's blocking
+/// threads). `f` runs in the caller's runtime context, and is told whether it was given up on.
+pub(crate) async fn on_own_thread<T: Send + 'static>(
+    limit: std::time::Duration,
+    f: impl FnOnce(&std::sync::atomic::AtomicBool) -> T + Send + 'static,
+) -> Option<T> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let given_up = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = given_up.clone();
+    let runtime = tokio::runtime::Handle::try_current().ok();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("gatehouse-look".into())
+        .spawn(move || {
+            let _entered = runtime.as_ref().map(|r| r.enter());
+            let _ = tx.send(f(&flag));
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start a thread");
+        return None;
+    }
+    match tokio::time::timeout(limit, rx).await {
+        Ok(answered) => answered.ok(),
+        Err(_) => {
+            given_up.store(true, Ordering::SeqCst);
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::{Duration, SystemTime};
+
+    /// A look that does not answer in time is given up on (and told so), without waiting for
+    /// it; one that answers gets its answer, in the caller's runtime.
+    #[actix_rt::test]
+    async fn a_look_on_its_own_thread_is_given_up_on_in_time() {
+        use std::sync::atomic::Ordering;
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let (told_tx, told) = std::sync::mpsc::channel::<bool>();
+        let started = std::time::Instant::now();
+        let given_up = super::on_own_thread(Duration::from_millis(100), move |flag| {
+            let _ = stuck.recv();
+            let _ = told_tx.send(flag.load(Ordering::SeqCst));
+        })
+        .await;
+        assert!(given_up.is_none());
+        assert!(started.elapsed() < Duration::from_secs(5));
+        release.send(()).expect("release");
+        let told = told
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the look ends");
+        assert!(told, "the look was told it was given up on");
+        let answered = super::on_own_thread(Duration::from_secs(10), |_| {
+            tokio::runtime::Handle::try_current().is_ok()
+        })
+        .await;
+        assert_eq!(answered, Some(true));
+    }
 
     /// An ended background process's log is removed once older than the retention (and with
     /// none set, never); a file the tool did not name is left alone whatever its age.

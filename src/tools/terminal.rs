@@ -562,24 +562,22 @@ pub fn default_shell() -> Option<PathBuf> {
 /// spawned (the spawn waits for the shell's `chdir` and `exec`).
 const SPAWN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// [`spawn_shell`] in `spec.cwd` (checked first), on the runtime's blocking threads: on this one,
-/// which runs every session's commands, a directory on a mount that stopped answering hung them
-/// all. Given up after [`SPAWN_TIMEOUT`]; a shell that starts after that is killed with its
-/// group at once.
+/// [`spawn_shell`] in `spec.cwd` (checked first), on a thread of its own: on this one, which
+/// runs every session's commands, a directory on a mount that stopped answering hung them all.
+/// Given up after [`SPAWN_TIMEOUT`]; a shell that starts after that is killed with its group at
+/// once.
 async fn spawn_off_thread(
     spec: &CommandSpec,
     env: Vec<(OsString, OsString)>,
 ) -> Result<Child, TerminalError> {
-    let given_up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let late = given_up.clone();
     let spec = spec.clone();
     let cwd = spec.cwd.clone();
-    let spawning = tokio::task::spawn_blocking(move || {
+    let spawned = super::on_own_thread(SPAWN_TIMEOUT, move |given_up| {
         if !spec.cwd.is_dir() {
             return Err(TerminalError::InvalidCwd(spec.cwd.clone()));
         }
         let child = spawn_shell(&spec, &env)?;
-        if late.load(std::sync::atomic::Ordering::SeqCst) {
+        if given_up.load(std::sync::atomic::Ordering::SeqCst) {
             if let Some(pgid) = child.id().and_then(|id| libc::pid_t::try_from(id).ok()) {
                 // SAFETY: a plain signal to the process group the shell leads.
                 unsafe { libc::killpg(pgid, libc::SIGKILL) };
@@ -587,23 +585,19 @@ async fn spawn_off_thread(
             return Err(TerminalError::Spawn(io::Error::other("started too late")));
         }
         Ok(child)
-    });
-    match tokio::time::timeout(SPAWN_TIMEOUT, spawning).await {
-        Ok(Ok(spawned)) => spawned,
-        Ok(Err(e)) => Err(TerminalError::Spawn(io::Error::other(e.to_string()))),
-        Err(_) => {
-            given_up.store(true, std::sync::atomic::Ordering::SeqCst);
-            Err(TerminalError::Spawn(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "its shell did not start within {} s in {} (a mount that stopped \
-                     answering?); not run",
-                    SPAWN_TIMEOUT.as_secs(),
-                    cwd.display()
-                ),
-            )))
-        }
-    }
+    })
+    .await;
+    spawned.unwrap_or_else(|| {
+        Err(TerminalError::Spawn(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "its shell did not start within {} s in {} (a mount that stopped answering?); \
+                 not run",
+                SPAWN_TIMEOUT.as_secs(),
+                cwd.display()
+            ),
+        )))
+    })
 }
 
 fn spawn_shell(spec: &CommandSpec, env: &[(OsString, OsString)]) -> Result<Child, TerminalError> {
