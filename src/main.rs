@@ -299,6 +299,16 @@ fn serve(args: Args) -> ExitCode {
                         tracing::error!("the database writer is gone: the watchdog is not fed");
                         break;
                     }
+                    // Nothing more is committed until a restart, which recovers from the WAL:
+                    // systemd restarts it (it was fed on, the daemon left up and useless). Not
+                    // for a database file found lost: a restart would start an empty ledger.
+                    if shared.db.sync_failed() {
+                        tracing::error!(
+                            "a sync of the database file failed: the watchdog is not fed, so \
+                             that systemd restarts the daemon"
+                        );
+                        break;
+                    }
                     gatehouse::notify::watchdog();
                 }
             });

@@ -1048,6 +1048,13 @@ impl Db {
         !self.writer.is_closed()
     }
 
+    /// A sync of the database file after a checkpoint failed: nothing more is committed until
+    /// a restart (whose recovery copies the whole WAL again), unlike a file found lost, which a
+    /// restart would replace with an empty ledger.
+    pub fn sync_failed(&self) -> bool {
+        self.wal.sync_failed.load(Ordering::Relaxed)
+    }
+
     pub fn health(&self) -> Result<(), String> {
         self.wal.file_health()?;
         if self.wal.deposed.load(Ordering::Relaxed) {
