@@ -718,8 +718,12 @@ impl Turn {
         if let Some(t) = tools {
             body["tools"] = t;
         }
+        // At most half the window, the room for the answer the threshold leaves (see
+        // `tokens::threshold`): `model.max_tokens` is one setting for every model, and a prompt
+        // under the threshold with all of it asked on top was refused as over the window,
+        // compacted and refused again, every turn.
         if let Some(m) = cfg.model.max_tokens {
-            body["max_tokens"] = json!(m);
+            body["max_tokens"] = json!(m.min(self.context() / 2).max(1));
         }
         // A streamed call's deltas go straight from the model client to the supervisor; a plain
         // call has none, and needs neither a channel nor a task waiting on it.

@@ -711,6 +711,28 @@ async fn an_overflow_with_compression_off_fails_without_a_summary() {
     assert!(home.children(&sid).is_empty());
 }
 
+/// A request asks for at most half the model's window as its answer (`model.max_tokens` is one
+/// setting for every model): the threshold leaves the prompt the rest, and a prompt under it
+/// with all of `max_tokens` asked on top was refused, compacted and refused again, every turn.
+#[actix_rt::test]
+async fn a_request_asks_for_no_more_answer_than_its_window_leaves() {
+    let model = summarising_model();
+    let home = Home::new();
+    home.write_config(&config(
+        &model.url,
+        json!({"model": {"context_length": 8192, "max_tokens": 8192}}),
+    ));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("capped", &home.path).await;
+    run(&mut ws, &home, &sid, 0).await;
+    let asked = main_requests(&model);
+    assert_eq!(
+        asked.last().map(|b| b["max_tokens"].clone()),
+        Some(json!(4096))
+    );
+}
+
 /// A model whose window neither the config nor the limits file gives is taken for a 128K one;
 /// its first overflow error that names its window (`maximum context length is 4096 tokens`)
 /// teaches the gateway that window, and later requests are compacted before they are sent.
