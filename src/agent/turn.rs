@@ -1887,7 +1887,17 @@ impl Turn {
                 self.system
             )
         };
-        self.commit_compacted(compacted, system).await?;
+        match self.commit_compacted(compacted, system).await {
+            // A summary was made, and is not kept (longer than the turns it summarised): a
+            // failed summary, not asked for again in this turn (as "nothing to compact" it was
+            // asked again after each tool round, the same turns each time).
+            Err(CompactError::Nothing) => {
+                return Err(CompactError::Failed(
+                    "the summary was not shorter than the turns it summarised".into(),
+                ))
+            }
+            committed => committed?,
+        }
         // Shorter than when old output was last cleared: the next clear need not wait for it.
         self.cleared_at = None;
         Ok(())

@@ -1278,6 +1278,50 @@ async fn a_failing_summary_is_asked_once_per_turn() {
     );
 }
 
+/// A summary made but not kept (it came back longer than the turns it summarised) is not asked
+/// for again in the turn: it was taken for "nothing to compact", and asked again after every
+/// tool round, each time thrown away.
+#[actix_rt::test]
+async fn a_summary_longer_than_its_turns_is_not_asked_again_in_the_turn() {
+    let model = FakeModel::start(|body| {
+        if is_summary(body) {
+            let long = format!("{SUMMARY} {}", "s".repeat(60_000));
+            return Reply::Message(json!({"role": "assistant", "content": long}), "stop");
+        }
+        if tag(&last_user(body)) == "P3" && !after_tool(body) {
+            return Reply::Message(
+                tool_call("t1", "terminal", json!({"command": "echo tool-round"})),
+                "tool_calls",
+            );
+        }
+        ack(body)
+    });
+    let home = Home::new();
+    let mut cfg = pressure_config(&model.url, false);
+    merge(
+        &mut cfg,
+        json!({"platform_toolsets": {"cli": ["terminal"]}}),
+    );
+    home.write_config(&cfg);
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws
+        .create("long", &home.path, json!({"toolsets": ["terminal"]}))
+        .await["session_id"]
+        .as_str()
+        .expect("sid")
+        .to_string();
+    for i in 0..4 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    assert_eq!(
+        summaries(&model).len(),
+        1,
+        "one summary request in P3's turn"
+    );
+    assert!(home.children(&sid).is_empty(), "nothing was compacted");
+}
+
 /// A model that answers `MANY` with `rounds` terminal calls, one a response, the n-th printing
 /// `bytes` bytes of the n-th letter, then `DONE_MANY`; it refuses a request of more than
 /// `most_chars` characters as too long. It acks anything else.
