@@ -207,6 +207,7 @@ pub async fn ws_route(
         reads: 0,
         reads_waiting: std::collections::VecDeque::new(),
         held: std::collections::VecDeque::new(),
+        waiting_bytes: 0,
         following: Vec::new(),
         next_follow: 0,
         credential,
@@ -279,9 +280,11 @@ pub struct WsConnection {
     /// Such requests free to run (past every other hold) that wait for one of those to be
     /// answered, in the order they were read, each with the sessions the connection followed
     /// then (it runs as of then). Requests behind them do not wait for them.
-    reads_waiting: std::collections::VecDeque<(RpcRequest, Subscriptions)>,
+    reads_waiting: std::collections::VecDeque<(Waiting, Subscriptions)>,
     /// Requests read behind such a request, in order, waiting for its answer.
-    held: std::collections::VecDeque<RpcRequest>,
+    held: std::collections::VecDeque<Waiting>,
+    /// The bytes of the requests in `held` and `reads_waiting` (bounded: [`MAX_WAITING_BYTES`]).
+    waiting_bytes: usize,
     /// Sessions that a create or resume in flight may already have subscribed this connection
     /// to, by request; and the last request's number.
     following: Vec<(u64, String)>,
@@ -529,6 +532,43 @@ pub struct RpcRequest {
     pub id: Option<Value>,
     pub method: String,
     pub params: Value,
+}
+
+/// The most bytes of requests one connection may have waiting to run (held behind another, or
+/// past the bound of page reads in flight); one more is refused `rate_limited`.
+const MAX_WAITING_BYTES: usize = 16 << 20;
+
+/// A request waiting to run, its params kept as the JSON text they were read as, not as a
+/// parsed tree: that takes up to sixteen times the text's bytes (`[0,0,…]`), and the 255
+/// requests one connection may have waiting held some 4 GiB under the 1 MiB frame bound.
+struct Waiting {
+    id: Option<Value>,
+    method: String,
+    params: String,
+}
+
+impl Waiting {
+    fn of(request: RpcRequest) -> Waiting {
+        Waiting {
+            id: request.id,
+            method: request.method,
+            params: request.params.to_string(),
+        }
+    }
+
+    /// What it takes of the connection's [`MAX_WAITING_BYTES`].
+    fn bytes(&self) -> usize {
+        self.params.len() + self.method.len()
+    }
+
+    /// The request again (its params parsed from the text they were written to).
+    fn request(self) -> RpcRequest {
+        RpcRequest {
+            id: self.id,
+            params: serde_json::from_str(&self.params).unwrap_or(Value::Null),
+            method: self.method,
+        }
+    }
 }
 
 /// The top level of a frame, as far as the envelope rules read it: an object's four members
@@ -834,16 +874,64 @@ impl WsConnection {
         // now must not overtake an earlier one for it that still waits.
         if !self.held.is_empty()
             || (self.barriers > 0 && self.waits_for_following(&request))
-            || self.behind_slow_ordered(&request)
+            || self.behind_slow_ordered(&request.method)
         {
             // Read behind a request that changes what this connection follows, and it names a
             // session this connection does not follow (yet): it runs once that one has
             // answered, so a `prompt.submit` sent right behind its `session.resume` finds the
             // session followed. Requests for followed sessions go on meanwhile.
-            self.held.push_back(request);
+            self.wait(request, ctx, |act, waiting| act.held.push_back(waiting));
             return;
         }
         self.go(request, ctx);
+    }
+
+    /// Keep `request` waiting (`put` places it), within the connection's bound of waiting bytes:
+    /// past it, refused `rate_limited`.
+    fn wait(
+        &mut self,
+        request: RpcRequest,
+        ctx: &mut ws::WebsocketContext<Self>,
+        put: impl FnOnce(&mut Self, Waiting),
+    ) {
+        let waiting = Waiting::of(request);
+        if self.waiting_bytes + waiting.bytes() > MAX_WAITING_BYTES {
+            self.in_flight -= 1;
+            if let Some(id) = waiting.id {
+                let err = GatewayError::RateLimited(format!(
+                    "this connection's requests waiting to run hold {} bytes, its most: wait \
+                     for their replies",
+                    self.waiting_bytes
+                ));
+                ctx.text(error_frame(id, &err));
+            }
+            return;
+        }
+        self.waiting_bytes += waiting.bytes();
+        put(self, waiting);
+    }
+
+    /// A waiting request taken up again; `None` (it is refused, and the connection ends) if
+    /// the connection's credential was revoked while it waited: checked as it was read, it
+    /// ran after the revocation (an approval it carried let a command run).
+    fn resume(
+        &mut self,
+        waiting: Waiting,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) -> Option<RpcRequest> {
+        self.waiting_bytes = self.waiting_bytes.saturating_sub(waiting.bytes());
+        if !self.credential.still_valid() {
+            self.in_flight -= 1;
+            if let Some(id) = waiting.id {
+                ctx.text(error_frame(
+                    id,
+                    &GatewayError::PermissionDenied(REVOKED.into()),
+                ));
+            }
+            Self::close_revoked(self.conn_id, ctx);
+            return None;
+        }
+        Some(waiting.request())
     }
 
     /// Run `request`, free of every hold but the bound of page reads in flight: a page read
@@ -854,8 +942,10 @@ impl WsConnection {
         {
             // With what the connection follows now: a `session.unsubscribe` read after it and
             // answered before it runs does not have it refused.
-            self.reads_waiting
-                .push_back((request, self.subscribed.clone()));
+            let as_followed = self.subscribed.clone();
+            self.wait(request, ctx, |act, waiting| {
+                act.reads_waiting.push_back((waiting, as_followed))
+            });
             return;
         }
         self.dispatch(request, None, ctx);
@@ -863,8 +953,8 @@ impl WsConnection {
 
     /// Must `request` wait for a request that changes a session and is still on its way there
     /// (see `slow_ordered`)?
-    fn behind_slow_ordered(&self, request: &RpcRequest) -> bool {
-        self.slow_ordered > 0 && ORDERED.contains(&request.method.as_str())
+    fn behind_slow_ordered(&self, method: &str) -> bool {
+        self.slow_ordered > 0 && ORDERED.contains(&method)
     }
 
     /// Does `request` depend on what a request in flight may change in the sessions this
@@ -971,7 +1061,9 @@ impl WsConnection {
                 act.reads -= 1;
                 if act.reads < MAX_READS_IN_FLIGHT {
                     if let Some((next, as_followed)) = act.reads_waiting.pop_front() {
-                        act.dispatch(next, Some(as_followed), ctx);
+                        if let Some(next) = act.resume(next, ctx) {
+                            act.dispatch(next, Some(as_followed), ctx);
+                        }
                     }
                 }
             }
@@ -999,28 +1091,38 @@ impl WsConnection {
                 if act
                     .held
                     .front()
-                    .is_some_and(|next| act.behind_slow_ordered(next))
+                    .is_some_and(|next| act.behind_slow_ordered(&next.method))
                 {
                     break;
                 }
                 let Some(next) = act.held.pop_front() else {
                     break;
                 };
-                act.go(next, ctx);
+                if let Some(next) = act.resume(next, ctx) {
+                    act.go(next, ctx);
+                }
             }
         }));
     }
 }
 
-/// Methods that change a session's state: a connection's requests of these reach their
-/// sessions in the order it sent them.
-const ORDERED: [&str; 6] = [
+/// Methods that change a session's or a room's state: a connection's requests of these reach
+/// their sessions and rooms in the order it sent them (a room's each after the one before it
+/// has answered: each reads the store before it acts, and a `room.cancel` sent right behind
+/// its task's `room.admit` was answered `not_found`, the task left to run).
+const ORDERED: [&str; 12] = [
     "prompt.submit",
     "prompt.cancel",
     "prompt.resolve_unknown",
     "approval.respond",
     "clarify.respond",
     "session.interrupt",
+    "room.create",
+    "room.admit",
+    "room.cancel",
+    "room.retry",
+    "room.respond",
+    "room.disband",
 ];
 
 /// Of those, the methods handed to the session's supervisor as they are read when they name a

@@ -376,6 +376,49 @@ async fn room_tasks_filters_by_status() {
     model.release();
 }
 
+/// A connection's room requests take effect in the order it sent them: a `room.cancel` sent
+/// right behind its task's `room.admit`, without waiting for its answer, cancels that task (it
+/// could read the store before the admission committed, be answered `not_found`, and the task
+/// ran).
+#[actix_rt::test]
+async fn a_cancel_pipelined_behind_its_admit_cancels_the_task() {
+    let (model, _home, d) = acking_rooms(json!({}));
+    let mut ws = d.ws().await;
+    ws.ok(
+        "room.create",
+        json!({"room_id": "piped", "name": "P", "members": [{"profile": "dev", "handle": "dev"}]}),
+    )
+    .await;
+    // A task that runs and hangs: those after it stay queued, and a cancel ends them at once.
+    ws.ok("room.admit", admit("piped", "t0", "dev", "HANG", 1))
+        .await;
+    wait_status(&mut ws, "piped", "t0", "running").await;
+    for i in 1..=20 {
+        let task = format!("t{i}");
+        let frame = |id: String, method: &str, params: Value| {
+            json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).to_string()
+        };
+        ws.send_raw(frame(
+            format!("a{i}"),
+            "room.admit",
+            admit("piped", &task, "dev", "two", i + 1),
+        ))
+        .await;
+        ws.send_raw(frame(
+            format!("c{i}"),
+            "room.cancel",
+            json!({"room_id": "piped", "task_id": task, "cancel_id": format!("stop-{i}")}),
+        ))
+        .await;
+        for _ in 0..2 {
+            let reply = ws.recv_reply().await;
+            assert!(reply.get("result").is_some(), "{reply}");
+        }
+        assert_eq!(task_status(&mut ws, "piped", &task).await, "cancelled");
+    }
+    model.release();
+}
+
 /// A room task settles as soon as its member's turn does: the member's supervisor signals the
 /// settlement to the room's session port, and the room supervisor is woken by its report, so
 /// neither poll interval (a minute each here) stands between a turn and its task's settlement.
