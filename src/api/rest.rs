@@ -1004,7 +1004,23 @@ async fn stream_events(
                     }
                     // A gap (or dropped frames): the log has them, in order.
                     Some(_) => send_log(&authority, &root, &mut last, &out).await,
-                    None => out.send(sse_event(None, &kind, &params)).await.is_ok(),
+                    // A live frame follows the durable event `after_seq`: sent once that one
+                    // is (frames dropped for a slow reader are read from the log first), and
+                    // dropped when the log has gone past it (the catch-up sent later events).
+                    // It went out at once: a delta before the `message.start` dropped ahead of
+                    // it, or after its `message.complete`.
+                    None => {
+                        let after = params.get("after_seq").and_then(Value::as_i64);
+                        let behind = feed.lagged() || after.is_some_and(|a| a > last);
+                        if behind && !send_log(&authority, &root, &mut last, &out).await {
+                            return;
+                        }
+                        if after.is_some_and(|a| a < last) {
+                            true
+                        } else {
+                            out.send(sse_event(None, &kind, &params)).await.is_ok()
+                        }
+                    }
                 };
                 if !sent {
                     return;
