@@ -644,6 +644,8 @@ enum End {
 
 /// The variable each foreground command's processes carry, its value the run's own.
 const RUN_VAR: &str = "GATEHOUSE_RUN";
+/// How [`RUN_VAR`]'s entry begins in a process's environment (`/proc/<pid>/environ`).
+pub(crate) const RUN_VAR_PREFIX: &str = "GATEHOUSE_RUN=";
 
 /// Kills the process group when dropped, unless disarmed.
 struct GroupGuard {

@@ -2920,3 +2920,45 @@ async fn a_background_command_runs_on_after_its_call_until_the_gateway_stops() {
     assert_eq!(d.term(), Some(0));
     wait_until("the background process killed", T, || !group_alive(pid)).await;
 }
+
+/// A command the gateway runs (as the daemon's user) is no operator on the control socket: its
+/// operator verbs are refused, whether it carries the terminal's run mark or cleared it (found
+/// then as a process the gateway started). The guard reads a command's text only, and a
+/// socket path built at run time passed it.
+#[actix_rt::test]
+async fn a_command_the_gateway_runs_is_no_operator_on_the_control_socket() {
+    let home = Home::new();
+    let bin = env!("CARGO_BIN_EXE_gatehouse");
+    let ask = format!("{bin} sessions --home {}", home.path.display());
+    // As the command's own child; with the mark cleared; and orphaned (its parent gone at once,
+    // the mark kept), its output read once it ends.
+    let command = format!("{ask} 2>&1; env -u GATEHOUSE_RUN {ask} 2>&1; ({ask} 2>&1 &); true");
+    let model = scripted(vec![("CTL", terminal("call_ctl", &command))]);
+    home.write_config(&config(&model.url, json!({})));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.session("ctl", &home.path).await;
+    ws.submit(&sid, "CTL", "CTL").await;
+    // Naming the home, it is asked about first (the guard's speed bump).
+    let p = ws.wait_prompt(&sid, "approval").await;
+    respond(&mut ws, &sid, &p, "once").await;
+    settled(&home, "CTL").await;
+    let output = tool_result(&model, "CTL")["output"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        output
+            .matches("operator commands need the daemon's user")
+            .count(),
+        3,
+        "{output}"
+    );
+    // The operator's own command, run beside the daemon, is answered.
+    let own = std::process::Command::new(bin)
+        .args(["sessions", "--home"])
+        .arg(&home.path)
+        .output()
+        .expect("gatehouse sessions");
+    assert!(own.status.success(), "{own:?}");
+}
