@@ -1943,24 +1943,46 @@ impl Turn {
         );
         // The event that tells clients of the new tip commits with it: a crash between two
         // commits lost it (found in a kill-anywhere run: one compaction of 685 had no event).
-        let (tip, rows) = self
-            .ctx
-            .shared
-            .db
-            .write(move |conn| {
-                crate::store::write_tx(conn, |conn| {
-                    let tip =
-                        sessions::commit_compaction(conn, epoch, generation, &compaction, now)?;
-                    let event = NewEvent::new(
-                        "session.info",
-                        json!({"compacted": true, "tip_session_id": tip}),
-                    );
-                    let rows = events::append_tx(conn, &root, &[event], now)?;
-                    Ok((tip, rows))
+        // A failure of the store that may pass is tried again, as a turn's load is: the summary
+        // was made (it failed the turn, and the next one asked for the same summary again). A
+        // try that did commit makes the next refused by its fences, never a second compaction.
+        let compaction = Arc::new(compaction);
+        let mut tries = 0;
+        let (tip, rows) = loop {
+            let (compaction, root) = (compaction.clone(), root.clone());
+            let written = self
+                .ctx
+                .shared
+                .db
+                .write(move |conn| {
+                    crate::store::write_tx(conn, |conn| {
+                        let tip =
+                            sessions::commit_compaction(conn, epoch, generation, &compaction, now)?;
+                        let event = NewEvent::new(
+                            "session.info",
+                            json!({"compacted": true, "tip_session_id": tip}),
+                        );
+                        let rows = events::append_tx(conn, &root, &[event], now)?;
+                        Ok((tip, rows))
+                    })
                 })
-            })
-            .await
-            .map_err(|e| CompactError::Stop(Box::new(Stop::from(e))))?;
+                .await;
+            match written {
+                Ok(done) => break done,
+                Err(e) if passing(&e) && tries < LOAD_TRIES && !stopping(&self.ctx) => {
+                    tries += 1;
+                    let wait = LOAD_RETRY_FIRST.saturating_mul(1 << tries);
+                    tracing::warn!(session = %self.ctx.root_id, error = %e, ?wait,
+                        "the compaction could not be committed; trying again");
+                    let mut cancel = self.ctx.cancel.clone();
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = cancelled(&mut cancel) => {}
+                    }
+                }
+                Err(e) => return Err(CompactError::Stop(Box::new(Stop::from(e)))),
+            }
+        };
         tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
         self.ctx.sup.do_send(Committed { rows });
         self.tip = tip;

@@ -733,6 +733,53 @@ async fn a_request_asks_for_no_more_answer_than_its_window_leaves() {
     );
 }
 
+/// A compaction whose commit meets a failure of the store that passes (the database locked past
+/// the writer's busy wait) is committed on a later try: the summary made is kept, and the turn
+/// completes. It failed the turn `storage_unavailable`, and the next turn asked for the same
+/// summary again.
+#[actix_rt::test]
+async fn a_compaction_commit_the_store_refuses_for_a_while_is_tried_again() {
+    let home = Home::new();
+    let db = home.path.join("state.db");
+    let locked_once = Arc::new(AtomicBool::new(false));
+    let model = FakeModel::start(move |body| {
+        if !is_summary(body) {
+            return ack(body);
+        }
+        if !locked_once.swap(true, Ordering::SeqCst) {
+            // The summary is answered while another connection holds the write lock longer
+            // than the writer waits for it (5 s): the compaction's first commit fails.
+            let (held_tx, held) = std::sync::mpsc::channel();
+            let db = db.clone();
+            std::thread::spawn(move || {
+                use diesel::connection::SimpleConnection;
+                use diesel::Connection;
+                let mut holder =
+                    diesel::SqliteConnection::establish(&db.to_string_lossy()).expect("open");
+                holder.batch_execute("BEGIN IMMEDIATE").expect("write lock");
+                let _ = held_tx.send(());
+                std::thread::sleep(Duration::from_secs(6));
+                holder.batch_execute("ROLLBACK").expect("let go");
+            });
+            held.recv().expect("the lock is held");
+        }
+        summary_reply()
+    });
+    home.write_config(&pressure_config(&model.url, false));
+    let d = Daemon::start(&home);
+    let mut ws = d.ws().await;
+    let sid = ws.toolless("locked", &home.path).await;
+    for i in 0..4 {
+        run(&mut ws, &home, &sid, i).await;
+    }
+    assert_eq!(summaries(&model).len(), 1);
+    assert_eq!(
+        home.children(&sid).len(),
+        1,
+        "compacted into a child session"
+    );
+}
+
 /// A model whose window neither the config nor the limits file gives is taken for a 128K one;
 /// its first overflow error that names its window (`maximum context length is 4096 tokens`)
 /// teaches the gateway that window, and later requests are compacted before they are sent.
