@@ -292,6 +292,12 @@ impl Handler<StopBackground> for TerminalTool {
     }
 }
 
+/// The most threads [`on_own_thread`] keeps at once (stuck ones included).
+const MAX_LOOKS: usize = 64;
+
+/// Threads of [`on_own_thread`] alive now.
+static LOOKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Run `f` (which reads the file system, or spawns a process in a directory) on a thread of its
 /// own, for at most `limit`: `None` past it, or if `f` panicked. A thread stuck on a mount that
 /// stopped answering stays stuck, and nothing waits for it: not the caller's thread (which may
@@ -301,7 +307,36 @@ pub(crate) async fn on_own_thread<T: Send + 'static>(
     limit: std::time::Duration,
     f: impl FnOnce(&std::sync::atomic::AtomicBool) -> T + Send + 'static,
 ) -> Option<T> {
+    on_own_thread_within(&LOOKS, MAX_LOOKS, limit, f).await
+}
+
+/// [`on_own_thread`], with at most `most` threads counted in `looks` at once.
+async fn on_own_thread_within<T: Send + 'static>(
+    looks: &'static std::sync::atomic::AtomicUsize,
+    most: usize,
+    limit: std::time::Duration,
+    f: impl FnOnce(&std::sync::atomic::AtomicBool) -> T + Send + 'static,
+) -> Option<T> {
     use std::sync::atomic::{AtomicBool, Ordering};
+    // Taken for as long as the thread lives (a stuck one keeps it): each call on a mount that
+    // stopped answering left a thread behind, without bound (a turn's retries, 64 calls a
+    // response). Past the bound, a look is given up on at once.
+    if looks.fetch_add(1, Ordering::SeqCst) >= most {
+        looks.fetch_sub(1, Ordering::SeqCst);
+        tracing::warn!(
+            threads = most,
+            "file system looks are all still waiting (a mount that stopped answering?): this \
+             one is given up on at once"
+        );
+        return None;
+    }
+    struct Taken(&'static std::sync::atomic::AtomicUsize);
+    impl Drop for Taken {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let taken = Taken(looks);
     let given_up = std::sync::Arc::new(AtomicBool::new(false));
     let flag = given_up.clone();
     let runtime = tokio::runtime::Handle::try_current().ok();
@@ -309,10 +344,12 @@ pub(crate) async fn on_own_thread<T: Send + 'static>(
     let spawned = std::thread::Builder::new()
         .name("gatehouse-look".into())
         .spawn(move || {
+            let _taken = taken;
             let _entered = runtime.as_ref().map(|r| r.enter());
             let _ = tx.send(f(&flag));
         });
     if let Err(e) = spawned {
+        // The closure, and the slot it holds, went with the failed spawn.
         tracing::error!(error = %e, "cannot start a thread");
         return None;
     }
@@ -355,6 +392,49 @@ mod tests {
         })
         .await;
         assert_eq!(answered, Some(true));
+    }
+
+    /// Threads stuck on a look are bounded: past the bound a look is given up on at once, with
+    /// no thread started, until a stuck one ends (each stuck one was one more thread for good).
+    #[actix_rt::test]
+    async fn stuck_looks_are_bounded() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static LOOKS: AtomicUsize = AtomicUsize::new(0);
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let stuck = std::sync::Arc::new(std::sync::Mutex::new(stuck));
+        for _ in 0..2 {
+            let stuck = stuck.clone();
+            let given_up =
+                super::on_own_thread_within(&LOOKS, 2, Duration::from_millis(20), move |_| {
+                    let _ = stuck.lock().map(|s| s.recv());
+                })
+                .await;
+            assert!(given_up.is_none());
+        }
+        assert_eq!(LOOKS.load(Ordering::SeqCst), 2);
+        let started = std::time::Instant::now();
+        let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = ran.clone();
+        let refused = super::on_own_thread_within(&LOOKS, 2, Duration::from_secs(10), move |_| {
+            seen.store(true, Ordering::SeqCst);
+        })
+        .await;
+        assert!(refused.is_none());
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "refused at once"
+        );
+        assert!(!ran.load(Ordering::SeqCst), "no thread ran it");
+        // The stuck ones end: their slots come back.
+        release.send(()).expect("release");
+        release.send(()).expect("release");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while LOOKS.load(Ordering::SeqCst) > 0 {
+            assert!(std::time::Instant::now() < deadline, "the slots come back");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let answered = super::on_own_thread_within(&LOOKS, 2, Duration::from_secs(10), |_| 7).await;
+        assert_eq!(answered, Some(7));
     }
 
     /// An ended background process's log is removed once older than the retention (and with
