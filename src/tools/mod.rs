@@ -81,6 +81,8 @@ pub struct TerminalTool {
     logs: PathBuf,
     /// The gateway stops: no new one starts.
     closed: bool,
+    /// Background starts on their way (their shells spawning): counted against the bound.
+    starting: usize,
     /// How long the log of a process that has ended is kept (`None`: for good).
     log_max_age: Option<std::time::Duration>,
 }
@@ -110,6 +112,7 @@ impl TerminalTool {
             max_background,
             logs,
             closed: false,
+            starting: 0,
             log_max_age,
         })
     }
@@ -198,51 +201,74 @@ impl Message for StartBackground {
 }
 
 impl Handler<StartBackground> for TerminalTool {
-    type Result = Result<BackgroundStarted, TerminalError>;
+    type Result = ResponseActFuture<Self, Result<BackgroundStarted, TerminalError>>;
 
-    fn handle(&mut self, m: StartBackground, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, m: StartBackground, _: &mut Context<Self>) -> Self::Result {
+        let refused = |e: TerminalError| -> Self::Result { Box::pin(fut::ready(Err(e))) };
         if self.closed {
-            return Err(TerminalError::Stopping);
+            return refused(TerminalError::Stopping);
         }
         // An interrupt acknowledged while the start waited for this thread: the client was told
         // the turn stopped, and a process that outlives it started after that.
         if *m.cancel.borrow() {
-            return Err(TerminalError::Interrupted);
+            return refused(TerminalError::Interrupted);
         }
-        if self.background.len() >= self.max_background {
-            return Err(TerminalError::TooManyBackground(self.max_background));
+        if self.background.len() + self.starting >= self.max_background {
+            return refused(TerminalError::TooManyBackground(self.max_background));
         }
         let id = format!("bg-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let log = self.logs.join(format!("{id}.log"));
-        let file = open_log(&self.logs, &log).map_err(TerminalError::Log)?;
-        let (pid, run) = match terminal::spawn_background(
-            &m.spec,
-            file,
-            terminal::BACKGROUND_LOG_CAP,
-            &m.cancel,
-        ) {
-            Ok(started) => started,
-            Err(e) => {
-                // Nothing ran, or (interrupted as it started) its output was never read: no log
-                // of it is left.
-                let _ = std::fs::remove_file(&log);
-                return Err(e);
-            }
+        let file = match open_log(&self.logs, &log) {
+            Ok(file) => file,
+            Err(e) => return refused(TerminalError::Log(e)),
         };
-        let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
-        self.background.insert(id.clone(), pgid);
-        tracing::info!(
-            id = %id,
-            pid,
-            command = %redact::redact(&m.spec.command),
-            "background process started"
-        );
-        let ended = id.clone();
-        ctx.spawn(run.into_actor(self).map(move |code, act, _| {
-            act.background.remove(&ended);
-            tracing::info!(id = %ended, pid, exit_code = ?code, "background process ended");
-        }));
-        Ok(BackgroundStarted { id, pid, log })
+        // The directory's look and the shell's spawn (which waits for its `chdir` and `exec`)
+        // on a thread of their own: on this one, which runs every session's commands, a
+        // directory on a mount that stopped answering hung them all (their interrupts and time
+        // limits with them).
+        self.starting += 1;
+        let (spec, cancel) = (m.spec, m.cancel);
+        let command = redact::redact(&spec.command).into_owned();
+        let cwd = spec.cwd.clone();
+        let spawned = on_own_thread(terminal::SPAWN_TIMEOUT, move |given_up| {
+            let started =
+                terminal::spawn_background(&spec, file, terminal::BACKGROUND_LOG_CAP, &cancel)?;
+            if given_up.load(std::sync::atomic::Ordering::SeqCst) {
+                terminal::kill_group(started.0);
+                return Err(TerminalError::Spawn(std::io::Error::other(
+                    "started too late",
+                )));
+            }
+            Ok(started)
+        });
+        Box::pin(spawned.into_actor(self).map(move |spawned, act, ctx| {
+            act.starting -= 1;
+            let spawned = spawned.unwrap_or_else(|| Err(terminal::spawn_timed_out(&cwd)));
+            let (pid, run) = match spawned {
+                // The gateway began to stop while it started: nothing is left running past it.
+                Ok((pid, _)) if act.closed => {
+                    terminal::kill_group(pid);
+                    let _ = std::fs::remove_file(&log);
+                    return Err(TerminalError::Stopping);
+                }
+                Ok(started) => started,
+                Err(e) => {
+                    // Nothing ran, or (interrupted as it started) its output was never read:
+                    // no log of it is left.
+                    let _ = std::fs::remove_file(&log);
+                    return Err(e);
+                }
+            };
+            let pgid = libc::pid_t::try_from(pid).unwrap_or(0);
+            act.background.insert(id.clone(), pgid);
+            tracing::info!(id = %id, pid, command = %command, "background process started");
+            let ended = id.clone();
+            ctx.spawn(run.into_actor(act).map(move |code, act, _| {
+                act.background.remove(&ended);
+                tracing::info!(id = %ended, pid, exit_code = ?code, "background process ended");
+            }));
+            Ok(BackgroundStarted { id, pid, log })
+        }))
     }
 }
 
@@ -458,6 +484,7 @@ mod tests {
             max_background: 8,
             logs: dir.clone(),
             closed: false,
+            starting: 0,
             log_max_age: None,
         };
         tool.prune_logs();

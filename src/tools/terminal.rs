@@ -560,7 +560,7 @@ pub fn default_shell() -> Option<PathBuf> {
 
 /// How long the start of a foreground command may take: its directory checked, its shell
 /// spawned (the spawn waits for the shell's `chdir` and `exec`).
-const SPAWN_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const SPAWN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// [`spawn_shell`] in `spec.cwd` (checked first), on a thread of its own: on this one, which
 /// runs every session's commands, a directory on a mount that stopped answering hung them all.
@@ -578,26 +578,37 @@ async fn spawn_off_thread(
         }
         let child = spawn_shell(&spec, &env)?;
         if given_up.load(std::sync::atomic::Ordering::SeqCst) {
-            if let Some(pgid) = child.id().and_then(|id| libc::pid_t::try_from(id).ok()) {
-                // SAFETY: a plain signal to the process group the shell leads.
-                unsafe { libc::killpg(pgid, libc::SIGKILL) };
+            if let Some(pid) = child.id() {
+                kill_group(pid);
             }
             return Err(TerminalError::Spawn(io::Error::other("started too late")));
         }
         Ok(child)
     })
     .await;
-    spawned.unwrap_or_else(|| {
-        Err(TerminalError::Spawn(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!(
-                "its shell did not start within {} s in {} (a mount that stopped answering?); \
-                 not run",
-                SPAWN_TIMEOUT.as_secs(),
-                cwd.display()
-            ),
-        )))
-    })
+    spawned.unwrap_or_else(|| Err(spawn_timed_out(&cwd)))
+}
+
+/// A shell that did not start within [`SPAWN_TIMEOUT`] in `cwd`.
+pub(crate) fn spawn_timed_out(cwd: &Path) -> TerminalError {
+    TerminalError::Spawn(io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!(
+            "its shell did not start within {} s in {} (a mount that stopped answering?); not run",
+            SPAWN_TIMEOUT.as_secs(),
+            cwd.display()
+        ),
+    ))
+}
+
+/// Kill the process group shell `pid` leads (never our own group nor init's).
+pub(crate) fn kill_group(pid: u32) {
+    if let Ok(pgid) = libc::pid_t::try_from(pid) {
+        if pgid > 1 {
+            // SAFETY: a plain signal to the process group the shell leads.
+            unsafe { libc::killpg(pgid, libc::SIGKILL) };
+        }
+    }
 }
 
 fn spawn_shell(spec: &CommandSpec, env: &[(OsString, OsString)]) -> Result<Child, TerminalError> {
