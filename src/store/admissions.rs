@@ -1904,6 +1904,81 @@ mod tests {
         }
     }
 
+    /// A prompt remembers its own session's newest message, not the table's: another
+    /// session's claim, taken back by a drain, had the newest id, and its deleted user
+    /// message's id went to this turn's next message, which then read as written before the
+    /// prompt (its command's stub said "did not run").
+    #[test]
+    fn a_message_id_given_again_still_reads_as_after_the_prompt() {
+        use crate::store::messages::{append_for_attempt, live, NewMessage};
+        use crate::store::prompts::{close_abandoned, record_open};
+        let (_d, mut c, e) = setup();
+        testing::session(&mut c, e, "s2");
+        let b = admit(&mut c, e, "p", "s1", "b", "B", 10, 1.0)
+            .expect("b")
+            .value
+            .0;
+        let Claim::Started(_) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
+            panic!("no claim")
+        };
+        let calls = serde_json::json!([
+            {"id": "ask", "type": "function", "function": {"name": "clarify", "arguments": "{}"}},
+            {"id": "run", "type": "function", "function": {"name": "terminal", "arguments": "{}"}},
+        ]);
+        let assistant = NewMessage {
+            role: "assistant".into(),
+            tool_calls: Some(calls.to_string()),
+            admission_id: Some(b.admission_id.clone()),
+            ..Default::default()
+        };
+        append_for_attempt(&mut c, e, "s1", 1, &[assistant], 2.1).expect("calls");
+        // Another session's claim writes the newest message of the table.
+        let a = admit(&mut c, e, "p", "s2", "a", "A", 10, 2.2)
+            .expect("a")
+            .value
+            .0;
+        let Claim::Started(claimed) = claim(&mut c, e, "s2", 2.3).expect("claim a").value else {
+            panic!("no claim of a")
+        };
+        let payload = serde_json::json!({"question": "?"});
+        record_open(
+            &mut c,
+            e,
+            "q1",
+            "s1",
+            &b.admission_id,
+            1,
+            "clarify",
+            &payload,
+            2.4,
+        )
+        .expect("prompt");
+        // A drain takes that claim back (its user message deleted); the turn goes past its
+        // question, and its next message gets the deleted one's id.
+        let generation = claimed.execution_generation.expect("generation");
+        unclaim(&mut c, e, "s2", &a.admission_id, generation, 2.5).expect("unclaim");
+        let timed_out = NewMessage {
+            role: "tool".into(),
+            content: Some("timed out".into()),
+            tool_call_id: Some("ask".into()),
+            tool_name: Some("clarify".into()),
+            admission_id: Some(b.admission_id.clone()),
+            ..Default::default()
+        };
+        append_for_attempt(&mut c, e, "s1", 1, &[timed_out], 2.6).expect("result");
+        let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
+        epoch::recover_started(&mut c, e2, 3.0).expect("sweep");
+        assert_eq!(close_abandoned(&mut c, e2, 3.0).expect("close"), 1);
+        resolve_unknown(&mut c, e2, "s1", &b.admission_id, 1, 4.0).expect("resolve");
+        let stub = live(&mut c, "s1")
+            .expect("live")
+            .into_iter()
+            .find(|m| m.tool_call_id.as_deref() == Some("run"))
+            .and_then(|m| m.content)
+            .expect("the command's stub");
+        assert!(stub.contains("may have run"), "{stub}");
+    }
+
     #[test]
     fn an_unclaimed_row_is_queued_again_without_its_user_message() {
         use crate::store::messages::live;

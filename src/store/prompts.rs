@@ -43,11 +43,23 @@ pub fn record_open(
         // An attempt's generation names it within its session: the running admission at this
         // generation is the prompt's own.
         super::admissions::require_running(conn, epoch, session_id, generation)?;
-        // Message ids only grow: a message of the turn written after this prompt has a larger
-        // one, whatever the clock said (see `admissions::resolve_unknown`).
-        let after_message_id: Option<i64> = super::schema::messages::table
-            .select(diesel::dsl::max(super::schema::messages::id))
-            .first(conn)?;
+        // A message of the turn written after this prompt has a larger id than the session's
+        // newest now, whatever the clock said (see `admissions::resolve_unknown`). The
+        // session's own: the newest of the whole table could be another session's claim that
+        // a drain then took back (its user message deleted), and its id was given again to
+        // this turn's next message, which then read as written before the prompt.
+        let tip = super::sessions::root_of(conn, session_id)?.tip_session_id;
+        let after_message_id: Option<i64> = match super::sessions::find_ordinal(conn, &tip)? {
+            Some(ordinal) => {
+                use super::schema::messages as m;
+                m::table
+                    .filter(m::session_ordinal.eq(ordinal))
+                    .filter(m::active.eq(1))
+                    .select(diesel::dsl::max(m::id))
+                    .first(conn)?
+            }
+            None => None,
+        };
         diesel::insert_into(prompts::table)
             .values((
                 prompts::prompt_id.eq(prompt_id),
