@@ -615,9 +615,18 @@ async fn named_base(
     authority: &Authority,
     root: &str,
     principal: &str,
+    (user, profile): (Option<&str>, Option<&str>),
     request: &[(String, String)],
 ) -> Result<String, ChatFailure> {
-    let prefix = format!("chat-{}-s", &thread_key(&Value::Null, request)[..32]);
+    // The end user and the profile are part of the request: another end user's same message
+    // ("yes") in the same session joined this one's input and got its answer. (Neither given,
+    // the id is what it was.)
+    let scope = if user.is_none() && profile.is_none() {
+        Value::Null
+    } else {
+        json!([user, profile])
+    };
+    let prefix = format!("chat-{}-s", &thread_key(&scope, request)[..32]);
     let (r, p) = (root.to_string(), principal.to_string());
     let latest = authority
         .shared
@@ -1114,6 +1123,10 @@ async fn complete(
     // takes (up to `http.completion_timeout_seconds`): its transcript, which may be the whole
     // conversation the request carried, is let go now, as the request's own messages were.
     drop(std::mem::take(&mut snap.messages));
+    // Of its pending inputs only the unknown ones are read (`held_by`): the rest, up to a
+    // thousand of 4,096 characters each, were held by every request waiting in the session.
+    snap.pending.retain(|p| p.status == "unknown");
+    snap.pending.shrink_to_fit();
     let root = snap.session_id.clone();
     let snap_root = root.clone();
     // Every refusal from here on names the session the request reached (and its input, once
@@ -1184,7 +1197,8 @@ async fn complete(
                 next_attempt(authority, &root, &principal, &input_id_of(key)).await?
             }
             (None, None) => {
-                let base = named_base(authority, &root, &principal, request).await?;
+                let scope = (body.user.as_deref(), profile);
+                let base = named_base(authority, &root, &principal, scope, request).await?;
                 next_attempt(authority, &root, &principal, &base).await?
             }
         };

@@ -1340,6 +1340,32 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
     }
 }
 
+/// In a named session, another end user's same message is a new input of its own: it joined
+/// the first one's input (the id was the message's hash alone) and got that one's answer, its
+/// own message never reaching the model.
+#[actix_rt::test]
+async fn another_end_users_same_message_in_a_named_session_is_its_own_input() {
+    let model = FakeModel::ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY);
+    let named = api.with("x-gatehouse-session", "shared");
+    for user in ["alice", "bob"] {
+        let r = chat(
+            &named,
+            json!({"model": "gpt-4o", "user": user, "messages": [{"role": "user", "content": "yes"}]}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(
+        model.reached("yes"),
+        2,
+        "each end user's message asked the model"
+    );
+}
+
 #[actix_rt::test]
 async fn chat_completions_speak_the_openai_wire_format() {
     let model = FakeModel::ack_or_hang();
