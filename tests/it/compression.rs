@@ -1277,11 +1277,15 @@ async fn an_overflow_after_a_failed_summary_fails_the_turn_without_asking_again(
 
 /// A summary that fails is asked for once, not retried, and not again after the turn's tool
 /// rounds: the turn goes on as it is.
-#[actix_rt::test]
-async fn a_failing_summary_is_asked_once_per_turn() {
-    let model = FakeModel::start(|body| {
+/// P0 to P3 run in a session with the terminal tool, P3 past the threshold and answering with
+/// one tool round; the summary model answers `summary`. The model and the session's id.
+async fn p3_with_a_tool_round(
+    summary: impl Fn() -> Reply + Send + Sync + 'static,
+    name: &str,
+) -> (FakeModel, Home, String) {
+    let model = FakeModel::start(move |body| {
         if is_summary(body) {
-            return Reply::Status(500, json!({"error": {"message": "summariser down"}}));
+            return summary();
         }
         if tag(&last_user(body)) == "P3" && !after_tool(body) {
             return Reply::Message(
@@ -1301,7 +1305,7 @@ async fn a_failing_summary_is_asked_once_per_turn() {
     let d = Daemon::start(&home);
     let mut ws = d.ws().await;
     let sid = ws
-        .create("failing", &home.path, json!({"toolsets": ["terminal"]}))
+        .create(name, &home.path, json!({"toolsets": ["terminal"]}))
         .await["session_id"]
         .as_str()
         .expect("sid")
@@ -1309,6 +1313,13 @@ async fn a_failing_summary_is_asked_once_per_turn() {
     for i in 0..4 {
         run(&mut ws, &home, &sid, i).await;
     }
+    (model, home, sid)
+}
+
+#[actix_rt::test]
+async fn a_failing_summary_is_asked_once_per_turn() {
+    let down = || Reply::Status(500, json!({"error": {"message": "summariser down"}}));
+    let (model, home, sid) = p3_with_a_tool_round(down, "failing").await;
     assert_eq!(
         summaries(&model).len(),
         1,
@@ -1330,37 +1341,11 @@ async fn a_failing_summary_is_asked_once_per_turn() {
 /// tool round, each time thrown away.
 #[actix_rt::test]
 async fn a_summary_longer_than_its_turns_is_not_asked_again_in_the_turn() {
-    let model = FakeModel::start(|body| {
-        if is_summary(body) {
-            let long = format!("{SUMMARY} {}", "s".repeat(60_000));
-            return Reply::Message(json!({"role": "assistant", "content": long}), "stop");
-        }
-        if tag(&last_user(body)) == "P3" && !after_tool(body) {
-            return Reply::Message(
-                tool_call("t1", "terminal", json!({"command": "echo tool-round"})),
-                "tool_calls",
-            );
-        }
-        ack(body)
-    });
-    let home = Home::new();
-    let mut cfg = pressure_config(&model.url, false);
-    merge(
-        &mut cfg,
-        json!({"platform_toolsets": {"cli": ["terminal"]}}),
-    );
-    home.write_config(&cfg);
-    let d = Daemon::start(&home);
-    let mut ws = d.ws().await;
-    let sid = ws
-        .create("long", &home.path, json!({"toolsets": ["terminal"]}))
-        .await["session_id"]
-        .as_str()
-        .expect("sid")
-        .to_string();
-    for i in 0..4 {
-        run(&mut ws, &home, &sid, i).await;
-    }
+    let long = || {
+        let long = format!("{SUMMARY} {}", "s".repeat(60_000));
+        Reply::Message(json!({"role": "assistant", "content": long}), "stop")
+    };
+    let (model, home, sid) = p3_with_a_tool_round(long, "long").await;
     assert_eq!(
         summaries(&model).len(),
         1,
