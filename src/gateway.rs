@@ -1419,6 +1419,48 @@ mod tests {
             .expect("session");
     }
 
+    /// Session `id` (principal `p`) calling the model at `base_url` with `toolsets` (JSON), and
+    /// its supervisor.
+    async fn session_on(
+        gw: &super::RunningGateway,
+        id: &str,
+        base_url: String,
+        toolsets: &str,
+    ) -> actix::Addr<crate::session::supervisor::SessionSupervisor> {
+        let (epoch, sid, toolsets) = (gw.shared.epoch, id.to_string(), toolsets.to_string());
+        gw.shared
+            .db
+            .write(move |c| {
+                let mut new = crate::store::testing::new_session(&sid);
+                new.base_url = Some(base_url);
+                new.toolsets_json = toolsets;
+                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
+            })
+            .await
+            .expect("session");
+        gw.registry
+            .send(crate::session::registry::GetSupervisor(id.into()))
+            .await
+            .expect("supervisor")
+    }
+
+    /// Input `a` ("hello") submitted to `sup`, admitted and started.
+    async fn started_input(
+        sup: &actix::Addr<crate::session::supervisor::SessionSupervisor>,
+    ) -> crate::store::admissions::AdmissionRow {
+        let started = sup
+            .send(crate::session::supervisor::Submit {
+                principal: "p".into(),
+                input_id: "a".into(),
+                text: "hello".into(),
+            })
+            .await
+            .expect("sent")
+            .expect("admitted");
+        assert_eq!(started.status, "started");
+        started
+    }
+
     /// `gw`'s session authority, without its rooms.
     fn authority_of(gw: &super::RunningGateway) -> crate::api::rpc::Authority {
         crate::api::rpc::Authority {
@@ -1538,22 +1580,12 @@ mod tests {
     /// client that reads the events after it would never see the prompt otherwise.
     #[actix_rt::test]
     async fn a_snapshot_lists_a_prompt_recorded_before_it_is_handed_over() {
-        use crate::session::supervisor::Submit;
         // A model that takes the request and never answers: the turn stays running.
         let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
         let mut config = crate::config::Config::default();
         config.model.base_url = Some(format!("http://{}/v1", model.local_addr().expect("addr")));
         let (_dir, gw, sup) = started_with_a_session_on(config).await;
-        let started = sup
-            .send(Submit {
-                principal: "p".into(),
-                input_id: "a".into(),
-                text: "hello".into(),
-            })
-            .await
-            .expect("sent")
-            .expect("admitted");
-        assert_eq!(started.status, "started");
+        let started = started_input(&sup).await;
         let generation = started.execution_generation.expect("generation");
         // What a turn commits before it hands the prompt over (`RegisterPrompt`).
         let (epoch, admission) = (gw.shared.epoch, started.admission_id.clone());
@@ -1679,36 +1711,13 @@ mod tests {
     /// resolve at once: it stayed `started`, holding the session's queue until a restart.
     #[actix_rt::test]
     async fn a_turn_dropped_by_its_supervisors_fault_is_unknown_at_once() {
-        use crate::session::supervisor::{PanicForTest, Submit};
+        use crate::session::supervisor::PanicForTest;
         // A model that takes the request and never answers: the turn stays running.
         let model = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
         let base_url = format!("http://{}/v1", model.local_addr().expect("addr"));
         let (_dir, gw, _) = started_with_a_session().await;
-        let epoch = gw.shared.epoch;
-        gw.shared
-            .db
-            .write(move |c| {
-                let mut new = crate::store::testing::new_session("m");
-                new.base_url = Some(base_url);
-                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
-            })
-            .await
-            .expect("session");
-        let sup = gw
-            .registry
-            .send(crate::session::registry::GetSupervisor("m".into()))
-            .await
-            .expect("supervisor");
-        let started = sup
-            .send(Submit {
-                principal: "p".into(),
-                input_id: "a".into(),
-                text: "hello".into(),
-            })
-            .await
-            .expect("sent")
-            .expect("admitted");
-        assert_eq!(started.status, "started");
+        let sup = session_on(&gw, "m", base_url, "[]").await;
+        let started = started_input(&sup).await;
         let generation = started.execution_generation.expect("generation");
         // The model has the request: the turn runs (a failed one settles on its own).
         model.set_nonblocking(true).expect("nonblocking");
@@ -1760,7 +1769,7 @@ mod tests {
     /// (as a crash under systemd stops it): it ran on to its own timeout, its input `unknown`.
     #[actix_rt::test]
     async fn a_command_of_a_turn_dropped_by_its_supervisors_fault_is_stopped() {
-        use crate::session::supervisor::{PanicForTest, Submit};
+        use crate::session::supervisor::PanicForTest;
         use std::io::{BufRead, Read, Write};
         let dir = crate::store::testing::tempfile_dir::TempDir::new();
         let pid_file = dir.path().join("pid");
@@ -1820,30 +1829,8 @@ mod tests {
         let gw = super::Gateway::start(home, crate::config::Config::default())
             .await
             .expect("start");
-        let epoch = gw.shared.epoch;
-        gw.shared
-            .db
-            .write(move |c| {
-                let mut new = crate::store::testing::new_session("t");
-                new.toolsets_json = r#"["terminal"]"#.into();
-                new.base_url = Some(base_url);
-                crate::store::sessions::create_or_get(c, epoch, &new, 1.0)
-            })
-            .await
-            .expect("session");
-        let sup = gw
-            .registry
-            .send(crate::session::registry::GetSupervisor("t".into()))
-            .await
-            .expect("supervisor");
-        sup.send(Submit {
-            principal: "p".into(),
-            input_id: "a".into(),
-            text: "sleep".into(),
-        })
-        .await
-        .expect("sent")
-        .expect("admitted");
+        let sup = session_on(&gw, "t", base_url, r#"["terminal"]"#).await;
+        started_input(&sup).await;
         async fn until(what: &str, done: impl Fn() -> bool) {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
             while !done() {
