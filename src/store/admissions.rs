@@ -1829,6 +1829,42 @@ mod tests {
         ));
     }
 
+    /// A turn's assistant message calling `clarify` (`ask`), then `terminal` (`run`).
+    fn ask_then_run(admission_id: &str) -> crate::store::messages::NewMessage {
+        let calls = serde_json::json!([
+            {"id": "ask", "type": "function", "function": {"name": "clarify", "arguments": "{}"}},
+            {"id": "run", "type": "function", "function": {"name": "terminal", "arguments": "{}"}},
+        ]);
+        crate::store::messages::NewMessage {
+            role: "assistant".into(),
+            tool_calls: Some(calls.to_string()),
+            admission_id: Some(admission_id.into()),
+            ..Default::default()
+        }
+    }
+
+    /// The result of [`ask_then_run`]'s question that timed out: the turn went past it.
+    fn timed_out_answer(admission_id: &str) -> crate::store::messages::NewMessage {
+        crate::store::messages::NewMessage {
+            role: "tool".into(),
+            content: Some("timed out".into()),
+            tool_call_id: Some("ask".into()),
+            tool_name: Some("clarify".into()),
+            admission_id: Some(admission_id.into()),
+            ..Default::default()
+        }
+    }
+
+    /// What `s1`'s transcript says of [`ask_then_run`]'s command once its turn was resolved.
+    fn run_stub(c: &mut SqliteConnection) -> String {
+        crate::store::messages::live(c, "s1")
+            .expect("live")
+            .into_iter()
+            .find(|m| m.tool_call_id.as_deref() == Some("run"))
+            .and_then(|m| m.content)
+            .expect("the command's stub")
+    }
+
     /// A turn parked on a question when the process died: the call it asked about never ran,
     /// and its stub says so. A turn whose question timed out and went on (its timeout not yet
     /// written when the process died, so the boot closed the prompt abandoned) to a command:
@@ -1837,7 +1873,7 @@ mod tests {
     /// back between the prompt and the turn's next message (written at an earlier time).
     #[test]
     fn a_lost_turn_after_a_prompt_it_went_past_may_have_run_its_calls() {
-        use crate::store::messages::{append_for_attempt, live, NewMessage};
+        use crate::store::messages::append_for_attempt;
         use crate::store::prompts::{close_abandoned, record_open};
         for (went_on, at) in [(false, 0.0), (true, 2.3), (true, 2.15)] {
             let (_d, mut c, e) = setup();
@@ -1848,16 +1884,7 @@ mod tests {
             let Claim::Started(_) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
                 panic!("no claim")
             };
-            let calls = serde_json::json!([
-                {"id": "ask", "type": "function", "function": {"name": "clarify", "arguments": "{}"}},
-                {"id": "run", "type": "function", "function": {"name": "terminal", "arguments": "{}"}},
-            ]);
-            let assistant = NewMessage {
-                role: "assistant".into(),
-                tool_calls: Some(calls.to_string()),
-                admission_id: Some(a.admission_id.clone()),
-                ..Default::default()
-            };
+            let assistant = ask_then_run(&a.admission_id);
             append_for_attempt(&mut c, e, "s1", 1, &[assistant], 2.1).expect("calls");
             let payload = serde_json::json!({"question": "?"});
             record_open(
@@ -1873,14 +1900,7 @@ mod tests {
             )
             .expect("prompt");
             if went_on {
-                let timed_out = NewMessage {
-                    role: "tool".into(),
-                    content: Some("timed out".into()),
-                    tool_call_id: Some("ask".into()),
-                    tool_name: Some("clarify".into()),
-                    admission_id: Some(a.admission_id.clone()),
-                    ..Default::default()
-                };
+                let timed_out = timed_out_answer(&a.admission_id);
                 append_for_attempt(&mut c, e, "s1", 1, &[timed_out], at).expect("result");
             }
             let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
@@ -1890,12 +1910,7 @@ mod tests {
             // took them, and the parked turn's stub then said its command "may have run").
             crate::store::prompts::prune(&mut c, 1e12).expect("prune");
             resolve_unknown(&mut c, e2, "s1", &a.admission_id, 1, 4.0).expect("resolve");
-            let stub = live(&mut c, "s1")
-                .expect("live")
-                .into_iter()
-                .find(|m| m.tool_call_id.as_deref() == Some("run"))
-                .and_then(|m| m.content)
-                .expect("the command's stub");
+            let stub = run_stub(&mut c);
             if went_on {
                 assert!(stub.contains("may have run"), "at {at}: {stub}");
             } else {
@@ -1910,7 +1925,7 @@ mod tests {
     /// prompt (its command's stub said "did not run").
     #[test]
     fn a_message_id_given_again_still_reads_as_after_the_prompt() {
-        use crate::store::messages::{append_for_attempt, live, NewMessage};
+        use crate::store::messages::append_for_attempt;
         use crate::store::prompts::{close_abandoned, record_open};
         let (_d, mut c, e) = setup();
         testing::session(&mut c, e, "s2");
@@ -1921,16 +1936,7 @@ mod tests {
         let Claim::Started(_) = claim(&mut c, e, "s1", 2.0).expect("claim").value else {
             panic!("no claim")
         };
-        let calls = serde_json::json!([
-            {"id": "ask", "type": "function", "function": {"name": "clarify", "arguments": "{}"}},
-            {"id": "run", "type": "function", "function": {"name": "terminal", "arguments": "{}"}},
-        ]);
-        let assistant = NewMessage {
-            role: "assistant".into(),
-            tool_calls: Some(calls.to_string()),
-            admission_id: Some(b.admission_id.clone()),
-            ..Default::default()
-        };
+        let assistant = ask_then_run(&b.admission_id);
         append_for_attempt(&mut c, e, "s1", 1, &[assistant], 2.1).expect("calls");
         // Another session's claim writes the newest message of the table.
         let a = admit(&mut c, e, "p", "s2", "a", "A", 10, 2.2)
@@ -1957,25 +1963,13 @@ mod tests {
         // question, and its next message gets the deleted one's id.
         let generation = claimed.execution_generation.expect("generation");
         unclaim(&mut c, e, "s2", &a.admission_id, generation, 2.5).expect("unclaim");
-        let timed_out = NewMessage {
-            role: "tool".into(),
-            content: Some("timed out".into()),
-            tool_call_id: Some("ask".into()),
-            tool_name: Some("clarify".into()),
-            admission_id: Some(b.admission_id.clone()),
-            ..Default::default()
-        };
+        let timed_out = timed_out_answer(&b.admission_id);
         append_for_attempt(&mut c, e, "s1", 1, &[timed_out], 2.6).expect("result");
         let e2 = epoch::begin_epoch(&mut c, "j", 3.0).expect("epoch");
         epoch::recover_started(&mut c, e2, 3.0).expect("sweep");
         assert_eq!(close_abandoned(&mut c, e2, 3.0).expect("close"), 1);
         resolve_unknown(&mut c, e2, "s1", &b.admission_id, 1, 4.0).expect("resolve");
-        let stub = live(&mut c, "s1")
-            .expect("live")
-            .into_iter()
-            .find(|m| m.tool_call_id.as_deref() == Some("run"))
-            .and_then(|m| m.content)
-            .expect("the command's stub");
+        let stub = run_stub(&mut c);
         assert!(stub.contains("may have run"), "{stub}");
     }
 
