@@ -2049,6 +2049,21 @@ async fn reattaching_a_peer_attempt_whose_session_is_gone_does_not_dispatch_it_a
     );
 }
 
+/// Once the room's first submit reached the member, its turn ends without a report (the member
+/// session idle, no terminal report sent): what its ledger says is the test's to set. The
+/// member session's id.
+async fn member_turn_ended_unreported(rpc: &FakeSessionRpc) -> String {
+    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
+    let session = rpc.first_session();
+    {
+        let mut states = lock(&rpc.states);
+        let state = states.get_mut(&session).expect("the member session");
+        state.on_terminal = None;
+        state.active = false;
+    }
+    session
+}
+
 /// A member turn stopped outside the room, whose terminal report was lost (its commit failed),
 /// is found by the observer in the member's own ledger: the task fails at once with the
 /// member's reason, not at its deadline.
@@ -2060,14 +2075,7 @@ async fn an_observed_turn_stopped_outside_the_room_is_read_from_the_members_ledg
     spec.config.turn_timeout_seconds = 3600.0;
     let runtime = spec.build(&db);
     runtime.start();
-    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
-    let session = rpc.first_session();
-    {
-        let mut states = lock(&rpc.states);
-        let state = states.get_mut(&session).expect("the member session");
-        state.on_terminal = None;
-        state.active = false;
-    }
+    member_turn_ended_unreported(&rpc).await;
     lock(&rpc.ledger).insert(
         "task-1".into(),
         LedgerAttempt::Ended(TerminalReceipt {
@@ -2107,14 +2115,7 @@ async fn an_observed_turn_its_member_holds_unknown_waits_for_the_operator_unlock
     spec.config.turn_timeout_seconds = 3600.0;
     let runtime = spec.build(&db);
     runtime.start();
-    assert!(rpc.submitted.wait(Duration::from_secs(5)).await);
-    let session = rpc.first_session();
-    {
-        let mut states = lock(&rpc.states);
-        let state = states.get_mut(&session).expect("the member session");
-        state.on_terminal = None;
-        state.active = false;
-    }
+    let session = member_turn_ended_unreported(&rpc).await;
     lock(&rpc.ledger).insert(
         "task-1".into(),
         LedgerAttempt::Unresolved {
