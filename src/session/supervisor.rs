@@ -1104,7 +1104,9 @@ impl Actor for SessionSupervisor {
             let (admission_id, generation) = (r.admission_id, r.generation);
             tracing::error!(session = %root, admission = %admission_id, generation,
                 "the session's supervisor stopped with its turn running; the input is unknown");
-            actix::spawn(async move {
+            // On the runtime's handle, not the arbiter's task set: as the runtime ends, a spawn
+            // is let go of instead of failing (the next start finds the row `unknown`).
+            let write = async move {
                 let id = admission_id.clone();
                 let marked = shared
                     .db
@@ -1116,7 +1118,13 @@ impl Actor for SessionSupervisor {
                     tracing::error!(session = %root, admission = %admission_id, error = %e,
                         "cannot mark the input unknown: it stays started until the next start");
                 }
-            });
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(write)),
+                Err(_) => tracing::error!(
+                    "no runtime to mark the input unknown: it stays started until the next start"
+                ),
+            }
         }
         if self.subscribers.is_empty() {
             return;
