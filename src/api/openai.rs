@@ -1047,8 +1047,17 @@ async fn complete(
         .map(|k| format!("idem-{}", hex(&Sha256::digest(k.as_bytes()))));
     // The key with what it was sent with (the conversation, its end user, the profile, the
     // session named): sent again with anything else, it is a conflict, not the first answer.
+    // The session named is the session, however it was named: a retry that names it by the id
+    // the first try's answer gave (as the answer asks) was a conflict with its own key.
+    let named_session = match (&idem, &named) {
+        (Some(_), Some(name)) => Some(match named_thread(authority, &principal, name).await? {
+            Thread::Existing(id) => id,
+            Thread::New { request_id, .. } => session_id_for(&principal, &request_id),
+        }),
+        _ => None,
+    };
     let sent_with = idem.as_ref().map(|idem| {
-        let scope = json!([body.user, profile, named]);
+        let scope = json!([body.user, profile, named_session]);
         format!("{idem}-{}", &thread_key(&scope, request)[..32])
     });
     let earlier = match &idem {

@@ -1340,6 +1340,26 @@ async fn chat_completions_keep_each_profile_to_its_own_session() {
     }
 }
 
+/// A keyed request sent again naming its session by the id the first answer gave (as a
+/// timed-out answer asks), not by the name it was first sent with, is the same request: it was
+/// refused `admission_conflict` with its own key, whatever it did.
+#[actix_rt::test]
+async fn a_keyed_retry_naming_its_session_by_id_is_the_same_request() {
+    let model = FakeModel::ack_or_hang();
+    let home = Home::new();
+    home.write_config(&keyed(&model, json!({})));
+    let d = Daemon::start(&home);
+    let api = Api::new(&d, KEY).with("idempotency-key", "k-1");
+    let body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "once"}]});
+    let first = chat(&api.with("x-gatehouse-session", "support"), body.clone()).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let session = session_of(&first);
+    let again = chat(&api.with("x-gatehouse-session", &session), body).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.body["choices"], first.body["choices"]);
+    assert_eq!(model.reached("once"), 1, "the turn ran once");
+}
+
 /// In a named session, another end user's same message is a new input of its own: it joined
 /// the first one's input (the id was the message's hash alone) and got that one's answer, its
 /// own message never reaching the model.
