@@ -74,12 +74,31 @@ fn disband_view(room: rooms::RoomView, idempotent: bool) -> Value {
 pub struct RoomEventHub {
     subscribers: Mutex<HashMap<String, HashMap<u64, Recipient<PushEvent>>>>,
     seq: Mutex<HashMap<String, u64>>,
+    /// The rooms retired last (at most [`RETIRED_KEPT`]), oldest first: a room read just before
+    /// its retirement is not followed once it is retired.
+    retired: Mutex<(
+        std::collections::HashSet<String>,
+        std::collections::VecDeque<String>,
+    )>,
 }
 
+/// How many retired rooms the hub remembers (a room's read that began before its retirement
+/// and ends after this many later ones is not looked for).
+const RETIRED_KEPT: usize = 4096;
+
 impl RoomEventHub {
+    /// Connection `conn_id` follows `room_id`, unless the room was retired meanwhile (a
+    /// `room.get` that read it before its disband ended after it): a retired room says
+    /// nothing more, and its entry held the connection's mailbox until the connection closed.
     pub fn subscribe(&self, room_id: &str, conn_id: u64, r: Recipient<PushEvent>) {
         if let Ok(mut s) = self.subscribers.lock() {
-            s.entry(room_id.to_string()).or_default().insert(conn_id, r);
+            let retired = self
+                .retired
+                .lock()
+                .is_ok_and(|retired| retired.0.contains(room_id));
+            if !retired {
+                s.entry(room_id.to_string()).or_default().insert(conn_id, r);
+            }
         }
     }
 
@@ -141,6 +160,18 @@ impl RoomHooks for RoomEventHub {
     fn room_retired(&self, room_id: &str) {
         if let Ok(mut seq) = self.seq.lock() {
             seq.remove(room_id);
+        }
+        // Remembered before its followers go: a subscription after this finds it retired, and
+        // one before it is removed below.
+        if let Ok(mut retired) = self.retired.lock() {
+            if retired.0.insert(room_id.to_string()) {
+                retired.1.push_back(room_id.to_string());
+            }
+            while retired.1.len() > RETIRED_KEPT {
+                if let Some(oldest) = retired.1.pop_front() {
+                    retired.0.remove(&oldest);
+                }
+            }
         }
         if let Ok(mut subscribers) = self.subscribers.lock() {
             subscribers.remove(room_id);
@@ -834,6 +865,32 @@ mod tests {
         assert_eq!(hub.counted_rooms(), 2);
         hub.room_retired("gone");
         assert_eq!(hub.counted_rooms(), 1);
+    }
+
+    /// A connection that asks to follow a room once it is retired (its read began before the
+    /// disband) is not kept as a follower: it was, holding the connection's mailbox until the
+    /// connection closed.
+    #[actix_rt::test]
+    async fn a_retired_room_is_not_followed_again() {
+        use actix::Actor;
+        struct Sink;
+        impl actix::Actor for Sink {
+            type Context = actix::Context<Self>;
+        }
+        impl actix::Handler<PushEvent> for Sink {
+            type Result = ();
+            fn handle(&mut self, _: PushEvent, _: &mut Self::Context) {}
+        }
+        let hub = RoomEventHub::default();
+        let sink = Sink.start();
+        hub.subscribe("kept", 1, sink.clone().recipient());
+        hub.room_retired("gone");
+        hub.subscribe("gone", 1, sink.recipient());
+        assert_eq!(
+            hub.followed_rooms(),
+            1,
+            "only the room still there is followed"
+        );
     }
 
     /// A stored task that fails its integrity check is the store's fault: `storage_unavailable`,
