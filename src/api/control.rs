@@ -140,7 +140,7 @@ async fn handle(
     // user): one found so is answered as another user is (no operator verb, no ticket). The
     // guard's reading of a command's text does not see a socket path built at run time.
     let same_user = stream.peer_cred().is_ok_and(|c| {
-        c.uid() == own_uid() && !c.pid().is_some_and(|pid| run_by_this_gateway(pid as u32))
+        c.uid() == own_uid() && !c.pid().is_some_and(crate::tools::terminal::is_a_command)
     });
     let (read, mut write) = stream.into_split();
     let mut reader = BufReader::new(read);
@@ -208,49 +208,6 @@ async fn handle(
             return Ok(());
         }
     }
-}
-
-/// Is process `pid` one of the commands this gateway runs (or a process one of them started)?
-/// Every command's environment carries the terminal's run mark (unless it cleared it), and
-/// the gateway is an ancestor of each process it forked that was not orphaned. A process that
-/// both cleared its environment and left its parent (a double fork) is not found: a bar to
-/// pass, not a sandbox (run commands as another user for one).
-fn run_by_this_gateway(pid: u32) -> bool {
-    let me = std::process::id();
-    if pid == me {
-        return false;
-    }
-    let marked = std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
-        env.split(|b| *b == 0)
-            .any(|entry| entry.starts_with(crate::tools::terminal::RUN_VAR_PREFIX.as_bytes()))
-    });
-    if marked {
-        return true;
-    }
-    // Up the parents, a bounded number of steps (a cycle cannot happen, but nothing depends on
-    // that): the gateway among them is its command's.
-    let mut at = pid;
-    for _ in 0..64 {
-        let Some(parent) = parent_of(at) else {
-            return false;
-        };
-        if parent == me {
-            return true;
-        }
-        if parent <= 1 {
-            return false;
-        }
-        at = parent;
-    }
-    false
-}
-
-/// The parent of process `pid`, from `/proc/<pid>/stat` (its fourth field, after the command's
-/// name in parentheses, which may itself hold spaces and parentheses).
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    after_name.split_whitespace().nth(1)?.parse().ok()
 }
 
 pub(crate) fn own_uid() -> u32 {

@@ -655,8 +655,6 @@ enum End {
 
 /// The variable each foreground command's processes carry, its value the run's own.
 const RUN_VAR: &str = "GATEHOUSE_RUN";
-/// How [`RUN_VAR`]'s entry begins in a process's environment (`/proc/<pid>/environ`).
-pub(crate) const RUN_VAR_PREFIX: &str = "GATEHOUSE_RUN=";
 
 /// Kills the process group when dropped, unless disarmed.
 struct GroupGuard {
@@ -871,6 +869,49 @@ fn kill_marked(marks: &[String]) {
     }
 }
 
+/// Does process `pid`'s environment hold an entry `matches` takes (false if it cannot be read)?
+fn environ_has(pid: libc::pid_t, matches: impl Fn(&[u8]) -> bool) -> bool {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|environ| environ.split(|&b| b == 0).any(&matches))
+}
+
+/// Is process `pid` one of the commands this gateway runs (or a process one of them started)?
+/// Every foreground command's processes carry [`RUN_VAR`] (unless they cleared it), and the
+/// gateway is an ancestor of each process it forked that was not orphaned. A process that both
+/// cleared its environment and left its parent (a double fork) is not found: a bar to pass, not
+/// a sandbox (run commands as another user for one).
+pub(crate) fn is_a_command(pid: libc::pid_t) -> bool {
+    let Ok(own) = libc::pid_t::try_from(std::process::id()) else {
+        return false;
+    };
+    if pid == own {
+        return false;
+    }
+    let marked = environ_has(pid, |entry| {
+        entry
+            .strip_prefix(RUN_VAR.as_bytes())
+            .is_some_and(|rest| rest.first() == Some(&b'='))
+    });
+    if marked {
+        return true;
+    }
+    // Up the parents, a bounded number of steps: the gateway among them is its command's.
+    let mut at = pid;
+    for _ in 0..64 {
+        let Some(parent) = ProcStat::read(at).map(|p| p.ppid) else {
+            return false;
+        };
+        if parent == own {
+            return true;
+        }
+        if parent <= 1 {
+            return false;
+        }
+        at = parent;
+    }
+    false
+}
+
 /// Every live process (other than this one) whose environment holds one of the entries
 /// `marks`, as `/proc` shows them now (a process of another user cannot be read, and is not one
 /// of ours); and how many of this user's it passed over asleep in the kernel (`D`): a read of
@@ -895,11 +936,7 @@ fn marked(marks: &[String]) -> (Vec<libc::pid_t>, usize) {
                 }
                 return false;
             }
-            std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|environ| {
-                environ
-                    .split(|&b| b == 0)
-                    .any(|entry| marks.iter().any(|m| entry == m.as_bytes()))
-            })
+            environ_has(p.pid, |entry| marks.iter().any(|m| entry == m.as_bytes()))
         })
         .map(|p| p.pid)
         .collect();
