@@ -77,16 +77,7 @@ pub fn recover_started(
             ))
             .load(conn)?;
         for (session, admission, generation) in &lost {
-            super::events::append(
-                conn,
-                session,
-                &[super::events::NewEvent::new(
-                    "session.info",
-                    serde_json::json!({"unknown": admission, "execution_generation": generation,
-                                       "running": false}),
-                )],
-                now,
-            )?;
+            super::events::append(conn, session, &[unknown_event(admission, *generation)], now)?;
         }
         let n = diesel::update(
             session_admissions::table
@@ -101,6 +92,15 @@ pub fn recover_started(
         .execute(conn)?;
         Ok(n)
     })
+}
+
+/// What tells a session's clients that `admission` is `unknown` now.
+fn unknown_event(admission: &str, generation: Option<i64>) -> super::events::NewEvent {
+    super::events::NewEvent::new(
+        "session.info",
+        serde_json::json!({"unknown": admission, "execution_generation": generation,
+                           "running": false}),
+    )
 }
 
 /// One `started` row of this epoch whose supervisor ended without settling it (a fault in one
@@ -140,16 +140,8 @@ pub fn abandon_started(
         if n == 0 {
             return Ok(false);
         }
-        super::events::append(
-            conn,
-            &session,
-            &[super::events::NewEvent::new(
-                "session.info",
-                serde_json::json!({"unknown": admission_id, "execution_generation": generation,
-                                   "running": false}),
-            )],
-            now,
-        )?;
+        let event = unknown_event(admission_id, Some(generation));
+        super::events::append(conn, &session, &[event], now)?;
         Ok(true)
     })
 }
