@@ -234,7 +234,7 @@ impl Handler<StartBackground> for TerminalTool {
             let started =
                 terminal::spawn_background(&spec, file, terminal::BACKGROUND_LOG_CAP, &cancel)?;
             if given_up.load(std::sync::atomic::Ordering::SeqCst) {
-                terminal::kill_group(started.0);
+                terminal::kill_group(libc::pid_t::try_from(started.0).unwrap_or(0));
                 return Err(TerminalError::Spawn(std::io::Error::other(
                     "started too late",
                 )));
@@ -247,7 +247,7 @@ impl Handler<StartBackground> for TerminalTool {
             let (pid, run) = match spawned {
                 // The gateway began to stop while it started: nothing is left running past it.
                 Ok((pid, _)) if act.closed => {
-                    terminal::kill_group(pid);
+                    terminal::kill_group(libc::pid_t::try_from(pid).unwrap_or(0));
                     let _ = std::fs::remove_file(&log);
                     return Err(TerminalError::Stopping);
                 }
@@ -305,13 +305,8 @@ impl Handler<StopBackground> for TerminalTool {
         self.closed = true;
         let n = self.background.len();
         for (id, pgid) in self.background.drain() {
-            // Never our own group (0) nor init (1): each is the group its shell was made.
-            if pgid > 1 {
-                // SAFETY: killpg has no memory-safety preconditions.
-                unsafe {
-                    libc::killpg(pgid, libc::SIGKILL);
-                }
-            }
+            // Each is the group its shell was made.
+            terminal::kill_group(pgid);
             tracing::info!(id = %id, "background process killed: the gateway stops");
         }
         n

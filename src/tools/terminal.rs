@@ -578,8 +578,8 @@ async fn spawn_off_thread(
         }
         let child = spawn_shell(&spec, &env)?;
         if given_up.load(std::sync::atomic::Ordering::SeqCst) {
-            if let Some(pid) = child.id() {
-                kill_group(pid);
+            if let Some(pgid) = child.id().and_then(|id| libc::pid_t::try_from(id).ok()) {
+                kill_group(pgid);
             }
             return Err(TerminalError::Spawn(io::Error::other("started too late")));
         }
@@ -601,13 +601,11 @@ pub(crate) fn spawn_timed_out(cwd: &Path) -> TerminalError {
     ))
 }
 
-/// Kill the process group shell `pid` leads (never our own group nor init's).
-pub(crate) fn kill_group(pid: u32) {
-    if let Ok(pgid) = libc::pid_t::try_from(pid) {
-        if pgid > 1 {
-            // SAFETY: a plain signal to the process group the shell leads.
-            unsafe { libc::killpg(pgid, libc::SIGKILL) };
-        }
+/// Kill process group `pgid` (never our own group, 0, nor init's, 1).
+pub(crate) fn kill_group(pgid: libc::pid_t) {
+    if pgid > 1 {
+        // SAFETY: killpg has no memory-safety preconditions.
+        unsafe { libc::killpg(pgid, libc::SIGKILL) };
     }
 }
 
@@ -672,14 +670,8 @@ impl GroupGuard {
             self.kill_tree();
         }
         if let Some(pgid) = self.pgid.take() {
-            // Never signal our own group (0) or init (1).
-            if pgid > 1 {
-                // SAFETY: killpg has no memory-safety preconditions; the
-                // group was created for this command by `process_group(0)`.
-                unsafe {
-                    libc::killpg(pgid, libc::SIGKILL);
-                }
-            }
+            // The group was created for this command by `process_group(0)`.
+            kill_group(pgid);
         }
         // What left the group and lost its parent (`set -m; job &`, `timeout 600 srv &`,
         // `setsid srv &`) is no descendant of the shell any more once the shell has ended:
