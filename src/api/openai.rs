@@ -1049,11 +1049,15 @@ async fn complete(
     // session named): sent again with anything else, it is a conflict, not the first answer.
     // The session named is the session, however it was named: a retry that names it by the id
     // the first try's answer gave (as the answer asks) was a conflict with its own key.
-    let named_session = match (&idem, &named) {
-        (Some(_), Some(name)) => Some(match named_thread(authority, &principal, name).await? {
-            Thread::Existing(id) => id,
-            Thread::New { request_id, .. } => session_id_for(&principal, &request_id),
-        }),
+    let named_thread = match &named {
+        Some(name) => Some(named_thread(authority, &principal, name).await?),
+        None => None,
+    };
+    let named_session = match (&idem, &named_thread) {
+        (Some(_), Some(Thread::Existing(id))) => Some(id.clone()),
+        (Some(_), Some(Thread::New { request_id, .. })) => {
+            Some(session_id_for(&principal, request_id))
+        }
         _ => None,
     };
     let sent_with = idem.as_ref().map(|idem| {
@@ -1072,8 +1076,8 @@ async fn complete(
             .into());
         }
     }
-    let (thread, key) = match (&named, earlier) {
-        (Some(name), Some(session)) => match named_thread(authority, &principal, name).await? {
+    let (thread, key) = match (named_thread, earlier) {
+        (Some(thread), Some(session)) => match thread {
             Thread::Existing(id) if id == session => (Thread::Existing(id), None),
             _ => {
                 return Err(GatewayError::AdmissionConflict(format!(
@@ -1083,7 +1087,7 @@ async fn complete(
             }
         },
         (None, Some(session)) => (Thread::Existing(session), None),
-        (Some(name), None) => (named_thread(authority, &principal, name).await?, None),
+        (Some(thread), None) => (thread, None),
         (None, None) => {
             let scope = json!([body.user, profile]);
             let (thread, key, claimed) =
