@@ -149,6 +149,24 @@ fn stopping(ctx: &TurnCtx) -> bool {
     *ctx.cancel.borrow() || ctx.shared.runtime.turns_stopping()
 }
 
+/// After failure `e` of the store in the turn of `ctx`, with `tries` made so far: one that may
+/// pass is waited out, backing off (an interrupt, a drain's too, ends the wait), and it is
+/// tried again (true); not when it may not pass, the tries are spent, or the turn stops.
+async fn waited_to_retry(ctx: &TurnCtx, e: &StoreError, tries: &mut u32, what: &str) -> bool {
+    if !passing(e) || *tries >= LOAD_TRIES || stopping(ctx) {
+        return false;
+    }
+    *tries += 1;
+    let wait = LOAD_RETRY_FIRST.saturating_mul(1 << *tries);
+    tracing::warn!(session = %ctx.root_id, error = %e, ?wait, "{what}; trying again");
+    let mut cancel = ctx.cancel.clone();
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        () = cancelled(&mut cancel) => {}
+    }
+    true
+}
+
 impl From<StoreError> for Stop {
     fn from(e: StoreError) -> Self {
         if e.is_stale() {
@@ -242,19 +260,12 @@ impl Turn {
                         // Nothing of the turn has run yet: a passing failure of the store (its
                         // readers busy past their wait, a locked database) is tried again, not
                         // the input failed for good (it never reached the model).
-                        Err(e) if passing(&e) && tries < LOAD_TRIES && !stopping(&ctx) => {
-                            tries += 1;
-                            let wait = LOAD_RETRY_FIRST.saturating_mul(1 << tries);
-                            tracing::warn!(session = %ctx.root_id, error = %e, ?wait,
-                                "the turn's transcript could not be read; trying again");
-                            // An interrupt (a drain's too) ends the wait, and the tries.
-                            let mut cancel = ctx.cancel.clone();
-                            tokio::select! {
-                                () = tokio::time::sleep(wait) => {}
-                                () = cancelled(&mut cancel) => {}
+                        Err(e) => {
+                            let what = "the turn's transcript could not be read";
+                            if !waited_to_retry(&ctx, &e, &mut tries, what).await {
+                                return Err(e.into());
                             }
                         }
-                        Err(e) => return Err(e.into()),
                     }
                 }
             }
@@ -1969,18 +1980,12 @@ impl Turn {
                 .await;
             match written {
                 Ok(done) => break done,
-                Err(e) if passing(&e) && tries < LOAD_TRIES && !stopping(&self.ctx) => {
-                    tries += 1;
-                    let wait = LOAD_RETRY_FIRST.saturating_mul(1 << tries);
-                    tracing::warn!(session = %self.ctx.root_id, error = %e, ?wait,
-                        "the compaction could not be committed; trying again");
-                    let mut cancel = self.ctx.cancel.clone();
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = cancelled(&mut cancel) => {}
+                Err(e) => {
+                    let what = "the compaction could not be committed";
+                    if !waited_to_retry(&self.ctx, &e, &mut tries, what).await {
+                        return Err(CompactError::Stop(Box::new(Stop::from(e))));
                     }
                 }
-                Err(e) => return Err(CompactError::Stop(Box::new(Stop::from(e)))),
             }
         };
         tracing::info!(session = %self.ctx.root_id, tip = %tip, kept = compacted.len(), "compacted the transcript");
